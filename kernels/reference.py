@@ -1,0 +1,67 @@
+"""Readable torch reference for the attention ops: the oracle every fast path is tested against.
+
+All math in float32; outputs cast back to the query dtype, LSE stays float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _attend(
+    q: torch.Tensor,  # (n, q_heads, head_dim)
+    k: torch.Tensor,  # (L, kv_heads, head_dim)
+    v: torch.Tensor,  # (L, kv_heads, head_dim)
+    scale: float,
+    mask: torch.Tensor | None,  # (n, L) bool, True = may attend; None = all
+) -> tuple[torch.Tensor, torch.Tensor]:
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)  # (L, q_heads, D)
+    vf = v.float().repeat_interleave(group, dim=1)
+    s = torch.einsum("nhd,lhd->hnl", q.float(), kf) * scale  # (q_heads, n, L)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # (q_heads, n)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # rows with no key: all zero
+    out = torch.einsum("hnl,lhd->nhd", p, vf)
+    return out.to(q.dtype), lse.transpose(0, 1).contiguous()
+
+
+def segment_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (n, Hq, D) against one shared segment k/v (L, Hkv, D), no mask -> (n, Hq, D), (n, Hq)."""
+    return _attend(q, k, v, scale, None)
+
+
+def private_attention(
+    q: torch.Tensor,  # (T, Hq, D), requests concatenated
+    k: torch.Tensor,  # (S, Hkv, D), requests concatenated
+    v: torch.Tensor,
+    q_lens: list[int],
+    kv_lens: list[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per request: its q_len queries are the LAST q_len positions of its kv_len keys
+    (bottom-right causal alignment): query i sees keys 0 .. kv_len - q_len + i."""
+    outs, lses = [], []
+    q0 = k0 = 0
+    for ql, kl in zip(q_lens, kv_lens):
+        qi = torch.arange(ql)[:, None] + (kl - ql)
+        mask = torch.arange(kl)[None, :] <= qi
+        o, lse = _attend(q[q0 : q0 + ql], k[k0 : k0 + kl], v[k0 : k0 + kl], scale, mask)
+        outs.append(o)
+        lses.append(lse)
+        q0, k0 = q0 + ql, k0 + kl
+    return torch.cat(outs), torch.cat(lses)
+
+
+def merge_states(
+    outs: torch.Tensor,  # (N, T, Hq, D)
+    lses: torch.Tensor,  # (N, T, Hq) float32; -inf marks "no contribution"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact N-way log-sum-exp merge: O = sum_j exp(L_j - L) O_j, L = logsumexp_j L_j."""
+    lse = torch.logsumexp(lses, dim=0)  # (T, Hq)
+    w = torch.exp(lses - lse[None]).nan_to_num(0.0)  # (N, T, Hq)
+    out = (w[..., None] * outs.float()).sum(0)
+    return out.to(outs.dtype), lse

@@ -1,0 +1,1 @@
+"""radixserve: LLM serving with a radix-tree KV cache and tree-structured attention."""

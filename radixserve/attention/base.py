@@ -1,0 +1,38 @@
+"""Attention backend interface: the only place the model touches the KV pool.
+
+A backend is chosen once per engine (`attention_backend = "tree" | "flat"`) and logged.
+Each step: `plan(batch)` once (host-side bookkeeping, stored in `batch.attn_plan`), then
+`forward(...)` once per layer. `forward` writes the new tokens' K/V into the pool before it
+attends, so the queries of a multi-token extend see each other (causally).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from radixserve.engine.batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def plan(self, batch: ForwardBatch) -> None:
+        """Precompute per-step metadata into `batch.attn_plan`; does not touch K/V."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # (T, q_heads, head_dim)
+        k: torch.Tensor,  # (T, kv_heads, head_dim) new tokens' keys (after RoPE)
+        v: torch.Tensor,  # (T, kv_heads, head_dim)
+        layer: int,
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write k/v at `batch.out_cache_loc` of `layer`, attend, return (T, q_heads, head_dim).
+
+        Query row t of request r at position p attends keys at positions 0..p of request r.
+        """

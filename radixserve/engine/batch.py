@@ -1,0 +1,62 @@
+"""The tensors one model step needs, built by the scheduler and read by the model worker.
+
+Region table for request r of a batch (lengths in tokens, positions 0-based):
+
+    |<------------------------- seq_lens[r] ------------------------->|
+    |<------------- prefix_lens[r] ------------->|<- extend_lens[r] ->|
+    |<- radix path: sum of path[r] lengths ->|    |   new tokens: their K/V are written
+    |   (nodes of the radix tree, locked)    |    |   this step at out_cache_loc, and they
+    |                                        |    |   are the queries of this step
+    kv_indices[r] holds the KV slot of every position 0 .. seq_lens[r]-1.
+
+Decode is the case extend_lens[r] == 1 for every r.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from radixserve.kvcache.pool import KVPool
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # (T,) int64, new tokens of all requests, request-major
+    positions: torch.Tensor  # (T,) int64, absolute position of each new token
+    out_cache_loc: torch.Tensor  # (T,) int64, KV slot each new token's K/V goes to
+    seq_lens: list[int]  # per request: cached + new tokens
+    extend_lens: list[int]  # per request: new tokens (queries) this step, >= 1
+    kv_indices: list[torch.Tensor]  # per request: (seq_lens[r],) int64 KV slots
+    # Per request: the radix nodes covering the start of its sequence, root first, as
+    # (node_id, num_tokens). Requests listing the same node_id share those KV slots.
+    paths: list[list[tuple[int, int]]]
+    kv_pool: KVPool
+    # Backend-specific per-step plan, set by AttentionBackend.plan() and read by every layer.
+    attn_plan: object = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.seq_lens)
+        assert len(self.extend_lens) == n == len(self.kv_indices) == len(self.paths), (
+            f"per-request lists disagree: {n=}, extend={len(self.extend_lens)}, "
+            f"kv={len(self.kv_indices)}, paths={len(self.paths)}"
+        )
+        assert sum(self.extend_lens) == self.input_ids.numel() == self.out_cache_loc.numel()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def prefix_lens(self) -> list[int]:
+        return [s - e for s, e in zip(self.seq_lens, self.extend_lens)]
+
+    @property
+    def is_decode(self) -> bool:
+        return all(e == 1 for e in self.extend_lens)
+
+    def last_token_rows(self) -> torch.Tensor:
+        """Row of each request's last new token in the flattened (T,) layout."""
+        ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0)
+        return ends - 1
