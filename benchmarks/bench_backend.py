@@ -1,0 +1,136 @@
+"""Per-layer attention time: TreeBackend vs FlatBackend (vs "none", the no-attention ceiling).
+
+Batch: B requests share one cached radix node of P tokens; each then has R private cached
+tokens and q new tokens (q = 1: decode). Times one layer's `forward` (pool write + attention;
+the plan is built once per step and timed separately), median of `--repeat` runs.
+
+The sweep (`--sweep`) times, for small shared segments, the tree backend keeping the segment
+(thresholds off) against folding it into the private parts, to pick `min_requests` and
+`min_tokens`:  ratio = kept / folded, < 1 means keeping the segment pays.
+
+    python benchmarks/bench_backend.py                      # SmolLM2-like heads, bf16
+    python benchmarks/bench_backend.py --sweep --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from radixserve import kernels
+from radixserve.attention import FlatBackend, NoAttentionBackend, TreeBackend
+from radixserve.attention.base import AttentionBackend
+from radixserve.engine.batch import ForwardBatch
+from radixserve.kvcache.pool import KVPool
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def make_batch(
+    b: int, p: int, r: int, q_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> ForwardBatch:
+    """B requests: shared node 1 (P slots), then R private cached + q_len new slots each."""
+    num_slots = 1 + p + b * (r + q_len)
+    pool = KVPool(num_slots, 1, kv_heads, head_dim, dtype)
+    pool.k[0].normal_()
+    pool.v[0].normal_()
+    shared = torch.arange(1, 1 + p)  # a fresh pool hands out one contiguous run
+    kv_indices, new = [], []
+    for i in range(b):
+        start = 1 + p + i * (r + q_len)
+        own = torch.arange(start, start + r + q_len)  # (R + q_len,)
+        kv_indices.append(torch.cat([shared, own]))
+        new.append(own[r:])
+    t = b * q_len
+    return ForwardBatch(
+        input_ids=torch.zeros(t, dtype=torch.int64),
+        positions=torch.cat([torch.arange(p + r, p + r + q_len)] * b),
+        out_cache_loc=torch.cat(new),
+        seq_lens=[p + r + q_len] * b,
+        extend_lens=[q_len] * b,
+        kv_indices=kv_indices,
+        paths=[[(1, p)] if p > 0 else [] for _ in range(b)],
+        kv_pool=pool,
+    )
+
+
+def time_forward(
+    backend: AttentionBackend, batch: ForwardBatch, hq: int, repeat: int
+) -> tuple[float, float]:
+    """(median plan seconds, median per-layer forward seconds)."""
+    t, hkv, d = batch.out_cache_loc.numel(), batch.kv_pool.k[0].shape[1], batch.kv_pool.k[0].shape[2]
+    dtype = batch.kv_pool.k[0].dtype
+    q = torch.randn(t, hq, d).to(dtype)  # (T, Hq, D)
+    k = torch.randn(t, hkv, d).to(dtype)  # (T, Hkv, D)
+    v = torch.randn(t, hkv, d).to(dtype)
+    plans, fwds = [], []
+    for i in range(repeat + 1):  # first run warms up allocator and caches
+        t0 = time.perf_counter()
+        backend.plan(batch)
+        t1 = time.perf_counter()
+        backend.forward(q, k, v, 0, batch, d**-0.5)
+        t2 = time.perf_counter()
+        if i:
+            plans.append(t1 - t0)
+            fwds.append(t2 - t1)
+    return statistics.median(plans), statistics.median(fwds)
+
+
+def bench_realistic(args: argparse.Namespace, dtype: torch.dtype) -> None:
+    print(f"# per-layer forward, Hq={args.q_heads} Hkv={args.kv_heads} D={args.head_dim} "
+          f"{args.dtype}, {torch.get_num_threads()} threads, kernels={kernels.__name__}")
+    print(f"{'B':>4} {'P':>6} {'R':>5} {'q':>3} | {'flat ms':>9} {'tree ms':>9} {'none ms':>9} "
+          f"| {'flat/tree':>9} | {'tree plan ms':>12}")
+    for b in args.batch:
+        for p in args.shared:
+            batch = make_batch(b, p, args.private, args.q_len, args.kv_heads, args.head_dim, dtype)
+            _, flat = time_forward(FlatBackend(), batch, args.q_heads, args.repeat)
+            plan, tree = time_forward(TreeBackend(), batch, args.q_heads, args.repeat)
+            _, none = time_forward(NoAttentionBackend(), batch, args.q_heads, args.repeat)
+            print(f"{b:>4} {p:>6} {args.private:>5} {args.q_len:>3} | {flat * 1e3:>9.3f} "
+                  f"{tree * 1e3:>9.3f} {none * 1e3:>9.3f} | {flat / tree:>9.2f} | "
+                  f"{plan * 1e3:>12.3f}")
+
+
+def bench_sweep(args: argparse.Namespace, dtype: torch.dtype) -> None:
+    print(f"# threshold sweep: kept/folded time of one shared segment, R={args.private}, "
+          f"q={args.q_len}, {args.dtype}  (< 1: keeping the segment pays)")
+    lengths = [4, 8, 16, 32, 64, 128, 256, 512]
+    print(f"{'k/L':>6} " + " ".join(f"{n:>6}" for n in lengths))
+    kept, folded = TreeBackend(2, 1), TreeBackend(10**9, 1)
+    for b in [2, 3, 4, 8, 16, 32]:
+        row = []
+        for p in lengths:
+            batch = make_batch(b, p, args.private, args.q_len, args.kv_heads, args.head_dim, dtype)
+            _, t_kept = time_forward(kept, batch, args.q_heads, args.repeat)
+            _, t_fold = time_forward(folded, batch, args.q_heads, args.repeat)
+            row.append(t_kept / t_fold)
+        print(f"{b:>6} " + " ".join(f"{x:>6.2f}" for x in row))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[8, 32, 64])
+    ap.add_argument("--shared", type=int, nargs="+", default=[256, 1024, 4096])
+    ap.add_argument("--private", type=int, default=128)
+    ap.add_argument("--q-len", type=int, default=1)
+    ap.add_argument("--q-heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--sweep", action="store_true", help="threshold sweep instead")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    dtype = DTYPES[args.dtype]
+    (bench_sweep if args.sweep else bench_realistic)(args, dtype)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""Tree attention: shared radix segments are attended once for all requests under them.
+
+Plan (host side, once per step; see DESIGN.md "Tree attention"):
+
+    request r:  |<-------------------------- seq_lens[r] -------------------------->|
+                |<-- seg 0 -->|<- folded ->|<-- seg 1 -->|<- private tail + new ->|
+                 shared by      shared but   shared by       only r's; the last
+                 {r, s, u}      too small    {r, s}          extend_lens[r] are queries
+
+1. Every radix node on the paths of >= 2 requests is a candidate. A node shared by k
+   requests has ancestors shared by >= k, so along a path the request sets only shrink and
+   candidates form a prefix of the path; consecutive nodes with the SAME request set merge
+   into one segment (one slot tensor).
+2. A segment with fewer than `min_requests` requests or `min_tokens` tokens folds back into
+   its requests' private parts (below that the extra kernel launch and merge cost more than
+   the reads they save; the defaults come from benchmarks/bench_backend.py).
+3. A request's private part is every position of kv_indices[r] not in a kept segment, in
+   position order. Folding can make it non-contiguous, but all of it precedes or is the
+   query block, and the queries are its last extend_lens[r] entries, so the bottom-right
+   causal alignment of `private_attention` stays exact.
+4. Each kept segment gets a `level`: its index among the kept segments on a member's path.
+   All members agree (they share every ancestor node), so level + 1 is the segment's slot in
+   the merge buffer and slot 0 holds the private part.
+
+Per layer: write the new K/V, ONE private_attention call for the whole batch, one
+segment_attention per kept segment (queries of all its requests stacked, K/V read once), then
+one merge_states over the rows that have any shared part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve import kernels
+from radixserve.attention.base import AttentionBackend
+from radixserve.engine.batch import ForwardBatch
+
+Range = tuple[int, int]  # half-open [start, end)
+
+
+@dataclass(frozen=True)
+class SharedSegment:
+    """One kept shared segment of a step's plan."""
+
+    requests: tuple[int, ...]  # batch indices of its requests, ascending, len >= 2
+    start: int  # first position it covers on every member's sequence
+    num_tokens: int
+    slots: torch.Tensor  # (num_tokens,) int64 KV slots
+    kv_range: Range | None  # set when slots == arange(*kv_range): read a slice view, no gather
+    q_rows: torch.Tensor  # (n,) int64 rows of the members' queries in the flat (T,) layout
+    q_range: Range | None  # set when q_rows is one ascending run
+    level: int  # index among the kept segments on each member's path (0 = nearest the root)
+    merge_rows: torch.Tensor  # (n,) int64 rows of these queries in the merge buffer
+    merge_range: Range | None
+
+
+@dataclass(frozen=True)
+class TreePlan:
+    """Everything `TreeBackend.forward` needs, built once per step by `TreeBackend.plan`."""
+
+    segments: list[SharedSegment]
+    private_slots: torch.Tensor  # (sum private_lens,) int64, request-major, position order
+    private_lens: list[int]  # per request: keys in its private part (>= its q_len)
+    q_lens: list[int]  # per request: query rows (extend_lens)
+    num_levels: int  # max kept segments on one path; merge buffer has num_levels + 1 parts
+    merge_rows: torch.Tensor | None  # (M,) rows with >= 1 shared part; None when M == T
+    num_merge_rows: int  # M
+
+
+def _as_range(idx: torch.Tensor) -> Range | None:
+    """[a, b) when idx == arange(a, b), else None."""
+    n = idx.numel()
+    if n == 0:
+        return None
+    a = int(idx[0])
+    if int(idx[-1]) - a + 1 != n or (n > 1 and not bool((idx.diff() == 1).all())):
+        return None
+    return a, a + n
+
+
+def _node_members(batch: ForwardBatch) -> dict[int, list[int]]:
+    """node_id -> requests whose path lists it; checks that the paths form a tree."""
+    members: dict[int, list[int]] = {}
+    where: dict[int, tuple[int, int]] = {}  # node_id -> (start position, num_tokens)
+    for r, path in enumerate(batch.paths):
+        pos = 0
+        for node, n in path:
+            assert n >= 1, f"request {r}: node {node} has {n} tokens"
+            seen = where.setdefault(node, (pos, n))
+            assert seen == (pos, n), f"node {node} at (start, len) {seen} and {(pos, n)}"
+            lst = members.setdefault(node, [])
+            assert not lst or lst[-1] != r, f"request {r} lists node {node} twice"
+            lst.append(r)
+            pos += n
+        assert pos <= batch.prefix_lens[r], (
+            f"request {r}: radix path covers {pos} tokens > prefix_len {batch.prefix_lens[r]}"
+        )
+    return members
+
+
+def _candidate_segments(
+    batch: ForwardBatch, members: dict[int, list[int]]
+) -> list[tuple[tuple[int, ...], int, int]]:
+    """(requests, start, num_tokens) of every chain of shared nodes with one request set."""
+    found: dict[tuple[tuple[int, ...], int], int] = {}  # (requests, start) -> num_tokens
+    for r, path in enumerate(batch.paths):
+        chains: list[list] = []  # [requests, start, num_tokens] along this path
+        pos = 0
+        for node, n in path:
+            reqs = tuple(members[node])
+            if len(reqs) < 2:
+                break  # request sets only shrink along a path: nothing shared below
+            if chains and chains[-1][0] == reqs:
+                chains[-1][2] += n
+            else:
+                chains.append([reqs, pos, n])
+            pos += n
+        # Every member walks the same chain and must find the same length.
+        for reqs, start, n in chains:
+            seen = found.setdefault((reqs, start), n)
+            assert seen == n, f"request {r}: segment {reqs}@{start} has {n} tokens, not {seen}"
+    return [(reqs, start, n) for (reqs, start), n in found.items()]
+
+
+def _rows(starts: list[int], lens: list[int], reqs: tuple[int, ...]) -> torch.Tensor:
+    return torch.cat([torch.arange(starts[r], starts[r] + lens[r]) for r in reqs])
+
+
+class TreeBackend(AttentionBackend):
+    """Hydragen-style attention over the radix tree (see module docstring).
+
+    `plan(batch)` sets `batch.attn_plan` to a TreePlan and touches no K/V. `forward` writes the
+    new K/V at `batch.out_cache_loc` of `layer` (mutates the pool), then reads only slots of
+    the batch's kv_indices. Raises AssertionError when the paths are not a tree consistent
+    with kv_indices (a node with two lengths or two sets of slots, a path past prefix_len).
+    """
+
+    name = "tree"
+
+    def __init__(self, min_requests: int = 2, min_tokens: int = 64) -> None:
+        assert min_requests >= 2, f"a shared segment needs >= 2 requests, got {min_requests}"
+        assert min_tokens >= 1, f"min_tokens must be >= 1, got {min_tokens}"
+        self.min_requests = min_requests
+        self.min_tokens = min_tokens
+
+    def __repr__(self) -> str:
+        return f"TreeBackend(min_requests={self.min_requests}, min_tokens={self.min_tokens})"
+
+    def plan(self, batch: ForwardBatch) -> None:
+        kept = [
+            c
+            for c in _candidate_segments(batch, _node_members(batch))
+            if len(c[0]) >= self.min_requests and c[2] >= self.min_tokens
+        ]
+        kept.sort(key=lambda c: (c[1], c[0]))  # by start: ancestors before descendants
+        batch.attn_plan = _build_plan(batch, kept)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        plan = batch.attn_plan
+        assert isinstance(plan, TreePlan), f"plan() not run for this batch: {type(plan)}"
+        pool = batch.kv_pool
+        # Write first: an extend's queries must see their own (and earlier) new keys.
+        pool.write(layer, batch.out_cache_loc, k, v)
+        kc, vc = pool.k[layer], pool.v[layer]  # (num_slots, Hkv, D)
+        ps = plan.private_slots
+        out, lse = kernels.private_attention(
+            q, kc[ps], vc[ps], plan.q_lens, plan.private_lens, scale
+        )  # (T, Hq, D), (T, Hq)
+        if not plan.segments:
+            return out
+        return _merge_shared(plan, q, kc, vc, out, lse, scale)
+
+
+def _build_plan(batch: ForwardBatch, kept: list[tuple[tuple[int, ...], int, int]]) -> TreePlan:
+    q_lens = list(batch.extend_lens)
+    q_starts = [0]
+    for n in q_lens[:-1]:
+        q_starts.append(q_starts[-1] + n)
+    per_req: list[list[Range]] = [[] for _ in q_lens]  # kept ranges on each path, by start
+    levels: list[int] = []
+    for reqs, start, n in kept:
+        depth = {len(per_req[r]) for r in reqs}
+        assert len(depth) == 1, f"segment {reqs}@{start} at different levels {depth}"
+        levels.append(depth.pop())
+        for r in reqs:
+            per_req[r].append((start, start + n))
+    # Merge buffer rows: the query rows of requests with >= 1 kept segment, request-major.
+    merge_starts, m = [0] * len(q_lens), 0
+    for r, ranges in enumerate(per_req):
+        merge_starts[r], m = m, m + (q_lens[r] if ranges else 0)
+    all_rows = m == sum(q_lens)
+    segments = [
+        _make_segment(batch, reqs, start, n, level, q_starts, q_lens, merge_starts)
+        for (reqs, start, n), level in zip(kept, levels)
+    ]
+    priv, priv_lens = _private_slots(batch, per_req)
+    with_shared = tuple(r for r, ranges in enumerate(per_req) if ranges)
+    return TreePlan(
+        segments=segments,
+        private_slots=priv,
+        private_lens=priv_lens,
+        q_lens=q_lens,
+        num_levels=max((lv + 1 for lv in levels), default=0),
+        merge_rows=None if all_rows or not with_shared else _rows(q_starts, q_lens, with_shared),
+        num_merge_rows=m,
+    )
+
+
+def _make_segment(
+    batch: ForwardBatch,
+    reqs: tuple[int, ...],
+    start: int,
+    n: int,
+    level: int,
+    q_starts: list[int],
+    q_lens: list[int],
+    merge_starts: list[int],
+) -> SharedSegment:
+    slots = batch.kv_indices[reqs[0]][start : start + n]
+    for r in reqs[1:]:
+        other = batch.kv_indices[r][start : start + n]
+        assert torch.equal(slots, other), f"segment {reqs}@{start}: request {r} has other slots"
+    q_rows = _rows(q_starts, q_lens, reqs)
+    merge_rows = _rows(merge_starts, q_lens, reqs)
+    return SharedSegment(
+        requests=reqs,
+        start=start,
+        num_tokens=n,
+        slots=slots,
+        kv_range=_as_range(slots),
+        q_rows=q_rows,
+        q_range=_as_range(q_rows),
+        level=level,
+        merge_rows=merge_rows,
+        merge_range=_as_range(merge_rows),
+    )
+
+
+def _private_slots(
+    batch: ForwardBatch, per_req: list[list[Range]]
+) -> tuple[torch.Tensor, list[int]]:
+    """Concatenate, per request, the slots of every position outside its kept segments."""
+    parts: list[torch.Tensor] = []
+    lens: list[int] = []
+    for r, kept in enumerate(per_req):
+        idx, pos, n = batch.kv_indices[r], 0, 0
+        assert idx.numel() == batch.seq_lens[r], f"request {r}: kv_indices vs seq_len"
+        for a, b in [*kept, (batch.seq_lens[r], batch.seq_lens[r])]:
+            if a > pos:
+                parts.append(idx[pos:a])
+                n += a - pos
+            pos = b
+        lens.append(n)
+    return torch.cat(parts), lens
+
+
+def _merge_shared(
+    plan: TreePlan,
+    q: torch.Tensor,  # (T, Hq, D)
+    kc: torch.Tensor,  # (num_slots, Hkv, D) one layer's keys
+    vc: torch.Tensor,
+    out: torch.Tensor,  # (T, Hq, D) private part's output
+    lse: torch.Tensor,  # (T, Hq) float32
+    scale: float,
+) -> torch.Tensor:
+    """Attend every kept segment once and merge it with the private part, row by row."""
+    rows = plan.merge_rows
+    m, hq, d = plan.num_merge_rows, q.shape[1], q.shape[2]
+    # Part 0 is the private part; part level + 1 a shared segment; lse -inf = "no such part".
+    outs = q.new_zeros((plan.num_levels + 1, m, hq, d))  # (N, M, Hq, D)
+    lses = torch.full((plan.num_levels + 1, m, hq), float("-inf"), device=q.device)
+    outs[0] = out if rows is None else out[rows]
+    lses[0] = lse if rows is None else lse[rows]
+    for seg in plan.segments:
+        qs = q[seg.q_range[0] : seg.q_range[1]] if seg.q_range else q[seg.q_rows]  # (n, Hq, D)
+        if seg.kv_range:
+            ks, vs = kc[seg.kv_range[0] : seg.kv_range[1]], vc[seg.kv_range[0] : seg.kv_range[1]]
+        else:
+            ks, vs = kc[seg.slots], vc[seg.slots]  # (L, Hkv, D) gathered copies
+        o, s = kernels.segment_attention(qs, ks, vs, scale)  # (n, Hq, D), (n, Hq)
+        dst = slice(*seg.merge_range) if seg.merge_range else seg.merge_rows
+        outs[seg.level + 1, dst] = o
+        lses[seg.level + 1, dst] = s
+    merged, _ = kernels.merge_states(outs, lses)  # (M, Hq, D)
+    if rows is None:
+        return merged
+    out[rows] = merged  # `out` is this step's fresh private result: safe to overwrite
+    return out

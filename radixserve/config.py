@@ -1,0 +1,57 @@
+"""Engine / server configuration: one frozen dataclass, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+POLICIES = ("lpm", "fcfs")
+BACKENDS = ("tree", "flat")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction
+    mem_fraction: float = 0.3  # of available host/GPU memory, when max_total_tokens is None
+    chunked_prefill_size: int = 2048  # max prompt tokens of one request per prefill step
+    max_prefill_tokens: int = 8192  # max new tokens of a whole extend batch
+    max_running_requests: int = 256
+    max_queued_requests: int = 4096
+    schedule_policy: str = "lpm"
+    disable_radix_cache: bool = False
+    attention_backend: str = "tree"
+    tp_size: int = 1
+    random_seed: int = 0
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        check(self.dtype in DTYPES, f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        check(self.schedule_policy in POLICIES, f"schedule_policy must be one of {POLICIES}")
+        check(self.attention_backend in BACKENDS, f"attention_backend must be one of {BACKENDS}")
+        check(
+            self.max_total_tokens is None or self.max_total_tokens >= 16,
+            f"max_total_tokens must be >= 16, got {self.max_total_tokens}",
+        )
+        check(0 < self.mem_fraction <= 0.95, "mem_fraction must be in (0, 0.95]")
+        check(self.chunked_prefill_size >= 16, "chunked_prefill_size must be >= 16")
+        check(self.max_prefill_tokens >= self.chunked_prefill_size,
+              "max_prefill_tokens must be >= chunked_prefill_size")
+        check(self.max_running_requests >= 1, "max_running_requests must be >= 1")
+        check(self.max_queued_requests >= 1, "max_queued_requests must be >= 1")
+        check(self.tp_size >= 1, "tp_size must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

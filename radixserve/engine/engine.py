@@ -1,0 +1,171 @@
+"""Offline, in-process engine: `Engine(model).generate(...)` -> SGLang /generate-shaped dicts."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.config import EngineConfig
+from radixserve.sampling.params import SamplingParams
+from radixserve.scheduler.io import SampleOutput, TokenizedRequest
+from radixserve.scheduler.scheduler import Scheduler
+from radixserve.tokenizer.detokenize import IncrementalDetokenizer
+
+logger = logging.getLogger("radixserve.engine")
+
+Prompt = str | Sequence[str] | None
+Params = dict[str, Any] | Sequence[dict[str, Any]] | None
+
+
+@dataclass
+class _Sample:
+    """Accumulates one sample's SampleOutput deltas into a /generate result."""
+
+    detok: IncrementalDetokenizer
+    start: float
+    output_ids: list[int] = field(default_factory=list)
+    last: SampleOutput | None = None
+    logprobs: list[list[Any]] = field(default_factory=list)
+    top_logprobs: list[list[list[Any]]] = field(default_factory=list)
+    input_logprobs: list[list[Any]] = field(default_factory=list)
+    input_top_logprobs: list[list[list[Any]]] = field(default_factory=list)
+
+    def add(self, out: SampleOutput) -> None:
+        ids = out.new_token_ids
+        if out.finish_reason is not None and isinstance(out.finish_reason.matched, int):
+            ids = ids[:-1]  # a matched stop token is counted but not shown
+        self.detok.add(ids)
+        self.output_ids.extend(out.new_token_ids)
+        self.logprobs.extend([lp, tok, None] for lp, tok in out.output_logprobs)
+        self.top_logprobs.extend([[lp, t, None] for lp, t in top] for top in out.output_top_logprobs)
+        self.input_logprobs.extend([lp, tok, None] for lp, tok in out.input_logprobs)
+        self.input_top_logprobs.extend(
+            [[lp, t, None] for lp, t in top] for top in out.input_top_logprobs
+        )
+        self.last = out
+
+    def result(self, rid: str, return_logprob: bool) -> dict[str, Any]:
+        assert self.last is not None and self.last.finish_reason is not None
+        self.detok.finish(self.last.finish_reason)
+        meta: dict[str, Any] = {
+            "id": rid,
+            "prompt_tokens": self.last.prompt_tokens,
+            "completion_tokens": self.last.completion_tokens,
+            "cached_tokens": self.last.cached_tokens,
+            "finish_reason": self.last.finish_reason.to_dict(),
+            "e2e_latency": time.perf_counter() - self.start,
+        }
+        if return_logprob:
+            meta["output_token_logprobs"] = self.logprobs
+            meta["output_top_logprobs"] = self.top_logprobs
+            meta["input_token_logprobs"] = self.input_logprobs
+            meta["input_top_logprobs"] = self.input_top_logprobs
+        return {"text": self.detok.text, "output_ids": self.output_ids, "meta_info": meta}
+
+
+class Engine:
+    """Runs the scheduler in this process. Not thread-safe: one `generate` at a time."""
+
+    def __init__(self, model: str | None = None, **config: Any) -> None:
+        self.config = EngineConfig(model=model, **config)
+        self.scheduler = Scheduler(self.config)
+        self.tokenizer = self.scheduler.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompt: Prompt = None,
+        sampling_params: Params = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Generate for one prompt (a dict back, or a list of n dicts when n > 1) or a batch
+        of prompts (a flat list: n results per prompt, prompt-major).
+
+        Raises ValueError naming the offending field for invalid input.
+        """
+        single, prompts = self._prompts(prompt, input_ids)
+        params = self._params(sampling_params, len(prompts))
+        reqs = [
+            TokenizedRequest(
+                rid=f"engine-{next(self._ids)}-{uuid.uuid4().hex[:8]}", input_ids=ids,
+                sampling=sp, return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len if return_logprob else -1,
+                top_logprobs_num=top_logprobs_num,
+            )
+            for ids, sp in zip(prompts, params)
+        ]
+        results = self._run(reqs, return_logprob)
+        return results[0] if single and len(results) == 1 else results
+
+    def _prompts(self, prompt: Prompt, input_ids: Any) -> tuple[bool, list[list[int]]]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt (text) or input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            texts = [prompt] if isinstance(prompt, str) else list(prompt)
+            if not all(isinstance(t, str) for t in texts):
+                raise ValueError("prompt: must be a string or a list of strings")
+            return single, [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        single = bool(input_ids) and isinstance(input_ids[0], int)
+        batch = [input_ids] if single else list(input_ids)
+        if not all(isinstance(x, list) and all(isinstance(t, int) for t in x) for x in batch):
+            raise ValueError("input_ids: must be a list of ints or a list of lists of ints")
+        return single, batch
+
+    @staticmethod
+    def _params(sampling_params: Params, n: int) -> list[SamplingParams]:
+        if sampling_params is None or isinstance(sampling_params, dict):
+            return [SamplingParams.from_dict(sampling_params or {}) for _ in range(n)]
+        if len(sampling_params) != n:
+            raise ValueError(f"sampling_params: {len(sampling_params)} given for {n} prompts")
+        return [SamplingParams.from_dict(p) for p in sampling_params]
+
+    def _run(self, reqs: list[TokenizedRequest], return_logprob: bool) -> list[dict[str, Any]]:
+        start = time.perf_counter()
+        samples: dict[tuple[str, int], _Sample] = {}
+        for r in reqs:
+            for i in range(r.sampling.n):
+                samples[(r.rid, i)] = _Sample(self._detokenizer(r), start)
+        added = []
+        try:
+            for r in reqs:
+                self.scheduler.add_request(r)
+                added.append(r.rid)
+            pending = len(samples)
+            while pending:
+                for out in self.scheduler.step():
+                    samples[(out.rid, out.index)].add(out)
+                    pending -= out.finished
+        except BaseException:
+            for rid in added:
+                self.scheduler.abort_request(rid)
+            self.scheduler.step()
+            raise
+        return [samples[key].result(key[0], return_logprob) for key in samples]
+
+    def _detokenizer(self, r: TokenizedRequest) -> IncrementalDetokenizer:
+        sp = r.sampling
+        return IncrementalDetokenizer(
+            self.tokenizer, prompt_ids=r.input_ids, skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens, stop=sp.stop,
+        )
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """The model's chat template applied, ending with the assistant's turn opener."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert isinstance(text, str)
+        return text
+
+    def flush_cache(self) -> bool:
+        return self.scheduler.flush_cache()
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

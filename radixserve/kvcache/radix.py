@@ -1,0 +1,410 @@
+"""Radix tree over token ids that maps every cached prefix to its KV slots (page size 1).
+
+Each node is one edge of the tree: a run of token ids (`key`) and the KV slots holding them
+(`value`, same length). The KV of a prefix is the concatenation of the values on the path
+from the root to the node where the prefix ends.
+
+Slot accounting (asserted by `check_integrity`):
+
+    pool.capacity == pool.num_free + evictable_size + locked_size + in_use_elsewhere
+                     |               |<-- slots held by the tree -->|  |
+                     free list       unlocked nodes  locked nodes      slots requests hold
+                                                                        outside the tree
+
+The tree is single-threaded: the scheduler owns it and calls it between model steps.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.kvcache.pool import KVPool
+
+
+class TreeNode:
+    """One edge of the radix tree: a run of tokens and the KV slots that hold them.
+
+    Invariants (asserted by `RadixCache.check_integrity`):
+      - root: empty key and value, no parent, lock_ref == 0 (locks stop below the root);
+      - other nodes: len(key) == value.numel() > 0 and parent.children[key[0]] is self;
+      - lock_ref == (locks taken on this node) + sum(child.lock_ref), so a parent's count is
+        >= the sum of its children's and an unlocked node has only unlocked descendants;
+      - `value` is never written in place: the two halves of a split share its storage.
+    `id` is unique within one cache and never reused, so it can name a node in a batch plan.
+    """
+
+    __slots__ = ("id", "key", "value", "children", "parent", "lock_ref", "last_access")
+
+    def __init__(
+        self,
+        node_id: int,
+        key: list[int],
+        value: torch.Tensor,
+        parent: TreeNode | None,
+        last_access: float,
+    ) -> None:
+        self.id = node_id
+        self.key = key
+        self.value = value  # (len(key),) int64 KV slots
+        self.children: dict[int, TreeNode] = {}  # keyed by the child's first token
+        self.parent = parent  # None for the root and for nodes evicted or flushed
+        self.lock_ref = 0
+        self.last_access = last_access
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref}, "
+            f"last_access={self.last_access}, children={len(self.children)})"
+        )
+
+
+@dataclass
+class MatchResult:
+    """KV slots of a matched token prefix and the node where the match ends.
+
+    `indices` stays valid only while `last_node` is locked (or until the next evict/flush).
+    """
+
+    indices: torch.Tensor  # (matched_len,) int64 KV slots, root-first order
+    last_node: TreeNode  # deepest node of the match, ending exactly at its last token; root if none
+
+
+def _empty_slots() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64)
+
+
+def _cat(values: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(values) if values else _empty_slots()
+
+
+def _common_prefix_len(key: list[int], tokens: list[int], start: int) -> int:
+    """Length of the common prefix of `key` and `tokens[start:]` (at most len(key))."""
+    window = tokens[start : start + len(key)]
+    if window == key:  # whole-edge match: one C-level list comparison
+        return len(key)
+    n = 0
+    for a, b in zip(key, window):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def _counter_clock() -> Callable[[], float]:
+    """Default clock: 1.0, 2.0, ... per call, so LRU order is deterministic."""
+    counter = itertools.count(1)
+    return lambda: float(next(counter))
+
+
+# Algorithm.
+#
+# Descend (shared by match_prefix and insert): from the root, follow the child keyed by the
+# next token, count how many tokens of its edge agree with the input; a full agreement moves
+# on, a partial one splits the edge there and stops. Each edge is compared once, and KV slots
+# are gathered as whole-edge tensors, so both calls are O(len(token_ids)) plus one torch.cat.
+#
+# Split of node N (key k0..kn, value s0..sn) after j tokens:
+#
+#     parent --(k0..kn)--> N          becomes     parent --(k0..kj-1)--> U --(kj..kn)--> N
+#
+# The new upper node U gets a fresh id; N keeps its id, its object, its children and the lower
+# half. Requests hold references to their deepest node, so keeping the object (and id) on the
+# lower half leaves every locked request's node ending at the same token; its path just gains
+# U. U copies N's lock_ref and last_access: every lock on N (or below) went through U's place.
+#
+# Insert: descend as far as the tree already has the tokens; for those positions the caller's
+# slots are either the tree's own (the request matched them earlier) or duplicates, which are
+# freed; the remaining suffix becomes one new leaf holding a copy of the caller's slots.
+#
+# Evict: a min-heap of unlocked leaves keyed by (last_access, id); pop, free the slots, and push
+# the parent once it is an unlocked leaf itself. Ties on last_access go to the older node (lower
+# id). Locked nodes are never leaves of the unlocked forest, so they are never evicted.
+
+
+class RadixCache:
+    """Token-level prefix cache over a KVPool.
+
+    Contract:
+      - `match_prefix` never frees or allocates slots; it may split one node.
+      - `insert` takes ownership of `kv_indices`: afterwards every one of those slots is either
+        held by the tree or back in the pool. It never evicts.
+      - `evict` and `flush` return slots to the pool; nodes they remove get `parent = None` and
+        any MatchResult pointing into them is stale.
+      - Slots of a locked node are never evicted; `lock`/`unlock` on the root are no-ops.
+    """
+
+    def __init__(
+        self,
+        pool: KVPool,
+        disable: bool = False,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.disable = disable
+        self._clock = clock if clock is not None else _counter_clock()
+        self._ids = itertools.count()
+        self.root = TreeNode(next(self._ids), [], _empty_slots(), None, self._clock())
+        self._evictable = 0  # tokens in nodes with lock_ref == 0
+        self._locked = 0  # tokens in nodes with lock_ref > 0
+
+    # -- sizes -----------------------------------------------------------------------------
+
+    @property
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    @property
+    def locked_size(self) -> int:
+        return self._locked
+
+    @property
+    def total_size(self) -> int:
+        return self._evictable + self._locked
+
+    # -- lookup and insertion -------------------------------------------------------------
+
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        """Longest cached prefix of `token_ids`: its KV slots and the node ending it.
+
+        Splits a node when the match ends inside its edge; sets last_access of every node on
+        the matched path. Disabled cache or no match: empty indices at the root.
+        """
+        if self.disable or len(token_ids) == 0:
+            return MatchResult(_empty_slots(), self.root)
+        node, values, _ = self._descend(list(token_ids), self._clock())
+        return MatchResult(_cat(values), node)
+
+    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
+        """Cache `token_ids` whose K/V sit at `kv_indices`; takes ownership of `kv_indices`.
+
+        Positions already cached keep the tree's slots; caller slots there that differ from the
+        tree's are duplicates and are freed to the pool. Returns the tree's slots for ALL of
+        `token_ids` and the node ending at its last token (the caller may switch to those slots
+        and lock that node). Disabled cache: frees every slot, returns an empty match at root.
+        Raises AssertionError if kv_indices is not (len(token_ids),) int64.
+        """
+        tokens = list(token_ids)
+        assert kv_indices.dtype == torch.int64 and kv_indices.shape == (len(tokens),), (
+            f"kv_indices must be ({len(tokens)},) int64, got {tuple(kv_indices.shape)} "
+            f"{kv_indices.dtype}"
+        )
+        if self.disable or not tokens:
+            self.pool.free(kv_indices)
+            return MatchResult(_empty_slots(), self.root)
+        now = self._clock()
+        node, values, pos = self._descend(tokens, now)
+        cached = _cat(values)  # (pos,) the tree's slots for tokens[:pos]
+        given = kv_indices[:pos]
+        self.pool.free(given[given != cached])  # duplicates; equal slots are the tree's own
+        if pos == len(tokens):
+            return MatchResult(cached, node)
+        leaf = self._add_leaf(node, tokens[pos:], kv_indices[pos:].clone(), now)
+        return MatchResult(torch.cat([cached, leaf.value]), leaf)
+
+    def _descend(
+        self, tokens: list[int], now: float
+    ) -> tuple[TreeNode, list[torch.Tensor], int]:
+        """Walk down the longest cached prefix of `tokens`, splitting where it ends mid-edge.
+
+        Returns (deepest matched node, values of the matched nodes root-first, matched length).
+        """
+        node, values, pos = self.root, [], 0
+        node.last_access = now
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            m = _common_prefix_len(child.key, tokens, pos)
+            if m < len(child.key):
+                # The next token (if any) differs from the rest of the edge, so the loop ends
+                # at the new upper node on its next iteration.
+                child = self._split(child, m)
+            child.last_access = now
+            values.append(child.value)
+            node, pos = child, pos + m
+        return node, values, pos
+
+    def _split(self, node: TreeNode, k: int) -> TreeNode:
+        """Cut `node`'s edge after `k` tokens; returns the new upper node (fresh id).
+
+        `node` keeps its object, id, children and lower half; sizes are unchanged because
+        both halves have the same lock_ref.
+        """
+        parent = node.parent
+        assert parent is not None and 0 < k < len(node.key), f"bad split {node} at {k}"
+        upper = TreeNode(next(self._ids), node.key[:k], node.value[:k], parent, node.last_access)
+        upper.lock_ref = node.lock_ref
+        upper.children[node.key[k]] = node
+        parent.children[node.key[0]] = upper
+        node.parent = upper
+        node.key = node.key[k:]
+        node.value = node.value[k:]
+        return upper
+
+    def _add_leaf(
+        self, parent: TreeNode, key: list[int], value: torch.Tensor, now: float
+    ) -> TreeNode:
+        assert key[0] not in parent.children, f"token {key[0]} already under {parent}"
+        leaf = TreeNode(next(self._ids), key, value, parent, now)
+        parent.children[key[0]] = leaf
+        self._evictable += len(key)
+        return leaf
+
+    # -- locking ---------------------------------------------------------------------------
+
+    def lock(self, node: TreeNode) -> None:
+        """lock_ref += 1 on `node` and every ancestor below the root; pins their slots.
+
+        Raises AssertionError if `node` is no longer in the tree (evicted or flushed).
+        """
+        while node is not self.root:
+            parent = node.parent
+            assert parent is not None, f"lock of a node not in the tree: {node}"
+            if node.lock_ref == 0:
+                self._evictable -= len(node.key)
+                self._locked += len(node.key)
+            node.lock_ref += 1
+            node = parent
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one `lock(node)`. Raises AssertionError if a lock_ref on the path is 0."""
+        while node is not self.root:
+            parent = node.parent
+            assert parent is not None, f"unlock of a node not in the tree: {node}"
+            assert node.lock_ref > 0, f"unlock of an unlocked node: {node}"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._locked -= len(node.key)
+                self._evictable += len(node.key)
+            node = parent
+
+    def path(self, node: TreeNode) -> list[tuple[int, int]]:
+        """[(node.id, len(node.key)), ...] from the root's child down to `node`, root excluded."""
+        out: list[tuple[int, int]] = []
+        while node is not self.root:
+            parent = node.parent
+            assert parent is not None, f"path of a node not in the tree: {node}"
+            out.append((node.id, len(node.key)))
+            node = parent
+        out.reverse()
+        return out
+
+    # -- freeing ---------------------------------------------------------------------------
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` slots from unlocked leaves, least recently used first.
+
+        A parent becomes a candidate once its children are gone. Frees fewer only when the
+        whole evictable part of the tree is gone. Returns the number of slots freed.
+        """
+        if self.disable or num_tokens <= 0:
+            return 0
+        heap = [
+            (n.last_access, n.id, n)
+            for n in self._iter_nodes()
+            if n.is_leaf and n.lock_ref == 0 and n is not self.root
+        ]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = self._remove_leaf(leaf)
+            freed += len(leaf.key)
+            if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
+                pass
+        return freed
+
+    def _remove_leaf(self, leaf: TreeNode) -> TreeNode:
+        parent = leaf.parent
+        assert parent is not None and leaf.is_leaf and leaf.lock_ref == 0, f"bad evict {leaf}"
+        self.pool.free(leaf.value)
+        del parent.children[leaf.key[0]]
+        self._evictable -= len(leaf.key)
+        leaf.parent = None
+        return parent
+
+    def flush(self) -> None:
+        """Free every cached slot and empty the tree. Asserts that nothing is locked."""
+        assert self._locked == 0, f"flush with {self._locked} locked tokens"
+        nodes = [n for n in self._iter_nodes() if n is not self.root]
+        self.pool.free(_cat([n.value for n in nodes]))
+        for n in nodes:
+            n.parent = None
+            n.children = {}
+        self.root.children = {}
+        self._evictable = 0
+
+    def _iter_nodes(self) -> Iterator[TreeNode]:
+        """Every node of the tree, root included, parents before children."""
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    # -- self-check ------------------------------------------------------------------------
+
+    def check_integrity(self, in_use_elsewhere: int = 0) -> None:
+        """Assert every tree invariant and the slot accounting of the module docstring.
+
+        `in_use_elsewhere`: slots the caller holds outside the tree (e.g. running requests'
+        uncached tokens). Raises AssertionError with the offending values.
+        """
+        root = self.root
+        assert root.parent is None and not root.key and root.value.numel() == 0, f"bad {root}"
+        assert root.lock_ref == 0, f"root must never be locked: {root}"
+        evictable = locked = 0
+        ids: set[int] = set()
+        values: list[torch.Tensor] = []
+        for node in self._iter_nodes():
+            assert node.id not in ids, f"node id {node.id} appears twice"
+            ids.add(node.id)
+            self._check_children(node)
+            if node is not root:
+                values.append(node.value)
+                if node.lock_ref == 0:
+                    evictable += len(node.key)
+                else:
+                    locked += len(node.key)
+        assert (evictable, locked) == (self._evictable, self._locked), (
+            f"size counters (evictable, locked)={(self._evictable, self._locked)}, "
+            f"tree has {(evictable, locked)}"
+        )
+        self._check_slots(_cat(values), in_use_elsewhere)
+
+    def _check_children(self, node: TreeNode) -> None:
+        child_locks = 0
+        for first, child in node.children.items():
+            assert child.parent is node, f"{child} under {node} has parent {child.parent}"
+            assert child.key and child.key[0] == first, f"{child} keyed by {first}"
+            assert child.value.dtype == torch.int64 and child.value.shape == (len(child.key),), (
+                f"{child}: value {tuple(child.value.shape)} {child.value.dtype}, "
+                f"key length {len(child.key)}"
+            )
+            assert child.lock_ref >= 0, f"negative lock_ref: {child}"
+            child_locks += child.lock_ref
+        if node is not self.root:
+            assert node.lock_ref >= child_locks, f"{node} below its children's {child_locks}"
+
+    def _check_slots(self, slots: torch.Tensor, in_use_elsewhere: int) -> None:
+        pool = self.pool
+        if slots.numel() > 0:
+            assert int(slots.min()) > 0, "scratch slot 0 is in the tree"
+            assert int(slots.unique().numel()) == slots.numel(), "a KV slot appears twice"
+            # KVPool has no public membership query; its free mask is read, never written.
+            free_in_tree = slots[pool._is_free[slots]]
+            assert free_in_tree.numel() == 0, f"tree slots free in pool: {free_in_tree.tolist()}"
+        total = pool.num_free + self.total_size + in_use_elsewhere
+        assert total == pool.capacity, (
+            f"free {pool.num_free} + evictable {self._evictable} + locked {self._locked} + "
+            f"elsewhere {in_use_elsewhere} = {total} != capacity {pool.capacity}"
+        )

@@ -1,0 +1,181 @@
+"""Every message that crosses a process boundary, as msgspec Structs (the ONE vocabulary).
+
+Processes and who sends what (each process owns one PULL inbox; see `ipc.py`):
+
+    api server ──GenerateReq/AbortReq/ControlReq/Shutdown──> tokenizer
+    tokenizer  ──TokenizedReq/AbortReq/ControlReq/Shutdown─> scheduler
+    scheduler  ──SchedulerReady, SampleBatch, RequestError, ControlResp──> tokenizer
+    tokenizer  ──TokenizerReady, TextBatch, RequestError, ControlResp────> api server
+
+Rules:
+- Only plain data crosses: str/int/float/bool/None, lists, dicts of those, and the frozen
+  record dataclasses of `radixserve.scheduler.api` (msgspec encodes dataclasses natively).
+  No pickle anywhere (a socket is an attack surface even when local).
+- `rid` identifies a request end to end; the `n` samples of one request share it and are
+  told apart by `index`.
+- Control requests carry a `seq` chosen by the api server; the response echoes it.
+- Structs are `array_like` (compact: field order is the wire format) and tagged by class
+  name, so one decoder recognises every message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from radixserve.scheduler.api import ModelInfo, SchedulerStats
+from radixserve.scheduler.io import FinishReason
+
+
+class Message(msgspec.Struct, tag=True, array_like=True):
+    """Base of every IPC message."""
+
+
+# ---------------------------------------------------------------- start-up and shutdown
+
+
+class SchedulerReady(Message):
+    """Scheduler -> tokenizer: model loaded, KV pool sized; the tokenizer loads next."""
+
+    model_info: ModelInfo
+
+
+class TokenizerReady(Message):
+    """Tokenizer -> api server: the whole pipeline is ready to serve."""
+
+    model_info: ModelInfo
+
+
+class Shutdown(Message):
+    """Api server -> tokenizer -> scheduler: finish the loop and exit(0)."""
+
+
+# ---------------------------------------------------------------- requests
+
+
+class GenerateReq(Message):
+    """Api server -> tokenizer: one prompt (exactly one of text / input_ids / messages).
+
+    `sampling` is the JSON dict already accepted by `SamplingParams.from_dict` in the api
+    server; every process re-parses it with that one parser. `max_new_tokens_auto`: the
+    client gave no limit, so the tokenizer fills in what is left of the context.
+    """
+
+    rid: str
+    sampling: dict[str, Any]
+    text: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None  # chat: OpenAI-style role/content dicts
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    max_new_tokens_auto: bool = False
+
+
+class TokenizedReq(Message):
+    """Tokenizer -> scheduler: becomes a `TokenizedRequest`."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: dict[str, Any]
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+    stream: bool
+
+
+class AbortReq(Message):
+    """Api server -> tokenizer -> scheduler: stop `rid` (all its samples) and free its KV.
+
+    Unknown or finished rids are ignored. A running request answers with a final output
+    whose finish_reason is "abort".
+    """
+
+    rid: str
+
+
+class RequestError(Message):
+    """Scheduler or tokenizer -> api server: `rid` was refused and holds no resources.
+
+    `status` is the HTTP status to return (400 bad request, 503 queue full).
+    """
+
+    rid: str
+    status: int
+    message: str
+
+
+# ---------------------------------------------------------------- outputs
+
+
+# One logprob entry on the wire: (logprob or None for the first prompt token, token id,
+# token text or None when the client did not ask for texts).
+WireLogprob = tuple[float | None, int, str | None]
+
+
+class SampleDelta(Message):
+    """Progress of one sample (deltas). Built from `SampleOutput` in the scheduler; the
+    tokenizer fills `text` (the new stable text) and the logprob texts."""
+
+    rid: str
+    index: int
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    text: str = ""
+    output_logprobs: list[WireLogprob] = msgspec.field(default_factory=list)
+    output_top_logprobs: list[list[WireLogprob]] = msgspec.field(default_factory=list)
+    input_logprobs: list[WireLogprob] = msgspec.field(default_factory=list)
+    input_top_logprobs: list[list[WireLogprob]] = msgspec.field(default_factory=list)
+
+
+class SampleBatch(Message):
+    """Scheduler -> tokenizer (token ids) and tokenizer -> api server (with text)."""
+
+    outputs: list[SampleDelta]
+
+
+# ---------------------------------------------------------------- control
+
+
+class FlushCacheReq(Message):
+    seq: int
+
+
+class ServerInfoReq(Message):
+    seq: int
+
+
+class FlushCacheResp(Message):
+    seq: int
+    ok: bool  # False while requests are running or queued
+
+
+class ServerInfoResp(Message):
+    seq: int
+    stats: SchedulerStats
+    active_requests: int  # requests the scheduler process has accepted and not finished
+
+
+ControlReq = FlushCacheReq | ServerInfoReq
+ControlResp = FlushCacheResp | ServerInfoResp
+
+AnyMessage = (
+    SchedulerReady
+    | TokenizerReady
+    | Shutdown
+    | GenerateReq
+    | TokenizedReq
+    | AbortReq
+    | RequestError
+    | SampleBatch
+    | FlushCacheReq
+    | ServerInfoReq
+    | FlushCacheResp
+    | ServerInfoResp
+)

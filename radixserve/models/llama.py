@@ -1,0 +1,212 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral) written for serving.
+
+Layout: the tokens of every request in the step are flattened into one (T, hidden) matrix,
+request-major, with no batch or padding dimension; `batch.positions` (T,) gives each token's
+absolute position and indexes the precomputed RoPE cache. Attention (and the KV pool) is the
+backend's business: each layer hands it q (T, Hq, D) and k/v (T, Hkv, D) after RoPE.
+
+Weights are stored fused for speed (the loader concatenates HF tensors at load time):
+    qkv_proj.weight      (q_size + 2 * kv_size, hidden) = cat(q_proj, k_proj, v_proj)
+    gate_up_proj.weight  (2 * intermediate, hidden)     = cat(gate_proj, up_proj)
+Per layer: x -> RMSNorm -> attention -> +residual -> RMSNorm -> SwiGLU MLP -> +residual.
+Numerics follow HF transformers op for op (RMSNorm variance in float32, RoPE cos/sin computed
+in float32 then cast to the model dtype), so float32 results match HF to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from radixserve.attention.base import AttentionBackend
+from radixserve.engine.batch import ForwardBatch
+from radixserve.models.config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    """(head_dim / 2,) float32 inverse frequencies, with linear or llama3 scaling applied."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    if s.type == "linear":
+        return inv_freq / s.factor
+    # llama3: keep high frequencies (short wavelengths), divide low ones by `factor`, and
+    # interpolate smoothly in between (wavelengths measured against the original context).
+    old_ctx = s.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / s.low_freq_factor, inv_freq / s.factor, inv_freq)
+    smooth = (old_ctx / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < old_ctx / s.high_freq_factor) & ~(wavelen > old_ctx / s.low_freq_factor)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """(max_position_embeddings, head_dim) cache: row p = [cos(p * f) | sin(p * f)].
+
+    Computed in float32 and then cast, as HF does, so bf16 models round cos/sin identically.
+    """
+    pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+    freqs = torch.outer(pos, rope_inv_freq(config))  # (P, D/2)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device=device, dtype=dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE (HF/NeoX layout): x (T, H, D), cos/sin (T, 1, D/2) -> new (T, H, D)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]  # (T, H, D/2) each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF LlamaRMSNorm: variance in float32, normalised value cast back before the weight."""
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim**-0.5
+        qkv_out = config.q_size + 2 * config.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, attn: AttentionBackend
+    ) -> Tensor:
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # (T, q + 2 kv)
+        # q and k rotated in one pass: their columns are adjacent in the fused projection.
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, -1)
+        qk = apply_rope(qk, cos, sin)  # (T, Hq + Hkv, D), contiguous
+        # Backends get contiguous tensors (kernels may view/flatten them freely).
+        q = qk[:, : self.num_heads].contiguous()  # (T, Hq, D)
+        k = qk[:, self.num_heads :].contiguous()  # (T, Hkv, D)
+        v = qkv[:, self.q_size + self.kv_size :].reshape(t, self.num_kv_heads, -1).contiguous()
+        out = attn.forward(q, k, v, self.layer_idx, batch, self.scale)  # (T, Hq, D)
+        return F.linear(out.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inter, bias = config.intermediate_size, config.mlp_bias
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=bias)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate_up = F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)  # (T, 2 I)
+        gate, up = gate_up.chunk(2, dim=-1)  # (T, I) each
+        return F.linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self, h: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, attn: AttentionBackend
+    ) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Serving forward over a ForwardBatch.
+
+    Parameter names mirror HF except the fused `qkv_proj` and `gate_up_proj`; with tied
+    embeddings there is no `lm_head` and logits use `model.embed_tokens.weight`.
+    The RoPE cache is a non-persistent buffer (not in state_dict); after loading weights
+    onto a device, call `build_rope_cache()` (the loader does).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("rope", torch.empty(0), persistent=False)
+        if self.model.norm.weight.device.type != "meta":
+            self.build_rope_cache()
+
+    def build_rope_cache(self) -> None:
+        """(Re)compute the RoPE cache on the device and in the dtype of the weights."""
+        w = self.model.embed_tokens.weight
+        self.rope = rope_cache(self.config, w.dtype, w.device)
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> Tensor:
+        """Run all layers over the batch's new tokens -> (T, hidden) final-normed states.
+
+        Expects `attn.plan(batch)` to have been called for this step. Mutates only the KV
+        pool (through the backend). Positions must be < max_position_embeddings.
+        """
+        assert self.rope.shape[0] > 0, "RoPE cache not built: call build_rope_cache()"
+        cos_sin = self.rope[batch.positions]  # (T, D)
+        half = self.config.head_dim // 2
+        cos = cos_sin[:, None, :half]  # (T, 1, D/2), broadcast over heads
+        sin = cos_sin[:, None, half:]
+        h = F.embedding(batch.input_ids, self.model.embed_tokens.weight)  # (T, hidden)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, batch, attn)
+        return self.model.norm(h)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden (n, hidden) -> logits (n, vocab) float32 (matmul in the model dtype, as HF)."""
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()
+
+
+class NoAttentionBackend(AttentionBackend):
+    """Benchmark-only "no-attention ceiling": writes K/V like a real backend, returns zeros.
+
+    Keeps every other cost of a step (projections, MLP, KV writes) so the gap to a real
+    backend is the attention cost. Outputs are meaningless; never use it for generation.
+    """
+
+    name = "none"
+
+    def plan(self, batch: ForwardBatch) -> None:
+        batch.attn_plan = None
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, layer: int, batch: ForwardBatch, scale: float
+    ) -> Tensor:
+        batch.kv_pool.write(layer, batch.out_cache_loc, k, v)
+        return torch.zeros_like(q)

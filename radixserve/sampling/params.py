@@ -1,0 +1,187 @@
+"""Sampling parameters of one request: SGLang's field names and defaults, validated once.
+
+`SamplingParams.from_dict` is the ONE parser of user-supplied sampling parameters (Engine and
+HTTP server alike). Every error it raises is an `InvalidRequest` (a ValueError, mapped to
+HTTP 400) whose message names the offending field and what is allowed, e.g.
+
+    SamplingParams.from_dict({"top_p": 0})
+    -> InvalidRequest("top_p must be in (0, 1], got 0")
+
+Constructing `SamplingParams(...)` directly runs the same type and range checks, so an
+instance that exists is always valid except for the vocabulary-dependent check
+`validate(vocab_size)`, which the scheduler runs once it knows the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_N = 256  # most samples one request may ask for
+PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for frequency/presence penalties
+
+
+class InvalidRequest(ValueError):
+    """A request the server can never run as asked (bad parameter): HTTP 400."""
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128  # 0: prefill only (e.g. prompt logprobs)
+    min_new_tokens: int = 0  # eos and stop_token_ids are masked until this many tokens
+    temperature: float = 1.0  # 0: greedy (exact argmax, no randomness)
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)  # a single str is accepted and wrapped
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # eos does not stop (min_new_tokens masking still applies)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    n: int = 1
+    seed: int | None = None  # None: draw from the process-level generator
+    regex: str | None = None  # carried for constrained decoding, validated there
+    json_schema: str | None = None  # idem
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name))
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        for name in _FLOATS:
+            setattr(self, name, float(getattr(self, name)))
+        self._check_ranges()
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
+        """Parse user-supplied parameters; raise InvalidRequest naming the field on any error.
+
+        A value of None means "the default" for every field (OpenAI clients send nulls).
+        """
+        if not isinstance(d, Mapping):
+            raise InvalidRequest(f"sampling parameters must be an object, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in d:
+            if key not in known:
+                raise InvalidRequest(f"unknown sampling parameter {key!r}")
+        return cls(**{k: v for k, v in d.items() if v is not None})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict; `from_dict(p.to_dict()) == p`."""
+        return dataclasses.asdict(self)
+
+    def validate(self, vocab_size: int) -> None:
+        """Check what depends on the model: token ids must lie in [0, vocab_size)."""
+        for t in self.stop_token_ids:
+            _require(
+                0 <= t < vocab_size,
+                f"stop_token_ids entries must be in [0, {vocab_size}), got {t}",
+            )
+
+    @property
+    def is_greedy(self) -> bool:
+        """Greedy rows take the exact argmax of the (penalised) logits."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    @property
+    def has_filters(self) -> bool:
+        """True when top_k, top_p or min_p removes tokens before the draw."""
+        return self.top_k > 1 or self.top_p < 1.0 or self.min_p > 0.0
+
+    def _check_ranges(self) -> None:
+        _require(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        _require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _require(self.top_k >= -1, f"top_k must be -1 (off), 0 (off) or >= 1, got {self.top_k}")
+        _require(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        lo, hi = PENALTY_RANGE
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            _require(lo <= v <= hi, f"{name} must be in [{lo}, {hi}], got {v}")
+        _require(
+            self.repetition_penalty > 0.0,
+            f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+        )
+        _require(
+            self.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {self.max_new_tokens}"
+        )
+        _require(
+            0 <= self.min_new_tokens <= self.max_new_tokens,
+            f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+            f"got {self.min_new_tokens}",
+        )
+        _require(1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}")
+        for s in self.stop:
+            _require(len(s) > 0, "stop strings must be non-empty, got ''")
+        for t in self.stop_token_ids:
+            _require(t >= 0, f"stop_token_ids entries must be >= 0, got {t}")
+        _require(
+            self.regex is None or self.json_schema is None,
+            "regex and json_schema are exclusive: set at most one of them",
+        )
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_float(v: object) -> bool:
+    # int is accepted where a float is expected; bool is not a number here. NaN and inf are
+    # rejected as a type error because no range below admits them.
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(float(v))  # type: ignore[arg-type]
+
+
+def _is_list_of(v: object, pred: Any) -> bool:
+    return isinstance(v, (list, tuple)) and all(pred(x) for x in v)
+
+
+_FLOATS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
+_INTS = ("max_new_tokens", "min_new_tokens", "top_k", "n")
+_BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens")
+
+# Expected type of each field, as (check, description for the error message).
+_TYPES: dict[str, tuple[Any, str]] = {
+    **{name: (_is_float, "a finite number") for name in _FLOATS},
+    **{name: (_is_int, "an integer") for name in _INTS},
+    **{name: (lambda v: isinstance(v, bool), "a boolean") for name in _BOOLS},
+    "stop": (lambda v: _is_list_of(v, lambda x: isinstance(x, str)), "a string or list of strings"),
+    "stop_token_ids": (lambda v: _is_list_of(v, _is_int), "a list of integers"),
+    "seed": (lambda v: v is None or _is_int(v), "an integer or null"),
+    "regex": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "json_schema": (lambda v: v is None or isinstance(v, str), "a string or null"),
+}
+
+
+def _check_type(name: str, value: object) -> None:
+    check, expected = _TYPES[name]
+    if not check(value):
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise InvalidRequest(f"{name} must be {expected}, got {shown} ({type(value).__name__})")
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise InvalidRequest(msg)

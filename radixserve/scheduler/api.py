@@ -1,0 +1,49 @@
+"""The scheduler's public surface, as used by the in-process Engine and the scheduler process.
+
+    sched = Scheduler(config)             # loads model + tokenizer, sizes the KV pool
+    sched.add_request(TokenizedRequest)   # ValueError (-> HTTP 400) if it can never run
+    outputs = sched.step()                # one schedule + forward; list[SampleOutput] deltas
+    sched.abort_request(rid)              # frees its KV; a final SampleOutput(abort) follows
+    sched.flush_cache() -> bool           # False while requests are running or queued
+    sched.has_work() -> bool
+    sched.stats() -> SchedulerStats
+    sched.model_info -> ModelInfo
+
+The real class lives in radixserve/scheduler/scheduler.py; these records are the data it
+reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_path: str
+    tokenizer_path: str
+    context_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+    kv_capacity_tokens: int
+    attention_backend: str
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_queued: int
+    kv_used_tokens: int
+    kv_capacity_tokens: int
+    prompt_tokens_total: int  # counters since start
+    cached_tokens_total: int
+    generation_tokens_total: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_used_tokens / max(self.kv_capacity_tokens, 1)
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens_total / max(self.prompt_tokens_total, 1)

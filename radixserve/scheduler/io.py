@@ -1,0 +1,63 @@
+"""What goes into the scheduler and what comes out of it (in-process and over IPC alike).
+
+A request with `sampling.n > 1` is prefilled once and forked into n samples that share the
+prompt's KV; each sample reports under the same `rid` with its own `index` (0..n-1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from radixserve.sampling.params import SamplingParams
+
+
+@dataclass
+class TokenizedRequest:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: no prompt logprobs; k >= 0: prompt positions k.. onward
+    top_logprobs_num: int = 0
+    stream: bool = False
+
+
+@dataclass
+class FinishReason:
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # stop token id or stop string; abort: message
+
+    def to_dict(self) -> dict[str, object]:
+        return {"type": self.type, "matched": self.matched}
+
+
+# One logprob entry: (logprob, token_id). Top-k entries are lists of those.
+TokenLogprob = tuple[float, int]
+
+
+@dataclass
+class SampleOutput:
+    """Progress of one sample since its previous SampleOutput (deltas, not cumulative).
+
+    `new_token_ids` excludes a matched stop string's tokens only when the stop came from
+    `stop_token_ids`/eos (those ids are never shown); stop strings are cut from the text by
+    the detokenizer using `finish_reason.matched`.
+    """
+
+    rid: str
+    index: int
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None  # set on the last output of a sample
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    output_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    # Prompt logprobs arrive once, with the first output: entry i is for prompt token
+    # logprob_start_len + i; the very first prompt token has no logprob (None).
+    input_logprobs: list[TokenLogprob | tuple[None, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

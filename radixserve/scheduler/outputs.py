@@ -1,0 +1,76 @@
+"""Turning logits into tokens, logprobs and per-step deltas of each sample."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from radixserve.sampling.sampler import SamplingInfo, prompt_logprobs, sample
+from radixserve.scheduler.io import SampleOutput, TokenLogprob
+from radixserve.scheduler.req import Req
+
+
+class OutputProcessor:
+    def __init__(self, vocab_size: int, eos_ids: frozenset[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
+
+    def sample(
+        self, reqs: list[Req], logits: torch.Tensor
+    ) -> Iterator[tuple[Req, int, float, list[TokenLogprob]]]:
+        """Draw one token per sample from logits (len(reqs), vocab) float32."""
+        infos = [
+            SamplingInfo(
+                params=r.sampling, prompt_ids=r.prompt_ids, output_ids=r.output_ids,
+                eos_token_ids=self.eos_ids, sample_index=r.index,
+                need_top_logprobs=r.request.top_logprobs_num if r.request.return_logprob else 0,
+            )
+            for r in reqs
+        ]
+        res = sample(logits[:, : self.vocab_size], infos)
+        for i, (r, tok) in enumerate(zip(reqs, res.next_ids.tolist())):
+            yield r, tok, float(res.logprobs[i]), res.top_logprobs[i]
+
+    def append_token(self, req: Req, token: int, logprob: float, top: list[TokenLogprob]) -> None:
+        req.output_ids.append(token)
+        req.new_ids.append(token)
+        if req.request.return_logprob:
+            req.new_logprobs.append((logprob, token))
+            if req.request.top_logprobs_num > 0:
+                req.new_top_logprobs.append(top)
+
+    def prompt_logprobs(self, req: Req, logits: torch.Tensor, start: int) -> None:
+        """Record logprobs of prompt tokens predicted by positions start .. start+len(logits)-1.
+
+        Position p predicts prompt token p + 1. Reported tokens are those at positions
+        logprob_start_len .. len(prompt)-1; token 0 has no logprob (None).
+        """
+        prompt, first = req.prompt_ids, req.request.logprob_start_len
+        if start <= first == 0:
+            req.input_logprobs.append((None, prompt[0]))
+            if req.request.top_logprobs_num > 0:
+                req.input_top_logprobs.append([])
+        # Predicting tokens lo+1 .. hi: rows (lo - start) .. (hi - 1 - start).
+        lo, hi = max(start, first - 1, 0), min(start + logits.shape[0], len(prompt) - 1)
+        if hi <= lo:
+            return
+        rows = logits[lo - start : hi - start, : self.vocab_size]
+        targets = torch.tensor(prompt[lo + 1 : hi + 1], dtype=torch.int64)
+        lps, tops = prompt_logprobs(rows, targets, req.request.top_logprobs_num)
+        req.input_logprobs.extend(zip(lps, prompt[lo + 1 : hi + 1]))
+        req.input_top_logprobs.extend(tops)
+
+    @staticmethod
+    def collect(req: Req) -> SampleOutput:
+        """The sample's progress since the last collect; clears the pending deltas."""
+        out = SampleOutput(
+            rid=req.rid, index=req.index, new_token_ids=req.new_ids,
+            finish_reason=req.finish_reason, prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids), cached_tokens=max(req.cached_tokens, 0),
+            output_logprobs=req.new_logprobs, output_top_logprobs=req.new_top_logprobs,
+            input_logprobs=req.input_logprobs, input_top_logprobs=req.input_top_logprobs,
+        )
+        req.new_ids, req.new_logprobs, req.new_top_logprobs = [], [], []
+        req.input_logprobs, req.input_top_logprobs = [], []
+        return out

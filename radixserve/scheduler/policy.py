@@ -1,0 +1,39 @@
+"""Admission order of waiting samples.
+
+lpm (longest prefix match, SGLang): samples whose prompt is most cached go first, so a
+group sharing a prefix runs together while that prefix is hot. With a long queue matching
+everything costs more than it saves, so lpm falls back to fcfs past LPM_QUEUE_LIMIT.
+fcfs: arrival order. Retracted samples keep their original arrival key in both policies.
+"""
+
+from __future__ import annotations
+
+from radixserve.kvcache.radix import RadixCache
+from radixserve.scheduler.req import Req
+
+LPM_QUEUE_LIMIT = 128
+
+
+def order_waiting(waiting: list[Req], cache: RadixCache, policy: str) -> list[Req]:
+    """Return `waiting` in admission order. Does not lock anything; may split tree nodes."""
+    by_arrival = sorted(waiting, key=lambda r: r.arrival)
+    if policy == "fcfs" or cache.disable or len(waiting) > LPM_QUEUE_LIMIT:
+        return by_arrival
+    matched = {id(r): len(cache.match_prefix(r.all_ids[: r.reuse_limit()]).indices) for r in waiting}
+    return sorted(by_arrival, key=lambda r: -matched[id(r)])
+
+
+def shares_uncached_prefix(req: Req, admitted: list[Req], min_tokens: int) -> bool:
+    """True when `req` shares >= min_tokens not-yet-cached leading tokens with a sample
+    admitted this step: deferring it one step lets it reuse that sample's K/V instead of
+    computing the same prefix twice."""
+    ids = req.all_ids
+    for other in admitted:
+        common = 0
+        for a, b in zip(ids, other.all_ids):
+            if a != b:
+                break
+            common += 1
+        if common - other.kv_len >= min_tokens:
+            return True
+    return False

@@ -1,0 +1,81 @@
+"""One sample's state inside the scheduler.
+
+Region table for a running sample (positions into all_ids = prompt_ids + output_ids):
+
+    |<--------------------------- len(all_ids) --------------------------->|
+    |<------------------- kv_len ------------------->|<-- next input ---->|
+    |<------ tree_len ------>|<- owned by the req ->|                     |
+    |  radix path of         |  slots the request    |  tokens whose K/V   |
+    |  last_node (locked)    |  allocated itself     |  is not computed    |
+    req_to_token[row, 0:kv_len] holds the slot of every position < kv_len.
+
+Invariants: tree_len <= kv_len < len(all_ids) while running (the last token's K/V is
+computed by the step that consumes it); a waiting sample has row None and kv_len 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from radixserve.kvcache.radix import TreeNode
+from radixserve.sampling.params import SamplingParams
+from radixserve.sampling.stop import StopChecker
+from radixserve.scheduler.io import FinishReason, TokenizedRequest, TokenLogprob
+
+
+@dataclass(eq=False)
+class Req:
+    request: TokenizedRequest
+    index: int  # sample index within the request (0..n-1)
+    stop: StopChecker
+    output_ids: list[int] = field(default_factory=list)
+    row: int | None = None  # req_to_token row while admitted
+    kv_len: int = 0
+    tree_len: int = 0
+    last_node: TreeNode | None = None  # locked while admitted
+    cached_tokens: int = -1  # prompt tokens found in the cache at first admission
+    fork_pending: bool = False  # n > 1: fork the other samples once the prompt is done
+    finish_reason: FinishReason | None = None
+    arrival: int = 0  # admission order key for fcfs
+    # Deltas not yet reported (cleared by the scheduler each step).
+    new_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    new_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    input_logprobs: list[TokenLogprob | tuple[None, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+
+    @property
+    def rid(self) -> str:
+        return self.request.rid
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.request.sampling
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.input_ids
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.request.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.request.input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.request.return_logprob and self.request.logprob_start_len >= 0
+
+    def reuse_limit(self) -> int:
+        """How many leading tokens may come from the cache: all but the last token (its
+        logits are needed), and none past logprob_start_len when prompt logprobs are asked."""
+        limit = self.seq_len - 1
+        if self.wants_prompt_logprobs and not self.output_ids:
+            limit = min(limit, self.request.logprob_start_len)
+        return max(limit, 0)

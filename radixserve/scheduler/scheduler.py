@@ -1,0 +1,293 @@
+"""Continuous-batching scheduler: receive -> schedule -> forward -> process results.
+
+Each step builds ONE batch: every running sample contributes its next input (a single token
+when decoding, a prompt chunk while prefilling), then waiting samples are admitted in policy
+order while the prefill budget, free rows and KV slots allow. Under KV pressure the cache
+evicts unlocked leaves first; if decoding still cannot proceed, the most recently admitted
+samples are retracted (their K/V goes to the radix cache, they re-queue at their original
+arrival key and resume later with identical results).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.config import EngineConfig
+from radixserve.engine.batch import ForwardBatch
+from radixserve.engine.worker import ModelWorker
+from radixserve.kvcache.pool import ReqToTokenPool
+from radixserve.kvcache.radix import RadixCache
+from radixserve.models.loader import load_tokenizer, resolve_model_path
+from radixserve.sampling.stop import StopChecker
+from radixserve.scheduler.api import ModelInfo, SchedulerStats
+from radixserve.scheduler.io import FinishReason, SampleOutput, TokenizedRequest
+from radixserve.scheduler.kv import KVManager
+from radixserve.scheduler.outputs import OutputProcessor
+from radixserve.scheduler.policy import order_waiting, shares_uncached_prefix
+from radixserve.scheduler.req import Req
+
+logger = logging.getLogger("radixserve.scheduler")
+
+DEFER_SHARED_TOKENS = 32  # see policy.shares_uncached_prefix
+DECODE_RESERVE = 16  # slots per admitted sample kept free for its first decode steps
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at --max-queued-requests (HTTP 503, retry later)."""
+
+
+@dataclass
+class Work:
+    """One sample's share of a step: `n` new positions starting at req.kv_len."""
+
+    req: Req
+    n: int
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        path = resolve_model_path(config.model)
+        self.tokenizer = load_tokenizer(path)
+        self.worker = ModelWorker(config, str(path))
+        mc = self.worker.model_config
+        self.context_len = mc.max_position_embeddings
+        self.eos_ids = frozenset(mc.eos_token_ids)
+        self.cache = RadixCache(self.worker.pool, disable=config.disable_radix_cache)
+        req_pool = ReqToTokenPool(config.max_running_requests, self.context_len + 1)
+        self.kv = KVManager(self.worker.pool, req_pool, self.cache)
+        self.out = OutputProcessor(mc.vocab_size, self.eos_ids)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.finished_outputs: list[SampleOutput] = []
+        self._arrival = itertools.count()
+        self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
+        self.model_info = ModelInfo(
+            model_path=str(path), tokenizer_path=str(path), context_len=self.context_len,
+            vocab_size=mc.vocab_size, eos_token_ids=tuple(sorted(self.eos_ids)),
+            dtype=config.dtype, kv_capacity_tokens=self.worker.pool.capacity,
+            attention_backend=config.attention_backend,
+        )
+
+    # ---- receive -------------------------------------------------------------------
+    def add_request(self, request: TokenizedRequest) -> None:
+        """Queue a request. ValueError: it can never run; QueueFullError: try later."""
+        self._validate(request)
+        if len(self.waiting) >= self.config.max_queued_requests:
+            raise QueueFullError(f"queue full ({self.config.max_queued_requests} waiting)")
+        req = self._new_req(request, 0)
+        req.fork_pending = request.sampling.n > 1
+        self.waiting.append(req)
+
+    def _validate(self, request: TokenizedRequest) -> None:
+        ids, sp = request.input_ids, request.sampling
+        if not ids:
+            raise ValueError("input_ids: the prompt is empty")
+        vocab = self.model_info.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"input_ids: token ids must be in [0, {vocab})")
+        if len(ids) + sp.max_new_tokens > self.context_len:
+            raise ValueError(
+                f"max_new_tokens: prompt ({len(ids)} tokens) + max_new_tokens "
+                f"({sp.max_new_tokens}) exceeds the context length {self.context_len}"
+            )
+        if len(ids) + sp.max_new_tokens > self.kv.pool.capacity:
+            raise ValueError(
+                f"prompt + max_new_tokens ({len(ids) + sp.max_new_tokens}) exceeds the KV "
+                f"pool ({self.kv.pool.capacity} tokens); raise --max-total-tokens"
+            )
+        if request.logprob_start_len >= len(ids):
+            raise ValueError(f"logprob_start_len must be < prompt length {len(ids)}")
+        if any(r.rid == request.rid for r in itertools.chain(self.waiting, self.running)):
+            raise ValueError(f"rid: {request.rid!r} is already in use")
+
+    def _new_req(self, request: TokenizedRequest, index: int) -> Req:
+        stop = StopChecker(request.sampling, set(self.eos_ids), self.tokenizer)
+        return Req(request=request, index=index, stop=stop, arrival=next(self._arrival))
+
+    def abort_request(self, rid: str) -> None:
+        """Drop every sample of `rid` (queued or running); each reports finish 'abort'."""
+        for req in [r for r in itertools.chain(self.waiting, self.running) if r.rid == rid]:
+            self._finish(req, FinishReason("abort", "aborted by the client"))
+
+    # ---- schedule ------------------------------------------------------------------
+    def _schedule(self) -> list[Work]:
+        retracted = self._make_room()
+        work = [Work(r, self._next_len(r)) for r in self.running]
+        for w in work:
+            self.kv.extend(w.req, w.n)
+        if retracted:  # admitting now would undo the retraction at once
+            return work
+        budget = self.config.max_prefill_tokens - sum(w.n for w in work if w.n > 1)
+        return work + self._admit(budget)
+
+    def _next_len(self, req: Req) -> int:
+        return min(req.seq_len - req.kv_len, self.config.chunked_prefill_size)
+
+    def _make_room(self) -> bool:
+        """Free slots for every running sample's next input; retract newest samples until
+        that fits. Returns whether anything was retracted."""
+        retracted = False
+        while self.running and not self.kv.reserve(sum(map(self._next_len, self.running))):
+            victim = max(self.running, key=lambda r: r.arrival)
+            logger.info("KV full: retracting %s (%d tokens)", victim.rid, victim.seq_len)
+            self.running.remove(victim)
+            self.kv.release(victim)
+            self.waiting.append(victim)
+            retracted = True
+        return retracted
+
+    def _admit(self, budget: int) -> list[Work]:
+        admitted: list[Work] = []
+        for req in order_waiting(self.waiting, self.cache, self.config.schedule_policy):
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                break
+            if shares_uncached_prefix(req, [w.req for w in admitted], DEFER_SHARED_TOKENS):
+                continue
+            if not self.kv.admit(req):
+                break
+            n = min(req.seq_len - req.kv_len, self.config.chunked_prefill_size, budget)
+            reserve = n + DECODE_RESERVE * req.sampling.n
+            if not self.kv.reserve(min(reserve, self.kv.pool.capacity - self.cache.locked_size)):
+                self.kv.unadmit(req)
+                break
+            self.kv.extend(req, n)
+            self.waiting.remove(req)
+            self.running.append(req)
+            admitted.append(Work(req, n))
+            budget -= n
+        return admitted
+
+    # ---- forward -------------------------------------------------------------------
+    def _build_batch(self, work: list[Work]) -> tuple[ForwardBatch, torch.Tensor, list[int]]:
+        """The step's batch, the token rows needing logits, and each work's first such row."""
+        ids, pos, locs, seq_lens, kv_idx, paths = [], [], [], [], [], []
+        rows: list[int] = []
+        first_row: list[int] = []
+        t = 0
+        for w in work:
+            r, start, end = w.req, w.req.kv_len, w.req.kv_len + w.n
+            ids.extend(r.all_ids[start:end])
+            pos.extend(range(start, end))
+            slots = self.kv.slots(r, end)
+            locs.append(slots[start:end])
+            seq_lens.append(end)
+            kv_idx.append(slots)
+            paths.append([] if self.cache.disable else self.cache.path(r.last_node))
+            first_row.append(len(rows))
+            rows.extend(range(t, t + w.n) if self._wants_all_logits(w) else [t + w.n - 1])
+            t += w.n
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(pos, dtype=torch.int64),
+            out_cache_loc=torch.cat(locs), seq_lens=seq_lens,
+            extend_lens=[w.n for w in work], kv_indices=kv_idx, paths=paths,
+            kv_pool=self.kv.pool,
+        )
+        return batch, torch.tensor(rows, dtype=torch.int64), first_row
+
+    @staticmethod
+    def _wants_all_logits(w: Work) -> bool:
+        return w.req.wants_prompt_logprobs and not w.req.output_ids
+
+    # ---- process results -----------------------------------------------------------
+    def step(self) -> list[SampleOutput]:
+        """Run one scheduling step; return the deltas of every sample that progressed."""
+        work = self._schedule()
+        if work:
+            batch, rows, first_row = self._build_batch(work)
+            logits = self.worker.forward(batch, rows)
+            self._process(work, logits, first_row)
+        outputs, self.finished_outputs = self.finished_outputs, []
+        outputs.extend(self.out.collect(r) for r in self.running if r.new_ids)
+        return outputs
+
+    def _process(self, work: list[Work], logits: torch.Tensor, first_row: list[int]) -> None:
+        sampled: list[tuple[Req, int]] = []  # (sample, logits row) to draw a token for
+        for w, row0 in zip(work, first_row):
+            req, extended = w.req, w.n
+            prompt_done_before = req.kv_len >= len(req.prompt_ids)
+            req.kv_len += extended
+            if self._wants_all_logits(w):
+                self.out.prompt_logprobs(req, logits[row0 : row0 + extended], req.kv_len - extended)
+            last = row0 + (extended - 1 if self._wants_all_logits(w) else 0)
+            if extended > 1 or not prompt_done_before:
+                self.kv.cache_prefix(req)  # a prefill (chunk): share it with later requests
+            if req.kv_len < req.seq_len:
+                continue  # more prompt chunks to go
+            if not prompt_done_before and req.cached_tokens >= 0 and not req.output_ids:
+                self.prompt_tokens_total += len(req.prompt_ids)
+                self.cached_tokens_total += req.cached_tokens
+            sampled.append((req, last))
+            if req.fork_pending:
+                sampled.extend((child, last) for child in self._fork(req))
+        self._sample(sampled, logits)
+
+    def _fork(self, parent: Req) -> list[Req]:
+        """Create samples 1..n-1 of `parent`'s request sharing its prompt K/V."""
+        parent.fork_pending = False
+        children = []
+        for i in range(1, parent.sampling.n):
+            child = self._new_req(parent.request, i)
+            if not self.cache.disable and self.kv.fork(parent, child):
+                self.running.append(child)
+                children.append(child)
+            else:  # no sharing (cache disabled) or no free row: prefill on its own later
+                self.waiting.append(child)
+        return children
+
+    def _sample(self, sampled: list[tuple[Req, int]], logits: torch.Tensor) -> None:
+        draw = [(r, row) for r, row in sampled if r.sampling.max_new_tokens > 0]
+        for req, _ in sampled:
+            if req.sampling.max_new_tokens == 0:  # prefill only: the prompt is now cached
+                self._finish(req, FinishReason("length"))
+        if not draw:
+            return
+        rows = torch.tensor([row for _, row in draw], dtype=torch.int64)
+        for req, token, lp, top in self.out.sample([r for r, _ in draw], logits[rows]):
+            self.out.append_token(req, token, lp, top)
+            self.generation_tokens_total += 1
+            reason = req.stop.check(req.output_ids)
+            if reason is not None:
+                self._finish(req, reason)
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+            self.kv.release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.finished_outputs.append(self.out.collect(req))
+
+    # ---- management ----------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.finished_outputs)
+
+    def flush_cache(self) -> bool:
+        if self.waiting or self.running:
+            return False
+        self.cache.flush()
+        return True
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity(self.running)
+
+    def stats(self) -> SchedulerStats:
+        pool = self.kv.pool
+        return SchedulerStats(
+            num_running=len(self.running), num_queued=len(self.waiting),
+            kv_used_tokens=pool.capacity - pool.num_free, kv_capacity_tokens=pool.capacity,
+            prompt_tokens_total=self.prompt_tokens_total,
+            cached_tokens_total=self.cached_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )
+
+    def run_until_idle(self) -> Iterable[SampleOutput]:
+        while self.has_work():
+            yield from self.step()

@@ -1,0 +1,223 @@
+"""The api server's side of the IPC: submits requests, routes outputs, watches the children.
+
+One `RequestManager` lives in the api server's event loop:
+- `submit(GenerateReq)` registers a `Pending` (an asyncio queue of that request's events)
+  and sends the request to the tokenizer; `receive_loop` puts every `SampleDelta` /
+  `RequestError` for the rid into its queue; `events(pending)` reads them back.
+- `abort(rid)` and every send are synchronous and non-blocking, so they are safe in the
+  `finally` of a cancelled handler (a client that went away).
+- A request leaves `pending` when its n-th sample finishes or it is refused; a final
+  'abort' output is what an aborted request's samples finish with.
+- `watch_children` notices a dead child: it records `failure`, fails every pending request
+  (HTTP 500) and calls `on_failure` (the launcher stops the server and exits non-zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+
+import zmq
+import zmq.asyncio
+
+from radixserve.message.codec import decode, encode
+from radixserve.message.ipc import IpcPaths
+from radixserve.message.messages import (
+    AbortReq,
+    AnyMessage,
+    ControlReq,
+    ControlResp,
+    FlushCacheResp,
+    GenerateReq,
+    Message,
+    RequestError,
+    SampleBatch,
+    SampleDelta,
+    ServerInfoResp,
+    TokenizerReady,
+)
+from radixserve.scheduler.api import ModelInfo
+from radixserve.server.metrics import Metrics
+from radixserve.server.protocol import ApiError
+
+logger = logging.getLogger("radixserve.server")
+
+CHILD_POLL_S = 0.5
+CONTROL_TIMEOUT_S = 30.0
+RETRY_AFTER_S = "1"  # Retry-After for 503 queue full
+
+
+class ChildDied(RuntimeError):
+    """A child process exited while the server needed it."""
+
+
+@dataclass
+class Pending:
+    rid: str
+    n: int  # samples to expect
+    created: float = field(default_factory=time.perf_counter)
+    queue: asyncio.Queue[SampleDelta | RequestError] = field(default_factory=asyncio.Queue)
+    first_token_at: float | None = None
+    finished: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finished >= self.n
+
+
+class RequestManager:
+    def __init__(self, ipc: IpcPaths, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self._actx = zmq.asyncio.Context()
+        self._inbox = self._actx.socket(zmq.PULL)
+        self._inbox.setsockopt(zmq.LINGER, 0)
+        self._inbox.bind(ipc.api)
+        # Sync socket with no high-water mark: send() never blocks nor awaits.
+        self._sctx = zmq.Context()
+        self._outbox = self._sctx.socket(zmq.PUSH)
+        self._outbox.setsockopt(zmq.LINGER, 0)
+        self._outbox.setsockopt(zmq.SNDHWM, 0)
+        self._outbox.connect(ipc.tokenizer)
+        self.procs: dict[str, BaseProcess] = {}
+        self.pending: dict[str, Pending] = {}
+        self.model_info: ModelInfo | None = None
+        self.failure: str | None = None
+        self._control: dict[int, asyncio.Future[ControlResp]] = {}
+        self._seq = itertools.count()
+        self._dispatch: dict[type, Callable[..., None]] = {
+            SampleBatch: self._on_samples,
+            RequestError: self._on_error,
+            FlushCacheResp: self._on_control,
+            ServerInfoResp: self._on_control,
+        }
+
+    # ---------------------------------------------------------------- start-up
+
+    async def wait_ready(self, timeout_s: float) -> ModelInfo:
+        """Wait for TokenizerReady; ChildDied if a child exits first, TimeoutError after
+        `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._raise_if_child_died()
+            if await self._inbox.poll(200):
+                msg = decode(await self._inbox.recv())
+                assert isinstance(msg, TokenizerReady), f"expected TokenizerReady, got {msg!r}"
+                self.model_info = msg.model_info
+                return msg.model_info
+        raise TimeoutError(f"the server was not ready after {timeout_s:.0f} s")
+
+    def _raise_if_child_died(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.exitcode is not None:
+                raise ChildDied(f"{name} process exited with code {proc.exitcode}")
+
+    # ---------------------------------------------------------------- background tasks
+
+    async def receive_loop(self) -> None:
+        while True:
+            msg: AnyMessage = decode(await self._inbox.recv())
+            handler = self._dispatch.get(type(msg))
+            if handler is None:
+                logger.error("api server got unexpected %s", type(msg).__name__)
+                continue
+            handler(msg)
+
+    async def watch_children(self, on_failure: Callable[[], None]) -> None:
+        while self.failure is None:
+            await asyncio.sleep(CHILD_POLL_S)
+            try:
+                self._raise_if_child_died()
+            except ChildDied as e:
+                self.failure = str(e)
+                logger.error("%s: shutting the server down (see its traceback above)", e)
+                self.fail_all(500, f"the server failed: {e}")
+                on_failure()
+
+    # ---------------------------------------------------------------- requests
+
+    def send(self, msg: Message) -> None:
+        self._outbox.send(encode(msg))
+
+    def submit(self, req: GenerateReq, n: int) -> Pending:
+        """Register and send one request. ApiError 400 if its rid is in flight."""
+        if self.failure is not None:
+            raise ApiError(503, f"the server failed: {self.failure}")
+        if req.rid in self.pending:
+            raise ApiError(400, f"rid {req.rid!r} is already in use", "rid")
+        pending = self.pending[req.rid] = Pending(req.rid, n)
+        self.send(req)
+        return pending
+
+    def abort(self, rid: str) -> None:
+        """Ask the scheduler to stop `rid`; a no-op once it finished."""
+        if rid in self.pending:
+            self.send(AbortReq(rid))
+
+    async def events(self, pending: Pending) -> AsyncIterator[SampleDelta]:
+        """Every delta of `pending` until its n samples finished; ApiError if refused."""
+        finished = 0
+        while finished < pending.n:
+            item = await pending.queue.get()
+            if isinstance(item, RequestError):
+                headers = {"Retry-After": RETRY_AFTER_S} if item.status == 503 else None
+                raise ApiError(item.status, item.message, headers=headers)
+            finished += item.finish_reason is not None
+            yield item
+
+    def fail_all(self, status: int, message: str) -> None:
+        for rid in list(self.pending):
+            self._on_error(RequestError(rid, status, message))
+
+    async def call(self, make: Callable[[int], ControlReq]) -> ControlResp:
+        """Send a control request built with a fresh seq; await its response."""
+        if self.failure is not None:
+            raise ApiError(503, f"the server failed: {self.failure}")
+        seq = next(self._seq)
+        fut: asyncio.Future[ControlResp] = asyncio.get_running_loop().create_future()
+        self._control[seq] = fut
+        self.send(make(seq))
+        try:
+            return await asyncio.wait_for(fut, CONTROL_TIMEOUT_S)
+        except asyncio.TimeoutError as e:
+            raise ApiError(503, "the scheduler did not answer in time") from e
+        finally:
+            self._control.pop(seq, None)
+
+    # ---------------------------------------------------------------- handlers
+
+    def _on_samples(self, batch: SampleBatch) -> None:
+        now = time.perf_counter()
+        for d in batch.outputs:
+            p = self.pending.get(d.rid)
+            if p is None:
+                continue  # already failed or given up on
+            if p.first_token_at is None and d.token_ids:
+                p.first_token_at = now
+                self.metrics.ttft.observe(now - p.created)
+            p.queue.put_nowait(d)
+            if d.finish_reason is not None:
+                p.finished += 1
+                if p.done:
+                    del self.pending[d.rid]
+                    self.metrics.e2e.observe(now - p.created)
+
+    def _on_error(self, err: RequestError) -> None:
+        p = self.pending.pop(err.rid, None)
+        if p is not None:
+            p.queue.put_nowait(err)
+
+    def _on_control(self, resp: ControlResp) -> None:
+        fut = self._control.get(resp.seq)
+        if fut is not None and not fut.done():
+            fut.set_result(resp)
+
+    def close(self) -> None:
+        self._inbox.close(linger=0)
+        self._outbox.close(linger=0)
+        self._actx.term()
+        self._sctx.term()

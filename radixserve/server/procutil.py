@@ -1,0 +1,49 @@
+"""What every radixserve process shares: log format, child entry point, parent watch.
+
+A child process (tokenizer, scheduler) runs `child_main(name, level, target, *args)`:
+- it ignores SIGINT: Ctrl-C in a terminal reaches the whole process group, and the launcher
+  alone decides the shutdown order (it sends `Shutdown`, then joins, then escalates);
+- an exception escaping `target` is logged with its traceback and the child exits with
+  status 1; the launcher sees the dead child, logs it and exits non-zero itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+LOG_FORMAT = "%(asctime)s %(processName)s %(levelname)s %(name)s: %(message)s"
+PARENT_POLL_MS = 1000  # how often an idle child checks that its launcher still lives
+
+logger = logging.getLogger("radixserve.server")
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
+
+
+def child_main(name: str, log_level: str, target: Callable[..., None], *args: Any) -> None:
+    """Entry point of a spawned child; `target(*args)` is its real main."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_logging(log_level)
+    try:
+        target(*args)
+    except BaseException:
+        logger.exception("%s process crashed", name)
+        logging.shutdown()
+        sys.exit(1)
+    logger.info("%s process exited cleanly", name)
+
+
+class ParentWatch:
+    """Detects that the launcher died (we were re-parented), so a child never outlives it."""
+
+    def __init__(self) -> None:
+        self._ppid = os.getppid()
+
+    def parent_alive(self) -> bool:
+        return os.getppid() == self._ppid

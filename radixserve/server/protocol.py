@@ -1,0 +1,147 @@
+"""Strict request parsing at the HTTP edge: every refusal is an `ApiError` naming the field.
+
+Type rules (the same as `SamplingParams.from_dict`): bool is not an int, an int is accepted
+where a float is expected, null means "the default". Unknown fields are refused, except a
+few SGLang fields that its clients send with empty values (`ACCEPTED_IF_EMPTY`): those are
+accepted when empty and refused as unsupported otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from starlette.requests import Request
+
+MAX_BODY_BYTES = 8 * 2**20  # larger bodies get 413 (a 128k-token prompt is ~1 MiB of JSON)
+
+# SGLang request fields we do not implement but its clients send empty (bench_serving sends
+# "lora_path": null, "image_data": null, ...). Accepted when null/false/""/[]/{}.
+ACCEPTED_IF_EMPTY = frozenset(
+    {
+        "lora_path",
+        "image_data",
+        "video_data",
+        "audio_data",
+        "modalities",
+        "return_hidden_states",
+        "return_routed_experts",
+        "custom_logit_processor",
+        "data_parallel_rank",
+        "session_params",
+        "stream_options",
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+    }
+)
+
+
+class ApiError(Exception):
+    """An HTTP error response: status, a message saying what to fix, the offending field."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}
+        }
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+async def read_json(request: Request, limit: int = MAX_BODY_BYTES) -> dict[str, Any]:
+    """The request body as a JSON object; 413 past `limit` bytes, 400 if not a JSON object."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():  # also bounds chunked bodies with no length header
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"invalid JSON body: {e}") from e
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def check_fields(body: Mapping[str, Any], allowed: frozenset[str] | set[str]) -> None:
+    for name in body:
+        if name in allowed:
+            continue
+        if name in ACCEPTED_IF_EMPTY:
+            if body[name] in (None, False, "", [], {}):
+                continue
+            raise bad(f"{name} is not supported by this server", name)
+        raise bad(f"unknown field {name!r}", name)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(float(v))  # type: ignore[arg-type]
+
+
+_CHECKS: dict[str, tuple[Any, str]] = {
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "int": (_is_int, "an integer"),
+    "number": (_is_number, "a number"),
+    "bool": (lambda v: isinstance(v, bool), "a boolean"),
+    "dict": (lambda v: isinstance(v, dict), "an object"),
+    "list": (lambda v: isinstance(v, list), "a list"),
+    "int_list": (lambda v: isinstance(v, list) and all(map(_is_int, v)), "a list of integers"),
+    "str_list": (
+        lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+        "a list of strings",
+    ),
+}
+
+
+def get(body: Mapping[str, Any], name: str, kind: str, default: Any = None) -> Any:
+    """`body[name]` checked against `kind` (a key of _CHECKS); null or absent -> default."""
+    value = body.get(name)
+    if value is None:
+        return default
+    check, expected = _CHECKS[kind]
+    if not check(value):
+        raise bad(f"{name} must be {expected}, got {_show(value)}", name)
+    return value
+
+
+def get_int(body: Mapping[str, Any], name: str, default: int, lo: int, hi: int | None) -> int:
+    value: int = get(body, name, "int", default)
+    if value < lo or (hi is not None and value > hi):
+        allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise bad(f"{name} must be {allowed}, got {value}", name)
+    return value
+
+
+def _show(value: object) -> str:
+    s = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
+    return s if len(s) <= 60 else s[:57] + "..."

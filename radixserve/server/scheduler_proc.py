@@ -1,0 +1,190 @@
+"""The scheduler process: hosts the Scheduler (and with it the model worker and KV pool).
+
+Loop, as designed: receive -> schedule + forward (`Scheduler.step`) -> send outputs.
+
+    while not stopping:
+        messages = all pending (block up to 1 s only when the scheduler has no work)
+        dispatch each message             # add / abort / flush / info / shutdown
+        if has_work: send(step())         # one batch
+        elif it just went idle: check_integrity()
+
+Requests are accepted or refused at once: a refusal is a `RequestError` (400 for a request
+that can never run, 503 when the waiting queue is full) and the request holds nothing.
+`active` counts, per accepted rid, the samples that have not finished yet, so aborts of
+unknown or finished rids are ignored and /get_server_info can report in-flight requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from radixserve.config import EngineConfig
+from radixserve.message.ipc import Inbox, IpcPaths, Outbox
+from radixserve.message.messages import (
+    AbortReq,
+    AnyMessage,
+    FlushCacheReq,
+    FlushCacheResp,
+    RequestError,
+    SampleBatch,
+    SampleDelta,
+    SchedulerReady,
+    ServerInfoReq,
+    ServerInfoResp,
+    Shutdown,
+    TokenizedReq,
+)
+from radixserve.sampling.params import SamplingParams
+from radixserve.scheduler.io import SampleOutput, TokenizedRequest
+from radixserve.scheduler.scheduler import QueueFullError, Scheduler
+from radixserve.server.procutil import PARENT_POLL_MS, ParentWatch
+
+logger = logging.getLogger("radixserve.scheduler_proc")
+
+
+def to_wire(o: SampleOutput) -> SampleDelta:
+    """SampleOutput -> its IPC form (logprob entries gain a text slot, filled later)."""
+    return SampleDelta(
+        rid=o.rid,
+        index=o.index,
+        token_ids=list(o.new_token_ids),
+        finish_reason=o.finish_reason,
+        prompt_tokens=o.prompt_tokens,
+        completion_tokens=o.completion_tokens,
+        cached_tokens=o.cached_tokens,
+        output_logprobs=[(lp, t, None) for lp, t in o.output_logprobs],
+        output_top_logprobs=[[(lp, t, None) for lp, t in top] for top in o.output_top_logprobs],
+        input_logprobs=[(lp, t, None) for lp, t in o.input_logprobs],
+        input_top_logprobs=[[(lp, t, None) for lp, t in top] for top in o.input_top_logprobs],
+    )
+
+
+class SchedulerLoop:
+    def __init__(self, sched: Scheduler, inbox: Inbox, out: Outbox, watch: ParentWatch) -> None:
+        self.sched = sched
+        self.inbox = inbox
+        self.out = out
+        self.watch = watch
+        self.active: dict[str, int] = {}  # rid -> samples not finished yet
+        self.stopping = False
+        self.dispatch = {
+            TokenizedReq: self.on_request,
+            AbortReq: self.on_abort,
+            FlushCacheReq: self.on_flush,
+            ServerInfoReq: self.on_info,
+            Shutdown: self.on_shutdown,
+        }
+
+    def run(self) -> None:
+        was_busy = False
+        last_parent_check = time.monotonic()
+        while not self.stopping:
+            for msg in self.receive(block=not self.sched.has_work()):
+                self.handle(msg)
+            if self.stopping:
+                break
+            busy = self.sched.has_work()
+            if busy:
+                self.send_outputs(self.sched.step())
+            elif was_busy:
+                self.sched.check_integrity()  # every time it drains: free+cached+locked == pool
+            was_busy = busy
+            if time.monotonic() - last_parent_check > PARENT_POLL_MS / 1000:
+                last_parent_check = time.monotonic()
+                self.stopping = self.stopping or not self._parent_alive()
+
+    def receive(self, block: bool) -> list[AnyMessage]:
+        if not block:
+            return self.inbox.recv_all_nowait()
+        first = self.inbox.recv(PARENT_POLL_MS)
+        if first is None:
+            self.stopping = not self._parent_alive()
+            return []
+        return [first, *self.inbox.recv_all_nowait()]
+
+    def handle(self, msg: AnyMessage) -> None:
+        handler = self.dispatch.get(type(msg))
+        assert handler is not None, f"scheduler process got unexpected {type(msg).__name__}"
+        handler(msg)  # type: ignore[operator]
+
+    def _parent_alive(self) -> bool:
+        alive = self.watch.parent_alive()
+        if not alive:
+            logger.warning("launcher is gone: scheduler process exits")
+        return alive
+
+    # ---------------------------------------------------------------- handlers
+
+    def on_request(self, msg: TokenizedReq) -> None:
+        if msg.rid in self.active:
+            self.out.send(RequestError(msg.rid, 400, f"rid: {msg.rid!r} is already in use"))
+            return
+        try:
+            sampling = SamplingParams.from_dict(msg.sampling)
+            self.sched.add_request(
+                TokenizedRequest(
+                    rid=msg.rid,
+                    input_ids=msg.input_ids,
+                    sampling=sampling,
+                    return_logprob=msg.return_logprob,
+                    logprob_start_len=msg.logprob_start_len,
+                    top_logprobs_num=msg.top_logprobs_num,
+                    stream=msg.stream,
+                )
+            )
+        except QueueFullError as e:
+            self.out.send(RequestError(msg.rid, 503, str(e)))
+        except ValueError as e:
+            self.out.send(RequestError(msg.rid, 400, str(e)))
+        else:
+            self.active[msg.rid] = sampling.n
+
+    def on_abort(self, msg: AbortReq) -> None:
+        if msg.rid in self.active:  # its final 'abort' outputs come from the next step()
+            self.sched.abort_request(msg.rid)
+
+    def on_flush(self, msg: FlushCacheReq) -> None:
+        self.out.send(FlushCacheResp(msg.seq, self.sched.flush_cache()))
+
+    def on_info(self, msg: ServerInfoReq) -> None:
+        self.out.send(ServerInfoResp(msg.seq, self.sched.stats(), len(self.active)))
+
+    def on_shutdown(self, msg: Shutdown) -> None:
+        self.stopping = True
+
+    def send_outputs(self, outputs: list[SampleOutput]) -> None:
+        if not outputs:
+            return
+        for o in outputs:
+            if o.finished and o.rid in self.active:
+                self.active[o.rid] -= 1
+                if self.active[o.rid] == 0:
+                    del self.active[o.rid]
+        self.out.send(SampleBatch([to_wire(o) for o in outputs]))
+
+
+def run_scheduler_process(config: EngineConfig, ipc: IpcPaths) -> None:
+    """Main of the scheduler process (run under `procutil.child_main`)."""
+    watch = ParentWatch()
+    ctx = zmq.Context()
+    inbox = Inbox(ctx, ipc.scheduler)
+    out = Outbox(ctx, ipc.tokenizer)
+    try:
+        sched = Scheduler(config)
+        info = sched.model_info
+        logger.info(
+            "scheduler ready: model %s, dtype %s, KV capacity %d tokens, backend %s",
+            info.model_path,
+            info.dtype,
+            info.kv_capacity_tokens,
+            info.attention_backend,
+        )
+        out.send(SchedulerReady(info))
+        SchedulerLoop(sched, inbox, out, watch).run()
+    finally:
+        inbox.close()
+        out.close()
+        ctx.term()

@@ -1,0 +1,1 @@
+"""Tokenizer process: tokenize, chat template, incremental detokenize, stop-string trimming."""

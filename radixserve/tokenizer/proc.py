@@ -1,0 +1,216 @@
+"""The tokenizer process: text <-> token ids between the api server and the scheduler.
+
+Loop: block on the inbox (1 s at a time, to notice a dead launcher) -> dispatch by message
+type. Requests flow api -> here -> scheduler; outputs flow scheduler -> here -> api. Per
+request it keeps one `IncrementalDetokenizer` per sample, created on the sample's first
+output and dropped when the last of its `n` samples finishes (or the request is refused).
+
+Start-up handshake: wait for `SchedulerReady` (the scheduler resolved/converted the model,
+so the tokenizer path is known), load the tokenizer, send `TokenizerReady` to the api server.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from radixserve.message.ipc import Inbox, IpcPaths, Outbox
+from radixserve.message.messages import (
+    AbortReq,
+    AnyMessage,
+    FlushCacheReq,
+    FlushCacheResp,
+    GenerateReq,
+    RequestError,
+    SampleBatch,
+    SampleDelta,
+    SchedulerReady,
+    ServerInfoReq,
+    ServerInfoResp,
+    Shutdown,
+    TokenizedReq,
+    TokenizerReady,
+    WireLogprob,
+)
+from radixserve.models.loader import load_tokenizer
+from radixserve.sampling.params import SamplingParams
+from radixserve.scheduler.api import ModelInfo
+from radixserve.server.procutil import PARENT_POLL_MS, ParentWatch
+from radixserve.tokenizer.chat import render_chat
+from radixserve.tokenizer.detokenize import IncrementalDetokenizer
+
+logger = logging.getLogger("radixserve.tokenizer")
+
+
+@dataclass
+class _ReqState:
+    n: int
+    sampling: SamplingParams
+    prompt_ids: list[int]
+    want_texts: bool  # return_text_in_logprobs
+    detoks: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
+    finished: int = 0
+
+
+class TokenizerWorker:
+    """Everything the tokenizer process does, minus the sockets' lifetime."""
+
+    def __init__(self, tokenizer: Any, info: ModelInfo, to_sched: Outbox, to_api: Outbox) -> None:
+        self.tok = tokenizer
+        self.info = info
+        self.to_sched = to_sched
+        self.to_api = to_api
+        self.reqs: dict[str, _ReqState] = {}
+        self.dispatch = {
+            GenerateReq: self.on_generate,
+            AbortReq: to_sched.send,
+            FlushCacheReq: to_sched.send,
+            ServerInfoReq: to_sched.send,
+            SampleBatch: self.on_samples,
+            RequestError: self.on_error,
+            FlushCacheResp: to_api.send,
+            ServerInfoResp: to_api.send,
+        }
+
+    def handle(self, msg: AnyMessage) -> None:
+        handler = self.dispatch.get(type(msg))
+        assert handler is not None, f"tokenizer process got unexpected {type(msg).__name__}"
+        handler(msg)  # type: ignore[operator]
+
+    # ---------------------------------------------------------------- requests
+
+    def on_generate(self, req: GenerateReq) -> None:
+        try:
+            ids, sampling = self._prepare(req)
+        except ValueError as e:
+            self.to_api.send(RequestError(req.rid, 400, str(e)))
+            return
+        self.reqs[req.rid] = _ReqState(
+            sampling.n, sampling, ids, req.return_logprob and req.return_text_in_logprobs
+        )
+        self.to_sched.send(
+            TokenizedReq(
+                req.rid,
+                ids,
+                sampling.to_dict(),
+                req.return_logprob,
+                req.logprob_start_len,
+                req.top_logprobs_num,
+                req.stream,
+            )
+        )
+
+    def _prepare(self, req: GenerateReq) -> tuple[list[int], SamplingParams]:
+        """Token ids and parsed sampling parameters; ValueError names the bad field."""
+        if req.messages is not None:
+            ids = render_chat(self.tok, req.messages)
+        elif req.text is not None:
+            ids = list(self.tok.encode(req.text))
+        else:
+            ids = list(req.input_ids or [])
+        if not ids:
+            raise ValueError("text: the prompt is empty")
+        sampling = dict(req.sampling)
+        if req.max_new_tokens_auto:
+            room = min(self.info.context_len, self.info.kv_capacity_tokens) - len(ids)
+            if room < 1:
+                raise ValueError(
+                    f"messages: the prompt ({len(ids)} tokens) leaves no room for output "
+                    f"(context {self.info.context_len}, KV pool "
+                    f"{self.info.kv_capacity_tokens} tokens)"
+                )
+            sampling["max_new_tokens"] = room
+        params = SamplingParams.from_dict(sampling)
+        params.validate(self.info.vocab_size)
+        return ids, params
+
+    def on_error(self, err: RequestError) -> None:
+        self.reqs.pop(err.rid, None)
+        self.to_api.send(err)
+
+    # ---------------------------------------------------------------- outputs
+
+    def on_samples(self, batch: SampleBatch) -> None:
+        out = [self._detokenize(d) for d in batch.outputs if d.rid in self.reqs]
+        if len(out) != len(batch.outputs):
+            logger.warning("dropped %d outputs of unknown requests", len(batch.outputs) - len(out))
+        if out:
+            self.to_api.send(SampleBatch(out))
+
+    def _detokenize(self, d: SampleDelta) -> SampleDelta:
+        state = self.reqs[d.rid]
+        detok = state.detoks.get(d.index)
+        if detok is None:
+            sp = state.sampling
+            detok = state.detoks[d.index] = IncrementalDetokenizer(
+                self.tok,
+                prompt_ids=state.prompt_ids,
+                skip_special_tokens=sp.skip_special_tokens,
+                spaces_between_special_tokens=sp.spaces_between_special_tokens,
+                stop=sp.stop,
+            )
+        d.text = detok.add(d.token_ids)
+        if d.finish_reason is not None:
+            d.text += detok.finish(d.finish_reason)
+            state.finished += 1
+            if state.finished == state.n:
+                del self.reqs[d.rid]
+        if state.want_texts:
+            d.output_logprobs = self._with_text(d.output_logprobs)
+            d.input_logprobs = self._with_text(d.input_logprobs)
+            d.output_top_logprobs = [self._with_text(t) for t in d.output_top_logprobs]
+            d.input_top_logprobs = [self._with_text(t) for t in d.input_top_logprobs]
+        return d
+
+    def _with_text(self, entries: list[WireLogprob]) -> list[WireLogprob]:
+        return [(lp, tid, self.tok.decode([tid])) for lp, tid, _ in entries]
+
+
+def run_tokenizer_process(ipc: IpcPaths) -> None:
+    """Main of the tokenizer process (run under `procutil.child_main`)."""
+    watch = ParentWatch()
+    ctx = zmq.Context()
+    inbox = Inbox(ctx, ipc.tokenizer)
+    to_sched, to_api = Outbox(ctx, ipc.scheduler), Outbox(ctx, ipc.api)
+    try:
+        ready = _wait_for_scheduler(inbox, watch)
+        if ready is None:  # shut down (or orphaned) during start-up: pass it on
+            to_sched.send(Shutdown())
+            return
+        tokenizer = load_tokenizer(ready.model_info.tokenizer_path)
+        worker = TokenizerWorker(tokenizer, ready.model_info, to_sched, to_api)
+        to_api.send(TokenizerReady(ready.model_info))
+        logger.info("tokenizer ready (%s)", ready.model_info.tokenizer_path)
+        _serve(inbox, worker, watch)
+    finally:
+        for s in (inbox, to_sched, to_api):
+            s.close()
+        ctx.term()
+
+
+def _wait_for_scheduler(inbox: Inbox, watch: ParentWatch) -> SchedulerReady | None:
+    while watch.parent_alive():
+        msg = inbox.recv(PARENT_POLL_MS)
+        if isinstance(msg, Shutdown):
+            return None
+        if msg is not None:
+            assert isinstance(msg, SchedulerReady), f"expected SchedulerReady, got {msg!r}"
+            return msg
+    return None
+
+
+def _serve(inbox: Inbox, worker: TokenizerWorker, watch: ParentWatch) -> None:
+    while True:
+        msg = inbox.recv(PARENT_POLL_MS)
+        if msg is None:
+            if not watch.parent_alive():
+                logger.warning("launcher is gone: tokenizer process exits")
+                return
+            continue
+        if isinstance(msg, Shutdown):
+            worker.to_sched.send(msg)
+            return
+        worker.handle(msg)

@@ -1,0 +1,76 @@
+"""Test-side drivers that run a model through ForwardBatch + KVPool without a scheduler.
+
+Single request, no radix tree (paths=[[]]): the request's KV slots are allocated up front,
+slot i holding position i. Import from tests as `from tests.helpers import ...` or
+`from helpers import ...` (pytest puts tests/ on sys.path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.attention.base import AttentionBackend
+from radixserve.engine.batch import ForwardBatch
+from radixserve.kvcache.pool import KVPool
+from radixserve.models.llama import LlamaForCausalLM
+
+
+def make_pool(model: LlamaForCausalLM, num_tokens: int) -> KVPool:
+    """A KV pool for `num_tokens` tokens (+ scratch slot 0) in the model's dtype."""
+    cfg = model.config
+    dtype = model.model.embed_tokens.weight.dtype
+    return KVPool(num_tokens + 1, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+
+def extend(
+    model: LlamaForCausalLM,
+    backend: AttentionBackend,
+    pool: KVPool,
+    slots: torch.Tensor,  # (>= start + len(token_ids),) KV slot of every position
+    token_ids: list[int],
+    start: int,
+) -> torch.Tensor:
+    """Feed `token_ids` at positions start.. of one request -> logits (len(token_ids), vocab).
+
+    Positions 0..start-1 must already be in `pool` at `slots[:start]`; writes the new K/V.
+    """
+    n = len(token_ids)
+    end = start + n
+    batch = ForwardBatch(
+        input_ids=torch.tensor(token_ids, dtype=torch.int64),
+        positions=torch.arange(start, end, dtype=torch.int64),
+        out_cache_loc=slots[start:end],
+        seq_lens=[end],
+        extend_lens=[n],
+        kv_indices=[slots[:end]],
+        paths=[[]],
+        kv_pool=pool,
+    )
+    backend.plan(batch)
+    return model.compute_logits(model.forward(batch, backend))
+
+
+def greedy_generate(
+    model: LlamaForCausalLM,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    backend: AttentionBackend,
+    eos_ids: tuple[int, ...] = (),
+) -> list[int]:
+    """Greedy (argmax) continuation: one prefill, then one decode step per new token.
+
+    Stops after `max_new_tokens` or right after emitting a token in `eos_ids` (included in the
+    result, as HF generate does). Returns only the new tokens.
+    """
+    total = len(prompt_ids) + max_new_tokens
+    pool = make_pool(model, total)
+    slots = pool.alloc(total)
+    assert slots is not None
+    logits = extend(model, backend, pool, slots, prompt_ids, 0)
+    out: list[int] = []
+    while True:
+        token = int(logits[-1].argmax())
+        out.append(token)
+        if len(out) == max_new_tokens or token in eos_ids:
+            return out
+        logits = extend(model, backend, pool, slots, [token], len(prompt_ids) + len(out) - 1)

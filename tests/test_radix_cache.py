@@ -1,0 +1,496 @@
+"""RadixCache: exact unit cases (splits, duplicates, locks, LRU order) and a seeded
+state-machine property test against a plain dict model, with check_integrity after every step.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from radixserve.kvcache.pool import KVPool
+from radixserve.kvcache.radix import MatchResult, RadixCache, TreeNode
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_pool(capacity: int) -> KVPool:
+    return KVPool(capacity + 1, num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32)
+
+
+def slots(pool: KVPool, n: int) -> torch.Tensor:
+    out = pool.alloc(n)
+    assert out is not None, f"test pool too small for {n} (free {pool.num_free})"
+    return out
+
+
+def free_set(pool: KVPool) -> set[int]:
+    """The pool's free slots, read through its public API (take all, give all back)."""
+    taken = pool.alloc(pool.num_free)
+    assert taken is not None
+    pool.free(taken)
+    return set(taken.tolist())
+
+
+def path_slots(node: TreeNode) -> list[int]:
+    """Concatenated values from the root down to `node`, by walking parent links."""
+    parts: list[list[int]] = []
+    while node.parent is not None:
+        parts.append(node.value.tolist())
+        node = node.parent
+    return [s for part in reversed(parts) for s in part]
+
+
+# -- exact cases ---------------------------------------------------------------------------
+
+
+def test_insert_then_match_returns_stored_slots() -> None:
+    pool = make_pool(16)
+    cache = RadixCache(pool)
+    kv = slots(pool, 4)
+    res = cache.insert([5, 6, 7, 8], kv)
+    assert res.indices.tolist() == kv.tolist() and res.last_node is not cache.root
+    cache.check_integrity()
+    assert cache.match_prefix([5, 6, 7, 8, 9]).indices.tolist() == kv.tolist()
+    assert cache.match_prefix([5, 6]).indices.tolist() == kv[:2].tolist()
+    miss = cache.match_prefix([6, 5])
+    assert miss.indices.numel() == 0 and miss.last_node is cache.root
+    empty = cache.match_prefix([])
+    assert empty.indices.dtype == torch.int64 and empty.last_node is cache.root
+    assert (cache.evictable_size, cache.locked_size, cache.total_size) == (4, 0, 4)
+    cache.check_integrity()
+
+
+def test_match_inside_edge_splits_and_id_stays_with_lower_half() -> None:
+    pool = make_pool(16)
+    cache = RadixCache(pool)
+    kv = slots(pool, 5)
+    leaf = cache.insert([1, 2, 3, 4, 5], kv).last_node
+    leaf_id = leaf.id
+    m = cache.match_prefix([1, 2, 9])
+    upper = m.last_node
+    assert m.indices.tolist() == kv[:2].tolist()
+    assert upper.key == [1, 2] and upper.value.tolist() == kv[:2].tolist()
+    # The original object keeps its id and the lower half; the upper half is new.
+    assert leaf.id == leaf_id and leaf.key == [3, 4, 5] and leaf.parent is upper
+    assert upper.id != leaf_id and upper.id > leaf_id
+    assert cache.path(leaf) == [(upper.id, 2), (leaf_id, 3)]
+    assert cache.path(upper) == [(upper.id, 2)]
+    assert cache.path(cache.root) == []
+    cache.check_integrity()
+
+
+def test_insert_frees_duplicate_slots_and_returns_tree_slots() -> None:
+    pool = make_pool(16)
+    cache = RadixCache(pool)
+    a = slots(pool, 3)
+    cache.insert([1, 2, 3], a)
+    b = slots(pool, 4)
+    res = cache.insert([1, 2, 4, 5], b)  # [1, 2] already cached: b[:2] are duplicates
+    assert res.indices.tolist() == a[:2].tolist() + b[2:].tolist()
+    assert res.last_node.key == [4, 5]
+    assert set(b[:2].tolist()) <= free_set(pool)
+    assert pool.num_free == 16 - 5 and cache.total_size == 5
+    # Fully cached insert: all slots freed, the node ending at the last token returned.
+    c = slots(pool, 2)
+    again = cache.insert([1, 2], c)
+    assert again.indices.tolist() == a[:2].tolist() and again.last_node.key == [1, 2]
+    assert pool.num_free == 11
+    cache.check_integrity()
+
+
+def test_insert_keeps_slots_that_are_already_the_trees() -> None:
+    """Scheduler pattern: match, compute the rest, insert [tree slots | new slots]."""
+    pool = make_pool(16)
+    cache = RadixCache(pool)
+    a = slots(pool, 4)
+    cache.insert([1, 2, 3, 4], a)
+    m = cache.match_prefix([1, 2, 3, 7, 8])
+    cache.lock(m.last_node)
+    new = slots(pool, 2)
+    own = torch.cat([m.indices, new])
+    cache.check_integrity(in_use_elsewhere=2)
+    res = cache.insert([1, 2, 3, 7, 8], own)
+    assert res.indices.tolist() == own.tolist()
+    assert pool.num_free == 16 - 6  # nothing freed: no duplicates
+    cache.lock(res.last_node)
+    cache.unlock(m.last_node)
+    assert cache.locked_size == 5 and cache.evictable_size == 1
+    cache.check_integrity()
+    # Mixed: matched 2 tree slots, then another request cached [.., 3, 7]; 2 of ours duplicate.
+    mine = torch.cat([a[:2], slots(pool, 3)])
+    res2 = cache.insert([1, 2, 3, 7, 9], mine)
+    assert res2.indices.tolist() == own[:4].tolist() + mine[4:].tolist()
+    assert pool.num_free == 16 - 7
+    cache.check_integrity()
+
+
+def test_split_keeps_locks_on_both_halves_and_locked_paths_stay_correct() -> None:
+    pool = make_pool(32)
+    cache = RadixCache(pool)
+    kv = slots(pool, 6)
+    node = cache.insert([1, 2, 3, 4, 5, 6], kv).last_node
+    cache.lock(node)
+    cache.lock(node)
+    assert cache.locked_size == 6 and cache.evictable_size == 0
+    cache.insert([1, 2, 3, 9], slots(pool, 4))  # splits after 3 tokens
+    cache.match_prefix([1, 7])  # splits after 1 token
+    assert node.key == [4, 5, 6] and node.lock_ref == 2
+    assert [n for _, n in cache.path(node)] == [1, 2, 3]
+    assert path_slots(node) == kv.tolist()
+    mid = node.parent
+    assert mid is not None and mid.lock_ref == 2 and mid.key == [2, 3]
+    assert mid.parent is not None and mid.parent.lock_ref == 2 and mid.parent.key == [1]
+    assert cache.locked_size == 6 and cache.evictable_size == 1
+    cache.check_integrity(in_use_elsewhere=0)
+    cache.unlock(node)
+    assert mid.lock_ref == 1
+    cache.unlock(node)
+    assert (cache.locked_size, cache.evictable_size) == (0, 7)
+    with pytest.raises(AssertionError, match="unlocked"):
+        cache.unlock(node)
+
+
+def test_lru_eviction_order_is_exact() -> None:
+    pool = make_pool(16)
+    clock = ManualClock()
+    cache = RadixCache(pool, clock=clock)
+    clock.t = 1
+    a = slots(pool, 3)
+    cache.insert([1, 2, 3], a)
+    clock.t = 2
+    b = slots(pool, 2)
+    cache.insert([4, 5], b)
+    clock.t = 3
+    c = slots(pool, 3)
+    cache.insert([1, 2, 9], c)  # leaves: [3]@1, [4,5]@2, [9]@3; [1,2]@3
+    order = []
+    for want in (1, 1, 1, 1):
+        before = free_set(pool)
+        got = cache.evict(want)
+        order.append((got, sorted(free_set(pool) - before)))
+        cache.check_integrity()
+        if len(order) == 2:
+            clock.t = 4
+            cache.match_prefix([1, 2])  # refresh [1,2]; [9] stays @3
+    assert order == [
+        (1, [int(a[2])]),
+        (2, sorted(b.tolist())),
+        (1, [int(c[2])]),  # [1,2] is not a leaf until [9] is gone
+        (2, sorted(a[:2].tolist())),
+    ]
+    assert cache.evict(5) == 0 and pool.num_free == 16
+
+
+def test_parent_becomes_candidate_only_after_children() -> None:
+    pool = make_pool(16)
+    clock = ManualClock()
+    cache = RadixCache(pool, clock=clock)
+    clock.t = 10
+    ab = slots(pool, 2)
+    cache.insert([1, 2], ab)
+    clock.t = 5  # non-monotonic on purpose: parent [1,2] and child [3] both @5
+    c = slots(pool, 1)
+    cache.insert([1, 2, 3], torch.cat([ab, c]))  # [1,2] slots are the tree's own
+    clock.t = 7
+    seven = slots(pool, 1)
+    cache.insert([7], seven)
+    before = free_set(pool)
+    # The parent ties the child on time and has the lower id, yet only leaves are candidates.
+    assert cache.evict(1) == 1
+    assert free_set(pool) - before == {int(c[0])}
+    before = free_set(pool)
+    assert cache.evict(1) == 2  # now a leaf: [1,2]@5 goes before [7]@7
+    assert free_set(pool) - before == set(ab.tolist())
+    assert cache.match_prefix([7]).indices.tolist() == seven.tolist()
+    cache.check_integrity()
+    # evict(2) on a fresh chain frees child then parent in one call.
+    cache.insert([4, 5], slots(pool, 2))
+    cache.insert([4, 5, 6], slots(pool, 3))
+    clock.t = 20
+    cache.match_prefix([7])
+    assert cache.evict(2) == 3 and cache.match_prefix([4]).indices.numel() == 0
+    assert cache.total_size == 1
+    cache.check_integrity()
+
+
+def test_locked_nodes_are_never_evicted() -> None:
+    pool = make_pool(16)
+    cache = RadixCache(pool)
+    kv = slots(pool, 3)
+    cache.insert([1, 2, 3], kv)
+    cache.insert([1, 2, 4], slots(pool, 3))
+    cache.insert([5], slots(pool, 1))
+    m = cache.match_prefix([1, 2, 3])
+    cache.lock(m.last_node)
+    assert (cache.locked_size, cache.evictable_size) == (3, 2)
+    assert cache.evict(100) == 2
+    assert cache.match_prefix([1, 2, 3]).indices.tolist() == kv.tolist()
+    assert cache.match_prefix([1, 2, 4]).indices.numel() == 2
+    assert cache.evict(100) == 0
+    cache.check_integrity()
+    cache.unlock(m.last_node)
+    assert cache.evict(1) == 1 and cache.evict(1) == 2  # leaf [3], then its parent [1,2]
+    assert pool.num_free == pool.capacity
+    with pytest.raises(AssertionError, match="not in the tree"):
+        cache.lock(m.last_node)
+
+
+def test_flush_frees_everything_and_refuses_while_locked() -> None:
+    pool = make_pool(16)
+    cache = RadixCache(pool)
+    node = cache.insert([1, 2, 3], slots(pool, 3)).last_node
+    cache.insert([1, 4], slots(pool, 2))
+    cache.lock(node)
+    with pytest.raises(AssertionError, match="locked"):
+        cache.flush()
+    cache.unlock(node)
+    cache.flush()
+    assert pool.num_free == pool.capacity and cache.total_size == 0
+    assert cache.match_prefix([1, 2, 3]).last_node is cache.root
+    cache.check_integrity()
+    new = cache.insert([1], slots(pool, 1)).last_node
+    assert new.id > node.id  # ids never reused
+
+
+def test_disable_mode_frees_on_insert_and_never_matches() -> None:
+    pool = make_pool(8)
+    cache = RadixCache(pool, disable=True)
+    kv = slots(pool, 5)
+    res = cache.insert([1, 2, 3, 4, 5], kv)
+    assert res.indices.numel() == 0 and res.last_node is cache.root
+    assert pool.num_free == 8
+    assert cache.match_prefix([1, 2, 3]).last_node is cache.root
+    cache.lock(cache.root)
+    cache.unlock(cache.root)
+    assert cache.evict(10) == 0 and cache.total_size == 0
+    held = slots(pool, 2)
+    cache.check_integrity(in_use_elsewhere=2)
+    pool.free(held)
+    cache.flush()
+    cache.check_integrity()
+
+
+def test_check_integrity_detects_leaks_and_bad_slots() -> None:
+    pool = make_pool(8)
+    cache = RadixCache(pool)
+    cache.insert([1, 2], slots(pool, 2))
+    leaked = slots(pool, 1)  # held by nobody the cache is told about
+    with pytest.raises(AssertionError, match="capacity"):
+        cache.check_integrity()
+    cache.check_integrity(in_use_elsewhere=1)
+    pool.free(leaked)
+    node = cache.match_prefix([1, 2]).last_node
+    pool.free(node.value[:1])  # a tree slot wrongly returned to the pool
+    with pytest.raises(AssertionError, match="free in pool"):
+        cache.check_integrity()
+
+
+def test_insert_rejects_mismatched_slots() -> None:
+    pool = make_pool(8)
+    cache = RadixCache(pool)
+    with pytest.raises(AssertionError, match="kv_indices"):
+        cache.insert([1, 2, 3], slots(pool, 2))
+    with pytest.raises(AssertionError, match="kv_indices"):
+        cache.insert([1], torch.tensor([1], dtype=torch.int32))
+
+
+def test_long_sequences_random_ops_stay_consistent() -> None:
+    """Seeded random workload with long shared prefixes (exercises the whole-edge fast path)."""
+    rng = random.Random(1234)
+    pool = make_pool(4000)
+    cache = RadixCache(pool)
+    bases = [[rng.randrange(50) for _ in range(300)] for _ in range(4)]
+    for _ in range(150):
+        seq = rng.choice(bases)[: rng.randrange(1, 300)] + [
+            rng.randrange(3) for _ in range(rng.randrange(0, 40))
+        ]
+        m = cache.match_prefix(seq)
+        if not pool.can_alloc(len(seq) - len(m.indices)):
+            cache.evict(len(seq))
+            m = cache.match_prefix(seq)
+        new = slots(pool, len(seq) - len(m.indices))
+        res = cache.insert(seq, torch.cat([m.indices, new]))
+        assert res.indices[: len(m.indices)].tolist() == m.indices.tolist()
+        assert cache.match_prefix(seq).indices.tolist() == res.indices.tolist()
+    cache.check_integrity()
+    cache.flush()
+    assert pool.num_free == pool.capacity
+
+
+# -- state machine against a dict model ----------------------------------------------------
+
+CAPACITY = 24
+TOKENS = st.lists(st.integers(0, 2), min_size=0, max_size=7)
+
+
+@dataclass
+class Request:
+    tokens: list[int]
+    node: TreeNode  # locked; covers tokens[: len(tree_slots)]
+    tree_slots: torch.Tensor
+    own: torch.Tensor  # slots of tokens[len(tree_slots):], held outside the tree
+    extra: list[int] = field(default_factory=list)
+
+
+class RadixMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = make_pool(CAPACITY)
+        self.cache = RadixCache(self.pool)
+        self.model: dict[tuple[int, ...], int] = {}  # cached token prefix -> KV slot of its last
+        self.locks: list[tuple[TreeNode, list[int]]] = []
+        self.requests: list[Request] = []
+
+    def expected(self, tokens: list[int]) -> list[int]:
+        out = []
+        for i in range(len(tokens)):
+            slot = self.model.get(tuple(tokens[: i + 1]))
+            if slot is None:
+                break
+            out.append(slot)
+        return out
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        if not self.pool.can_alloc(n):
+            self.checked_evict(n - self.pool.num_free)
+        return self.pool.alloc(n)
+
+    def record_insert(self, tokens: list[int], kv: torch.Tensor) -> MatchResult:
+        """Insert and check the result against the model, then update the model."""
+        free_before = self.pool.num_free
+        want, dups = [], 0
+        for i, slot in enumerate(kv.tolist()):
+            cached = self.model.setdefault(tuple(tokens[: i + 1]), slot)
+            dups += cached != slot
+            want.append(cached)
+        res = self.cache.insert(tokens, kv)
+        assert res.indices.tolist() == want
+        assert self.pool.num_free == free_before + dups
+        assert sum(n for _, n in self.cache.path(res.last_node)) == len(tokens)
+        return res
+
+    def checked_evict(self, n: int) -> None:
+        evictable, before = self.cache.evictable_size, free_set(self.pool)
+        freed = self.cache.evict(n)
+        newly = free_set(self.pool) - before
+        assert len(newly) == freed
+        assert freed >= n if evictable >= n else freed == evictable
+        gone = {p for p, s in self.model.items() if s in newly}
+        assert len(gone) == freed
+        # Removal is closed under extension: a prefix goes only with everything below it.
+        for p in gone:
+            assert all(q in gone for q in self.model if q[: len(p)] == p), (p, gone)
+        for p in gone:
+            del self.model[p]
+
+    @rule(tokens=TOKENS)
+    def insert_fresh(self, tokens: list[int]) -> None:
+        kv = self.alloc(len(tokens))
+        if kv is not None:
+            self.record_insert(tokens, kv)
+
+    @rule(tokens=TOKENS)
+    def match(self, tokens: list[int]) -> None:
+        m = self.cache.match_prefix(tokens)
+        assert m.indices.tolist() == self.expected(tokens)
+        assert path_slots(m.last_node) == m.indices.tolist()
+
+    @rule(tokens=TOKENS)
+    def lock(self, tokens: list[int]) -> None:
+        m = self.cache.match_prefix(tokens)
+        self.cache.lock(m.last_node)
+        self.locks.append((m.last_node, tokens[: len(m.indices)]))
+
+    @precondition(lambda self: self.locks)
+    @rule(pick=st.integers(0, 99))
+    def unlock(self, pick: int) -> None:
+        node, _ = self.locks.pop(pick % len(self.locks))
+        self.cache.unlock(node)
+
+    @rule(n=st.integers(0, CAPACITY + 2))
+    def evict(self, n: int) -> None:
+        self.checked_evict(n)
+
+    @rule(tokens=TOKENS.filter(bool))
+    def start_request(self, tokens: list[int]) -> None:
+        m = self.cache.match_prefix(tokens)
+        self.cache.lock(m.last_node)
+        own = self.alloc(len(tokens) - len(m.indices))
+        if own is None:
+            self.cache.unlock(m.last_node)
+            return
+        self.requests.append(Request(tokens, m.last_node, m.indices, own))
+
+    @precondition(lambda self: self.requests)
+    @rule(pick=st.integers(0, 99))
+    def prefill_done(self, pick: int) -> None:
+        """insert(prompt) -> switch to the tree's slots, lock the new node, unlock the old."""
+        req = self.requests[pick % len(self.requests)]
+        res = self.record_insert(req.tokens, torch.cat([req.tree_slots, req.own]))
+        self.cache.lock(res.last_node)
+        self.cache.unlock(req.node)
+        req.node, req.tree_slots, req.own = res.last_node, res.indices, res.indices[:0]
+
+    @precondition(lambda self: self.requests)
+    @rule(pick=st.integers(0, 99), output=TOKENS)
+    def finish_request(self, pick: int, output: list[int]) -> None:
+        """insert(prompt + output) with its slots, then unlock the node it held."""
+        req = self.requests.pop(pick % len(self.requests))
+        out_slots = self.alloc(len(output))
+        if out_slots is None:
+            output, out_slots = [], req.own[:0]
+        kv = torch.cat([req.tree_slots, req.own, out_slots])
+        self.record_insert(req.tokens + output, kv)
+        self.cache.unlock(req.node)
+
+    @precondition(lambda self: not self.locks and not self.requests)
+    @rule()
+    def flush(self) -> None:
+        self.cache.flush()
+        self.model.clear()
+        assert self.pool.num_free == self.pool.capacity
+
+    @invariant()
+    def consistent(self) -> None:
+        self.cache.check_integrity(in_use_elsewhere=sum(r.own.numel() for r in self.requests))
+        assert self.cache.total_size == len(self.model)
+        assert all(p[:-1] in self.model for p in self.model if len(p) > 1)
+        for node, tokens in self.locks:
+            assert node.lock_ref > 0 or node is self.cache.root
+            assert sum(n for _, n in self.cache.path(node)) == len(tokens)
+            assert path_slots(node) == self.expected(tokens)[: len(tokens)]
+        for req in self.requests:
+            assert req.node.lock_ref > 0 or req.node is self.cache.root
+            assert sum(n for _, n in self.cache.path(req.node)) == req.tree_slots.numel()
+            assert path_slots(req.node) == req.tree_slots.tolist()
+            assert self.expected(req.tokens)[: req.tree_slots.numel()] == req.tree_slots.tolist()
+
+    def teardown(self) -> None:
+        for node, _ in self.locks:
+            self.cache.unlock(node)
+        for req in self.requests:
+            self.pool.free(req.own)
+            self.cache.unlock(req.node)
+        self.cache.check_integrity()
+        assert self.cache.locked_size == 0
+        self.cache.flush()
+        assert self.pool.num_free == self.pool.capacity
+        self.cache.check_integrity()
+
+
+RadixMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, derandomize=True
+)
+TestRadixMachine = RadixMachine.TestCase

