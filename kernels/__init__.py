@@ -7,11 +7,108 @@ Hq % Hkv == 0; q/k/v share a dtype; LSE is float32 natural-log of the scaled sco
 - private_attention(q (T,Hq,D), k (S,Hkv,D), v, q_lens, kv_lens, scale) -> out, lse
 - merge_states(outs (N,T,Hq,D), lses (N,T,Hq)) -> out (T,Hq,D), lse (T,Hq)
 
-Implementations: "reference" (readable torch, the oracle).
+Outputs are new tensors (out in q's / outs' dtype); inputs are never modified. A row that sees
+no key (L == 0, or every merged part -inf) gets out 0 and lse -inf.
+
+Implementations, chosen in ONE place with `set_impl` and logged once per resolved choice
+(logger "radixserve.kernels"):
+- "reference": readable torch (kernels/reference.py), the oracle.
+- "cpu": PyTorch's fused CPU flash-attention kernel, GQA-stacked (kernels/cpu.py).
+- "triton": Triton kernels (kernels/triton_ops.py), imported lazily; CUDA tensors, or CPU
+  tensors under TRITON_INTERPRET=1 (tests only).
+- "auto" (default): "triton" when the tensors are on CUDA and triton imports, else "cpu".
 """
 
 from __future__ import annotations
 
-from radixserve.kernels.reference import merge_states, private_attention, segment_attention
+import logging
+from types import ModuleType
 
-__all__ = ["merge_states", "private_attention", "segment_attention"]
+import torch
+from radixserve.kernels import cpu, reference
+
+__all__ = [
+    "IMPLS",
+    "get_impl",
+    "merge_states",
+    "private_attention",
+    "segment_attention",
+    "set_impl",
+]
+
+IMPLS = ("reference", "cpu", "triton", "auto")
+logger = logging.getLogger("radixserve.kernels")
+
+_impl = "auto"
+_logged: set[tuple[str, str]] = set()  # (requested, resolved) pairs already logged
+
+
+def set_impl(name: str) -> None:
+    """Select the implementation of every public op (process-wide). Raises ValueError for an
+    unknown name; "triton" raises ImportError at the first op call if triton is missing."""
+    global _impl
+    if name not in IMPLS:
+        raise ValueError(f"unknown kernel impl {name!r}; choose one of {IMPLS}")
+    _impl = name
+
+
+def get_impl() -> str:
+    """The selected implementation name (possibly "auto"; see `resolve_impl`)."""
+    return _impl
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_impl(t: torch.Tensor) -> str:
+    """The concrete implementation the ops use for tensors like `t` under the current choice."""
+    if _impl != "auto":
+        return _impl
+    return "triton" if t.is_cuda and _triton_available() else "cpu"
+
+
+def _module(t: torch.Tensor) -> ModuleType:
+    name = resolve_impl(t)
+    if (_impl, name) not in _logged:
+        _logged.add((_impl, name))
+        logger.info("attention kernels: %s (requested %r, tensors on %s)", name, _impl, t.device)
+    if name == "reference":
+        return reference
+    if name == "cpu":
+        return cpu
+    from radixserve.kernels import triton_ops  # lazy: triton is an optional dependency
+
+    return triton_ops
+
+
+def segment_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (n, Hq, D) against one shared segment k/v (L, Hkv, D), no mask -> (n, Hq, D), (n, Hq)."""
+    return _module(q).segment_attention(q, k, v, scale)
+
+
+def private_attention(
+    q: torch.Tensor,  # (T, Hq, D), requests concatenated
+    k: torch.Tensor,  # (S, Hkv, D), requests concatenated
+    v: torch.Tensor,
+    q_lens: list[int],
+    kv_lens: list[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per request: its q_len queries are the LAST q_len positions of its kv_len keys
+    (bottom-right causal alignment): query i sees keys 0 .. kv_len - q_len + i."""
+    return _module(q).private_attention(q, k, v, q_lens, kv_lens, scale)
+
+
+def merge_states(
+    outs: torch.Tensor,  # (N, T, Hq, D)
+    lses: torch.Tensor,  # (N, T, Hq) float32; -inf marks "no contribution"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact N-way log-sum-exp merge: O = sum_j exp(L_j - L) O_j, L = logsumexp_j L_j."""
+    return _module(outs).merge_states(outs, lses)

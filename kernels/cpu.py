@@ -182,7 +182,9 @@ def _check_lens(q: torch.Tensor, k: torch.Tensor, q_lens: list[int], kv_lens: li
     assert len(q_lens) == len(kv_lens), f"{len(q_lens)} q_lens vs {len(kv_lens)} kv_lens"
     assert sum(q_lens) == q.shape[0], f"sum(q_lens)={sum(q_lens)} != q rows {q.shape[0]}"
     assert sum(kv_lens) == k.shape[0], f"sum(kv_lens)={sum(kv_lens)} != k rows {k.shape[0]}"
-    bad = [(i, a, b) for i, (a, b) in enumerate(zip(q_lens, kv_lens)) if not 0 <= a <= b]
+    bad = [
+        (i, a, b) for i, (a, b) in enumerate(zip(q_lens, kv_lens, strict=False)) if not 0 <= a <= b
+    ]
     assert not bad, f"need 0 <= q_len <= kv_len; (request, q_len, kv_len) violating: {bad[:4]}"
 
 
@@ -224,19 +226,15 @@ def merge_states(
     outs: torch.Tensor,  # (N, T, Hq, D)
     lses: torch.Tensor,  # (N, T, Hq) float32; -inf marks "no contribution"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact N-way log-sum-exp merge, a fixed handful of fused ops (no loop over N).
-
-    With m = max_j L_j (0 where every L_j is -inf, so no inf - inf occurs):
-        w_j = exp(L_j - m),  s = sum_j w_j,  O = sum_j w_j O_j / s,  L = m + log s.
-    A row with s == 0 (no part contributed) gets O = 0 and L = -inf, as in the reference."""
+    """Exact N-way log-sum-exp merge in four fused ops (no loop over N):
+        L = logsumexp_j L_j,   w_j = exp(L_j - L),   O = sum_j w_j O_j.
+    Where every L_j is -inf (no part contributed), L stays -inf and is replaced by 0 before
+    the subtraction, so w_j = exp(-inf) = 0 and O = 0 exactly, with no inf - inf."""
     assert outs.dim() == 4 and lses.shape == outs.shape[:3], (
         f"outs {tuple(outs.shape)} / lses {tuple(lses.shape)}: want (N,T,H,D) / (N,T,H)"
     )
     assert lses.dtype == torch.float32, f"lses must be float32, got {lses.dtype}"
-    m = lses.amax(0)  # (T, Hq)
-    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    w = torch.exp(lses - m)  # (N, T, Hq), exactly 0 for -inf parts
-    s = w.sum(0)  # (T, Hq)
-    acc = torch.einsum("nth,nthd->thd", w, outs.float())  # (T, Hq, D) float32
-    out = acc / s.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
-    return out.to(outs.dtype), m + torch.log(s)
+    lse = torch.logsumexp(lses, dim=0)  # (T, Hq)
+    w = torch.exp(lses - lse.masked_fill(lse == float("-inf"), 0.0))  # (N, T, Hq)
+    out = (w.unsqueeze(-1) * outs).sum(0)  # (T, Hq, D) float32 (type promotion, no copy)
+    return out.to(outs.dtype), lse

@@ -70,7 +70,7 @@ VARIANTS: dict[str, tuple[type, dict]] = {
 
 
 def _randomise(model: torch.nn.Module, seed: int) -> None:
-    """Weights ~ N(0, 1/fan_in) (embeddings N(0,1), norms 1 +- 0.2): O(1) activations."""
+    """Linear weights ~ N(0, 1/fan_in), embeddings and biases N(0, 0.09), norms 1 +- 0.2."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -78,9 +78,11 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
             if "norm" in name:
                 p.copy_(1.0 + 0.2 * noise)
             elif p.dim() == 2 and "embed" not in name:
-                p.copy_(noise / p.shape[1] ** 0.5)
+                # Residual branches 3x louder than the embedding, else tied models echo input.
+                gain = 3.0 if ("o_proj" in name or "down_proj" in name) else 1.0
+                p.copy_(gain * noise / p.shape[1] ** 0.5)
             else:  # embeddings and biases
-                p.copy_(noise * (1.0 if "embed" in name else 0.3))
+                p.copy_(0.3 * noise)  # small embeddings: layers, not the input token, dominate
 
 
 def _build(folder: Path, name: str, seed: int) -> torch.nn.Module:
@@ -190,6 +192,7 @@ def test_greedy_generation_matches_hf_generate(checkpoints: dict, name: str) -> 
     path, hf = checkpoints[name]
     model, _ = load_model(path, torch.float32)
     lengths = torch.randint(3, 24, (8,), generator=torch.Generator().manual_seed(3)).tolist()
+    seen: set[int] = set()
     for i, n in enumerate(lengths):
         prompt = _random_ids(n, seed=100 + i)
         ours = greedy_generate(model, prompt, 16, FlatBackend())
@@ -199,7 +202,8 @@ def test_greedy_generation_matches_hf_generate(checkpoints: dict, name: str) -> 
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False
             )
         assert ours == ref[0, n:].tolist(), f"{name} prompt {i}"
-        assert len(set(ours)) > 2, f"degenerate generation {ours}: test would prove little"
+        seen |= set(ours)
+    assert len(seen) >= 20, f"degenerate generations ({len(seen)} distinct tokens) prove little"
 
 
 def test_bfloat16_close_to_hf_bfloat16(checkpoints: dict) -> None:

@@ -136,6 +136,19 @@ def test_insert_keeps_slots_that_are_already_the_trees() -> None:
     cache.check_integrity()
 
 
+def test_insert_copies_slots_out_of_the_callers_tensor() -> None:
+    """The caller may pass a view of a req_to_token row that is overwritten later."""
+    pool = make_pool(16)
+    cache = RadixCache(pool)
+    row = torch.zeros(8, dtype=torch.int64)
+    row[:3] = slots(pool, 3)
+    kept = row[:3].tolist()
+    cache.insert([1, 2, 3], row[:3])
+    row[:3] = torch.tensor([13, 14, 15])  # the row is reused by another request
+    assert cache.match_prefix([1, 2, 3]).indices.tolist() == kept
+    cache.check_integrity()
+
+
 def test_split_keeps_locks_on_both_halves_and_locked_paths_stay_correct() -> None:
     pool = make_pool(32)
     cache = RadixCache(pool)
@@ -184,12 +197,15 @@ def test_lru_eviction_order_is_exact() -> None:
         if len(order) == 2:
             clock.t = 4
             cache.match_prefix([1, 2])  # refresh [1,2]; [9] stays @3
-    assert order == [
-        (1, [int(a[2])]),
-        (2, sorted(b.tolist())),
-        (1, [int(c[2])]),  # [1,2] is not a leaf until [9] is gone
-        (2, sorted(a[:2].tolist())),
-    ]
+    assert (
+        order
+        == [
+            (1, [int(a[2])]),
+            (2, sorted(b.tolist())),
+            (1, [int(c[2])]),  # [1,2] is not a leaf until [9] is gone
+            (2, sorted(a[:2].tolist())),
+        ]
+    )
     assert cache.evict(5) == 0 and pool.num_free == 16
 
 

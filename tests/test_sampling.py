@@ -7,6 +7,7 @@ chi-square critical values at p = 0.001 (a correct sampler fails them 1 time in 
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 
 import pytest
@@ -232,6 +233,45 @@ def test_top_k_keeps_ties_together() -> None:
     assert min(counts) > 800, counts
 
 
+def test_long_nucleus_is_exact_and_batch_independent() -> None:
+    # p_j proportional to exp(-0.001 j): the top_p = 0.9 nucleus is ~2160 tokens, longer
+    # than the first top-k try, so alone it takes the full-sort path; next to a top_k=3000
+    # row it is resolved on the top-k path. Both must keep exactly the same tokens.
+    vocab = 4096
+    logits = (-0.001 * torch.arange(vocab, dtype=torch.float32)).unsqueeze(0)
+    ref = torch.softmax(logits[0].double(), -1)
+    before = ref.cumsum(0) - ref
+    n_star = int((before < 0.9).sum())
+    assert n_star > 1024 and min(abs(before[n_star - 1] - 0.9), abs(before[n_star] - 0.9)) > 1e-5
+    params = SamplingParams(top_p=0.9, seed=11)
+    draws = 4000
+    alone = [
+        int(sample(logits, [SamplingInfo(params, output_ids=[0] * i)]).next_ids[0])
+        for i in range(draws)
+    ]
+    other = torch.randn(1, vocab, generator=gen(12))
+    batched = []
+    for i in range(draws):
+        rows = [SamplingInfo(SamplingParams(top_k=3000)), SamplingInfo(params, output_ids=[0] * i)]
+        batched.append(int(sample(torch.cat([other, logits]), rows).next_ids[1]))
+    assert batched == alone
+    assert max(alone) < n_star and max(alone) > n_star - 300, (max(alone), n_star)
+
+
+def test_logprobs_skipped_rows_are_nan() -> None:
+    logits = torch.randn(3, 40, generator=gen(13))
+    infos = [
+        SamplingInfo(SamplingParams(temperature=0.0), return_logprob=False),
+        SamplingInfo(SamplingParams(temperature=0.0)),
+        SamplingInfo(SamplingParams(temperature=0.0), return_logprob=False, need_top_logprobs=2),
+    ]
+    res = sample(logits, infos)
+    ref = torch.log_softmax(logits, -1).amax(-1)
+    assert math.isnan(float(res.logprobs[0]))
+    assert torch.allclose(res.logprobs[1:], ref[1:], atol=1e-6, rtol=0)
+    assert res.top_logprobs[0] == [] and len(res.top_logprobs[2]) == 2
+
+
 def test_same_seed_same_sequence_regardless_of_batch_and_resume() -> None:
     steps, vocab = 30, 1000
     step_logits = torch.randn(steps, vocab, generator=gen(6))
@@ -247,7 +287,7 @@ def test_same_seed_same_sequence_regardless_of_batch_and_resume() -> None:
     for t in range(17, steps):
         rows = [SamplingInfo(p, output_ids=[0] * (t + 5)) for p in others]
         rows.insert(2, SamplingInfo(params, output_ids=shared))
-        noise = torch.randn(4, vocab, generator=gen(100 + t))
+        noise = torch.randn(3, vocab, generator=gen(100 + t))
         batch = torch.cat([noise[:2], step_logits[t : t + 1], noise[2:]])
         shared.append(int(sample(batch, rows, generator=gen(t)).next_ids[2]))
     assert shared == alone
@@ -287,9 +327,12 @@ def test_penalties_steer_greedy_choice() -> None:
     logits = torch.tensor([[3.0, 2.0, 1.0]])
     p = SamplingParams(temperature=0.0, repetition_penalty=2.0)  # 3/2 = 1.5 < 2.0
     assert sample(logits, [SamplingInfo(p, prompt_ids=[0])]).next_ids.tolist() == [1]
-    p = SamplingParams(temperature=0.0, presence_penalty=1.5)  # 2.0 - 1.5 < 1.0
-    res = sample(logits.repeat(2, 1), [SamplingInfo(p, output_ids=[1, 0]), SamplingInfo(p)])
-    assert res.next_ids.tolist() == [2, 0]
+    p = SamplingParams(temperature=0.0, presence_penalty=1.5)  # 3.0 - 1.5 < 2.0
+    res = sample(logits.repeat(2, 1), [SamplingInfo(p, output_ids=[0]), SamplingInfo(p)])
+    assert res.next_ids.tolist() == [1, 0]
+    p = SamplingParams(temperature=0.0, frequency_penalty=0.6)  # 3 - 3*0.6 = 1.2 < 2 - 0.6 = 1.4
+    res = sample(logits, [SamplingInfo(p, output_ids=[0, 0, 0, 1])])
+    assert res.next_ids.tolist() == [1]
 
 
 @pytest.mark.parametrize("ignore_eos", [False, True])
@@ -459,4 +502,3 @@ def test_trim_text_leaves_other_reasons_alone() -> None:
     assert trim_text("abc###def", FinishReason("length")) == "abc###def"
     assert trim_text("abc###def", None) == "abc###def"
     assert StopChecker.trim_text("x.y", FinishReason("stop", ".")) == "x"
-

@@ -92,7 +92,7 @@ def _common_prefix_len(key: list[int], tokens: list[int], start: int) -> int:
     if window == key:  # whole-edge match: one C-level list comparison
         return len(key)
     n = 0
-    for a, b in zip(key, window):
+    for a, b in zip(key, window, strict=False):  # window may be shorter than key
         if a != b:
             break
         n += 1
@@ -126,8 +126,9 @@ def _counter_clock() -> Callable[[], float]:
 # freed; the remaining suffix becomes one new leaf holding a copy of the caller's slots.
 #
 # Evict: a min-heap of unlocked leaves keyed by (last_access, id); pop, free the slots, and push
-# the parent once it is an unlocked leaf itself. Ties on last_access go to the older node (lower
-# id). Locked nodes are never leaves of the unlocked forest, so they are never evicted.
+# the parent once it is an unlocked leaf itself. Ties on last_access go to the lower id, so the
+# order is deterministic. Only leaves with lock_ref == 0 enter the heap, and an unlocked node has
+# only unlocked descendants, so a locked node is never evicted.
 
 
 class RadixCache:
@@ -210,9 +211,7 @@ class RadixCache:
         leaf = self._add_leaf(node, tokens[pos:], kv_indices[pos:].clone(), now)
         return MatchResult(torch.cat([cached, leaf.value]), leaf)
 
-    def _descend(
-        self, tokens: list[int], now: float
-    ) -> tuple[TreeNode, list[torch.Tensor], int]:
+    def _descend(self, tokens: list[int], now: float) -> tuple[TreeNode, list[torch.Tensor], int]:
         """Walk down the longest cached prefix of `tokens`, splitting where it ends mid-edge.
 
         Returns (deepest matched node, values of the matched nodes root-first, matched length).
@@ -320,7 +319,7 @@ class RadixCache:
             parent = self._remove_leaf(leaf)
             freed += len(leaf.key)
             if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
-                pass
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
 
     def _remove_leaf(self, leaf: TreeNode) -> TreeNode:

@@ -41,6 +41,7 @@ from radixserve.sampling.params import SamplingParams
 TokenLogprob = tuple[float, int]  # (logprob, token_id), as radixserve.scheduler.io
 
 _MASK64 = (1 << 64) - 1
+_TOP_P_TRY = 1024  # top_p looks for its cut among this many top tokens before a full sort
 _PROCESS_GENERATOR = torch.Generator().manual_seed(0)
 
 
@@ -64,6 +65,9 @@ class SamplingInfo:
     eos_token_ids: set[int] | frozenset[int] = frozenset()
     sample_index: int = 0  # which of the request's n samples (n > 1 samples must differ)
     need_top_logprobs: int = 0  # top-k raw logprobs to report for this row; 0: none
+    # False skips this row's log-sum-exp (a full pass over the vocabulary): its entry in
+    # SampleResult.logprobs is then NaN. The scheduler sets it from return_logprob.
+    return_logprob: bool = True
 
     @property
     def stream_key(self) -> tuple[int, int] | None:
@@ -80,7 +84,8 @@ class SamplingInfo:
 @dataclass
 class SampleResult:
     next_ids: torch.Tensor  # (B,) int64
-    logprobs: torch.Tensor  # (B,) float32, raw log_softmax(logits)[row, next_id]
+    logprobs: torch.Tensor  # (B,) float32, raw log_softmax(logits)[row, next_id]; NaN for
+    # rows with return_logprob False and need_top_logprobs 0
     top_logprobs: list[list[TokenLogprob]]  # per row, best first; [] when not asked
 
 
@@ -108,7 +113,9 @@ def sample(
         rows = torch.tensor(drawn, dtype=torch.int64, device=logits.device)
         gen = _PROCESS_GENERATOR if generator is None else generator
         next_ids[rows] = _draw(work[rows], [infos[i] for i in drawn], gen)
-    logprobs, top = _raw_logprobs(logits, next_ids, [info.need_top_logprobs for info in infos])
+    top_ks = [info.need_top_logprobs for info in infos]
+    want = [info.return_logprob for info in infos]
+    logprobs, top = _raw_logprobs(logits, next_ids, top_ks, want)
     return SampleResult(next_ids=next_ids, logprobs=logprobs, top_logprobs=top)
 
 
@@ -125,26 +132,36 @@ def prompt_logprobs(
         f"logits {tuple(logits.shape)} vs next_ids {tuple(next_ids.shape)}"
     )
     assert top_k >= 0, f"top_k must be >= 0, got {top_k}"
-    lp, top = _raw_logprobs(logits.float(), next_ids.long(), [top_k] * logits.shape[0])
+    T = logits.shape[0]
+    lp, top = _raw_logprobs(logits.float(), next_ids.long(), [top_k] * T, [True] * T)
     return lp.tolist(), top
 
 
 def _raw_logprobs(
-    logits: torch.Tensor, ids: torch.Tensor, top_ks: list[int]
+    logits: torch.Tensor, ids: torch.Tensor, top_ks: list[int], want: list[bool]
 ) -> tuple[torch.Tensor, list[list[TokenLogprob]]]:
-    """Chosen-token logprobs (B,) and per-row top-k lists under log_softmax(logits)."""
-    lse = torch.logsumexp(logits, dim=-1)  # (B,)
-    chosen = logits.gather(1, ids.unsqueeze(1)).squeeze(1) - lse  # (B,)
-    top: list[list[TokenLogprob]] = [[] for _ in top_ks]
-    k_max = min(max(top_ks, default=0), logits.shape[1])
+    """Chosen-token logprobs (B,) and per-row top-k lists under log_softmax(logits).
+
+    Rows with want[i] False and top_ks[i] == 0 skip the log-sum-exp and get NaN.
+    """
+    B = logits.shape[0]
+    rows = [i for i in range(B) if want[i] or top_ks[i] > 0]
+    chosen = torch.full((B,), float("nan"), dtype=logits.dtype, device=logits.device)
+    top: list[list[TokenLogprob]] = [[] for _ in range(B)]
+    if not rows:
+        return chosen, top
+    row_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)  # (R,)
+    sub = logits if len(rows) == B else logits[row_t]  # (R, V)
+    lse = torch.logsumexp(sub, dim=-1)  # (R,)
+    chosen[row_t] = sub.gather(1, ids[row_t].unsqueeze(1)).squeeze(1) - lse
+    k_max = min(max(top_ks), logits.shape[1])
     if k_max > 0:
-        rows = [i for i, k in enumerate(top_ks) if k > 0]
-        row_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-        vals, idx = logits[row_t].topk(k_max, dim=-1)  # (R, k_max), best first
-        vals = (vals - lse[row_t].unsqueeze(1)).tolist()
-        idx = idx.tolist()
+        vals, idx = sub.topk(k_max, dim=-1)  # (R, k_max), best first
+        vals_l = (vals - lse.unsqueeze(1)).tolist()
+        idx_l = idx.tolist()
         for r, i in enumerate(rows):
-            top[i] = list(zip(vals[r][: top_ks[i]], idx[r][: top_ks[i]], strict=True))
+            k = top_ks[i]
+            top[i] = list(zip(vals_l[r][:k], idx_l[r][:k], strict=True))
     return chosen, top
 
 
@@ -152,79 +169,133 @@ def process_logits(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Ten
     """Steps 1-3 (penalties, min_new_tokens mask) of the module docstring, per row.
 
     Returns a modified copy of `logits` (B, V), or `logits` itself (not a copy) when no row
-    needs a change; `logits` is never written.
+    needs a change; `logits` is never written. Each step is one batched scatter over the
+    (row, token) pairs of all rows that use it.
     """
-    todo = [
-        i for i, info in enumerate(infos) if info.params.has_penalties or info.masks_stop_tokens
+    rep = [i for i, f in enumerate(infos) if f.params.repetition_penalty != 1.0]
+    occ = [
+        i
+        for i, f in enumerate(infos)
+        if f.output_ids and (f.params.frequency_penalty != 0.0 or f.params.presence_penalty != 0.0)
     ]
-    if not todo:
+    ban = [i for i, f in enumerate(infos) if f.masks_stop_tokens]
+    if not (rep or occ or ban):
         return logits
     work = logits.clone()
-    vocab = logits.shape[1]
-    for i in todo:
-        info, row = infos[i], work[i]  # row: (V,) view into `work`
-        p = info.params
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(info.prompt_ids + info.output_ids, dtype=torch.int64)
-            # Duplicate indices all write the same value (computed from the original), so
-            # each distinct token is penalised exactly once.
-            vals = row[seen]
-            row[seen] = torch.where(
-                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
-            )
-        if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and info.output_ids:
-            out = torch.tensor(info.output_ids, dtype=torch.int64)
-            counts = torch.bincount(out, minlength=vocab).to(row.dtype)  # (V,)
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-        if info.masks_stop_tokens:
-            banned = sorted(set(info.eos_token_ids) | set(p.stop_token_ids))
-            assert all(0 <= t < vocab for t in banned), f"stop ids {banned} vs vocab {vocab}"
-            row[banned] = float("-inf")
+    if rep:
+        r, t = _pairs(rep, [(infos[i].prompt_ids, infos[i].output_ids) for i in rep], work)
+        pen = _per_row([f.params.repetition_penalty for f in infos], work)[r]  # (N,)
+        # Duplicate pairs all write the same value (computed from the original logit), so
+        # each distinct token of a row is penalised exactly once.
+        vals = work[r, t]  # (N,)
+        work[r, t] = torch.where(vals > 0, vals / pen, vals * pen)
+    if occ:
+        r, t = _pairs(occ, [(infos[i].output_ids,) for i in occ], work)
+        work[r, t] = work[r, t] - _per_row([f.params.presence_penalty for f in infos], work)[r]
+        freq = _per_row([f.params.frequency_penalty for f in infos], work)[r]  # (N,)
+        work.index_put_((r, t), -freq, accumulate=True)  # once per occurrence
+    if ban:
+        banned = [
+            (sorted(set(infos[i].eos_token_ids) | set(infos[i].params.stop_token_ids)),)
+            for i in ban
+        ]
+        r, t = _pairs(ban, banned, work)
+        assert t.numel() == 0 or int(t.max()) < work.shape[1], f"stop ids {banned} vs vocab"
+        work[r, t] = float("-inf")
     return work
+
+
+def _pairs(
+    rows: list[int], id_lists: list[tuple[list[int], ...]], like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten (row, token) pairs: rows[j] paired with every id of the lists id_lists[j]."""
+    lens = torch.tensor([sum(len(x) for x in lists) for lists in id_lists])  # (R,)
+    row_idx = torch.repeat_interleave(torch.tensor(rows), lens)  # (N,)
+    flat = [t for lists in id_lists for ids in lists for t in ids]
+    tok_idx = torch.tensor(flat, dtype=torch.int64)  # (N,)
+    return row_idx.to(like.device), tok_idx.to(like.device)
+
+
+def _per_row(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)  # (B,)
 
 
 def _draw(logits: torch.Tensor, infos: list[SamplingInfo], gen: torch.Generator) -> torch.Tensor:
     """Steps 4-8 for non-greedy rows: logits (S, V) -> token ids (S,) int64."""
-    temps = torch.tensor([info.params.temperature for info in infos], dtype=logits.dtype)
+    temps = _per_row([info.params.temperature for info in infos], logits)  # (S,)
     probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)  # (S, V)
     if any(info.params.has_filters for info in infos):
         probs = _filter(probs, [info.params for info in infos])
-    cdf = probs.double().cumsum(dim=-1)  # (S, V), float64 so the tail keeps its mass
+    # Inverse CDF uses only differences of neighbouring cdf entries, so float32 rounding
+    # errors do not accumulate: each token's probability is off by <= ~2 ulp(1) = 1.2e-7.
+    cdf = probs.cumsum(dim=-1)  # (S, V)
     total = cdf[:, -1]  # (S,)
     assert bool((total > 0).all()) and bool(total.isfinite().all()), (
         f"rows with no finite logit left: {total.tolist()}"
     )
-    u = _uniforms(infos, gen)  # (S,) float64 in [0, 1)
-    # First index whose cumulative mass exceeds u * total: always a kept (p > 0) token.
-    idx = torch.searchsorted(cdf, (u * total).unsqueeze(1), right=True).squeeze(1)  # (S,)
-    # u * total can round up to total (probability ~2^-53): take the top token then.
+    u = _uniforms(infos, gen).to(logits.device)  # (S,) float64 in [0, 1)
+    target = (u * total.double()).to(cdf.dtype)  # (S,)
+    # First index whose cumulative mass exceeds the target: always a kept (p > 0) token.
+    idx = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)  # (S,)
+    # The target can round up to the total (probability ~1e-7): take the top token then.
     return torch.where(idx >= probs.shape[1], probs.argmax(dim=-1), idx)
 
 
 def _filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Zero the probabilities below each row's top_k/top_p/min_p threshold (S, V)."""
-    S, V = probs.shape
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params]).clamp(max=V)  # (S,)
-    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype)  # (S,)
-    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)  # (S,)
-    need_sorted = (top_k < V) | (top_p < 1.0)  # (S,)
-    # Thresholds depend only on sorted VALUES, so how many we sort does not change them.
-    if bool((need_sorted & (top_k == V)).any()):
-        k_max = V  # some row needs top_p over the whole vocabulary
-    else:
-        k_max = int(top_k[need_sorted].max()) if bool(need_sorted.any()) else 1
-    vals = probs.topk(k_max, dim=-1).values  # (S, k_max), descending
-    t_k = torch.where(top_k < V, vals.gather(1, (top_k.clamp(max=k_max) - 1).unsqueeze(1))[:, 0], 0)
-    # top_p acts on the distribution left by top_k (renormalised by its mass z).
-    z = (probs * (probs >= t_k.unsqueeze(1))).sum(dim=-1)  # (S,)
-    kept_vals = vals * (vals >= t_k.unsqueeze(1))  # (S, k_max)
-    mass_before = kept_vals.cumsum(dim=-1) - kept_vals  # (S, k_max), exclusive prefix sums
-    n_top_p = (mass_before < (top_p * z).unsqueeze(1)).sum(dim=-1)  # (S,)
-    n_top_p = torch.minimum(n_top_p, (kept_vals > 0).sum(dim=-1)).clamp(min=1)
-    t_p = torch.where(top_p < 1.0, vals.gather(1, (n_top_p - 1).unsqueeze(1))[:, 0], 0)
-    t_m = min_p * vals[:, 0]  # (S,), vals[:, 0] is the top probability
-    threshold = torch.maximum(torch.maximum(t_k, t_p), t_m)  # (S,)
+    """Zero the probabilities below each row's top_k/top_p/min_p threshold: (S, V) -> (S, V)."""
+    V = probs.shape[1]
+    dev = probs.device
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=dev)  # (S,)
+    top_p = _per_row([p.top_p for p in params], probs)  # (S,)
+    min_p = _per_row([p.min_p for p in params], probs)  # (S,)
+    threshold = min_p * probs.amax(dim=-1)  # (S,)
+    if bool(((top_k < V) | (top_p < 1.0)).any()):
+        threshold = torch.maximum(threshold, _top_k_top_p_threshold(probs, top_k, top_p))
     return probs * (probs >= threshold.unsqueeze(1))
+
+
+def _top_k_top_p_threshold(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Per row, the smallest probability that survives top_k then top_p (0: no limit).
+
+    Depends only on the row's sorted probability VALUES, never on tie order, so it is the
+    same whichever path below computes it. top_p keeps the shortest prefix (by descending
+    probability) of the top_k distribution whose mass reaches top_p of that distribution's
+    mass z. The prefix is first sought among the top _TOP_P_TRY probabilities (cheap); rows
+    whose nucleus is longer are sorted in full.
+    """
+    S, V = probs.shape
+    use_k, use_p = top_k < V, top_p < 1.0  # (S,) each
+    k_try = int(top_k[use_k].max()) if bool(use_k.any()) else 1
+    k_try = min(V, max(k_try, _TOP_P_TRY if bool(use_p.any()) else 1))
+    vals = probs.topk(k_try, dim=-1).values  # (S, k_try), descending
+    t_k = torch.where(use_k, vals.gather(1, (top_k.clamp(max=k_try) - 1).unsqueeze(1))[:, 0], 0)
+    if not bool(use_p.any()):
+        return t_k
+    z = torch.ones_like(top_p)  # (S,), softmax mass without top_k
+    both = use_k & use_p
+    if bool(both.any()):
+        z = torch.where(both, (probs * (probs >= t_k.unsqueeze(1))).sum(dim=-1), z)
+    n_p = _nucleus_size(vals, t_k, top_p * z)  # (S,) in [1, k_try]
+    t_p = vals.gather(1, (n_p - 1).unsqueeze(1))[:, 0]  # (S,)
+    # Rows with top_k end inside `vals`; others are resolved when the cut fell inside it.
+    longer = use_p & ~use_k & (n_p >= k_try) & (k_try < V)  # (S,)
+    if bool(longer.any()):
+        rows = longer.nonzero()[:, 0]  # (L,)
+        full = probs[rows].sort(dim=-1, descending=True).values  # (L, V)
+        n_full = _nucleus_size(full, t_k[rows], top_p[rows] * z[rows])  # (L,)
+        t_p[rows] = full.gather(1, (n_full - 1).unsqueeze(1))[:, 0]
+    return torch.maximum(t_k, torch.where(use_p, t_p, 0))
+
+
+def _nucleus_size(vals: torch.Tensor, t_k: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """Count of leading entries of `vals` (R, K) descending, >= t_k, whose preceding mass is
+    below `mass` (R,): the top_p prefix length, clamped to [1, entries >= t_k]."""
+    kept = vals * (vals >= t_k.unsqueeze(1))  # (R, K), top_k survivors
+    mass_before = kept.cumsum(dim=-1) - kept  # (R, K), exclusive prefix sums
+    n = (mass_before < mass.unsqueeze(1)).sum(dim=-1)  # (R,)
+    return torch.minimum(n, (kept > 0).sum(dim=-1)).clamp(min=1)
 
 
 def _uniforms(infos: list[SamplingInfo], gen: torch.Generator) -> torch.Tensor:

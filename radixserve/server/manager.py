@@ -50,6 +50,7 @@ logger = logging.getLogger("radixserve.server")
 CHILD_POLL_S = 0.5
 CONTROL_TIMEOUT_S = 30.0
 RETRY_AFTER_S = "1"  # Retry-After for 503 queue full
+SEND_LINGER_MS = 1000
 
 
 class ChildDied(RuntimeError):
@@ -63,7 +64,8 @@ class Pending:
     created: float = field(default_factory=time.perf_counter)
     queue: asyncio.Queue[SampleDelta | RequestError] = field(default_factory=asyncio.Queue)
     first_token_at: float | None = None
-    finished: int = 0
+    finished: int = 0  # samples finished, as seen by the receiver
+    head: SampleDelta | RequestError | None = None  # an event peeked by `first_event`
 
     @property
     def done(self) -> bool:
@@ -110,6 +112,15 @@ class RequestManager:
                 self.model_info = msg.model_info
                 return msg.model_info
         raise TimeoutError(f"the server was not ready after {timeout_s:.0f} s")
+
+    def check_children(self) -> str | None:
+        """None while every child lives, else what failed (also right after a crash, before
+        `watch_children` has noticed it)."""
+        try:
+            self._raise_if_child_died()
+        except ChildDied as e:
+            return self.failure or str(e)
+        return self.failure
 
     def _raise_if_child_died(self) -> None:
         for name, proc in self.procs.items():
@@ -158,16 +169,58 @@ class RequestManager:
         if rid in self.pending:
             self.send(AbortReq(rid))
 
+    async def first_event(self, pending: Pending) -> None:
+        """Wait for `pending`'s first event without consuming it; ApiError if refused.
+
+        Streaming handlers call this before sending headers, so that a refusal is still an
+        HTTP status (400/503) rather than an error inside a 200 stream.
+        """
+        if pending.head is None:
+            pending.head = await pending.queue.get()
+        _raise_if_error(pending.head)
+
     async def events(self, pending: Pending) -> AsyncIterator[SampleDelta]:
         """Every delta of `pending` until its n samples finished; ApiError if refused."""
         finished = 0
         while finished < pending.n:
-            item = await pending.queue.get()
-            if isinstance(item, RequestError):
-                headers = {"Retry-After": RETRY_AFTER_S} if item.status == 503 else None
-                raise ApiError(item.status, item.message, headers=headers)
+            if pending.head is not None:
+                item, pending.head = pending.head, None
+            else:
+                item = await pending.queue.get()
+            _raise_if_error(item)
+            assert isinstance(item, SampleDelta)
             finished += item.finish_reason is not None
             yield item
+
+    async def merged(self, pendings: list[Pending]) -> AsyncIterator[tuple[int, SampleDelta]]:
+        """(position in `pendings`, delta) of all requests, in arrival order.
+
+        The first ApiError of any request is raised; closing the iterator stops the pumps.
+        """
+        queue: asyncio.Queue[tuple[int, SampleDelta | ApiError | None]] = asyncio.Queue()
+
+        async def pump(i: int, p: Pending) -> None:
+            try:
+                async for d in self.events(p):
+                    queue.put_nowait((i, d))
+            except ApiError as e:
+                queue.put_nowait((i, e))
+            queue.put_nowait((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(pendings)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, ApiError):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
 
     def fail_all(self, status: int, message: str) -> None:
         for rid in list(self.pending):
@@ -217,7 +270,14 @@ class RequestManager:
             fut.set_result(resp)
 
     def close(self) -> None:
+        """Close the sockets (the launcher calls this after the server stopped)."""
         self._inbox.close(linger=0)
-        self._outbox.close(linger=0)
+        self._outbox.close(linger=SEND_LINGER_MS)  # let a last Shutdown reach the tokenizer
         self._actx.term()
         self._sctx.term()
+
+
+def _raise_if_error(item: SampleDelta | RequestError | None) -> None:
+    if isinstance(item, RequestError):
+        headers = {"Retry-After": RETRY_AFTER_S} if item.status == 503 else None
+        raise ApiError(item.status, item.message, headers=headers)

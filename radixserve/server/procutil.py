@@ -9,6 +9,7 @@ A child process (tokenizer, scheduler) runs `child_main(name, level, target, *ar
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -29,6 +30,7 @@ def configure_logging(level: str) -> None:
 def child_main(name: str, log_level: str, target: Callable[..., None], *args: Any) -> None:
     """Entry point of a spawned child; `target(*args)` is its real main."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
     configure_logging(log_level)
     try:
         target(*args)
@@ -37,6 +39,18 @@ def child_main(name: str, log_level: str, target: Callable[..., None], *args: An
         logging.shutdown()
         sys.exit(1)
     logger.info("%s process exited cleanly", name)
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL us when the launcher dies, even mid model-load (when
+    no loop polls `ParentWatch`). Elsewhere `ParentWatch` alone covers it."""
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except OSError:
+        logger.debug("prctl(PR_SET_PDEATHSIG) unavailable")
 
 
 class ParentWatch:

@@ -1,0 +1,91 @@
+"""Command line: `radixserve serve [flags]` (also `python -m radixserve serve ...`).
+
+The serve flags are generated from `EngineConfig`'s fields, one flag per field
+(`max_total_tokens` -> `--max-total-tokens`), so the two can never drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from collections.abc import Sequence
+
+from radixserve.config import BACKENDS, DTYPES, POLICIES, EngineConfig
+
+HELP = {
+    "model": "HF checkpoint folder (Llama/Qwen2/Mistral); default: embedded SmolLM2-135M-Instruct",
+    "dtype": "weights, activations and KV cache dtype",
+    "device": "torch device of the model worker (cpu, cuda)",
+    "max_total_tokens": "KV pool size in tokens (default: from --mem-fraction)",
+    "mem_fraction": "fraction of free memory for the KV pool when --max-total-tokens is unset",
+    "chunked_prefill_size": "most prompt tokens of one request per prefill step",
+    "max_prefill_tokens": "most new tokens of one extend batch",
+    "max_running_requests": "most samples decoding at once",
+    "max_queued_requests": "most waiting samples; beyond, requests get HTTP 503",
+    "schedule_policy": "waiting-queue order: lpm (longest prefix match) or fcfs",
+    "disable_radix_cache": "do not reuse KV across requests",
+    "attention_backend": "tree (shared-prefix Hydragen attention) or flat (per request)",
+    "tp_size": "tensor-parallel ranks (only 1 is implemented yet)",
+    "random_seed": "seed of the process-level sampling generator",
+    "host": "address to listen on",
+    "port": "port to listen on",
+    "api_key": "require 'Authorization: Bearer <key>' on every route but /health",
+    "log_level": "debug, info, warning or error",
+}
+CHOICES: dict[str, Sequence[str]] = {
+    "dtype": list(DTYPES),
+    "schedule_policy": POLICIES,
+    "attention_backend": BACKENDS,
+    "log_level": ("debug", "info", "warning", "error"),
+}
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        if kind is bool:
+            parser.add_argument(flag, action="store_true", help=HELP.get(f.name))
+            continue
+        base = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))
+        parser.add_argument(
+            flag, type=base, default=f.default, choices=CHOICES.get(f.name), help=HELP.get(f.name)
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the HTTP server (SGLang-native and OpenAI APIs)")
+    _add_config_flags(serve)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    try:
+        config = EngineConfig(**values)
+    except ValueError as e:
+        parser.error(str(e))
+    if config.tp_size != 1:
+        parser.error("--tp-size > 1 is not implemented yet")
+    return config
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        config = config_from_args(args, parser)
+        from radixserve.server.launcher import launch_server  # heavy imports only when serving
+
+        return launch_server(config)
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

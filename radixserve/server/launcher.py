@@ -1,0 +1,174 @@
+"""Start the server: children, handshake, HTTP, and a clean shutdown whatever happens.
+
+    1. make the private socket folder (0700); bind the api server's inbox
+    2. spawn the scheduler and tokenizer processes ("spawn" start method)
+    3. wait for TokenizerReady (scheduler loaded the model -> tokenizer loaded its tokenizer);
+       a child that dies first ends the launch with status 1 (its traceback is in the log)
+    4. serve HTTP with uvicorn until SIGINT/SIGTERM, or until a child dies (status 1)
+    5. send Shutdown down the pipeline, join the children (then terminate, then kill),
+       remove the socket folder
+
+Signals: uvicorn's own handler re-raises the signal after serving, which would kill us
+before step 5; `_Uvicorn` only asks the server to stop. Outside serving, SIGTERM raises
+KeyboardInterrupt like SIGINT, so step 5 (a `finally`) always runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import signal
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.process import BaseProcess
+
+import uvicorn
+
+from radixserve.config import EngineConfig
+from radixserve.message.ipc import IpcPaths, make_ipc_dir, remove_ipc_dir
+from radixserve.message.messages import Shutdown
+from radixserve.server.app import build_app
+from radixserve.server.manager import ChildDied, RequestManager
+from radixserve.server.metrics import Metrics
+from radixserve.server.procutil import child_main, configure_logging
+from radixserve.server.scheduler_proc import run_scheduler_process
+from radixserve.tokenizer.proc import run_tokenizer_process
+
+logger = logging.getLogger("radixserve.launcher")
+
+STARTUP_TIMEOUT_S = 900.0  # first run converts the embedded model; slow disks take minutes
+CHILD_JOIN_S = 10.0
+GRACEFUL_HTTP_SHUTDOWN_S = 5
+EXIT_INTERRUPTED = 130
+
+
+class _Uvicorn(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_stop = on_stop
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._handle, sig)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            _interrupt_on_sigterm()
+
+    def _handle(self, sig: int) -> None:
+        if self.should_exit:
+            self.force_exit = True  # a second signal: stop waiting for open connections
+        logger.info("received %s: shutting down", signal.Signals(sig).name)
+        self.should_exit = True
+        self._on_stop()
+
+
+def _interrupt_on_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
+def launch_server(config: EngineConfig) -> int:
+    """Run the server until it is stopped; return the process exit status."""
+    configure_logging(config.log_level)
+    _interrupt_on_sigterm()
+    ipc = make_ipc_dir()
+    logger.info("IPC sockets in %s", ipc.root)
+    procs: dict[str, BaseProcess] = {}
+    try:
+        return asyncio.run(_serve(config, ipc, procs))
+    except KeyboardInterrupt:
+        logger.info("interrupted before the server was up")
+        return EXIT_INTERRUPTED
+    finally:
+        _stop_children(procs)
+        remove_ipc_dir(ipc)
+        logger.info("shut down")
+
+
+def _spawn_children(config: EngineConfig, ipc: IpcPaths) -> dict[str, BaseProcess]:
+    ctx = mp.get_context("spawn")
+    targets = {"scheduler": (run_scheduler_process, config, ipc), "tokenizer": (run_tokenizer_process, ipc)}
+    procs = {}
+    for name, (target, *args) in targets.items():
+        proc = ctx.Process(
+            target=child_main, args=(name, config.log_level, target, *args), name=f"radixserve-{name}"
+        )
+        proc.start()
+        procs[name] = proc
+    return procs
+
+
+async def _serve(config: EngineConfig, ipc: IpcPaths, procs: dict[str, BaseProcess]) -> int:
+    metrics = Metrics()
+    manager = RequestManager(ipc, metrics)
+    try:
+        procs.update(_spawn_children(config, ipc))
+        manager.procs = procs
+        try:
+            info = await manager.wait_ready(STARTUP_TIMEOUT_S)
+        except (ChildDied, TimeoutError) as e:
+            logger.error("start-up failed: %s", e)
+            return 1
+        server = _Uvicorn(
+            uvicorn.Config(
+                build_app(manager, config, metrics),
+                host=config.host,
+                port=config.port,
+                log_level=config.log_level,
+                access_log=config.log_level == "debug",
+                timeout_graceful_shutdown=GRACEFUL_HTTP_SHUTDOWN_S,
+                lifespan="off",
+            ),
+            on_stop=lambda: manager.fail_all(503, "the server is shutting down"),
+        )
+        logger.info(
+            "model %s, dtype %s, KV capacity %d tokens, attention %s; serving on http://%s:%d",
+            info.model_path,
+            info.dtype,
+            info.kv_capacity_tokens,
+            info.attention_backend,
+            config.host,
+            config.port,
+        )
+        return await _run_http(server, manager)
+    finally:
+        manager.send(Shutdown())
+        manager.close()
+
+
+async def _run_http(server: _Uvicorn, manager: RequestManager) -> int:
+    def stop() -> None:
+        server.should_exit = True
+
+    tasks = [
+        asyncio.ensure_future(manager.receive_loop()),
+        asyncio.ensure_future(manager.watch_children(on_failure=stop)),
+    ]
+    try:
+        await server.serve()
+    finally:
+        for t in tasks:
+            t.cancel()
+    return 1 if manager.failure is not None else 0
+
+
+def _stop_children(procs: dict[str, BaseProcess]) -> None:
+    """Join (they got Shutdown), then SIGTERM, then SIGKILL whatever is left."""
+    deadline = time.monotonic() + CHILD_JOIN_S
+    for proc in procs.values():
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs.values():
+        if proc.is_alive():
+            logger.warning("%s did not exit: terminating it", proc.name)
+            proc.terminate()
+            proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        logger.info("%s exited with code %s", proc.name, proc.exitcode)

@@ -1,0 +1,70 @@
+"""Prometheus metrics of the api server (own registry, so several servers can share a process).
+
+Latency histograms are observed in the api server (TTFT: request arrival -> first output
+token delta; e2e: arrival -> last sample finished). Scheduler gauges and token counters are
+read from a `SchedulerStats` snapshot taken at scrape time (`/metrics` asks the scheduler
+first, then renders), so they are never stale by more than one scrape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from radixserve.scheduler.api import SchedulerStats
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+PREFIX = "radixserve_"
+
+
+class _SchedulerCollector(Collector):
+    def __init__(self) -> None:
+        self.stats: SchedulerStats | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        if s is None:
+            return
+        gauges = {
+            "num_running_reqs": ("Samples in the running batch", s.num_running),
+            "num_queued_reqs": ("Samples waiting to be admitted", s.num_queued),
+            "kv_used_tokens": ("KV slots in use (running + cached)", s.kv_used_tokens),
+            "kv_capacity_tokens": ("KV pool capacity in tokens", s.kv_capacity_tokens),
+            "kv_usage": ("Fraction of the KV pool in use", s.kv_usage),
+            "cache_hit_rate": ("Cached / prompt tokens since start", s.cache_hit_rate),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        counters = {
+            "prompt_tokens": ("Prompt tokens of admitted requests", s.prompt_tokens_total),
+            "cached_tokens": ("Prompt tokens served from the radix cache", s.cached_tokens_total),
+            "generation_tokens": ("Generated tokens", s.generation_tokens_total),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Request arrival to its first generated token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Request arrival to its last sample finishing",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._sched = _SchedulerCollector()
+        self.registry.register(self._sched)
+
+    def render(self, stats: SchedulerStats) -> bytes:
+        self._sched.stats = stats
+        return generate_latest(self.registry)

@@ -1,0 +1,74 @@
+"""Accumulating one sample's deltas, and the SGLang-native shape of a result.
+
+Native result (one per sample; a batch or n > 1 gives a list, prompt-major):
+
+    {"text": str, "output_ids": [int], "index": int (streamed batch / n > 1 only),
+     "meta_info": {"id", "finish_reason": {"type", "matched"} | null, "prompt_tokens",
+                   "completion_tokens", "cached_tokens", "e2e_latency",
+                   # with return_logprob: lists of [logprob, token_id, text | null]
+                   "input_token_logprobs", "output_token_logprobs",
+                   "input_top_logprobs", "output_top_logprobs"}}
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.message.messages import SampleDelta, WireLogprob
+from radixserve.scheduler.io import FinishReason
+
+
+@dataclass
+class SampleResult:
+    """Everything one sample produced so far (cumulative)."""
+
+    rid: str
+    index: int
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    output_logprobs: list[WireLogprob] = field(default_factory=list)
+    output_top_logprobs: list[list[WireLogprob]] = field(default_factory=list)
+    input_logprobs: list[WireLogprob] = field(default_factory=list)
+    input_top_logprobs: list[list[WireLogprob]] = field(default_factory=list)
+
+    def apply(self, d: SampleDelta) -> None:
+        assert (d.rid, d.index) == (self.rid, self.index), (d.rid, d.index, self.rid, self.index)
+        assert self.finish_reason is None, f"{self.rid}/{self.index}: output after finish"
+        self.text += d.text
+        self.output_ids.extend(d.token_ids)
+        self.finish_reason = d.finish_reason
+        self.prompt_tokens = d.prompt_tokens
+        self.completion_tokens = d.completion_tokens
+        self.cached_tokens = d.cached_tokens
+        self.output_logprobs.extend(d.output_logprobs)
+        self.output_top_logprobs.extend(d.output_top_logprobs)
+        self.input_logprobs.extend(d.input_logprobs)
+        self.input_top_logprobs.extend(d.input_top_logprobs)
+
+
+def native_result(
+    r: SampleResult, created: float, return_logprob: bool, index: int | None = None
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": r.rid,
+        "finish_reason": r.finish_reason.to_dict() if r.finish_reason else None,
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.completion_tokens,
+        "cached_tokens": r.cached_tokens,
+        "e2e_latency": time.perf_counter() - created,
+    }
+    if return_logprob:
+        meta["input_token_logprobs"] = [list(e) for e in r.input_logprobs]
+        meta["output_token_logprobs"] = [list(e) for e in r.output_logprobs]
+        meta["input_top_logprobs"] = [[list(e) for e in top] for top in r.input_top_logprobs]
+        meta["output_top_logprobs"] = [[list(e) for e in top] for top in r.output_top_logprobs]
+    out: dict[str, Any] = {"text": r.text, "output_ids": r.output_ids, "meta_info": meta}
+    if index is not None:
+        out["index"] = index
+    return out

