@@ -15,7 +15,6 @@ The sweep (`--sweep`) times, for small shared segments, the tree backend keeping
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch

@@ -119,44 +119,55 @@ def build_layout(case: Case, shapes: Shapes, dtype: torch.dtype, gen: torch.Gene
     )
 
 
-def _gather(pool: torch.Tensor, slots: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    rows = pool.index_select(0, slots)  # (n, Hkv*D) copy: the gather traffic
-    return rows.view(slots.numel(), kv_heads, -1)  # (n, Hkv, D)
+class Gatherer:
+    """Pool rows -> (n, Hkv, D) K or V by slot index (index_select on (slots, Hkv*D) rows).
+
+    Fresh output per call by default, as the attention backends do; with `prealloc`, into a
+    persistent workspace per `key`, which removes the allocator's page faults from the time."""
+
+    def __init__(self, kv_heads: int, prealloc: bool) -> None:
+        self.kv_heads, self.prealloc = kv_heads, prealloc
+        self.bufs: dict[str, torch.Tensor] = {}
+
+    def __call__(self, key: str, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        if not self.prealloc:
+            rows = pool.index_select(0, slots)  # (n, Hkv*D) copy: the gather traffic
+        else:
+            buf = self.bufs.get(key)
+            if buf is None:
+                buf = self.bufs[key] = pool.new_empty(slots.numel(), pool.shape[1])
+            rows = torch.index_select(pool, 0, slots, out=buf)
+        return rows.view(slots.numel(), self.kv_heads, -1)  # (n, Hkv, D)
 
 
-def run_flat(lay: Layout, case: Case, hkv: int, scale: float) -> torch.Tensor:
-    k = _gather(lay.k_pool, lay.flat_slots, hkv)  # (B*path, Hkv, D)
-    v = _gather(lay.v_pool, lay.flat_slots, hkv)
+def run_flat(lay: Layout, case: Case, gather: Gatherer, scale: float) -> torch.Tensor:
+    k = gather("flat_k", lay.k_pool, lay.flat_slots)  # (B*path, Hkv, D)
+    v = gather("flat_v", lay.v_pool, lay.flat_slots)
     out, _ = kernels.private_attention(
         lay.q, k, v, [1] * case.batch, [case.path_len] * case.batch, scale
     )
     return out
 
 
-def run_tree(lay: Layout, case: Case, hkv: int, scale: float) -> torch.Tensor:
-    k1 = _gather(lay.k_pool, lay.prefix_slots, hkv)  # (P1, Hkv, D), read once for all B
-    v1 = _gather(lay.v_pool, lay.prefix_slots, hkv)
+def run_tree(lay: Layout, case: Case, gather: Gatherer, scale: float) -> torch.Tensor:
+    k1 = gather("p1_k", lay.k_pool, lay.prefix_slots)  # (P1, Hkv, D), read once for all B
+    v1 = gather("p1_v", lay.v_pool, lay.prefix_slots)
     parts = [kernels.segment_attention(lay.q, k1, v1, scale)]
     if lay.group_slots:
         outs, lses = [], []
         for g, slots in enumerate(lay.group_slots):
             qg = lay.q[g * case.group : (g + 1) * case.group]  # (G, Hq, D)
-            o, lse = kernels.segment_attention(
-                qg, _gather(lay.k_pool, slots, hkv), _gather(lay.v_pool, slots, hkv), scale
-            )
+            kg, vg = gather("p2_k", lay.k_pool, slots), gather("p2_v", lay.v_pool, slots)
+            o, lse = kernels.segment_attention(qg, kg, vg, scale)
             outs.append(o)
             lses.append(lse)
         parts.append((torch.cat(outs), torch.cat(lses)))
-    kp = _gather(lay.k_pool, lay.private_slots, hkv)  # (B*R, Hkv, D)
-    vp = _gather(lay.v_pool, lay.private_slots, hkv)
-    parts.append(
-        kernels.private_attention(
-            lay.q, kp, vp, [1] * case.batch, [case.private] * case.batch, scale
-        )
-    )
-    out, _ = kernels.merge_states(
-        torch.stack([o for o, _ in parts]), torch.stack([s for _, s in parts])
-    )
+    kp = gather("own_k", lay.k_pool, lay.private_slots)  # (B*R, Hkv, D)
+    vp = gather("own_v", lay.v_pool, lay.private_slots)
+    own = [1] * case.batch, [case.private] * case.batch
+    parts.append(kernels.private_attention(lay.q, kp, vp, *own, scale))
+    stacked = torch.stack([o for o, _ in parts]), torch.stack([s for _, s in parts])
+    out, _ = kernels.merge_states(*stacked)  # (B, Hq, D)
     return out
 
 
@@ -188,15 +199,15 @@ def traffic(case: Case, shapes: Shapes, elt: int) -> dict[str, float]:
 
 
 def run_case(
-    case: Case, shapes: Shapes, dtype: torch.dtype, roof: Roofline, repeats: int
+    case: Case, shapes: Shapes, dtype: torch.dtype, roof: Roofline, repeats: int, prealloc: bool
 ) -> dict[str, object]:
     lay = build_layout(case, shapes, dtype, torch.Generator().manual_seed(0))
-    hkv, scale = shapes.kv_heads, shapes.head_dim**-0.5
-    tree_out = run_tree(lay, case, hkv, scale)
-    flat_out = run_flat(lay, case, hkv, scale)
+    gather, scale = Gatherer(shapes.kv_heads, prealloc), shapes.head_dim**-0.5
+    tree_out = run_tree(lay, case, gather, scale)
+    flat_out = run_flat(lay, case, gather, scale)
     max_diff = (tree_out.float() - flat_out.float()).abs().max().item()
-    tree_ms, tree_min = time_ms(lambda: run_tree(lay, case, hkv, scale), repeats)
-    flat_ms, flat_min = time_ms(lambda: run_flat(lay, case, hkv, scale), repeats)
+    tree_ms, tree_min = time_ms(lambda: run_tree(lay, case, gather, scale), repeats)
+    flat_ms, flat_min = time_ms(lambda: run_flat(lay, case, gather, scale), repeats)
     tr = traffic(case, shapes, torch.finfo(dtype).bits // 8)
     tree_bound = roof.bound_s(tr["tree_bytes"], tr["flops"], dtype) * 1e3
     flat_bound = roof.bound_s(tr["flat_bytes"], tr["flops"], dtype) * 1e3
@@ -263,6 +274,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="timed calls per side (median)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--impl", choices=kernels.IMPLS, default="auto")
+    p.add_argument("--prealloc", action="store_true", help="gather into persistent workspaces")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="write a PNG of the sweeps here")
     return p.parse_args(argv)
@@ -275,18 +287,19 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     kernels.set_impl(args.impl)
     dtype = DTYPES[args.dtype]
     repeats = args.repeats or (2 if args.quick else 7)
-    roof = measure_roofline(tuple({torch.float32, dtype}), quick=args.quick)
+    roof = measure_roofline(tuple(dict.fromkeys([torch.float32, dtype])), quick=args.quick)
     print(f"roofline ({torch.get_num_threads()} threads): {roof.describe()}")
     print(HEADER)
     results = []
     for case in sweep(args.quick):
-        results.append(run_case(case, Shapes(), dtype, roof, repeats))
+        results.append(run_case(case, Shapes(), dtype, roof, repeats, args.prealloc))
         print(format_row(results[-1]), flush=True)
     report = {
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "impl": args.impl,
         "repeats": repeats,
+        "prealloc": args.prealloc,
         "roofline": roof.as_dict(),
         "results": results,
     }

@@ -11,7 +11,9 @@ Probes (best of `repeats`, after one warm-up, into preallocated outputs so page 
 fresh allocations are not timed):
 - read bandwidth: `x.sum()` over a float32 tensor much larger than the caches; bytes = size.
 - copy bandwidth: `y.copy_(x)`; bytes = 2 * size (read + write).
-- matmul FLOP/s per dtype: `torch.mm(a, b, out=c)` on n x n; FLOPs = 2 n^3.
+- matmul FLOP/s per dtype: `torch.mm(a, b, out=c)` on n x n (FLOPs = 2 n^3), the best over
+  a few n: the peak depends on n (on this CPU bf16 runs on AMX tiles: ~1.3 TFLOP/s at
+  n = 1024 on one idle core, far less at n = 2048 where operands spill the caches).
 The roofline bound of a kernel is max(bytes / read bandwidth, FLOPs / matmul peak): the
 attention kernels here mostly stream K/V, so read bandwidth is the relevant memory roof.
 """
@@ -86,12 +88,17 @@ class Roofline:
         return ", ".join(f"{k} {v:.1f}" for k, v in self.as_dict().items())
 
 
+def measure_matmul_peak(dtype: torch.dtype, sizes: tuple[int, ...] = (512, 1024, 2048)) -> float:
+    """Best FLOP/s of `measure_matmul_flops` over the matrix sizes `sizes`."""
+    return max(measure_matmul_flops(dtype, n) for n in sizes)
+
+
 def measure_roofline(
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16), quick: bool = False
 ) -> Roofline:
     """All probes; `quick` uses small sizes (seconds -> tenths) at some loss of accuracy."""
-    nbytes, n = (32 << 20, 512) if quick else (512 << 20, 2048)
-    flops = {str(dt): measure_matmul_flops(dt, n) for dt in dtypes}
+    nbytes, sizes = (32 << 20, (256,)) if quick else (512 << 20, (512, 1024, 2048))
+    flops = {str(dt): measure_matmul_peak(dt, sizes) for dt in dtypes}
     return Roofline(measure_read_bandwidth(nbytes), measure_copy_bandwidth(nbytes), flops)
 
 

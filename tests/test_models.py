@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,16 @@ VARIANTS: dict[str, tuple[type, dict]] = {
     # head_dim 32 != hidden / heads = 16: q_size 128 differs from hidden 64.
     "mistral": (transformers.MistralConfig, {"head_dim": 32, "sliding_window": None}),
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread: on this shared 2-core box, OpenMP spin-waiting between busy
+    processes made float32 SmolLM2 decode steps 10-30x slower with 2 threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _randomise(model: torch.nn.Module, seed: int) -> None:

@@ -16,11 +16,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from radixserve.kernels import reference
 
 from radixserve.attention import FlatBackend, TreeBackend, make_backend
 from radixserve.attention.tree import TreePlan
 from radixserve.engine.batch import ForwardBatch
-from radixserve.kernels import reference
 from radixserve.kvcache.pool import KVPool
 
 FP32_ATOL = 1e-5
@@ -59,7 +59,7 @@ def make_case(
     gen = torch.Generator().manual_seed(seed)
     kv_indices = [
         torch.tensor([s for node, _ in p for s in node_slots[node]] + t + n, dtype=torch.int64)
-        for p, t, n in zip(paths, tails, news)
+        for p, t, n in zip(paths, tails, news, strict=True)
     ]
     num_slots = 1 + max(int(x.max()) for x in kv_indices)
     pool = KVPool(num_slots, 1, kv_heads, head_dim, dtype)
@@ -76,7 +76,9 @@ def make_case(
     k_all[new_slots], v_all[new_slots] = k, v
     batch = ForwardBatch(
         input_ids=torch.zeros(t, dtype=torch.int64),
-        positions=torch.cat([torch.arange(len(x) - len(n), len(x)) for x, n in zip(kv_indices, news)]),
+        positions=torch.cat(
+            [torch.arange(len(x) - len(n), len(x)) for x, n in zip(kv_indices, news, strict=True)]
+        ),
         out_cache_loc=new_slots,
         seq_lens=[len(x) for x in kv_indices],
         extend_lens=[len(n) for n in news],
@@ -100,7 +102,7 @@ def run_backend(backend: TreeBackend | FlatBackend, case: Case, scale: float) ->
 
 def oracle(case: Case, scale: float) -> torch.Tensor:
     outs, q0 = [], 0
-    for idx, ql in zip(case.batch.kv_indices, case.batch.extend_lens):
+    for idx, ql in zip(case.batch.kv_indices, case.batch.extend_lens, strict=True):
         n = len(idx)
         o, _ = reference.private_attention(
             case.q[q0 : q0 + ql], case.k_all[idx], case.v_all[idx], [ql], [n], scale
@@ -152,8 +154,17 @@ def hand_plan(min_requests: int, min_tokens: int) -> tuple[TreePlan, Case]:
 
 def seg_summary(plan: TreePlan) -> list[tuple]:
     return [
-        (s.requests, s.start, s.slots.tolist(), s.kv_range, s.level, s.q_rows.tolist(),
-         s.q_range, s.merge_rows.tolist(), s.merge_range)
+        (
+            s.requests,
+            s.start,
+            s.slots.tolist(),
+            s.kv_range,
+            s.level,
+            s.q_rows.tolist(),
+            s.q_range,
+            s.merge_rows.tolist(),
+            s.merge_range,
+        )
         for s in plan.segments
     ]
 
@@ -172,8 +183,12 @@ def test_plan_no_folding_merges_chain_and_keeps_both_levels() -> None:
         ((0, 1, 2), 0, CHAIN, None, 0, [0, 1, 2, 3], (0, 4), [0, 1, 2, 3], (0, 4)),
         ((0, 2), 7, list(range(40, 49)), (40, 49), 1, [0, 2, 3], None, [0, 2, 3], None),
     ]
-    assert private_per_request(plan) == [[50, 51, 70, 80], [*range(60, 66), 81], [82, 83],
-                                         [90, 91, 92, 84]]
+    assert private_per_request(plan) == [
+        [50, 51, 70, 80],
+        [*range(60, 66), 81],
+        [82, 83],
+        [90, 91, 92, 84],
+    ]
     assert plan.q_lens == [1, 1, 2, 1]
     assert plan.num_levels == 2
     assert plan.merge_rows is not None and plan.merge_rows.tolist() == [0, 1, 2, 3]
@@ -186,7 +201,9 @@ def test_plan_min_tokens_folds_root_chain_private_part_non_contiguous() -> None:
         ((0, 2), 7, list(range(40, 49)), (40, 49), 0, [0, 2, 3], None, [0, 1, 2], (0, 3)),
     ]
     assert private_per_request(plan) == [
-        [*CHAIN, 50, 51, 70, 80], [*CHAIN, *range(60, 66), 81], [*CHAIN, 82, 83],
+        [*CHAIN, 50, 51, 70, 80],
+        [*CHAIN, *range(60, 66), 81],
+        [*CHAIN, 82, 83],
         [90, 91, 92, 84],
     ]
     assert plan.num_levels == 1
@@ -217,8 +234,9 @@ def test_hand_tree_output_matches_oracle(thresholds: tuple[int, int]) -> None:
 
 def test_plan_rejects_inconsistent_tree() -> None:
     slots = {**NODE_SLOTS, 6: [10, 11, 12, 14]}  # node 1 in r1 points at other slots
-    case = make_case([[A, A2], [A, A2]], {1: [10, 11, 12, 13], 2: [30, 32, 31]},
-                     [[], []], [[80], [81]], 1, 1)
+    case = make_case(
+        [[A, A2], [A, A2]], {1: [10, 11, 12, 13], 2: [30, 32, 31]}, [[], []], [[80], [81]], 1, 1
+    )
     case.batch.kv_indices[1] = torch.tensor([*slots[6], 30, 32, 31, 81])
     with pytest.raises(AssertionError, match="other slots"):
         TreeBackend(2, 1).plan(case.batch)
@@ -235,8 +253,14 @@ def test_plan_rejects_inconsistent_tree() -> None:
 def test_extend_queries_see_their_own_new_keys(backend: TreeBackend | FlatBackend) -> None:
     # Two requests share a cached 5-token node and extend 3 tokens each; the pool holds
     # GARBAGE at the new slots, so attending before writing would be off by ~1e3.
-    case = make_case([[(1, 5)], [(1, 5)], []], {1: [1, 2, 3, 4, 5]}, [[], [], []],
-                     [[6, 7, 8], [9, 10, 11], [12, 13, 14]], kv_heads=2, group=1)
+    case = make_case(
+        [[(1, 5)], [(1, 5)], []],
+        {1: [1, 2, 3, 4, 5]},
+        [[], [], []],
+        [[6, 7, 8], [9, 10, 11], [12, 13, 14]],
+        kv_heads=2,
+        group=1,
+    )
     out = run_backend(backend, case, 0.5)
     assert max_err(out, oracle(case, 0.5)) <= FP32_ATOL
     # Request 2 has no cached prefix: its first query sees only its own key -> exactly v.
@@ -247,7 +271,7 @@ def test_naive_softmax_agrees_with_oracle() -> None:
     """The oracle itself against a line-by-line softmax, on the hand-made tree."""
     _, case = hand_plan(2, 1)
     got, q0 = oracle(case, 0.3), 0
-    for idx, ql in zip(case.batch.kv_indices, case.batch.extend_lens):
+    for idx, ql in zip(case.batch.kv_indices, case.batch.extend_lens, strict=True):
         kk = case.k_all[idx].repeat_interleave(3, dim=1)  # (S, Hq, D)
         vv = case.v_all[idx].repeat_interleave(3, dim=1)
         for i in range(ql):
@@ -261,8 +285,9 @@ def test_naive_softmax_agrees_with_oracle() -> None:
 # ------------------------------------------------------------------- random trees
 
 
-def random_case(seed: int, depth: int, fanout: int, max_len: int, group: int,
-                extend: bool, dtype: torch.dtype) -> Case:
+def random_case(
+    seed: int, depth: int, fanout: int, max_len: int, group: int, extend: bool, dtype: torch.dtype
+) -> Case:
     rng = random.Random(seed)
     parent: dict[int, int | None] = {}
     lengths: dict[int, int] = {}
@@ -305,8 +330,16 @@ def random_case(seed: int, depth: int, fanout: int, max_len: int, group: int,
         paths.append(path[::-1])
     tails = [take(rng.choice([0, 0, rng.randint(1, 20)])) for _ in paths]
     news = [take(rng.randint(1, 12) if extend else 1) for _ in paths]
-    return make_case(paths, node_slots, tails, news, kv_heads=rng.choice([1, 2]), group=group,
-                     dtype=dtype, seed=seed)
+    return make_case(
+        paths,
+        node_slots,
+        tails,
+        news,
+        kv_heads=rng.choice([1, 2]),
+        group=group,
+        dtype=dtype,
+        seed=seed,
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -319,8 +352,15 @@ def random_case(seed: int, depth: int, fanout: int, max_len: int, group: int,
     extend=st.booleans(),
     thresholds=st.sampled_from([(2, 1), (2, 16), (3, 1), (3, 64), (1000, 1)]),
 )
-def test_random_trees_fp32(seed: int, depth: int, fanout: int, max_len: int, group: int,
-                           extend: bool, thresholds: tuple[int, int]) -> None:
+def test_random_trees_fp32(
+    seed: int,
+    depth: int,
+    fanout: int,
+    max_len: int,
+    group: int,
+    extend: bool,
+    thresholds: tuple[int, int],
+) -> None:
     case = random_case(seed, depth, fanout, max_len, group, extend, torch.float32)
     scale = 1 / math.sqrt(16)
     want = oracle(case, scale)
@@ -346,8 +386,9 @@ def test_single_request_and_all_duplicates() -> None:
     nodes = {1: list(range(1, 41)), 2: list(range(41, 61))}
     one = make_case([[(1, 40), (2, 20)]], nodes, [[]], [[61]], kv_heads=1, group=8)
     assert max_err(run_backend(TreeBackend(2, 1), one, 0.2), oracle(one, 0.2)) <= FP32_ATOL
-    dup = make_case([[(1, 40), (2, 20)]] * 4, nodes, [[]] * 4, [[61], [62], [63], [64, 65]],
-                    kv_heads=1, group=8)
+    dup = make_case(
+        [[(1, 40), (2, 20)]] * 4, nodes, [[]] * 4, [[61], [62], [63], [64, 65]], kv_heads=1, group=8
+    )
     tree = TreeBackend(2, 1)
     out = run_backend(tree, dup, 0.2)
     plan = dup.batch.attn_plan

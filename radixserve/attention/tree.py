@@ -172,9 +172,10 @@ class TreeBackend(AttentionBackend):
         # Write first: an extend's queries must see their own (and earlier) new keys.
         pool.write(layer, batch.out_cache_loc, k, v)
         kc, vc = pool.k[layer], pool.v[layer]  # (num_slots, Hkv, D)
+        # index_select, not kc[idx]: the row gather is ~5x faster than advanced indexing on CPU.
         ps = plan.private_slots
         out, lse = kernels.private_attention(
-            q, kc[ps], vc[ps], plan.q_lens, plan.private_lens, scale
+            q, kc.index_select(0, ps), vc.index_select(0, ps), plan.q_lens, plan.private_lens, scale
         )  # (T, Hq, D), (T, Hq)
         if not plan.segments:
             return out
@@ -201,7 +202,7 @@ def _build_plan(batch: ForwardBatch, kept: list[tuple[tuple[int, ...], int, int]
     all_rows = m == sum(q_lens)
     segments = [
         _make_segment(batch, reqs, start, n, level, q_starts, q_lens, merge_starts)
-        for (reqs, start, n), level in zip(kept, levels)
+        for (reqs, start, n), level in zip(kept, levels, strict=True)
     ]
     priv, priv_lens = _private_slots(batch, per_req)
     with_shared = tuple(r for r, ranges in enumerate(per_req) if ranges)
@@ -279,20 +280,26 @@ def _merge_shared(
     # Part 0 is the private part; part level + 1 a shared segment; lse -inf = "no such part".
     outs = q.new_zeros((plan.num_levels + 1, m, hq, d))  # (N, M, Hq, D)
     lses = torch.full((plan.num_levels + 1, m, hq), float("-inf"), device=q.device)
-    outs[0] = out if rows is None else out[rows]
-    lses[0] = lse if rows is None else lse[rows]
+    outs[0] = out if rows is None else out.index_select(0, rows)
+    lses[0] = lse if rows is None else lse.index_select(0, rows)
     for seg in plan.segments:
-        qs = q[seg.q_range[0] : seg.q_range[1]] if seg.q_range else q[seg.q_rows]  # (n, Hq, D)
+        if seg.q_range:
+            qs = q[seg.q_range[0] : seg.q_range[1]]  # (n, Hq, D) view
+        else:
+            qs = q.index_select(0, seg.q_rows)
         if seg.kv_range:
             ks, vs = kc[seg.kv_range[0] : seg.kv_range[1]], vc[seg.kv_range[0] : seg.kv_range[1]]
         else:
-            ks, vs = kc[seg.slots], vc[seg.slots]  # (L, Hkv, D) gathered copies
+            ks, vs = kc.index_select(0, seg.slots), vc.index_select(0, seg.slots)  # (L, Hkv, D)
         o, s = kernels.segment_attention(qs, ks, vs, scale)  # (n, Hq, D), (n, Hq)
-        dst = slice(*seg.merge_range) if seg.merge_range else seg.merge_rows
-        outs[seg.level + 1, dst] = o
-        lses[seg.level + 1, dst] = s
+        part_o, part_s = outs[seg.level + 1], lses[seg.level + 1]  # (M, Hq, D), (M, Hq) views
+        if seg.merge_range:
+            part_o[seg.merge_range[0] : seg.merge_range[1]] = o
+            part_s[seg.merge_range[0] : seg.merge_range[1]] = s
+        else:
+            part_o.index_copy_(0, seg.merge_rows, o)
+            part_s.index_copy_(0, seg.merge_rows, s)
     merged, _ = kernels.merge_states(outs, lses)  # (M, Hq, D)
     if rows is None:
         return merged
-    out[rows] = merged  # `out` is this step's fresh private result: safe to overwrite
-    return out
+    return out.index_copy_(0, rows, merged)  # `out` is this step's fresh private result

@@ -114,7 +114,7 @@ class Engine:
             if not all(isinstance(t, str) for t in texts):
                 raise ValueError("prompt: must be a string or a list of strings")
             return single, [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
-        single = bool(input_ids) and isinstance(input_ids[0], int)
+        single = not input_ids or isinstance(input_ids[0], int)
         batch = [input_ids] if single else list(input_ids)
         if not all(isinstance(x, list) and all(isinstance(t, int) for t in x) for x in batch):
             raise ValueError("input_ids: must be a list of ints or a list of lists of ints")

@@ -39,6 +39,7 @@ class SchedulerStats:
     prompt_tokens_total: int  # counters since start
     cached_tokens_total: int
     generation_tokens_total: int
+    computed_tokens_total: int  # tokens run through the model (prefill + decode)
 
     @property
     def kv_usage(self) -> float:

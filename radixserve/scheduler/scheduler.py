@@ -67,6 +67,7 @@ class Scheduler:
         self.finished_outputs: list[SampleOutput] = []
         self._arrival = itertools.count()
         self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
+        self.computed_tokens_total = 0
         self.model_info = ModelInfo(
             model_path=str(path), tokenizer_path=str(path), context_len=self.context_len,
             vocab_size=mc.vocab_size, eos_token_ids=tuple(sorted(self.eos_ids)),
@@ -202,6 +203,7 @@ class Scheduler:
         if work:
             batch, rows, first_row = self._build_batch(work)
             logits = self.worker.forward(batch, rows)
+            self.computed_tokens_total += batch.input_ids.numel()
             self._process(work, logits, first_row)
         outputs, self.finished_outputs = self.finished_outputs, []
         outputs.extend(self.out.collect(r) for r in self.running if r.new_ids)
@@ -286,6 +288,7 @@ class Scheduler:
             prompt_tokens_total=self.prompt_tokens_total,
             cached_tokens_total=self.cached_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            computed_tokens_total=self.computed_tokens_total,
         )
 
     def run_until_idle(self) -> Iterable[SampleOutput]:

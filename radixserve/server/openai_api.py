@@ -20,7 +20,7 @@ from radixserve.message.messages import WireLogprob
 from radixserve.server.flow import sse, start_stream, submit_all, unless_disconnected
 from radixserve.server.manager import Pending, RequestManager
 from radixserve.server.openai_protocol import OpenAIBatch, parse_chat, parse_completion
-from radixserve.server.protocol import read_json
+from radixserve.server.protocol import ApiError, read_json
 from radixserve.server.results import SampleResult
 
 router = APIRouter()
@@ -108,10 +108,15 @@ async def _run(
         "model": batch.model or _served_name(request),
     }
     results = [[SampleResult(p.rid, i) for i in range(p.n)] for p in pendings]
-    if batch.stream:
-        body = _stream_body(manager, pendings, results, batch, head, chunk_choice)
-        return await start_stream(request, manager, pendings, body)
-    done = await unless_disconnected(request, manager, pendings, _collect(manager, pendings, results))
+    try:
+        if batch.stream:
+            body = _stream_body(manager, pendings, results, batch, head, chunk_choice)
+            return await start_stream(request, manager, pendings, body)
+        work = _collect(manager, pendings, results)
+        done = await unless_disconnected(request, manager, pendings, work)
+    except ApiError as e:  # refusals from the pipeline use SGLang's field names
+        e.message = e.message.replace("max_new_tokens", "max_tokens")
+        raise
     if isinstance(done, Response):
         return done
     choices = [

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-LOG_FORMAT = "%(asctime)s %(processName)s %(levelname)s %(name)s: %(message)s"
+LOG_FORMAT = "%(asctime)s %(processName)s[%(process)d] %(levelname)s %(name)s: %(message)s"
 PARENT_POLL_MS = 1000  # how often an idle child checks that its launcher still lives
 
 logger = logging.getLogger("radixserve.server")

@@ -1,0 +1,211 @@
+"""Scheduler + Engine behaviour on a tiny random Llama (fp32): the same greedy output alone,
+in a mixed continuous batch, after a radix hit, after retraction, chunked, cache disabled;
+KV accounting exact after every run."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from radixserve import Engine
+
+GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+
+
+def make_engine(model_dir: Path, **kw: Any) -> Engine:
+    cfg: dict[str, Any] = {"dtype": "float32", "max_total_tokens": 4096}
+    cfg.update(kw)
+    return Engine(str(model_dir), **cfg)
+
+
+def prompts(n: int, length: int = 20, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, 20000, (length + 3 * i,), generator=g).tolist() for i in range(n)]
+
+
+def run_alone(engine: Engine, ids: list[int], params: dict[str, Any] = GREEDY) -> list[int]:
+    out = engine.generate(input_ids=ids, sampling_params=params)
+    assert isinstance(out, dict)
+    return out["output_ids"]
+
+
+def assert_all_free(engine: Engine) -> None:
+    engine.check_integrity()
+    assert engine.flush_cache()
+    pool = engine.scheduler.kv.pool
+    assert pool.num_free == pool.capacity
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Engine:
+    return make_engine(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(engine: Engine) -> list[list[int]]:
+    """Greedy outputs of 8 prompts, each run alone on an empty cache."""
+    outs = []
+    for ids in prompts(8):
+        engine.flush_cache()
+        outs.append(run_alone(engine, ids))
+    assert_all_free(engine)
+    return outs
+
+
+def test_batch_equals_alone(engine: Engine, reference: list[list[int]]) -> None:
+    outs = engine.generate(input_ids=prompts(8), sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == reference
+    assert all(o["meta_info"]["finish_reason"] == {"type": "length", "matched": None} for o in outs)
+    assert_all_free(engine)
+
+
+def test_radix_hit_same_output(engine: Engine, reference: list[list[int]]) -> None:
+    ids = prompts(8)[3]
+    first = engine.generate(input_ids=ids, sampling_params=GREEDY)
+    second = engine.generate(input_ids=ids, sampling_params=GREEDY)
+    assert first["output_ids"] == second["output_ids"] == reference[3]
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert second["meta_info"]["cached_tokens"] == len(ids) - 1  # all but the last token
+    engine.check_integrity()
+    # A continuation shares prompt + output: the whole first sequence is cached.
+    cont = ids + first["output_ids"] + [42]
+    third = engine.generate(input_ids=cont, sampling_params=GREEDY)
+    assert third["meta_info"]["cached_tokens"] == len(ids) + len(first["output_ids"]) - 1
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"max_total_tokens": 160},  # forces eviction and retraction
+        {"chunked_prefill_size": 16},
+        {"disable_radix_cache": True},
+        {"schedule_policy": "fcfs"},
+        {"attention_backend": "flat"},
+        {"max_running_requests": 3},
+    ],
+    ids=["retract", "chunked", "no-cache", "fcfs", "flat", "max-running-3"],
+)
+def test_configs_same_output(tiny_model_dir: Path, reference: list[list[int]], kw: dict) -> None:
+    eng = make_engine(tiny_model_dir, **kw)
+    outs = eng.generate(input_ids=prompts(8), sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == reference
+    if kw.get("disable_radix_cache"):
+        assert all(o["meta_info"]["cached_tokens"] == 0 for o in outs)
+    assert_all_free(eng)
+
+
+def test_retraction_happens(tiny_model_dir: Path, reference: list[list[int]]) -> None:
+    eng = make_engine(tiny_model_dir, max_total_tokens=160)
+    computed_alone = sum(len(p) + len(r) - 1 for p, r in zip(prompts(8), reference))
+    eng.generate(input_ids=prompts(8), sampling_params=GREEDY)
+    # Retraction re-queues samples; any evicted K/V they had is computed again.
+    assert eng.scheduler.stats().computed_tokens_total > computed_alone
+
+
+def test_fork_shares_prompt(engine: Engine) -> None:
+    ids = prompts(1, length=60, seed=5)[0]
+    engine.flush_cache()
+    before = engine.scheduler.stats().computed_tokens_total
+    params = {"temperature": 1.0, "max_new_tokens": 8, "n": 6, "seed": 7, "ignore_eos": True}
+    outs = engine.generate(input_ids=ids, sampling_params=params)
+    assert isinstance(outs, list) and len(outs) == 6
+    computed = engine.scheduler.stats().computed_tokens_total - before
+    # Prompt once, then 7 decode inputs per sample (the 8th token needs no forward).
+    assert computed == len(ids) + 6 * 7
+    assert len({tuple(o["output_ids"]) for o in outs}) > 1, "samples of a fork must differ"
+    again = engine.generate(input_ids=ids, sampling_params=params)
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]  # seeded
+    assert_all_free(engine)
+
+
+def test_seed_independent_of_batch(engine: Engine) -> None:
+    sampled = {"temperature": 0.9, "top_p": 0.9, "max_new_tokens": 10, "seed": 123}
+    ids = prompts(4)
+    alone = run_alone(engine, ids[2], sampled)
+    batch = engine.generate(input_ids=ids, sampling_params=[GREEDY, GREEDY, sampled, GREEDY])
+    assert batch[2]["output_ids"] == alone
+    assert_all_free(engine)
+
+
+def test_max_new_tokens_zero_caches_prompt(engine: Engine) -> None:
+    ids = prompts(1, length=40, seed=9)[0]
+    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0})
+    assert out["output_ids"] == [] and out["text"] == ""
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    hit = engine.generate(input_ids=ids, sampling_params=GREEDY)
+    assert hit["meta_info"]["cached_tokens"] == len(ids) - 1
+    assert_all_free(engine)
+
+
+def test_stop_string_across_tokens(engine: Engine) -> None:
+    ids = prompts(1, seed=11)[0]
+    full = engine.generate(input_ids=ids, sampling_params=GREEDY)
+    text = full["text"]
+    pieces = [engine.tokenizer.decode([t]) for t in full["output_ids"]]
+    # A stop string spanning the boundary between output tokens 3 and 4.
+    cut = len("".join(pieces[:3]))
+    stop = text[cut - 1 : cut + 2]
+    assert len(stop) == 3
+    out = engine.generate(input_ids=ids, sampling_params={**GREEDY, "stop": [stop]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == text[: text.find(stop)]
+    assert_all_free(engine)
+
+
+def test_stop_token_ids(engine: Engine, reference: list[list[int]]) -> None:
+    ids, ref = prompts(8)[0], reference[0]
+    out = engine.generate(input_ids=ids, sampling_params={**GREEDY, "stop_token_ids": [ref[4]]})
+    stop_at = ref.index(ref[4])
+    assert out["output_ids"] == ref[: stop_at + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": ref[4]}
+    assert out["text"] == engine.tokenizer.decode(ref[:stop_at])
+    assert_all_free(engine)
+
+
+def test_logprobs_match_hf(engine: Engine, tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    ids = prompts(1, length=12, seed=3)[0]
+    out = engine.generate(
+        input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 4},
+        return_logprob=True, logprob_start_len=0, top_logprobs_num=2,
+    )
+    meta = out["meta_info"]
+    full = ids + out["output_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor([full])).logits[0].float(), -1)
+    want_in = [logp[i - 1, full[i]].item() for i in range(1, len(ids))]
+    got_in = meta["input_token_logprobs"]
+    assert got_in[0] == [None, ids[0], None]
+    assert [e[1] for e in got_in] == ids
+    assert max(abs(a[0] - b) for a, b in zip(got_in[1:], want_in)) < 1e-4
+    want_out = [logp[len(ids) - 1 + i, t].item() for i, t in enumerate(out["output_ids"])]
+    got_out = [e[0] for e in meta["output_token_logprobs"]]
+    assert max(abs(a - b) for a, b in zip(got_out, want_out)) < 1e-4
+    top = meta["output_top_logprobs"][0]
+    assert len(top) == 2 and top[0][1] == out["output_ids"][0]  # greedy = top-1
+    assert math.isclose(top[0][0], got_out[0], abs_tol=1e-6)
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"input_ids": []}, "input_ids"),
+        ({"input_ids": [1, 2, 10**7]}, "input_ids"),
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 5000}}, "max_new_tokens"),
+        ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature"),
+        ({"input_ids": [1, 2], "sampling_params": {"bogus": 1}}, "bogus"),
+        ({"prompt": 5}, "prompt"),
+    ],
+)
+def test_bad_input_is_a_clear_error(engine: Engine, kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        engine.generate(**kwargs)
+    assert_all_free(engine)
