@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -200,7 +201,7 @@ def traffic(case: Case, shapes: Shapes, elt: int) -> dict[str, float]:
 
 def run_case(
     case: Case, shapes: Shapes, dtype: torch.dtype, roof: Roofline, repeats: int, prealloc: bool
-) -> dict[str, object]:
+) -> dict[str, Any]:
     lay = build_layout(case, shapes, dtype, torch.Generator().manual_seed(0))
     gather, scale = Gatherer(shapes.kv_heads, prealloc), shapes.head_dim**-0.5
     tree_out = run_tree(lay, case, gather, scale)
@@ -235,7 +236,7 @@ HEADER = (
 )
 
 
-def format_row(r: dict[str, object]) -> str:
+def format_row(r: dict[str, Any]) -> str:
     f = lambda k: float(r[k])  # noqa: E731
     return (
         f"{r['sweep']!s:<10}{r['label']!s:<30}{f('tree_ms'):>9.3f}{f('flat_ms'):>9.3f}"
@@ -244,7 +245,7 @@ def format_row(r: dict[str, object]) -> str:
     )
 
 
-def plot(results: list[dict[str, object]], path: str) -> None:
+def plot(results: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -255,10 +256,10 @@ def plot(results: list[dict[str, object]], path: str) -> None:
         axes, [("batch", "batch"), ("prefix", "prefix"), ("private", "private")], strict=False
     ):
         rows = [r for r in results if r["sweep"] in (sweep_name, "headline")]
-        rows.sort(key=lambda r: float(r[key]))  # type: ignore[arg-type]
-        xs = [float(r[key]) for r in rows]  # type: ignore[arg-type]
-        ax.plot(xs, [float(r["speedup"]) for r in rows], "o-", label="measured")  # type: ignore[arg-type]
-        ax.plot(xs, [float(r["roofline_speedup"]) for r in rows], "s--", label="roofline")  # type: ignore[arg-type]
+        rows.sort(key=lambda r: float(r[key]))
+        xs = [float(r[key]) for r in rows]
+        ax.plot(xs, [float(r["speedup"]) for r in rows], "o-", label="measured")
+        ax.plot(xs, [float(r["roofline_speedup"]) for r in rows], "s--", label="roofline")
         ax.set_xscale("log", base=2)
         ax.set_xlabel(key)
         ax.set_ylabel("flat / tree time")
@@ -280,7 +281,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict[str, object]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

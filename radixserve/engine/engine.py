@@ -110,8 +110,8 @@ class Engine:
             raise ValueError("give exactly one of prompt (text) or input_ids")
         if prompt is not None:
             single = isinstance(prompt, str)
-            texts = [prompt] if isinstance(prompt, str) else list(prompt)
-            if not all(isinstance(t, str) for t in texts):
+            texts = [prompt] if isinstance(prompt, str) else prompt
+            if not isinstance(texts, list | tuple) or not all(isinstance(t, str) for t in texts):
                 raise ValueError("prompt: must be a string or a list of strings")
             return single, [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         single = not input_ids or isinstance(input_ids[0], int)
