@@ -46,8 +46,10 @@ class EngineConfig:
         )
         check(0 < self.mem_fraction <= 0.95, "mem_fraction must be in (0, 0.95]")
         check(self.chunked_prefill_size >= 16, "chunked_prefill_size must be >= 16")
-        check(self.max_prefill_tokens >= self.chunked_prefill_size,
-              "max_prefill_tokens must be >= chunked_prefill_size")
+        check(
+            self.max_prefill_tokens >= self.chunked_prefill_size,
+            "max_prefill_tokens must be >= chunked_prefill_size",
+        )
         check(self.max_running_requests >= 1, "max_running_requests must be >= 1")
         check(self.max_queued_requests >= 1, "max_queued_requests must be >= 1")
         check(self.tp_size >= 1, "tp_size must be >= 1")

@@ -172,8 +172,11 @@ def test_logprobs_match_hf(engine: Engine, tiny_model_dir: Path) -> None:
 
     ids = prompts(1, length=12, seed=3)[0]
     out = engine.generate(
-        input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 4},
-        return_logprob=True, logprob_start_len=0, top_logprobs_num=2,
+        input_ids=ids,
+        sampling_params={**GREEDY, "max_new_tokens": 4},
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=2,
     )
     meta = out["meta_info"]
     full = ids + out["output_ids"]

@@ -42,7 +42,9 @@ class _Sample:
         self.detok.add(ids)
         self.output_ids.extend(out.new_token_ids)
         self.logprobs.extend([lp, tok, None] for lp, tok in out.output_logprobs)
-        self.top_logprobs.extend([[lp, t, None] for lp, t in top] for top in out.output_top_logprobs)
+        self.top_logprobs.extend(
+            [[lp, t, None] for lp, t in top] for top in out.output_top_logprobs
+        )
         self.input_logprobs.extend([lp, tok, None] for lp, tok in out.input_logprobs)
         self.input_top_logprobs.extend(
             [[lp, t, None] for lp, t in top] for top in out.input_top_logprobs
@@ -95,8 +97,10 @@ class Engine:
         params = self._params(sampling_params, len(prompts))
         reqs = [
             TokenizedRequest(
-                rid=f"engine-{next(self._ids)}-{uuid.uuid4().hex[:8]}", input_ids=ids,
-                sampling=sp, return_logprob=return_logprob,
+                rid=f"engine-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
+                input_ids=ids,
+                sampling=sp,
+                return_logprob=return_logprob,
                 logprob_start_len=logprob_start_len if return_logprob else -1,
                 top_logprobs_num=top_logprobs_num,
             )
@@ -154,13 +158,18 @@ class Engine:
     def _detokenizer(self, r: TokenizedRequest) -> IncrementalDetokenizer:
         sp = r.sampling
         return IncrementalDetokenizer(
-            self.tokenizer, prompt_ids=r.input_ids, skip_special_tokens=sp.skip_special_tokens,
-            spaces_between_special_tokens=sp.spaces_between_special_tokens, stop=sp.stop,
+            self.tokenizer,
+            prompt_ids=r.input_ids,
+            skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens,
+            stop=sp.stop,
         )
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         """The model's chat template applied, ending with the assistant's turn opener."""
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
         assert isinstance(text, str)
         return text
 

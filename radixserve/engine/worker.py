@@ -41,12 +41,19 @@ class ModelWorker:
         per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize
         capacity = kv_capacity(config, mc, per_token)
         self.pool = KVPool(
-            capacity + 1, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-            config.torch_dtype, config.device,
+            capacity + 1,
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            config.torch_dtype,
+            config.device,
         )
         logger.info(
             "KV pool: %d tokens (%.1f MiB, %d B/token), attention backend %s",
-            capacity, capacity * per_token / 2**20, per_token, self.backend.name,
+            capacity,
+            capacity * per_token / 2**20,
+            per_token,
+            self.backend.name,
         )
 
     @torch.inference_mode()

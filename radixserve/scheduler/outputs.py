@@ -22,8 +22,11 @@ class OutputProcessor:
         """Draw one token per sample from logits (len(reqs), vocab) float32."""
         infos = [
             SamplingInfo(
-                params=r.sampling, prompt_ids=r.prompt_ids, output_ids=r.output_ids,
-                eos_token_ids=self.eos_ids, sample_index=r.index,
+                params=r.sampling,
+                prompt_ids=r.prompt_ids,
+                output_ids=r.output_ids,
+                eos_token_ids=self.eos_ids,
+                sample_index=r.index,
                 need_top_logprobs=r.request.top_logprobs_num if r.request.return_logprob else 0,
             )
             for r in reqs
@@ -65,11 +68,17 @@ class OutputProcessor:
     def collect(req: Req) -> SampleOutput:
         """The sample's progress since the last collect; clears the pending deltas."""
         out = SampleOutput(
-            rid=req.rid, index=req.index, new_token_ids=req.new_ids,
-            finish_reason=req.finish_reason, prompt_tokens=len(req.prompt_ids),
-            completion_tokens=len(req.output_ids), cached_tokens=max(req.cached_tokens, 0),
-            output_logprobs=req.new_logprobs, output_top_logprobs=req.new_top_logprobs,
-            input_logprobs=req.input_logprobs, input_top_logprobs=req.input_top_logprobs,
+            rid=req.rid,
+            index=req.index,
+            new_token_ids=req.new_ids,
+            finish_reason=req.finish_reason,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=max(req.cached_tokens, 0),
+            output_logprobs=req.new_logprobs,
+            output_top_logprobs=req.new_top_logprobs,
+            input_logprobs=req.input_logprobs,
+            input_top_logprobs=req.input_top_logprobs,
         )
         req.new_ids, req.new_logprobs, req.new_top_logprobs = [], [], []
         req.input_logprobs, req.input_top_logprobs = [], []

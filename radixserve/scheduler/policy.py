@@ -19,7 +19,9 @@ def order_waiting(waiting: list[Req], cache: RadixCache, policy: str) -> list[Re
     by_arrival = sorted(waiting, key=lambda r: r.arrival)
     if policy == "fcfs" or cache.disable or len(waiting) > LPM_QUEUE_LIMIT:
         return by_arrival
-    matched = {id(r): len(cache.match_prefix(r.all_ids[: r.reuse_limit()]).indices) for r in waiting}
+    matched = {
+        id(r): len(cache.match_prefix(r.all_ids[: r.reuse_limit()]).indices) for r in waiting
+    }
     return sorted(by_arrival, key=lambda r: -matched[id(r)])
 
 

@@ -69,9 +69,13 @@ class Scheduler:
         self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
         self.computed_tokens_total = 0
         self.model_info = ModelInfo(
-            model_path=str(path), tokenizer_path=str(path), context_len=self.context_len,
-            vocab_size=mc.vocab_size, eos_token_ids=tuple(sorted(self.eos_ids)),
-            dtype=config.dtype, kv_capacity_tokens=self.worker.pool.capacity,
+            model_path=str(path),
+            tokenizer_path=str(path),
+            context_len=self.context_len,
+            vocab_size=mc.vocab_size,
+            eos_token_ids=tuple(sorted(self.eos_ids)),
+            dtype=config.dtype,
+            kv_capacity_tokens=self.worker.pool.capacity,
             attention_backend=config.attention_backend,
         )
 
@@ -186,8 +190,11 @@ class Scheduler:
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(pos, dtype=torch.int64),
-            out_cache_loc=torch.cat(locs), seq_lens=seq_lens,
-            extend_lens=[w.n for w in work], kv_indices=kv_idx, paths=paths,
+            out_cache_loc=torch.cat(locs),
+            seq_lens=seq_lens,
+            extend_lens=[w.n for w in work],
+            kv_indices=kv_idx,
+            paths=paths,
             kv_pool=self.kv.pool,
         )
         return batch, torch.tensor(rows, dtype=torch.int64), first_row
@@ -283,8 +290,10 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         pool = self.kv.pool
         return SchedulerStats(
-            num_running=len(self.running), num_queued=len(self.waiting),
-            kv_used_tokens=pool.capacity - pool.num_free, kv_capacity_tokens=pool.capacity,
+            num_running=len(self.running),
+            num_queued=len(self.waiting),
+            kv_used_tokens=pool.capacity - pool.num_free,
+            kv_capacity_tokens=pool.capacity,
             prompt_tokens_total=self.prompt_tokens_total,
             cached_tokens_total=self.cached_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
