@@ -1,15 +1,17 @@
 """Per-layer attention time: TreeBackend vs FlatBackend (vs "none", the no-attention ceiling).
 
 Batch: B requests share one cached radix node of P tokens; each then has R private cached
-tokens and q new tokens (q = 1: decode). Times one layer's `forward` (pool write + attention;
-the plan is built once per step and timed separately), min of `--repeat` interleaved runs.
+tokens and q new tokens (q = 1: decode). Times one layer's `forward` (pool write + attention),
+averaged over 4 layers sharing one plan (the plan is timed separately), min of `--repeat`
+interleaved steps.
 
 The sweep (`--sweep`) times, for small shared segments, the tree backend keeping the segment
-(thresholds off) against folding it into the private parts, to pick `min_requests` and
-`min_tokens`:  ratio = kept / folded, < 1 means keeping the segment pays.
+(thresholds off) against folding it into the private parts, to pick TreeBackend's thresholds
+(`min_requests`, `min_tokens`, `min_reads`, `min_tokens_extend`): ratio = kept / folded,
+< 1 means keeping the segment pays.
 
-    python benchmarks/bench_backend.py                      # SmolLM2-like heads, bf16
-    python benchmarks/bench_backend.py --sweep --dtype float32
+    python benchmarks/bench_backend.py --threads 1                  # SmolLM2-like heads, bf16
+    python benchmarks/bench_backend.py --sweep --threads 1 [--q-len 8] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -57,31 +59,29 @@ def make_batch(
 
 
 def time_forward(
-    backends: list[AttentionBackend], batch: ForwardBatch, hq: int, repeat: int
+    backends: list[AttentionBackend], batch: ForwardBatch, hq: int, repeat: int, layers: int = 4
 ) -> list[tuple[float, float]]:
-    """Per backend: (min plan seconds, min per-layer forward seconds) over `repeat` runs.
+    """Per backend: (min plan seconds, min per-layer forward seconds) over `repeat` steps.
 
-    Backends are interleaved run by run and the MIN is kept: on a shared 2-core machine other
-    processes only ever add time, so the minimum is the least disturbed measurement."""
-    t, hkv, d = (
-        batch.out_cache_loc.numel(),
-        batch.kv_pool.k[0].shape[1],
-        batch.kv_pool.k[0].shape[2],
-    )
-    dtype = batch.kv_pool.k[0].dtype
-    q = torch.randn(t, hq, d).to(dtype)  # (T, Hq, D)
-    k = torch.randn(t, hkv, d).to(dtype)  # (T, Hkv, D)
-    v = torch.randn(t, hkv, d).to(dtype)
+    One step = plan once + `layers` forwards (as in a model, the plan and its scratch are
+    reused by every layer; all on layer 0 of the pool). Backends are interleaved step by
+    step and the MIN is kept: on a shared machine other processes only ever add time."""
+    pool_k = batch.kv_pool.k[0]
+    t, hkv, d = batch.out_cache_loc.numel(), pool_k.shape[1], pool_k.shape[2]
+    q = torch.randn(t, hq, d).to(pool_k.dtype)  # (T, Hq, D)
+    k = torch.randn(t, hkv, d).to(pool_k.dtype)  # (T, Hkv, D)
+    v = torch.randn(t, hkv, d).to(pool_k.dtype)
     best = [(float("inf"), float("inf")) for _ in backends]
-    for i in range(repeat + 1):  # run 0 warms up allocator and caches
+    for i in range(repeat + 1):  # step 0 warms up allocator and caches
         for j, backend in enumerate(backends):
             t0 = time.perf_counter()
             backend.plan(batch)
             t1 = time.perf_counter()
-            backend.forward(q, k, v, 0, batch, d**-0.5)
+            for _ in range(layers):
+                backend.forward(q, k, v, 0, batch, d**-0.5)
             t2 = time.perf_counter()
             if i:
-                best[j] = (min(best[j][0], t1 - t0), min(best[j][1], t2 - t1))
+                best[j] = (min(best[j][0], t1 - t0), min(best[j][1], (t2 - t1) / layers))
     return best
 
 
@@ -115,7 +115,8 @@ def bench_sweep(args: argparse.Namespace, dtype: torch.dtype) -> None:
     )
     lengths = [8, 16, 32, 64, 128, 256, 512, 1024]
     print(f"{'k/L':>6} " + " ".join(f"{n:>6}" for n in lengths))
-    kept, folded = TreeBackend(2, 1), TreeBackend(10**9, 1)
+    kept = TreeBackend(2, 1, min_reads=1, min_tokens_extend=1)  # every segment kept
+    folded = TreeBackend(10**9)  # every segment folded
     for b in [2, 3, 4, 8, 16, 32]:
         row = []
         for p in lengths:

@@ -106,8 +106,13 @@ def build_layout(case: Case, shapes: Shapes, dtype: torch.dtype, gen: torch.Gene
     k_pool = torch.randn(n_slots, row, generator=gen).to(dtype)
     v_pool = torch.randn(n_slots, row, generator=gen).to(dtype)
     q = torch.randn(case.batch, shapes.q_heads, shapes.head_dim, generator=gen).to(dtype)
-    nxt = iter(range(1, n_slots))
-    take = lambda n: torch.tensor([next(nxt) for _ in range(n)], dtype=torch.int64)  # noqa: E731
+    cursor = 1  # slots handed out in order, as a fresh pool does; slot 0 is scratch
+
+    def take(n: int) -> torch.Tensor:
+        nonlocal cursor
+        cursor += n
+        return torch.arange(cursor - n, cursor)  # (n,) int64 slots
+
     prefix_slots = take(case.prefix)
     group_slots = [take(case.prefix2) for _ in range(n_groups)]
     private = [take(case.private) for _ in range(case.batch)]
@@ -260,6 +265,7 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
         xs = [float(r[key]) for r in rows]
         ax.plot(xs, [float(r["speedup"]) for r in rows], "o-", label="measured")
         ax.plot(xs, [float(r["roofline_speedup"]) for r in rows], "s--", label="roofline")
+        ax.set_title(f"{sweep_name} sweep (others as the headline)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel(key)
         ax.set_ylabel("flat / tree time")
@@ -275,6 +281,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="timed calls per side (median)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--impl", choices=kernels.IMPLS, default="auto")
+    p.add_argument("--only", nargs="+", default=None, help="run only these sweeps (names)")
     p.add_argument("--prealloc", action="store_true", help="gather into persistent workspaces")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="write a PNG of the sweeps here")
@@ -293,6 +300,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(HEADER)
     results = []
     for case in sweep(args.quick):
+        if args.only and case.sweep not in args.only:
+            continue
         results.append(run_case(case, Shapes(), dtype, roof, repeats, args.prealloc))
         print(format_row(results[-1]), flush=True)
     report = {

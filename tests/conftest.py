@@ -116,12 +116,20 @@ class ServerHandle:
 
 
 def launch_server(
-    model_dir: Path | str, log_dir: Path, *args: str, api_key: str | None = None, wait: bool = True
+    model_dir: Path | str | None,
+    log_dir: Path,
+    *args: str,
+    api_key: str | None = None,
+    wait: bool = True,
+    dtype: str = "float32",
 ) -> ServerHandle:
-    """Start `python -m radixserve serve` on a free port; wait for /health unless told not to."""
+    """Start `python -m radixserve serve` on a free port (model None: the embedded one);
+    wait for /health unless told not to."""
     port = free_port()
-    cmd = [sys.executable, "-m", "radixserve", "serve", "--model", str(model_dir)]
-    cmd += ["--port", str(port), "--dtype", "float32", *args]
+    cmd = [sys.executable, "-m", "radixserve", "serve", "--port", str(port), "--dtype", dtype]
+    if model_dir is not None:
+        cmd += ["--model", str(model_dir)]
+    cmd += list(args)
     if api_key:
         cmd += ["--api-key", api_key]
     log = log_dir / f"server-{port}.log"
@@ -149,7 +157,9 @@ def wait_healthy(h: ServerHandle, timeout: float = STARTUP_TIMEOUT_S) -> None:
 
 
 @pytest.fixture(scope="session")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
+def server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerHandle]:
     """One shared server: tiny model, 1024-token KV pool, API key required."""
     h = launch_server(
         tiny_model_dir,

@@ -1,8 +1,8 @@
 """Test-side drivers that run a model through ForwardBatch + KVPool without a scheduler.
 
 Single request, no radix tree (paths=[[]]): the request's KV slots are allocated up front,
-slot i holding position i. Import from tests as `from tests.helpers import ...` or
-`from helpers import ...` (pytest puts tests/ on sys.path).
+slot i holding position i. Import from a test module as `from helpers import ...` (pytest's
+default rootdir-relative import mode puts tests/ on sys.path).
 """
 
 from __future__ import annotations
@@ -20,6 +20,13 @@ def make_pool(model: LlamaForCausalLM, num_tokens: int) -> KVPool:
     cfg = model.config
     dtype = model.model.embed_tokens.weight.dtype
     return KVPool(num_tokens + 1, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+
+def alloc_slots(pool: KVPool, n: int) -> torch.Tensor:
+    """`n` KV slots from `pool`; asserts the pool had room."""
+    slots = pool.alloc(n)
+    assert slots is not None, f"KV pool has {pool.num_free} free slots, asked for {n}"
+    return slots
 
 
 def extend(
@@ -64,8 +71,7 @@ def greedy_generate(
     """
     total = len(prompt_ids) + max_new_tokens
     pool = make_pool(model, total)
-    slots = pool.alloc(total)
-    assert slots is not None
+    slots = alloc_slots(pool, total)
     logits = extend(model, backend, pool, slots, prompt_ids, 0)
     out: list[int] = []
     while True:

@@ -18,13 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import extend, greedy_generate, make_pool
+from helpers import alloc_slots, extend, greedy_generate, make_pool
 from safetensors.torch import load_file, save_file
 
+from radixserve import kernels
 from radixserve.attention.flat import FlatBackend
 from radixserve.engine.batch import ForwardBatch
 from radixserve.models import ModelConfig, load_model, load_tokenizer, resolve_model_path
-from radixserve.models.llama import LlamaForCausalLM
+from radixserve.models.llama import Linear, LlamaForCausalLM, packed_linear_supported
 
 TOL = 1e-4
 VOCAB = 256
@@ -146,7 +147,7 @@ def test_prefill_logits_match_hf(checkpoints: dict, name: str) -> None:
     model, _ = load_model(path, torch.float32)
     ids = _random_ids(40, seed=1)
     pool = make_pool(model, len(ids))
-    slots = pool.alloc(len(ids))
+    slots = alloc_slots(pool, len(ids))
     ours = extend(model, FlatBackend(), pool, slots, ids, 0)
     diff = (ours - _hf_logits(hf, ids)).abs().max().item()
     assert diff <= TOL, f"{name}: max abs logit diff {diff:.2e}"
@@ -160,7 +161,7 @@ def test_prefix_then_extend_then_decode_match_hf(checkpoints: dict, name: str) -
     model, _ = load_model(path, torch.float32)
     ids = _random_ids(35, seed=2)
     pool = make_pool(model, 40)
-    slots = pool.alloc(40)[torch.randperm(40)]  # scattered slots: indexing must follow them
+    slots = alloc_slots(pool, 40)[torch.randperm(40)]  # scattered slots: indexing must follow them
     backend = FlatBackend()
     parts = [extend(model, backend, pool, slots, ids[:13], 0)]
     parts.append(extend(model, backend, pool, slots, ids[13:25], 13))
@@ -177,7 +178,7 @@ def test_mixed_batch_of_requests_matches_hf(checkpoints: dict) -> None:
     seqs = [_random_ids(n, seed=10 + n) for n in (20, 17, 9)]
     cached = [19, 5, 0]  # tokens already in the KV cache per request
     pool = make_pool(model, sum(len(s) for s in seqs))
-    slots = [pool.alloc(len(s)) for s in seqs]
+    slots = [alloc_slots(pool, len(s)) for s in seqs]
     for s, sl, c in zip(seqs, slots, cached):
         if c:
             extend(model, backend, pool, sl, s[:c], 0)
@@ -225,12 +226,41 @@ def test_bfloat16_close_to_hf_bfloat16(checkpoints: dict) -> None:
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     ids = _random_ids(32, seed=4)
     pool = make_pool(model, len(ids))
-    ours = extend(model, FlatBackend(), pool, pool.alloc(len(ids)), ids, 0)
+    ours = extend(model, FlatBackend(), pool, alloc_slots(pool, len(ids)), ids, 0)
     ref = _hf_logits(hf, ids)
     scale = ref.abs().max().item()
     diff = (ours - ref).abs().max().item()
     assert diff <= 0.05 * scale, f"bf16 max abs diff {diff:.3f} vs logit scale {scale:.2f}"
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.skipif(
+    not packed_linear_supported(torch.bfloat16, "cpu"), reason="no oneDNN bf16 on this CPU"
+)
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2"])
+def test_packed_linear_matches_plain_bfloat16(checkpoints: dict, name: str) -> None:
+    """The oneDNN packed fast path vs plain F.linear, both bf16: same math, other kernels."""
+    path, _ = checkpoints[name]
+    plain, _ = load_model(path, torch.bfloat16, packed_linear=False)
+    packed, _ = load_model(path, torch.bfloat16)  # auto: packed for bf16 on CPU
+    qkv = packed.get_submodule("model.layers.0.self_attn.qkv_proj")
+    assert isinstance(qkv, Linear) and qkv.packed is not None and not hasattr(qkv, "weight")
+    assert (packed.lm_head is None) == (packed.tied_head_packed is not None)
+    ids = _random_ids(30, seed=5)
+    logits = []
+    for model in (plain, packed):
+        pool = make_pool(model, len(ids) + 4)
+        slots = alloc_slots(pool, len(ids) + 4)
+        parts = [extend(model, FlatBackend(), pool, slots, ids, 0)]
+        parts += [
+            extend(model, FlatBackend(), pool, slots, [7 + i], len(ids) + i) for i in range(4)
+        ]
+        logits.append(torch.cat(parts))
+    scale = logits[0].abs().max().item()
+    diff = (logits[0] - logits[1]).abs().max().item()
+    assert diff <= 0.02 * scale, f"packed vs plain bf16: max abs diff {diff:.3f}, scale {scale:.2f}"
+    greedy = [greedy_generate(m, ids[:12], 12, FlatBackend()) for m in (plain, packed)]
+    assert greedy[0] == greedy[1]
 
 
 # ---- loader ---------------------------------------------------------------------------------
@@ -268,7 +298,9 @@ def test_missing_weight_is_named(checkpoints: dict, tmp_path: Path) -> None:
 
 def test_unexpected_weight_is_named(checkpoints: dict, tmp_path: Path) -> None:
     path, _ = checkpoints["llama"]
-    _copy_with_weights(path, tmp_path / "u", {"model.layers.0.self_attn.q_proj.bias": torch.ones(64)})
+    _copy_with_weights(
+        path, tmp_path / "u", {"model.layers.0.self_attn.q_proj.bias": torch.ones(64)}
+    )
     with pytest.raises(ValueError, match=r"unexpected \['model\.layers\.0\.self_attn\.q_proj"):
         load_model(tmp_path / "u", torch.float32)
 
@@ -359,14 +391,22 @@ def _chat_ids(tokenizer: object, question: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_smollm2_logits_match_hf(smollm2: tuple) -> None:
+@pytest.mark.parametrize("impl", ["cpu", "reference"])
+def test_smollm2_logits_match_hf(smollm2: tuple, impl: str) -> None:
+    """Both attention kernels: "cpu" is the same SDPA kernel HF uses (measured diff 0.0),
+    "reference" is plain einsum math (measured ~8e-5)."""
     model, hf, tok, cfg = smollm2
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)
     ids = _chat_ids(tok, CHATS[0])
     pool = make_pool(model, len(ids))
-    ours = extend(model, FlatBackend(), pool, pool.alloc(len(ids)), ids, 0)
+    before = kernels.get_impl()
+    kernels.set_impl(impl)
+    try:
+        ours = extend(model, FlatBackend(), pool, alloc_slots(pool, len(ids)), ids, 0)
+    finally:
+        kernels.set_impl(before)
     diff = (ours - _hf_logits(hf, ids)).abs().max().item()
-    print(f"SmolLM2 float32 prefill ({len(ids)} tokens): max abs logit diff vs HF {diff:.2e}")
+    print(f"SmolLM2 float32 prefill ({len(ids)} tokens, {impl}): max abs logit diff {diff:.2e}")
     assert diff <= 1e-3, f"max abs logit diff {diff:.2e}"
 
 
@@ -378,7 +418,9 @@ def test_smollm2_greedy_chat_matches_hf(smollm2: tuple) -> None:
         ours = greedy_generate(model, ids, 24, FlatBackend(), cfg.eos_token_ids)
         t = torch.tensor([ids])
         with torch.no_grad():
-            ref = hf.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=24, do_sample=False)
+            ref = hf.generate(
+                t, attention_mask=torch.ones_like(t), max_new_tokens=24, do_sample=False
+            )
         assert ours == ref[0, len(ids) :].tolist(), question
         if question == CHATS[0]:
             assert "Paris" in tok.decode(ours), tok.decode(ours)

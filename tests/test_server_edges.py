@@ -10,7 +10,6 @@ import time
 
 import httpx
 import pytest
-
 from conftest import API_KEY
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
@@ -90,10 +89,16 @@ def test_bad_generate_is_400_naming_the_field(client, body, field):
     assert field in error_of(client.post("/generate", json=body))
 
 
-@pytest.mark.parametrize(("body", "field"), [({"text": "x", "stream": True, "bogus": 1}, "bogus"), (
-    {"input_ids": [1] * 1000, "stream": True, "sampling_params": {"max_new_tokens": 100}},
-    "max_new_tokens",
-)])
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"text": "x", "stream": True, "bogus": 1}, "bogus"),
+        (
+            {"input_ids": [1] * 1000, "stream": True, "sampling_params": {"max_new_tokens": 100}},
+            "max_new_tokens",
+        ),
+    ],
+)
 def test_bad_streaming_request_is_a_plain_400(client, body, field):
     assert field in error_of(client.post("/generate", json=body))
 

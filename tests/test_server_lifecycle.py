@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import children_of, launch_server, pid_alive
 
 
@@ -29,6 +29,31 @@ def child_pid(log: str, name: str) -> int:
     m = re.search(rf"radixserve-{name}\[(\d+)\]", log)
     assert m, log[-2000:]
     return int(m.group(1))
+
+
+def wait_gone(pids: list[int], timeout: float = 10) -> None:
+    """All `pids` exit within `timeout` (the launcher already joined its children; the
+    multiprocessing resource tracker exits when the launcher's pipe closes)."""
+    deadline = time.monotonic() + timeout
+    while any(pid_alive(p) for p in pids):
+        assert time.monotonic() < deadline, [p for p in pids if pid_alive(p)]
+        time.sleep(0.05)
+
+
+def test_port_in_use_fails_fast(tmp_path, tiny_model_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "radixserve", "serve", "--model", str(tiny_model_dir)]
+            + ["--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert out.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
 
 
 def test_cli_help_lists_the_flags():
@@ -86,7 +111,10 @@ def test_queue_full_is_503_with_retry_after(small_server):
         results["running"] = r.status_code
 
     def queued() -> None:
-        body = {"text": "wait in the queue", "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
+        body = {
+            "text": "wait in the queue",
+            "sampling_params": {"temperature": 0, "max_new_tokens": 2},
+        }
         results["queued"] = c.post("/generate", json=body).status_code
 
     threads = [threading.Thread(target=running)]
@@ -106,7 +134,9 @@ def test_queue_full_is_503_with_retry_after(small_server):
     for t in threads:
         t.join(60)
     assert results == {"running": 200, "queued": 200}
-    retry = c.post("/generate", json={"text": "one too many", "sampling_params": {"max_new_tokens": 2}})
+    retry = c.post(
+        "/generate", json={"text": "one too many", "sampling_params": {"max_new_tokens": 2}}
+    )
     assert retry.status_code == 200
 
 
@@ -117,7 +147,7 @@ def test_sigint_shuts_down_cleanly(small_server):
     kids = children_of(small_server.proc.pid)
     assert child_pid(log, "scheduler") in kids and child_pid(log, "tokenizer") in kids
     assert small_server.stop(signal.SIGINT, timeout=60) == 0
-    assert not any(pid_alive(k) for k in kids), kids
+    wait_gone(kids)
     assert not sockets.exists()
     final = small_server.log_text()
     assert "scheduler exited with code 0" in final and "tokenizer exited with code 0" in final
@@ -141,7 +171,8 @@ def test_crashed_child_fails_health_and_launcher_exits_nonzero(tiny_model_dir, t
     first_failure = next(i for i, s in enumerate(statuses) if s != 200)
     assert 200 not in statuses[first_failure:], statuses  # never healthy again
     assert 503 in statuses, statuses  # /health reported the dead child before the exit
-    assert not pid_alive(tok) and not sockets.exists()
+    wait_gone([tok])
+    assert not sockets.exists()
     assert "scheduler process exited with code -9" in h.log_text()
 
 

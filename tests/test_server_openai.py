@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-
-from conftest import API_KEY
+from conftest import API_KEY, launch_server
 
 
 @pytest.fixture(scope="module")
@@ -68,15 +67,35 @@ def test_completion_batch_n_indices_and_token_prompt(oai, native, tokenizer):
     assert t.choices[0].text == native_greedy(native, ids, 4)["text"]
 
 
+def test_completion_stream_n_indices(oai):
+    kw = {"model": "m", "prompt": "stream me", "max_tokens": 5, "temperature": 0, "n": 2}
+    full = oai.completions.create(**kw)
+    chunks = list(oai.completions.create(**kw, stream=True))
+    texts: dict[int, str] = {0: "", 1: ""}
+    finish: dict[int, str | None] = {}
+    for c in chunks:
+        assert c.object == "text_completion" and len(c.choices) == 1
+        ch = c.choices[0]
+        assert ch.index not in finish, "chunk after the choice finished"
+        texts[ch.index] += ch.text
+        if ch.finish_reason is not None:
+            finish[ch.index] = ch.finish_reason
+    assert finish == {0: "length", 1: "length"}
+    assert texts == {ch.index: ch.text for ch in full.choices}
+
+
 def test_completion_logprobs(oai):
-    c = oai.completions.create(model="m", prompt="logprobs", max_tokens=4, temperature=0, logprobs=2)
+    c = oai.completions.create(
+        model="m", prompt="logprobs", max_tokens=4, temperature=0, logprobs=2
+    )
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert "".join(lp.tokens) == c.choices[0].text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
     for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert value <= 0 and len(top) <= 2
-        assert max(top.values()) == pytest.approx(value, abs=1e-5)  # greedy = top-1
+        # Greedy picks the top-1: the chosen token is in the top list with the same logprob.
+        assert top[tok] == pytest.approx(value, abs=1e-5) == max(top.values())
 
 
 def test_chat_matches_native_on_template_ids(oai, native, tokenizer):
@@ -162,3 +181,21 @@ def test_errors_are_openai_errors(oai):
     bad_key = openai.OpenAI(base_url=oai.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad_key.models.list()
+
+
+@pytest.mark.slow
+def test_embedded_model_answers_paris(tmp_path):
+    """The default model (embedded SmolLM2-135M-Instruct, converted on first use)."""
+    h = launch_server(None, tmp_path, "--max-total-tokens", "2048")
+    try:
+        client = openai.OpenAI(base_url=h.url + "/v1", api_key="unused", max_retries=0)
+        assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"
+        r = client.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24,
+            temperature=0,
+        )
+        assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
+    finally:
+        assert h.stop() == 0

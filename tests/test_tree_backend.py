@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from radixserve.kernels import reference
 
-from radixserve.attention import FlatBackend, TreeBackend, make_backend
+from radixserve.attention import AttentionBackend, FlatBackend, TreeBackend, make_backend
 from radixserve.attention.tree import TreePlan
 from radixserve.engine.batch import ForwardBatch
 from radixserve.kvcache.pool import KVPool
@@ -89,7 +89,13 @@ def make_case(
     return Case(batch, q, k, v, k_all, v_all, pool.k[0].clone(), pool.v[0].clone())
 
 
-def run_backend(backend: TreeBackend | FlatBackend, case: Case, scale: float) -> torch.Tensor:
+def tree(min_requests: int, min_tokens: int) -> TreeBackend:
+    """A TreeBackend whose only thresholds are these two (the product rule and the extend floor
+    switched off), so tests choose exactly which segments fold."""
+    return TreeBackend(min_requests, min_tokens, min_reads=1, min_tokens_extend=min_tokens)
+
+
+def run_backend(backend: AttentionBackend, case: Case, scale: float) -> torch.Tensor:
     """Plan + one layer's forward on a fresh copy of the pre-step pool."""
     case.batch.kv_pool.k[0].copy_(case.k_before)
     case.batch.kv_pool.v[0].copy_(case.v_before)
@@ -146,7 +152,7 @@ CHAIN = [10, 11, 12, 13, 30, 32, 31]  # A + A2
 
 def hand_plan(min_requests: int, min_tokens: int) -> tuple[TreePlan, Case]:
     case = make_case(HAND_PATHS, NODE_SLOTS, HAND_TAILS, HAND_NEWS, kv_heads=1, group=3)
-    TreeBackend(min_requests, min_tokens).plan(case.batch)
+    tree(min_requests, min_tokens).plan(case.batch)
     plan = case.batch.attn_plan
     assert isinstance(plan, TreePlan)
     return plan, case
@@ -170,7 +176,7 @@ def seg_summary(plan: TreePlan) -> list[tuple]:
 
 
 def private_per_request(plan: TreePlan) -> list[list[int]]:
-    slots, out, i = plan.private_slots.tolist(), [], 0
+    slots, out, i = plan.private.slots.tolist(), [], 0
     for n in plan.private_lens:
         out.append(slots[i : i + n])
         i += n
@@ -219,6 +225,26 @@ def test_plan_min_requests_folds_pair_segment() -> None:
     assert private_per_request(plan)[2] == [*range(40, 49), 82, 83]
 
 
+def test_plan_min_reads_folds_small_product() -> None:
+    case = make_case(HAND_PATHS, NODE_SLOTS, HAND_TAILS, HAND_NEWS, kv_heads=1, group=3)
+    # A+A2: 3 requests x 7 tokens = 21 reads, kept; B: 2 x 9 = 18 < 20, folded.
+    TreeBackend(2, 1, min_reads=20, min_tokens_extend=1).plan(case.batch)
+    plan = case.batch.attn_plan
+    assert isinstance(plan, TreePlan)
+    assert [(s.requests, s.start, s.num_tokens) for s in plan.segments] == [((0, 1, 2), 0, 7)]
+
+
+def test_default_thresholds_rule() -> None:
+    t = TreeBackend()
+    assert (t.min_requests, t.min_tokens, t.min_reads, t.min_tokens_extend) == (2, 64, 2048, 512)
+    decode = [(2, 1024), (4, 512), (8, 256), (32, 64), (256, 64)]
+    assert all(t.keeps(k, n, 1) for k, n in decode)
+    folded = [(2, 1023), (8, 255), (32, 63), (256, 63), (1, 10**6)]
+    assert not any(t.keeps(k, n, 1) for k, n in folded)
+    assert t.keeps(4, 512, 8) and t.keeps(2, 1024, 32)
+    assert not t.keeps(8, 511, 8) and not t.keeps(3, 600, 2)  # extend: L >= 512, k*L >= 2048
+
+
 def test_plan_everything_folded_is_flat() -> None:
     plan, case = hand_plan(4, 1)
     assert plan.segments == [] and plan.num_levels == 0 and plan.num_merge_rows == 0
@@ -228,7 +254,7 @@ def test_plan_everything_folded_is_flat() -> None:
 @pytest.mark.parametrize("thresholds", [(2, 1), (2, 8), (3, 1), (4, 1)])
 def test_hand_tree_output_matches_oracle(thresholds: tuple[int, int]) -> None:
     plan, case = hand_plan(*thresholds)
-    out = run_backend(TreeBackend(*thresholds), case, 0.25)
+    out = run_backend(tree(*thresholds), case, 0.25)
     assert max_err(out, oracle(case, 0.25)) <= FP32_ATOL
 
 
@@ -239,17 +265,17 @@ def test_plan_rejects_inconsistent_tree() -> None:
     )
     case.batch.kv_indices[1] = torch.tensor([*slots[6], 30, 32, 31, 81])
     with pytest.raises(AssertionError, match="other slots"):
-        TreeBackend(2, 1).plan(case.batch)
+        tree(2, 1).plan(case.batch)
     case = make_case([[A]], NODE_SLOTS, [[]], [[80]], 1, 1)
     case.batch.paths = [[A, A2]]  # 7 path tokens > prefix_len 4
     with pytest.raises(AssertionError, match="prefix_len"):
-        TreeBackend(2, 1).plan(case.batch)
+        tree(2, 1).plan(case.batch)
 
 
 # ----------------------------------------------------------- write before attention
 
 
-@pytest.mark.parametrize("backend", [TreeBackend(2, 1), FlatBackend()])
+@pytest.mark.parametrize("backend", [tree(2, 1), FlatBackend()])
 def test_extend_queries_see_their_own_new_keys(backend: TreeBackend | FlatBackend) -> None:
     # Two requests share a cached 5-token node and extend 3 tokens each; the pool holds
     # GARBAGE at the new slots, so attending before writing would be off by ~1e3.
@@ -265,6 +291,30 @@ def test_extend_queries_see_their_own_new_keys(backend: TreeBackend | FlatBacken
     assert max_err(out, oracle(case, 0.5)) <= FP32_ATOL
     # Request 2 has no cached prefix: its first query sees only its own key -> exactly v.
     torch.testing.assert_close(out[6], case.v[6], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("backend", [tree(2, 1), FlatBackend()])
+def test_one_plan_serves_every_layer(backend: AttentionBackend) -> None:
+    """plan() once, forward on layer 0 then layer 1 (other K/V, other q): both exact, and the
+    first output is not clobbered by the second forward (the plan's scratch is reused)."""
+    case = make_case(HAND_PATHS, NODE_SLOTS, HAND_TAILS, HAND_NEWS, kv_heads=1, group=3)
+    pool, gen = case.batch.kv_pool, torch.Generator().manual_seed(1)
+    pool.k.append(torch.randn(pool.k[0].shape, generator=gen))  # layer 1
+    pool.v.append(torch.randn(pool.v[0].shape, generator=gen))
+    layer1 = Case(
+        case.batch, case.q.flip(0), case.k.flip(0), case.v.flip(0),
+        pool.k[1].clone(), pool.v[1].clone(), pool.k[1].clone(), pool.v[1].clone(),
+    )  # fmt: skip
+    layer1.k_all[case.batch.out_cache_loc] = layer1.k
+    layer1.v_all[case.batch.out_cache_loc] = layer1.v
+    backend.plan(case.batch)
+    out0 = backend.forward(case.q, case.k, case.v, 0, case.batch, 0.25)
+    out0_copy = out0.clone()
+    out1 = backend.forward(layer1.q, layer1.k, layer1.v, 1, case.batch, 0.25)
+    assert max_err(out0, oracle(case, 0.25)) <= FP32_ATOL
+    assert max_err(out1, oracle(layer1, 0.25)) <= FP32_ATOL
+    assert torch.equal(out0, out0_copy)
+    assert torch.equal(pool.k[1], layer1.k_all) and torch.equal(pool.v[0], case.v_all)
 
 
 def test_naive_softmax_agrees_with_oracle() -> None:
@@ -322,11 +372,12 @@ def random_case(
             paths.append(list(paths[-1]))  # duplicated path
             continue
         # Mostly leaves (deep paths share at several levels); None: no cached path at all.
-        node = rng.choice(leaves if rng.random() < 0.6 else [None, *lengths])
+        options: list[int | None] = [*leaves] if rng.random() < 0.6 else [None, *lengths]
+        cur = rng.choice(options)
         path = []
-        while node is not None:
-            path.append((node, lengths[node]))
-            node = parent[node]
+        while cur is not None:
+            path.append((cur, lengths[cur]))
+            cur = parent[cur]
         paths.append(path[::-1])
     tails = [take(rng.choice([0, 0, rng.randint(1, 20)])) for _ in paths]
     news = [take(rng.randint(1, 12) if extend else 1) for _ in paths]
@@ -350,7 +401,7 @@ def random_case(
     max_len=st.sampled_from([1, 8, 300]),
     group=st.sampled_from([1, 3, 8]),
     extend=st.booleans(),
-    thresholds=st.sampled_from([(2, 1), (2, 16), (3, 1), (3, 64), (1000, 1)]),
+    thresholds=st.sampled_from([(2, 1), (2, 16), (3, 1), (3, 64), (1000, 1), None]),
 )
 def test_random_trees_fp32(
     seed: int,
@@ -359,12 +410,13 @@ def test_random_trees_fp32(
     max_len: int,
     group: int,
     extend: bool,
-    thresholds: tuple[int, int],
+    thresholds: tuple[int, int] | None,
 ) -> None:
     case = random_case(seed, depth, fanout, max_len, group, extend, torch.float32)
     scale = 1 / math.sqrt(16)
     want = oracle(case, scale)
-    assert max_err(run_backend(TreeBackend(*thresholds), case, scale), want) <= FP32_ATOL
+    backend = TreeBackend() if thresholds is None else tree(*thresholds)  # None: defaults
+    assert max_err(run_backend(backend, case, scale), want) <= FP32_ATOL
     assert max_err(run_backend(FlatBackend(), case, scale), want) <= FP32_ATOL
 
 
@@ -378,19 +430,18 @@ def test_random_trees_fp32(
 def test_random_trees_bf16(seed: int, depth: int, group: int, extend: bool) -> None:
     case = random_case(seed, depth, 3, 300, group, extend, torch.bfloat16)
     want = oracle(case, 0.25)
-    assert bf16_ratio(run_backend(TreeBackend(2, 1), case, 0.25), want) <= 1.0
+    assert bf16_ratio(run_backend(tree(2, 1), case, 0.25), want) <= 1.0
     assert bf16_ratio(run_backend(FlatBackend(), case, 0.25), want) <= 1.0
 
 
 def test_single_request_and_all_duplicates() -> None:
     nodes = {1: list(range(1, 41)), 2: list(range(41, 61))}
     one = make_case([[(1, 40), (2, 20)]], nodes, [[]], [[61]], kv_heads=1, group=8)
-    assert max_err(run_backend(TreeBackend(2, 1), one, 0.2), oracle(one, 0.2)) <= FP32_ATOL
+    assert max_err(run_backend(tree(2, 1), one, 0.2), oracle(one, 0.2)) <= FP32_ATOL
     dup = make_case(
         [[(1, 40), (2, 20)]] * 4, nodes, [[]] * 4, [[61], [62], [63], [64, 65]], kv_heads=1, group=8
     )
-    tree = TreeBackend(2, 1)
-    out = run_backend(tree, dup, 0.2)
+    out = run_backend(tree(2, 1), dup, 0.2)
     plan = dup.batch.attn_plan
     assert isinstance(plan, TreePlan)
     # Both nodes have the same request set: one segment of 60 contiguous slots, read as a view.

@@ -11,9 +11,9 @@ Plan (host side, once per step; see DESIGN.md "Tree attention"):
    requests has ancestors shared by >= k, so along a path the request sets only shrink and
    candidates form a prefix of the path; consecutive nodes with the SAME request set merge
    into one segment (one slot tensor).
-2. A segment with fewer than `min_requests` requests or `min_tokens` tokens folds back into
-   its requests' private parts (below that the extra kernel launch and merge cost more than
-   the reads they save; the defaults come from benchmarks/bench_backend.py).
+2. A segment folds back into its requests' private parts unless `TreeBackend.keeps` it:
+   the extra segment call and merge cost a roughly fixed time per segment plus a time per
+   query row, which only the saved re-reads of its K/V ((k - 1) * L rows) can pay back.
 3. A request's private part is every position of kv_indices[r] not in a kept segment, in
    position order. Folding can make it non-contiguous, but all of it precedes or is the
    query block, and the queries are its last extend_lens[r] entries, so the bottom-right
@@ -35,6 +35,7 @@ import torch
 
 from radixserve import kernels
 from radixserve.attention.base import AttentionBackend
+from radixserve.attention.flat import GatherPlan
 from radixserve.engine.batch import ForwardBatch
 
 Range = tuple[int, int]  # half-open [start, end)
@@ -61,7 +62,7 @@ class TreePlan:
     """Everything `TreeBackend.forward` needs, built once per step by `TreeBackend.plan`."""
 
     segments: list[SharedSegment]
-    private_slots: torch.Tensor  # (sum private_lens,) int64, request-major, position order
+    private: GatherPlan  # slots (sum private_lens,): request-major, position order
     private_lens: list[int]  # per request: keys in its private part (>= its q_len)
     q_lens: list[int]  # per request: query rows (extend_lens)
     num_levels: int  # max kept segments on one path; merge buffer has num_levels + 1 parts
@@ -84,6 +85,7 @@ def _node_members(batch: ForwardBatch) -> dict[int, list[int]]:
     """node_id -> requests whose path lists it; checks that the paths form a tree."""
     members: dict[int, list[int]] = {}
     where: dict[int, tuple[int, int]] = {}  # node_id -> (start position, num_tokens)
+    prefix_lens = batch.prefix_lens
     for r, path in enumerate(batch.paths):
         pos = 0
         for node, n in path:
@@ -94,8 +96,8 @@ def _node_members(batch: ForwardBatch) -> dict[int, list[int]]:
             assert not lst or lst[-1] != r, f"request {r} lists node {node} twice"
             lst.append(r)
             pos += n
-        assert pos <= batch.prefix_lens[r], (
-            f"request {r}: radix path covers {pos} tokens > prefix_len {batch.prefix_lens[r]}"
+        assert pos <= prefix_lens[r], (
+            f"request {r}: radix path covers {pos} tokens > prefix_len {prefix_lens[r]}"
         )
     return members
 
@@ -139,20 +141,51 @@ class TreeBackend(AttentionBackend):
 
     name = "tree"
 
-    def __init__(self, min_requests: int = 2, min_tokens: int = 64) -> None:
+    def __init__(
+        self,
+        min_requests: int = 2,
+        min_tokens: int = 64,
+        min_reads: int = 2048,
+        min_tokens_extend: int = 512,
+    ) -> None:
         assert min_requests >= 2, f"a shared segment needs >= 2 requests, got {min_requests}"
-        assert min_tokens >= 1, f"min_tokens must be >= 1, got {min_tokens}"
+        assert min(min_tokens, min_reads, min_tokens_extend) >= 1, (
+            f"thresholds must be >= 1: {min_tokens=}, {min_reads=}, {min_tokens_extend=}"
+        )
         self.min_requests = min_requests
         self.min_tokens = min_tokens
+        self.min_reads = min_reads
+        self.min_tokens_extend = min_tokens_extend
 
     def __repr__(self) -> str:
-        return f"TreeBackend(min_requests={self.min_requests}, min_tokens={self.min_tokens})"
+        return (
+            f"TreeBackend(min_requests={self.min_requests}, min_tokens={self.min_tokens}, "
+            f"min_reads={self.min_reads}, min_tokens_extend={self.min_tokens_extend})"
+        )
+
+    def keeps(self, num_requests: int, num_tokens: int, max_q_len: int) -> bool:
+        """Whether a shared segment of `num_tokens` tokens under `num_requests` requests whose
+        longest query block is `max_q_len` rows is attended on its own (else it folds).
+
+        Defaults, from `benchmarks/bench_backend.py --sweep --threads 1` (bf16, SmolLM2 heads;
+        kept/folded time; the report lists the tables): in decode, keeping pays once
+        k * L >= ~2048 (k=2: L 1024 -> 0.93, 512 -> 1.30; k=8: L 256 -> 0.88, 128 -> 1.15;
+        k=32: L 64 -> 1.00, 32 -> 1.14); with k = 64..128 nothing under L = 64 pays. Extends
+        add merge work per query row: with q_len 8..32 nothing under L = 512 paid.
+        """
+        floor = self.min_tokens_extend if max_q_len > 1 else self.min_tokens
+        return (
+            num_requests >= self.min_requests
+            and num_tokens >= floor
+            and num_requests * num_tokens >= self.min_reads
+        )
 
     def plan(self, batch: ForwardBatch) -> None:
+        q_lens = batch.extend_lens
         kept = [
-            c
-            for c in _candidate_segments(batch, _node_members(batch))
-            if len(c[0]) >= self.min_requests and c[2] >= self.min_tokens
+            (reqs, start, n)
+            for reqs, start, n in _candidate_segments(batch, _node_members(batch))
+            if self.keeps(len(reqs), n, max(q_lens[r] for r in reqs))
         ]
         kept.sort(key=lambda c: (c[1], c[0]))  # by start: ancestors before descendants
         batch.attn_plan = _build_plan(batch, kept)
@@ -172,10 +205,9 @@ class TreeBackend(AttentionBackend):
         # Write first: an extend's queries must see their own (and earlier) new keys.
         pool.write(layer, batch.out_cache_loc, k, v)
         kc, vc = pool.k[layer], pool.v[layer]  # (num_slots, Hkv, D)
-        # index_select, not kc[idx]: the row gather is ~5x faster than advanced indexing on CPU.
-        ps = plan.private_slots
+        pk, pv = plan.private.gather(kc, vc)  # (sum private_lens, Hkv, D)
         out, lse = kernels.private_attention(
-            q, kc.index_select(0, ps), vc.index_select(0, ps), plan.q_lens, plan.private_lens, scale
+            q, pk, pv, plan.q_lens, plan.private_lens, scale
         )  # (T, Hq, D), (T, Hq)
         if not plan.segments:
             return out
@@ -205,14 +237,17 @@ def _build_plan(batch: ForwardBatch, kept: list[tuple[tuple[int, ...], int, int]
         for (reqs, start, n), level in zip(kept, levels, strict=True)
     ]
     priv, priv_lens = _private_slots(batch, per_req)
+    dev = batch.kv_pool.k[0].device
     with_shared = tuple(r for r, ranges in enumerate(per_req) if ranges)
     return TreePlan(
         segments=segments,
-        private_slots=priv,
+        private=GatherPlan.make(priv, batch.kv_pool.k[0]),
         private_lens=priv_lens,
         q_lens=q_lens,
         num_levels=max((lv + 1 for lv in levels), default=0),
-        merge_rows=None if all_rows or not with_shared else _rows(q_starts, q_lens, with_shared),
+        merge_rows=None
+        if all_rows or not with_shared
+        else _rows(q_starts, q_lens, with_shared).to(dev),
         num_merge_rows=m,
     )
 
@@ -233,16 +268,17 @@ def _make_segment(
         assert torch.equal(slots, other), f"segment {reqs}@{start}: request {r} has other slots"
     q_rows = _rows(q_starts, q_lens, reqs)
     merge_rows = _rows(merge_starts, q_lens, reqs)
+    dev = batch.kv_pool.k[0].device  # index tensors live where the tensors they index do
     return SharedSegment(
         requests=reqs,
         start=start,
         num_tokens=n,
-        slots=slots,
+        slots=slots.to(dev),
         kv_range=_as_range(slots),
-        q_rows=q_rows,
+        q_rows=q_rows.to(dev),
         q_range=_as_range(q_rows),
         level=level,
-        merge_rows=merge_rows,
+        merge_rows=merge_rows.to(dev),
         merge_range=_as_range(merge_rows),
     )
 

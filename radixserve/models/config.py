@@ -116,7 +116,7 @@ def _architecture(cfg: dict[str, Any]) -> str:
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """(theta, scaling) from transformers-5 `rope_parameters` or older `rope_theta`/`rope_scaling`."""
+    """(theta, scaling) from transformers-5 `rope_parameters` or old `rope_theta`/`rope_scaling`."""
     params = cfg.get("rope_parameters")
     if params is None:  # pre-v5 layout: theta at top level, scaling in its own dict
         params = dict(cfg.get("rope_scaling") or {})

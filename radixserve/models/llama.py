@@ -10,7 +10,8 @@ Weights are stored fused for speed (the loader concatenates HF tensors at load t
     gate_up_proj.weight  (2 * intermediate, hidden)     = cat(gate_proj, up_proj)
 Per layer: x -> RMSNorm -> attention -> +residual -> RMSNorm -> SwiGLU MLP -> +residual.
 Numerics follow HF transformers op for op (RMSNorm variance in float32, RoPE cos/sin computed
-in float32 then cast to the model dtype), so float32 results match HF to ~1e-6.
+in float32 then cast to the model dtype): with the same SDPA attention kernel HF uses, float32
+and plain-bf16 logits came out bit-identical to HF's in our tests.
 """
 
 from __future__ import annotations
@@ -80,6 +81,48 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def packed_linear_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """True where oneDNN pre-packed weights help: bf16 on a CPU whose oneDNN does bf16.
+
+    (Measured on the dev box: ~1.5x faster decode matmuls in bf16; no gain in float32.)
+    """
+    return (
+        torch.device(device).type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
+
+
+class Linear(nn.Module):
+    """y = x @ weight.T + bias over the last dim; weight (out, in) as in nn.Linear.
+
+    Two implementations: plain F.linear (the reference; any device and dtype), or, after
+    `pack()`, a oneDNN pre-packed copy of the weight (the CPU bf16 fast path). Packing
+    frees the plain weight: a packed module has no `weight` (nor state_dict entry) and
+    cannot be moved with `.to()`. Fresh weights are N(0, 0.02) like HF's init; the loader
+    overwrites them.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        w = torch.empty(out_features, in_features).normal_(std=0.02)
+        self.weight = nn.Parameter(w, requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.packed: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def pack(self) -> None:
+        """Switch to the oneDNN packed weight (call `packed_linear_supported` first)."""
+        # batch-size hint 1 (decode); the packed weight stays valid for any number of rows.
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+        del self.weight
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -89,14 +132,14 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = config.head_dim**-0.5
         qkv_out = config.q_size + 2 * config.kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, qkv_out, bias=config.qkv_bias)
+        self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_bias)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, attn: AttentionBackend
     ) -> Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # (T, q + 2 kv)
+        qkv = self.qkv_proj(x)  # (T, q + 2 kv)
         # q and k rotated in one pass: their columns are adjacent in the fused projection.
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, -1)
         qk = apply_rope(qk, cos, sin)  # (T, Hq + Hkv, D), contiguous
@@ -105,20 +148,19 @@ class LlamaAttention(nn.Module):
         k = qk[:, self.num_heads :].contiguous()  # (T, Hkv, D)
         v = qkv[:, self.q_size + self.kv_size :].reshape(t, self.num_kv_heads, -1).contiguous()
         out = attn.forward(q, k, v, self.layer_idx, batch, self.scale)  # (T, Hq, D)
-        return F.linear(out.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(out.reshape(t, self.q_size))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         inter, bias = config.intermediate_size, config.mlp_bias
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=bias)
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=bias)
+        self.down_proj = Linear(inter, config.hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)  # (T, 2 I)
-        gate, up = gate_up.chunk(2, dim=-1)  # (T, I) each
-        return F.linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, I) each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -139,7 +181,8 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        w = torch.empty(config.vocab_size, config.hidden_size).normal_(std=0.02)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=w)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -157,9 +200,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tied_head_packed: Tensor | None = None  # packed copy of the tied embedding
         self.register_buffer("rope", torch.empty(0), persistent=False)
         if self.model.norm.weight.device.type != "meta":
             self.build_rope_cache()
@@ -186,11 +230,28 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, cos, sin, batch, attn)
         return self.model.norm(h)
 
+    def pack_linear_weights(self) -> None:
+        """Switch every projection and the LM head to oneDNN packed weights (see Linear).
+
+        Irreversible; the model must already be on CPU in its final dtype. The tied
+        embedding table stays plain (token lookup needs it) and the head gets a packed copy.
+        """
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.lm_head is None:
+            w = self.model.embed_tokens.weight.detach()
+            self.tied_head_packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+
     @torch.no_grad()
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden (n, hidden) -> logits (n, vocab) float32 (matmul in the model dtype, as HF)."""
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.tied_head_packed is not None:
+            w = self.tied_head_packed
+            return torch.ops.mkldnn._linear_pointwise(hidden, w, None, "none", [], "").float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
 
 
 class NoAttentionBackend(AttentionBackend):

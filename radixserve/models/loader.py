@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from radixserve.models.config import ModelConfig
-from radixserve.models.llama import LlamaForCausalLM
+from radixserve.models.llama import LlamaForCausalLM, packed_linear_supported
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         )
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # The weights are dequantized on load: drop the GGUF quantizer so they save as plain.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # (HF's annotation is too narrow)
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(tmp)
@@ -122,9 +122,17 @@ def load_config(path: str | Path) -> ModelConfig:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu"
+    path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    packed_linear: bool | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build our model from an HF checkpoint folder, weights cast to `dtype` on `device`.
+
+    `packed_linear` selects the matmul implementation (the one place it is chosen, logged):
+    None = auto (oneDNN packed weights for bf16 on CPU, else plain F.linear), True = packed
+    (ValueError where unsupported), False = plain. Env RADIXSERVE_PACKED_LINEAR=0/1 overrides
+    auto.
 
     Raises ValueError (unsupported config, or weights missing / unexpected for the config:
     the message names them) or FileNotFoundError (no config.json or no safetensors).
@@ -142,7 +150,27 @@ def load_model(
     model.to(device)
     model.requires_grad_(False)
     model.eval()
+    packed = _use_packed_linear(packed_linear, dtype, device)
+    if packed:
+        model.pack_linear_weights()
+    logger.info(
+        "loaded %s (%s, %d layers) as %s on %s; linear: %s",
+        path, config.architecture, config.num_layers, dtype, device,
+        "oneDNN packed weights" if packed else "F.linear",
+    )  # fmt: skip
     return model, config
+
+
+def _use_packed_linear(
+    requested: bool | None, dtype: torch.dtype, device: torch.device | str
+) -> bool:
+    supported = packed_linear_supported(dtype, device)
+    if requested is None:
+        env = os.environ.get("RADIXSERVE_PACKED_LINEAR")
+        requested = supported if env is None else env == "1"
+    if requested and not supported:
+        raise ValueError(f"packed linear needs bf16 on a oneDNN CPU, got {dtype} on {device}")
+    return requested
 
 
 def load_tokenizer(path: str | Path) -> Any:

@@ -32,6 +32,7 @@ penalties, masks, temperature and filters (what SGLang and OpenAI report).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -112,7 +113,8 @@ def sample(
         drawn = [i for i, info in enumerate(infos) if not info.params.is_greedy]
         rows = torch.tensor(drawn, dtype=torch.int64, device=logits.device)
         gen = _PROCESS_GENERATOR if generator is None else generator
-        next_ids[rows] = _draw(work[rows], [infos[i] for i in drawn], gen)
+        sub = work if not greedy else work[rows]  # (S, V); no copy when every row draws
+        next_ids[rows] = _draw(sub, [infos[i] for i in drawn], gen)
     top_ks = [info.need_top_logprobs for info in infos]
     want = [info.return_logprob for info in infos]
     logprobs, top = _raw_logprobs(logits, next_ids, top_ks, want)
@@ -206,7 +208,7 @@ def process_logits(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Ten
 
 
 def _pairs(
-    rows: list[int], id_lists: list[tuple[list[int], ...]], like: torch.Tensor
+    rows: list[int], id_lists: Sequence[Sequence[Sequence[int]]], like: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flatten (row, token) pairs: rows[j] paired with every id of the lists id_lists[j]."""
     lens = torch.tensor([sum(len(x) for x in lists) for lists in id_lists])  # (R,)
@@ -223,7 +225,8 @@ def _per_row(values: list[float], like: torch.Tensor) -> torch.Tensor:
 def _draw(logits: torch.Tensor, infos: list[SamplingInfo], gen: torch.Generator) -> torch.Tensor:
     """Steps 4-8 for non-greedy rows: logits (S, V) -> token ids (S,) int64."""
     temps = _per_row([info.params.temperature for info in infos], logits)  # (S,)
-    probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)  # (S, V)
+    scaled = logits if bool((temps == 1.0).all()) else logits / temps.unsqueeze(1)  # (S, V)
+    probs = torch.softmax(scaled, dim=-1)  # (S, V)
     if any(info.params.has_filters for info in infos):
         probs = _filter(probs, [info.params for info in infos])
     # Inverse CDF uses only differences of neighbouring cdf entries, so float32 rounding
@@ -237,8 +240,10 @@ def _draw(logits: torch.Tensor, infos: list[SamplingInfo], gen: torch.Generator)
     target = (u * total.double()).to(cdf.dtype)  # (S,)
     # First index whose cumulative mass exceeds the target: always a kept (p > 0) token.
     idx = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)  # (S,)
-    # The target can round up to the total (probability ~1e-7): take the top token then.
-    return torch.where(idx >= probs.shape[1], probs.argmax(dim=-1), idx)
+    over = idx >= probs.shape[1]  # (S,)
+    if bool(over.any()):  # the target rounded up to the total (probability ~1e-7)
+        idx = torch.where(over, probs.argmax(dim=-1), idx)
+    return idx
 
 
 def _filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -248,10 +253,10 @@ def _filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=dev)  # (S,)
     top_p = _per_row([p.top_p for p in params], probs)  # (S,)
     min_p = _per_row([p.min_p for p in params], probs)  # (S,)
-    threshold = min_p * probs.amax(dim=-1)  # (S,)
+    threshold = min_p * probs.amax(dim=-1) if bool((min_p > 0).any()) else min_p  # (S,)
     if bool(((top_k < V) | (top_p < 1.0)).any()):
         threshold = torch.maximum(threshold, _top_k_top_p_threshold(probs, top_k, top_p))
-    return probs * (probs >= threshold.unsqueeze(1))
+    return probs.masked_fill(probs < threshold.unsqueeze(1), 0.0)
 
 
 def _top_k_top_p_threshold(
@@ -276,7 +281,8 @@ def _top_k_top_p_threshold(
     z = torch.ones_like(top_p)  # (S,), softmax mass without top_k
     both = use_k & use_p
     if bool(both.any()):
-        z = torch.where(both, (probs * (probs >= t_k.unsqueeze(1))).sum(dim=-1), z)
+        mass_k = probs.masked_fill(probs < t_k.unsqueeze(1), 0.0).sum(dim=-1)  # (S,)
+        z = torch.where(both, mass_k, z)
     n_p = _nucleus_size(vals, t_k, top_p * z)  # (S,) in [1, k_try]
     t_p = vals.gather(1, (n_p - 1).unsqueeze(1))[:, 0]  # (S,)
     # Rows with top_k end inside `vals`; others are resolved when the cut fell inside it.
@@ -292,7 +298,7 @@ def _top_k_top_p_threshold(
 def _nucleus_size(vals: torch.Tensor, t_k: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     """Count of leading entries of `vals` (R, K) descending, >= t_k, whose preceding mass is
     below `mass` (R,): the top_p prefix length, clamped to [1, entries >= t_k]."""
-    kept = vals * (vals >= t_k.unsqueeze(1))  # (R, K), top_k survivors
+    kept = vals.masked_fill(vals < t_k.unsqueeze(1), 0.0)  # (R, K), top_k survivors
     mass_before = kept.cumsum(dim=-1) - kept  # (R, K), exclusive prefix sums
     n = (mass_before < mass.unsqueeze(1)).sum(dim=-1)  # (R,)
     return torch.minimum(n, (kept > 0).sum(dim=-1)).clamp(min=1)

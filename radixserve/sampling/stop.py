@@ -63,7 +63,7 @@ class StopChecker:
         assert tokenizer is not None or not self.stop_strs, (
             f"stop strings {self.stop_strs} need a tokenizer"
         )
-        self.tokenizer = tokenizer
+        self.tokenizer: Any = tokenizer
         longest = max((len(s.encode("utf-8")) for s in self.stop_strs), default=0)
         self.window = longest + _TAIL_MARGIN  # tokens decoded before the newest one
 

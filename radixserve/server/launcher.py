@@ -19,7 +19,9 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.process import BaseProcess
@@ -77,6 +79,10 @@ def launch_server(config: EngineConfig) -> int:
     """Run the server until it is stopped; return the process exit status."""
     configure_logging(config.log_level)
     _interrupt_on_sigterm()
+    problem = _port_problem(config.host, config.port)
+    if problem is not None:  # fail before spending minutes on loading the model
+        logger.error("cannot listen on %s:%d: %s", config.host, config.port, problem)
+        return 1
     ipc = make_ipc_dir()
     logger.info("IPC sockets in %s", ipc.root)
     procs: dict[str, BaseProcess] = {}
@@ -91,13 +97,30 @@ def launch_server(config: EngineConfig) -> int:
         logger.info("shut down")
 
 
+def _port_problem(host: str, port: int) -> str | None:
+    """Why host:port cannot be bound right now, or None. (uvicorn binds it for real later.)"""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return str(e)
+    return None
+
+
 def _spawn_children(config: EngineConfig, ipc: IpcPaths) -> dict[str, BaseProcess]:
     ctx = mp.get_context("spawn")
-    targets = {"scheduler": (run_scheduler_process, config, ipc), "tokenizer": (run_tokenizer_process, ipc)}
-    procs = {}
+    targets = {
+        "scheduler": (run_scheduler_process, config, ipc),
+        "tokenizer": (run_tokenizer_process, ipc),
+    }
+    procs: dict[str, BaseProcess] = {}
     for name, (target, *args) in targets.items():
         proc = ctx.Process(
-            target=child_main, args=(name, config.log_level, target, *args), name=f"radixserve-{name}"
+            target=child_main,
+            args=(name, config.log_level, os.getpid(), target, *args),
+            name=f"radixserve-{name}",
         )
         proc.start()
         procs[name] = proc
@@ -146,10 +169,22 @@ async def _run_http(server: _Uvicorn, manager: RequestManager) -> int:
     def stop() -> None:
         server.should_exit = True
 
+    def task_done(task: asyncio.Future[None]) -> None:
+        # These loops never return: an exception is a bug, and serving without them would
+        # leave every request hanging. Fail loudly instead.
+        if task.cancelled() or task.exception() is None:
+            return
+        logger.error("api server task crashed", exc_info=task.exception())
+        manager.failure = manager.failure or f"api server task crashed: {task.exception()!r}"
+        manager.fail_all(500, f"the server failed: {manager.failure}")
+        stop()
+
     tasks = [
         asyncio.ensure_future(manager.receive_loop()),
         asyncio.ensure_future(manager.watch_children(on_failure=stop)),
     ]
+    for t in tasks:
+        t.add_done_callback(task_done)
     try:
         await server.serve()
     finally:

@@ -64,6 +64,7 @@ def _manager(request: Request) -> RequestManager:
 def _prompts(body: dict[str, Any]) -> tuple[str, list[Any], bool]:
     """('text' | 'input_ids', one entry per prompt, whether a single prompt was given)."""
     text, ids = body.get("text"), body.get("input_ids")
+    prompts: list[Any]
     if (text is None) == (ids is None):
         raise bad("give exactly one of text or input_ids", "text")
     if text is not None:
@@ -99,7 +100,9 @@ def _sampling(body: dict[str, Any], count: int) -> list[dict[str, Any]]:
     value = body.get("sampling_params")
     values = value if isinstance(value, list) else [value] * count
     if len(values) != count:
-        raise bad(f"sampling_params has {len(values)} entries for {count} prompts", "sampling_params")
+        raise bad(
+            f"sampling_params has {len(values)} entries for {count} prompts", "sampling_params"
+        )
     out = []
     for v in values:
         v = {} if v is None else v
@@ -224,7 +227,11 @@ async def get_model_info(request: Request) -> Response:
     info = _manager(request).model_info
     assert info is not None, "routes are served only after the ready handshake"
     return JSONResponse(
-        {"model_path": info.model_path, "tokenizer_path": info.tokenizer_path, "is_generation": True}
+        {
+            "model_path": info.model_path,
+            "tokenizer_path": info.tokenizer_path,
+            "is_generation": True,
+        }
     )
 
 

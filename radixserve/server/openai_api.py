@@ -86,7 +86,11 @@ def _chat_logprobs(entries: list[WireLogprob], tops: list[list[WireLogprob]]) ->
 def _usage(pendings_results: list[list[SampleResult]]) -> dict[str, int]:
     prompt = sum(rs[0].prompt_tokens for rs in pendings_results if rs)
     completion = sum(r.completion_tokens for rs in pendings_results for r in rs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 # ---------------------------------------------------------------- shared driver
@@ -155,7 +159,12 @@ def _stream_body(
             if not d.text and d.finish_reason is None and not first:
                 continue
             c = chunk_choice(
-                r, k * pendings[k].n + d.index, d.text, d.output_logprobs, d.output_top_logprobs, first
+                r,
+                k * pendings[k].n + d.index,
+                d.text,
+                d.output_logprobs,
+                d.output_top_logprobs,
+                first,
             )
             yield sse({**chunk_head, "choices": [c], **usage_null})
         if batch.include_usage:

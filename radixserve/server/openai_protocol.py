@@ -32,7 +32,14 @@ SAMPLING_FIELDS = {
     "spaces_between_special_tokens": "spaces_between_special_tokens",
 }
 COMMON_FIELDS = frozenset(SAMPLING_FIELDS) | {"model", "stream", "stream_options", "user", "rid"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "logit_bias", "suffix"}
+COMPLETION_FIELDS = COMMON_FIELDS | {
+    "prompt",
+    "logprobs",
+    "echo",
+    "best_of",
+    "logit_bias",
+    "suffix",
+}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages",
     "max_completion_tokens",
@@ -99,7 +106,9 @@ def _prompts(body: dict[str, Any]) -> list[tuple[str, Any]]:
     elif isinstance(prompt, list) and prompt:
         items = [("input_ids", get(body, "prompt", "int_list"))]
     else:
-        raise bad("prompt must be a non-empty string, list of strings or list of token ids", "prompt")
+        raise bad(
+            "prompt must be a non-empty string, list of strings or list of token ids", "prompt"
+        )
     if any(not p for _, p in items):
         raise bad("prompt must not be empty", "prompt")
     return items

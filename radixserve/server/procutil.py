@@ -1,8 +1,10 @@
 """What every radixserve process shares: log format, child entry point, parent watch.
 
-A child process (tokenizer, scheduler) runs `child_main(name, level, target, *args)`:
+A child process (tokenizer, scheduler) runs `child_main(name, level, launcher_pid, target,
+*args)`:
 - it ignores SIGINT: Ctrl-C in a terminal reaches the whole process group, and the launcher
   alone decides the shutdown order (it sends `Shutdown`, then joins, then escalates);
+- it dies with the launcher (PR_SET_PDEATHSIG on Linux, plus `ParentWatch` in its loop);
 - an exception escaping `target` is logged with its traceback and the child exits with
   status 1; the launcher sees the dead child, logs it and exits non-zero itself.
 """
@@ -27,10 +29,14 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
 
 
-def child_main(name: str, log_level: str, target: Callable[..., None], *args: Any) -> None:
+def child_main(
+    name: str, log_level: str, launcher_pid: int, target: Callable[..., None], *args: Any
+) -> None:
     """Entry point of a spawned child; `target(*args)` is its real main."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
+    if os.getppid() != launcher_pid:  # it died while we were importing: nothing to serve
+        sys.exit(1)
     configure_logging(log_level)
     try:
         target(*args)

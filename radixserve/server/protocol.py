@@ -58,7 +58,12 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {
-            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}
+            "error": {
+                "message": self.message,
+                "type": kind,
+                "param": self.param,
+                "code": self.status,
+            }
         }
 
 

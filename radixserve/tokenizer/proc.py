@@ -152,7 +152,10 @@ class TokenizerWorker:
                 spaces_between_special_tokens=sp.spaces_between_special_tokens,
                 stop=sp.stop,
             )
-        d.text = detok.add(d.token_ids)
+        ids, reason = d.token_ids, d.finish_reason
+        if reason is not None and isinstance(reason.matched, int) and ids[-1:] == [reason.matched]:
+            ids = ids[:-1]  # a matched stop token is counted but never shown (as in the Engine)
+        d.text = detok.add(ids)
         if d.finish_reason is not None:
             d.text += detok.finish(d.finish_reason)
             state.finished += 1
