@@ -35,10 +35,15 @@ INSTRUCTION = (
     'with the keys "name" (a string), "age" (an integer) and "city" (a string).'
 )
 
+DEMO_TEXT = "Last spring, 67-year-old Ingrid Olsen retired to a cottage outside Bergen."
+DEMO_JSON = '{"name": "Ingrid Olsen", "age": 67, "city": "Bergen"}'
+
 
 @rs.function
 def extract(s, document, use_schema=False, max_tokens=64):  # noqa: ANN001, ANN201
     s += rs.system(INSTRUCTION)
+    s += rs.user(DEMO_TEXT)  # one worked example: small models follow a format they saw
+    s += rs.assistant(DEMO_JSON)
     s += rs.user(document)
     schema = SCHEMA if use_schema else None
     s += rs.assistant(rs.gen("json", max_tokens=max_tokens, temperature=0, json_schema=schema))

@@ -167,11 +167,13 @@ class TreeBackend(AttentionBackend):
         """Whether a shared segment of `num_tokens` tokens under `num_requests` requests whose
         longest query block is `max_q_len` rows is attended on its own (else it folds).
 
-        Defaults, from `benchmarks/bench_backend.py --sweep --threads 1` (bf16, SmolLM2 heads;
-        kept/folded time; the report lists the tables): in decode, keeping pays once
-        k * L >= ~2048 (k=2: L 1024 -> 0.93, 512 -> 1.30; k=8: L 256 -> 0.88, 128 -> 1.15;
-        k=32: L 64 -> 1.00, 32 -> 1.14); with k = 64..128 nothing under L = 64 pays. Extends
-        add merge work per query row: with q_len 8..32 nothing under L = 512 paid.
+        Defaults from `benchmarks/bench_backend.py --sweep --threads 1` (bf16, SmolLM2 heads,
+        R = 128 private tokens; kept/folded per-layer time, < 1 pays). Decode: keeping pays
+        once k * L >= ~2048 (k=2: L 1024 -> 0.86, 512 -> 1.23; k=4: 512 -> 0.83, 256 -> 1.24;
+        k=8: 256 -> 0.89, 128 -> 1.17; k=16: 128 -> 0.96, 64 -> 1.15); at k = 64..128 segments
+        under L = 64 were at best break-even. Extends (q_len 8): merge work grows with the
+        query rows and nothing under L = 512 paid (k=8: 512 -> 0.78, 256 -> 1.10).
+        These are CPU numbers for the "cpu" kernels; a GPU wants its own measurement.
         """
         floor = self.min_tokens_extend if max_q_len > 1 else self.min_tokens
         return (

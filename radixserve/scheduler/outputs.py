@@ -27,6 +27,7 @@ class OutputProcessor:
                 output_ids=r.output_ids,
                 eos_token_ids=self.eos_ids,
                 sample_index=r.index,
+                return_logprob=r.request.return_logprob,
                 need_top_logprobs=r.request.top_logprobs_num if r.request.return_logprob else 0,
             )
             for r in reqs
