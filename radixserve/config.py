@@ -8,7 +8,7 @@ import torch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 POLICIES = ("lpm", "fcfs")
-BACKENDS = ("tree", "flat")
+BACKENDS = ("tree", "flat", "none")  # "none": benchmark-only no-attention ceiling
 
 
 @dataclass(frozen=True)
