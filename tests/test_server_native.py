@@ -121,6 +121,22 @@ def test_stream_is_cumulative_and_ends_with_done(client):
     assert last["text"] == full["text"] and last["output_ids"] == full["output_ids"]
 
 
+def test_stream_batch_chunks_carry_their_index(client):
+    body = {"text": ["first prompt", "second prompt"], "sampling_params": GREEDY}
+    full = gen(client, **body)
+    with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        events = sse(r)
+    assert events[-1] == "[DONE]"
+    last: dict[int, dict] = {}
+    for e in events[:-1]:
+        assert e["index"] in (0, 1)
+        if e["index"] in last:  # cumulative per index
+            assert e["text"].startswith(last[e["index"]]["text"])
+        last[e["index"]] = e
+    assert [last[i]["output_ids"] for i in (0, 1)] == [o["output_ids"] for o in full]
+    assert all(last[i]["meta_info"]["finish_reason"]["type"] == "length" for i in (0, 1))
+
+
 def test_logprobs_shapes_and_values(client, tokenizer):
     prompt = "Logprob check prompt"
     n_prompt = len(tokenizer.encode(prompt))

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from radixserve.models.config import ModelConfig, RopeScaling
-from radixserve.models.llama import LlamaForCausalLM, NoAttentionBackend
+from radixserve.models.llama import LlamaForCausalLM
 from radixserve.models.loader import load_model, load_tokenizer, resolve_model_path
 
 __all__ = [
     "LlamaForCausalLM",
     "ModelConfig",
-    "NoAttentionBackend",
     "RopeScaling",
     "load_model",
     "load_tokenizer",

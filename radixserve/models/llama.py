@@ -252,22 +252,3 @@ class LlamaForCausalLM(nn.Module):
             w = self.tied_head_packed
             return torch.ops.mkldnn._linear_pointwise(hidden, w, None, "none", [], "").float()
         return F.linear(hidden, self.model.embed_tokens.weight).float()
-
-
-class NoAttentionBackend(AttentionBackend):
-    """Benchmark-only "no-attention ceiling": writes K/V like a real backend, returns zeros.
-
-    Keeps every other cost of a step (projections, MLP, KV writes) so the gap to a real
-    backend is the attention cost. Outputs are meaningless; never use it for generation.
-    """
-
-    name = "none"
-
-    def plan(self, batch: ForwardBatch) -> None:
-        batch.attn_plan = None
-
-    def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, layer: int, batch: ForwardBatch, scale: float
-    ) -> Tensor:
-        batch.kv_pool.write(layer, batch.out_cache_loc, k, v)
-        return torch.zeros_like(q)
