@@ -386,7 +386,7 @@ def test_run_batch_dicts_tuples_and_isolated_failures() -> None:
     assert [st.error() is None for st in states] == [True, True, False, True]
     assert str(states[2].error()) == "boom in the body"
     assert [states[i].text() for i in (0, 1, 3)] == ["a{g}", "bb{g}", "c{g}"]
-    assert sorted(e.prompt for e in tracer.of_kind("gen")) == ["a", "bb", "c"]
+    assert sorted(e.prompt for e in tracer.events if e.kind == "gen") == ["a", "bb", "c"]
     with pytest.raises(TypeError, match="3 arguments"):
         prog.run_batch([("a", 1, 2)], backend=tracer)
     assert prog.run_batch([], backend=tracer) == []
