@@ -310,11 +310,6 @@ def test_prefill_only_prompt_logprobs_from_start_len(client, tokenizer):
     assert all(e[0] is not None and e[0] <= 0 for e in entries)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="scheduler bug (reported): with the prompt cached up to logprob_start_len, the "
-    "logits predicting token logprob_start_len are never computed, so its entry is missing",
-)
 def test_prompt_logprobs_of_a_cached_prompt(client, tokenizer):
     text = "Cached prompt: score these prompt tokens again"
     ids = tokenizer.encode(text)

@@ -117,7 +117,7 @@ class Engine:
             texts = [prompt] if isinstance(prompt, str) else prompt
             if not isinstance(texts, list | tuple) or not all(isinstance(t, str) for t in texts):
                 raise ValueError("prompt: must be a string or a list of strings")
-            return single, [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+            return single, [self.tokenizer.encode(t) for t in texts]  # as SGLang and our server
         single = not input_ids or isinstance(input_ids[0], int)
         batch = [input_ids] if single else list(input_ids)
         if not all(isinstance(x, list) and all(isinstance(t, int) for t in x) for x in batch):

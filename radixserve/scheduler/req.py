@@ -74,8 +74,9 @@ class Req:
 
     def reuse_limit(self) -> int:
         """How many leading tokens may come from the cache: all but the last token (its
-        logits are needed), and none past logprob_start_len when prompt logprobs are asked."""
+        logits are needed); with prompt logprobs from position k, the logits of position
+        k - 1 (which score token k) are needed too."""
         limit = self.seq_len - 1
         if self.wants_prompt_logprobs and not self.output_ids:
-            limit = min(limit, self.request.logprob_start_len)
+            limit = min(limit, self.request.logprob_start_len - 1)
         return max(limit, 0)
