@@ -64,7 +64,9 @@ def solve(question: str, width: int = 2, backend: Any = None, max_tokens: int = 
             for sol, verdict, meta in zip(state["solution"][i], state["verdict"][i], metas[i])
         ]
         tree.append((approach, leaves))
-    score, i, j = max((leaf[2], i, j) for i, (_, ls) in enumerate(tree) for j, leaf in enumerate(ls))
+    score, i, j = max(
+        (leaf[2], i, j) for i, (_, ls) in enumerate(tree) for j, leaf in enumerate(ls)
+    )
     return Best(tree[i][0], tree[i][1][j][0], score, tree)
 
 

@@ -31,8 +31,10 @@ from radixserve.frontend.ir import (
 )
 
 # run()/run_batch() keywords that set sampling defaults (everything else goes to the
-# program function). regex/json_schema are per-gen only.
-RUN_SAMPLING_KEYS = frozenset(f.name for f in fields(SamplingOptions)) - {"regex", "json_schema"}
+# program function). regex/json_schema are per-gen only, and so is seed: one seed for every
+# gen would make all fork children sample the same text.
+PER_GEN_ONLY = {"regex", "json_schema", "seed"}
+RUN_SAMPLING_KEYS = frozenset(f.name for f in fields(SamplingOptions)) - PER_GEN_ONLY
 
 _default_backend: Backend | None = None
 # One EngineBackend per Engine (keyed by id; the backend keeps its engine alive): an engine
@@ -109,7 +111,9 @@ class SglFunction:
             sampling["stop"] = normalize_stop(sampling["stop"])
         return SamplingOptions(**sampling).over(RUN_DEFAULTS), {**self.bind_arguments, **kwargs}
 
-    def run(self, *args: Any, stream: bool = False, backend: Any = None, **kwargs: Any) -> ProgramState:
+    def run(
+        self, *args: Any, stream: bool = False, backend: Any = None, **kwargs: Any
+    ) -> ProgramState:
         """Run the program once. Keywords named like sampling parameters (max_new_tokens,
         temperature, stop, top_p, ..., return_logprob) set the defaults of every gen
         (SGLang's: 128 tokens, temperature 1.0); the others are the function's arguments.

@@ -97,7 +97,9 @@ token_length_normalized = TokenLengthNormalized()
 greedy_token_selection = GreedyTokenSelection()
 
 
-def choose(scores: ChoiceScores, method: ChoicesMethod, temperature: float, rng: random.Random) -> int:
+def choose(
+    scores: ChoiceScores, method: ChoicesMethod, temperature: float, rng: random.Random
+) -> int:
     """The decision: `method`'s at temperature 0; otherwise a draw from
     softmax(normalized / temperature) (the method is then not used)."""
     assert temperature >= 0, f"select temperature must be >= 0, got {temperature}"

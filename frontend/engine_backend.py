@@ -26,10 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.engine.engine import Engine
 from radixserve.frontend.backend import Backend, BackendError, GenRequest, GenResult, TextCallback
 from radixserve.frontend.chat import RoleTemplate, template_for
 from radixserve.frontend.choices import TokenLogprob
+
+from radixserve.engine.engine import Engine
 from radixserve.sampling.params import SamplingParams
 from radixserve.scheduler.io import SampleOutput, TokenizedRequest
 from radixserve.scheduler.scheduler import QueueFullError
@@ -181,7 +182,8 @@ class EngineBackend(Backend):
         return c.result
 
     def close(self) -> None:
-        """Stop the dispatcher thread (after the jobs already queued)."""
+        """Stop the dispatcher thread once the jobs already queued have finished. The
+        backend stays usable: the next request starts a new dispatcher."""
         if self._thread is not None:
             self._inbox.put(None)
             self._thread.join()
@@ -248,8 +250,11 @@ class EngineBackend(Backend):
     # ---------------------------------------------------------------- dispatcher thread
     def _loop(self) -> None:
         active: dict[str, _Job] = {}
+        closing = False
         try:
-            while self._take(active, block=not active and not self._backlog):
+            while not (closing and not active and not self._backlog):
+                idle = not active and not self._backlog and not closing
+                closing = self._take(active, block=idle) or closing
                 self._step(active)
         except BaseException as e:  # a bug here must not leave program threads waiting
             for job in [*active.values(), *self._backlog]:
@@ -257,7 +262,8 @@ class EngineBackend(Backend):
             raise
 
     def _take(self, active: dict[str, _Job], block: bool) -> bool:
-        """Admit queued jobs (waiting for one if `block`); False once closed."""
+        """Admit queued jobs and run queued calls (waiting for one item if `block`).
+        Returns whether the close sentinel was among them."""
         items: list[_Job | _Call | None] = []
         if block:
             items.append(self._inbox.get())
@@ -274,13 +280,11 @@ class EngineBackend(Backend):
                 break
         pending, self._backlog = [*self._backlog, *items], []
         for item in pending:
-            if item is None:
-                return False
             if isinstance(item, _Call):
                 self._do_call(item)
-            else:
+            elif item is not None:
                 self._admit(item, active)
-        return True
+        return None in pending
 
     @staticmethod
     def _do_call(c: _Call) -> None:
@@ -308,9 +312,9 @@ class EngineBackend(Backend):
         try:
             outputs = sched.step()
         except Exception as e:
-            for rid, job in list(active.items()):
+            for rid, failed in list(active.items()):
                 sched.abort_request(rid)
-                job.fail(BackendError(f"engine step failed: {e!r}"))
+                failed.fail(BackendError(f"engine step failed: {e!r}"))
             active.clear()
             return
         self.peak_running = max(self.peak_running, len(sched.running))

@@ -137,7 +137,9 @@ class Executor:
             with self._cond:
                 self._append_locked(added, None)
         else:
-            raise ValueError(f"join mode must be 'gather_variable' or 'concate_and_append', got {mode!r}")
+            raise ValueError(
+                f"join mode must be 'gather_variable' or 'concate_and_append', got {mode!r}"
+            )
 
     # ---------------------------------------------------------------- drain side
     def _drain(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Union
+from typing import Any
 
 # Regexes of the typed gens (SGLang's). A runtime without constrained decoding ignores
 # them; the value is still converted (and a text that does not parse is an error).
@@ -93,7 +93,12 @@ class SamplingOptions:
 
 
 # Fields that travel inside `sampling_params`; the rest are request-level.
-REQUEST_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
+REQUEST_FIELDS = (
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+)
 
 # run()'s defaults, SGLang's: 128 new tokens, temperature 1.0.
 RUN_DEFAULTS = SamplingOptions(
@@ -140,7 +145,7 @@ class Select(Expr):
     method: ChoiceMethod
 
 
-ExprLike = Union[Expr, str]
+ExprLike = Expr | str
 
 
 def to_expr(x: ExprLike) -> Expr:

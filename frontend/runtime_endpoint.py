@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-
 from radixserve.frontend.backend import Backend, BackendError, GenRequest, GenResult, TextCallback
 from radixserve.frontend.chat import RoleTemplate, template_for
 from radixserve.frontend.choices import TokenLogprob
@@ -74,6 +73,12 @@ class RuntimeEndpoint(Backend):
 
     def _stream(self, body: dict[str, Any], on_text: TextCallback) -> GenResult:
         """SSE stream of cumulative results; hands out the text deltas."""
+        try:
+            return self._stream_events(body, on_text)
+        except httpx.TransportError as e:
+            raise BackendError(f"POST {self.base_url}/generate (stream): {e!r}") from e
+
+    def _stream_events(self, body: dict[str, Any], on_text: TextCallback) -> GenResult:
         text, last = "", None
         with self._client.stream("POST", "/generate", json={**body, "stream": True}) as resp:
             if resp.status_code != 200:
@@ -93,7 +98,9 @@ class RuntimeEndpoint(Backend):
 
     def commit(self, prompt: str) -> None:
         if prompt:
-            self._json("POST", "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 0}})
+            self._json(
+                "POST", "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 0}}
+            )
 
     def role_template(self) -> RoleTemplate:
         with self._tok_lock:
@@ -116,8 +123,15 @@ class RuntimeEndpoint(Backend):
         return [[(e[0], e[1]) for e in o["meta_info"]["input_token_logprobs"]] for o in outs]
 
     def flush_cache(self) -> bool:
-        resp = self._client.post("/flush_cache")
-        return resp.status_code == 200
+        """False when the server is busy (it answers 400 and flushes nothing)."""
+        try:
+            resp = self._client.post("/flush_cache")
+        except httpx.TransportError as e:
+            raise BackendError(f"POST {self.base_url}/flush_cache: {e!r}") from e
+        if resp.status_code == 400:
+            return False
+        _check(resp, "/flush_cache")
+        return True
 
     def get_server_info(self) -> dict[str, Any]:
         return self._json("GET", "/get_server_info")

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-
 import radixserve.frontend as rs
-from radixserve import Engine
+import torch
 from radixserve.frontend.engine_backend import EngineBackend
+
+from radixserve import Engine
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 PREFIX = "The quick brown fox jumps over the lazy dog. " * 20  # ~200 tokens
@@ -59,7 +59,9 @@ def test_fork_of_16_prefills_the_shared_prefix_once(engine: Engine, backend: Eng
     metas = state.get_meta_info("x")
     assert len(state["x"]) == 16 and all(m["completion_tokens"] == 6 for m in metas)
     # Each child finds the committed prefix (the last prefix token may re-tokenize).
-    assert all(m["cached_tokens"] >= prefix_len - 1 for m in metas), [m["cached_tokens"] for m in metas]
+    assert all(m["cached_tokens"] >= prefix_len - 1 for m in metas), [
+        m["cached_tokens"] for m in metas
+    ]
     # Exact accounting: the commit prefills the prefix once; each child runs its uncached
     # prompt tokens and 5 decode inputs (the 6th token needs no forward).
     children = sum(m["prompt_tokens"] - m["cached_tokens"] + 5 for m in metas)
@@ -103,6 +105,7 @@ def test_gen_equals_engine_generate(engine: Engine, backend: EngineBackend) -> N
 
     state = prog.run(backend=backend)
     ref = engine.generate(prompt, {"max_new_tokens": 12, **GREEDY})
+    assert isinstance(ref, dict)
     assert state["x"] == ref["text"]
     assert state.text() == prompt + ref["text"]
     meta = state.get_meta_info("x")
@@ -141,9 +144,8 @@ def test_chat_roles_reproduce_the_chat_template(engine: Engine, backend: EngineB
     rendered = engine.tokenizer.apply_chat_template(messages, tokenize=False)
     assert state.text() == rendered
     # The second gen saw the template's prompt for the second assistant turn.
-    ref = engine.generate(
-        engine.apply_chat_template(messages[:4]), {"max_new_tokens": 5, **GREEDY}
-    )
+    ref = engine.generate(engine.apply_chat_template(messages[:4]), {"max_new_tokens": 5, **GREEDY})
+    assert isinstance(ref, dict)
     assert state["b"] == ref["text"]
 
 
@@ -257,3 +259,38 @@ def test_engine_as_backend_is_wrapped_once(engine: Engine) -> None:
 
     a, b = as_backend(engine), as_backend(engine)
     assert a is b and isinstance(a, EngineBackend) and a.engine is engine
+
+
+def test_concurrent_programs_with_forks_equal_alone(engine: Engine, backend: EngineBackend) -> None:
+    """Four programs, each forking four children, all in flight at once on one dispatcher:
+    every greedy output equals the program's output when run alone."""
+
+    @rs.function
+    def prog(s: Any, topic: str) -> None:
+        s += rs.user(f"Ideas about {topic}?")
+        s += rs.assistant_begin()
+        forks = s.fork(4)
+        for i, f in enumerate(forks):
+            f += f"Idea {i}:" + rs.gen("idea", max_tokens=5, **GREEDY)
+        forks.join()
+
+    topics = ["tea", "maps", "wool", "kites"]
+    alone = [prog.run(t, backend=backend)["idea"] for t in topics]
+    backend.flush_cache()
+    together = prog.run_batch([(t,) for t in topics], backend=backend, num_threads=4)
+    assert [st["idea"] for st in together] == alone
+    assert_idle_and_clean(engine, backend)
+
+
+def test_close_then_reuse(engine: Engine, tiny_model_dir: Path) -> None:
+    be = EngineBackend(engine)
+
+    @rs.function
+    def prog(s: Any) -> None:
+        s += "Hi" + rs.gen("x", max_tokens=3, **GREEDY)
+
+    first = prog.run(backend=be)["x"]
+    be.close()
+    assert be._thread is None
+    assert prog.run(backend=be)["x"] == first  # a new dispatcher starts on demand
+    be.close()

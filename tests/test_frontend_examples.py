@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-import radixserve.frontend as rs
 from radixserve import Engine
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -101,7 +100,11 @@ def test_tree_of_thought_tiny(tiny: Any) -> None:
 @pytest.mark.parametrize(
     ("raw", "data", "error"),
     [
-        ('Sure: {"name": "A", "age": 3, "city": "B"} done', {"name": "A", "age": 3, "city": "B"}, None),
+        (
+            'Sure: {"name": "A", "age": 3, "city": "B"} done',
+            {"name": "A", "age": 3, "city": "B"},
+            None,
+        ),
         ("no braces", None, "no JSON object in the reply"),
         ('{"name": }', None, "invalid JSON"),
     ],
@@ -176,11 +179,3 @@ def test_tree_of_thought_smollm(smollm: Any) -> None:
     best = ex.main(backend=smollm)
     assert all(sol.strip() for _, leaves in best.tree for sol, _, _ in leaves)
     assert best.score == max(s for _, leaves in best.tree for _, _, s in leaves)
-
-
-def test_examples_default_to_the_embedded_engine() -> None:
-    # Every example's main() builds rs.EngineBackend() (the embedded model) when given none.
-    for name in ("self_consistency", "tree_of_thought", "json_extraction", "chat_loop"):
-        source = (EXAMPLES / f"{name}.py").read_text()
-        assert "rs.EngineBackend()" in source, name
-    assert rs.EngineBackend.__init__.__defaults__ == (None,)

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 import radixserve.frontend as rs
 from radixserve.frontend.chat import RoleTemplate, template_for
 from radixserve.frontend.choices import ChoiceScores, choose
@@ -129,7 +128,9 @@ def test_regex_and_json_schema_reach_the_request() -> None:
         (str, r"\"[\w\d\s]*\"", [], ""),
     ],
 )
-def test_typed_gen_adds_regex_and_converts(dtype: Any, regex: str, stop: list, placeholder_value: Any) -> None:
+def test_typed_gen_adds_regex_and_converts(
+    dtype: Any, regex: str, stop: list, placeholder_value: Any
+) -> None:
     @rs.function
     def prog(s: Any) -> None:
         s += "v=" + rs.gen("v", dtype=dtype)
@@ -143,8 +144,14 @@ def test_typed_gen_adds_regex_and_converts(dtype: Any, regex: str, stop: list, p
 
 @pytest.mark.parametrize(
     ("text", "dtype", "value"),
-    [(" 42\n", "int", 42), ("-7", "int", -7), ("3.25 ", "float", 3.25), ("False", "bool", False),
-     ('"hi there"', "str", "hi there"), ("plain", None, "plain")],
+    [
+        (" 42\n", "int", 42),
+        ("-7", "int", -7),
+        ("3.25 ", "float", 3.25),
+        ("False", "bool", False),
+        ('"hi there"', "str", "hi there"),
+        ("plain", None, "plain"),
+    ],
 )
 def test_convert_value(text: str, dtype: str | None, value: Any) -> None:
     assert convert_value(text, dtype, "v") == value
@@ -216,9 +223,7 @@ def test_role_misuse_fails_the_program(exprs: list, message: str) -> None:
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]], gen_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=gen_prompt
-    )
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)
 
 
 CONVERSATIONS = [
@@ -281,7 +286,10 @@ def test_fork_commits_the_prefix_once_and_join_gathers_in_order() -> None:
     assert t.state["x"] == ["{x}", "{x}", "{x}"]
     assert t.state["i"] == [0, 1, 2]  # fork order, whatever order the children finished in
     assert t.state.text() == "Shared prefix. Done."  # gather_variable does not touch text
-    assert t.state.get_meta_info("x") == [{"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}] * 3
+    assert (
+        t.state.get_meta_info("x")
+        == [{"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}] * 3
+    )
 
 
 def test_nested_fork_gathers_lists_of_lists() -> None:
@@ -367,7 +375,9 @@ def test_missing_variable_names_the_known_ones() -> None:
         s += rs.gen("a")
 
     state = prog.trace().state
-    with pytest.raises(KeyError, match=r"no variable 'b' in this program state \(defined: \['a'\]\)"):
+    with pytest.raises(
+        KeyError, match=r"no variable 'b' in this program state \(defined: \['a'\]\)"
+    ):
         state["b"]
     assert "a" in state and "b" not in state
 
@@ -390,6 +400,22 @@ def test_run_batch_dicts_tuples_and_isolated_failures() -> None:
     with pytest.raises(TypeError, match="3 arguments"):
         prog.run_batch([("a", 1, 2)], backend=tracer)
     assert prog.run_batch([], backend=tracer) == []
+
+
+def test_run_batch_progress_bar_and_sampling_defaults(capsys: pytest.CaptureFixture) -> None:
+    @rs.function
+    def prog(s: Any, word: str) -> None:
+        s += word + rs.gen("g")
+
+    tracer = rs.TracingBackend()
+    states = prog.run_batch(
+        [("x",), ("y",), ("z",)], backend=tracer, progress_bar=True, temperature=0.5
+    )
+    assert [st.text() for st in states] == ["x{g}", "y{g}", "z{g}"]
+    assert all(e.request.sampling["temperature"] == 0.5 for e in tracer.events)
+    assert "3/3" in capsys.readouterr().err  # tqdm's counter
+    with pytest.raises(TypeError, match=r"run_batch: unknown keywords \['seed'\]"):
+        prog.run_batch([("x",)], backend=tracer, seed=1)  # seed is per-gen only
 
 
 def test_stream_text_iter_all_and_one_variable() -> None:

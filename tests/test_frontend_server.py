@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 import radixserve.frontend as rs
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -41,7 +40,9 @@ def test_fork_of_16_prefills_the_shared_prefix_once(endpoint: rs.RuntimeEndpoint
     state = fork_program.run(16, 6, backend=endpoint)
     metas = state.get_meta_info("x")
     assert len(metas) == 16 and all(m["completion_tokens"] == 6 for m in metas)
-    assert all(m["cached_tokens"] >= prefix_len - 1 for m in metas), [m["cached_tokens"] for m in metas]
+    assert all(m["cached_tokens"] >= prefix_len - 1 for m in metas), [
+        m["cached_tokens"] for m in metas
+    ]
     # Server counters: the commit prefilled the prefix once; each child ran only its
     # uncached prompt tokens plus 5 decode inputs.
     children = sum(m["prompt_tokens"] - m["cached_tokens"] + 5 for m in metas)

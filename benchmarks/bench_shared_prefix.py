@@ -1,0 +1,258 @@
+"""End-to-end decode with a shared prefix: radixserve tree vs flat vs a no-attention ceiling
+vs HF transformers `generate`, on the same model and dtype, side by side in one run.
+
+Decode mode (default): B requests = one P-token shared prefix + a distinct short question
+each. Decode throughput = B * (N - 1) / (time for N new tokens - time for 1 new token): the
+prefill is the same in both runs and cancels. radixserve runs from an empty radix cache each
+time (it computes the prefix once and shares it). HF gets the same favour: the prefix is
+prefilled once and its KV cache repeated B times (`DynamicCache.batch_repeat_interleave`),
+then `generate` runs over it; HF still stores and reads the prefix B times.
+
+Samples mode (`--samples`): "B samples of 128 tokens from one P-token prompt", prefill
+included: radixserve `generate(prompt, n=B)` (prompt prefilled once, forked) vs HF
+`generate(num_return_sequences=B)` (as users call it: the prompt is expanded B times).
+
+    python benchmarks/bench_shared_prefix.py --batch 1 16 64 --prefix 1024 4096 --json out.json
+    python benchmarks/bench_shared_prefix.py --samples --batch 64 --prefix 4096 --new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
+ENGINE_BACKENDS = ("tree", "flat", "none")
+
+
+def prefix_ids(tokenizer: Any, tokens: int) -> list[int]:
+    """A deterministic natural-text prefix of exactly `tokens` tokens."""
+    if GSM8K.exists():
+        rows = [json.loads(line) for line in GSM8K.read_text().splitlines()[:400]]
+        text = "\n\n".join(f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows)
+    else:
+        text = " ".join(f"Sentence {i} of a long shared system prompt." for i in range(tokens))
+    ids = tokenizer.encode(text)
+    assert len(ids) >= tokens, f"not enough text for a {tokens}-token prefix"
+    return ids[:tokens]
+
+
+def question_ids(tokenizer: Any, batch: int) -> list[list[int]]:
+    return [
+        tokenizer.encode(f"\n\nQuestion {i}: what is {i} plus {2 * i + 1}?\nAnswer:")
+        for i in range(batch)
+    ]
+
+
+def decode_time(run: Callable[[int], float], n: int) -> dict[str, float]:
+    t1, tn = run(1), run(n)
+    return {"t_1": t1, "t_n": tn, "decode_s": tn - t1}
+
+
+def engine_runner(engine: Any, prompts: list[list[int]]) -> Callable[[int], float]:
+    def run(n: int) -> float:
+        engine.flush_cache()
+        t = time.perf_counter()
+        engine.generate(
+            input_ids=prompts,
+            sampling_params={"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
+        )
+        return time.perf_counter() - t
+
+    return run
+
+
+def hf_runner(model: Any, prefix: list[int], prompts: list[list[int]]) -> Callable[[int], float]:
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(torch.tensor([prefix]), past_key_values=cache, use_cache=True)
+    cache.batch_repeat_interleave(len(prompts))
+    width = max(map(len, prompts))
+    assert all(len(p) == width for p in prompts), "HF side needs equal-length prompts"
+    ids = torch.tensor(prompts)
+
+    def run(n: int) -> float:
+        kv = copy.deepcopy(cache)  # generate extends it in place
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                past_key_values=kv,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                attention_mask=torch.ones_like(ids),
+            )
+        assert out.shape[1] == width + n
+        return time.perf_counter() - t
+
+    return run
+
+
+def load_engines(args: argparse.Namespace, capacity: int) -> dict[str, Any]:
+    from radixserve import Engine
+
+    return {
+        b: Engine(
+            args.model,
+            dtype=args.dtype,
+            attention_backend=b,
+            max_total_tokens=capacity,
+            chunked_prefill_size=4096,
+            max_prefill_tokens=16384,
+            max_running_requests=max(args.batch) + 8,
+        )
+        for b in args.backends
+        if b in ENGINE_BACKENDS
+    }
+
+
+def pad_questions(qs: list[list[int]]) -> list[list[int]]:
+    """Equal lengths (HF batches without padding tricks): left-pad with a space token."""
+    width = max(map(len, qs))
+    return [q[:1] * (width - len(q)) + q for q in qs]
+
+
+def bench_decode(args: argparse.Namespace, engines: dict[str, Any], hf: Any) -> list[dict]:
+    tok = next(iter(engines.values())).tokenizer if engines else None
+    rows = []
+    for p in args.prefix:
+        prefix = prefix_ids(tok, p)
+        for b in args.batch:
+            prompts = [prefix + q for q in pad_questions(question_ids(tok, b))]
+            for name in args.backends:
+                run = (
+                    hf_runner(hf, prefix, prompts)
+                    if name == "hf"
+                    else engine_runner(engines[name], prompts)
+                )
+                r = decode_time(run, args.new_tokens)
+                r.update(
+                    backend=name,
+                    batch=b,
+                    prefix=p,
+                    decode_tok_s=b * (args.new_tokens - 1) / max(r["decode_s"], 1e-9),
+                )
+                rows.append(r)
+                print(
+                    f"B={b:4d} P={p:6d} {name:5s} decode {r['decode_tok_s']:9.1f} tok/s "
+                    f"(step {r['decode_s'] / (args.new_tokens - 1) * 1e3:8.1f} ms)",
+                    flush=True,
+                )
+            base = {r["backend"]: r["decode_tok_s"] for r in rows[-len(args.backends) :]}
+            ratios = {
+                f"{k}/{j}": base[k] / base[j] for k in base for j in base if k != j and k == "tree"
+            }
+            print("   ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    return rows
+
+
+def bench_samples(args: argparse.Namespace, engines: dict[str, Any], hf: Any) -> list[dict]:
+    tok = next(iter(engines.values())).tokenizer
+    rows = []
+    for p in args.prefix:
+        prompt = prefix_ids(tok, p)
+        for b in args.batch:
+            params = {
+                "temperature": 0.7,
+                "max_new_tokens": args.new_tokens,
+                "ignore_eos": True,
+                "n": b,
+                "seed": 0,
+            }
+            for name in args.backends:
+                t = time.perf_counter()
+                if name == "hf":
+                    with torch.inference_mode():
+                        hf.generate(
+                            torch.tensor([prompt]),
+                            num_return_sequences=b,
+                            do_sample=True,
+                            temperature=0.7,
+                            top_k=0,
+                            max_new_tokens=args.new_tokens,
+                            min_new_tokens=args.new_tokens,
+                            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                        )
+                else:
+                    engines[name].flush_cache()
+                    engines[name].generate(input_ids=prompt, sampling_params=params)
+                wall = time.perf_counter() - t
+                rows.append(
+                    {
+                        "backend": name,
+                        "batch": b,
+                        "prefix": p,
+                        "wall_s": wall,
+                        "tok_s": b * args.new_tokens / wall,
+                    }
+                )
+                print(
+                    f"{b} samples x {args.new_tokens} tokens, P={p}: {name:5s} {wall:8.2f} s",
+                    flush=True,
+                )
+            walls = {r["backend"]: r["wall_s"] for r in rows[-len(args.backends) :]}
+            if "tree" in walls:
+                print(
+                    "   tree speedup: "
+                    + ", ".join(
+                        f"vs {k} {v / walls['tree']:.2f}x" for k, v in walls.items() if k != "tree"
+                    )
+                )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--prefix", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument(
+        "--backends",
+        nargs="+",
+        default=["tree", "flat", "none", "hf"],
+        choices=[*ENGINE_BACKENDS, "hf"],
+    )
+    ap.add_argument("--samples", action="store_true", help="B samples of one prompt, prefill incl.")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.samples and args.new_tokens == 16:
+        args.new_tokens = 128
+    capacity = max(args.prefix) * 2 + max(args.batch) * (args.new_tokens + 64) + 1024
+    engines = load_engines(args, capacity)
+    hf = None
+    if "hf" in args.backends:
+        from transformers import AutoModelForCausalLM
+
+        from radixserve.models.loader import resolve_model_path
+
+        hf = AutoModelForCausalLM.from_pretrained(
+            resolve_model_path(args.model), dtype=getattr(torch, args.dtype)
+        ).eval()
+    print(f"{args.dtype}, {torch.get_num_threads()} threads, {args.new_tokens} new tokens")
+    rows = (bench_samples if args.samples else bench_decode)(args, engines, hf)
+    res = {
+        "mode": "samples" if args.samples else "decode",
+        "dtype": args.dtype,
+        "new_tokens": args.new_tokens,
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()
