@@ -134,17 +134,13 @@ def score_choices(
         full = encode(prompt + c)
         k = _common_prefix(base, full)
         assert k < len(full), f"choice {c!r} added no token to the prompt"
-        # Ask from one token earlier and keep the last len(full) - k entries: the runtime
-        # then reports at least the tokens we need whether or not the prefix was cached
-        # (radixserve's scheduler drops the entry at logprob_start_len on a cache hit).
-        reqs.append((full, max(k - 1, 0)))
+        reqs.append((full, k))
         spans.append(full[k:])
     results = score(reqs)
     ids, lps = [], []
     for c, span, entries in zip(choices, spans, results):
-        tail = entries[len(entries) - len(span) :] if len(entries) >= len(span) else []
-        assert [t for _, t in tail] == span, f"choice {c!r}: scored {entries} for tokens {span}"
-        scored = [(lp, t) for lp, t in tail if lp is not None]
+        assert [t for _, t in entries] == span, f"choice {c!r}: scored {entries} for {span}"
+        scored = [(lp, t) for lp, t in entries if lp is not None]
         if not scored:
             raise ValueError(f"select choice {c!r} has no scored token (is the prompt empty?)")
         lps.append([lp for lp, _ in scored])

@@ -156,8 +156,8 @@ class EngineBackend(Backend):
             return self._template
 
     def encode(self, text: str) -> list[int]:
-        with self._tok_lock:  # exactly as Engine.generate tokenizes a text prompt
-            return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
+        with self._tok_lock:  # exactly as Engine.generate (and the server) tokenize text
+            return list(self.engine.tokenizer.encode(text))
 
     def prompt_logprobs(self, reqs: list[tuple[list[int], int]]) -> list[list[TokenLogprob]]:
         jobs = [
@@ -184,10 +184,11 @@ class EngineBackend(Backend):
     def close(self) -> None:
         """Stop the dispatcher thread once the jobs already queued have finished. The
         backend stays usable: the next request starts a new dispatcher."""
-        if self._thread is not None:
-            self._inbox.put(None)
-            self._thread.join()
-            self._thread = None
+        with self._start_lock:  # a concurrent request waits, then starts a new dispatcher
+            if self._thread is not None:
+                self._inbox.put(None)
+                self._thread.join()
+                self._thread = None
 
     # ---------------------------------------------------------------- program side
     def _request(

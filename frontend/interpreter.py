@@ -28,6 +28,7 @@ class ProgramState:
         self._ex = executor
         self.ret_value: Any = None  # the program function's return value
         self._body_error: BaseException | None = None
+        self._body_thread: threading.Thread | None = None  # stream=True: runs the body
 
     # ---- building
     def __iadd__(self, other: ExprLike) -> ProgramState:
@@ -98,6 +99,11 @@ class ProgramState:
         return [dict(m) for m in self._ex.messages]
 
     def sync(self) -> None:
+        """Wait for the queued expressions (and, from outside a streamed program's body,
+        for the body to return, so everything it will append is there)."""
+        body = self._body_thread
+        if body is not None and body is not threading.current_thread():
+            body.join()
         self._ex.sync()
 
     def error(self) -> BaseException | None:
@@ -184,6 +190,7 @@ def run_program(
         thread = threading.Thread(
             target=_run_body, args=(state, func, args, kwargs, False), daemon=True
         )
+        state._body_thread = thread
         thread.start()
         return state
     _run_body(state, func, args, kwargs, True)

@@ -21,6 +21,7 @@ Implementations, chosen in ONE place with `set_impl` and logged once per resolve
 
 from __future__ import annotations
 
+import functools
 import logging
 from types import ModuleType
 
@@ -57,7 +58,9 @@ def get_impl() -> str:
     return _impl
 
 
+@functools.cache
 def _triton_available() -> bool:
+    """Whether triton imports (checked once: a failed import is not retried per call)."""
     try:
         import triton  # noqa: F401
     except ImportError:

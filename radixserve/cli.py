@@ -27,7 +27,7 @@ HELP = {
     "schedule_policy": "waiting-queue order: lpm (longest prefix match) or fcfs",
     "disable_radix_cache": "do not reuse KV across requests",
     "attention_backend": "tree (shared-prefix Hydragen attention) or flat (per request)",
-    "tp_size": "tensor-parallel ranks (only 1 is implemented yet)",
+    "tp_size": "tensor-parallel ranks (processes); must divide the model's heads and KV heads",
     "random_seed": "seed of the process-level sampling generator",
     "host": "address to listen on",
     "port": "port to listen on",
@@ -70,8 +70,6 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         config = EngineConfig(**values)
     except ValueError as e:
         parser.error(str(e))
-    if config.tp_size != 1:
-        parser.error("--tp-size > 1 is not implemented yet")
     return config
 
 

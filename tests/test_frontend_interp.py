@@ -9,6 +9,7 @@ import json
 import math
 import random
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -431,6 +432,18 @@ def test_stream_text_iter_all_and_one_variable() -> None:
     assert pieces == ["USER: ", "Hi", "\n", "ASSISTANT: ", "{r}", "\n", "tail", "{t}"]
     assert "".join(pieces) == state.text()
     assert list(state.text_iter("r")) == ["{r}"]
+
+
+def test_reading_a_streamed_state_waits_for_its_body() -> None:
+    @rs.function
+    def prog(s: Any) -> None:
+        time.sleep(0.2)  # the caller reads before the body has submitted anything
+        s += "late " + rs.gen("x")
+        s += "and " + s["x"]  # inside the body, reading must not wait for the body itself
+
+    state = prog.run(stream=True, backend=rs.TracingBackend())
+    assert state["x"] == "{x}"
+    assert state.text() == "late {x}and {x}"
 
 
 def test_stream_reraises_the_program_failure_at_the_end() -> None:

@@ -1,24 +1,37 @@
-"""Model worker: owns the model, the KV pool and the attention backend; runs one step."""
+"""Model worker: owns the model, the KV pool and the attention backend; runs one step.
+
+Tensor parallel (tp_size > 1): every rank has a ModelWorker with its shard of the weights and
+a KV pool for its KV heads, all pools the same size with the same slot numbering. Rank 0's
+worker (inside the Scheduler) broadcasts each step's batch before running it; followers run
+`follow()` (radixserve.distributed.follower). Only rank 0 computes logits.
+"""
 
 from __future__ import annotations
 
 import logging
+import weakref
 
 import psutil
 import torch
 
 from radixserve.attention import make_backend
 from radixserve.config import EngineConfig
+from radixserve.distributed.batch_sync import recv_batch, send_batch
+from radixserve.distributed.parallel import TPGroup, agree_min, check_tp_size, get_tp, rank_device
 from radixserve.engine.batch import ForwardBatch
 from radixserve.kvcache.pool import KVPool
 from radixserve.models.config import ModelConfig
-from radixserve.models.loader import load_model
+from radixserve.models.loader import load_config, load_model
 
 logger = logging.getLogger("radixserve.worker")
 
 
 def kv_capacity(config: EngineConfig, model: ModelConfig, bytes_per_token: int) -> int:
-    """KV pool size in tokens: --max-total-tokens, else a fraction of available memory."""
+    """KV pool size in tokens: --max-total-tokens, else a fraction of available memory.
+
+    `bytes_per_token`: what one token costs in the memory measured (on CPU, all TP ranks'
+    shards together: they share the host's memory).
+    """
     if config.max_total_tokens is not None:
         return config.max_total_tokens
     if config.device.startswith("cuda"):
@@ -30,34 +43,92 @@ def kv_capacity(config: EngineConfig, model: ModelConfig, bytes_per_token: int) 
 
 class ModelWorker:
     """Contract: `forward(batch, rows)` writes the batch's new K/V into the pool and returns
-    float32 logits (len(rows), vocab) for the flattened token rows `rows`."""
+    float32 logits (len(rows), vocab) for the flattened token rows `rows`.
+
+    With tp_size > 1 it joins the process's TP group (`get_tp()`), or, if there is none (an
+    in-process Engine), spawns the followers and becomes rank 0. `close()` ends the
+    followers; it also runs when the worker is garbage-collected or at interpreter exit.
+    """
 
     def __init__(self, config: EngineConfig, model_path: str) -> None:
         torch.manual_seed(config.random_seed)
-        self.model, self.model_config = load_model(model_path, config.torch_dtype, config.device)
+        self.tp = _join_tp(config, model_path)
+        self._closer: weakref.finalize | None = None
+        try:
+            self._build(config, model_path)
+        except BaseException:
+            if self.tp is not None and self.tp.is_leader:
+                _stop_followers(self.tp, send=False)
+            raise
+        if self.tp is not None and self.tp.is_leader:
+            self._closer = weakref.finalize(self, _stop_followers, self.tp)
+
+    def _build(self, config: EngineConfig, model_path: str) -> None:
+        rank, size = (self.tp.rank, self.tp.size) if self.tp is not None else (0, 1)
+        device = rank_device(config.device, rank)
+        self.model, self.model_config = load_model(
+            model_path, config.torch_dtype, device, tp_rank=rank, tp_size=size
+        )
         self.backend = make_backend(config.attention_backend)
         mc = self.model_config
+        kv_heads = mc.num_kv_heads // size  # this rank's shard of the KV heads
         itemsize = torch.empty((), dtype=config.torch_dtype).element_size()
-        per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize
-        capacity = kv_capacity(config, mc, per_token)
-        self.pool = KVPool(
-            capacity + 1,
-            mc.num_layers,
-            mc.num_kv_heads,
-            mc.head_dim,
-            config.torch_dtype,
-            config.device,
-        )
+        per_token = 2 * mc.num_layers * kv_heads * mc.head_dim * itemsize
+        sharing = 1 if device.startswith("cuda") else size  # CPU ranks share host memory
+        capacity = kv_capacity(config, mc, per_token * sharing)
+        if self.tp is not None:  # same slot numbering on every rank needs the same size
+            capacity = agree_min(capacity, self.tp)
+        self.pool = KVPool(capacity + 1, mc.num_layers, kv_heads, mc.head_dim,
+                           config.torch_dtype, device)  # fmt: skip
         logger.info(
-            "KV pool: %d tokens (%.1f MiB, %d B/token), attention backend %s",
+            "KV pool: %d tokens (%.1f MiB, %d B/token)%s, attention backend %s",
             capacity,
             capacity * per_token / 2**20,
             per_token,
+            f" on TP rank {rank} of {size}" if size > 1 else "",
             self.backend.name,
         )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, rows: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None:
+            send_batch(self.tp, batch)  # the followers run this same step with us
         self.backend.plan(batch)
         hidden = self.model(batch, self.backend)  # (T, hidden)
         return self.model.compute_logits(hidden[rows])  # (len(rows), vocab) float32
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """Follower ranks: run each step rank 0 broadcasts until it sends stop.
+
+        Mutates only the KV pool. Raises RuntimeError (gloo) if rank 0 dies.
+        """
+        assert self.tp is not None and not self.tp.is_leader, "follow() is for ranks >= 1"
+        while (batch := recv_batch(self.tp, self.pool)) is not None:
+            self.backend.plan(batch)
+            self.model(batch, self.backend)  # hidden states are rank 0's business
+
+    def close(self) -> None:
+        """Rank 0: stop the follower ranks and leave the TP group. Idempotent; a no-op at
+        tp_size 1 and on followers. Call it only between steps."""
+        if self._closer is not None:
+            self._closer()
+
+
+def _join_tp(config: EngineConfig, model_path: str) -> TPGroup | None:
+    if config.tp_size == 1:
+        return None
+    tp = get_tp()
+    if tp is None:  # no launcher made a group: this process leads and spawns the followers
+        check_tp_size(load_config(model_path), config.tp_size)  # fail before spawning
+        from radixserve.distributed.follower import start_local_tp  # (it imports us)
+
+        tp = start_local_tp(config)
+    assert tp.size == config.tp_size, f"TP group of {tp.size} ranks, config says {config.tp_size}"
+    return tp
+
+
+def _stop_followers(tp: TPGroup, send: bool = True) -> None:
+    from radixserve.distributed.follower import stop_followers  # (it imports us)
+
+    stop_followers(tp, send)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from radixserve.attention.base import AttentionBackend
+from radixserve.distributed.parallel import all_reduce, local_config
 from radixserve.engine.batch import ForwardBatch
 from radixserve.models.config import ModelConfig
 
@@ -124,9 +125,12 @@ class Linear(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    # Under tensor parallelism `config` is one rank's shard (its heads) and o_proj's
+    # partial sums are all-reduced over the `tp_size` ranks.
+    def __init__(self, config: ModelConfig, layer_idx: int, tp_size: int = 1) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.tp_size = tp_size
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
@@ -148,28 +152,33 @@ class LlamaAttention(nn.Module):
         k = qk[:, self.num_heads :].contiguous()  # (T, Hkv, D)
         v = qkv[:, self.q_size + self.kv_size :].reshape(t, self.num_kv_heads, -1).contiguous()
         out = attn.forward(q, k, v, self.layer_idx, batch, self.scale)  # (T, Hq, D)
-        return self.o_proj(out.reshape(t, self.q_size))
+        out = self.o_proj(out.reshape(t, self.q_size))  # (T, hidden)
+        return out if self.tp_size == 1 else all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    # Under tensor parallelism `config` is one rank's shard (its slice of the intermediate
+    # dimension) and down_proj's partial sums are all-reduced over the `tp_size` ranks.
+    def __init__(self, config: ModelConfig, tp_size: int = 1) -> None:
         super().__init__()
+        self.tp_size = tp_size
         inter, bias = config.intermediate_size, config.mlp_bias
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=bias)
         self.down_proj = Linear(inter, config.hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, I) each
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)  # (T, hidden)
+        return out if self.tp_size == 1 else all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp_size: int = 1) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx)
+        self.self_attn = LlamaAttention(config, layer_idx, tp_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp_size)
 
     def forward(
         self, h: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, attn: AttentionBackend
@@ -179,11 +188,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp_size: int = 1) -> None:
         super().__init__()
         w = torch.empty(config.vocab_size, config.hidden_size).normal_(std=0.02)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=w)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, tp_size) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -194,12 +205,18 @@ class LlamaForCausalLM(nn.Module):
     embeddings there is no `lm_head` and logits use `model.embed_tokens.weight`.
     The RoPE cache is a non-persistent buffer (not in state_dict); after loading weights
     onto a device, call `build_rope_cache()` (the loader does).
+
+    Tensor parallel (`tp_size` > 1, see radixserve.distributed.parallel): the layers hold one
+    rank's shard of the projections (built from `local_config`) and all-reduce after o_proj
+    and down_proj; embeddings, norms and the head are replicated. `config` stays the full
+    model's. Needs the TP process group to exist before `forward`.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp_size: int = 1) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.tp_size = tp_size
+        self.model = LlamaModel(config if tp_size == 1 else local_config(config, tp_size), tp_size)
         self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)

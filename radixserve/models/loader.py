@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from radixserve.distributed.parallel import shard_hf_weights
 from radixserve.models.config import ModelConfig
 from radixserve.models.llama import LlamaForCausalLM, packed_linear_supported
 
@@ -126,25 +127,33 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     packed_linear: bool | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build our model from an HF checkpoint folder, weights cast to `dtype` on `device`.
+
+    With `tp_size` > 1 the model holds rank `tp_rank`'s shard of the attention and MLP
+    projections (radixserve.distributed.parallel); the returned config is the full model's.
 
     `packed_linear` selects the matmul implementation (the one place it is chosen, logged):
     None = auto (oneDNN packed weights for bf16 on CPU, else plain F.linear), True = packed
     (ValueError where unsupported), False = plain. Env RADIXSERVE_PACKED_LINEAR=0/1 overrides
     auto.
 
-    Raises ValueError (unsupported config, or weights missing / unexpected for the config:
-    the message names them) or FileNotFoundError (no config.json or no safetensors).
+    Raises ValueError (unsupported config, weights missing / unexpected for the config: the
+    message names them, or a tp_size that does not divide the heads) or FileNotFoundError
+    (no config.json or no safetensors).
     """
     path = Path(path)
     config = load_config(path)
     hf = _read_safetensors(path, dtype)
     expected = hf_weight_names(config)
     _check_names(set(hf), expected, path)
+    if tp_size > 1:
+        hf = shard_hf_weights(hf, config, tp_rank, tp_size)
     state = fuse_weights(hf, config)
     with torch.device("meta"):  # no allocation or random init: weights are assigned below
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, tp_size)
     model.load_state_dict(state, strict=True, assign=True)
     model.build_rope_cache()  # replaces the meta placeholder buffer (on the weights' device)
     model.to(device)

@@ -3,7 +3,8 @@
 Contract of `sample(logits, infos)`:
   - reads `logits` (B, vocab) float32, one row per sample; never modifies it (penalties and
     masks are applied to a private copy, made only when some row needs one);
-  - reads every `SamplingInfo` and mutates none of them (the caller appends the token);
+  - reads every `SamplingInfo` and mutates none of them (the caller appends the token and
+    advances the grammar state; `allowed_tokens()` only reads it);
   - raises AssertionError on shape/dtype mismatch or a row with no finite logit left.
 
 Per row, in this order (SGLang/HF/OpenAI semantics):
@@ -13,7 +14,9 @@ Per row, in this order (SGLang/HF/OpenAI semantics):
      l -= frequency_penalty * count + presence_penalty * (count > 0));
   3. min_new_tokens: while len(output_ids) < min_new_tokens, eos ids and stop_token_ids get
      -inf (also with ignore_eos, which only means that eos does not stop);
-  4. temperature: 0 (or top_k == 1) -> exact argmax of the logits after 1-3, no randomness;
+  3b. grammar (regex / json_schema): tokens the row's grammar state does not allow get -inf
+     (greedy rows included), so every later step only sees allowed tokens;
+  4. temperature: 0 (or top_k == 1) -> exact argmax of the logits after 1-3b, no randomness;
      otherwise probs = softmax(l / T);
   5. top_k, 6. top_p (on the distribution left by top_k), 7. min_p (relative to the top
      probability). Each filter is a probability threshold and a token survives when its
@@ -34,9 +37,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
+from radixserve.constrained.mask import unpack_token_masks
 from radixserve.sampling.params import SamplingParams
 
 TokenLogprob = tuple[float, int]  # (logprob, token_id), as radixserve.scheduler.io
@@ -49,6 +54,14 @@ _PROCESS_GENERATOR = torch.Generator().manual_seed(0)
 def seed_process_generator(seed: int) -> None:
     """Reseed the generator used by rows without a seed (EngineConfig.random_seed)."""
     _PROCESS_GENERATOR.manual_seed(seed)
+
+
+class AllowedTokens(Protocol):
+    """What the sampler needs of a grammar state (radixserve.constrained.GrammarState)."""
+
+    def allowed_tokens(self) -> torch.Tensor:
+        """Packed mask (ceil(V / 8),) uint8: bit t % 8 of byte t // 8 set = token t allowed."""
+        ...
 
 
 @dataclass
@@ -69,6 +82,7 @@ class SamplingInfo:
     # False skips this row's log-sum-exp (a full pass over the vocabulary): its entry in
     # SampleResult.logprobs is then NaN. The scheduler sets it from return_logprob.
     return_logprob: bool = True
+    grammar: AllowedTokens | None = None  # regex / json_schema state; None: unconstrained
 
     @property
     def stream_key(self) -> tuple[int, int] | None:
@@ -168,7 +182,7 @@ def _raw_logprobs(
 
 
 def process_logits(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Tensor:
-    """Steps 1-3 (penalties, min_new_tokens mask) of the module docstring, per row.
+    """Steps 1-3b (penalties, min_new_tokens and grammar masks) of the module docstring.
 
     Returns a modified copy of `logits` (B, V), or `logits` itself (not a copy) when no row
     needs a change; `logits` is never written. Each step is one batched scatter over the
@@ -181,7 +195,8 @@ def process_logits(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Ten
         if f.output_ids and (f.params.frequency_penalty != 0.0 or f.params.presence_penalty != 0.0)
     ]
     ban = [i for i, f in enumerate(infos) if f.masks_stop_tokens]
-    if not (rep or occ or ban):
+    con = [i for i, f in enumerate(infos) if f.grammar is not None]
+    if not (rep or occ or ban or con):
         return logits
     work = logits.clone()
     if rep:
@@ -204,7 +219,21 @@ def process_logits(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Ten
         r, t = _pairs(ban, banned, work)
         assert t.numel() == 0 or int(t.max()) < work.shape[1], f"stop ids {banned} vs vocab"
         work[r, t] = float("-inf")
+    if con:
+        _mask_grammar(work, con, infos)
     return work
+
+
+def _mask_grammar(work: torch.Tensor, rows: list[int], infos: list[SamplingInfo]) -> None:
+    """Step 3b in place: -inf on the tokens each constrained row's grammar forbids."""
+    masks = [infos[i].grammar.allowed_tokens() for i in rows]  # type: ignore[union-attr]
+    packed = torch.stack(masks).to(work.device)  # (R, ceil(V / 8)) uint8
+    allowed = unpack_token_masks(packed, work.shape[1])  # (R, V) bool
+    if len(rows) == work.shape[0]:
+        work.masked_fill_(~allowed, float("-inf"))
+    else:
+        r = torch.tensor(rows, dtype=torch.int64, device=work.device)  # (R,)
+        work[r] = work[r].masked_fill(~allowed, float("-inf"))
 
 
 def _pairs(

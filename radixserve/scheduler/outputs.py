@@ -29,6 +29,7 @@ class OutputProcessor:
                 sample_index=r.index,
                 return_logprob=r.request.return_logprob,
                 need_top_logprobs=r.request.top_logprobs_num if r.request.return_logprob else 0,
+                grammar=r.grammar,
             )
             for r in reqs
         ]
@@ -39,6 +40,8 @@ class OutputProcessor:
     def append_token(self, req: Req, token: int, logprob: float, top: list[TokenLogprob]) -> None:
         req.output_ids.append(token)
         req.new_ids.append(token)
+        if req.grammar is not None:
+            req.grammar.advance(token)
         if req.request.return_logprob:
             req.new_logprobs.append((logprob, token))
             if req.request.top_logprobs_num > 0:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from radixserve.constrained.grammar import GrammarState
 from radixserve.kvcache.radix import TreeNode
 from radixserve.sampling.params import SamplingParams
 from radixserve.sampling.stop import StopChecker
@@ -37,6 +38,9 @@ class Req:
     fork_pending: bool = False  # n > 1: fork the other samples once the prompt is done
     finish_reason: FinishReason | None = None
     arrival: int = 0  # admission order key for fcfs
+    # regex / json_schema: this sample's own automaton state, advanced with every output
+    # token; kept across retraction (like output_ids). None: unconstrained.
+    grammar: GrammarState | None = None
     # Deltas not yet reported (cleared by the scheduler each step).
     new_ids: list[int] = field(default_factory=list)
     new_logprobs: list[TokenLogprob] = field(default_factory=list)

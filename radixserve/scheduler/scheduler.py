@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.config import EngineConfig
+from radixserve.constrained.grammar import GrammarCompiler
 from radixserve.engine.batch import ForwardBatch
 from radixserve.engine.worker import ModelWorker
 from radixserve.kvcache.pool import ReqToTokenPool
@@ -62,6 +63,7 @@ class Scheduler:
         req_pool = ReqToTokenPool(config.max_running_requests, self.context_len + 1)
         self.kv = KVManager(self.worker.pool, req_pool, self.cache)
         self.out = OutputProcessor(mc.vocab_size, self.eos_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.eos_ids, mc.vocab_size)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.finished_outputs: list[SampleOutput] = []
@@ -110,10 +112,14 @@ class Scheduler:
             raise ValueError(f"logprob_start_len must be < prompt length {len(ids)}")
         if any(r.rid == request.rid for r in itertools.chain(self.waiting, self.running)):
             raise ValueError(f"rid: {request.rid!r} is already in use")
+        self.grammars.compile(sp)  # regex / json_schema: ValueError naming the field
 
     def _new_req(self, request: TokenizedRequest, index: int) -> Req:
         stop = StopChecker(request.sampling, set(self.eos_ids), self.tokenizer)
-        return Req(request=request, index=index, stop=stop, arrival=next(self._arrival))
+        grammar = self.grammars.new_state(request.sampling)  # own state per sample
+        return Req(
+            request=request, index=index, stop=stop, grammar=grammar, arrival=next(self._arrival)
+        )
 
     def abort_request(self, rid: str) -> None:
         """Drop every sample of `rid` (queued or running); each reports finish 'abort'."""
@@ -262,8 +268,17 @@ class Scheduler:
             self.out.append_token(req, token, lp, top)
             self.generation_tokens_total += 1
             reason = req.stop.check(req.output_ids)
+            if req.grammar is not None and req.grammar.terminated:
+                reason = self._grammar_finish(token, reason)
             if reason is not None:
                 self._finish(req, reason)
+
+    def _grammar_finish(self, token: int, reason: FinishReason | None) -> FinishReason:
+        """The pattern is complete (eos taken, or nothing but eos may follow): "stop", unless
+        a stop token or string already stopped it. Overrides "length" and ignore_eos."""
+        if reason is not None and reason.type == "stop":
+            return reason
+        return FinishReason("stop", matched=token if token in self.eos_ids else None)
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finish_reason = reason

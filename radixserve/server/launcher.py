@@ -1,7 +1,9 @@
 """Start the server: children, handshake, HTTP, and a clean shutdown whatever happens.
 
     1. make the private socket folder (0700); bind the api server's inbox
-    2. spawn the scheduler and tokenizer processes ("spawn" start method)
+    2. spawn the scheduler and tokenizer processes ("spawn" start method), and with
+       --tp-size N the follower ranks 1..N-1 (the scheduler is rank 0; they meet through a
+       file in the socket folder)
     3. wait for TokenizerReady (scheduler loaded the model -> tokenizer loaded its tokenizer);
        a child that dies first ends the launch with status 1 (its traceback is in the log)
     4. serve HTTP with uvicorn until SIGINT/SIGTERM, or until a child dies (status 1)
@@ -25,10 +27,12 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 import uvicorn
 
 from radixserve.config import EngineConfig
+from radixserve.distributed.follower import init_method_in, run_follower
 from radixserve.message.ipc import IpcPaths, make_ipc_dir, remove_ipc_dir
 from radixserve.message.messages import Shutdown
 from radixserve.server.app import build_app
@@ -111,10 +115,14 @@ def _port_problem(host: str, port: int) -> str | None:
 
 def _spawn_children(config: EngineConfig, ipc: IpcPaths) -> dict[str, BaseProcess]:
     ctx = mp.get_context("spawn")
-    targets = {
-        "scheduler": (run_scheduler_process, config, ipc),
-        "tokenizer": (run_tokenizer_process, ipc),
+    tp_init = init_method_in(ipc.root) if config.tp_size > 1 else None
+    # Join order on shutdown is this order: rank 0 stops its followers on its way out.
+    targets: dict[str, tuple[Any, ...]] = {
+        "scheduler": (run_scheduler_process, config, ipc, tp_init)
     }
+    for rank in range(1, config.tp_size):
+        targets[f"tp-rank-{rank}"] = (run_follower, config, rank, tp_init)
+    targets["tokenizer"] = (run_tokenizer_process, ipc)
     procs: dict[str, BaseProcess] = {}
     for name, (target, *args) in targets.items():
         proc = ctx.Process(

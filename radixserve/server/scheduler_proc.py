@@ -22,6 +22,7 @@ import time
 import zmq
 
 from radixserve.config import EngineConfig
+from radixserve.distributed.parallel import init_tp
 from radixserve.message.ipc import Inbox, IpcPaths, Outbox
 from radixserve.message.messages import (
     AbortReq,
@@ -166,13 +167,22 @@ class SchedulerLoop:
         self.out.send(SampleBatch([to_wire(o) for o in outputs]))
 
 
-def run_scheduler_process(config: EngineConfig, ipc: IpcPaths) -> None:
-    """Main of the scheduler process (run under `procutil.child_main`)."""
+def run_scheduler_process(config: EngineConfig, ipc: IpcPaths, tp_init: str | None = None) -> None:
+    """Main of the scheduler process (run under `procutil.child_main`).
+
+    With tp_size > 1 it is TP rank 0: it joins the group at `tp_init` (the follower ranks
+    are the launcher's children too), and on a clean exit tells the followers to stop. On a
+    crash it sends nothing (a collective may be half done): the followers see the closed
+    connection and exit.
+    """
     watch = ParentWatch()
     ctx = zmq.Context()
     inbox = Inbox(ctx, ipc.scheduler)
     out = Outbox(ctx, ipc.tokenizer)
     try:
+        if config.tp_size > 1:
+            assert tp_init is not None, "tp_size > 1 needs the group's init method"
+            init_tp(0, config.tp_size, tp_init, config.device)
         sched = Scheduler(config)
         info = sched.model_info
         logger.info(
@@ -184,6 +194,7 @@ def run_scheduler_process(config: EngineConfig, ipc: IpcPaths) -> None:
         )
         out.send(SchedulerReady(info))
         SchedulerLoop(sched, inbox, out, watch).run()
+        sched.worker.close()
     finally:
         inbox.close()
         out.close()

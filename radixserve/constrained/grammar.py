@@ -1,0 +1,221 @@
+"""Regex / JSON-schema constraints compiled into token automata (outlines-core), and the state
+of one sample walking such an automaton.
+
+    GrammarCompiler            one per tokenizer; builds the outlines Vocabulary on first use
+      .compile(params)         -> CompiledGrammar | None; LRU cache per (field, pattern);
+                                  InvalidRequest (a ValueError) naming `regex`/`json_schema`
+      .new_state(params)       -> GrammarState | None, one per sample (n > 1: one each)
+    CompiledGrammar            outlines Index (DFA over token ids) + packed mask per state
+    GrammarState               the sample's DFA state: allowed_tokens() / advance() / terminated
+
+A JSON schema becomes a regex (outlines' build_regex_from_schema, whitespace `[ ]?` between
+tokens), so both fields share one path. The automaton allows eos exactly in accepting states.
+A sample is *terminated* once it has taken eos, or reached a state where eos is the only
+allowed token: the pattern is complete and nothing may follow, so it finishes without
+spending a step on eos. Every automaton state allows at least one token (checked when its
+mask is built), so a constrained row never runs out of candidates.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from radixserve.constrained.mask import pack_token_mask
+from radixserve.constrained.vocab import build_vocabulary
+from radixserve.sampling.params import InvalidRequest, SamplingParams
+
+logger = logging.getLogger("radixserve.constrained")
+
+DEFAULT_CACHE_SIZE = 64  # compiled patterns kept (LRU); each holds its index and masks
+MAX_REPEAT = 1000  # largest {n,m} bound accepted: DFA size (and build time) grow with it
+_REPEAT = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")  # {n}, {n,}, {n,m}
+
+
+class CompiledGrammar:
+    """One pattern over one vocabulary. Immutable except its per-state mask cache."""
+
+    def __init__(self, index: Any, vocab_size: int, end_id: int, eos_ids: frozenset[int]) -> None:
+        self.index = index  # outlines_core.Index; never mutated
+        self.vocab_size = vocab_size
+        self.end_id = end_id  # the Vocabulary's eos token
+        self.eos_ids = eos_ids | {end_id}  # all allowed wherever end_id is
+        self.initial: int = index.get_initial_state()
+        self._masks: dict[int, tuple[torch.Tensor, bool]] = {}  # state -> (mask, only eos)
+
+    def mask(self, state: int) -> torch.Tensor:
+        """Packed allowed-token mask of `state` (radixserve.constrained.mask format)."""
+        return self._state_info(state)[0]
+
+    def only_eos(self, state: int) -> bool:
+        """True when eos is the one token `state` allows: the pattern is complete."""
+        return self._state_info(state)[1]
+
+    def next_state(self, state: int, token: int) -> int:
+        nxt = self.index.get_next_state(state, token)
+        assert nxt is not None, f"token {token} is not allowed in state {state}"
+        return int(nxt)
+
+    def _state_info(self, state: int) -> tuple[torch.Tensor, bool]:
+        info = self._masks.get(state)
+        if info is None:  # at most one build per state: a grammar has finitely many
+            allowed = self.index.get_allowed_tokens(state)
+            assert allowed, f"automaton state {state} allows no token"
+            if self.end_id in allowed:
+                allowed = sorted(set(allowed) | self.eos_ids)
+            only_eos = set(allowed) <= self.eos_ids
+            info = self._masks[state] = (pack_token_mask(allowed, self.vocab_size), only_eos)
+        return info
+
+
+class GrammarState:
+    """Where ONE sample is in its automaton. Only `advance` mutates it (once per token)."""
+
+    def __init__(self, grammar: CompiledGrammar) -> None:
+        self.grammar = grammar
+        self.state = grammar.initial
+        self.terminated = False  # eos taken, or only eos may follow
+
+    def allowed_tokens(self) -> torch.Tensor:
+        """Packed mask (ceil(V / 8),) uint8 of the tokens allowed next (see mask.py)."""
+        assert not self.terminated, "a terminated grammar allows no further token"
+        return self.grammar.mask(self.state)
+
+    def advance(self, token: int) -> None:
+        """Consume the sample's newest token. AssertionError if the mask forbade it."""
+        assert not self.terminated, f"token {token} after the grammar terminated"
+        if token in self.grammar.eos_ids:
+            accepting = self.grammar.index.is_final_state(self.state)
+            assert accepting, f"eos {token} in non-accepting state {self.state}"
+            self.terminated = True
+            return
+        self.state = self.grammar.next_state(self.state, token)
+        self.terminated = self.grammar.only_eos(self.state)
+
+
+class GrammarCompiler:
+    """Compiles the regex / json_schema of sampling params for ONE tokenizer.
+
+    `eos_token_ids` are the model's eos ids; the tokenizer's own eos (else the smallest) is
+    the automaton's end token. `vocab_size` is the model's logits width (masks cover it; ids
+    past the tokenizer are never allowed). Not thread-safe (the scheduler loop owns it).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        eos_token_ids: Iterable[int],
+        vocab_size: int,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+    ) -> None:
+        eos = frozenset(eos_token_ids)
+        tok_eos = getattr(tokenizer, "eos_token_id", None)
+        assert eos or tok_eos is not None, "constrained decoding needs an eos token"
+        self.end_id: int = tok_eos if tok_eos in eos or not eos else min(eos)
+        self.eos_ids = eos | {self.end_id}
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.cache_size = cache_size
+        self._vocabulary: Any = None  # built on the first compile (tens of ms)
+        self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
+
+    def compile(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The compiled constraint of `params` (None when it has none).
+
+        Raises InvalidRequest whose message starts with the field name and says what is wrong.
+        """
+        key = _constraint(params)
+        if key is None:
+            return None
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        start = time.perf_counter()
+        grammar = self._build(*key)
+        logger.info("compiled %s in %.3f s", key[0], time.perf_counter() - start)
+        self._cache[key] = grammar
+        if len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return grammar
+
+    def new_state(self, params: SamplingParams) -> GrammarState | None:
+        """A fresh state at the pattern's start for one sample; None if unconstrained."""
+        grammar = self.compile(params)
+        return None if grammar is None else GrammarState(grammar)
+
+    def _build(self, field: str, text: str) -> CompiledGrammar:
+        regex = text if field == "regex" else schema_to_regex(text)
+        _check_repeats(field, regex)
+        grammar = CompiledGrammar(
+            self._index(field, regex), self.vocab_size, self.end_id, self.eos_ids
+        )
+        if grammar.only_eos(grammar.initial):
+            raise InvalidRequest(f"{field}: the pattern matches only the empty string")
+        return grammar
+
+    def _index(self, field: str, regex: str) -> Any:
+        from outlines_core import Index  # optional dependency: imported on first use
+
+        if self._vocabulary is None:
+            self._vocabulary = build_vocabulary(
+                self.tokenizer, self.end_id, self.vocab_size, self.eos_ids - {self.end_id}
+            )
+        try:
+            return Index(regex, self._vocabulary)
+        except ValueError as e:
+            raise InvalidRequest(f"{field}: {_explain(regex, e)}") from e
+
+
+def schema_to_regex(schema: str) -> str:
+    """JSON schema text -> regex of its JSON documents. InvalidRequest naming json_schema."""
+    from outlines_core.json_schema import build_regex_from_schema
+
+    try:
+        json.loads(schema)
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"json_schema: not valid JSON ({e})") from e
+    try:
+        return build_regex_from_schema(schema)
+    except (ValueError, TypeError) as e:
+        raise InvalidRequest(f"json_schema: unsupported schema: {str(e).splitlines()[0]}") from e
+
+
+def _constraint(params: SamplingParams) -> tuple[str, str] | None:
+    # SamplingParams already rejects regex and json_schema together.
+    if params.regex is not None:
+        return ("regex", params.regex)
+    if params.json_schema is not None:
+        return ("json_schema", params.json_schema)
+    return None
+
+
+def _check_repeats(field: str, regex: str) -> None:
+    """Reject {n,m} bounds above MAX_REPEAT: a{100000} takes minutes to compile."""
+    for m in _REPEAT.finditer(regex):
+        bound = max(int(m.group(1)), int(m.group(2) or 0))
+        if bound > MAX_REPEAT:
+            raise InvalidRequest(
+                f"{field}: repetition {m.group(0)!r} exceeds the limit of {MAX_REPEAT}"
+            )
+
+
+def _explain(regex: str, error: ValueError) -> str:
+    """A readable reason why outlines could not compile `regex`."""
+    try:
+        re.compile(regex)
+    except re.error as e:  # a syntax error Python can locate ("missing ), ... at position 1")
+        return f"invalid regular expression {_shorten(regex)}: {e}"
+    return f"cannot compile {_shorten(regex)} for constrained decoding: {error}"
+
+
+def _shorten(text: str, limit: int = 80) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."

@@ -1,0 +1,116 @@
+"""Follower ranks (1..N-1): load a shard, then run every step rank 0 broadcasts, until stop.
+
+Who starts them:
+- the server: the launcher spawns `run_follower` for each follower rank as an ordinary
+  child (`procutil.child_main`), beside the scheduler process (rank 0), so a crashed rank
+  takes the server down like any crashed child;
+- an in-process Engine with tp_size > 1: its ModelWorker calls `start_local_tp`, which
+  spawns the followers as daemon children of this process and joins the group as rank 0.
+
+Life cycle of one follower: init_tp -> ModelWorker (shard + KV pool; agrees on the pool size
+with the other ranks) -> `worker.follow()` until rank 0's stop -> destroy_tp -> exit 0. If
+rank 0 dies, gloo raises in `follow` and the follower exits 1 with that traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+from multiprocessing.process import BaseProcess
+
+from radixserve.config import EngineConfig
+from radixserve.distributed.batch_sync import send_stop
+from radixserve.distributed.parallel import TPGroup, destroy_tp, init_tp
+from radixserve.engine.worker import ModelWorker
+from radixserve.models.loader import resolve_model_path
+from radixserve.server.procutil import child_main
+
+logger = logging.getLogger("radixserve.tp")
+
+FOLLOWER_JOIN_S = 10.0
+
+
+def init_method_in(folder: str) -> str:
+    """The rendezvous every rank of one group passes to init_tp: a file in a private folder
+    (no TCP port to race for). The folder must outlive the group."""
+    return f"file://{os.path.join(folder, 'tp-init')}"
+
+
+def run_follower(config: EngineConfig, rank: int, init_method: str) -> None:
+    """Main of follower `rank`: returns after rank 0's stop; raises if rank 0 dies."""
+    assert 1 <= rank < config.tp_size, f"follower rank {rank} for tp_size {config.tp_size}"
+    init_tp(rank, config.tp_size, init_method, config.device)
+    worker = ModelWorker(config, str(resolve_model_path(config.model)))
+    logger.info("tp rank %d ready", rank)
+    worker.follow()
+    destroy_tp()
+
+
+def spawn_follower(
+    config: EngineConfig, rank: int, init_method: str, parent_pid: int, daemon: bool
+) -> BaseProcess:
+    """Start follower `rank` as a "spawn" child running `run_follower` under child_main
+    (crash -> traceback logged, exit 1; dies with `parent_pid`)."""
+    name = f"tp-rank-{rank}"
+    proc = mp.get_context("spawn").Process(
+        target=child_main,
+        args=(name, config.log_level, parent_pid, run_follower, config, rank, init_method),
+        name=f"radixserve-{name}",
+        daemon=daemon,
+    )
+    proc.start()
+    return proc
+
+
+def start_local_tp(config: EngineConfig) -> TPGroup:
+    """In-process Engine: spawn followers 1..N-1 here and join the group as rank 0.
+
+    Blocks until every follower has joined. The returned group owns the followers and the
+    scratch folder; `stop_followers` ends both.
+    """
+    scratch = tempfile.mkdtemp(prefix="radixserve-tp-")  # 0700: nobody else can join
+    init_method = init_method_in(scratch)
+    followers = [
+        spawn_follower(config, r, init_method, os.getpid(), daemon=True)
+        for r in range(1, config.tp_size)
+    ]
+    try:
+        tp = init_tp(0, config.tp_size, init_method, config.device)
+    except BaseException:
+        _end(followers, scratch)
+        raise
+    tp.followers, tp.scratch_dir = followers, scratch
+    return tp
+
+
+def stop_followers(tp: TPGroup, send: bool = True) -> None:
+    """Rank 0: stop the followers (`send`: by message first), join those this process
+    spawned (none in the server: the launcher joins them), and leave the group.
+
+    `send=False` when a collective may be half done (a failed step): then the followers are
+    terminated instead. Never raises for a follower that is already gone.
+    """
+    assert tp.is_leader, f"rank {tp.rank} does not own the followers"
+    if send:
+        try:
+            send_stop(tp)
+        except RuntimeError as e:  # a follower is already dead: gloo says so
+            logger.warning("could not send stop to the TP followers: %s", e)
+    _end(tp.followers, tp.scratch_dir, timeout=FOLLOWER_JOIN_S if send else 0.0)
+    destroy_tp()
+
+
+def _end(procs: list[BaseProcess], scratch: str | None, timeout: float = 0.0) -> None:
+    for proc in procs:
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
