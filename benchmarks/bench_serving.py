@@ -35,6 +35,7 @@ import numpy as np
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 PERCENTILES = (50, 90, 99)
+WARMUP_PROMPT = "A warm-up request, not measured."  # unrelated to every dataset
 
 
 @dataclass(frozen=True)
@@ -333,27 +334,29 @@ def summarize(
 
 # ---------------------------------------------------------------- server helpers
 
-METRIC_NAMES = {  # (prompt tokens counter, cached tokens counter) in /metrics
-    "radixserve": ("radixserve_prompt_tokens_total", "radixserve_cached_tokens_total"),
-    "sglang": ("sglang:prompt_tokens_total", "sglang:cached_tokens_total"),
-}
+# (prompt tokens, cached tokens) counters in /metrics: ours, then SGLang's.
+METRIC_NAMES = [
+    ("radixserve_prompt_tokens_total", "radixserve_cached_tokens_total"),
+    ("sglang:prompt_tokens_total", "sglang:cached_tokens_total"),
+]
 
 
-def scrape_counters(base: str, headers: dict[str, str], backend: str) -> tuple[float, float] | None:
-    """(prompt, cached) token counters from /metrics, summed over label sets; None if absent."""
-    names = METRIC_NAMES.get(backend)
+def scrape_counters(base: str, headers: dict[str, str]) -> tuple[float, float] | None:
+    """(prompt, cached) token counters from /metrics, summed over label sets; None if the
+    server has no such counters (or no /metrics)."""
     try:
-        text = httpx.get(f"{base}/metrics", headers=headers, timeout=10).text if names else ""
+        resp = httpx.get(f"{base}/metrics", headers=headers, timeout=10)
     except httpx.HTTPError:
         return None
-    sums = [0.0, 0.0]
-    found = False
-    for line in text.splitlines():
-        key = line.split("{")[0].split(" ")[0]
-        if names and key in names:
-            sums[names.index(key)] += float(line.rsplit(" ", 1)[1])
-            found = True
-    return (sums[0], sums[1]) if found else None
+    values: dict[str, float] = {}
+    for line in resp.text.splitlines() if resp.status_code == 200 else []:
+        if line and not line.startswith("#"):
+            key = line.split("{")[0].split(" ")[0]
+            values[key] = values.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    for prompt, cached in METRIC_NAMES:
+        if prompt in values and cached in values:
+            return values[prompt], values[cached]
+    return None
 
 
 def load_tokenizer(args: argparse.Namespace, headers: dict[str, str]) -> Any:
@@ -448,7 +451,7 @@ async def _benchmark(
     ) as client:
         warm = Run(client, args, asyncio.Semaphore(1), tqdm(disable=True))
         for i in range(args.warmup_requests):
-            await run_conversation(warm, -1 - i, [Turn(workload[0][0].text, 4)])
+            await run_conversation(warm, -1 - i, [Turn(WARMUP_PROMPT, 4)])
         if args.flush_cache and args.backend != "openai":
             (await client.post("/flush_cache")).raise_for_status()
         bar = tqdm(total=sum(len(c) for c in workload), disable=args.disable_tqdm)
@@ -465,9 +468,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.backend == "openai" and args.model is None:
         args.model = _openai_model(args, headers)
     workload = build_workload(args, load_tokenizer(args, headers))
-    before = scrape_counters(args.base_url, headers, args.backend)
+    before = scrape_counters(args.base_url, headers)
     results, duration = asyncio.run(_benchmark(args, workload, headers))
-    after = scrape_counters(args.base_url, headers, args.backend)
+    after = scrape_counters(args.base_url, headers)
     counters = None
     if before is not None and after is not None:
         counters = (after[0] - before[0], after[1] - before[1])

@@ -31,9 +31,11 @@ from radixserve.frontend.chat import RoleTemplate, template_for
 from radixserve.frontend.choices import TokenLogprob
 
 from radixserve.engine.engine import Engine
+from radixserve.message.messages import SampleDelta
 from radixserve.sampling.params import SamplingParams
 from radixserve.scheduler.io import SampleOutput, TokenizedRequest
 from radixserve.scheduler.scheduler import QueueFullError
+from radixserve.server.results import SampleResult, native_result
 from radixserve.tokenizer.detokenize import IncrementalDetokenizer
 
 GATHER_S = 0.002  # see the module docstring
@@ -51,52 +53,27 @@ class _Job:
     done: threading.Event = field(default_factory=threading.Event)
     result: dict[str, Any] | None = None
     error: BaseException | None = None
-    output_ids: list[int] = field(default_factory=list)
-    out_lps: list[tuple[float, int]] = field(default_factory=list)
-    out_tops: list[list[tuple[float, int]]] = field(default_factory=list)
-    in_lps: list[tuple[float | None, int]] = field(default_factory=list)
-    in_tops: list[list[tuple[float, int]]] = field(default_factory=list)
-    last: SampleOutput | None = None
+    acc: SampleResult | None = None
 
     def add(self, out: SampleOutput) -> None:
-        ids = out.new_token_ids
-        if out.finish_reason is not None and isinstance(out.finish_reason.matched, int):
-            ids = ids[:-1]  # a matched stop token (eos, stop_token_ids) is never shown
-        self._emit(self.detok.add(ids))
-        self.output_ids.extend(out.new_token_ids)
-        self.out_lps.extend(out.output_logprobs)
-        self.out_tops.extend(out.output_top_logprobs)
-        self.in_lps.extend(out.input_logprobs)
-        self.in_tops.extend(out.input_top_logprobs)
-        self.last = out
-
-    def _emit(self, piece: str) -> None:
-        if piece and self.on_text is not None:
-            self.on_text(piece)
+        if self.acc is None:
+            self.acc = SampleResult(out.rid, out.index)
+        delta = SampleDelta.from_output(out)
+        delta.text = self.detok.push(delta.token_ids, delta.finish_reason)
+        if delta.text and self.on_text is not None:
+            self.on_text(delta.text)
+        self.acc.apply(delta)
 
     def finish(self, decode: Callable[[int], str] | None) -> None:
-        """Flush the detokenizer, build the result, wake the waiter. `decode` (token ->
-        text) fills logprob texts when return_text_in_logprobs was asked."""
-        assert self.last is not None and self.last.finish_reason is not None, self.request.rid
-        self._emit(self.detok.finish(self.last.finish_reason))
-        meta: dict[str, Any] = {
-            "id": self.request.rid,
-            "prompt_tokens": self.last.prompt_tokens,
-            "completion_tokens": self.last.completion_tokens,
-            "cached_tokens": self.last.cached_tokens,
-            "finish_reason": self.last.finish_reason.to_dict(),
-            "e2e_latency": time.perf_counter() - self.start,
-        }
-        if self.request.return_logprob:
-
-            def entries(pairs: list[Any]) -> list[list[Any]]:
-                return [[lp, t, decode(t) if decode else None] for lp, t in pairs]
-
-            meta["input_token_logprobs"] = entries(self.in_lps)
-            meta["output_token_logprobs"] = entries(self.out_lps)
-            meta["input_top_logprobs"] = [entries(top) for top in self.in_tops]
-            meta["output_top_logprobs"] = [entries(top) for top in self.out_tops]
-        self.result = {"text": self.detok.text, "output_ids": self.output_ids, "meta_info": meta}
+        """Build the result and wake the waiter. `decode` (token -> text) fills logprob
+        texts when return_text_in_logprobs was asked."""
+        assert self.acc is not None and self.acc.finish_reason is not None, self.request.rid
+        if decode is not None:
+            for entries in (self.acc.input_logprobs, self.acc.output_logprobs):
+                entries[:] = [(lp, t, decode(t)) for lp, t, _ in entries]
+            for tops in (self.acc.input_top_logprobs, self.acc.output_top_logprobs):
+                tops[:] = [[(lp, t, decode(t)) for lp, t, _ in top] for top in tops]
+        self.result = native_result(self.acc, self.start, self.request.return_logprob)
         self.done.set()
 
     def fail(self, error: BaseException) -> None:
@@ -213,13 +190,8 @@ class EngineBackend(Backend):
         )
 
     def _job(self, request: TokenizedRequest, on_text: TextCallback | None) -> _Job:
-        sp = request.sampling
-        detok = IncrementalDetokenizer(
-            self.engine.tokenizer,
-            prompt_ids=request.input_ids,
-            skip_special_tokens=sp.skip_special_tokens,
-            spaces_between_special_tokens=sp.spaces_between_special_tokens,
-            stop=sp.stop,
+        detok = IncrementalDetokenizer.for_sample(
+            self.engine.tokenizer, request.input_ids, request.sampling
         )
         return _Job(request, detok, on_text)
 

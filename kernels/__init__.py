@@ -33,6 +33,7 @@ __all__ = [
     "get_impl",
     "merge_states",
     "private_attention",
+    "resolve_impl",
     "segment_attention",
     "set_impl",
 ]

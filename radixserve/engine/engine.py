@@ -7,67 +7,20 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.config import EngineConfig
+from radixserve.message.messages import SampleDelta
 from radixserve.sampling.params import SamplingParams
-from radixserve.scheduler.io import SampleOutput, TokenizedRequest
+from radixserve.scheduler.io import TokenizedRequest
 from radixserve.scheduler.scheduler import Scheduler
+from radixserve.server.results import SampleResult, native_result
 from radixserve.tokenizer.detokenize import IncrementalDetokenizer
 
 logger = logging.getLogger("radixserve.engine")
 
 Prompt = str | Sequence[str] | None
 Params = dict[str, Any] | Sequence[dict[str, Any]] | None
-
-
-@dataclass
-class _Sample:
-    """Accumulates one sample's SampleOutput deltas into a /generate result."""
-
-    detok: IncrementalDetokenizer
-    start: float
-    output_ids: list[int] = field(default_factory=list)
-    last: SampleOutput | None = None
-    logprobs: list[list[Any]] = field(default_factory=list)
-    top_logprobs: list[list[list[Any]]] = field(default_factory=list)
-    input_logprobs: list[list[Any]] = field(default_factory=list)
-    input_top_logprobs: list[list[list[Any]]] = field(default_factory=list)
-
-    def add(self, out: SampleOutput) -> None:
-        ids = out.new_token_ids
-        if out.finish_reason is not None and isinstance(out.finish_reason.matched, int):
-            ids = ids[:-1]  # a matched stop token is counted but not shown
-        self.detok.add(ids)
-        self.output_ids.extend(out.new_token_ids)
-        self.logprobs.extend([lp, tok, None] for lp, tok in out.output_logprobs)
-        self.top_logprobs.extend(
-            [[lp, t, None] for lp, t in top] for top in out.output_top_logprobs
-        )
-        self.input_logprobs.extend([lp, tok, None] for lp, tok in out.input_logprobs)
-        self.input_top_logprobs.extend(
-            [[lp, t, None] for lp, t in top] for top in out.input_top_logprobs
-        )
-        self.last = out
-
-    def result(self, rid: str, return_logprob: bool) -> dict[str, Any]:
-        assert self.last is not None and self.last.finish_reason is not None
-        self.detok.finish(self.last.finish_reason)
-        meta: dict[str, Any] = {
-            "id": rid,
-            "prompt_tokens": self.last.prompt_tokens,
-            "completion_tokens": self.last.completion_tokens,
-            "cached_tokens": self.last.cached_tokens,
-            "finish_reason": self.last.finish_reason.to_dict(),
-            "e2e_latency": time.perf_counter() - self.start,
-        }
-        if return_logprob:
-            meta["output_token_logprobs"] = self.logprobs
-            meta["output_top_logprobs"] = self.top_logprobs
-            meta["input_token_logprobs"] = self.input_logprobs
-            meta["input_top_logprobs"] = self.input_top_logprobs
-        return {"text": self.detok.text, "output_ids": self.output_ids, "meta_info": meta}
 
 
 class Engine:
@@ -134,10 +87,11 @@ class Engine:
 
     def _run(self, reqs: list[TokenizedRequest], return_logprob: bool) -> list[dict[str, Any]]:
         start = time.perf_counter()
-        samples: dict[tuple[str, int], _Sample] = {}
-        for r in reqs:
-            for i in range(r.sampling.n):
-                samples[(r.rid, i)] = _Sample(self._detokenizer(r), start)
+        samples = {
+            (r.rid, i): (SampleResult(r.rid, i), self._detokenizer(r))
+            for r in reqs
+            for i in range(r.sampling.n)
+        }
         added = []
         try:
             for r in reqs:
@@ -146,24 +100,20 @@ class Engine:
             pending = len(samples)
             while pending:
                 for out in self.scheduler.step():
-                    samples[(out.rid, out.index)].add(out)
+                    result, detok = samples[(out.rid, out.index)]
+                    delta = SampleDelta.from_output(out)
+                    delta.text = detok.push(delta.token_ids, delta.finish_reason)
+                    result.apply(delta)
                     pending -= out.finished
         except BaseException:
             for rid in added:
                 self.scheduler.abort_request(rid)
             self.scheduler.step()
             raise
-        return [samples[key].result(key[0], return_logprob) for key in samples]
+        return [native_result(res, start, return_logprob) for res, _ in samples.values()]
 
     def _detokenizer(self, r: TokenizedRequest) -> IncrementalDetokenizer:
-        sp = r.sampling
-        return IncrementalDetokenizer(
-            self.tokenizer,
-            prompt_ids=r.input_ids,
-            skip_special_tokens=sp.skip_special_tokens,
-            spaces_between_special_tokens=sp.spaces_between_special_tokens,
-            stop=sp.stop,
-        )
+        return IncrementalDetokenizer.for_sample(self.tokenizer, r.input_ids, r.sampling)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         """The model's chat template applied, ending with the assistant's turn opener."""

@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from radixserve.scheduler.api import ModelInfo, SchedulerStats
-from radixserve.scheduler.io import FinishReason
+from radixserve.scheduler.io import FinishReason, SampleOutput
 
 
 class Message(msgspec.Struct, tag=True, array_like=True):
@@ -132,6 +132,27 @@ class SampleDelta(Message):
     output_top_logprobs: list[list[WireLogprob]] = msgspec.field(default_factory=list)
     input_logprobs: list[WireLogprob] = msgspec.field(default_factory=list)
     input_top_logprobs: list[list[WireLogprob]] = msgspec.field(default_factory=list)
+
+    @classmethod
+    def from_output(cls, o: SampleOutput) -> SampleDelta:
+        """SampleOutput -> its IPC form (logprob entries gain a text slot, filled later)."""
+
+        def wire(pairs: list[Any]) -> list[WireLogprob]:
+            return [(lp, t, None) for lp, t in pairs]
+
+        return cls(
+            rid=o.rid,
+            index=o.index,
+            token_ids=list(o.new_token_ids),
+            finish_reason=o.finish_reason,
+            prompt_tokens=o.prompt_tokens,
+            completion_tokens=o.completion_tokens,
+            cached_tokens=o.cached_tokens,
+            output_logprobs=wire(o.output_logprobs),
+            output_top_logprobs=[wire(top) for top in o.output_top_logprobs],
+            input_logprobs=wire(o.input_logprobs),
+            input_top_logprobs=[wire(top) for top in o.input_top_logprobs],
+        )
 
 
 class SampleBatch(Message):

@@ -46,23 +46,6 @@ from radixserve.server.procutil import PARENT_POLL_MS, ParentWatch
 logger = logging.getLogger("radixserve.scheduler_proc")
 
 
-def to_wire(o: SampleOutput) -> SampleDelta:
-    """SampleOutput -> its IPC form (logprob entries gain a text slot, filled later)."""
-    return SampleDelta(
-        rid=o.rid,
-        index=o.index,
-        token_ids=list(o.new_token_ids),
-        finish_reason=o.finish_reason,
-        prompt_tokens=o.prompt_tokens,
-        completion_tokens=o.completion_tokens,
-        cached_tokens=o.cached_tokens,
-        output_logprobs=[(lp, t, None) for lp, t in o.output_logprobs],
-        output_top_logprobs=[[(lp, t, None) for lp, t in top] for top in o.output_top_logprobs],
-        input_logprobs=[(lp, t, None) for lp, t in o.input_logprobs],
-        input_top_logprobs=[[(lp, t, None) for lp, t in top] for top in o.input_top_logprobs],
-    )
-
-
 class SchedulerLoop:
     def __init__(self, sched: Scheduler, inbox: Inbox, out: Outbox, watch: ParentWatch) -> None:
         self.sched = sched
@@ -164,7 +147,7 @@ class SchedulerLoop:
                 self.active[o.rid] -= 1
                 if self.active[o.rid] == 0:
                     del self.active[o.rid]
-        self.out.send(SampleBatch([to_wire(o) for o in outputs]))
+        self.out.send(SampleBatch([SampleDelta.from_output(o) for o in outputs]))
 
 
 def run_scheduler_process(config: EngineConfig, ipc: IpcPaths, tp_init: str | None = None) -> None:

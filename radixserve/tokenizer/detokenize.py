@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from radixserve.sampling.params import SamplingParams
 from radixserve.scheduler.io import FinishReason
 
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens seeding the window (enough for any merge we know)
@@ -66,6 +67,19 @@ class IncrementalDetokenizer:
         self._finished = False
         self.output_ids: list[int] = []
 
+    @classmethod
+    def for_sample(
+        cls, tokenizer: Any, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> IncrementalDetokenizer:
+        """The detokenizer of one sample of a request with these sampling parameters."""
+        return cls(
+            tokenizer,
+            prompt_ids=prompt_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+            stop=params.stop,
+        )
+
     @property
     def text(self) -> str:
         return self._decoded[: self._emitted]
@@ -90,6 +104,17 @@ class IncrementalDetokenizer:
             cut = self._decoded.find(reason.matched, self._emitted)
             end = cut if cut >= 0 else end
         return self._emit(end)
+
+    def push(self, ids: Sequence[int], reason: FinishReason | None) -> str:
+        """One scheduler delta: `add(ids)`, then `finish(reason)` if the sample finished.
+
+        A matched stop token (eos or stop_token_ids) is counted in the output ids but never
+        shown, so it is left out of the text here.
+        """
+        if reason is not None and isinstance(reason.matched, int) and ids[-1:] == [reason.matched]:
+            ids = ids[:-1]
+        text = self.add(ids)
+        return text + self.finish(reason) if reason is not None else text
 
     # ---------------------------------------------------------------- internals
 

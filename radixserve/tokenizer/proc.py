@@ -144,20 +144,11 @@ class TokenizerWorker:
         state = self.reqs[d.rid]
         detok = state.detoks.get(d.index)
         if detok is None:
-            sp = state.sampling
-            detok = state.detoks[d.index] = IncrementalDetokenizer(
-                self.tok,
-                prompt_ids=state.prompt_ids,
-                skip_special_tokens=sp.skip_special_tokens,
-                spaces_between_special_tokens=sp.spaces_between_special_tokens,
-                stop=sp.stop,
+            detok = state.detoks[d.index] = IncrementalDetokenizer.for_sample(
+                self.tok, state.prompt_ids, state.sampling
             )
-        ids, reason = d.token_ids, d.finish_reason
-        if reason is not None and isinstance(reason.matched, int) and ids[-1:] == [reason.matched]:
-            ids = ids[:-1]  # a matched stop token is counted but never shown (as in the Engine)
-        d.text = detok.add(ids)
+        d.text = detok.push(d.token_ids, d.finish_reason)
         if d.finish_reason is not None:
-            d.text += detok.finish(d.finish_reason)
             state.finished += 1
             if state.finished == state.n:
                 del self.reqs[d.rid]
