@@ -13,40 +13,7 @@ if TYPE_CHECKING:
     from radixserve.config import EngineConfig
     from radixserve.engine.engine import Engine
 
-_FRONTEND_NAMES = frozenset(
-    {
-        "Backend",
-        "BackendError",
-        "EngineBackend",
-        "ProgramState",
-        "ProgramStateGroup",
-        "RuntimeEndpoint",
-        "SglFunction",
-        "Trace",
-        "TracingBackend",
-        "assistant",
-        "assistant_begin",
-        "assistant_end",
-        "flush_cache",
-        "function",
-        "gen",
-        "gen_int",
-        "gen_string",
-        "get_default_backend",
-        "greedy_token_selection",
-        "select",
-        "set_default_backend",
-        "system",
-        "system_begin",
-        "system_end",
-        "token_length_normalized",
-        "user",
-        "user_begin",
-        "user_end",
-    }
-)  # == radixserve.frontend.__all__ (tests/test_package.py checks)
-
-__all__ = ["Engine", "EngineConfig", *sorted(_FRONTEND_NAMES)]
+__all__ = ["Engine", "EngineConfig"]  # plus every name of radixserve.frontend.__all__
 
 
 def __getattr__(name: str) -> Any:
@@ -58,8 +25,8 @@ def __getattr__(name: str) -> Any:
         from radixserve.config import EngineConfig
 
         return EngineConfig
-    if name in _FRONTEND_NAMES:
-        from radixserve import frontend
+    from radixserve import frontend  # no torch: only the Engine backend needs it
 
+    if name in frontend.__all__:
         return getattr(frontend, name)
     raise AttributeError(f"module 'radixserve' has no attribute {name!r}")
