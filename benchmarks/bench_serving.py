@@ -428,6 +428,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--flush-cache", action="store_true", help="POST /flush_cache before the run")
     add("--disable-ignore-eos", action="store_true")
     add("--disable-tqdm", action="store_true")
+    add("--label", default=None, help="names this run in plots (e.g. tree, flat)")
     add("--output-json", default=None)
     add("--output-details", action="store_true", help="per-request results in the JSON")
     return ap.parse_args(argv)

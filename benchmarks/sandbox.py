@@ -13,9 +13,9 @@ place it may write. Containment, layer by layer:
   runs in a new network namespace that has no interface up ("netns"); otherwise an audit
   hook refuses every socket ("audit");
 - an audit hook (PEP 578) in the child, always on, refusing process creation (fork, exec,
-  spawn, system, subprocess and its `_posixsubprocess`), `ctypes` (which could call anything), signals to other
-  processes, raising resource limits, and writes, renames and deletions outside the sandbox
-  directory. Refusals raise `SandboxViolation` in the child, so they show as status
+  spawn, system, subprocess and its `_posixsubprocess`), `ctypes` (which could call
+  anything), signals to other processes, raising resource limits, and writes, renames and
+  deletions outside the sandbox directory. Refusals raise `SandboxViolation` in the child, so they show as status
   "blocked".
 
 This is containment for mistakes and misbehaving samples, not a security boundary against an

@@ -7,6 +7,7 @@ package (the CLI, HTTP clients) pulls in neither torch nor transformers.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -25,8 +26,8 @@ def __getattr__(name: str) -> Any:
         from radixserve.config import EngineConfig
 
         return EngineConfig
-    from radixserve import frontend  # no torch: only the Engine backend needs it
-
-    if name in frontend.__all__:
-        return getattr(frontend, name)
+    if not name.startswith("_"):
+        frontend = importlib.import_module("radixserve.frontend")  # no torch imported
+        if name in frontend.__all__:
+            return getattr(frontend, name)
     raise AttributeError(f"module 'radixserve' has no attribute {name!r}")
