@@ -9,18 +9,17 @@ place it may write. Containment, layer by layer:
   (the kernel does not enforce NPROC for root, so for root the audit hook below is what
   stops a fork bomb);
 - a wall-clock timeout, after which the whole process group (a new session) is SIGKILLed;
-- no network: when `unshare --net` works (root, or unprivileged user namespaces) the child
-  runs in a new network namespace that has no interface up ("netns"); otherwise an audit
-  hook refuses every socket ("audit");
+- no network: when `unshare --net` works (as root), or `unshare --user --net` (unprivileged
+  user namespaces), the child runs in a new network namespace with no interface up
+  ("netns"); otherwise an audit hook refuses every socket ("audit");
 - an audit hook (PEP 578) in the child, always on, refusing process creation (fork, exec,
   spawn, system, subprocess and its `_posixsubprocess`), `ctypes` (which could call
   anything), signals to other processes, raising resource limits, and writes, renames and
-  deletions outside the sandbox directory. Refusals raise `SandboxViolation` in the child, so they show as status
-  "blocked".
+  deletions outside the sandbox directory. Refusals raise `SandboxViolation` in the child,
+  so they show as status "blocked".
 
-This is containment for mistakes and misbehaving samples, not a security boundary against an
-adversary who knows it: a process running as root in its own mount namespace, a seccomp
-filter or a container would be that.
+This contains mistakes and misbehaving samples; it is not a security boundary against an
+adversary who knows it (a container, a seccomp filter or an unprivileged user would be).
 """
 
 from __future__ import annotations
@@ -136,24 +135,30 @@ class RunResult:
         return self.status == "ok"
 
 
+NETNS_PREFIXES = (["unshare", "--net", "--"], ["unshare", "--user", "--net", "--"])
+
+
 @functools.lru_cache(maxsize=1)
-def netns_available() -> bool:
-    """Whether `unshare --net` can start a process here (probed once per process)."""
-    exe = shutil.which("unshare")
-    if exe is None:
-        return False
-    try:
-        probe = subprocess.run([exe, "--net", "true"], capture_output=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return probe.returncode == 0
+def netns_prefix() -> tuple[str, ...] | None:
+    """The command prefix that runs a program in a new network namespace here, or None
+    (probed once per process)."""
+    if shutil.which("unshare") is None:
+        return None
+    for prefix in NETNS_PREFIXES:
+        try:
+            probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if probe.returncode == 0:
+            return tuple(prefix)
+    return None
 
 
 def network_mode(requested: str) -> str:
     """The isolation to use for `requested`; raises RuntimeError if "netns" is impossible."""
     if requested == "auto":
-        return "netns" if netns_available() else "audit"
-    if requested == "netns" and not netns_available():
+        return "netns" if netns_prefix() else "audit"
+    if requested == "netns" and not netns_prefix():
         raise RuntimeError("network='netns' asked for, but `unshare --net` fails here")
     return requested
 
@@ -229,7 +234,7 @@ def run_python(code: str, stdin: str = "", limits: Limits | None = None) -> RunR
         cmd += [net, str(limits.cpu_s), str(limits.memory_mb << 20), str(limits.file_mb << 20)]
         cmd += [str(limits.nproc)]
         if net == "netns":
-            cmd = ["unshare", "--net", "--", *cmd]
+            cmd = [*(netns_prefix() or ()), *cmd]
         returncode, timed_out, wall = _spawn(cmd, root, work, limits.wall_s)
         stdout = _read(root / "stdout", limits.output_chars)
         stderr = _read(root / "stderr", limits.output_chars)

