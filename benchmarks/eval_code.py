@@ -376,7 +376,12 @@ def run_in_process(
 ) -> dict[str, Any]:
     from radixserve import Engine
 
-    engine = Engine(args.model, dtype=args.dtype, attention_backend=backend)
+    engine = Engine(
+        args.model,
+        dtype=args.dtype,
+        attention_backend=backend,
+        max_total_tokens=args.max_total_tokens,
+    )
     try:
         return {"backend": backend, **run_eval(engine_generator(engine), problems, cfg)}
     finally:
@@ -411,6 +416,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--model", default=None, help="in-process model (default: embedded)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-total-tokens", type=int, default=None, help="in-process KV pool")
     ap.add_argument("--attention-backend", choices=["tree", "flat"], default="tree")
     ap.add_argument("--compare", action="store_true", help="in-process: tree, then flat")
     ap.add_argument("--output-json", default=None)

@@ -1,5 +1,6 @@
 """benchmarks/eval_code.py: pass@k, loaders, grading through the sandbox, and the eval end
-to end on the APPS fixture with the tiny model (in-process and over HTTP)."""
+to end on the APPS fixture with the tiny model in-process (over HTTP: test_bench_serving.py,
+which has a server running already)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repo root: benchmarks/
 from benchmarks import eval_code as ec  # noqa: E402
+from benchmarks import eval_gsm8k as gsm  # noqa: E402
 from benchmarks.sandbox import Limits  # noqa: E402
 
 FIXTURE = ROOT / "benchmarks" / "data" / "apps_fixture.jsonl"
@@ -146,7 +148,7 @@ def check_run(r: dict, problems: int, k: int, max_new: int, prefix_tokens: int) 
 def engine(tiny_model_dir: Path):
     from radixserve import Engine
 
-    return Engine(str(tiny_model_dir), dtype="float32")
+    return Engine(str(tiny_model_dir), dtype="float32", max_total_tokens=4096)
 
 
 def test_eval_end_to_end_in_process_on_the_apps_fixture(engine) -> None:
@@ -158,23 +160,71 @@ def test_eval_end_to_end_in_process_on_the_apps_fixture(engine) -> None:
     engine.check_integrity()
 
 
-def test_eval_end_to_end_over_http(server, tokenizer) -> None:
-    from conftest import API_KEY
-
-    problems = ec.load_apps(FIXTURE, 3)
-    cfg = ec.EvalConfig(k=2, max_new_tokens=8, batch_problems=2, limits=LIMITS)
-    r = ec.run_eval(ec.http_generator(server.url, API_KEY), problems, cfg)
-    check_run(r, 3, 2, 8, len(tokenizer.encode(ec.APPS_SHOTS)))
-
-
 def test_compare_mode_runs_tree_then_flat(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "compare.json"
     argv = ["--dataset", "apps", "--dataset-path", str(FIXTURE), "--num-problems", "2"]
     argv += ["--model", str(tiny_model_dir), "--dtype", "float32", "-k", "2"]
-    argv += ["--max-new-tokens", "4", "--compare", "--output-json", str(out)]
+    argv += ["--max-new-tokens", "4", "--max-total-tokens", "4096"]
+    argv += ["--compare", "--output-json", str(out)]
     result = ec.main(argv)
     assert [r["backend"] for r in result["runs"]] == ["tree", "flat"]
     assert all(r["problems"] == 2 and r["samples_per_problem"] == 2 for r in result["runs"])
     tree, flat = result["runs"]
     assert result["speedup"] == pytest.approx(flat["generation_s"] / tree["generation_s"])
     assert json.loads(out.read_text())["speedup"] == pytest.approx(result["speedup"])
+
+
+# ---------------------------------------------------------------- eval_gsm8k (the DSL eval)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("She makes 9 * 2 = $18 every day.\n#### 18", 18.0),
+        ("#### 1,234", 1234.0),
+        ("so 3 + 4 = 7 and then 7 - 10 = -3", -3.0),  # no ####: the last number
+        ("The answer is 2.5 dollars", 2.5),
+        ("#### -12\nQuestion 5", -12.0),  # the number right after ####
+        ("no digits at all", None),
+        ("####", None),
+    ],
+)
+def test_gsm8k_answer_extraction(text: str, expected: float | None) -> None:
+    assert gsm.extract_answer(text) == expected
+
+
+def test_gsm8k_majority_vote() -> None:
+    assert gsm.majority([3.0, 5.0, 3.0, None]) == 3.0
+    assert gsm.majority([5.0, 3.0, 3.0, 5.0]) == 5.0  # tie: the earliest sample's answer
+    assert gsm.majority([None, None]) is None
+    assert gsm.majority([None, 7.0]) == 7.0
+
+
+def test_gsm8k_eval_compare_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:
+    rows = [
+        {"question": f"Tom has {i} apples and buys {i + 1} more. How many?",
+         "answer": f"{i} + {i + 1} = {2 * i + 1}\n#### {2 * i + 1}"}
+        for i in range(5)
+    ]  # fmt: skip
+    for name, part in (("train", rows[:2]), ("test", rows[2:])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    assert gsm.few_shot_prompt(rows, 2) == (
+        "Question: Tom has 0 apples and buys 1 more. How many?\nAnswer: 0 + 1 = 1\n#### 1\n\n"
+        "Question: Tom has 1 apples and buys 2 more. How many?\nAnswer: 1 + 2 = 3\n#### 3\n\n"
+    )
+    argv = ["--data-dir", str(tmp_path), "--num-shots", "2", "-n", "3", "--max-tokens", "6"]
+    argv += ["--model", str(tiny_model_dir), "--dtype", "float32", "--max-total-tokens", "4096"]
+    result = gsm.main([*argv, "--compare", "--temperature", "0"])
+    tree, flat = result["runs"]
+    assert (tree["backend"], flat["backend"]) == ("tree", "flat")
+    for r in (tree, flat):
+        assert (r["questions"], r["samples"]) == (3, 3) and len(r["predictions"]) == 3
+        assert 0 < r["output_tokens"] <= 3 * 3 * 6
+        assert 0 <= r["accuracy"] <= 1 and 0 <= r["invalid"] <= 1
+        assert r["accuracy"] + r["invalid"] <= 1
+        assert r["cache_hit_rate"] > 0.5  # every fork's prompt was committed before it ran
+    # Greedy: tree and flat attention must pick the same tokens, hence the same texts.
+    assert all(len(t) == 3 and all(t) for t in tree["texts"]), tree["texts"]
+    assert tree["texts"] == flat["texts"] and result["differing_texts"] == 0
+    assert result["differing_answers"] == 0 and tree["predictions"] == flat["predictions"]
+    assert result["speedup"] == pytest.approx(flat["wall_s"] / tree["wall_s"])

@@ -14,7 +14,12 @@ from radixserve.constrained.grammar import (
     GrammarState,
     schema_to_regex,
 )
-from radixserve.constrained.mask import pack_token_mask, packed_width, unpack_token_masks
+from radixserve.constrained.mask import (
+    pack_token_mask,
+    packed_width,
+    token_mask_bias,
+    unpack_token_masks,
+)
 from radixserve.constrained.vocab import build_vocabulary, token_bytes, tokenizer_kind
 
 __all__ = [
@@ -26,6 +31,7 @@ __all__ = [
     "packed_width",
     "schema_to_regex",
     "token_bytes",
+    "token_mask_bias",
     "tokenizer_kind",
     "unpack_token_masks",
 ]

@@ -66,11 +66,11 @@ class CompiledGrammar:
     def _state_info(self, state: int) -> tuple[torch.Tensor, bool]:
         info = self._masks.get(state)
         if info is None:  # at most one build per state: a grammar has finitely many
-            allowed = self.index.get_allowed_tokens(state)
+            allowed = self.index.get_allowed_tokens(state)  # list, up to the whole vocab
             assert allowed, f"automaton state {state} allows no token"
-            if self.end_id in allowed:
-                allowed = sorted(set(allowed) | self.eos_ids)
-            only_eos = set(allowed) <= self.eos_ids
+            only_eos = len(allowed) == 1 and allowed[0] == self.end_id
+            if self.end_id in allowed:  # duplicates are harmless to pack_token_mask
+                allowed = allowed + sorted(self.eos_ids)
             info = self._masks[state] = (pack_token_mask(allowed, self.vocab_size), only_eos)
         return info
 
@@ -116,14 +116,12 @@ class GrammarCompiler:
         cache_size: int = DEFAULT_CACHE_SIZE,
     ) -> None:
         eos = frozenset(eos_token_ids)
-        tok_eos = getattr(tokenizer, "eos_token_id", None)
-        assert eos or tok_eos is not None, "constrained decoding needs an eos token"
-        self.end_id: int = tok_eos if tok_eos in eos or not eos else min(eos)
+        self.end_id = _end_token(tokenizer, eos)
         self.eos_ids = eos | {self.end_id}
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.cache_size = cache_size
-        self._vocabulary: Any = None  # built on the first compile (tens of ms)
+        self._vocabulary: Any = None  # built on the first compile (~0.3 s for 49k tokens)
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
 
     def compile(self, params: SamplingParams) -> CompiledGrammar | None:
@@ -172,6 +170,16 @@ class GrammarCompiler:
             return Index(regex, self._vocabulary)
         except ValueError as e:
             raise InvalidRequest(f"{field}: {_explain(regex, e)}") from e
+
+
+def _end_token(tokenizer: Any, eos: frozenset[int]) -> int:
+    """The automaton's end token: the tokenizer's eos if the model lists it (or lists no eos
+    at all), else the model's smallest eos id."""
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(tok_eos, int) and (tok_eos in eos or not eos):
+        return tok_eos
+    assert eos, "constrained decoding needs an eos token; model and tokenizer define none"
+    return min(eos)
 
 
 def schema_to_regex(schema: str) -> str:

@@ -90,10 +90,11 @@ def stop_followers(tp: TPGroup, send: bool = True) -> None:
     """Rank 0: stop the followers (`send`: by message first), join those this process
     spawned (none in the server: the launcher joins them), and leave the group.
 
-    `send=False` when a collective may be half done (a failed step): then the followers are
-    terminated instead. Never raises for a follower that is already gone.
+    `send=False`, or a group no longer `healthy` (a collective may be half done): the
+    followers are terminated instead. Never raises for a follower that is already gone.
     """
     assert tp.is_leader, f"rank {tp.rank} does not own the followers"
+    send = send and tp.healthy
     if send:
         try:
             send_stop(tp)

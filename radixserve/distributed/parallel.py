@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import os
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
@@ -59,6 +60,9 @@ class TPGroup:
     # close; empty in the server, whose launcher owns every rank.
     followers: list[BaseProcess] = field(default_factory=list)
     scratch_dir: str | None = None  # private folder of the init file, removed on close
+    # False once a step failed on this rank: a collective may be half done, so no further
+    # step or stop message may be sent (the peers are terminated instead).
+    healthy: bool = True
 
     @property
     def is_leader(self) -> bool:
@@ -78,6 +82,8 @@ def init_tp(rank: int, size: int, init_method: str, device: str) -> TPGroup:
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(rank)
+    else:  # CPU ranks share the cores: oversubscribed OpenMP threads spin against each other
+        torch.set_num_threads(max(1, _usable_cpus() // size))
     dist.init_process_group(
         backend="nccl" if cuda else "gloo",
         init_method=init_method,
@@ -87,8 +93,17 @@ def init_tp(rank: int, size: int, init_method: str, device: str) -> TPGroup:
     )
     ctrl = dist.new_group(list(range(size)), backend="gloo", timeout=IDLE_TIMEOUT)
     _GROUP = TPGroup(rank, size, ctrl)
-    logger.info("tensor parallel: rank %d of %d joined (%s)", rank, size, dist.get_backend())
+    logger.info(
+        "tensor parallel: rank %d of %d joined (%s, %d CPU threads)",
+        rank, size, dist.get_backend(), torch.get_num_threads(),
+    )  # fmt: skip
     return _GROUP
+
+
+def _usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):  # Linux: honours taskset / cgroup CPU sets
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def get_tp() -> TPGroup | None:

@@ -91,8 +91,16 @@ class ModelWorker:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, rows: torch.Tensor) -> torch.Tensor:
-        if self.tp is not None:
-            send_batch(self.tp, batch)  # the followers run this same step with us
+        if self.tp is None:
+            return self._forward(batch, rows)
+        assert self.tp.healthy, "an earlier step failed: the TP ranks are out of step"
+        self.tp.healthy = False  # until this step's collectives are all done
+        send_batch(self.tp, batch)  # the followers run this same step with us
+        logits = self._forward(batch, rows)
+        self.tp.healthy = True
+        return logits
+
+    def _forward(self, batch: ForwardBatch, rows: torch.Tensor) -> torch.Tensor:
         self.backend.plan(batch)
         hidden = self.model(batch, self.backend)  # (T, hidden)
         return self.model.compute_logits(hidden[rows])  # (len(rows), vocab) float32
@@ -118,9 +126,9 @@ class ModelWorker:
 def _join_tp(config: EngineConfig, model_path: str) -> TPGroup | None:
     if config.tp_size == 1:
         return None
+    check_tp_size(load_config(model_path), config.tp_size)  # fail before any collective
     tp = get_tp()
     if tp is None:  # no launcher made a group: this process leads and spawns the followers
-        check_tp_size(load_config(model_path), config.tp_size)  # fail before spawning
         from radixserve.distributed.follower import start_local_tp  # (it imports us)
 
         tp = start_local_tp(config)

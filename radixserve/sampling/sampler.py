@@ -41,7 +41,7 @@ from typing import Protocol
 
 import torch
 
-from radixserve.constrained.mask import unpack_token_masks
+from radixserve.constrained.mask import token_mask_bias
 from radixserve.sampling.params import SamplingParams
 
 TokenLogprob = tuple[float, int]  # (logprob, token_id), as radixserve.scheduler.io
@@ -228,12 +228,13 @@ def _mask_grammar(work: torch.Tensor, rows: list[int], infos: list[SamplingInfo]
     """Step 3b in place: -inf on the tokens each constrained row's grammar forbids."""
     masks = [infos[i].grammar.allowed_tokens() for i in rows]  # type: ignore[union-attr]
     packed = torch.stack(masks).to(work.device)  # (R, ceil(V / 8)) uint8
-    allowed = unpack_token_masks(packed, work.shape[1])  # (R, V) bool
+    # Adding 0 / -inf leaves allowed logits bit-exact; cheaper than masked_fill (mask.py).
+    bias = token_mask_bias(packed, work.shape[1], work.dtype)  # (R, V)
     if len(rows) == work.shape[0]:
-        work.masked_fill_(~allowed, float("-inf"))
+        work.add_(bias)
     else:
         r = torch.tensor(rows, dtype=torch.int64, device=work.device)  # (R,)
-        work[r] = work[r].masked_fill(~allowed, float("-inf"))
+        work[r] += bias
 
 
 def _pairs(
