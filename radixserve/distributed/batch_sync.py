@@ -31,6 +31,13 @@ OP_STOP, OP_FORWARD = 0, 1
 def send_batch(tp: TPGroup, batch: ForwardBatch) -> None:
     """Rank 0: broadcast `batch` to the followers. Does not modify `batch`."""
     assert tp.is_leader, f"only rank 0 sends batches, this is rank {tp.rank}"
+    header, body = encode_batch(batch)
+    dist.broadcast(header, src=0, group=tp.ctrl)
+    dist.broadcast(body, src=0, group=tp.ctrl)
+
+
+def encode_batch(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header (HEADER_LEN,), body) int64 CPU tensors in the layout of the module docstring."""
     n_tok, n_req = batch.input_ids.numel(), batch.num_requests
     nodes = [node for path in batch.paths for node in path]  # (node_id, num_tokens)
     kv = torch.cat(batch.kv_indices) if n_req else torch.empty(0, dtype=torch.int64)
@@ -47,10 +54,8 @@ def send_batch(tp: TPGroup, batch: ForwardBatch) -> None:
     assert all(p.dtype == torch.int64 and p.device.type == "cpu" for p in parts), [
         (p.dtype, p.device) for p in parts
     ]
-    body = torch.cat(parts)  # the layout of the module docstring
     header = torch.tensor([OP_FORWARD, n_req, n_tok, len(nodes), kv.numel()], dtype=torch.int64)
-    dist.broadcast(header, src=0, group=tp.ctrl)
-    dist.broadcast(body, src=0, group=tp.ctrl)
+    return header, torch.cat(parts)
 
 
 def send_stop(tp: TPGroup) -> None:
@@ -68,25 +73,31 @@ def recv_batch(tp: TPGroup, pool: KVPool) -> ForwardBatch | None:
     assert not tp.is_leader, "rank 0 builds batches, it does not receive them"
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
     dist.broadcast(header, src=0, group=tp.ctrl)
-    op, n_req, n_tok, n_path, n_kv = header.tolist()
-    if op == OP_STOP:
+    if int(header[0]) == OP_STOP:
         return None
-    assert op == OP_FORWARD, f"unknown batch op {op}"
-    body = torch.empty(3 * n_tok + 3 * n_req + n_kv + 2 * n_path, dtype=torch.int64)
+    body = torch.empty(body_len(header), dtype=torch.int64)
     dist.broadcast(body, src=0, group=tp.ctrl)
-    return _decode(body, n_req, n_tok, n_path, n_kv, pool)
+    return decode_batch(header, body, pool)
 
 
-def _decode(
-    body: torch.Tensor, n_req: int, n_tok: int, n_path: int, n_kv: int, pool: KVPool
-) -> ForwardBatch:
+def body_len(header: torch.Tensor) -> int:
+    op, n_req, n_tok, n_path, n_kv = header.tolist()
+    assert op == OP_FORWARD, f"unknown batch op {op}"
+    return 3 * n_tok + 3 * n_req + n_kv + 2 * n_path
+
+
+def decode_batch(header: torch.Tensor, body: torch.Tensor, pool: KVPool) -> ForwardBatch:
+    """The batch `encode_batch` encoded, over `pool`. Its tensors are views of `body`."""
+    _, n_req, n_tok, n_path, n_kv = header.tolist()
+    assert body.numel() == body_len(header), f"body {body.numel()} for header {header.tolist()}"
     sizes = [n_tok, n_tok, n_tok, 3 * n_req, n_kv, 2 * n_path]
     ids, pos, locs, lens, kv, nodes = body.split(sizes)
     lens_l = lens.tolist()
     seq_lens, extend_lens, path_lens = (lens_l[i * n_req : (i + 1) * n_req] for i in range(3))
     node_ids, node_tokens = nodes[:n_path].tolist(), nodes[n_path:].tolist()
     flat = list(zip(node_ids, node_tokens))
-    paths, start = [], 0
+    paths: list[list[tuple[int, int]]] = []
+    start = 0
     for n in path_lens:
         paths.append(flat[start : start + n])
         start += n

@@ -69,17 +69,17 @@ def start_local_tp(config: EngineConfig) -> TPGroup:
     """In-process Engine: spawn followers 1..N-1 here and join the group as rank 0.
 
     Blocks until every follower has joined. The returned group owns the followers and the
-    scratch folder; `stop_followers` ends both.
+    scratch folder; `stop_followers` ends both. As with any "spawn" multiprocessing, a script
+    that builds such an Engine needs the `if __name__ == "__main__":` guard.
     """
     scratch = tempfile.mkdtemp(prefix="radixserve-tp-")  # 0700: nobody else can join
     init_method = init_method_in(scratch)
-    followers = [
-        spawn_follower(config, r, init_method, os.getpid(), daemon=True)
-        for r in range(1, config.tp_size)
-    ]
+    followers: list[BaseProcess] = []
     try:
+        for rank in range(1, config.tp_size):
+            followers.append(spawn_follower(config, rank, init_method, os.getpid(), daemon=True))
         tp = init_tp(0, config.tp_size, init_method, config.device)
-    except BaseException:
+    except BaseException:  # e.g. spawn refused in a script without `if __name__ == "__main__"`
         _end(followers, scratch)
         raise
     tp.followers, tp.scratch_dir = followers, scratch
