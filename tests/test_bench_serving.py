@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -215,13 +216,16 @@ def test_run_is_bounded_by_max_duration(server, tmp_path: Path) -> None:
 def test_eval_code_over_http(server, tokenizer) -> None:
     problems = ec.load_apps(ROOT / "benchmarks" / "data" / "apps_fixture.jsonl", 3)
     cfg = ec.EvalConfig(k=2, max_new_tokens=8, batch_problems=2, limits=Limits(wall_s=5))
-    r = ec.run_eval(ec.http_generator(server.url, API_KEY), problems, cfg)
+    chat = ec.server_chat_template(server.url, API_KEY)  # the server's tokenizer's template
+    r = ec.run_eval(ec.http_generator(server.url, API_KEY), problems, cfg, chat)
     assert (r["problems"], r["samples_per_problem"]) == (3, 2)
     assert [p["n"] for p in r["per_problem"]] == [2, 2, 2]
     assert r["pass@1"] == 0.0 and r["pass@2"] == 0.0  # a random tiny model's code fails
     assert 0 < r["output_tokens"] <= 3 * 2 * 8
-    prefix = len(tokenizer.encode(ec.APPS_SHOTS))
-    assert r["cached_tokens"] >= 3 * (prefix - 1), (r["cached_tokens"], prefix)
+    prompts = [ec.render(p, "chat", chat) for p in problems]
+    assert prompts[0].startswith("<|im_start|>")  # SmolLM2's ChatML template was used
+    shared = len(tokenizer.encode(os.path.commonprefix(prompts)))
+    assert shared > 50 and r["cached_tokens"] >= 3 * (shared - 1), (shared, r["cached_tokens"])
 
 
 # ---------------------------------------------------------------- plots

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import sys
 from fractions import Fraction
 from math import comb
@@ -77,18 +78,52 @@ def humaneval_file(tmp_path: Path) -> Path:
     return path
 
 
-def test_humaneval_loader_and_grader(tmp_path: Path) -> None:
+def test_humaneval_loader_and_grader_in_both_formats(tmp_path: Path) -> None:
     path = humaneval_file(tmp_path)
     assert ec.humaneval_path(str(path)) == path
     problems = ec.load_humaneval(path, None)
     assert [p.task_id for p in problems] == ["Toy/0", "Toy/1"]
     assert problems[0].entry_point == "double" and problems[0].kind == "humaneval"
     double = problems[0]
-    assert ec.grade(double, "    return 2 * x\n", LIMITS)
-    assert ec.grade(double, "    return x + x\n\ndef helper():\n    return 0\n", LIMITS)  # cut
-    assert not ec.grade(double, "    return 3 * x\n", LIMITS)
-    assert not ec.grade(double, "    while True:\n        pass\n", Limits(wall_s=1.5))
-    assert not ec.grade(double, "    return (\n", LIMITS)  # syntax error
+
+    def passes(completion: str, fmt: str, limits: Limits = LIMITS) -> bool:
+        return ec.grade(double, completion, fmt, limits)
+
+    # completion format: the body continues the prompt; stop strings cut what follows
+    assert passes("    return 2 * x\n", "completion")
+    assert passes("    return x + x\n\ndef helper():\n    return 0\n", "completion")
+    assert not passes("    return 3 * x\n", "completion")
+    assert not passes("    while True:\n        pass\n", "completion", Limits(wall_s=1.5))
+    assert not passes("    return (\n", "completion")  # syntax error
+    # chat format: a fenced answer, either a whole function or body lines
+    whole = "Here it is:\n```python\ndef double(x):\n    return x * 2\n```\nDone."
+    assert passes(whole, "chat")
+    assert passes("```python\n    return x << 1\n```", "chat")
+    assert passes("def double(x):\n    return 2 * x\n", "chat")  # no fence: all of it
+    assert not passes("```python\ndef double(x):\n    return x\n```", "chat")
+    assert not passes("```python\ndef halve(x):\n    return x // 2\n```", "chat")  # a stub
+
+
+def test_prompts_share_the_few_shot_part_and_end_with_the_problem(tmp_path: Path) -> None:
+    problems = ec.load_humaneval(humaneval_file(tmp_path), None)
+    apps = ec.load_apps(FIXTURE, None)
+
+    def chat(messages: list[dict[str, str]]) -> str:  # a ChatML-like template
+        return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages) + "<a>"
+
+    for fmt in ec.FORMATS:
+        for group in (problems, apps):
+            prompts = [ec.render(p, fmt, chat) for p in group]
+            shared = os.path.commonprefix(prompts)
+            first_shot = ec.HUMANEVAL_SHOTS[0][0] if group is problems else ec.APPS_SHOTS[0][0]
+            assert first_shot in shared, (fmt, shared)  # the examples are in the shared part
+            for p, text in zip(group, prompts):
+                assert p.prompt in text[len(shared) - len(p.prompt) :], (fmt, p.task_id)
+    assert ec.render(problems[0], "completion", None).endswith(problems[0].prompt)
+    assert ec.render(apps[0], "completion", None).endswith(f"{apps[0].prompt}\nANSWER:\n")
+    assert ec.render(apps[0], "chat", chat).endswith("Answer with a Python program.</user><a>")
+    assert ec.stops_for("humaneval", "completion") == ec.HUMANEVAL_STOP
+    assert ec.stops_for("apps", "chat") == []
 
 
 def test_truncate_stops_at_the_first_stop_string() -> None:
@@ -101,11 +136,11 @@ def test_truncate_stops_at_the_first_stop_string() -> None:
 def test_apps_fixture_loads_with_its_prompt_format() -> None:
     problems = ec.load_apps(FIXTURE, None)
     assert len(problems) == 6 and all(p.kind == "apps" for p in problems)
-    assert problems[0].prompt.startswith("QUESTION:\nRead two integers")
-    assert problems[0].prompt.endswith("Use Standard Input format\nANSWER:\n")
+    assert problems[0].prompt.startswith("Read two integers")
+    assert problems[0].prompt.endswith("Print their sum.\nUse Standard Input format")
     call = problems[5]
     assert call.io is not None and call.io["fn_name"] == "is_palindrome"
-    assert call.prompt.endswith("def is_palindrome(s):\nUse Call-Based format\nANSWER:\n")
+    assert call.prompt.endswith("otherwise.\ndef is_palindrome(s):\nUse Call-Based format")
     assert [p.task_id for p in ec.load_apps(FIXTURE, 2)] == ["0", "1"]
 
 
@@ -114,16 +149,20 @@ def test_apps_reference_solutions_pass_and_wrong_ones_fail() -> None:
     problems = ec.load_apps(FIXTURE, None)
     for row, problem in zip(rows, problems):
         solution = json.loads(row["solutions"])[0]
-        assert ec.grade(problem, solution, LIMITS), problem.task_id
-        assert ec.grade(problem, solution + "\n### End\nprint('after the stop')", LIMITS)
-        assert not ec.grade(problem, "print(42)\n", LIMITS), problem.task_id
+        assert ec.grade(problem, solution, "completion", LIMITS), problem.task_id
+        after_stop = solution + "\n### End\nprint('after the stop')"
+        assert ec.grade(problem, after_stop, "completion", LIMITS)
+        fenced = f"Sure.\n```python\n{solution}```\nprint('prose after the block')"
+        assert ec.grade(problem, fenced, "chat", LIMITS), problem.task_id
+        assert not ec.grade(problem, "print(42)\n", "completion", LIMITS), problem.task_id
     # Right for the first test case only: every case must pass.
     add = problems[0]
-    assert not ec.grade(add, "input()\nprint(3)\n", LIMITS)
+    assert not ec.grade(add, "input()\nprint(3)\n", "completion", LIMITS)
     palindrome = problems[5]
-    assert not ec.grade(palindrome, "def is_palindrome(s):\n    return True\n", LIMITS)
-    assert ec.grade(palindrome, "class Solution:\n    def is_palindrome(self, s):\n"
-                    "        return s == s[::-1]\n", LIMITS)  # fmt: skip
+    always = "def is_palindrome(s):\n    return True\n"
+    assert not ec.grade(palindrome, always, "completion", LIMITS)
+    method = "class Solution:\n    def is_palindrome(self, s):\n        return s == s[::-1]\n"
+    assert ec.grade(palindrome, method, "completion", LIMITS)
 
 
 # ---------------------------------------------------------------- end to end, tiny model
@@ -139,8 +178,9 @@ def check_run(r: dict, problems: int, k: int, max_new: int, prefix_tokens: int) 
     assert 0 < r["output_tokens"] <= problems * k * max_new
     assert r["generation_s"] > 0 and r["grading_s"] > 0
     assert r["output_tok_s"] == pytest.approx(r["output_tokens"] / r["generation_s"])
-    # Level 1 sharing: the warm-up cached the few-shot prefix, every problem reuses it.
+    # Level 1 sharing: the warm-up cached the few-shot part, every problem reuses it.
     assert r["cached_tokens"] >= problems * (prefix_tokens - 1), (r["cached_tokens"], prefix_tokens)
+    assert prefix_tokens > 50  # the few-shot part is not trivially short
     assert 0 < r["cache_hit_rate"] < 1
 
 
@@ -151,12 +191,14 @@ def engine(tiny_model_dir: Path):
     return Engine(str(tiny_model_dir), dtype="float32", max_total_tokens=4096)
 
 
-def test_eval_end_to_end_in_process_on_the_apps_fixture(engine) -> None:
+@pytest.mark.parametrize("fmt", ec.FORMATS)
+def test_eval_end_to_end_in_process_on_the_apps_fixture(engine, fmt: str) -> None:
     problems = ec.load_apps(FIXTURE, None)
-    cfg = ec.EvalConfig(k=3, max_new_tokens=12, limits=LIMITS)
-    r = ec.run_eval(ec.engine_generator(engine), problems, cfg)
-    prefix_tokens = len(engine.tokenizer.encode(ec.APPS_SHOTS))
-    check_run(r, 6, 3, 12, prefix_tokens)
+    cfg = ec.EvalConfig(k=3, max_new_tokens=12, prompt_format=fmt, limits=LIMITS)
+    r = ec.run_eval(ec.engine_generator(engine), problems, cfg, engine.apply_chat_template)
+    prompts = [ec.render(p, fmt, engine.apply_chat_template) for p in problems]
+    shared = len(engine.tokenizer.encode(os.path.commonprefix(prompts)))
+    check_run(r, 6, 3, 12, shared)
     engine.check_integrity()
 
 

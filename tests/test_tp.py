@@ -13,6 +13,7 @@ heads, intermediate 128: each rank holds 2 q heads, 1 KV head, 64 intermediate c
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -46,12 +47,14 @@ LOGIT_RTOL = 1e-5
 def engines(tiny_model_dir: Path) -> Iterator[tuple[Engine, Engine]]:
     """(tp 1, tp 2) Engines on the tiny model. Teardown checks the follower exited cleanly."""
     kw = {"dtype": "float32", "max_total_tokens": int(KV_TOKENS), "attention_backend": "tree"}
+    threads = torch.get_num_threads()
     e1 = Engine(str(tiny_model_dir), **kw)
     e2 = Engine(str(tiny_model_dir), tp_size=2, **kw)
     tp = get_tp()
     assert tp is not None and tp.rank == 0 and tp.size == 2 and len(tp.followers) == 1
     yield e1, e2
     e2.scheduler.worker.close()
+    assert torch.get_num_threads() == threads  # rank 0 gave this process its threads back
     assert [p.exitcode for p in tp.followers] == [0]
     assert get_tp() is None and tp.scratch_dir is not None and not os.path.exists(tp.scratch_dir)
 
@@ -248,7 +251,9 @@ def test_server_dies_with_a_killed_follower(tiny_model_dir: Path, tmp_path: Path
     # Whichever death the launcher's watch saw first (rank 1, or rank 0 failing in the
     # step's all_reduce) is named, and the streamed request gets that error, not a finish.
     assert re.search(r"(tp-rank-1|scheduler) process exited with code (-9|1): shutting", log)
-    assert "the server failed" in rest and '"finish_reason"' not in rest, rest[-1000:]
+    events = [json.loads(x[5:]) for x in rest.splitlines() if x.startswith("data: {")]
+    assert "the server failed" in events[-1]["error"]["message"], rest[-1000:]
+    assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1]), rest[-1000:]
     with pytest.raises(httpx.TransportError):
         httpx.get(h.url + "/health", timeout=2)
     _wait_gone(kids)

@@ -19,7 +19,9 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import time
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 from radixserve.config import EngineConfig
 from radixserve.distributed.batch_sync import send_stop
@@ -39,9 +41,17 @@ def init_method_in(folder: str) -> str:
     return f"file://{os.path.join(folder, 'tp-init')}"
 
 
-def run_follower(config: EngineConfig, rank: int, init_method: str) -> None:
-    """Main of follower `rank`: returns after rank 0's stop; raises if rank 0 dies."""
+def run_follower(
+    config: EngineConfig, rank: int, init_method: str, started: Any | None = None
+) -> None:
+    """Main of follower `rank`: returns after rank 0's stop; raises if rank 0 dies.
+
+    `started` (a multiprocessing Event, optional) is set once this process is up, just
+    before it joins the group, so a parent waiting to join can tell "slow" from "dead".
+    """
     assert 1 <= rank < config.tp_size, f"follower rank {rank} for tp_size {config.tp_size}"
+    if started is not None:
+        started.set()
     init_tp(rank, config.tp_size, init_method, config.device)
     worker = ModelWorker(config, str(resolve_model_path(config.model)))
     logger.info("tp rank %d ready", rank)
@@ -49,20 +59,30 @@ def run_follower(config: EngineConfig, rank: int, init_method: str) -> None:
     destroy_tp()
 
 
-def spawn_follower(
-    config: EngineConfig, rank: int, init_method: str, parent_pid: int, daemon: bool
-) -> BaseProcess:
-    """Start follower `rank` as a "spawn" child running `run_follower` under child_main
-    (crash -> traceback logged, exit 1; dies with `parent_pid`)."""
+def _spawn_follower(config: EngineConfig, rank: int, init_method: str) -> tuple[BaseProcess, Any]:
+    """Start follower `rank` as a daemon "spawn" child running `run_follower` under
+    child_main (crash -> traceback logged, exit 1; dies with this process). -> (process, its
+    `started` Event)."""
+    ctx = mp.get_context("spawn")
+    started = ctx.Event()
     name = f"tp-rank-{rank}"
-    proc = mp.get_context("spawn").Process(
-        target=child_main,
-        args=(name, config.log_level, parent_pid, run_follower, config, rank, init_method),
-        name=f"radixserve-{name}",
-        daemon=daemon,
-    )
+    args = (name, config.log_level, os.getpid(), run_follower, config, rank, init_method, started)
+    proc = ctx.Process(target=child_main, args=args, name=f"radixserve-{name}", daemon=True)
     proc.start()
-    return proc
+    return proc, started
+
+
+def _wait_started(procs: list[BaseProcess], events: list[Any]) -> None:
+    """Until every follower is up; RuntimeError if one dies first (else rank 0 would wait
+    in the rendezvous for the whole ALL_REDUCE_TIMEOUT)."""
+    while not all(e.is_set() for e in events):
+        dead = [p for p, e in zip(procs, events) if p.exitcode is not None and not e.is_set()]
+        if dead:
+            raise RuntimeError(
+                f"{dead[0].name} exited with code {dead[0].exitcode} before joining the TP "
+                "group (its traceback is above)"
+            )
+        time.sleep(0.05)
 
 
 def start_local_tp(config: EngineConfig) -> TPGroup:
@@ -76,8 +96,12 @@ def start_local_tp(config: EngineConfig) -> TPGroup:
     init_method = init_method_in(scratch)
     followers: list[BaseProcess] = []
     try:
+        started = []
         for rank in range(1, config.tp_size):
-            followers.append(spawn_follower(config, rank, init_method, os.getpid(), daemon=True))
+            proc, event = _spawn_follower(config, rank, init_method)
+            followers.append(proc)
+            started.append(event)
+        _wait_started(followers, started)
         tp = init_tp(0, config.tp_size, init_method, config.device)
     except BaseException:  # e.g. spawn refused in a script without `if __name__ == "__main__"`
         _end(followers, scratch)

@@ -63,6 +63,7 @@ class TPGroup:
     # False once a step failed on this rank: a collective may be half done, so no further
     # step or stop message may be sent (the peers are terminated instead).
     healthy: bool = True
+    threads_before: int = 0  # torch's CPU thread count before init_tp; destroy_tp restores it
 
     @property
     def is_leader(self) -> bool:
@@ -80,6 +81,7 @@ def init_tp(rank: int, size: int, init_method: str, device: str) -> TPGroup:
     assert _GROUP is None and not dist.is_initialized(), "this process already has a TP group"
     assert 0 <= rank < size, f"rank {rank} out of range for tp_size {size}"
     cuda = device.startswith("cuda")
+    threads_before = torch.get_num_threads()
     if cuda:
         torch.cuda.set_device(rank)
     else:  # CPU ranks share the cores: oversubscribed OpenMP threads spin against each other
@@ -92,7 +94,7 @@ def init_tp(rank: int, size: int, init_method: str, device: str) -> TPGroup:
         timeout=ALL_REDUCE_TIMEOUT,
     )
     ctrl = dist.new_group(list(range(size)), backend="gloo", timeout=IDLE_TIMEOUT)
-    _GROUP = TPGroup(rank, size, ctrl)
+    _GROUP = TPGroup(rank, size, ctrl, threads_before=threads_before)
     logger.info(
         "tensor parallel: rank %d of %d joined (%s, %d CPU threads)",
         rank, size, dist.get_backend(), torch.get_num_threads(),
@@ -112,10 +114,13 @@ def get_tp() -> TPGroup | None:
 
 
 def destroy_tp() -> None:
-    """Leave the group (no collective; peers must not be waiting on this rank)."""
+    """Leave the group (no collective; peers must not be waiting on this rank) and restore
+    the CPU thread count `init_tp` changed (an in-process Engine's host process lives on)."""
     global _GROUP
     if dist.is_initialized():
         dist.destroy_process_group()
+    if _GROUP is not None:
+        torch.set_num_threads(_GROUP.threads_before)
     _GROUP = None
 
 
