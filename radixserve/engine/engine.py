@@ -123,6 +123,16 @@ class Engine:
         assert isinstance(text, str)
         return text
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel follower ranks (if any); the engine is unusable afterwards."""
+        self.scheduler.worker.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
 
