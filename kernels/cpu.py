@@ -16,6 +16,7 @@ read once for all of them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -150,18 +151,28 @@ def _padded_decode(
     per-request call overhead; `private_attention` picks it only for many short requests."""
     b, hq, d = q.shape
     s, hkv = k.shape[0], k.shape[1]
+    rows, mask = _padded_layout(tuple(kv_lens), q.dtype)
+    kv_max = mask.shape[-1]
+    kp = k.reshape(s, hkv * d).index_select(0, rows).view(b, kv_max, hkv, d).transpose(1, 2)
+    vp = v.reshape(s, hkv * d).index_select(0, rows).view(b, kv_max, hkv, d).transpose(1, 2)
+    qs = q.view(b, hkv, hq // hkv, d)  # (B, Hkv, group, D)
+    out, lse = _flash(qs, kp, vp, 0.0, False, attn_mask=mask, scale=scale)
+    return out.reshape(b, hq, d), lse.reshape(b, hq)
+
+
+@functools.lru_cache(maxsize=4)
+def _padded_layout(
+    kv_lens: tuple[int, ...], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grid rows (B*kv_max,) into the concatenated keys, and the additive padding mask
+    (B, 1, 1, kv_max). Every layer of a step asks for the same layout, so it is built once."""
     kv_max = max(kv_lens)
     lens = torch.tensor(kv_lens)
     pos = torch.arange(kv_max)
     rows = (lens.cumsum(0) - lens)[:, None] + torch.where(pos[None] < lens[:, None], pos, 0)
-    rows = rows.flatten()  # (B*kv_max,) row of k for each grid cell
-    kp = k.reshape(s, hkv * d).index_select(0, rows).view(b, kv_max, hkv, d).transpose(1, 2)
-    vp = v.reshape(s, hkv * d).index_select(0, rows).view(b, kv_max, hkv, d).transpose(1, 2)
-    mask = torch.zeros(b, 1, 1, kv_max, dtype=q.dtype)  # (B, 1, 1, kv_max), broadcast
+    mask = torch.zeros(len(kv_lens), 1, 1, kv_max, dtype=dtype)  # broadcast over heads
     mask.masked_fill_(pos[None, None, None] >= lens[:, None, None, None], float("-inf"))
-    qs = q.view(b, hkv, hq // hkv, d)  # (B, Hkv, group, D)
-    out, lse = _flash(qs, kp, vp, 0.0, False, attn_mask=mask, scale=scale)
-    return out.reshape(b, hq, d), lse.reshape(b, hq)
+    return rows.flatten(), mask
 
 
 # When the padded decode call beats one call per run of equal-length requests. Measured on
