@@ -240,28 +240,29 @@ class Run:
     """Shared state of one benchmark run."""
 
     client: httpx.AsyncClient
-    args: Any
-    sem: asyncio.Semaphore
+    args: argparse.Namespace
+    sem: asyncio.Semaphore  # --max-concurrency
     bar: Any  # tqdm
     results: list[Result] = field(default_factory=list)
 
 
 async def run_conversation(run: Run, conv_id: int, conv: list[Turn]) -> None:
-    """Send the turns of one conversation in order; a failed turn ends the conversation."""
+    """Send the turns of one conversation in order; a failed turn ends the conversation
+    (its later turns are never sent, so they count nowhere)."""
     multi = run.args.dataset == "multi-turn"
     answers: list[str] = []
     for t, turn in enumerate(conv):
         r = Result(conv_id, t)
         run.results.append(r)
         prompt = prompt_of(conv, answers, t, multi)
-        async with run.sem:
-            try:
+        try:
+            async with run.sem:  # latencies count from the send, not from the arrival
                 await send(run.client, run.args.backend, prompt, turn.output_len, run.args, r)
-            except (httpx.HTTPError, json.JSONDecodeError) as e:
-                r.error = repr(e)[:200]
-            except asyncio.CancelledError:
-                r.error = "cancelled at --max-duration"
-                raise
+        except (httpx.HTTPError, json.JSONDecodeError) as e:
+            r.error = repr(e)[:200]
+        except asyncio.CancelledError:  # queued or in flight at --max-duration
+            r.error = "cancelled at --max-duration"
+            raise
         run.bar.update(1)
         if not r.ok:
             return

@@ -4,8 +4,14 @@ uses the embedded SmolLM2 tokenizer (so chat templates and multi-byte text are r
 
 from __future__ import annotations
 
-import importlib.util
 import os
+
+# Tests run several torch processes at once (pytest, server children) on few cores: idle
+# OpenMP threads must sleep, not spin, or each process steals the others' cores. Set before
+# anything imports torch; subprocesses inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import importlib.util  # noqa: E402
 import signal
 import socket
 import subprocess

