@@ -219,9 +219,10 @@ def private_attention(
     for many short decode requests of mixed lengths, in one padded call (`_use_padded`)."""
     _check_qkv(q, k, v)
     _check_lens(q, k, q_lens, kv_lens)
-    runs = list(_runs(q_lens, kv_lens))
-    if len(runs) > 1 and _use_padded(q_lens, kv_lens):
+    # Padding only pays over several runs of equal lengths: test that cheaply first.
+    if _use_padded(q_lens, kv_lens) and len(set(kv_lens)) > 1:
         return _padded_decode(q, k, v, kv_lens, scale)
+    runs = list(_runs(q_lens, kv_lens))
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []
     for r in runs:
         if r.q_len == 0:
