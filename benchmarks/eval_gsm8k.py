@@ -10,7 +10,8 @@ question's n forks together.
     python benchmarks/eval_gsm8k.py --url http://127.0.0.1:30000 -n 1 --temperature 0
 
 Reports accuracy, the invalid-answer rate (no number in any sample), wall time, output
-tokens/s and the cache hit rate (sum cached / sum prompt tokens over every gen). --compare
+tokens/s and the cache hit rate (cached / prompt tokens over every request the runtime
+admitted during the run, from its scheduler counters). --compare
 runs `tree` then `flat` in-process on the same questions and prints the speedup and the
 number of questions whose voted answer / sample texts differ (0 expected when greedy).
 """
@@ -76,6 +77,17 @@ def solve(s: Any, few_shot: str, question: str, n: int, max_tokens: int) -> None
     forks.join()  # s["answer"]: the n answers
 
 
+def cache_counters(backend: Any) -> tuple[int, int]:
+    """(prompt tokens, cached prompt tokens) the runtime has admitted since it started: every
+    request counts, the fork commits included (the gens alone would find their whole
+    prompt cached by the commit before them)."""
+    if hasattr(backend, "engine"):  # EngineBackend: read after its requests finished
+        sched = backend.engine.scheduler
+        return sched.prompt_tokens_total, sched.cached_tokens_total
+    stats = backend.get_server_info()["scheduler"]  # RuntimeEndpoint
+    return stats["prompt_tokens_total"], stats["cached_tokens_total"]
+
+
 def run_eval(
     backend: Any,
     questions: list[dict[str, Any]],
@@ -90,18 +102,17 @@ def run_eval(
         {"few_shot": few_shot, "question": q["question"], "n": n, "max_tokens": max_tokens}
         for q in questions
     ]
+    before = cache_counters(backend)
     start = time.perf_counter()
     states = solve.run_batch(batch, backend=backend, num_threads=parallel, temperature=temperature)
     wall = time.perf_counter() - start
-    preds, texts, out_tok, prompt_tok, cached_tok = [], [], 0, 0, 0
+    after = cache_counters(backend)
+    preds, texts, out_tok = [], [], 0
     for st in states:
         answers = st["answer"]  # re-raises the program's failure, if any
         texts.append(answers)
         preds.append(majority([extract_answer(a) for a in answers]))
-        for meta in st.get_meta_info("answer"):
-            out_tok += meta["completion_tokens"]
-            prompt_tok += meta["prompt_tokens"]
-            cached_tok += meta.get("cached_tokens", 0)
+        out_tok += sum(meta["completion_tokens"] for meta in st.get_meta_info("answer"))
     labels = [extract_answer(q["answer"]) for q in questions]
     return {
         "questions": len(questions),
@@ -111,7 +122,7 @@ def run_eval(
         "wall_s": wall,
         "output_tokens": out_tok,
         "output_tok_s": out_tok / wall,
-        "cache_hit_rate": cached_tok / max(prompt_tok, 1),
+        "cache_hit_rate": (after[1] - before[1]) / max(after[0] - before[0], 1),
         "predictions": preds,
         "texts": texts,  # per question, its n sample texts
     }
