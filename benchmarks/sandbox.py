@@ -18,6 +18,9 @@ place it may write. Containment, layer by layer:
   deletions outside the sandbox directory. Refusals raise `SandboxViolation` in the child,
   so they show as status "blocked".
 
+Cost of the ctypes ban: packages that import ctypes (numpy among them) cannot be imported
+in the sandbox; HumanEval and APPS solutions need only the standard library.
+
 This contains mistakes and misbehaving samples; it is not a security boundary against an
 adversary who knows it (a container, a seccomp filter or an unprivileged user would be).
 """

@@ -179,8 +179,12 @@ def _padded_layout(
 # this 2-core CPU (1 thread, bf16, Hq 9 / Hkv 3 / D 64, B decode requests, kv_len uniform
 # in [R/2, 3R/2]), per-run calls vs padded: B=128 R=16: 3.3 vs 0.96 ms; R=64: 8.6 vs 2.2 ms;
 # R=128: 9.4 vs 21.8 ms (the masked call slows down past kv ~128); B=8 R=16: 0.24 vs 0.10 ms.
+# A later, quieter measurement (same shapes, kv_len uniform in [lo, hi), per-request vs
+# padded, ms): B=16 [80,120) 0.48 vs 0.25; B=16 [150,200) 0.62 vs 0.47; B=64 [80,120) 2.0 vs
+# 1.1; B=128 [100,160) 4.6 vs 3.0; but B=64 [200,400) 3.1 vs 3.5 and B=16 [300,600) 0.94 vs
+# 1.3: padding pays up to kv ~200, hence the bound below.
 PAD_MIN_REQUESTS = 8
-PAD_MAX_KV = 96
+PAD_MAX_KV = 200
 PAD_MAX_WASTE = 2.0  # padded grid cells / real keys
 
 
