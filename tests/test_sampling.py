@@ -50,7 +50,7 @@ def test_defaults_are_sglangs() -> None:
     want = dict(
         max_new_tokens=128, min_new_tokens=0, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0,
         frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, stop=[],
-        stop_token_ids=[], ignore_eos=False, skip_special_tokens=True,
+        stop_token_ids=[], stop_regex=[], ignore_eos=False, skip_special_tokens=True,
         spaces_between_special_tokens=True, n=1, seed=None, regex=None, json_schema=None,
     )  # fmt: skip
     assert SamplingParams().to_dict() == want
@@ -512,3 +512,11 @@ def test_trim_text_leaves_other_reasons_alone() -> None:
     assert trim_text("abc###def", FinishReason("length")) == "abc###def"
     assert trim_text("abc###def", None) == "abc###def"
     assert StopChecker.trim_text("x.y", FinishReason("stop", ".")) == "x"
+
+
+def test_stop_regex_key_accepted_empty_refused_set() -> None:
+    # SGLang's frontend sends stop_regex on every request (null or []): it must parse.
+    assert SamplingParams.from_dict({"stop_regex": None}).stop_regex == []
+    assert SamplingParams.from_dict({"stop_regex": []}).stop_regex == []
+    with pytest.raises(ValueError, match="stop_regex is not supported"):
+        SamplingParams.from_dict({"stop_regex": ["\\d+"]})

@@ -41,6 +41,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)  # a single str is accepted and wrapped
     stop_token_ids: list[int] = field(default_factory=list)
+    # SGLang's frontend always sends this key (null or [] unless the program sets it);
+    # accepted so its RuntimeEndpoint works unchanged, refused when non-empty (not built yet).
+    stop_regex: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # eos does not stop (min_new_tokens masking still applies)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -52,9 +55,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name))
         self.stop = list(self.stop)
+        self.stop_regex = list(self.stop_regex)
         self.stop_token_ids = list(self.stop_token_ids)
         for name in _FLOATS:
             setattr(self, name, float(getattr(self, name)))
@@ -128,6 +134,10 @@ class SamplingParams:
         _require(1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}")
         for s in self.stop:
             _require(len(s) > 0, "stop strings must be non-empty, got ''")
+        _require(
+            not self.stop_regex,
+            "stop_regex is not supported yet: use stop (strings) or regex (constrained output)",
+        )
         for t in self.stop_token_ids:
             _require(t >= 0, f"stop_token_ids entries must be >= 0, got {t}")
         _require(
@@ -168,6 +178,10 @@ _TYPES: dict[str, tuple[Any, str]] = {
     **{name: (lambda v: isinstance(v, bool), "a boolean") for name in _BOOLS},
     "stop": (lambda v: _is_list_of(v, lambda x: isinstance(x, str)), "a string or list of strings"),
     "stop_token_ids": (lambda v: _is_list_of(v, _is_int), "a list of integers"),
+    "stop_regex": (
+        lambda v: _is_list_of(v, lambda x: isinstance(x, str)),
+        "a string or list of strings",
+    ),
     "seed": (lambda v: v is None or _is_int(v), "an integer or null"),
     "regex": (lambda v: v is None or isinstance(v, str), "a string or null"),
     "json_schema": (lambda v: v is None or isinstance(v, str), "a string or null"),
