@@ -12,6 +12,7 @@ run offline benchmarks/bench_offline.py --batch 16 --new-tokens 64 --json "$out/
 run tree_attention_headline benchmarks/bench_tree_attention.py --only headline --json "$out/tree_attention_headline.json"
 run tree_attention benchmarks/bench_tree_attention.py --json "$out/tree_attention.json" --plot "$out/tree_attention.png"
 run shared_prefix benchmarks/bench_shared_prefix.py --batch 1 16 64 --prefix 1024 4096 --new-tokens 16 --json "$out/shared_prefix.json"
+run shared_prefix_b1 benchmarks/bench_shared_prefix.py --batch 1 --prefix 1024 4096 --new-tokens 32 --repeats 3 --backends tree flat --json "$out/shared_prefix_b1.json"
 run samples benchmarks/bench_shared_prefix.py --samples --batch 64 --prefix 4096 --new-tokens 128 --backends tree hf --json "$out/samples.json"
 run gsm8k benchmarks/eval_gsm8k.py --num-questions 20 --num-shots 8 -n 16 --max-tokens 128 --compare --output-json "$out/gsm8k.json"
 run gsm8k_greedy benchmarks/eval_gsm8k.py --num-questions 20 --num-shots 8 -n 1 --temperature 0 --dtype float32 --max-tokens 128 --compare --output-json "$out/gsm8k_greedy.json"
