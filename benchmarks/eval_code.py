@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
+from benchmarks.runtime_args import add_runtime_args, check_runtime_args  # noqa: E402
 from benchmarks.sandbox import Limits, run_python  # noqa: E402
 
 FORMATS = ("chat", "completion")
@@ -486,21 +487,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=10.0, help="wall seconds per sandbox run")
-    ap.add_argument("--url", default=None, help="a server; default: in-process Engine")
-    ap.add_argument("--api-key", default=None)
-    ap.add_argument("--model", default=None, help="in-process model (default: embedded)")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--max-total-tokens", type=int, default=None, help="in-process KV pool")
-    ap.add_argument("--attention-backend", choices=["tree", "flat"], default="tree")
-    ap.add_argument("--compare", action="store_true", help="in-process: tree, then flat")
-    ap.add_argument("--output-json", default=None)
+    add_runtime_args(ap)
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.compare and args.url:
-        raise SystemExit("--compare builds both engines in-process; drop --url")
+    check_runtime_args(args)
     problems = load_problems(args)
     cfg = EvalConfig(
         k=args.samples,

@@ -22,12 +22,16 @@ import argparse
 import gc
 import json
 import re
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import radixserve.frontend as rs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
+from benchmarks.runtime_args import add_runtime_args, check_runtime_args  # noqa: E402
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 STOP = ["Question:", "\n\n\n"]  # the next shot would start with "Question:"
@@ -148,21 +152,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--parallel", type=int, default=64, help="programs run at once")
-    ap.add_argument("--url", default=None, help="a server; default: in-process Engine")
-    ap.add_argument("--api-key", default=None)
-    ap.add_argument("--model", default=None, help="in-process model (default: embedded)")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--max-total-tokens", type=int, default=None, help="in-process KV pool")
-    ap.add_argument("--attention-backend", choices=["tree", "flat"], default="tree")
-    ap.add_argument("--compare", action="store_true", help="in-process: tree, then flat")
-    ap.add_argument("--output-json", default=None)
+    add_runtime_args(ap)
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.compare and args.url:
-        raise SystemExit("--compare builds both engines in-process; drop --url")
+    check_runtime_args(args)
     data = Path(args.data_dir)
     few_shot = few_shot_prompt(read_jsonl(data / "train.jsonl"), args.num_shots)
     questions = read_jsonl(data / "test.jsonl")[: args.num_questions]
