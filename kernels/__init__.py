@@ -5,6 +5,7 @@ Hq % Hkv == 0; q/k/v share a dtype; LSE is float32 natural-log of the scaled sco
 
 - segment_attention(q (n,Hq,D), k (L,Hkv,D), v (L,Hkv,D), scale) -> out (n,Hq,D), lse (n,Hq)
 - private_attention(q (T,Hq,D), k (S,Hkv,D), v, q_lens, kv_lens, scale) -> out, lse
+- decode_attention(q (B,Hq,D), k (B,L,Hkv,D), v, kv_lens, scale) -> out (B,Hq,D), lse (B,Hq)
 - merge_states(outs (N,T,Hq,D), lses (N,T,Hq)) -> out (T,Hq,D), lse (T,Hq)
 
 Outputs are new tensors (out in q's / outs' dtype); inputs are never modified. A row that sees
@@ -30,6 +31,7 @@ from radixserve.kernels import cpu, reference
 
 __all__ = [
     "IMPLS",
+    "decode_attention",
     "get_impl",
     "merge_states",
     "private_attention",
@@ -108,6 +110,19 @@ def private_attention(
     """Per request: its q_len queries are the LAST q_len positions of its kv_len keys
     (bottom-right causal alignment): query i sees keys 0 .. kv_len - q_len + i."""
     return _module(q).private_attention(q, k, v, q_lens, kv_lens, scale)
+
+
+def decode_attention(
+    q: torch.Tensor,  # (B, Hq, D), one query per request
+    k: torch.Tensor,  # (B, L, Hkv, D), request b's keys padded to L
+    v: torch.Tensor,
+    kv_lens: list[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode over a padded grid: request b's query sees k[b, :kv_lens[b]] (1 <= kv_len <= L);
+    what lies past kv_lens[b] gets no weight but must be finite (implementations may mask
+    rather than skip it). One call for a whole decode batch of mixed lengths."""
+    return _module(q).decode_attention(q, k, v, kv_lens, scale)
 
 
 def merge_states(

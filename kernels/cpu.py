@@ -139,62 +139,38 @@ def _extend_run(
     return merge_states(torch.stack([op, ob]), torch.stack([lp, lb]))
 
 
-def _padded_decode(
+def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: list[int], scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode (q_len 1) for requests of different kv_len in ONE kernel call: gather each
-    request's keys into a (B, kv_max) grid and mask the padding with an additive -inf.
+    """One query per request against its own padded keys, in ONE kernel call.
 
-        grid row b  |<-------- kv_lens[b] -------->|<-- pad: copies of its key 0, masked -->|
-
-    Costs a copy of all K/V (index_select on (S, Hkv*D) rows, the fast gather) but saves the
-    per-request call overhead; `private_attention` picks it only for many short requests."""
+    q (B, Hq, D); k/v (B, L, Hkv, D), any strides with a unit last stride; request b sees
+    k[b, :kv_lens[b]] (1 <= kv_lens[b] <= L) and the padding after it is masked with an
+    additive -inf (no mask at all when nothing is padded), so it must be finite. Each request's group of query
+    heads is stacked as the query rows of its KV head: no copy of q."""
     b, hq, d = q.shape
-    s, hkv = k.shape[0], k.shape[1]
-    rows, mask = _padded_layout(tuple(kv_lens), q.dtype)
-    kv_max = mask.shape[-1]
-    kp = k.reshape(s, hkv * d).index_select(0, rows).view(b, kv_max, hkv, d).transpose(1, 2)
-    vp = v.reshape(s, hkv * d).index_select(0, rows).view(b, kv_max, hkv, d).transpose(1, 2)
-    qs = q.view(b, hkv, hq // hkv, d)  # (B, Hkv, group, D)
-    out, lse = _flash(qs, kp, vp, 0.0, False, attn_mask=mask, scale=scale)
+    assert k.dim() == 4 and k.shape == v.shape, f"k {tuple(k.shape)}, v {tuple(v.shape)}: want 4-D"
+    assert k.shape[0] == b == len(kv_lens), f"{b} queries, k {tuple(k.shape)}, {len(kv_lens)} lens"
+    _check_qkv(q, k[0], v[0])
+    length, hkv = k.shape[1], k.shape[2]
+    assert all(1 <= n <= length for n in kv_lens), f"need 1 <= kv_len <= {length}: {kv_lens}"
+    qs = q.reshape(b, hkv, hq // hkv, d)  # (B, Hkv, group, D)
+    mask = _padding_mask(tuple(kv_lens), length, q.dtype)
+    out, lse = _flash(qs, k.transpose(1, 2), v.transpose(1, 2), 0.0, False,
+                      attn_mask=mask, scale=scale)  # fmt: skip
     return out.reshape(b, hq, d), lse.reshape(b, hq)
 
 
 @functools.lru_cache(maxsize=4)
-def _padded_layout(
-    kv_lens: tuple[int, ...], dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Grid rows (B*kv_max,) into the concatenated keys, and the additive padding mask
-    (B, 1, 1, kv_max). Every layer of a step asks for the same layout, so it is built once."""
-    kv_max = max(kv_lens)
-    lens = torch.tensor(kv_lens)
-    pos = torch.arange(kv_max)
-    rows = (lens.cumsum(0) - lens)[:, None] + torch.where(pos[None] < lens[:, None], pos, 0)
-    mask = torch.zeros(len(kv_lens), 1, 1, kv_max, dtype=dtype)  # broadcast over heads
-    mask.masked_fill_(pos[None, None, None] >= lens[:, None, None, None], float("-inf"))
-    return rows.flatten(), mask
-
-
-# When the padded decode call beats one call per run of equal-length requests. Measured on
-# this 2-core CPU (1 thread, bf16, Hq 9 / Hkv 3 / D 64, B decode requests, kv_len uniform
-# in [R/2, 3R/2]), per-run calls vs padded: B=128 R=16: 3.3 vs 0.96 ms; R=64: 8.6 vs 2.2 ms;
-# R=128: 9.4 vs 21.8 ms (the masked call slows down past kv ~128); B=8 R=16: 0.24 vs 0.10 ms.
-# A later, quieter measurement (same shapes, kv_len uniform in [lo, hi), per-request vs
-# padded, ms): B=16 [80,120) 0.48 vs 0.25; B=16 [150,200) 0.62 vs 0.47; B=64 [80,120) 2.0 vs
-# 1.1; B=128 [100,160) 4.6 vs 3.0; but B=64 [200,400) 3.1 vs 3.5 and B=16 [300,600) 0.94 vs
-# 1.3: padding pays up to kv ~200, hence the bound below.
-PAD_MIN_REQUESTS = 8
-PAD_MAX_KV = 200
-PAD_MAX_WASTE = 2.0  # padded grid cells / real keys
-
-
-def _use_padded(q_lens: list[int], kv_lens: list[int]) -> bool:
-    """Padding pays for many short, similar decode requests (see the measurements above):
-    it saves ~30 us of call overhead per request at the price of copying K/V once."""
-    if len(q_lens) < PAD_MIN_REQUESTS or any(ql != 1 for ql in q_lens):
-        return False
-    kv_max = max(kv_lens)
-    return kv_max <= PAD_MAX_KV and len(kv_lens) * kv_max <= PAD_MAX_WASTE * sum(kv_lens)
+def _padding_mask(kv_lens: tuple[int, ...], length: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """Additive (B, 1, 1, L) mask, -inf past each kv_len; None when no row is padded. Every
+    layer of a step asks for the same one, so it is built once per step."""
+    if min(kv_lens) == length:
+        return None
+    pos = torch.arange(length)
+    mask = torch.zeros(len(kv_lens), 1, 1, length, dtype=dtype)  # broadcast over heads
+    mask.masked_fill_(pos >= torch.tensor(kv_lens)[:, None, None, None], float("-inf"))
+    return mask
 
 
 def _check_lens(q: torch.Tensor, k: torch.Tensor, q_lens: list[int], kv_lens: list[int]) -> None:
@@ -219,13 +195,10 @@ def private_attention(
     (bottom-right causal). Returns out (T, Hq, D) in q's dtype, lse (T, Hq) float32.
 
     Raises AssertionError unless 0 <= q_len <= kv_len for every request. Requests are
-    processed in runs of equal (q_len, kv_len), one kernel call per run (see `_runs`), or,
-    for many short decode requests of mixed lengths, in one padded call (`_use_padded`)."""
+    processed in runs of equal (q_len, kv_len), one kernel call per run (see `_runs`); decode
+    steps of mixed lengths are faster through `decode_attention` on a padded grid."""
     _check_qkv(q, k, v)
     _check_lens(q, k, q_lens, kv_lens)
-    # Padding only pays over several runs of equal lengths: test that cheaply first.
-    if _use_padded(q_lens, kv_lens) and len(set(kv_lens)) > 1:
-        return _padded_decode(q, k, v, kv_lens, scale)
     runs = list(_runs(q_lens, kv_lens))
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []
     for r in runs:

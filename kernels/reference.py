@@ -56,6 +56,18 @@ def private_attention(
     return torch.cat(outs), torch.cat(lses)
 
 
+def decode_attention(
+    q: torch.Tensor,  # (B, Hq, D), one query per request
+    k: torch.Tensor,  # (B, L, Hkv, D), request b's keys padded to L
+    v: torch.Tensor,
+    kv_lens: list[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request b's query attends k[b, :kv_lens[b]]; the padding after it is never read."""
+    parts = [_attend(q[b : b + 1], k[b, :n], v[b, :n], scale, None) for b, n in enumerate(kv_lens)]
+    return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
+
+
 def merge_states(
     outs: torch.Tensor,  # (N, T, Hq, D)
     lses: torch.Tensor,  # (N, T, Hq) float32; -inf marks "no contribution"

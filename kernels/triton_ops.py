@@ -123,6 +123,23 @@ def private_attention(
     return out, lse
 
 
+def decode_attention(
+    q: torch.Tensor,  # (B, Hq, D), one query per request
+    k: torch.Tensor,  # (B, L, Hkv, D), request b's keys padded to L
+    v: torch.Tensor,
+    kv_lens: list[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request b's query attends k[b, :kv_lens[b]]: the valid rows are packed request-major
+    and run through the private kernel (one query per request is its decode case)."""
+    assert k.dim() == 4 and k.shape == v.shape and k.shape[0] == q.shape[0] == len(kv_lens), (
+        f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, {len(kv_lens)} kv_lens"
+    )
+    lens = torch.tensor(kv_lens, device=k.device)
+    valid = torch.arange(k.shape[1], device=k.device)[None, :] < lens[:, None]  # (B, L)
+    return private_attention(q, k[valid], v[valid], [1] * len(kv_lens), kv_lens, scale)
+
+
 def merge_states(
     outs: torch.Tensor,  # (N, T, Hq, D)
     lses: torch.Tensor,  # (N, T, Hq) float32; -inf marks "no contribution"

@@ -134,17 +134,52 @@ def test_cpu_private_matches_reference(dtype: torch.dtype) -> None:
         assert_state_close(got, reference.private_attention(q, k, v, q_lens, kv_lens, 0.3))
 
 
+def padded_decode_case(
+    gen: torch.Generator, kv_lens: list[int], length: int, hkv: int, group: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (B, Hq, D) and k/v (B, length, Hkv, D) whose padding is large garbage (finite, as the
+    contract asks): any weight on it would show."""
+    q, _, _ = qkv(gen, len(kv_lens), 0, hkv, group, 64, dtype)
+    _, k, v = qkv(gen, 0, len(kv_lens) * length, hkv, group, 64, dtype)
+    k, v = k.view(len(kv_lens), length, hkv, 64), v.view(len(kv_lens), length, hkv, 64)
+    for b, n in enumerate(kv_lens):
+        k[b, n:], v[b, n:] = 1e4, -1e4
+    return q, k, v
+
+
+DECODE_CASES = [  # (kv_lens, padded length L, Hkv, group)
+    ([20 + (7 * i) % 41 for i in range(20)], 60, 3, 3),  # mixed lengths, SmolLM2 heads
+    ([33] * 5, 33, 3, 3),  # nothing padded: no mask at all
+    ([1, 300, 7], 310, 1, 8),  # GQA 8, a one-key request, padding past the longest
+    ([5, 2], 5, 2, 1),  # MHA
+]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cpu_padded_decode_path(dtype: torch.dtype) -> None:
-    """Many short decode requests of different lengths take the one-call padded path."""
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+def test_decode_attention_matches_private(impl: str, dtype: torch.dtype) -> None:
+    """decode_attention on a padded grid == private_attention on the same keys concatenated
+    (the reference oracle), and gives the padding no weight."""
     gen = torch.Generator().manual_seed(3)
-    kv_lens = [20 + (7 * i) % 41 for i in range(20)]
-    q_lens = [1] * len(kv_lens)
-    assert cpu._use_padded(q_lens, kv_lens), "case must exercise the padded path"
-    q, _, _ = qkv(gen, len(q_lens), 0, 3, 3, 64, dtype)
-    _, k, v = qkv(gen, 0, sum(kv_lens), 3, 3, 64, dtype)
-    got = cpu.private_attention(q, k, v, q_lens, kv_lens, 0.125)
-    assert_state_close(got, reference.private_attention(q, k, v, q_lens, kv_lens, 0.125))
+    mod = {"reference": reference, "cpu": cpu}[impl]
+    for kv_lens, length, hkv, group in DECODE_CASES:
+        q, k, v = padded_decode_case(gen, kv_lens, length, hkv, group, dtype)
+        got = mod.decode_attention(q, k, v, kv_lens, 0.125)
+        flat_k = torch.cat([k[b, :n] for b, n in enumerate(kv_lens)])
+        flat_v = torch.cat([v[b, :n] for b, n in enumerate(kv_lens)])
+        want = reference.private_attention(q, flat_k, flat_v, [1] * len(kv_lens), kv_lens, 0.125)
+        assert_state_close(got, want)
+
+
+def test_cpu_decode_rejects_bad_lengths() -> None:
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = padded_decode_case(gen, [3, 4], 4, 3, 3, torch.float32)
+    with pytest.raises(AssertionError, match="need 1 <= kv_len <= 4"):
+        cpu.decode_attention(q, k, v, [0, 4], 0.125)  # a row with no key
+    with pytest.raises(AssertionError, match="need 1 <= kv_len <= 4"):
+        cpu.decode_attention(q, k, v, [3, 5], 0.125)
+    with pytest.raises(AssertionError, match="2 queries"):
+        cpu.decode_attention(q, k, v, [3], 0.125)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -280,6 +315,16 @@ def check_triton_private(tops: ModuleType, dtype: torch.dtype) -> None:
         assert_state_close(got, reference.private_attention(q, k, v, q_lens, kv_lens, 0.3))
 
 
+def check_triton_decode(tops: ModuleType, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(14)
+    for kv_lens, length, hkv, group in DECODE_CASES[1:]:
+        q, k, v = padded_decode_case(gen, kv_lens, length, hkv, group, dtype)
+        assert_state_close(
+            tops.decode_attention(q, k, v, kv_lens, 0.2),
+            reference.decode_attention(q, k, v, kv_lens, 0.2),
+        )
+
+
 def check_triton_merge(tops: ModuleType, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(12)
     for n_parts in (1, 3):
@@ -309,6 +354,7 @@ def check_triton_through_dispatch(tops: ModuleType, dtype: torch.dtype) -> None:
 TRITON_CHECKS = (
     check_triton_segment,
     check_triton_private,
+    check_triton_decode,
     check_triton_merge,
     check_triton_through_dispatch,
 )

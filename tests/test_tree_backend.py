@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from radixserve.kernels import reference
 
 from radixserve.attention import AttentionBackend, FlatBackend, TreeBackend, make_backend
+from radixserve.attention.flat import GatherPlan, PaddedPlan
 from radixserve.attention.tree import TreePlan
 from radixserve.engine.batch import ForwardBatch
 from radixserve.kvcache.pool import KVPool
@@ -176,8 +177,12 @@ def seg_summary(plan: TreePlan) -> list[tuple]:
 
 
 def private_per_request(plan: TreePlan) -> list[list[int]]:
-    slots, out, i = plan.private.slots.tolist(), [], 0
-    for n in plan.private_lens:
+    p, out, i = plan.private, [], 0
+    if isinstance(p, PaddedPlan):
+        grid = p.grid.view(len(p.kv_lens), -1).tolist()
+        return [row[:n] for row, n in zip(grid, p.kv_lens, strict=True)]
+    slots = p.slots.tolist()
+    for n in p.kv_lens:
         out.append(slots[i : i + n])
         i += n
     return out
@@ -195,7 +200,7 @@ def test_plan_no_folding_merges_chain_and_keeps_both_levels() -> None:
         [82, 83],
         [90, 91, 92, 84],
     ]
-    assert plan.q_lens == [1, 1, 2, 1]
+    assert isinstance(plan.private, GatherPlan) and plan.private.q_lens == [1, 1, 2, 1]
     assert plan.num_levels == 2
     assert plan.merge_rows is not None and plan.merge_rows.tolist() == [0, 1, 2, 3]
     assert plan.num_merge_rows == 4
@@ -450,6 +455,37 @@ def test_single_request_and_all_duplicates() -> None:
     ]
     assert plan.merge_rows is None  # every row has a shared part: merge all rows in place
     assert max_err(out, oracle(dup, 0.2)) <= FP32_ATOL
+
+
+@pytest.mark.parametrize(
+    ("lens", "plan_type"),
+    [
+        ([30, 41, 25, 60], PaddedPlan),  # decode, similar lengths: one padded call
+        ([200, 3, 5, 9], GatherPlan),  # padding would be > 2x the keys: gather concatenated
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_private_plans(lens: list[int], plan_type: type, dtype: torch.dtype) -> None:
+    """Both ways of reading private keys in a decode step match the oracle, flat and tree
+    (a shared 40-token root segment kept, so tree's private parts are the tails)."""
+    nodes = {1: list(range(1, 41))}
+    base = 41
+    tails, news = [], []
+    for n in lens:
+        tails.append(list(range(base, base + n - 1)))
+        news.append([base + n - 1])
+        base += n
+    case = make_case([[(1, 40)]] * 4, nodes, tails, news, kv_heads=3, group=3, dtype=dtype)
+    want = oracle(case, 0.125)
+    for backend in (FlatBackend(), tree(2, 1)):
+        got = run_backend(backend, case, 0.125)
+        plan = case.batch.attn_plan
+        private = plan.private if isinstance(plan, TreePlan) else plan
+        assert isinstance(private, plan_type), (backend, type(private))
+        if dtype == torch.float32:
+            assert max_err(got, want) <= FP32_ATOL, backend
+        else:
+            assert bf16_ratio(got, want) <= 1.0, backend
 
 
 # ------------------------------------------------------------------------ registry

@@ -35,7 +35,7 @@ import torch
 
 from radixserve import kernels
 from radixserve.attention.base import AttentionBackend
-from radixserve.attention.flat import GatherPlan
+from radixserve.attention.flat import PrivatePlan, private_plan
 from radixserve.engine.batch import ForwardBatch
 
 Range = tuple[int, int]  # half-open [start, end)
@@ -62,9 +62,7 @@ class TreePlan:
     """Everything `TreeBackend.forward` needs, built once per step by `TreeBackend.plan`."""
 
     segments: list[SharedSegment]
-    private: GatherPlan  # slots (sum private_lens,): request-major, position order
-    private_lens: list[int]  # per request: keys in its private part (>= its q_len)
-    q_lens: list[int]  # per request: query rows (extend_lens)
+    private: PrivatePlan  # each request's private keys, position order (>= its q_len)
     num_levels: int  # max kept segments on one path; merge buffer has num_levels + 1 parts
     merge_rows: torch.Tensor | None  # (M,) rows with >= 1 shared part; None when M == T
     num_merge_rows: int  # M
@@ -207,10 +205,7 @@ class TreeBackend(AttentionBackend):
         # Write first: an extend's queries must see their own (and earlier) new keys.
         pool.write(layer, batch.out_cache_loc, k, v)
         kc, vc = pool.k[layer], pool.v[layer]  # (num_slots, Hkv, D)
-        pk, pv = plan.private.gather(kc, vc)  # (sum private_lens, Hkv, D)
-        out, lse = kernels.private_attention(
-            q, pk, pv, plan.q_lens, plan.private_lens, scale
-        )  # (T, Hq, D), (T, Hq)
+        out, lse = plan.private.attend(q, kc, vc, scale)  # (T, Hq, D), (T, Hq)
         if not plan.segments:
             return out
         return _merge_shared(plan, q, kc, vc, out, lse, scale)
@@ -238,14 +233,11 @@ def _build_plan(batch: ForwardBatch, kept: list[tuple[tuple[int, ...], int, int]
         _make_segment(batch, reqs, start, n, level, q_starts, q_lens, merge_starts)
         for (reqs, start, n), level in zip(kept, levels, strict=True)
     ]
-    priv, priv_lens = _private_slots(batch, per_req)
     dev = batch.kv_pool.k[0].device
     with_shared = tuple(r for r, ranges in enumerate(per_req) if ranges)
     return TreePlan(
         segments=segments,
-        private=GatherPlan.make(priv, batch.kv_pool.k[0]),
-        private_lens=priv_lens,
-        q_lens=q_lens,
+        private=private_plan(_private_slots(batch, per_req), q_lens, batch.kv_pool.k[0]),
         num_levels=max((lv + 1 for lv in levels), default=0),
         merge_rows=None
         if all_rows or not with_shared
@@ -285,22 +277,18 @@ def _make_segment(
     )
 
 
-def _private_slots(
-    batch: ForwardBatch, per_req: list[list[Range]]
-) -> tuple[torch.Tensor, list[int]]:
-    """Concatenate, per request, the slots of every position outside its kept segments."""
-    parts: list[torch.Tensor] = []
-    lens: list[int] = []
+def _private_slots(batch: ForwardBatch, per_req: list[list[Range]]) -> list[torch.Tensor]:
+    """Per request, the slots of every position outside its kept segments, in order."""
+    out: list[torch.Tensor] = []
     for r, kept in enumerate(per_req):
-        idx, pos, n = batch.kv_indices[r], 0, 0
+        idx, pos, parts = batch.kv_indices[r], 0, []
         assert idx.numel() == batch.seq_lens[r], f"request {r}: kv_indices vs seq_len"
         for a, b in [*kept, (batch.seq_lens[r], batch.seq_lens[r])]:
             if a > pos:
                 parts.append(idx[pos:a])
-                n += a - pos
             pos = b
-        lens.append(n)
-    return torch.cat(parts), lens
+        out.append(parts[0] if len(parts) == 1 else torch.cat(parts))
+    return out
 
 
 def _merge_shared(
