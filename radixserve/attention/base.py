@@ -26,7 +26,7 @@ class AttentionBackend(ABC):
     def forward(
         self,
         q: torch.Tensor,  # (T, q_heads, head_dim)
-        k: torch.Tensor,  # (T, kv_heads, head_dim) new tokens' keys (after RoPE)
+        k: torch.Tensor,  # (T, kv_heads, head_dim) new tokens' keys (after RoPE), any strides
         v: torch.Tensor,  # (T, kv_heads, head_dim)
         layer: int,
         batch: ForwardBatch,

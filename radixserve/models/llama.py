@@ -49,20 +49,25 @@ def rope_inv_freq(config: ModelConfig) -> Tensor:
 
 
 def rope_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> Tensor:
-    """(max_position_embeddings, head_dim) cache: row p = [cos(p * f) | sin(p * f)].
+    """(max_position_embeddings, 2, head_dim) cache: row p = [[cos | cos], [-sin | sin]] of p * f.
 
-    Computed in float32 and then cast, as HF does, so bf16 models round cos/sin identically.
+    Computed in float32 and then cast, as HF does, so bf16 models round cos/sin identically
+    (negation is exact, so the signed sine rounds like HF's).
     """
     pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
     freqs = torch.outer(pos, rope_inv_freq(config))  # (P, D/2)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device=device, dtype=dtype)
+    cos, sin = freqs.cos(), freqs.sin()
+    table = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1)
+    return table.to(device=device, dtype=dtype)  # (P, 2, D)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE (HF/NeoX layout): x (T, H, D), cos/sin (T, 1, D/2) -> new (T, H, D)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]  # (T, H, D/2) each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate-half RoPE (HF/NeoX layout): x (T, H, D), cos = [cos | cos] and sin = [-sin | sin]
+    (T, 1, D) -> new (T, H, D) contiguous. Per element the same products and sum as HF's
+    x * cos + rotate_half(x) * sin (x2 * -sin == -x2 * sin exactly), in four ops."""
+    t, h, d = x.shape
+    swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)  # [x2 | x1]
+    return x * cos + swapped * sin
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -148,10 +153,10 @@ class LlamaAttention(nn.Module):
         # q and k rotated in one pass: their columns are adjacent in the fused projection.
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, -1)
         qk = apply_rope(qk, cos, sin)  # (T, Hq + Hkv, D), contiguous
-        # Backends get contiguous tensors (kernels may view/flatten them freely).
+        # Backends get a contiguous q; k and v only go into the pool, so views do.
         q = qk[:, : self.num_heads].contiguous()  # (T, Hq, D)
-        k = qk[:, self.num_heads :].contiguous()  # (T, Hkv, D)
-        v = qkv[:, self.q_size + self.kv_size :].reshape(t, self.num_kv_heads, -1).contiguous()
+        k = qk[:, self.num_heads :]  # (T, Hkv, D) view
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, -1)  # view
         out = attn.forward(q, k, v, self.layer_idx, batch, self.scale)  # (T, Hq, D)
         out = self.o_proj(out.reshape(t, self.q_size))  # (T, hidden)
         return out if self.tp_size == 1 else all_reduce(out)
@@ -239,10 +244,9 @@ class LlamaForCausalLM(nn.Module):
         pool (through the backend). Positions must be < max_position_embeddings.
         """
         assert self.rope.shape[0] > 0, "RoPE cache not built: call build_rope_cache()"
-        cos_sin = self.rope[batch.positions]  # (T, D)
-        half = self.config.head_dim // 2
-        cos = cos_sin[:, None, :half]  # (T, 1, D/2), broadcast over heads
-        sin = cos_sin[:, None, half:]
+        cos_sin = self.rope[batch.positions]  # (T, 2, D)
+        cos = cos_sin[:, None, 0]  # (T, 1, D), broadcast over heads
+        sin = cos_sin[:, None, 1]
         h = F.embedding(batch.input_ids, self.model.embed_tokens.weight)  # (T, hidden)
         for layer in self.model.layers:
             h = layer(h, cos, sin, batch, attn)

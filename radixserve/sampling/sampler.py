@@ -118,12 +118,14 @@ def sample(
     work = process_logits(logits, infos)  # (B, V); `logits` itself when nothing applies
     greedy = [i for i, info in enumerate(infos) if info.params.is_greedy]
     if len(greedy) == len(infos):
-        next_ids = work.argmax(dim=-1)  # the common decode case: one kernel, no gathers
+        # The common decode case: one kernel, no gathers. max().indices is the first maximal
+        # index like argmax, and ~3x faster on CPU (measured 165 vs 500 us at 16 x 49152).
+        next_ids = work.max(dim=-1).indices
     else:
         next_ids = torch.empty(len(infos), dtype=torch.int64, device=logits.device)
         if greedy:
             rows = torch.tensor(greedy, dtype=torch.int64, device=logits.device)
-            next_ids[rows] = work[rows].argmax(dim=-1)
+            next_ids[rows] = work[rows].max(dim=-1).indices
         drawn = [i for i, info in enumerate(infos) if not info.params.is_greedy]
         rows = torch.tensor(drawn, dtype=torch.int64, device=logits.device)
         gen = _PROCESS_GENERATOR if generator is None else generator
