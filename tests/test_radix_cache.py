@@ -55,6 +55,14 @@ def path_slots(node: TreeNode) -> list[int]:
 # -- exact cases ---------------------------------------------------------------------------
 
 
+def tree_snapshot(node: TreeNode) -> list[tuple[int, tuple[int, ...], float]]:
+    """(id, edge, last_access) of every node, depth first in child-key order."""
+    out = [(node.id, tuple(node.key), node.last_access)]
+    for key in sorted(node.children):
+        out += tree_snapshot(node.children[key])
+    return out
+
+
 def test_insert_then_match_returns_stored_slots() -> None:
     pool = make_pool(16)
     cache = RadixCache(pool)
@@ -416,6 +424,13 @@ class RadixMachine(RuleBasedStateMachine):
         kv = self.alloc(len(tokens))
         if kv is not None:
             self.record_insert(tokens, kv)
+
+    @rule(tokens=TOKENS)
+    def cached_length(self, tokens: list[int]) -> None:
+        """The read-only lookup agrees with the model and changes nothing (no split, no LRU)."""
+        before = tree_snapshot(self.cache.root)
+        assert self.cache.cached_length(tokens) == len(self.expected(tokens))
+        assert tree_snapshot(self.cache.root) == before
 
     @rule(tokens=TOKENS)
     def match(self, tokens: list[int]) -> None:

@@ -184,6 +184,23 @@ class RadixCache:
         node, values, _ = self._descend(list(token_ids), self._clock())
         return MatchResult(_cat(values), node)
 
+    def cached_length(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of `token_ids` are cached. Read-only: no split, no LRU touch
+        (for ranking candidates; `match_prefix` is for the one that is admitted)."""
+        if self.disable:
+            return 0
+        node, pos, tokens = self.root, 0, list(token_ids)
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            m = _common_prefix_len(child.key, tokens, pos)
+            pos += m
+            if m < len(child.key):
+                break
+            node = child
+        return pos
+
     def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
         """Cache `token_ids` whose K/V sit at `kv_indices`; takes ownership of `kv_indices`.
 

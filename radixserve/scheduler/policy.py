@@ -15,13 +15,11 @@ LPM_QUEUE_LIMIT = 128
 
 
 def order_waiting(waiting: list[Req], cache: RadixCache, policy: str) -> list[Req]:
-    """Return `waiting` in admission order. Does not lock anything; may split tree nodes."""
+    """Return `waiting` in admission order. Reads the cache only (no split, no LRU touch)."""
     by_arrival = sorted(waiting, key=lambda r: r.arrival)
     if policy == "fcfs" or cache.disable or len(waiting) > LPM_QUEUE_LIMIT:
         return by_arrival
-    matched = {
-        id(r): len(cache.match_prefix(r.all_ids[: r.reuse_limit()]).indices) for r in waiting
-    }
+    matched = {id(r): cache.cached_length(r.all_ids[: r.reuse_limit()]) for r in waiting}
     return sorted(by_arrival, key=lambda r: -matched[id(r)])
 
 
