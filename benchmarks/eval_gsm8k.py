@@ -152,6 +152,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--parallel", type=int, default=64, help="programs run at once")
+    ap.add_argument(
+        "--control-parallel", type=int, default=None, metavar="P",
+        help="with --compare: also run flat with --parallel P, a flat-vs-flat control that "
+        "differs only in batch composition (shows how much greedy text bf16 rounding alone moves)",
+    )  # fmt: skip
     add_runtime_args(ap)
     return ap.parse_args(argv)
 
@@ -163,38 +168,53 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     few_shot = few_shot_prompt(read_jsonl(data / "train.jsonl"), args.num_shots)
     questions = read_jsonl(data / "test.jsonl")[: args.num_questions]
     runs = []
-    names = ["tree", "flat"] if args.compare else [args.attention_backend]
-    for name in ["server"] if args.url else names:
+    plan = [(args.attention_backend, args.parallel)]  # (backend, programs at once)
+    if args.compare:
+        plan = [("tree", args.parallel), ("flat", args.parallel)]
+        if args.control_parallel:
+            plan.append(("flat", args.control_parallel))
+    for name, parallel in [("server", args.parallel)] if args.url else plan:
         backend = (
             rs.RuntimeEndpoint(args.url, args.api_key) if args.url else _in_process(args, name)
         )
         try:
             r = run_eval(backend, questions, few_shot, args.samples, args.max_tokens,
-                         args.temperature, args.parallel)  # fmt: skip
+                         args.temperature, parallel)  # fmt: skip
         finally:
             backend.close()
             del backend
             gc.collect()  # free the first engine's KV pool before the second is built
-        runs.append({"backend": name, **r})
+        runs.append({"backend": name, "parallel": parallel, **r})
         print(
-            f"[{name}] {r['questions']} questions x {r['samples']} samples: accuracy"
+            f"[{name}, parallel {parallel}] {r['questions']} questions x {r['samples']} samples: accuracy"
             f" {r['accuracy']:.3f}  invalid {r['invalid']:.3f}  {r['wall_s']:.1f} s"
             f"  {r['output_tok_s']:.1f} out tok/s  cache hit {r['cache_hit_rate']:.3f}"
         )
     result: dict[str, Any] = {"num_shots": args.num_shots, "runs": runs}
     if args.compare:
-        tree, flat = runs
+        tree, flat = runs[:2]
         result["speedup"] = flat["wall_s"] / tree["wall_s"]
-        result["differing_answers"] = sum(
-            a != b for a, b in zip(tree["predictions"], flat["predictions"])
-        )
-        result["differing_texts"] = sum(a != b for a, b in zip(tree["texts"], flat["texts"]))
+        result["differing_answers"], result["differing_texts"] = _differ(tree, flat)
         print(f"tree vs flat end-to-end speedup: {result['speedup']:.2f}x; questions whose"
               f" answer / sample texts differ: {result['differing_answers']} /"
               f" {result['differing_texts']} of {len(questions)}")  # fmt: skip
+        if len(runs) == 3:
+            result["control_differing_answers"], result["control_differing_texts"] = _differ(
+                flat, runs[2]
+            )
+            print(f"control, flat (parallel {args.parallel}) vs flat (parallel"
+                  f" {args.control_parallel}): answer / sample texts differ:"
+                  f" {result['control_differing_answers']} /"
+                  f" {result['control_differing_texts']} of {len(questions)}")  # fmt: skip
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2))
     return result
+
+
+def _differ(a: dict[str, Any], b: dict[str, Any]) -> tuple[int, int]:
+    """(questions whose voted answer differs, questions whose sample texts differ)."""
+    answers = sum(x != y for x, y in zip(a["predictions"], b["predictions"], strict=True))
+    return answers, sum(x != y for x, y in zip(a["texts"], b["texts"], strict=True))
 
 
 if __name__ == "__main__":

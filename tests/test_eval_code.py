@@ -256,9 +256,13 @@ def test_gsm8k_eval_compare_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> 
     )
     argv = ["--data-dir", str(tmp_path), "--num-shots", "2", "-n", "3", "--max-tokens", "6"]
     argv += ["--model", str(tiny_model_dir), "--dtype", "float32", "--max-total-tokens", "4096"]
-    result = gsm.main([*argv, "--compare", "--temperature", "0"])
-    tree, flat = result["runs"]
-    assert (tree["backend"], flat["backend"]) == ("tree", "flat")
+    result = gsm.main([*argv, "--compare", "--temperature", "0", "--control-parallel", "1"])
+    tree, flat, control = result["runs"]
+    assert [(r["backend"], r["parallel"]) for r in result["runs"]] == [
+        ("tree", 64), ("flat", 64), ("flat", 1)
+    ]  # fmt: skip
+    # fp32 greedy is batch-invariant here: one program at a time gives the same texts.
+    assert control["texts"] == flat["texts"] and result["control_differing_texts"] == 0
     for r in (tree, flat):
         assert (r["questions"], r["samples"]) == (3, 3) and len(r["predictions"]) == 3
         assert 0 < r["output_tokens"] <= 3 * 3 * 6
