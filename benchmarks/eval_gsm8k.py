@@ -186,8 +186,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             gc.collect()  # free the first engine's KV pool before the second is built
         runs.append({"backend": name, "parallel": parallel, **r})
         print(
-            f"[{name}, parallel {parallel}] {r['questions']} questions x {r['samples']} samples: accuracy"
-            f" {r['accuracy']:.3f}  invalid {r['invalid']:.3f}  {r['wall_s']:.1f} s"
+            f"[{name}, parallel {parallel}] {r['questions']} questions x {r['samples']} samples:"
+            f" accuracy {r['accuracy']:.3f}  invalid {r['invalid']:.3f}  {r['wall_s']:.1f} s"
             f"  {r['output_tok_s']:.1f} out tok/s  cache hit {r['cache_hit_rate']:.3f}"
         )
     result: dict[str, Any] = {"num_shots": args.num_shots, "runs": runs}

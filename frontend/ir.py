@@ -14,9 +14,11 @@ The result is the SGLang `sampling_params` dict a backend sends (None values dro
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
+
+from radixserve.frontend.choices import ChoicesMethod
 
 # Regexes of the typed gens (SGLang's). A runtime without constrained decoding ignores
 # them; the value is still converted (and a text that does not parse is an error).
@@ -132,17 +134,12 @@ class Gen(Expr):
         return replace(opts, regex=DTYPE_REGEX[self.dtype], stop=stop)
 
 
-# A choice method: (per-choice token logprobs, per-choice unconditional token logprobs or
-# None) -> index of the chosen option. See choices.py.
-ChoiceMethod = Callable[..., Any]
-
-
 @dataclass(frozen=True, eq=False)
 class Select(Expr):
     name: str | None
     choices: list[str]
     temperature: float
-    method: ChoiceMethod
+    method: ChoicesMethod  # how the option is picked from its token logprobs (choices.py)
 
 
 ExprLike = Expr | str

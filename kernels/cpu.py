@@ -146,8 +146,8 @@ def decode_attention(
 
     q (B, Hq, D); k/v (B, L, Hkv, D), any strides with a unit last stride; request b sees
     k[b, :kv_lens[b]] (1 <= kv_lens[b] <= L) and the padding after it is masked with an
-    additive -inf (no mask at all when nothing is padded), so it must be finite. Each request's group of query
-    heads is stacked as the query rows of its KV head: no copy of q."""
+    additive -inf (no mask at all when nothing is padded), so it must be finite. Each
+    request's group of query heads is stacked as the query rows of its KV head: no copy of q."""
     b, hq, d = q.shape
     assert k.dim() == 4 and k.shape == v.shape, f"k {tuple(k.shape)}, v {tuple(v.shape)}: want 4-D"
     assert k.shape[0] == b == len(kv_lens), f"{b} queries, k {tuple(k.shape)}, {len(kv_lens)} lens"

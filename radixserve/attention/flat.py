@@ -74,9 +74,7 @@ class PaddedPlan:
 PrivatePlan = GatherPlan | PaddedPlan
 
 
-def private_plan(
-    slots: list[torch.Tensor], q_lens: list[int], pool_k: torch.Tensor
-) -> PrivatePlan:
+def private_plan(slots: list[torch.Tensor], q_lens: list[int], pool_k: torch.Tensor) -> PrivatePlan:
     """How each layer of a step reads the requests' private keys.
 
     slots[r]: (kv_len_r,) int64 pool slots of request r's private keys in position order,

@@ -177,7 +177,12 @@ class Scheduler:
     # ---- forward -------------------------------------------------------------------
     def _build_batch(self, work: list[Work]) -> tuple[ForwardBatch, torch.Tensor, list[int]]:
         """The step's batch, the token rows needing logits, and each work's first such row."""
-        ids, pos, locs, seq_lens, kv_idx, paths = [], [], [], [], [], []
+        ids: list[int] = []
+        pos: list[int] = []
+        locs: list[torch.Tensor] = []
+        seq_lens: list[int] = []
+        kv_idx: list[torch.Tensor] = []
+        paths: list[list[tuple[int, int]]] = []
         rows: list[int] = []
         first_row: list[int] = []
         t = 0
@@ -189,7 +194,11 @@ class Scheduler:
             locs.append(slots[start:end])
             seq_lens.append(end)
             kv_idx.append(slots)
-            paths.append([] if self.cache.disable else self.cache.path(r.last_node))
+            if self.cache.disable:
+                paths.append([])
+            else:
+                assert r.last_node is not None, f"{r.rid} runs without a radix node"
+                paths.append(self.cache.path(r.last_node))
             first_row.append(len(rows))
             rows.extend(range(t, t + w.n) if self._wants_all_logits(w) else [t + w.n - 1])
             t += w.n
