@@ -12,6 +12,12 @@ The sweep (`--sweep`) times, for small shared segments, the tree backend keeping
 
     python benchmarks/bench_backend.py --threads 1                  # SmolLM2-like heads, bf16
     python benchmarks/bench_backend.py --sweep --threads 1 [--q-len 8] [--dtype float32]
+
+`--pad-sweep` times decode steps of B=`--batch` requests whose lengths are uniform in a range,
+read through the padded pool-to-grid plan against the concatenated gather (FlatBackend with
+padding off), to check `PAD_MAX_WASTE` in radixserve/attention/flat.py:
+
+    python benchmarks/bench_backend.py --pad-sweep --batch 16
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 from radixserve import kernels
 from radixserve.attention import FlatBackend, NoAttentionBackend, TreeBackend
 from radixserve.attention.base import AttentionBackend
+from radixserve.attention.flat import GatherPlan, PaddedPlan
 from radixserve.engine.batch import ForwardBatch
 from radixserve.kvcache.pool import KVPool
 
@@ -31,26 +38,34 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 
 
 def make_batch(
-    b: int, p: int, r: int, q_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    b: int,
+    p: int,
+    r: int | list[int],
+    q_len: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
 ) -> ForwardBatch:
-    """B requests: shared node 1 (P slots), then R private cached + q_len new slots each."""
-    num_slots = 1 + p + b * (r + q_len)
+    """B requests: shared node 1 (P slots), then R private cached + q_len new slots each
+    (`r` one length for all, or one per request)."""
+    rs = r if isinstance(r, list) else [r] * b
+    num_slots = 1 + p + sum(rs) + b * q_len
     pool = KVPool(num_slots, 1, kv_heads, head_dim, dtype)
     pool.k[0].normal_()
     pool.v[0].normal_()
     shared = torch.arange(1, 1 + p)  # a fresh pool hands out one contiguous run
-    kv_indices, new = [], []
-    for i in range(b):
-        start = 1 + p + i * (r + q_len)
-        own = torch.arange(start, start + r + q_len)  # (R + q_len,)
+    kv_indices, new, start = [], [], 1 + p
+    for ri in rs:
+        own = torch.arange(start, start + ri + q_len)  # (R + q_len,)
         kv_indices.append(torch.cat([shared, own]))
-        new.append(own[r:])
+        new.append(own[ri:])
+        start += ri + q_len
     t = b * q_len
     return ForwardBatch(
         input_ids=torch.zeros(t, dtype=torch.int64),
-        positions=torch.cat([torch.arange(p + r, p + r + q_len)] * b),
+        positions=torch.cat([torch.arange(p + ri, p + ri + q_len) for ri in rs]),
         out_cache_loc=torch.cat(new),
-        seq_lens=[p + r + q_len] * b,
+        seq_lens=[p + ri + q_len for ri in rs],
         extend_lens=[q_len] * b,
         kv_indices=kv_indices,
         paths=[[(1, p)] if p > 0 else [] for _ in range(b)],
@@ -128,6 +143,28 @@ def bench_sweep(args: argparse.Namespace, dtype: torch.dtype) -> None:
         print(f"{b:>6} " + " ".join(f"{x:>6.2f}" for x in row))
 
 
+def bench_pad_sweep(args: argparse.Namespace, dtype: torch.dtype) -> None:
+    print(f"# decode, padded grid vs concatenated gather, {args.dtype}, "
+          f"{torch.get_num_threads()} threads")  # fmt: skip
+    print(f"{'B':>4} {'kv range':>12} {'waste':>6} | {'padded ms':>9} {'gather ms':>9} | ratio")
+    gen = torch.Generator().manual_seed(0)
+    padded, gathered = FlatBackend(), FlatBackend(pad_max_waste=0.0)
+    for lo, hi in [(30, 100), (150, 250), (400, 600), (900, 1100), (50, 400), (10, 1000)]:
+        for b in args.batch:
+            lens = torch.randint(lo, hi, (b,), generator=gen).tolist()
+            batch = make_batch(b, 0, lens, 1, args.kv_heads, args.head_dim, dtype)
+            (_, t_pad), (_, t_gather) = time_forward(
+                [padded, gathered], batch, args.q_heads, args.repeat
+            )
+            assert isinstance(batch.attn_plan, GatherPlan)  # the last plan built: gathered's
+            padded.plan(batch)
+            assert isinstance(batch.attn_plan, PaddedPlan), "the case must pad"
+            grid = max(lens) + 1  # L: the longest request's keys incl. its new token
+            waste = b * grid / (sum(lens) + b)
+            print(f"{b:>4} {f'[{lo},{hi})':>12} {waste:>6.2f} | {t_pad * 1e3:>9.3f} "
+                  f"{t_gather * 1e3:>9.3f} | {t_gather / t_pad:5.2f}x  (L={grid})")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 32, 64])
@@ -141,12 +178,16 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--sweep", action="store_true", help="threshold sweep instead")
+    ap.add_argument("--pad-sweep", action="store_true", help="padded vs gathered decode")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dtype = DTYPES[args.dtype]
-    (bench_sweep if args.sweep else bench_realistic)(args, dtype)
+    if args.pad_sweep:
+        bench_pad_sweep(args, dtype)
+    else:
+        (bench_sweep if args.sweep else bench_realistic)(args, dtype)
 
 
 if __name__ == "__main__":

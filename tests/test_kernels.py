@@ -416,5 +416,19 @@ def test_bench_tree_attention_quick(tmp_path: Path) -> None:
         assert r["max_abs_diff_tree_vs_flat"] <= LOW_ATOL + LOW_RTOL * 4, r  # bf16, |out| <= ~4
 
 
+def test_bench_backend_pad_sweep_quick() -> None:
+    """The sweep behind PAD_MAX_WASTE runs and prints one timed row per length range."""
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_backend.py", "--pad-sweep", "--batch", "4",
+         "--repeat", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|") for line in proc.stdout.splitlines() if line.strip().startswith("4 ")]
+    assert len(rows) == 6, proc.stdout
+    for row in rows:
+        padded_ms, gather_ms = (float(x) for x in row[1].split())
+        assert padded_ms > 0 and gather_ms > 0, row
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--triton-checks"]:
     run_triton_checks()

@@ -19,10 +19,8 @@ from radixserve import kernels
 from radixserve.attention.base import AttentionBackend
 from radixserve.engine.batch import ForwardBatch
 
-# Decode steps use the padded grid while its cells are at most this many times the real keys.
-# Measured (bf16, SmolLM2 heads, B=16, one layer, kv_len uniform in [lo, hi)): padded vs
-# concatenated gather + per-length calls, us: [30,100) 96 vs 155; [150,250) 318 vs 816;
-# [400,600) 739 vs 1336; [900,1100) 1246 vs 2167 (benchmarks/bench_backend.py --decode).
+# Decode steps use the padded grid while its cells are at most this many times the real keys
+# (`benchmarks/bench_backend.py --pad-sweep`; numbers in docs/benchmarks.md).
 PAD_MAX_WASTE = 2.0
 
 
@@ -74,16 +72,22 @@ class PaddedPlan:
 PrivatePlan = GatherPlan | PaddedPlan
 
 
-def private_plan(slots: list[torch.Tensor], q_lens: list[int], pool_k: torch.Tensor) -> PrivatePlan:
+def private_plan(
+    slots: list[torch.Tensor],
+    q_lens: list[int],
+    pool_k: torch.Tensor,
+    pad_max_waste: float = PAD_MAX_WASTE,
+) -> PrivatePlan:
     """How each layer of a step reads the requests' private keys.
 
     slots[r]: (kv_len_r,) int64 pool slots of request r's private keys in position order,
     its q_lens[r] queries being the last of them; pool_k: one layer's pool keys (shape,
-    dtype and device of the scratch buffers)."""
+    dtype and device of the scratch buffers). Decode steps pad while the grid has at most
+    `pad_max_waste` cells per real key (0: never)."""
     kv_lens = [s.numel() for s in slots]
     dev, dt, row = pool_k.device, pool_k.dtype, pool_k.shape[1:]
     longest = max(kv_lens, default=0)
-    if all(n == 1 for n in q_lens) and len(slots) * longest <= PAD_MAX_WASTE * sum(kv_lens):
+    if all(n == 1 for n in q_lens) and len(slots) * longest <= pad_max_waste * sum(kv_lens):
         grid = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True, padding_value=0)
         shape = (len(slots), longest, *row)
         return PaddedPlan(
@@ -109,8 +113,13 @@ class FlatBackend(AttentionBackend):
 
     name = "flat"
 
+    def __init__(self, pad_max_waste: float = PAD_MAX_WASTE) -> None:
+        self.pad_max_waste = pad_max_waste
+
     def plan(self, batch: ForwardBatch) -> None:
-        batch.attn_plan = private_plan(batch.kv_indices, batch.extend_lens, batch.kv_pool.k[0])
+        batch.attn_plan = private_plan(
+            batch.kv_indices, batch.extend_lens, batch.kv_pool.k[0], self.pad_max_waste
+        )
 
     def forward(
         self,
