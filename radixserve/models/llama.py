@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from radixserve.attention.base import AttentionBackend
 from radixserve.distributed.parallel import all_reduce, local_config
 from radixserve.engine.batch import ForwardBatch
+from radixserve.models import native
 from radixserve.models.config import ModelConfig
 
 
@@ -71,7 +72,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """HF LlamaRMSNorm: variance in float32, normalised value cast back before the weight."""
+    """HF LlamaRMSNorm: variance in float32, normalised value cast back before the weight.
+
+    bf16 rows on CPU go through the fused native op (same rounding, one call)."""
+    if native.applies(x) and weight.dtype == x.dtype and (fused := native.ops()) is not None:
+        return fused.rms_norm(x, weight, eps)
     # One fused op for the float32 normalisation (same math, bit-identical to the unfused
     # pow/mean/rsqrt/mul chain): fewer small ops per layer on the decode hot path.
     normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from radixserve.distributed.parallel import shard_hf_weights
+from radixserve.models import native
 from radixserve.models.config import ModelConfig
 from radixserve.models.llama import LlamaForCausalLM, packed_linear_supported
 
@@ -162,6 +163,8 @@ def load_model(
     packed = _use_packed_linear(packed_linear, dtype, device)
     if packed:
         model.pack_linear_weights()
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+        native.ops()  # build (or load the cached build of) the fused ops now, not mid-request
     logger.info(
         "loaded %s (%s, %d layers) as %s on %s; linear: %s",
         path, config.architecture, config.num_layers, dtype, device,
