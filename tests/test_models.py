@@ -426,7 +426,7 @@ def test_smollm2_greedy_chat_matches_hf(smollm2: tuple) -> None:
             assert "Paris" in tok.decode(ours), tok.decode(ours)
 
 
-# ------------------------------------------------------------------ native fused RMSNorm
+# ------------------------------------------------------------------ native fused ops
 def native_rms_ops():
     from radixserve.models import native
 
@@ -460,6 +460,27 @@ def test_native_rms_norm_matches_torch_formula() -> None:
     torch.testing.assert_close(
         fused.rms_norm(big, w, 1e-5).float(), torch_rms(big, w, 1e-5).float(), atol=1e-6, rtol=2**-6
     )
+
+
+def test_native_rope_matches_torch_ops() -> None:
+    """Fused RoPE of the q and k heads == the torch-op path (apply_rope), bit for bit."""
+    from radixserve.models.llama import apply_rope
+
+    fused = native_rms_ops()
+    gen = torch.Generator().manual_seed(1)
+    for t, hq, hkv, d in [(1, 9, 3, 64), (16, 9, 3, 64), (300, 4, 2, 32), (7, 8, 8, 16)]:
+        width = (hq + 2 * hkv) * d
+        qkv = (torch.randn(t, width + 5, generator=gen) * 3).bfloat16()[:, :width]  # strided rows
+        ang = torch.rand(t, d // 2, generator=gen) * 500
+        c, s_ = ang.cos(), ang.sin()
+        table = torch.stack((torch.cat((c, c), -1), torch.cat((-s_, s_), -1)), 1).bfloat16()
+        q, k = fused.rope_qk(qkv, table, hq, hkv)
+        qk = qkv[:, : (hq + hkv) * d].reshape(t, hq + hkv, d)
+        want = apply_rope(qk, table[:, None, 0], table[:, None, 1])
+        assert q.is_contiguous() and torch.equal(q, want[:, :hq]), (t, hq, hkv, d)
+        assert torch.equal(k, want[:, hq:]), (t, hq, hkv, d)
+    with pytest.raises(RuntimeError, match="too few columns"):
+        fused.rope_qk(torch.ones(2, 64, dtype=torch.bfloat16), table[:2], 9, 3)
 
 
 def test_native_rms_norm_rejects_bad_input_and_can_be_disabled(

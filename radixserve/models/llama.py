@@ -71,6 +71,22 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + swapped * sin
 
 
+def rope_qk(qkv: Tensor, cos_sin: Tensor, q_heads: int, kv_heads: int) -> tuple[Tensor, Tensor]:
+    """RoPE on the q and k heads of a fused projection qkv (T, >= (Hq + Hkv) * D) with table
+    rows cos_sin (T, 2, D) -> q (T, Hq, D) contiguous, k (T, Hkv, D).
+
+    bf16 rows on CPU go through the fused native op (same rounding, one call)."""
+    if native.applies(qkv) and (fused := native.ops()) is not None:
+        q, k = fused.rope_qk(qkv, cos_sin, q_heads, kv_heads)
+        return q, k
+    t, d = qkv.shape[0], cos_sin.shape[-1]
+    # q and k rotated in one pass: their columns are adjacent in the fused projection.
+    qk = qkv[:, : (q_heads + kv_heads) * d].view(t, q_heads + kv_heads, d)
+    qk = apply_rope(qk, cos_sin[:, None, 0], cos_sin[:, None, 1])  # (T, Hq + Hkv, D)
+    # Backends get a contiguous q; k only goes into the pool, so a view does.
+    return qk[:, :q_heads].contiguous(), qk[:, q_heads:]
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """HF LlamaRMSNorm: variance in float32, normalised value cast back before the weight.
 
@@ -151,16 +167,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_bias)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, attn: AttentionBackend
+        self, x: Tensor, cos_sin: Tensor, batch: ForwardBatch, attn: AttentionBackend
     ) -> Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, q + 2 kv)
-        # q and k rotated in one pass: their columns are adjacent in the fused projection.
-        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, -1)
-        qk = apply_rope(qk, cos, sin)  # (T, Hq + Hkv, D), contiguous
-        # Backends get a contiguous q; k and v only go into the pool, so views do.
-        q = qk[:, : self.num_heads].contiguous()  # (T, Hq, D)
-        k = qk[:, self.num_heads :]  # (T, Hkv, D) view
+        q, k = rope_qk(qkv, cos_sin, self.num_heads, self.num_kv_heads)  # (T, Hq|Hkv, D)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, -1)  # view
         out = attn.forward(q, k, v, self.layer_idx, batch, self.scale)  # (T, Hq, D)
         out = self.o_proj(out.reshape(t, self.q_size))  # (T, hidden)
@@ -192,9 +203,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, tp_size)
 
     def forward(
-        self, h: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, attn: AttentionBackend
+        self, h: Tensor, cos_sin: Tensor, batch: ForwardBatch, attn: AttentionBackend
     ) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, attn)
+        h = h + self.self_attn(self.input_layernorm(h), cos_sin, batch, attn)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -249,12 +260,10 @@ class LlamaForCausalLM(nn.Module):
         pool (through the backend). Positions must be < max_position_embeddings.
         """
         assert self.rope.shape[0] > 0, "RoPE cache not built: call build_rope_cache()"
-        cos_sin = self.rope[batch.positions]  # (T, 2, D)
-        cos = cos_sin[:, None, 0]  # (T, 1, D), broadcast over heads
-        sin = cos_sin[:, None, 1]
+        cos_sin = self.rope[batch.positions]  # (T, 2, D): [cos | cos], [-sin | sin] rows
         h = F.embedding(batch.input_ids, self.model.embed_tokens.weight)  # (T, hidden)
         for layer in self.model.layers:
-            h = layer(h, cos, sin, batch, attn)
+            h = layer(h, cos_sin, batch, attn)
         return self.model.norm(h)
 
     def pack_linear_weights(self) -> None:

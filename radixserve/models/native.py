@@ -1,4 +1,5 @@
-"""Fused bf16 CPU RMSNorm for the decoder (csrc/fused_cpu.cpp), built once on first use.
+"""Fused bf16 CPU ops for the decoder (csrc/fused_cpu.cpp): RMSNorm and the RoPE of the q/k
+heads, built once on first use.
 
 `ops()` compiles the C++ source with torch's extension builder (a C++ compiler and ninja;
 the build is cached under ~/.cache/torch_extensions and reused while the source is
@@ -9,10 +10,11 @@ Why: a decode step at batch 16 runs ~25 small ops per layer between the oneDNN m
 and the chain of torch ops behind one RMSNorm (cast, pow, mean, rsqrt, mul, cast, mul)
 cost more than its own kernels (measured: the layer's linears slow down when interleaved
 with them). One call per RMSNorm made B=16 decode steps ~7 % faster on the 2-core dev CPU
-(34.6 -> 32.1 ms). It computes the torch formula's float32 math and roundings; results
-match it bit for bit in tests/test_models.py except where torch itself reorders its float32
-sum (large inputs), then within two bf16 ulps. (A scalar C++ SwiGLU was 5x slower than
-torch's vectorised silu and was dropped.)
+(34.6 -> 32.1 ms); one call for RoPE (instead of flip, two products, a sum and a copy)
+another 1–2 ms. Both compute the torch formulas' float32 math and roundings: bit for bit in
+tests/test_models.py, except RMSNorm where torch itself reorders its float32 sum (large
+inputs): within two bf16 ulps there. (A scalar C++ SwiGLU was 5x slower than torch's
+vectorised silu and was dropped.)
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ SOURCE = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
 
 @functools.cache
 def ops() -> ModuleType | None:
-    """The compiled module (`rms_norm`), or None when disabled or unbuildable."""
+    """The compiled module (`rms_norm`, `rope_qk`), or None when disabled or unbuildable."""
     if os.environ.get("RADIXSERVE_NATIVE_OPS", "1") == "0":
         logger.info("native CPU ops disabled by RADIXSERVE_NATIVE_OPS=0")
         return None
@@ -47,6 +49,6 @@ def ops() -> ModuleType | None:
 
 
 def applies(x: torch.Tensor) -> bool:
-    """Whether the fused op takes `x`: bf16 rows on CPU with a unit column stride."""
+    """Whether the fused ops take `x`: bf16 rows on CPU with a unit column stride."""
     on_cpu = x.dtype == torch.bfloat16 and x.device.type == "cpu"
     return on_cpu and x.dim() == 2 and x.stride(1) == 1

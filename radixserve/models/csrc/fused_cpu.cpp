@@ -1,9 +1,10 @@
-// Fused bf16 CPU op for the decoder's RMSNorm (radixserve/models/native.py): one call with
-// the rounding of the torch formula it replaces, instead of a chain of small ops.
+// Fused bf16 CPU ops for the decoder (radixserve/models/native.py): RMSNorm and RoPE, each
+// one call with the rounding of the torch formula it replaces, instead of a chain of small ops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <vector>
 
 namespace {
 
@@ -50,6 +51,45 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return out;
 }
 
+// Rotate-half RoPE of the q and k heads of a fused qkv projection, HF's rounding:
+// bf16(bf16(x * cos) + bf16(swap(x) * sin)) with swap(x) = [x2 | x1] and the table rows
+// [cos | cos], [-sin | sin]. qkv (T, >= (Hq + Hkv) * D) any row stride, table (T, 2, D)
+// contiguous -> q (T, Hq, D) and k (T, Hkv, D), new and contiguous.
+std::vector<torch::Tensor> rope_qk(const torch::Tensor& qkv, const torch::Tensor& table,
+                                   int64_t q_heads, int64_t kv_heads) {
+  check_rows(qkv, "rope_qk qkv");
+  TORCH_CHECK(table.scalar_type() == at::kBFloat16 && table.is_contiguous() && table.dim() == 3 &&
+                  table.size(0) == qkv.size(0) && table.size(1) == 2,
+              "rope_qk table: contiguous bfloat16 (T, 2, D) expected");
+  const int64_t rows = qkv.size(0), d = table.size(2), half = d / 2, stride = qkv.stride(0);
+  TORCH_CHECK(d % 2 == 0 && (q_heads + kv_heads) * d <= qkv.size(1),
+              "rope_qk: qkv has too few columns for the heads");
+  auto q = torch::empty({rows, q_heads, d}, qkv.options());
+  auto k = torch::empty({rows, kv_heads, d}, qkv.options());
+  const bf16* xp = qkv.data_ptr<bf16>();
+  const bf16* tp = table.data_ptr<bf16>();
+  bf16* qp = q.data_ptr<bf16>();
+  bf16* kp = k.data_ptr<bf16>();
+  at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const bf16* cos = tp + r * 2 * d;
+      const bf16* sin = cos + d;
+      for (int64_t h = 0; h < q_heads + kv_heads; ++h) {
+        const bf16* x = xp + r * stride + h * d;
+        bf16* o = h < q_heads ? qp + (r * q_heads + h) * d : kp + (r * kv_heads + h - q_heads) * d;
+        for (int64_t j = 0; j < d; ++j) {
+          const float sw = static_cast<float>(x[j < half ? j + half : j - half]);
+          const bf16 a = static_cast<bf16>(static_cast<float>(x[j]) * static_cast<float>(cos[j]));
+          const bf16 b = static_cast<bf16>(sw * static_cast<float>(sin[j]));
+          o[j] = static_cast<bf16>(static_cast<float>(a) + static_cast<float>(b));
+        }
+      }
+    }
+  });
+  return {q, k};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "HF RMSNorm on bf16 rows (T, H)");
+  m.def("rope_qk", &rope_qk, "rotate-half RoPE of the q and k heads of a bf16 qkv projection");
 }
