@@ -189,17 +189,7 @@ class RadixCache:
         (for ranking candidates; `match_prefix` is for the one that is admitted)."""
         if self.disable:
             return 0
-        node, pos, tokens = self.root, 0, list(token_ids)
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos])
-            if child is None:
-                break
-            m = _common_prefix_len(child.key, tokens, pos)
-            pos += m
-            if m < len(child.key):
-                break
-            node = child
-        return pos
+        return sum(m for _, m in self._edges(list(token_ids)))
 
     def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
         """Cache `token_ids` whose K/V sit at `kv_indices`; takes ownership of `kv_indices`.
@@ -228,6 +218,20 @@ class RadixCache:
         leaf = self._add_leaf(node, tokens[pos:], kv_indices[pos:].clone(), now)
         return MatchResult(torch.cat([cached, leaf.value]), leaf)
 
+    def _edges(self, tokens: list[int]) -> Iterator[tuple[TreeNode, int]]:
+        """(child, tokens matched on its edge) along the longest cached prefix of `tokens`,
+        root first; only the last edge may be matched partway. Reads the tree only."""
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                return
+            m = _common_prefix_len(child.key, tokens, pos)
+            yield child, m
+            if m < len(child.key):
+                return
+            node, pos = child, pos + m
+
     def _descend(self, tokens: list[int], now: float) -> tuple[TreeNode, list[torch.Tensor], int]:
         """Walk down the longest cached prefix of `tokens`, splitting where it ends mid-edge.
 
@@ -235,15 +239,9 @@ class RadixCache:
         """
         node, values, pos = self.root, [], 0
         node.last_access = now
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos])
-            if child is None:
-                break
-            m = _common_prefix_len(child.key, tokens, pos)
+        for child, m in list(self._edges(tokens)):  # list first: a split mutates the tree
             if m < len(child.key):
-                # The next token (if any) differs from the rest of the edge, so the loop ends
-                # at the new upper node on its next iteration.
-                child = self._split(child, m)
+                child = self._split(child, m)  # the new upper node: exactly the matched part
             child.last_access = now
             values.append(child.value)
             node, pos = child, pos + m
