@@ -427,13 +427,13 @@ def test_smollm2_greedy_chat_matches_hf(smollm2: tuple) -> None:
 
 
 # ------------------------------------------------------------------ native fused ops
-def native_rms_ops():
+def native_ops_or_skip():
     from radixserve.models import native
 
     if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip("no C++ compiler: the model uses the torch-op RMSNorm here")
+        pytest.skip("no C++ compiler: the model uses the torch-op RMSNorm and RoPE here")
     module = native.ops()
-    assert module is not None, "a C++ compiler is present but the fused RMSNorm did not build"
+    assert module is not None, "a C++ compiler is present but the fused ops did not build"
     return module
 
 
@@ -445,7 +445,7 @@ def test_native_rms_norm_matches_torch_formula() -> None:
     """Bit for bit at decode and prefill-chunk sizes (incl. a strided view); on large inputs
     torch reorders its own float32 sum: a normalised value may round one bf16 ulp apart, two
     after the weight's rounding (measured: 14 of 1.2M elements at 2048 x 576)."""
-    fused = native_rms_ops()
+    fused = native_ops_or_skip()
     gen = torch.Generator().manual_seed(0)
     for rows, h in [(1, 576), (16, 576), (300, 64), (7, 960)]:
         x = (torch.randn(rows, h, generator=gen) * 3).bfloat16()
@@ -466,7 +466,7 @@ def test_native_rope_matches_torch_ops() -> None:
     """Fused RoPE of the q and k heads == the torch-op path (apply_rope), bit for bit."""
     from radixserve.models.llama import apply_rope
 
-    fused = native_rms_ops()
+    fused = native_ops_or_skip()
     gen = torch.Generator().manual_seed(1)
     for t, hq, hkv, d in [(1, 9, 3, 64), (16, 9, 3, 64), (300, 4, 2, 32), (7, 8, 8, 16)]:
         width = (hq + 2 * hkv) * d
@@ -488,7 +488,7 @@ def test_native_rms_norm_rejects_bad_input_and_can_be_disabled(
 ) -> None:
     from radixserve.models import native
 
-    fused = native_rms_ops()
+    fused = native_ops_or_skip()
     w = torch.ones(8, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="bfloat16 expected"):
         fused.rms_norm(torch.ones(2, 8), w, 1e-5)
