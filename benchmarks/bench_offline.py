@@ -98,7 +98,7 @@ def cache_hit(engine: Any, tokens: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="HF folder; default: embedded SmolLM2")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--attention-backend", default="tree", choices=["tree", "flat"])
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         max_total_tokens=args.batch * (args.new_tokens + 128) + 2 * args.cache_prompt_tokens,
     )
     path = engine.scheduler.model_info.model_path
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=engine.scheduler.worker.dtype).eval()
     texts = prompts(engine, args.batch)
     n = args.new_tokens
     time_engine(engine, texts[:2], 4)  # warm-up both sides

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from radixserve.isa import resolve_dtype
+
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
 ENGINE_BACKENDS = ("tree", "flat", "none")
 
@@ -216,7 +218,7 @@ def bench_samples(args: argparse.Namespace, engines: dict[str, Any], hf: Any) ->
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--prefix", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--new-tokens", type=int, default=16)
@@ -241,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from radixserve.models.loader import resolve_model_path
 
         hf = AutoModelForCausalLM.from_pretrained(
-            resolve_model_path(args.model), dtype=getattr(torch, args.dtype)
+            resolve_model_path(args.model), dtype=resolve_dtype(args.dtype, "cpu")[0]
         ).eval()
     print(f"{args.dtype}, {torch.get_num_threads()} threads, {args.new_tokens} new tokens")
     rows = (bench_samples if args.samples else bench_decode)(args, engines, hf)

@@ -10,7 +10,7 @@ def add_runtime_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--url", default=None, help="a server; default: in-process Engine")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--model", default=None, help="in-process model (default: embedded)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-total-tokens", type=int, default=None, help="in-process KV pool")
     ap.add_argument("--attention-backend", choices=["tree", "flat"], default="tree")
     ap.add_argument("--compare", action="store_true", help="in-process: tree, then flat")

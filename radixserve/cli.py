@@ -12,11 +12,11 @@ import sys
 import typing
 from collections.abc import Sequence
 
-from radixserve.config import BACKENDS, DTYPES, POLICIES, EngineConfig
+from radixserve.config import BACKENDS, DTYPE_CHOICES, POLICIES, EngineConfig
 
 HELP = {
     "model": "HF checkpoint folder (Llama/Qwen2/Mistral); default: embedded SmolLM2-135M-Instruct",
-    "dtype": "weights, activations and KV cache dtype",
+    "dtype": "compute and KV cache dtype; auto: bfloat16 where bf16 is fast here, else float32",
     "device": "torch device of the model worker (cpu, cuda)",
     "max_total_tokens": "KV pool size in tokens (default: from --mem-fraction)",
     "mem_fraction": "fraction of free memory for the KV pool when --max-total-tokens is unset",
@@ -35,7 +35,7 @@ HELP = {
     "log_level": "debug, info, warning or error",
 }
 CHOICES: dict[str, Sequence[str]] = {
-    "dtype": list(DTYPES),
+    "dtype": DTYPE_CHOICES,
     "schedule_policy": POLICIES,
     "attention_backend": BACKENDS,
     "log_level": ("debug", "info", "warning", "error"),

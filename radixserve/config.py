@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
 POLICIES = ("lpm", "fcfs")
 BACKENDS = ("tree", "flat", "none")  # "none": benchmark-only no-attention ceiling
 
@@ -14,7 +15,7 @@ BACKENDS = ("tree", "flat", "none")  # "none": benchmark-only no-attention ceili
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # "auto": bf16 where the CPU/GPU computes it fast, else float32
     device: str = "cpu"
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction
     mem_fraction: float = 0.3  # of available host/GPU memory, when max_total_tokens is None
@@ -37,7 +38,10 @@ class EngineConfig:
             if not ok:
                 raise ValueError(msg)
 
-        check(self.dtype in DTYPES, f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        check(
+            self.dtype in DTYPE_CHOICES,
+            f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}",
+        )
         check(self.schedule_policy in POLICIES, f"schedule_policy must be one of {POLICIES}")
         check(self.attention_backend in BACKENDS, f"attention_backend must be one of {BACKENDS}")
         check(
@@ -53,7 +57,3 @@ class EngineConfig:
         check(self.max_running_requests >= 1, "max_running_requests must be >= 1")
         check(self.max_queued_requests >= 1, "max_queued_requests must be >= 1")
         check(self.tp_size >= 1, "tp_size must be >= 1")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]

@@ -19,6 +19,7 @@ from radixserve.config import EngineConfig
 from radixserve.distributed.batch_sync import recv_batch, send_batch
 from radixserve.distributed.parallel import TPGroup, agree_min, check_tp_size, get_tp, rank_device
 from radixserve.engine.batch import ForwardBatch
+from radixserve.isa import resolve_dtype
 from radixserve.kvcache.pool import KVPool
 from radixserve.models.config import ModelConfig
 from radixserve.models.loader import load_config, load_model
@@ -66,20 +67,22 @@ class ModelWorker:
     def _build(self, config: EngineConfig, model_path: str) -> None:
         rank, size = (self.tp.rank, self.tp.size) if self.tp is not None else (0, 1)
         device = rank_device(config.device, rank)
+        self.dtype, why = resolve_dtype(config.dtype, device)
+        logger.info("dtype %s (%s: %s)", self.dtype, config.dtype, why)
         self.model, self.model_config = load_model(
-            model_path, config.torch_dtype, device, tp_rank=rank, tp_size=size
+            model_path, self.dtype, device, tp_rank=rank, tp_size=size
         )
         self.backend = make_backend(config.attention_backend)
         mc = self.model_config
         kv_heads = mc.num_kv_heads // size  # this rank's shard of the KV heads
-        itemsize = torch.empty((), dtype=config.torch_dtype).element_size()
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
         per_token = 2 * mc.num_layers * kv_heads * mc.head_dim * itemsize
         sharing = 1 if device.startswith("cuda") else size  # CPU ranks share host memory
         capacity = kv_capacity(config, mc, per_token * sharing)
         if self.tp is not None:  # same slot numbering on every rank needs the same size
             capacity = agree_min(capacity, self.tp)
         self.pool = KVPool(capacity + 1, mc.num_layers, kv_heads, mc.head_dim,
-                           config.torch_dtype, device)  # fmt: skip
+                           self.dtype, device)  # fmt: skip
         logger.info(
             "KV pool: %d tokens (%.1f MiB, %d B/token)%s, attention backend %s",
             capacity,

@@ -76,7 +76,7 @@ class Scheduler:
             context_len=self.context_len,
             vocab_size=mc.vocab_size,
             eos_token_ids=tuple(sorted(self.eos_ids)),
-            dtype=config.dtype,
+            dtype=str(self.worker.dtype).removeprefix("torch."),
             kv_capacity_tokens=self.worker.pool.capacity,
             attention_backend=config.attention_backend,
         )
