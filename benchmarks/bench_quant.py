@@ -1,0 +1,89 @@
+"""Quantized linears vs float32 F.linear, side by side in one run, on SmolLM2's shapes.
+
+For each weight shape (N, K) and rows M: float32 `F.linear` on the dequantized weight, and
+the two native kernels of radixserve/models/quant.py on the same weight in Q4_1 / Q8_0:
+`small` (dequantize in registers, the decode kernel) and `tiled` (dequantize tiles into
+sgemm). Prints ms per call and the weight-read bound of each (bytes / measured bandwidth),
+and the M at which `tiled` overtakes `small` (the measurement behind quant.SMALL_M).
+
+    python benchmarks/bench_quant.py --json benchmarks/results/quant.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from roofline import measure_read_bandwidth
+
+from radixserve.isa import cpu_isa
+from radixserve.models import quant
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+          "lm_head": (49152, 576)}  # fmt: skip
+
+
+def best_ms(fn: Callable[[int], Any], copies: int, repeats: int) -> float:
+    """Best time of fn(i), cycling i over `copies` weight copies (so weights come from DRAM,
+    as in a forward pass that reads the whole model, not from the last call's cache)."""
+    fn(0)
+    best = float("inf")
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        fn(r % copies)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def bench_shape(name: str, n: int, k: int, fmt: str, rows: list[int], repeats: int,
+                bw: float) -> list[dict[str, Any]]:  # fmt: skip
+    native = quant.ops()
+    assert native is not None, "the quantized kernels did not build"
+    copies = max(1, (192 << 20) // (n * k * 4))  # > any L3 here, in float32
+    blocks = [quant.quantize(torch.randn(n, k) * 0.05, fmt) for _ in range(copies)]
+    ws = [quant.dequantize(b, fmt, k) for b in blocks]  # (N, K) float32, the same weights
+    code = quant.FORMATS[fmt].code
+    out = []
+    for m in rows:
+        x = torch.randn(m, k)
+        reps = max(repeats, copies)
+        row = {"shape": name, "fmt": fmt, "M": m,
+               "fp32_ms": best_ms(lambda i: F.linear(x, ws[i]), copies, reps),  # noqa: B023
+               "small_ms": best_ms(lambda i: native.qmatmul_small(x, blocks[i], code, k), copies, reps),  # noqa: B023,E501
+               "tiled_ms": best_ms(lambda i: native.qmatmul_tiled(x, blocks[i], code, k), copies, reps),  # noqa: B023,E501
+               "fp32_bound_ms": n * k * 4 / bw * 1e3,
+               "quant_bound_ms": blocks[0].numel() / bw * 1e3}  # fmt: skip
+        out.append(row)
+        print(f"{name:8s} {fmt} M={m:5d}  fp32 {row['fp32_ms']:8.3f}  small {row['small_ms']:8.3f}"
+              f"  tiled {row['tiled_ms']:8.3f} ms   bounds: fp32 {row['fp32_bound_ms']:.3f},"
+              f" {fmt} {row['quant_bound_ms']:.3f} ms")  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 256, 1024])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    bw = measure_read_bandwidth()
+    print(f"CPU ISA {cpu_isa()}, {torch.get_num_threads()} threads, read {bw / 1e9:.1f} GB/s")
+    rows: list[dict[str, Any]] = []
+    for name in args.shapes:
+        fmt = "q8_0" if name == "lm_head" else "q4_1"  # as in the embedded GGUF
+        rows += bench_shape(name, *SHAPES[name], fmt, args.rows, args.repeats, bw)
+    res = {"isa": cpu_isa(), "threads": torch.get_num_threads(), "read_bw": bw, "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()

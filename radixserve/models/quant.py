@@ -1,0 +1,152 @@
+"""Block-quantized weights (GGUF Q4_0, Q4_1, Q8_0) kept in their file layout, and the linear
+layer that multiplies by them (csrc/quant_cpu.cpp, built per CPU ISA on first use).
+
+Why: a decode step at small batch reads every weight once, so its time is the weight bytes
+over the memory bandwidth. Q4_1 stores 32 weights in 20 bytes (5 bits a weight) against
+128 bytes in float32: ~6x fewer bytes per step. The native kernels dequantize in registers
+and compute in float32, so the result equals F.linear on the dequantized matrix up to the
+order of the float32 sums (tests/test_quant.py).
+
+Layout of a weight (N, K): a uint8 tensor (N, K / 32 * block_bytes), row n holding the
+K / 32 blocks of output row n (see the C++ file for the block formats).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor, nn
+
+from radixserve.isa import cpu_isa
+
+logger = logging.getLogger("radixserve.quant")
+SOURCE = Path(__file__).with_name("csrc") / "quant_cpu.cpp"
+BLOCK = 32
+# Rows of x up to which the register-dequantizing kernel beats dequantize-a-tile + sgemm
+# (benchmarks/bench_quant.py on the AVX2 EPYC: small wins to M ~12, even at 16, tiled after).
+SMALL_M = 12
+ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mf16c"], "avx2": ["-mavx2", "-mfma", "-mf16c"]}
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    code: int  # the C++ enum
+    block_bytes: int
+
+
+FORMATS = {f.name: f for f in (Format("q4_0", 0, 18), Format("q4_1", 1, 20), Format("q8_0", 2, 34))}
+
+
+@functools.cache
+def ops() -> ModuleType | None:
+    """The compiled kernels for this CPU's ISA, or None (no compiler, or RADIXSERVE_NATIVE_OPS=0:
+    quantized linears then dequantize with torch ops, correct but slow)."""
+    if os.environ.get("RADIXSERVE_NATIVE_OPS", "1") == "0":
+        return None
+    from torch.utils.cpp_extension import load
+
+    isa = cpu_isa()
+    try:
+        # -fopenmp: at::parallel_for is inline OpenMP; without it the kernels run serial.
+        # (It links libgomp.so.1, the soname torch has already loaded.)
+        flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(isa, [])]
+        module = load(
+            f"radixserve_quant_{isa}", [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"]
+        )
+    except Exception as exc:  # no compiler / ninja, or a failing build: fall back, loudly
+        logger.warning("quantized CPU kernels unavailable (%s); dequantizing with torch", exc)
+        return None
+    logger.info("quantized CPU kernels loaded (%s build)", isa)
+    return module
+
+
+def dequantize(blocks: Tensor, fmt: str, k: int) -> Tensor:
+    """Reference dequantization: blocks (N, K/32 * block_bytes) uint8 -> (N, K) float32."""
+    f = FORMATS[fmt]
+    n = blocks.shape[0]
+    b = blocks.view(n, k // BLOCK, f.block_bytes)  # (N, K/32, bytes)
+    d = b[..., :2].contiguous().view(torch.float16).float()  # (N, K/32, 1)
+    if fmt == "q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).float()  # (N, K/32, 32)
+        return (d * q).view(n, k)
+    qs = b[..., 4:] if fmt == "q4_1" else b[..., 2:]  # (N, K/32, 16)
+    q = torch.cat((qs & 15, qs >> 4), dim=-1).float()  # (N, K/32, 32): low nibbles first
+    m = b[..., 2:4].contiguous().view(torch.float16).float() if fmt == "q4_1" else -8 * d
+    return (d * q + m).view(n, k)
+
+
+def quantize(w: Tensor, fmt: str) -> Tensor:
+    """(N, K) float weights -> blocks in `fmt` (round to nearest; GGUF's reference scheme:
+    Q8_0 / Q4_0 scale by the block's max magnitude, Q4_1 spans the block's [min, max])."""
+    n, k = w.shape
+    assert k % BLOCK == 0, f"K={k} is not a multiple of {BLOCK}"
+    x = w.float().reshape(n, k // BLOCK, BLOCK)  # (N, K/32, 32)
+    if fmt == "q8_0":
+        d = (x.abs().amax(-1, keepdim=True) / 127).half()
+        q = torch.round(x / d.float().clamp_min(1e-30)).clamp(-127, 127).to(torch.int8)
+        return _pack(n, [d.view(torch.uint8), q.view(torch.uint8)])
+    if fmt == "q4_1":
+        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+        d, m = ((hi - lo) / 15).half(), lo.half()
+        q = torch.round((x - m.float()) / d.float().clamp_min(1e-30)).clamp(0, 15)
+        scales = [d.view(torch.uint8), m.view(torch.uint8)]
+    else:  # q4_0: the signed value of largest magnitude maps to -8
+        mx = torch.gather(x, -1, x.abs().argmax(-1, keepdim=True))
+        d = (mx / -8).half()
+        q = torch.round(x / d.float().where(d != 0, 1.0) + 8).clamp(0, 15)
+        scales = [d.view(torch.uint8)]
+    q = q.to(torch.uint8)
+    nibbles = q[..., :16] | (q[..., 16:] << 4)  # (N, K/32, 16)
+    return _pack(n, [*scales, nibbles])
+
+
+def _pack(n: int, parts: list[Tensor]) -> Tensor:
+    """Concatenate per-block byte fields (N, K/32, *) into rows (N, K/32 * block_bytes)."""
+    return torch.cat(parts, dim=-1).reshape(n, -1).contiguous()
+
+
+class QuantLinear(nn.Module):
+    """y = x @ dequantize(blocks).T + bias; x (..., K) in any float dtype, y in x's dtype.
+
+    Computes in float32 whatever x's dtype. Holds `blocks` (uint8, see module doc) as a
+    buffer, so `state_dict` carries the quantized bytes.
+    """
+
+    def __init__(self, blocks: Tensor, fmt: str, in_features: int, bias: Tensor | None) -> None:
+        super().__init__()
+        f = FORMATS[fmt]
+        assert in_features % BLOCK == 0, f"in_features {in_features} not a multiple of {BLOCK}"
+        want = (blocks.shape[0], in_features // BLOCK * f.block_bytes)
+        assert blocks.dtype == torch.uint8 and tuple(blocks.shape) == want, (blocks.shape, want)
+        self.fmt, self.code = fmt, f.code
+        self.in_features, self.out_features = in_features, blocks.shape[0]
+        self.register_buffer("blocks", blocks.contiguous())
+        self.bias = bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).float().contiguous()  # (M, K)
+        native = ops()
+        if native is None:
+            y = x2 @ dequantize(self.blocks, self.fmt, self.in_features).T
+        elif x2.shape[0] <= SMALL_M:
+            y = native.qmatmul_small(x2, self.blocks, self.code, self.in_features)
+        else:
+            y = native.qmatmul_tiled(x2, self.blocks, self.code, self.in_features)
+        y = y.to(x.dtype).view(*lead, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """Rows `ids` (int64) of the dequantized weight -> (len(ids), K) float32 (token
+        embeddings from a quantized table)."""
+        native = ops()
+        if native is None:
+            return dequantize(self.blocks[ids], self.fmt, self.in_features)
+        return native.dequant(self.blocks, self.code, self.in_features, ids)
