@@ -12,11 +12,12 @@ import sys
 import typing
 from collections.abc import Sequence
 
-from radixserve.config import BACKENDS, DTYPE_CHOICES, POLICIES, EngineConfig
+from radixserve.config import BACKENDS, DTYPE_CHOICES, POLICIES, QUANTIZATIONS, EngineConfig
 
 HELP = {
     "model": "HF checkpoint folder (Llama/Qwen2/Mistral); default: embedded SmolLM2-135M-Instruct",
     "dtype": "compute and KV cache dtype; auto: bfloat16 where bf16 is fast here, else float32",
+    "quantization": "auto: a GGUF model's Q4_0/Q4_1/Q8_0 weights run quantized; none; int8",
     "device": "torch device of the model worker (cpu, cuda)",
     "max_total_tokens": "KV pool size in tokens (default: from --mem-fraction)",
     "mem_fraction": "fraction of free memory for the KV pool when --max-total-tokens is unset",
@@ -36,6 +37,7 @@ HELP = {
 }
 CHOICES: dict[str, Sequence[str]] = {
     "dtype": DTYPE_CHOICES,
+    "quantization": QUANTIZATIONS,
     "schedule_policy": POLICIES,
     "attention_backend": BACKENDS,
     "log_level": ("debug", "info", "warning", "error"),

@@ -8,6 +8,7 @@ import torch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
+QUANTIZATIONS = ("auto", "none", "int8")
 POLICIES = ("lpm", "fcfs")
 BACKENDS = ("tree", "flat", "none")  # "none": benchmark-only no-attention ceiling
 
@@ -16,6 +17,7 @@ BACKENDS = ("tree", "flat", "none")  # "none": benchmark-only no-attention ceili
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     dtype: str = "auto"  # "auto": bf16 where the CPU/GPU computes it fast, else float32
+    quantization: str = "auto"  # "auto": a GGUF's Q4_0/Q4_1/Q8_0 stay quantized; "none"; "int8"
     device: str = "cpu"
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction
     mem_fraction: float = 0.3  # of available host/GPU memory, when max_total_tokens is None
@@ -41,6 +43,10 @@ class EngineConfig:
         check(
             self.dtype in DTYPE_CHOICES,
             f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}",
+        )
+        check(
+            self.quantization in QUANTIZATIONS,
+            f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",
         )
         check(self.schedule_policy in POLICIES, f"schedule_policy must be one of {POLICIES}")
         check(self.attention_backend in BACKENDS, f"attention_backend must be one of {BACKENDS}")

