@@ -225,3 +225,16 @@ def test_bad_quantization_and_missing_gguf_are_refused(tiny_model_dir: Path) -> 
         load_model(tiny_model_dir, torch.float32, quantization="q3")
     with pytest.raises(FileNotFoundError, match="not found"):
         resolve_model_path("/nonexistent/model.gguf")
+
+
+def test_without_native_kernels_auto_loads_dequantized(monkeypatch, smollm2_path: Path) -> None:
+    """RADIXSERVE_NATIVE_OPS=0 (or no compiler): "auto" must not leave the model on the slow
+    dequantize-every-call fallback."""
+    monkeypatch.setenv("RADIXSERVE_NATIVE_OPS", "0")
+    ops.cache_clear()
+    try:
+        model, _ = load_model(smollm2_path, torch.float32)
+    finally:
+        monkeypatch.delenv("RADIXSERVE_NATIVE_OPS")
+        ops.cache_clear()
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())

@@ -96,6 +96,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return fused.rms_norm(x, weight, eps)
     # One fused op for the float32 normalisation (same math, bit-identical to the unfused
     # pow/mean/rsqrt/mul chain): fewer small ops per layer on the decode hot path.
+    if x.dtype == weight.dtype == torch.float32:  # no cast between: the weight fuses in too
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
     return weight * normed.to(x.dtype)
 

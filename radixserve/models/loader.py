@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 from radixserve.config import QUANTIZATIONS
 from radixserve.distributed.parallel import shard_hf_weights
-from radixserve.models import native
+from radixserve.models import native, quant
 from radixserve.models.config import ModelConfig
 from radixserve.models.gguf_weights import QuantWeight, Weight, read_gguf_weights
 from radixserve.models.llama import LlamaForCausalLM, packed_linear_supported
@@ -174,7 +174,8 @@ def load_model(
     `quantization` (the one place weights' storage is chosen, logged):
     - "auto": a folder converted from a GGUF keeps the file's Q4_0 / Q4_1 / Q8_0 tensors
       quantized (QuantLinear; float32 compute); an HF folder loads as `dtype`. Tensor
-      parallelism (tp_size > 1) and non-CPU devices load dequantized.
+      parallelism (tp_size > 1), non-CPU devices and CPUs where the native kernels do not
+      build (or RADIXSERVE_NATIVE_OPS=0) load dequantized.
     - "none": every weight dequantized to `dtype` (the reference).
     - "int8": every projection and an untied LM head as Q8_0 blocks (weight-only int8,
       one fp16 scale per 32 weights), from whatever the checkpoint holds.
@@ -197,7 +198,8 @@ def load_model(
     on_cpu = torch.device(device).type == "cpu"
     if quantization == "int8" and (tp_size > 1 or not on_cpu):
         raise ValueError("quantization int8 needs tp_size 1 on CPU")
-    gguf = gguf_source(path) if quantization == "auto" and tp_size == 1 and on_cpu else None
+    native_kernels = on_cpu and quant.ops() is not None
+    gguf = gguf_source(path) if quantization == "auto" and tp_size == 1 and native_kernels else None
     weights: dict[str, Weight] = {}
     if gguf is not None:
         weights.update(read_gguf_weights(gguf, config, dtype))
