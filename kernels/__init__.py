@@ -8,6 +8,19 @@ Hq % Hkv == 0; q/k/v share a dtype; LSE is float32 natural-log of the scaled sco
 - decode_attention(q (B,Hq,D), k (B,L,Hkv,D), v, kv_lens, scale) -> out (B,Hq,D), lse (B,Hq)
 - merge_states(outs (N,T,Hq,D), lses (N,T,Hq)) -> out (T,Hq,D), lse (T,Hq)
 
+Pool ops: the same attention with K/V named by slot in one layer's KV pool tensors
+k_cache / v_cache (num_slots, Hkv, D) instead of gathered (slots: int64 indices, offsets:
+int64 (B + 1,) cumulative counts starting at 0):
+- pool_segment_attention(q (n,Hq,D), k_cache, v_cache, slots (L,), scale) -> out, lse
+- pool_private_attention(q (T,Hq,D), k_cache, v_cache, slots (S,), q_offsets, kv_offsets,
+  scale) -> out (T,Hq,D), lse (T,Hq); request b: queries q[q_offsets[b]:q_offsets[b+1]], keys
+  slots[kv_offsets[b]:kv_offsets[b+1]], bottom-right causal as private_attention
+- pool_decode_attention(q (B,Hq,D), k_cache, v_cache, slots (S,), kv_offsets, scale): one
+  query per request (pool_private_attention with q_offsets = arange(B + 1))
+The "native" impl reads the rows in place; the others gather them (index_select) and run
+their dense op. `reads_pool_in_place` says which, so callers keep their own gather path
+(with reused scratch buffers) for the others.
+
 Outputs are new tensors (out in q's / outs' dtype); inputs are never modified. A row that sees
 no key (L == 0, or every merged part -inf) gets out 0 and lse -inf.
 
@@ -15,9 +28,12 @@ Implementations, chosen in ONE place with `set_impl` and logged once per resolve
 (logger "radixserve.kernels"):
 - "reference": readable torch (kernels/reference.py), the oracle.
 - "cpu": PyTorch's fused CPU flash-attention kernel, GQA-stacked (kernels/cpu.py).
+- "native": our C++ CPU kernels reading K/V from the pool in place (kernels/native.py), built
+  on first use for the CPU's ISA; "cpu" stands in (logged) when they cannot be built.
 - "triton": Triton kernels (kernels/triton_ops.py), imported lazily; CUDA tensors, or CPU
   tensors under TRITON_INTERPRET=1 (tests only).
-- "auto" (default): "triton" when the tensors are on CUDA and triton imports, else "cpu".
+- "auto" (default): "triton" when the tensors are on CUDA and triton imports; on CPU
+  "native" when the CPU has AVX2 + FMA + F16C and the kernels build, else "cpu".
 """
 
 from __future__ import annotations
@@ -27,20 +43,24 @@ import logging
 from types import ModuleType
 
 import torch
-from radixserve.kernels import cpu, reference
+from radixserve.kernels import cpu, native, reference
 
 __all__ = [
     "IMPLS",
     "decode_attention",
     "get_impl",
     "merge_states",
+    "pool_decode_attention",
+    "pool_private_attention",
+    "pool_segment_attention",
     "private_attention",
+    "reads_pool_in_place",
     "resolve_impl",
     "segment_attention",
     "set_impl",
 ]
 
-IMPLS = ("reference", "cpu", "triton", "auto")
+IMPLS = ("reference", "cpu", "native", "triton", "auto")
 logger = logging.getLogger("radixserve.kernels")
 
 _impl = "auto"
@@ -72,10 +92,21 @@ def _triton_available() -> bool:
 
 
 def resolve_impl(t: torch.Tensor) -> str:
-    """The concrete implementation the ops use for tensors like `t` under the current choice."""
+    """The concrete implementation the ops use for tensors like `t` under the current choice.
+
+    May build the native kernels (first call only; cached on disk afterwards)."""
+    if _impl == "native":
+        return "native" if native.ops() is not None else "cpu"  # build failure: logged there
     if _impl != "auto":
         return _impl
-    return "triton" if t.is_cuda and _triton_available() else "cpu"
+    if t.is_cuda:
+        return "triton" if _triton_available() else "cpu"
+    return "native" if native.auto_ok() else "cpu"
+
+
+def reads_pool_in_place(t: torch.Tensor) -> bool:
+    """Whether the pool_* ops read K/V rows in place for tensors like `t` (else they gather)."""
+    return resolve_impl(t) == "native"
 
 
 def _module(t: torch.Tensor) -> ModuleType:
@@ -87,6 +118,8 @@ def _module(t: torch.Tensor) -> ModuleType:
         return reference
     if name == "cpu":
         return cpu
+    if name == "native":
+        return native
     from radixserve.kernels import triton_ops  # lazy: triton is an optional dependency
 
     return triton_ops
@@ -131,3 +164,52 @@ def merge_states(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact N-way log-sum-exp merge: O = sum_j exp(L_j - L) O_j, L = logsumexp_j L_j."""
     return _module(outs).merge_states(outs, lses)
+
+
+def pool_segment_attention(
+    q: torch.Tensor,  # (n, Hq, D)
+    k_cache: torch.Tensor,  # (num_slots, Hkv, D) one layer's pool
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,  # (L,) int64, the segment's keys
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """segment_attention over k_cache[slots] / v_cache[slots] -> (n, Hq, D), (n, Hq)."""
+    mod = _module(q)
+    if mod is native:
+        return native.pool_segment_attention(q, k_cache, v_cache, slots, scale)
+    k, v = k_cache.index_select(0, slots), v_cache.index_select(0, slots)  # (L, Hkv, D)
+    return mod.segment_attention(q, k, v, scale)
+
+
+def pool_private_attention(
+    q: torch.Tensor,  # (T, Hq, D), requests concatenated
+    k_cache: torch.Tensor,  # (num_slots, Hkv, D) one layer's pool
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,  # (S,) int64, requests' keys concatenated, position order
+    q_offsets: torch.Tensor,  # (B + 1,) int64
+    kv_offsets: torch.Tensor,  # (B + 1,) int64
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """private_attention with request b's keys slots[kv_offsets[b]:kv_offsets[b + 1]] and
+    queries q[q_offsets[b]:q_offsets[b + 1]] -> (T, Hq, D), (T, Hq)."""
+    mod = _module(q)
+    if mod is native:
+        return native.pool_private_attention(
+            q, k_cache, v_cache, slots, q_offsets, kv_offsets, scale
+        )
+    q_lens, kv_lens = q_offsets.diff().tolist(), kv_offsets.diff().tolist()
+    k, v = k_cache.index_select(0, slots), v_cache.index_select(0, slots)  # (S, Hkv, D)
+    return mod.private_attention(q, k, v, q_lens, kv_lens, scale)
+
+
+def pool_decode_attention(
+    q: torch.Tensor,  # (B, Hq, D), one query per request
+    k_cache: torch.Tensor,  # (num_slots, Hkv, D) one layer's pool
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,  # (S,) int64, requests' keys concatenated
+    kv_offsets: torch.Tensor,  # (B + 1,) int64; every request has >= 1 key
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode: request b's query attends its keys slots[kv_offsets[b]:kv_offsets[b + 1]]."""
+    q_offsets = torch.arange(q.shape[0] + 1, dtype=torch.int64, device=kv_offsets.device)
+    return pool_private_attention(q, k_cache, v_cache, slots, q_offsets, kv_offsets, scale)

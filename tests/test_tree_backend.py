@@ -4,22 +4,28 @@ Oracle: per request, kernels.reference.private_attention over the request's whol
 with K/V taken from the test's own copy (pool contents before the step + the step's new K/V),
 never from the pool the backend wrote. Tolerances: fp32 max |diff| <= 1e-5 (float32 rounding
 of differently ordered sums of O(1) values is ~1e-7); bf16: see BF16_ATOL.
+
+Every test runs twice (module-scoped `kernel_impl`): with the torch kernels ("cpu": private
+keys gathered, PaddedPlan / GatherPlan) and with the native kernels ("native": K/V read in
+place by slot, SlotPlan), skipped where those cannot be built.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from radixserve.kernels import reference
+from radixserve.kernels import native, reference
 
+from radixserve import kernels
 from radixserve.attention import AttentionBackend, FlatBackend, TreeBackend, make_backend
-from radixserve.attention.flat import GatherPlan, PaddedPlan
+from radixserve.attention.flat import GatherPlan, PaddedPlan, SlotPlan
 from radixserve.attention.tree import TreePlan
 from radixserve.engine.batch import ForwardBatch
 from radixserve.kvcache.pool import KVPool
@@ -32,6 +38,22 @@ FP32_ATOL = 1e-5
 BF16_ATOL = 1e-2
 BF16_RTOL = 1e-2
 GARBAGE = 1e3  # pool content at the new tokens' slots before the step: must be overwritten
+
+
+@pytest.fixture(scope="module", autouse=True, params=["cpu", "native"])
+def kernel_impl(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the whole module with each CPU kernel impl (module scope: hypothesis-safe)."""
+    if request.param == "native" and native.ops() is None:
+        pytest.skip("native attention kernels cannot be built here")
+    before = kernels.get_impl()
+    kernels.set_impl(request.param)
+    yield request.param
+    kernels.set_impl(before)
+
+
+def in_place() -> bool:
+    """Whether backends plan SlotPlans (native kernels) instead of gathering."""
+    return kernels.get_impl() == "native"
 
 
 @dataclass
@@ -178,6 +200,9 @@ def seg_summary(plan: TreePlan) -> list[tuple]:
 
 def private_per_request(plan: TreePlan) -> list[list[int]]:
     p, out, i = plan.private, [], 0
+    if isinstance(p, SlotPlan):
+        bounds = p.kv_offsets.tolist()
+        return [p.slots[a:b].tolist() for a, b in zip(bounds, bounds[1:], strict=False)]
     if isinstance(p, PaddedPlan):
         grid = p.grid.view(len(p.kv_lens), -1).tolist()
         return [row[:n] for row, n in zip(grid, p.kv_lens, strict=True)]
@@ -200,7 +225,11 @@ def test_plan_no_folding_merges_chain_and_keeps_both_levels() -> None:
         [82, 83],
         [90, 91, 92, 84],
     ]
-    assert isinstance(plan.private, GatherPlan) and plan.private.q_lens == [1, 1, 2, 1]
+    if in_place():
+        assert isinstance(plan.private, SlotPlan)
+        assert plan.private.q_offsets.tolist() == [0, 1, 2, 4, 5] and plan.in_place
+    else:
+        assert isinstance(plan.private, GatherPlan) and plan.private.q_lens == [1, 1, 2, 1]
     assert plan.num_levels == 2
     assert plan.merge_rows is not None and plan.merge_rows.tolist() == [0, 1, 2, 3]
     assert plan.num_merge_rows == 4
@@ -467,7 +496,9 @@ def test_single_request_and_all_duplicates() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decode_private_plans(lens: list[int], plan_type: type, dtype: torch.dtype) -> None:
     """Both ways of reading private keys in a decode step match the oracle, flat and tree
-    (a shared 40-token root segment kept, so tree's private parts are the tails)."""
+    (a shared 40-token root segment kept, so tree's private parts are the tails); native
+    kernels read them by slot instead (SlotPlan) whatever the lengths."""
+    plan_type = SlotPlan if in_place() else plan_type
     nodes = {1: list(range(1, 41))}
     base = 41
     tails, news = [], []

@@ -2,8 +2,12 @@
 
 Both backends read each request's *private* keys (flat: all of them) through a plan built
 once per step by `private_plan`:
-- `PaddedPlan` (decode steps): each layer gathers every request's keys straight from the pool
-  into one padded (B, L) grid and makes ONE `kernels.decode_attention` call.
+- `SlotPlan` (kernels that read the pool in place, `kernels.reads_pool_in_place`: the
+  native CPU kernels): each layer passes the pool tensors and the step's slot list to ONE
+  `kernels.pool_private_attention` call; nothing is gathered, no scratch.
+- `PaddedPlan` (decode steps, other kernels): each layer gathers every request's keys
+  straight from the pool into one padded (B, L) grid and makes ONE
+  `kernels.decode_attention` call.
 - `GatherPlan` (extends, or decode lengths too uneven to pad): each layer gathers the keys
   concatenated and calls `kernels.private_attention` (one kernel call per run of equal
   lengths).
@@ -69,7 +73,31 @@ class PaddedPlan:
         return kernels.decode_attention(q, self.k_buf, self.v_buf, self.kv_lens, scale)
 
 
-PrivatePlan = GatherPlan | PaddedPlan
+@dataclass(frozen=True)
+class SlotPlan:
+    """Request r's keys are slots[kv_offsets[r]:kv_offsets[r+1]] of the pool, its queries rows
+    q_offsets[r]:q_offsets[r+1]; the kernel reads those pool rows in place."""
+
+    slots: torch.Tensor  # (S,) int64, requests concatenated, position order
+    q_offsets: torch.Tensor  # (B + 1,) int64 cumulative q_lens
+    kv_offsets: torch.Tensor  # (B + 1,) int64 cumulative kv_lens
+
+    def attend(
+        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (T, Hq, D) against one layer's pool k/v (num_slots, Hkv, D) -> (T, Hq, D), (T, Hq)."""
+        return kernels.pool_private_attention(
+            q, kc, vc, self.slots, self.q_offsets, self.kv_offsets, scale
+        )
+
+
+PrivatePlan = GatherPlan | PaddedPlan | SlotPlan
+
+
+def _offsets(lens: list[int], device: torch.device) -> torch.Tensor:
+    out = torch.zeros(len(lens) + 1, dtype=torch.int64)
+    out[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0)
+    return out.to(device)
 
 
 def private_plan(
@@ -82,10 +110,14 @@ def private_plan(
 
     slots[r]: (kv_len_r,) int64 pool slots of request r's private keys in position order,
     its q_lens[r] queries being the last of them; pool_k: one layer's pool keys (shape,
-    dtype and device of the scratch buffers). Decode steps pad while the grid has at most
-    `pad_max_waste` cells per real key (0: never)."""
+    dtype and device of the scratch buffers). Kernels that read the pool in place get a
+    SlotPlan; otherwise decode steps pad while the grid has at most `pad_max_waste` cells per
+    real key (0: never) and everything else gathers concatenated."""
     kv_lens = [s.numel() for s in slots]
     dev, dt, row = pool_k.device, pool_k.dtype, pool_k.shape[1:]
+    if kernels.reads_pool_in_place(pool_k):
+        cat = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
+        return SlotPlan(cat.to(dev), _offsets(q_lens, dev), _offsets(kv_lens, dev))
     longest = max(kv_lens, default=0)
     if all(n == 1 for n in q_lens) and len(slots) * longest <= pad_max_waste * sum(kv_lens):
         grid = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True, padding_value=0)

@@ -24,7 +24,9 @@ Plan (host side, once per step; see DESIGN.md "Tree attention"):
 
 Per layer: write the new K/V, ONE private_attention call for the whole batch, one
 segment_attention per kept segment (queries of all its requests stacked, K/V read once), then
-one merge_states over the rows that have any shared part.
+one merge_states over the rows that have any shared part. With kernels that read the pool in
+place (`kernels.reads_pool_in_place`) segments and private parts are passed as slot lists
+into the pool; otherwise a segment whose slots are not one range is gathered first.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class TreePlan:
     num_levels: int  # max kept segments on one path; merge buffer has num_levels + 1 parts
     merge_rows: torch.Tensor | None  # (M,) rows with >= 1 shared part; None when M == T
     num_merge_rows: int  # M
+    in_place: bool  # segments read by slot straight from the pool (kernels.pool_* ops)
 
 
 def _as_range(idx: torch.Tensor) -> Range | None:
@@ -243,6 +246,7 @@ def _build_plan(batch: ForwardBatch, kept: list[tuple[tuple[int, ...], int, int]
         if all_rows or not with_shared
         else _rows(q_starts, q_lens, with_shared).to(dev),
         num_merge_rows=m,
+        in_place=kernels.reads_pool_in_place(batch.kv_pool.k[0]),
     )
 
 
@@ -291,6 +295,24 @@ def _private_slots(batch: ForwardBatch, per_req: list[list[Range]]) -> list[torc
     return out
 
 
+def _segment(
+    plan: TreePlan,
+    seg: SharedSegment,
+    qs: torch.Tensor,  # (n, Hq, D) the queries of the segment's requests
+    kc: torch.Tensor,  # (num_slots, Hkv, D) one layer's keys
+    vc: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One kept segment's attention: by slot in place, as a slice view, or gathered."""
+    if plan.in_place:
+        return kernels.pool_segment_attention(qs, kc, vc, seg.slots, scale)
+    if seg.kv_range:
+        ks, vs = kc[seg.kv_range[0] : seg.kv_range[1]], vc[seg.kv_range[0] : seg.kv_range[1]]
+    else:
+        ks, vs = kc.index_select(0, seg.slots), vc.index_select(0, seg.slots)  # (L, Hkv, D)
+    return kernels.segment_attention(qs, ks, vs, scale)
+
+
 def _merge_shared(
     plan: TreePlan,
     q: torch.Tensor,  # (T, Hq, D)
@@ -313,11 +335,7 @@ def _merge_shared(
             qs = q[seg.q_range[0] : seg.q_range[1]]  # (n, Hq, D) view
         else:
             qs = q.index_select(0, seg.q_rows)
-        if seg.kv_range:
-            ks, vs = kc[seg.kv_range[0] : seg.kv_range[1]], vc[seg.kv_range[0] : seg.kv_range[1]]
-        else:
-            ks, vs = kc.index_select(0, seg.slots), vc.index_select(0, seg.slots)  # (L, Hkv, D)
-        o, s = kernels.segment_attention(qs, ks, vs, scale)  # (n, Hq, D), (n, Hq)
+        o, s = _segment(plan, seg, qs, kc, vc, scale)  # (n, Hq, D), (n, Hq)
         part_o, part_s = outs[seg.level + 1], lses[seg.level + 1]  # (M, Hq, D), (M, Hq) views
         if seg.merge_range:
             part_o[seg.merge_range[0] : seg.merge_range[1]] = o

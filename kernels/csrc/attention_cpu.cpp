@@ -1,0 +1,692 @@
+// Native CPU attention that reads K/V straight from the KV pool by slot index
+// (kernels/native.py builds it; contracts in kernels/__init__.py).
+//
+// Built twice from this one file: with -DRS_AVX2 -mavx2 -mfma -mf16c (8-lane AVX2 vectors,
+// F16C half loads) or portable (the same algorithm on a plain 8-float struct). Every op is
+// a set of UNITS, one per (query group, KV head):
+//
+//   segment:  one unit per KV head; rows = every query row of every request under the
+//             segment, GQA group stacked: row r = (token r / group, q head h*group + r%group)
+//   private:  one unit per (request, KV head); rows the same stacking of the request's
+//             q_len tokens; row r sees keys [0, kv_len - q_len + r / group + 1)
+//
+// A unit is cut into ITEMS = (row block, key chunk); items run on all threads (dynamic
+// scheduling, biggest first). An item streams its keys in blocks of kBlock: the block's K/V
+// rows are loaded once (in place for fp32; converted once for bf16 / fp16) and used by every
+// query tile of kRows rows, with an online softmax (running max m, sum l, unnormalized O).
+// Long key ranges are split into chunks across threads (flash-decoding) and the chunks'
+// partial states merged by log-sum-exp afterwards. Everything accumulates in float32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#if defined(RS_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 64;          // keys per block (K+V of a block: 32 KiB fp32 at D=64)
+constexpr int kRows = 3;                // query rows per tile (3 rows x 4 keys = 12 accumulators)
+constexpr int64_t kMaxRows = 1024;      // rows per item: O accumulators stay in L2
+constexpr int64_t kMinChunkKeys = 256;  // never split keys finer than this
+constexpr int64_t kItemsPerThread = 8;  // split keys until there is about this much work
+constexpr int64_t kPackRows = 12;       // items with this many rows transpose each K block
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ------------------------------------------------------------------ 8-lane float vectors
+#if defined(RS_AVX2)
+using V8 = __m256;
+inline V8 vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, V8 a) { _mm256_storeu_ps(p, a); }
+inline V8 vset1(float x) { return _mm256_set1_ps(x); }
+inline V8 vfma(V8 a, V8 b, V8 c) { return _mm256_fmadd_ps(a, b, c); }
+inline V8 vmul(V8 a, V8 b) { return _mm256_mul_ps(a, b); }
+inline V8 vadd(V8 a, V8 b) { return _mm256_add_ps(a, b); }
+inline V8 vmax(V8 a, V8 b) { return _mm256_max_ps(a, b); }
+inline float hmax(V8 a) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+inline float hsum(V8 a) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+// out[0..4) = horizontal sums of a[0..4)
+inline void hsum4(const V8* a, float* out) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+}
+// exp(x) for x <= 0 (Cephes expf polynomial, ~1 ulp); x < -87.3 (or -inf) gives exactly 0.
+inline V8 vexp(V8 x) {
+  const V8 tiny = _mm256_cmp_ps(x, vset1(-87.3f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, vset1(-87.3f));
+  const V8 n = _mm256_round_ps(vmul(x, vset1(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  V8 r = vfma(n, vset1(-0.693359375f), x);
+  r = vfma(n, vset1(2.12194440e-4f), r);
+  V8 p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = vfma(p, vmul(r, r), vadd(r, vset1(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, vmul(p, _mm256_castsi256_ps(e)));
+}
+inline void load8(const float* p, float* dst) { vstore(dst, vload(p)); }
+inline void load8(const at::BFloat16* p, float* dst) {  // bf16 -> fp32 is a 16-bit shift
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  vstore(dst, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+}
+inline void load8(const at::Half* p, float* dst) {  // F16C
+  vstore(dst, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// dst[i * ldd + j] = rows[j][off + i] for an 8 x 8 block (8 key rows -> 8 columns of K^T).
+inline void transpose8(const float* const* rows, int64_t off, float* dst, int64_t ldd) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[i] + off);
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 0-3, then rows 4-7
+    r[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+#else
+struct V8 {
+  float x[8];
+};
+inline V8 vload(const float* p) {
+  V8 a;
+  for (int i = 0; i < 8; ++i) a.x[i] = p[i];
+  return a;
+}
+inline void vstore(float* p, V8 a) {
+  for (int i = 0; i < 8; ++i) p[i] = a.x[i];
+}
+inline V8 vset1(float v) {
+  V8 a;
+  for (int i = 0; i < 8; ++i) a.x[i] = v;
+  return a;
+}
+inline V8 vfma(V8 a, V8 b, V8 c) {
+  for (int i = 0; i < 8; ++i) c.x[i] = a.x[i] * b.x[i] + c.x[i];
+  return c;
+}
+inline V8 vmul(V8 a, V8 b) {
+  for (int i = 0; i < 8; ++i) a.x[i] *= b.x[i];
+  return a;
+}
+inline V8 vadd(V8 a, V8 b) {
+  for (int i = 0; i < 8; ++i) a.x[i] += b.x[i];
+  return a;
+}
+inline V8 vmax(V8 a, V8 b) {
+  for (int i = 0; i < 8; ++i) a.x[i] = std::max(a.x[i], b.x[i]);
+  return a;
+}
+inline float hmax(V8 a) { return *std::max_element(a.x, a.x + 8); }
+inline float hsum(V8 a) { return std::accumulate(a.x, a.x + 8, 0.0f); }
+inline void hsum4(const V8* a, float* out) {
+  for (int c = 0; c < 4; ++c) out[c] = hsum(a[c]);
+}
+inline V8 vexp(V8 a) {
+  for (int i = 0; i < 8; ++i) a.x[i] = std::exp(a.x[i]);
+  return a;
+}
+template <typename T>
+inline void load8(const T* p, float* dst) {
+  for (int i = 0; i < 8; ++i) dst[i] = static_cast<float>(p[i]);
+}
+inline void transpose8(const float* const* rows, int64_t off, float* dst, int64_t ldd) {
+  for (int i = 0; i < 8; ++i)
+    for (int j = 0; j < 8; ++j) dst[i * ldd + j] = rows[j][off + i];
+}
+#endif
+
+// ------------------------------------------------------------------ problem description
+
+// One layer's K or V pool: (num_slots, Hkv, D) of fp32 / bf16 / fp16, unit stride in D.
+struct Cache {
+  const char* data;
+  at::ScalarType dtype;
+  int64_t elt, slot_stride, head_stride;  // bytes per element; strides in elements
+
+  const char* row(int64_t slot, int64_t head) const {
+    return data + (slot * slot_stride + head * head_stride) * elt;
+  }
+};
+
+// Query rows of a unit (see the file comment): row r -> token tok0 + r / group,
+// query head head * group + r % group. The same map addresses out and lse.
+struct Unit {
+  int64_t tok0, q_len, head;
+  const int64_t* slots;  // the unit's keys, in position order
+  int64_t kv_len;
+  int64_t shift;  // row r sees keys [0, min(kv_len, shift + r / group + 1))
+};
+
+struct Item {
+  int64_t unit, r0, r1, k0, k1;
+  int64_t partial;  // first row in the partial buffers, or -1: write the output directly
+  int64_t cost;
+};
+
+struct Problem {
+  const at::Tensor* q;  // (T, Hq, D)
+  at::Tensor out;       // (T, Hq, D), q's dtype
+  at::Tensor lse;       // (T, Hq) float32
+  Cache k, v;
+  int64_t group, d;
+  float scale;
+  std::vector<Unit> units;
+  std::vector<Item> items;
+  at::Tensor part_o;    // (rows, D) float32: normalized O of each chunk
+  at::Tensor part_lse;  // (rows,) float32
+
+  int64_t limit(const Unit& u, int64_t row) const {
+    return std::min(u.kv_len, u.shift + row / group + 1);
+  }
+};
+
+// Per-thread scratch, grown on demand and reused across calls.
+struct Scratch {
+  std::vector<float> q, o, m, l, s, kbuf, vbuf, kt;
+  std::vector<int64_t> lim;
+  std::vector<const float*> krows, vrows;
+
+  void fit(int64_t rows, int64_t d) {
+    auto grow = [](auto& v, int64_t n) {
+      if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+    };
+    grow(q, rows * d), grow(o, rows * d), grow(m, rows), grow(l, rows), grow(lim, rows);
+    grow(s, kRows * kBlock), grow(kbuf, kBlock * d), grow(vbuf, kBlock * d);
+    grow(kt, kBlock * d);
+    grow(krows, kBlock + 4), grow(vrows, kBlock);
+  }
+};
+
+Scratch& scratch() {
+  static thread_local Scratch s;
+  return s;
+}
+
+// ------------------------------------------------------------------ loads and stores
+
+template <typename T>
+void to_float(const T* src, float* dst, int64_t d) {
+  for (int64_t i = 0; i < d; i += 8) load8(src + i, dst + i);
+}
+
+void row_to_float(const char* src, at::ScalarType dt, float* dst, int64_t d) {
+  switch (dt) {
+    case at::kFloat: return to_float(reinterpret_cast<const float*>(src), dst, d);
+    case at::kBFloat16: return to_float(reinterpret_cast<const at::BFloat16*>(src), dst, d);
+    default: return to_float(reinterpret_cast<const at::Half*>(src), dst, d);
+  }
+}
+
+template <typename T>
+void store_row(const float* src, float mul, T* dst, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(src[i] * mul);
+}
+
+void row_from_float(const float* src, float mul, char* dst, at::ScalarType dt, int64_t d) {
+  switch (dt) {
+    case at::kFloat: return store_row(src, mul, reinterpret_cast<float*>(dst), d);
+    case at::kBFloat16: return store_row(src, mul, reinterpret_cast<at::BFloat16*>(dst), d);
+    default: return store_row(src, mul, reinterpret_cast<at::Half*>(dst), d);
+  }
+}
+
+// Pointers to the float rows of keys slots[0..n) of `head`: into the pool itself (fp32) or
+// into `buf` after one conversion (bf16 / fp16) that every query tile then shares.
+void block_rows(const Cache& c, const int64_t* slots, int64_t n, int64_t head, int64_t d,
+                float* buf, const float** rows) {
+  for (int64_t j = 0; j < n; ++j) {
+    const char* src = c.row(slots[j], head);
+    if (c.dtype == at::kFloat) {
+      rows[j] = reinterpret_cast<const float*>(src);
+    } else {
+      row_to_float(src, c.dtype, buf + j * d, d);
+      rows[j] = buf + j * d;
+    }
+  }
+}
+
+// Ask for the K and V rows of the next block while this one is computed (rows by slot are
+// scattered, so the hardware prefetcher alone sees no stream).
+void prefetch_rows(const Problem& P, const int64_t* slots, int64_t n, int64_t head) {
+  const int64_t bytes = P.d * P.k.elt;
+  for (int64_t j = 0; j < n; ++j) {
+    const char* k = P.k.row(slots[j], head);
+    const char* v = P.v.row(slots[j], head);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      __builtin_prefetch(k + b);
+      __builtin_prefetch(v + b);
+    }
+  }
+}
+
+// ------------------------------------------------------------------ micro-kernels
+
+// s[r][j..j+4) = q_r . k_{j..j+4} for the MR query rows (stride d) and 4 key rows.
+template <int MR>
+inline void qk_micro(const float* q, int64_t d, const float* const* k, float* s, int64_t lds) {
+  V8 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = vset1(0.f);
+  for (int64_t i = 0; i < d; i += 8) {
+    V8 qv[MR];
+    for (int r = 0; r < MR; ++r) qv[r] = vload(q + r * d + i);
+    for (int c = 0; c < 4; ++c) {
+      const V8 kv = vload(k[c] + i);
+      for (int r = 0; r < MR; ++r) acc[r][c] = vfma(qv[r], kv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) hsum4(acc[r], s + r * lds);
+}
+
+// Same scores from the block transposed, kt (d, kBlock): s[r][0..32) for keys kt[:, 0..32).
+// No horizontal sums: 4 vector FMAs per query row and dimension.
+template <int MR>
+inline void qk_packed(const float* q, int64_t d, const float* kt, float* s, int64_t lds) {
+  V8 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = vset1(0.f);
+  for (int64_t i = 0; i < d; ++i) {
+    V8 qb[MR];
+    for (int r = 0; r < MR; ++r) qb[r] = vset1(q[r * d + i]);
+    for (int c = 0; c < 4; ++c) {
+      const V8 kv = vload(kt + i * kBlock + 8 * c);
+      for (int r = 0; r < MR; ++r) acc[r][c] = vfma(qb[r], kv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < 4; ++c) vstore(s + r * lds + 8 * c, acc[r][c]);
+}
+
+// kt (d, kBlock) = the kBlock key rows (padded by the caller), transposed.
+void pack_kt(const float* const* rows, int64_t d, float* kt) {
+  for (int64_t j = 0; j < kBlock; j += 8)
+    for (int64_t i = 0; i < d; i += 8) transpose8(rows + j, i, kt + i * kBlock + j, kBlock);
+}
+
+// o[r][i0 .. i0 + 8NV) = alpha[r] * o[r][...] + sum_j p[r][j] * v_j[...] over n keys.
+template <int MR, int NV>
+inline void pv_slice(float* o, int64_t d, int64_t i0, const float* alpha, const float* p,
+                     int64_t ldp, const float* const* v, int64_t n) {
+  V8 acc[MR][NV];
+  for (int r = 0; r < MR; ++r) {
+    const V8 a = vset1(alpha[r]);
+    for (int c = 0; c < NV; ++c) acc[r][c] = vmul(vload(o + r * d + i0 + 8 * c), a);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    V8 pb[MR];
+    for (int r = 0; r < MR; ++r) pb[r] = vset1(p[r * ldp + j]);
+    for (int c = 0; c < NV; ++c) {
+      const V8 vv = vload(v[j] + i0 + 8 * c);
+      for (int r = 0; r < MR; ++r) acc[r][c] = vfma(pb[r], vv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NV; ++c) vstore(o + r * d + i0 + 8 * c, acc[r][c]);
+}
+
+template <int MR>
+void pv_tile(float* o, int64_t d, const float* alpha, const float* p, int64_t ldp,
+             const float* const* v, int64_t n) {
+  constexpr int NV = MR == 1 ? 8 : 4;  // accumulators: MR * NV <= 12
+  int64_t i0 = 0;
+  for (; i0 + 8 * NV <= d; i0 += 8 * NV) pv_slice<MR, NV>(o, d, i0, alpha, p, ldp, v, n);
+  for (; i0 < d; i0 += 8) pv_slice<MR, 1>(o, d, i0, alpha, p, ldp, v, n);
+}
+
+// Online-softmax step of one row over the block's scores s[0..n8) (n8 = n rounded up to 8):
+// keys at vis.. are masked; s becomes the weights exp(s - m_new); returns the factor alpha
+// that rescales the row's earlier O and l.
+float softmax_row(float* s, int64_t vis, int64_t n8, float& m, float& l) {
+  for (int64_t j = std::max<int64_t>(vis, 0); j < n8; ++j) s[j] = kNegInf;
+  V8 mx = vset1(kNegInf);
+  for (int64_t j = 0; j < n8; j += 8) mx = vmax(mx, vload(s + j));
+  const float m_new = std::max(m, hmax(mx));
+  if (m_new == kNegInf) {  // nothing visible yet: weights 0, state unchanged
+    std::fill(s, s + n8, 0.f);
+    return 1.f;
+  }
+  const V8 neg = vset1(-m_new);
+  V8 sum = vset1(0.f);
+  for (int64_t j = 0; j < n8; j += 8) {
+    const V8 p = vexp(vadd(vload(s + j), neg));
+    vstore(s + j, p);
+    sum = vadd(sum, p);
+  }
+  const float alpha = m == kNegInf ? 0.f : std::exp(m - m_new);
+  l = l * alpha + hsum(sum);
+  m = m_new;
+  return alpha;
+}
+
+// One query tile (MR rows of the item, from `row`) against the first n keys of the block
+// starting at key kb: scores from kt when the block was transposed (kt non-null), else from
+// the key rows (padded to a multiple of 4 by the caller).
+template <int MR>
+void tile_block(Scratch& sc, int64_t row, int64_t d, const float* kt, const float* const* k,
+                const float* const* v, int64_t n, int64_t kb) {
+  float* s = sc.s.data();
+  const float* q = sc.q.data() + row * d;
+  if (kt != nullptr) {
+    for (int64_t j = 0; j < n; j += 32) qk_packed<MR>(q, d, kt + j, s + j, kBlock);
+  } else {
+    for (int64_t j = 0; j < n; j += 4) qk_micro<MR>(q, d, k + j, s + j, kBlock);
+  }
+  const int64_t n8 = (n + 7) & ~int64_t{7};
+  float alpha[MR];
+  for (int r = 0; r < MR; ++r)
+    alpha[r] = softmax_row(s + r * kBlock, sc.lim[row + r] - kb, n8, sc.m[row + r], sc.l[row + r]);
+  pv_tile<MR>(sc.o.data() + row * d, d, alpha, s, kBlock, v, n);
+}
+
+// ------------------------------------------------------------------ items
+
+void pack_q(const Problem& P, const Unit& u, int64_t r0, int64_t rows, float* dst) {
+  const at::Tensor& q = *P.q;
+  const char* base = static_cast<const char*>(q.data_ptr());
+  const int64_t elt = q.element_size();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = r0 + r;
+    const int64_t tok = u.tok0 + row / P.group, hq = u.head * P.group + row % P.group;
+    float* out = dst + r * P.d;
+    row_to_float(base + (tok * q.stride(0) + hq * q.stride(1)) * elt, q.scalar_type(), out, P.d);
+    for (int64_t i = 0; i < P.d; ++i) out[i] *= P.scale;
+  }
+}
+
+// Normalize the item's rows and write them to the output (or its chunk's partial buffers).
+void finish_item(Problem& P, const Unit& u, const Item& it, Scratch& sc) {
+  const int64_t d = P.d;
+  for (int64_t r = 0; r < it.r1 - it.r0; ++r) {
+    const float l = sc.l[r];
+    const float lse = l > 0.f ? sc.m[r] + std::log(l) : kNegInf;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    if (it.partial >= 0) {
+      float* dst = P.part_o.data_ptr<float>() + (it.partial + r) * d;
+      for (int64_t i = 0; i < d; ++i) dst[i] = sc.o[r * d + i] * inv;
+      P.part_lse.data_ptr<float>()[it.partial + r] = lse;
+      continue;
+    }
+    const int64_t row = it.r0 + r;
+    const int64_t tok = u.tok0 + row / P.group, hq = u.head * P.group + row % P.group;
+    char* dst = static_cast<char*>(P.out.data_ptr()) +
+                (tok * P.out.stride(0) + hq * P.out.stride(1)) * P.out.element_size();
+    row_from_float(sc.o.data() + r * d, inv, dst, P.out.scalar_type(), d);
+    P.lse.data_ptr<float>()[tok * P.lse.stride(0) + hq] = lse;
+  }
+}
+
+void run_item(Problem& P, const Item& it) {
+  const Unit& u = P.units[it.unit];
+  const int64_t rows = it.r1 - it.r0, d = P.d;
+  Scratch& sc = scratch();
+  sc.fit(rows, d);
+  pack_q(P, u, it.r0, rows, sc.q.data());
+  for (int64_t r = 0; r < rows; ++r) sc.lim[r] = std::min(it.k1, P.limit(u, it.r0 + r));
+  std::fill(sc.o.begin(), sc.o.begin() + rows * d, 0.f);
+  std::fill(sc.m.begin(), sc.m.begin() + rows, kNegInf);
+  std::fill(sc.l.begin(), sc.l.begin() + rows, 0.f);
+  const int64_t kend = sc.lim[rows - 1];  // limits grow with the row
+  for (int64_t kb = it.k0; kb < kend; kb += kBlock) {
+    const int64_t n = std::min(kBlock, kend - kb);
+    prefetch_rows(P, u.slots + kb + n, std::min(kBlock, kend - kb - n), u.head);
+    block_rows(P.k, u.slots + kb, n, u.head, d, sc.kbuf.data(), sc.krows.data());
+    block_rows(P.v, u.slots + kb, n, u.head, d, sc.vbuf.data(), sc.vrows.data());
+    for (int64_t j = n; j < kBlock + 4; ++j) sc.krows[j] = sc.krows[n - 1];  // pad the block
+    const float* kt = rows >= kPackRows ? sc.kt.data() : nullptr;
+    if (kt != nullptr) pack_kt(sc.krows.data(), d, sc.kt.data());
+    for (int64_t t = 0; t < rows; t += kRows) {
+      const int mr = static_cast<int>(std::min<int64_t>(kRows, rows - t));
+      const int64_t seen = std::min(n, sc.lim[t + mr - 1] - kb);  // keys any tile row sees
+      if (seen <= 0) continue;
+      const float* const* k = sc.krows.data();
+      const float* const* v = sc.vrows.data();
+      if (mr == 3) tile_block<3>(sc, t, d, kt, k, v, seen, kb);
+      else if (mr == 2) tile_block<2>(sc, t, d, kt, k, v, seen, kb);
+      else tile_block<1>(sc, t, d, kt, k, v, seen, kb);
+    }
+  }
+  finish_item(P, u, it, sc);
+}
+
+// Cut every unit into items: row blocks of <= kMaxRows, and key chunks (multiples of kBlock)
+// while the work is too coarse for the threads. Items of one (unit, row block) are adjacent.
+void plan_items(Problem& P, int64_t threads) {
+  int64_t total = 0;
+  for (const Unit& u : P.units) total += u.q_len * P.group * std::max<int64_t>(u.kv_len, 1);
+  const int64_t target = std::max<int64_t>(total / (kItemsPerThread * threads), 1);
+  int64_t partial = 0;
+  for (int64_t ui = 0; ui < static_cast<int64_t>(P.units.size()); ++ui) {
+    const Unit& u = P.units[ui];
+    const int64_t rows = u.q_len * P.group;
+    const int64_t nrb = (rows + kMaxRows - 1) / kMaxRows;
+    for (int64_t b = 0; b < nrb; ++b) {
+      const int64_t r0 = rows * b / nrb, r1 = rows * (b + 1) / nrb;
+      const int64_t kend = P.limit(u, r1 - 1);
+      const int64_t want = ((r1 - r0) * kend + target - 1) / target;
+      const int64_t chunks = std::max<int64_t>(1, std::min(want, kend / kMinChunkKeys));
+      const int64_t step = ((kend + chunks - 1) / chunks + kBlock - 1) / kBlock * kBlock;
+      const int64_t n = chunks == 1 ? 1 : (kend + step - 1) / step;
+      for (int64_t c = 0; c < n; ++c) {
+        const int64_t k0 = c * step, k1 = std::min(kend, k0 + step);
+        P.items.push_back({ui, r0, r1, k0, k1, n == 1 ? -1 : partial, (r1 - r0) * (k1 - k0 + 16)});
+        if (n > 1) partial += r1 - r0;
+      }
+    }
+  }
+  P.part_o = at::empty({partial, P.d}, at::kFloat);
+  P.part_lse = at::empty({partial}, at::kFloat);
+}
+
+// Run fn(i) for i in [0, n) on all threads, taking indices from a shared counter.
+template <typename F>
+void run_dynamic(int64_t n, int64_t threads, const F& fn) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, n), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+  });
+}
+
+// Exact LSE merge of n float rows (stride `step` apart) into one output row.
+void merge_rows(const float* o, const float* lse, int64_t n, int64_t step, int64_t d,
+                float* acc, char* out, at::ScalarType dt, float* out_lse) {
+  float mx = kNegInf;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, lse[j * step]);
+  std::fill(acc, acc + d, 0.f);
+  if (mx == kNegInf) {
+    row_from_float(acc, 0.f, out, dt, d);
+    *out_lse = kNegInf;
+    return;
+  }
+  float sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float w = std::exp(lse[j * step] - mx);
+    if (w == 0.f) continue;
+    sum += w;
+    const float* src = o + j * step * d;
+    for (int64_t i = 0; i < d; ++i) acc[i] += w * src[i];
+  }
+  row_from_float(acc, 1.f / sum, out, dt, d);
+  *out_lse = mx + std::log(sum);
+}
+
+// Merge the key chunks of every split (unit, row block) into the output.
+void merge_chunks(Problem& P, int64_t threads) {
+  std::vector<std::pair<int64_t, int64_t>> groups;  // (first item, chunk count)
+  for (int64_t i = 0; i < static_cast<int64_t>(P.items.size()); ++i) {
+    const Item& it = P.items[i];
+    if (it.partial < 0) continue;
+    if (!groups.empty()) {
+      const Item& first = P.items[groups.back().first];
+      if (first.unit == it.unit && first.r0 == it.r0) {
+        ++groups.back().second;
+        continue;
+      }
+    }
+    groups.push_back({i, 1});
+  }
+  run_dynamic(static_cast<int64_t>(groups.size()), threads, [&](int64_t g) {
+    const Item& it = P.items[groups[g].first];
+    const Unit& u = P.units[it.unit];
+    const int64_t rows = it.r1 - it.r0, d = P.d;
+    std::vector<float> acc(d);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row = it.r0 + r;
+      const int64_t tok = u.tok0 + row / P.group, hq = u.head * P.group + row % P.group;
+      char* dst = static_cast<char*>(P.out.data_ptr()) +
+                  (tok * P.out.stride(0) + hq * P.out.stride(1)) * P.out.element_size();
+      merge_rows(P.part_o.data_ptr<float>() + (it.partial + r) * d,
+                 P.part_lse.data_ptr<float>() + it.partial + r, groups[g].second, rows, d,
+                 acc.data(), dst, P.out.scalar_type(), P.lse.data_ptr<float>() + tok * P.lse.stride(0) + hq);
+    }
+  });
+}
+
+void run(Problem& P) {
+  const int64_t threads = at::get_num_threads();
+  plan_items(P, threads);
+  std::vector<int64_t> order(P.items.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return P.items[a].cost > P.items[b].cost; });
+  run_dynamic(static_cast<int64_t>(order.size()), threads,
+              [&](int64_t i) { run_item(P, P.items[order[i]]); });
+  if (P.part_o.size(0) > 0) merge_chunks(P, threads);
+}
+
+// ------------------------------------------------------------------ checks and entry points
+
+Cache make_cache(const at::Tensor& c, const char* name) {
+  TORCH_CHECK(c.dim() == 3 && c.stride(2) == 1, name, ": (num_slots, Hkv, D) with unit stride in D expected, got ",
+              c.sizes(), " strides ", c.strides());
+  return {static_cast<const char*>(c.data_ptr()), c.scalar_type(), c.element_size(), c.stride(0), c.stride(1)};
+}
+
+Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+                     double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors expected");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q: (T, Hq, D) with unit stride in D expected, got ", q.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes(), "k ", k.sizes(), " and v ", v.sizes(), " differ");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "q/k/v dtypes differ: ",
+              q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type());
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "fp32 / bf16 / fp16 expected, got ", dt);
+  TORCH_CHECK(q.size(2) == k.size(2) && q.size(2) % 8 == 0, "head dim must match and be a multiple of 8: q ",
+              q.size(2), ", k ", k.size(2));
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "q heads ", q.size(1), " not a multiple of kv heads ",
+              k.size(1));
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
+              "slots: contiguous int64 (S,) expected");
+  if (slots.numel() > 0) {
+    const int64_t* s = slots.data_ptr<int64_t>();
+    const auto [lo, hi] = std::minmax_element(s, s + slots.numel());
+    TORCH_CHECK(*lo >= 0 && *hi < k.size(0), "slot out of range [0, ", k.size(0), "): ", *lo, " .. ", *hi);
+  }
+  Problem P;
+  P.q = &q;
+  P.out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  P.lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  P.k = make_cache(k, "k"), P.v = make_cache(v, "v");
+  P.group = q.size(1) / k.size(1), P.d = q.size(2);
+  P.scale = static_cast<float>(scale);
+  return P;
+}
+
+}  // namespace
+
+// q (n, Hq, D) against the L keys at `slots` (L,) of the pool k/v (N, Hkv, D), no mask:
+// one unit per KV head, every query row of all n requests stacked.
+// -> [out (n, Hq, D) in q's dtype, lse (n, Hq) float32]; L == 0 gives out 0, lse -inf.
+std::vector<at::Tensor> segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                          const at::Tensor& slots, double scale) {
+  Problem P = make_problem(q, k, v, slots, scale);
+  const int64_t len = slots.numel();
+  if (q.size(0) > 0) {
+    for (int64_t h = 0; h < k.size(1); ++h) P.units.push_back({0, q.size(0), h, slots.data_ptr<int64_t>(), len, len});
+  }
+  run(P);
+  return {P.out, P.lse};
+}
+
+// Per request b: its q_len = q_off[b+1] - q_off[b] queries (rows q_off[b]..) are the last
+// positions of its kv_len = kv_off[b+1] - kv_off[b] keys slots[kv_off[b] ..]; query i sees
+// keys 0 .. kv_len - q_len + i. q_off / kv_off: (B + 1,) int64 ascending from 0.
+std::vector<at::Tensor> private_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                          const at::Tensor& slots, const at::Tensor& q_off,
+                                          const at::Tensor& kv_off, double scale) {
+  Problem P = make_problem(q, k, v, slots, scale);
+  TORCH_CHECK(q_off.scalar_type() == at::kLong && kv_off.scalar_type() == at::kLong && q_off.is_contiguous() &&
+                  kv_off.is_contiguous() && q_off.numel() == kv_off.numel() && q_off.numel() >= 1,
+              "q_off / kv_off: contiguous int64 (B + 1,) expected");
+  const int64_t* qo = q_off.data_ptr<int64_t>();
+  const int64_t* ko = kv_off.data_ptr<int64_t>();
+  const int64_t b = q_off.numel() - 1;
+  TORCH_CHECK(qo[0] == 0 && ko[0] == 0 && qo[b] == q.size(0) && ko[b] == slots.numel(),
+              "offsets must run from 0 to the q rows (", q.size(0), ") and the slots (", slots.numel(), ")");
+  for (int64_t r = 0; r < b; ++r) {
+    const int64_t ql = qo[r + 1] - qo[r], kl = ko[r + 1] - ko[r];
+    TORCH_CHECK(0 <= ql && ql <= kl, "request ", r, ": need 0 <= q_len <= kv_len, got ", ql, ", ", kl);
+    if (ql == 0) continue;
+    for (int64_t h = 0; h < k.size(1); ++h)
+      P.units.push_back({qo[r], ql, h, slots.data_ptr<int64_t>() + ko[r], kl, kl - ql});
+  }
+  run(P);
+  return {P.out, P.lse};
+}
+
+// outs (N, T, Hq, D), lses (N, T, Hq) float32 -> [out (T, Hq, D) in outs' dtype, lse (T, Hq)].
+std::vector<at::Tensor> merge_states(const at::Tensor& outs, const at::Tensor& lses) {
+  TORCH_CHECK(outs.dim() == 4 && lses.dim() == 3 && lses.scalar_type() == at::kFloat, "outs (N,T,H,D), lses (N,T,H) f32");
+  const at::Tensor o = outs.to(at::kFloat).contiguous(), l = lses.contiguous();
+  const int64_t n = o.size(0), rows = o.size(1) * o.size(2), d = o.size(3);
+  at::Tensor out = at::empty({o.size(1), o.size(2), d}, outs.options());
+  at::Tensor lse = at::empty({o.size(1), o.size(2)}, lses.options());
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(d);
+    for (int64_t r = begin; r < end; ++r) {
+      char* dst = static_cast<char*>(out.data_ptr()) + r * d * out.element_size();
+      merge_rows(o.data_ptr<float>() + r * d, l.data_ptr<float>() + r, n, rows, d, acc.data(), dst,
+                 out.scalar_type(), lse.data_ptr<float>() + r);
+    }
+  });
+  return {out, lse};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("segment_attention", &segment_attention, nogil);
+  m.def("private_attention", &private_attention, nogil);
+  m.def("merge_states", &merge_states, nogil);
+#if defined(RS_AVX2)
+  m.attr("isa") = "avx2";
+#else
+  m.attr("isa") = "scalar";
+#endif
+}

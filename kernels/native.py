@@ -1,0 +1,195 @@
+"""Native CPU attention (csrc/attention_cpu.cpp): reads K/V straight from the KV pool by slot.
+
+Ops (shapes as in kernels/__init__.py; the pool ops take one layer's pool tensors
+k_cache / v_cache (num_slots, Hkv, D) and int64 slot indices instead of gathered K/V):
+- pool_segment_attention(q (n,Hq,D), k_cache, v_cache, slots (L,), scale) -> out, lse
+- pool_private_attention(q (T,Hq,D), k_cache, v_cache, slots (S,), q_offsets (B+1,),
+  kv_offsets (B+1,), scale) -> out, lse; request b's queries are rows
+  q_offsets[b]:q_offsets[b+1], its keys slots[kv_offsets[b]:kv_offsets[b+1]]
+  (bottom-right causal). Decode is q_offsets == arange(B + 1).
+- segment_attention, private_attention, decode_attention, merge_states: the dense contract
+  of kernels/__init__.py, run by the same kernels (dense K/V is a pool whose slots are
+  0..L-1).
+
+What the C++ does (details in its header comment): query rows of one KV head stacked GQA-
+wise, K/V of a block of 64 keys loaded once for all of them (fp32 read in place; bf16 / fp16
+converted once per block), online softmax, float32 accumulation; long key ranges split
+across threads and merged by log-sum-exp; N-way merge in one pass.
+
+Build: torch's extension builder (a C++ compiler and ninja; cached under
+~/.cache/torch_extensions by module name and source hash), with -fopenmp (at::parallel_for
+is inline OpenMP: without it the kernels run on one thread). The ISA (`build_isa`, from
+radixserve/isa.py) picks the flags and the module name: "avx2" (-mavx2 -mfma -mf16c) or
+"scalar" (portable C++, no vector flags; never chosen by "auto", which then takes the torch
+path). RADIXSERVE_CPU_ISA=scalar selects the portable build on an AVX2 machine (tests);
+ATEN_CPU_CAPABILITY=avx2 is seen through torch. `ops()` returns None when the build fails
+(no compiler): callers then use the torch path ("cpu"), logged.
+
+Unsupported inputs (head dim not a multiple of 8, other dtypes) run the torch path per call.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from radixserve.kernels import cpu
+
+from radixserve.isa import cpu_isa
+
+logger = logging.getLogger("radixserve.kernels")
+SOURCE = Path(__file__).with_name("csrc") / "attention_cpu.cpp"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLAGS = {"avx2": ["-O3", "-mavx2", "-mfma", "-mf16c", "-DRS_AVX2", "-fopenmp"],
+         "scalar": ["-O3", "-fopenmp"]}  # fmt: skip
+
+
+def build_isa() -> str:
+    """The build for this CPU: "avx2" (also on AVX-512 CPUs) or "scalar" (portable C++).
+
+    From `radixserve.isa.cpu_isa()`: torch's capability (ATEN_CPU_CAPABILITY honoured), FMA
+    and F16C from /proc/cpuinfo, lowered by RADIXSERVE_CPU_ISA=avx2|scalar."""
+    return "scalar" if cpu_isa() == "scalar" else "avx2"
+
+
+@functools.cache
+def ops() -> ModuleType | None:
+    """The compiled module for `build_isa()`, or None when it cannot be built (logged)."""
+    isa = build_isa()
+    from torch.utils.cpp_extension import load
+
+    try:
+        module = load(
+            f"radixserve_attention_cpu_{isa}",
+            [str(SOURCE)],
+            extra_cflags=FLAGS[isa],
+            extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch already loaded
+        )
+    except Exception as exc:  # no compiler / ninja, or a failing build: fall back, loudly
+        logger.warning("native attention kernels unavailable (%s); using the torch path", exc)
+        return None
+    logger.info("native attention kernels built for ISA %s (%s)", isa, SOURCE.name)
+    return module
+
+
+def auto_ok() -> bool:
+    """Whether "auto" should pick these kernels: a vector ISA and a successful build."""
+    return build_isa() != "scalar" and ops() is not None
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the C++ kernels take these tensors (else the torch path runs the call)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in DTYPES
+        and q.shape[-1] % 8 == 0
+        and k_cache.stride(-1) == 1
+        and ops() is not None
+    )
+
+
+def _offsets(lens: list[int]) -> torch.Tensor:
+    out = torch.zeros(len(lens) + 1, dtype=torch.int64)
+    torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0, out=out[1:])
+    return out
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    return cache.index_select(0, slots)  # (S, Hkv, D) copy, for the torch fallback only
+
+
+# ---------------------------------------------------------------------------- pool ops
+def pool_segment_attention(
+    q: torch.Tensor,  # (n, Hq, D)
+    k_cache: torch.Tensor,  # (num_slots, Hkv, D)
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,  # (L,) int64
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q against the segment's keys k_cache[slots], no mask -> (n, Hq, D), (n, Hq) float32."""
+    if not supports(q, k_cache):
+        return cpu.segment_attention(q, _gather(k_cache, slots), _gather(v_cache, slots), scale)
+    out, lse = ops().segment_attention(q, k_cache, v_cache, slots, scale)  # type: ignore[union-attr]
+    return out, lse
+
+
+def pool_private_attention(
+    q: torch.Tensor,  # (T, Hq, D), requests concatenated
+    k_cache: torch.Tensor,  # (num_slots, Hkv, D)
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,  # (S,) int64, requests concatenated in position order
+    q_offsets: torch.Tensor,  # (B + 1,) int64, q rows of request b: [q_offsets[b], ..[b+1])
+    kv_offsets: torch.Tensor,  # (B + 1,) int64, its keys: slots[kv_offsets[b]:..[b+1]]
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bottom-right causal attention per request -> (T, Hq, D), (T, Hq) float32."""
+    if not supports(q, k_cache):
+        q_lens, kv_lens = q_offsets.diff().tolist(), kv_offsets.diff().tolist()
+        k, v = _gather(k_cache, slots), _gather(v_cache, slots)
+        return cpu.private_attention(q, k, v, q_lens, kv_lens, scale)
+    out, lse = ops().private_attention(q, k_cache, v_cache, slots, q_offsets, kv_offsets, scale)  # type: ignore[union-attr]
+    return out, lse
+
+
+# ---------------------------------------------------------------------------- dense ops
+def _rows(k: torch.Tensor) -> torch.Tensor:
+    """k (L, Hkv, D) as a pool: the same tensor when its last stride is 1."""
+    return k if k.stride(-1) == 1 else k.contiguous()
+
+
+def segment_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (n, Hq, D) against one shared segment k/v (L, Hkv, D), no mask -> (n, Hq, D), (n, Hq)."""
+    cpu._check_qkv(q, k, v)
+    slots = torch.arange(k.shape[0], dtype=torch.int64)
+    return pool_segment_attention(q, _rows(k), _rows(v), slots, scale)
+
+
+def private_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_lens: list[int],
+    kv_lens: list[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense private attention (kernels/__init__.py contract) on the native kernels."""
+    cpu._check_qkv(q, k, v)
+    cpu._check_lens(q, k, q_lens, kv_lens)
+    slots = torch.arange(k.shape[0], dtype=torch.int64)
+    return pool_private_attention(
+        q, _rows(k), _rows(v), slots, _offsets(q_lens), _offsets(kv_lens), scale
+    )
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: list[int], scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded-grid decode (kernels/__init__.py contract): the grid (B, L, Hkv, D) is read as a
+    pool of B * L rows; request b's slots are b * L + [0, kv_len); padding is never read."""
+    b, length = k.shape[0], k.shape[1]
+    assert k.dim() == 4 and k.shape == v.shape, f"k {tuple(k.shape)}, v {tuple(v.shape)}: want 4-D"
+    assert b == q.shape[0] == len(kv_lens), f"{q.shape[0]} queries, k {tuple(k.shape)}, {kv_lens}"
+    cpu._check_qkv(q, k[0], v[0])
+    assert all(1 <= n <= length for n in kv_lens), f"need 1 <= kv_len <= {length}: {kv_lens}"
+    slots = torch.cat([torch.arange(n) + i * length for i, n in enumerate(kv_lens)])
+    kc = k.reshape(b * length, *k.shape[2:])  # (B*L, Hkv, D): a view for a padded grid
+    vc = v.reshape(b * length, *v.shape[2:])
+    q_off = torch.arange(b + 1, dtype=torch.int64)
+    return pool_private_attention(q, kc, vc, slots, q_off, _offsets(kv_lens), scale)
+
+
+def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact N-way LSE merge in one pass per row (kernels/__init__.py contract)."""
+    assert outs.dim() == 4 and lses.shape == outs.shape[:3], (
+        f"outs {tuple(outs.shape)} / lses {tuple(lses.shape)}: want (N,T,H,D) / (N,T,H)"
+    )
+    assert lses.dtype == torch.float32, f"lses must be float32, got {lses.dtype}"
+    if outs.device.type != "cpu" or outs.dtype not in DTYPES or ops() is None:
+        return cpu.merge_states(outs, lses)
+    out, lse = ops().merge_states(outs, lses)  # type: ignore[union-attr]
+    return out, lse

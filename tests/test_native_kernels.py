@@ -1,0 +1,255 @@
+"""Native CPU attention kernels (kernels/native.py, csrc/attention_cpu.cpp) against
+kernels/reference.py, reading K/V from a pool by slot.
+
+Every case draws a pool bigger than the keys and a random permutation of its slots, so rows
+are read out of order; the reference runs on the same rows gathered (pool[slots]).
+
+Tolerances (max |diff| against the reference on the same inputs, out and lse alike):
+- fp32 pool: FP32_ATOL = 1e-5 absolute. Both accumulate in fp32 in other orders, and the
+  kernel's exp is a polynomial within ~2 ulp; observed on these cases: out 4.8e-6, lse 3.8e-6.
+- bf16 / fp16 pool: both sides compute in fp32 from the same stored values and round the
+  output once, so out differs by at most ~1 ulp of |out| <= ~4: LOW_ATOL + LOW_RTOL * |ref|
+  (2^-7 + 2^-7 |ref|; observed worst 0.47 of that bound in bf16 (0.0078 = 1 ulp at 1..2),
+  0.06 in fp16); lse stays fp32 from exactly converted values: LOW_LSE_ATOL = 2e-5
+  (observed 5.7e-6).
+Shapes cover GQA 9/3, 4/1 and 8/8; q_len 1 and > 1 (causal); 1-key, odd and long keys (more
+than one 64-key block, and long enough to be split across threads and merged); empty
+segments, requests without queries, batches without requests; head dims 8..128 and one
+that is not a multiple of 8 (torch path).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from radixserve.kernels import native, reference
+
+from radixserve import kernels
+
+ROOT = Path(__file__).resolve().parent.parent
+FP32_ATOL = 1e-5
+LOW_ATOL, LOW_RTOL, LOW_LSE_ATOL = 2**-7, 2**-7, 2e-5
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.bfloat16, id="bf16"),
+    pytest.param(torch.float16, id="fp16"),
+]
+GQA = [(3, 3), (1, 4), (8, 1)]  # (Hkv, group): SmolLM2 9/3, 4/1, MHA 8/8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    if native.ops() is None:
+        pytest.skip("native attention kernels cannot be built here (no compiler?)")
+
+
+def close(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
+    (o, lse), (o_ref, lse_ref) = got, want
+    assert o.shape == o_ref.shape and o.dtype == o_ref.dtype, (o.shape, o_ref.shape, o.dtype)
+    assert lse.shape == lse_ref.shape and lse.dtype == torch.float32, (lse.shape, lse.dtype)
+    if o.dtype == torch.float32:
+        torch.testing.assert_close(o, o_ref, atol=FP32_ATOL, rtol=0)
+    else:
+        torch.testing.assert_close(o.float(), o_ref.float(), atol=LOW_ATOL, rtol=LOW_RTOL)
+    atol = FP32_ATOL if o.dtype == torch.float32 else LOW_LSE_ATOL
+    torch.testing.assert_close(lse, lse_ref, atol=atol, rtol=0)  # -inf positions must match
+
+
+class Pool:
+    """One layer's K/V pool (num_slots, Hkv, D) with randn rows, and slots drawn from it."""
+
+    def __init__(self, seed: int, rows: int, hkv: int, d: int, dtype: torch.dtype) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        self.rng = random.Random(seed)
+        size = 1 + rows + self.rng.randint(0, 50)
+        self.k = torch.randn(size, hkv, d, generator=self.gen).to(dtype)
+        self.v = torch.randn(size, hkv, d, generator=self.gen).to(dtype)
+        self.free = list(range(1, size))
+        self.rng.shuffle(self.free)  # a random permutation: rows are read out of order
+
+    def take(self, n: int) -> torch.Tensor:
+        out, self.free = self.free[:n], self.free[n:]
+        return torch.tensor(out, dtype=torch.int64)
+
+    def queries(self, n: int, hq: int) -> torch.Tensor:
+        return torch.randn(n, hq, self.k.shape[2], generator=self.gen).to(self.k.dtype)
+
+
+# --------------------------------------------------------------------------- segment
+SEGMENT_CASES = [  # (n queries, L keys, D)
+    (1, 1, 64),
+    (5, 7, 64),
+    (4, 64, 64),  # exactly one block
+    (70, 65, 64),  # one block + 1 key; 210 rows: transposed-K path
+    (3, 301, 32),  # odd, several blocks; few rows: dot-product path
+    (1, 3000, 64),  # long: split across threads, merged
+    (40, 2500, 128),
+    (9, 130, 8),
+    (17, 77, 24),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("hkv", "group"), GQA, ids=["gqa9/3", "gqa4/1", "mha8/8"])
+def test_pool_segment_matches_reference(hkv: int, group: int, dtype: torch.dtype) -> None:
+    for i, (n, length, d) in enumerate(SEGMENT_CASES):
+        pool = Pool(i, length, hkv, d, dtype)
+        slots, q = pool.take(length), pool.queries(n, hkv * group)
+        got = native.pool_segment_attention(q, pool.k, pool.v, slots, d**-0.5)
+        close(got, reference.segment_attention(q, pool.k[slots], pool.v[slots], d**-0.5))
+
+
+# --------------------------------------------------------------------------- private
+PRIVATE_CASES = [  # (q_lens, kv_lens, D)
+    ([1], [1], 64),  # one key
+    ([1] * 5, [7, 1, 300, 40, 2], 64),  # decode, odd lengths
+    ([1] * 3, [64, 65, 129], 64),  # block edges
+    ([1], [4000], 64),  # batch-1 long decode: split across threads
+    ([12, 12], [12, 12], 32),  # prefill from scratch (kv_len == q_len)
+    ([9, 9, 1, 0, 30], [40, 40, 80, 17, 30], 64),  # mixed, one request without queries
+    ([70], [300], 64),  # extend after a prefix
+    ([350], [2100], 64),  # > 1024 rows (GQA 9/3): several row blocks, and long keys
+    ([5, 1], [1500, 3], 16),
+    ([0, 0], [3, 0], 64),  # no queries at all
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("hkv", "group"), GQA, ids=["gqa9/3", "gqa4/1", "mha8/8"])
+def test_pool_private_matches_reference(hkv: int, group: int, dtype: torch.dtype) -> None:
+    for i, (q_lens, kv_lens, d) in enumerate(PRIVATE_CASES):
+        pool = Pool(100 + i, sum(kv_lens), hkv, d, dtype)
+        slots, q = pool.take(sum(kv_lens)), pool.queries(sum(q_lens), hkv * group)
+        got = native.pool_private_attention(
+            q, pool.k, pool.v, slots, native._offsets(q_lens), native._offsets(kv_lens), 0.3
+        )
+        want = reference.private_attention(q, pool.k[slots], pool.v[slots], q_lens, kv_lens, 0.3)
+        close(got, want)
+
+
+def test_pool_ops_through_dispatch(restore_impl: None) -> None:
+    """kernels.pool_* route to the native kernels; with another impl they gather first."""
+    pool = Pool(7, 400, 3, 64, torch.float32)
+    slots, q = pool.take(400), pool.queries(4, 9)
+    kv_off = torch.tensor([0, 100, 150, 151, 400])
+    results = {}
+    for impl in ("native", "reference"):
+        kernels.set_impl(impl)
+        assert kernels.reads_pool_in_place(q) == (impl == "native")
+        results[impl] = (
+            kernels.pool_decode_attention(q, pool.k, pool.v, slots, kv_off, 0.125),
+            kernels.pool_segment_attention(q, pool.k, pool.v, slots[:37], 0.125),
+        )
+    for got, want in zip(results["native"], results["reference"], strict=True):
+        close(got, want)
+
+
+@pytest.fixture
+def restore_impl() -> Iterator[None]:
+    before = kernels.get_impl()
+    yield
+    kernels.set_impl(before)
+
+
+def test_threads_agree() -> None:
+    """1 thread (no split) and 2 threads (keys split, merged by LSE) agree to fp32 rounding."""
+    pool = Pool(3, 3000, 3, 64, torch.float32)
+    slots, q = pool.take(3000), pool.queries(1, 9)
+    q_off, kv_off = torch.tensor([0, 1]), torch.tensor([0, 3000])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.pool_private_attention(q, pool.k, pool.v, slots, q_off, kv_off, 0.125)
+        torch.set_num_threads(2)
+        two = native.pool_private_attention(q, pool.k, pool.v, slots, q_off, kv_off, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(one, two, atol=2e-6, rtol=0)
+
+
+def test_head_dim_not_multiple_of_8_uses_torch_path() -> None:
+    pool = Pool(4, 50, 3, 20, torch.float32)
+    slots, q = pool.take(50), pool.queries(6, 9)
+    assert not native.supports(q, pool.k)
+    got = native.pool_segment_attention(q, pool.k, pool.v, slots, 0.2)
+    close(got, reference.segment_attention(q, pool.k[slots], pool.v[slots], 0.2))
+
+
+def test_empty() -> None:
+    pool = Pool(5, 10, 3, 64, torch.float32)
+    q = pool.queries(4, 9)
+    out, lse = native.pool_segment_attention(q, pool.k, pool.v, pool.take(0), 0.1)
+    assert bool((out == 0).all()) and bool((lse == float("-inf")).all())
+    out, lse = native.pool_segment_attention(q[:0], pool.k, pool.v, pool.take(5), 0.1)
+    assert out.shape == (0, 9, 64) and lse.shape == (0, 9)
+    zero = torch.zeros(1, dtype=torch.int64)
+    out, lse = native.pool_private_attention(q[:0], pool.k, pool.v, pool.take(0), zero, zero, 0.1)
+    assert out.shape == (0, 9, 64) and lse.shape == (0, 9)
+
+
+def test_rejects_bad_input() -> None:
+    pool = Pool(6, 10, 3, 64, torch.float32)
+    q, ops = pool.queries(2, 9), native.ops()
+    assert ops is not None
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops.segment_attention(q, pool.k, pool.v, torch.tensor([1, pool.k.shape[0]]), 0.1)
+    with pytest.raises(RuntimeError, match="need 0 <= q_len <= kv_len"):
+        two = torch.tensor([0, 2])
+        ops.private_attention(q, pool.k, pool.v, pool.take(1), two, torch.tensor([0, 1]), 0.1)
+    with pytest.raises(RuntimeError, match="offsets must run"):
+        ops.private_attention(q, pool.k, pool.v, pool.take(3), two, torch.tensor([0, 2]), 0.1)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        ops.segment_attention(q.bfloat16(), pool.k, pool.v, pool.take(2), 0.1)
+
+
+# --------------------------------------------------------------------------- builds and ISA
+# The build is chosen once per process (cached), so the other builds run in a child process
+# (this file as a script) with the environment set; the parent checks what it printed.
+def run_child_checks() -> None:
+    """Child: which build "auto" / "native" resolve to, then the shape sweep on that build."""
+    q = torch.zeros(1, 9, 64)
+    print(f"isa {native.build_isa()} auto {kernels.resolve_impl(q)}", flush=True)
+    kernels.set_impl("native")
+    ops = native.ops()
+    assert ops is not None and kernels.resolve_impl(q) == "native"
+    for dtype in (torch.float32, torch.bfloat16):
+        for hkv, group in GQA:
+            test_pool_segment_matches_reference(hkv, group, dtype)
+            test_pool_private_matches_reference(hkv, group, dtype)
+    print(f"ok build {ops.isa}", flush=True)
+
+
+def child(env: dict[str, str]) -> list[str]:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child-checks"], env={**os.environ, **env}, cwd=ROOT,
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"child failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return proc.stdout.split()
+
+
+def test_portable_build_matches_reference() -> None:
+    """RADIXSERVE_CPU_ISA=scalar: the portable build (no vector flags); "auto" keeps the
+    torch path there, set_impl("native") runs the portable kernels."""
+    out = child({"RADIXSERVE_CPU_ISA": "scalar"})
+    assert out[:4] == ["isa", "scalar", "auto", "cpu"] and out[-3:] == ["ok", "build", "scalar"]
+
+
+def test_avx2_capped_environment() -> None:
+    """ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (what CI uses to mimic an AVX2-only
+    CPU) selects the avx2 build wherever the CPU has AVX2 + FMA + F16C."""
+    if native.build_isa() != "avx2":
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
+    out = child({"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert out[:4] == ["isa", "avx2", "auto", "native"] and out[-3:] == ["ok", "build", "avx2"]
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--child-checks"]:
+    run_child_checks()
