@@ -126,6 +126,7 @@ class QuantLinear(nn.Module):
         want = (blocks.shape[0], in_features // BLOCK * f.block_bytes)
         assert blocks.dtype == torch.uint8 and tuple(blocks.shape) == want, (blocks.shape, want)
         self.fmt, self.code = fmt, f.code
+        self.blocks: Tensor
         self.in_features, self.out_features = in_features, blocks.shape[0]
         self.register_buffer("blocks", blocks.contiguous())
         self.bias: Tensor | None
