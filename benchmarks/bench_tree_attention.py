@@ -1,29 +1,41 @@
-"""Attention-only time of ONE decode step of ONE layer: tree (Hydragen) vs flat, with roofline.
+"""Attention-only time of ONE decode step of ONE layer: tree (Hydragen) vs flat, per kernel
+implementation, with roofline.
 
-Shapes default to SmolLM2-135M (Hq 9, Hkv 3, D 64), bf16. Every request r has the path
+Shapes default to SmolLM2-135M (Hq 9, Hkv 3, D 64), in the model's dtype on this CPU
+(`--dtype auto`: float32 unless the CPU has fast bf16). Every request r has the path
 
     |<------ P1: shared by all B ------>|<-- P2: shared by its group of G -->|<-- R: own -->|
 
 (P2 = 0 for a one-level tree; R includes the current token). The K/V of every path position
 lives in ONE pool layer (num_slots, Hkv, D), laid out as a fresh pool hands out slots.
-- flat: gather each request's whole path from the pool by slot index (index_select on
-  (slots, Hkv*D) rows) and run private_attention with q_len 1, kv_len P1+P2+R per request.
-- tree: gather each shared segment once and run segment_attention with all the queries
-  under it; gather the private parts and run private_attention; merge_states all parts.
-Both sides count their gathers; the slot lists (the per-step plan) are built outside the
-timed region, as a backend's plan() runs once per step, not per layer.
+- flat: each request attends its whole path (q_len 1, kv_len P1+P2+R).
+- tree: each shared segment once with all the queries under it (segment attention), the
+  private parts in one call, then one N-way merge_states.
+How K/V reach the kernels depends on the implementation (`--impls`, default native and cpu):
+- "native" reads them from the pool in place by slot (kernels.pool_* ops);
+- "cpu" (torch) and "reference" gather them first (index_select on (slots, Hkv*D) rows),
+  and that gather is timed, as the attention backends pay it every layer.
+The slot lists (the per-step plan) are built outside the timed region, as a backend's plan()
+runs once per step, not per layer. Times: the sides and implementations are interleaved
+round-robin, `--repeats` rounds; the table shows the best (min) and the JSON the median too.
 
-Roofline per side: bound = max(bytes / read bandwidth, FLOPs / matmul peak of the dtype),
-bytes = K/V read by attention + gather traffic (read + write of the copy) + merge traffic,
-FLOPs = 4 * rows * L * D per query head (QK^T and PV). Bandwidth and matmul peaks are
-measured in the same run (benchmarks/roofline.py).
+Roofline, one bound per side for all implementations (what any kernel must do):
+bound = max(bytes / read bandwidth, FLOPs / fp32 matmul peak), with bytes = K/V read once
+(flat: B * path rows; tree: the P1 + P2 segments once + B * R private rows) + the queries
+read per part + the merge traffic, and FLOPs = 4 * rows * L * D per query head (QK^T and
+PV). The compute peak is the best measured over float32 and the storage dtype (a kernel can
+always compute in fp32). Bandwidth and peaks are measured in the same run
+(benchmarks/roofline.py). A gathering implementation moves 3x the K/V bytes (read, write,
+read again): that is counted against it, not in its bound (`gather_bytes` in the JSON).
 
-    python benchmarks/bench_tree_attention.py [--quick] [--dtype bf16] [--json P] [--plot P]
+    python benchmarks/bench_tree_attention.py [--quick] [--dtype fp32|bf16|auto]
+        [--impls native cpu] [--only headline] [--json P] [--plot P]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -38,8 +50,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
 from benchmarks.roofline import Roofline, measure_roofline  # noqa: E402
 from radixserve import kernels  # noqa: E402
+from radixserve.isa import resolve_dtype  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+IMPLS = ("native", "cpu", "reference")
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,10 @@ class Case:
     def path_len(self) -> int:
         return self.prefix + self.prefix2 + self.private
 
+    @property
+    def n_groups(self) -> int:
+        return self.batch // self.group if self.prefix2 else 0
+
     def label(self) -> str:
         two = f" P2={self.prefix2}/G={self.group}" if self.prefix2 else ""
         return f"B={self.batch} P={self.prefix}{two} R={self.private}"
@@ -71,7 +89,7 @@ class Shapes:
 
 
 def sweep(quick: bool) -> list[Case]:
-    """The default sweep (~2-3 min on 2 cores) or the --quick preset (seconds)."""
+    """The default sweep (a few minutes on 2 cores) or the --quick preset (seconds)."""
     if quick:
         return [
             Case("batch", 2, 64, 16),
@@ -86,25 +104,31 @@ def sweep(quick: bool) -> list[Case]:
     return cases
 
 
+def offsets(lens: list[int]) -> torch.Tensor:
+    """(len(lens) + 1,) int64 cumulative lengths from 0."""
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64)
+
+
 @dataclass
 class Layout:
     """One pool layer and the per-step slot lists (the plan) for a Case."""
 
-    k_pool: torch.Tensor  # (num_slots, Hkv*D): rows of the pool, flattened heads
+    k_pool: torch.Tensor  # (num_slots, Hkv, D)
     v_pool: torch.Tensor
     q: torch.Tensor  # (B, Hq, D)
     prefix_slots: torch.Tensor  # (P1,)
     group_slots: list[torch.Tensor]  # B // G tensors of (P2,)
     private_slots: torch.Tensor  # (B*R,), request-major
+    private_offsets: torch.Tensor  # (B+1,): request b's private keys
     flat_slots: torch.Tensor  # (B*(P1+P2+R),), request-major: each request's whole path
+    flat_offsets: torch.Tensor  # (B+1,)
 
 
 def build_layout(case: Case, shapes: Shapes, dtype: torch.dtype, gen: torch.Generator) -> Layout:
-    n_groups = case.batch // case.group if case.prefix2 else 0
-    n_slots = 1 + case.prefix + n_groups * case.prefix2 + case.batch * case.private  # 0: scratch
-    row = shapes.kv_heads * shapes.head_dim
-    k_pool = torch.randn(n_slots, row, generator=gen).to(dtype)
-    v_pool = torch.randn(n_slots, row, generator=gen).to(dtype)
+    n_slots = 1 + case.prefix + case.n_groups * case.prefix2 + case.batch * case.private
+    row = (shapes.kv_heads, shapes.head_dim)
+    k_pool = torch.randn(n_slots, *row, generator=gen).to(dtype)  # slot 0: scratch
+    v_pool = torch.randn(n_slots, *row, generator=gen).to(dtype)
     q = torch.randn(case.batch, shapes.q_heads, shapes.head_dim, generator=gen).to(dtype)
     cursor = 1  # slots handed out in order, as a fresh pool does; slot 0 is scratch
 
@@ -114,139 +138,203 @@ def build_layout(case: Case, shapes: Shapes, dtype: torch.dtype, gen: torch.Gene
         return torch.arange(cursor - n, cursor)  # (n,) int64 slots
 
     prefix_slots = take(case.prefix)
-    group_slots = [take(case.prefix2) for _ in range(n_groups)]
+    group_slots = [take(case.prefix2) for _ in range(case.n_groups)]
     private = [take(case.private) for _ in range(case.batch)]
     paths = []
     for r in range(case.batch):
-        mid = [group_slots[r // case.group]] if n_groups else []
+        mid = [group_slots[r // case.group]] if case.n_groups else []
         paths.append(torch.cat([prefix_slots, *mid, private[r]]))
     return Layout(
-        k_pool, v_pool, q, prefix_slots, group_slots, torch.cat(private), torch.cat(paths)
-    )
+        k_pool, v_pool, q, prefix_slots, group_slots, torch.cat(private),
+        offsets([case.private] * case.batch), torch.cat(paths),
+        offsets([case.path_len] * case.batch),
+    )  # fmt: skip
 
 
 class Gatherer:
-    """Pool rows -> (n, Hkv, D) K or V by slot index (index_select on (slots, Hkv*D) rows).
+    """Pool rows -> (n, Hkv, D) K or V by slot index (index_select on (slots, Hkv*D) rows),
+    for the implementations that do not read the pool in place.
 
-    Fresh output per call by default, as the attention backends do; with `prealloc`, into a
-    persistent workspace per `key`, which removes the allocator's page faults from the time."""
+    Fresh output per call by default; with `prealloc`, into a persistent workspace per `key`
+    (as the attention backends' plans do), which removes page faults from the time."""
 
-    def __init__(self, kv_heads: int, prealloc: bool) -> None:
-        self.kv_heads, self.prealloc = kv_heads, prealloc
+    def __init__(self, prealloc: bool) -> None:
+        self.prealloc = prealloc
         self.bufs: dict[str, torch.Tensor] = {}
 
     def __call__(self, key: str, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        rows = pool.view(pool.shape[0], -1)  # (num_slots, Hkv*D)
         if not self.prealloc:
-            rows = pool.index_select(0, slots)  # (n, Hkv*D) copy: the gather traffic
+            out = rows.index_select(0, slots)  # (n, Hkv*D) copy: the gather traffic
         else:
             buf = self.bufs.get(key)
             if buf is None:
-                buf = self.bufs[key] = pool.new_empty(slots.numel(), pool.shape[1])
-            rows = torch.index_select(pool, 0, slots, out=buf)
-        return rows.view(slots.numel(), self.kv_heads, -1)  # (n, Hkv, D)
+                buf = self.bufs[key] = rows.new_empty(slots.numel(), rows.shape[1])
+            out = torch.index_select(rows, 0, slots, out=buf)
+        return out.view(slots.numel(), *pool.shape[1:])  # (n, Hkv, D)
 
 
-def run_flat(lay: Layout, case: Case, gather: Gatherer, scale: float) -> torch.Tensor:
+def run_flat(lay: Layout, case: Case, gather: Gatherer | None, scale: float) -> torch.Tensor:
+    """Flat decode; gather is None when the kernels read the pool in place."""
+    if gather is None:
+        out, _ = kernels.pool_decode_attention(
+            lay.q, lay.k_pool, lay.v_pool, lay.flat_slots, lay.flat_offsets, scale
+        )
+        return out
     k = gather("flat_k", lay.k_pool, lay.flat_slots)  # (B*path, Hkv, D)
     v = gather("flat_v", lay.v_pool, lay.flat_slots)
-    out, _ = kernels.private_attention(
-        lay.q, k, v, [1] * case.batch, [case.path_len] * case.batch, scale
-    )
-    return out
+    own = [1] * case.batch, [case.path_len] * case.batch
+    return kernels.private_attention(lay.q, k, v, *own, scale)[0]
 
 
-def run_tree(lay: Layout, case: Case, gather: Gatherer, scale: float) -> torch.Tensor:
-    k1 = gather("p1_k", lay.k_pool, lay.prefix_slots)  # (P1, Hkv, D), read once for all B
-    v1 = gather("p1_v", lay.v_pool, lay.prefix_slots)
-    parts = [kernels.segment_attention(lay.q, k1, v1, scale)]
+def segment(
+    lay: Layout,
+    q: torch.Tensor,
+    slots: torch.Tensor,
+    gather: Gatherer | None,
+    key: str,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (n, Hq, D) against one shared segment: read once for all n queries."""
+    if gather is None:
+        return kernels.pool_segment_attention(q, lay.k_pool, lay.v_pool, slots, scale)
+    k, v = gather(key + "_k", lay.k_pool, slots), gather(key + "_v", lay.v_pool, slots)
+    return kernels.segment_attention(q, k, v, scale)
+
+
+def run_tree(lay: Layout, case: Case, gather: Gatherer | None, scale: float) -> torch.Tensor:
+    parts = [segment(lay, lay.q, lay.prefix_slots, gather, "p1", scale)]
     if lay.group_slots:
         outs, lses = [], []
         for g, slots in enumerate(lay.group_slots):
             qg = lay.q[g * case.group : (g + 1) * case.group]  # (G, Hq, D)
-            kg, vg = gather("p2_k", lay.k_pool, slots), gather("p2_v", lay.v_pool, slots)
-            o, lse = kernels.segment_attention(qg, kg, vg, scale)
+            o, lse = segment(lay, qg, slots, gather, "p2", scale)
             outs.append(o)
             lses.append(lse)
         parts.append((torch.cat(outs), torch.cat(lses)))
-    kp = gather("own_k", lay.k_pool, lay.private_slots)  # (B*R, Hkv, D)
-    vp = gather("own_v", lay.v_pool, lay.private_slots)
-    own = [1] * case.batch, [case.private] * case.batch
-    parts.append(kernels.private_attention(lay.q, kp, vp, *own, scale))
+    if gather is None:
+        own = kernels.pool_decode_attention(
+            lay.q, lay.k_pool, lay.v_pool, lay.private_slots, lay.private_offsets, scale
+        )
+    else:
+        kp = gather("own_k", lay.k_pool, lay.private_slots)  # (B*R, Hkv, D)
+        vp = gather("own_v", lay.v_pool, lay.private_slots)
+        lens = [1] * case.batch, [case.private] * case.batch
+        own = kernels.private_attention(lay.q, kp, vp, *lens, scale)
+    parts.append(own)
     stacked = torch.stack([o for o, _ in parts]), torch.stack([s for _, s in parts])
     out, _ = kernels.merge_states(*stacked)  # (B, Hq, D)
     return out
 
 
-def time_ms(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
-    """(median, min) wall ms over `repeats` calls after one warm-up."""
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def time_round_robin(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Wall ms of each fn, called in turn `repeats` times after one warm-up each, so a busy
+    period of the (shared) machine hits every side alike."""
+    for fn in fns.values():
         fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts), min(ts)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return times
 
 
 def traffic(case: Case, shapes: Shapes, elt: int) -> dict[str, float]:
     """Bytes and FLOPs per side (see the module docstring)."""
     kv_row = 2 * shapes.kv_heads * shapes.head_dim * elt  # K and V of one token
-    flops = 4.0 * case.batch * case.path_len * shapes.head_dim * shapes.q_heads  # equal both sides
+    q_rows = case.batch * shapes.q_heads * shapes.head_dim * elt  # all queries (or outputs)
     flat_rows = case.batch * case.path_len
-    n_groups = case.batch // case.group if case.prefix2 else 0
-    tree_rows = case.prefix + n_groups * case.prefix2 + case.batch * case.private
+    tree_rows = case.prefix + case.n_groups * case.prefix2 + case.batch * case.private
     n_parts = 3 if case.prefix2 else 2
-    merge = (n_parts + 1) * case.batch * shapes.q_heads * shapes.head_dim * elt  # read N, write 1
+    merge = (n_parts + 1) * q_rows  # read N partial outputs, write 1
     return {
-        "flat_bytes": 3.0 * flat_rows * kv_row,  # gather read + write, attention read
-        "tree_bytes": 3.0 * tree_rows * kv_row + merge,
-        "flops": flops,
+        "flat_bytes": flat_rows * kv_row + 2.0 * q_rows,  # K/V once, q in, out
+        "tree_bytes": tree_rows * kv_row + 2.0 * n_parts * q_rows + merge,
+        "flat_gather_bytes": 2.0 * flat_rows * kv_row,  # what a gather adds: write + re-read
+        "tree_gather_bytes": 2.0 * tree_rows * kv_row,
+        "flops": 4.0 * case.batch * case.path_len * shapes.head_dim * shapes.q_heads,
     }
 
 
-def run_case(
-    case: Case, shapes: Shapes, dtype: torch.dtype, roof: Roofline, repeats: int, prealloc: bool
-) -> dict[str, Any]:
-    lay = build_layout(case, shapes, dtype, torch.Generator().manual_seed(0))
-    gather, scale = Gatherer(shapes.kv_heads, prealloc), shapes.head_dim**-0.5
-    tree_out = run_tree(lay, case, gather, scale)
-    flat_out = run_flat(lay, case, gather, scale)
-    max_diff = (tree_out.float() - flat_out.float()).abs().max().item()
-    tree_ms, tree_min = time_ms(lambda: run_tree(lay, case, gather, scale), repeats)
-    flat_ms, flat_min = time_ms(lambda: run_flat(lay, case, gather, scale), repeats)
+def bounds_ms(case: Case, shapes: Shapes, dtype: torch.dtype, roof: Roofline) -> dict[str, float]:
     tr = traffic(case, shapes, torch.finfo(dtype).bits // 8)
-    tree_bound = roof.bound_s(tr["tree_bytes"], tr["flops"], dtype) * 1e3
-    flat_bound = roof.bound_s(tr["flat_bytes"], tr["flops"], dtype) * 1e3
+    peak = max(roof.peak_flops(torch.float32), roof.peak_flops(dtype))  # fp32 compute always ok
+    side = {
+        k: max(tr[f"{k}_bytes"] / roof.read_bw, tr["flops"] / peak) * 1e3 for k in ("tree", "flat")
+    }
+    return {"tree_bound_ms": side["tree"], "flat_bound_ms": side["flat"], **tr}
+
+
+def run_case(
+    case: Case, shapes: Shapes, dtype: torch.dtype, roof: Roofline, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """One result row per implementation."""
+    lay = build_layout(case, shapes, dtype, torch.Generator().manual_seed(0))
+    scale = shapes.head_dim**-0.5
+    fns: dict[str, Callable[[], torch.Tensor]] = {}
+    for impl in args.impls:
+        kernels.set_impl(impl)
+        gather = None if kernels.reads_pool_in_place(lay.q) else Gatherer(args.prealloc)
+        for side, run in (("tree", run_tree), ("flat", run_flat)):
+            fns[f"{impl}/{side}"] = _with_impl(impl, run, lay, case, gather, scale)
+    diffs = {impl: _max_diff(fns[f"{impl}/tree"](), fns[f"{impl}/flat"]()) for impl in args.impls}
+    times = time_round_robin(fns, args.repeats)
+    bounds = bounds_ms(case, shapes, dtype, roof)
+    return [_row(case, impl, times, bounds, diffs[impl]) for impl in args.impls]
+
+
+def _with_impl(impl: str, run: Callable, *args: Any) -> Callable[[], torch.Tensor]:
+    def call() -> torch.Tensor:
+        kernels.set_impl(impl)  # process-wide choice; a global store, nothing to time
+        return run(*args)
+
+    return call
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def _row(
+    case: Case, impl: str, times: dict[str, list[float]], bounds: dict[str, float], diff: float
+) -> dict[str, Any]:
+    tree, flat = times[f"{impl}/tree"], times[f"{impl}/flat"]
+    tree_ms, flat_ms = min(tree), min(flat)
+    roof_x = bounds["flat_bound_ms"] / bounds["tree_bound_ms"]
     return {
         **asdict(case),
         "label": case.label(),
+        "impl": impl,
         "tree_ms": tree_ms,
         "flat_ms": flat_ms,
-        "tree_min_ms": tree_min,
-        "flat_min_ms": flat_min,
+        "tree_median_ms": statistics.median(tree),
+        "flat_median_ms": statistics.median(flat),
         "speedup": flat_ms / tree_ms,
-        "tree_bound_ms": tree_bound,
-        "flat_bound_ms": flat_bound,
-        "roofline_speedup": flat_bound / tree_bound,
-        "tree_frac_of_bound": tree_bound / tree_ms,
-        "flat_frac_of_bound": flat_bound / flat_ms,
-        "max_abs_diff_tree_vs_flat": max_diff,
-        **tr,
+        "roofline_speedup": roof_x,
+        "speedup_of_roofline": flat_ms / tree_ms / roof_x,
+        "tree_frac_of_bound": bounds["tree_bound_ms"] / tree_ms,
+        "flat_frac_of_bound": bounds["flat_bound_ms"] / flat_ms,
+        "max_abs_diff_tree_vs_flat": diff,
+        **bounds,
     }
 
 
 HEADER = (
-    f"{'sweep':<10}{'config':<30}{'tree ms':>9}{'flat ms':>9}{'speedup':>9}"
-    f"{'roof x':>8}{'tree %roof':>11}{'flat %roof':>11}"
+    f"{'sweep':<10}{'config':<28}{'impl':<8}{'tree ms':>9}{'flat ms':>9}{'speedup':>9}"
+    f"{'roof x':>8}{'of roof':>8}{'tree bd':>9}{'%roof':>7}{'flat bd':>9}{'%roof':>7}"
 )
 
 
 def format_row(r: dict[str, Any]) -> str:
     f = lambda k: float(r[k])  # noqa: E731
     return (
-        f"{r['sweep']!s:<10}{r['label']!s:<30}{f('tree_ms'):>9.3f}{f('flat_ms'):>9.3f}"
-        f"{f('speedup'):>8.2f}x{f('roofline_speedup'):>7.1f}x"
-        f"{100 * f('tree_frac_of_bound'):>10.0f}%{100 * f('flat_frac_of_bound'):>10.0f}%"
+        f"{r['sweep']!s:<10}{r['label']!s:<28}{r['impl']!s:<8}{f('tree_ms'):>9.3f}"
+        f"{f('flat_ms'):>9.3f}{f('speedup'):>8.2f}x{f('roofline_speedup'):>7.1f}x"
+        f"{100 * f('speedup_of_roofline'):>7.0f}%{f('tree_bound_ms'):>9.3f}"
+        f"{100 * f('tree_frac_of_bound'):>6.0f}%{f('flat_bound_ms'):>9.3f}"
+        f"{100 * f('flat_frac_of_bound'):>6.0f}%"
     )
 
 
@@ -257,14 +345,25 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    impls = list(dict.fromkeys(r["impl"] for r in results))
     for ax, (sweep_name, key) in zip(
         axes, [("batch", "batch"), ("prefix", "prefix"), ("private", "private")], strict=False
     ):
-        rows = [r for r in results if r["sweep"] in (sweep_name, "headline")]
-        rows.sort(key=lambda r: float(r[key]))
-        xs = [float(r[key]) for r in rows]
-        ax.plot(xs, [float(r["speedup"]) for r in rows], "o-", label="measured")
-        ax.plot(xs, [float(r["roofline_speedup"]) for r in rows], "s--", label="roofline")
+        for impl in impls:
+            rows = [r for r in results if r["sweep"] in (sweep_name, "headline")]
+            rows = sorted((r for r in rows if r["impl"] == impl), key=lambda r: float(r[key]))
+            xs = [float(r[key]) for r in rows]
+            ax.plot(xs, [float(r["speedup"]) for r in rows], "o-", label=f"measured ({impl})")
+        rows = sorted(
+            (
+                r
+                for r in results
+                if r["sweep"] in (sweep_name, "headline") and r["impl"] == impls[0]
+            ),
+            key=lambda r: float(r[key]),
+        )
+        ax.plot([float(r[key]) for r in rows], [float(r["roofline_speedup"]) for r in rows],
+                "s--", label="roofline")  # fmt: skip
         ax.set_title(f"{sweep_name} sweep (others as the headline)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel(key)
@@ -276,39 +375,51 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="K/V and query dtype; auto: the model's dtype on this CPU")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny preset for tests")
-    p.add_argument("--repeats", type=int, default=None, help="timed calls per side (median)")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds (best and median)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    p.add_argument("--impl", choices=kernels.IMPLS, default="auto")
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=None,
+                   help="kernel impls (default: native if it builds, and cpu)")  # fmt: skip
     p.add_argument("--only", nargs="+", default=None, help="run only these sweeps (names)")
     p.add_argument("--prealloc", action="store_true", help="gather into persistent workspaces")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="write a PNG of the sweeps here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.repeats = args.repeats or (2 if args.quick else 15)
+    if args.impls is None:
+        native_ok = kernels.native.auto_ok()
+        args.impls = ["native", "cpu"] if native_ok else ["cpu"]
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    kernels.set_impl(args.impl)
-    dtype = DTYPES[args.dtype]
-    repeats = args.repeats or (2 if args.quick else 7)
+    dtype = resolve_dtype("auto", "cpu")[0] if args.dtype == "auto" else DTYPES[args.dtype]
+    name = next(k for k, v in DTYPES.items() if v == dtype)
+    before = kernels.get_impl()
     roof = measure_roofline(tuple(dict.fromkeys([torch.float32, dtype])), quick=args.quick)
     print(f"roofline ({torch.get_num_threads()} threads): {roof.describe()}")
+    print(f"K/V {name}, best of {args.repeats} interleaved rounds")
     print(HEADER)
     results = []
-    for case in sweep(args.quick):
-        if args.only and case.sweep not in args.only:
-            continue
-        results.append(run_case(case, Shapes(), dtype, roof, repeats, args.prealloc))
-        print(format_row(results[-1]), flush=True)
+    try:
+        for case in sweep(args.quick):
+            if args.only and case.sweep not in args.only:
+                continue
+            for row in run_case(case, Shapes(), dtype, roof, args):
+                results.append(row)
+                print(format_row(row), flush=True)
+    finally:
+        kernels.set_impl(before)
     report = {
-        "dtype": args.dtype,
+        "dtype": name,
         "threads": torch.get_num_threads(),
-        "impl": args.impl,
-        "repeats": repeats,
+        "impls": args.impls,
+        "repeats": args.repeats,
         "prealloc": args.prealloc,
         "roofline": roof.as_dict(),
         "results": results,

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #if defined(RS_AVX2)
@@ -84,13 +85,14 @@ inline V8 vexp(V8 x) {
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(tiny, vmul(p, _mm256_castsi256_ps(e)));
 }
-inline void load8(const float* p, float* dst) { vstore(dst, vload(p)); }
-inline void load8(const at::BFloat16* p, float* dst) {  // bf16 -> fp32 is a 16-bit shift
+// 8 stored values -> 8 float lanes
+inline V8 vload8(const float* p) { return vload(p); }
+inline V8 vload8(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  vstore(dst, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-inline void load8(const at::Half* p, float* dst) {  // F16C
-  vstore(dst, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+inline V8 vload8(const at::Half* p) {  // F16C
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 // dst[i * ldd + j] = rows[j][off + i] for an 8 x 8 block (8 key rows -> 8 columns of K^T).
 inline void transpose8(const float* const* rows, int64_t off, float* dst, int64_t ldd) {
@@ -154,8 +156,10 @@ inline V8 vexp(V8 a) {
   return a;
 }
 template <typename T>
-inline void load8(const T* p, float* dst) {
-  for (int i = 0; i < 8; ++i) dst[i] = static_cast<float>(p[i]);
+inline V8 vload8(const T* p) {
+  V8 a;
+  for (int i = 0; i < 8; ++i) a.x[i] = static_cast<float>(p[i]);
+  return a;
 }
 inline void transpose8(const float* const* rows, int64_t off, float* dst, int64_t ldd) {
   for (int i = 0; i < 8; ++i)
@@ -208,11 +212,20 @@ struct Problem {
   }
 };
 
+// Row pointers of one key block, in the element type the micro-kernels read.
+template <typename T>
+struct Rows {
+  const T* k[kBlock + 4];  // padded: the kernels read keys 4 (or 64, transposed) at a time
+  const T* v[kBlock];
+};
+
 // Per-thread scratch, grown on demand and reused across calls.
 struct Scratch {
   std::vector<float> q, o, m, l, s, kbuf, vbuf, kt;
   std::vector<int64_t> lim;
-  std::vector<const float*> krows, vrows;
+  Rows<float> f32;
+  Rows<at::BFloat16> bf16;
+  Rows<at::Half> f16;
 
   void fit(int64_t rows, int64_t d) {
     auto grow = [](auto& v, int64_t n) {
@@ -221,7 +234,13 @@ struct Scratch {
     grow(q, rows * d), grow(o, rows * d), grow(m, rows), grow(l, rows), grow(lim, rows);
     grow(s, kRows * kBlock), grow(kbuf, kBlock * d), grow(vbuf, kBlock * d);
     grow(kt, kBlock * d);
-    grow(krows, kBlock + 4), grow(vrows, kBlock);
+  }
+
+  template <typename T>
+  Rows<T>& rows() {
+    if constexpr (std::is_same_v<T, float>) return f32;
+    else if constexpr (std::is_same_v<T, at::BFloat16>) return bf16;
+    else return f16;
   }
 };
 
@@ -234,7 +253,7 @@ Scratch& scratch() {
 
 template <typename T>
 void to_float(const T* src, float* dst, int64_t d) {
-  for (int64_t i = 0; i < d; i += 8) load8(src + i, dst + i);
+  for (int64_t i = 0; i < d; i += 8) vstore(dst + i, vload8(src + i));
 }
 
 void row_to_float(const char* src, at::ScalarType dt, float* dst, int64_t d) {
@@ -258,18 +277,20 @@ void row_from_float(const float* src, float mul, char* dst, at::ScalarType dt, i
   }
 }
 
-// Pointers to the float rows of keys slots[0..n) of `head`: into the pool itself (fp32) or
-// into `buf` after one conversion (bf16 / fp16) that every query tile then shares.
+// Pointers to the rows of keys slots[0..n) of `head` as T: the pool rows themselves when
+// they are T, else (T = float) copies converted once into `buf`, shared by every query tile.
+template <typename T>
 void block_rows(const Cache& c, const int64_t* slots, int64_t n, int64_t head, int64_t d,
-                float* buf, const float** rows) {
+                float* buf, const T** rows) {
   for (int64_t j = 0; j < n; ++j) {
     const char* src = c.row(slots[j], head);
-    if (c.dtype == at::kFloat) {
-      rows[j] = reinterpret_cast<const float*>(src);
-    } else {
-      row_to_float(src, c.dtype, buf + j * d, d);
-      rows[j] = buf + j * d;
+    if constexpr (std::is_same_v<T, float>) {
+      if (c.dtype != at::kFloat) {
+        row_to_float(src, c.dtype, buf + j * d, d);
+        src = reinterpret_cast<const char*>(buf + j * d);
+      }
     }
+    rows[j] = reinterpret_cast<const T*>(src);
   }
 }
 
@@ -290,8 +311,8 @@ void prefetch_rows(const Problem& P, const int64_t* slots, int64_t n, int64_t he
 // ------------------------------------------------------------------ micro-kernels
 
 // s[r][j..j+4) = q_r . k_{j..j+4} for the MR query rows (stride d) and 4 key rows.
-template <int MR>
-inline void qk_micro(const float* q, int64_t d, const float* const* k, float* s, int64_t lds) {
+template <int MR, typename T>
+inline void qk_micro(const float* q, int64_t d, const T* const* k, float* s, int64_t lds) {
   V8 acc[MR][4];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < 4; ++c) acc[r][c] = vset1(0.f);
@@ -299,7 +320,7 @@ inline void qk_micro(const float* q, int64_t d, const float* const* k, float* s,
     V8 qv[MR];
     for (int r = 0; r < MR; ++r) qv[r] = vload(q + r * d + i);
     for (int c = 0; c < 4; ++c) {
-      const V8 kv = vload(k[c] + i);
+      const V8 kv = vload8(k[c] + i);
       for (int r = 0; r < MR; ++r) acc[r][c] = vfma(qv[r], kv, acc[r][c]);
     }
   }
@@ -332,9 +353,9 @@ void pack_kt(const float* const* rows, int64_t d, float* kt) {
 }
 
 // o[r][i0 .. i0 + 8NV) = alpha[r] * o[r][...] + sum_j p[r][j] * v_j[...] over n keys.
-template <int MR, int NV>
+template <int MR, int NV, typename T>
 inline void pv_slice(float* o, int64_t d, int64_t i0, const float* alpha, const float* p,
-                     int64_t ldp, const float* const* v, int64_t n) {
+                     int64_t ldp, const T* const* v, int64_t n) {
   V8 acc[MR][NV];
   for (int r = 0; r < MR; ++r) {
     const V8 a = vset1(alpha[r]);
@@ -344,7 +365,7 @@ inline void pv_slice(float* o, int64_t d, int64_t i0, const float* alpha, const 
     V8 pb[MR];
     for (int r = 0; r < MR; ++r) pb[r] = vset1(p[r * ldp + j]);
     for (int c = 0; c < NV; ++c) {
-      const V8 vv = vload(v[j] + i0 + 8 * c);
+      const V8 vv = vload8(v[j] + i0 + 8 * c);
       for (int r = 0; r < MR; ++r) acc[r][c] = vfma(pb[r], vv, acc[r][c]);
     }
   }
@@ -352,13 +373,13 @@ inline void pv_slice(float* o, int64_t d, int64_t i0, const float* alpha, const 
     for (int c = 0; c < NV; ++c) vstore(o + r * d + i0 + 8 * c, acc[r][c]);
 }
 
-template <int MR>
+template <int MR, typename T>
 void pv_tile(float* o, int64_t d, const float* alpha, const float* p, int64_t ldp,
-             const float* const* v, int64_t n) {
+             const T* const* v, int64_t n) {
   constexpr int NV = MR == 1 ? 8 : 4;  // accumulators: MR * NV <= 12
   int64_t i0 = 0;
-  for (; i0 + 8 * NV <= d; i0 += 8 * NV) pv_slice<MR, NV>(o, d, i0, alpha, p, ldp, v, n);
-  for (; i0 < d; i0 += 8) pv_slice<MR, 1>(o, d, i0, alpha, p, ldp, v, n);
+  for (; i0 + 8 * NV <= d; i0 += 8 * NV) pv_slice<MR, NV, T>(o, d, i0, alpha, p, ldp, v, n);
+  for (; i0 < d; i0 += 8) pv_slice<MR, 1, T>(o, d, i0, alpha, p, ldp, v, n);
 }
 
 // Online-softmax step of one row over the block's scores s[0..n8) (n8 = n rounded up to 8):
@@ -389,21 +410,21 @@ float softmax_row(float* s, int64_t vis, int64_t n8, float& m, float& l) {
 // One query tile (MR rows of the item, from `row`) against the first n keys of the block
 // starting at key kb: scores from kt when the block was transposed (kt non-null), else from
 // the key rows (padded to a multiple of 4 by the caller).
-template <int MR>
-void tile_block(Scratch& sc, int64_t row, int64_t d, const float* kt, const float* const* k,
-                const float* const* v, int64_t n, int64_t kb) {
+template <int MR, typename T>
+void tile_block(Scratch& sc, int64_t row, int64_t d, const float* kt, const T* const* k,
+                const T* const* v, int64_t n, int64_t kb) {
   float* s = sc.s.data();
   const float* q = sc.q.data() + row * d;
   if (kt != nullptr) {
     for (int64_t j = 0; j < n; j += 32) qk_packed<MR>(q, d, kt + j, s + j, kBlock);
   } else {
-    for (int64_t j = 0; j < n; j += 4) qk_micro<MR>(q, d, k + j, s + j, kBlock);
+    for (int64_t j = 0; j < n; j += 4) qk_micro<MR, T>(q, d, k + j, s + j, kBlock);
   }
   const int64_t n8 = (n + 7) & ~int64_t{7};
   float alpha[MR];
   for (int r = 0; r < MR; ++r)
     alpha[r] = softmax_row(s + r * kBlock, sc.lim[row + r] - kb, n8, sc.m[row + r], sc.l[row + r]);
-  pv_tile<MR>(sc.o.data() + row * d, d, alpha, s, kBlock, v, n);
+  pv_tile<MR, T>(sc.o.data() + row * d, d, alpha, s, kBlock, v, n);
 }
 
 // ------------------------------------------------------------------ items
@@ -443,6 +464,35 @@ void finish_item(Problem& P, const Unit& u, const Item& it, Scratch& sc) {
   }
 }
 
+// Stream the item's keys block by block through every query tile. T is what the micro-
+// kernels read: float (fp32 pool rows, or bf16 / fp16 rows converted once per block, which
+// pays when many tiles share the block) or the stored type itself (converted in registers).
+template <typename T>
+void stream_blocks(Problem& P, const Unit& u, const Item& it, Scratch& sc) {
+  const int64_t rows = it.r1 - it.r0, d = P.d;
+  const int64_t kend = sc.lim[rows - 1];  // limits grow with the row
+  Rows<T>& br = sc.rows<T>();
+  for (int64_t kb = it.k0; kb < kend; kb += kBlock) {
+    const int64_t n = std::min(kBlock, kend - kb);
+    prefetch_rows(P, u.slots + kb + n, std::min(kBlock, kend - kb - n), u.head);
+    block_rows<T>(P.k, u.slots + kb, n, u.head, d, sc.kbuf.data(), br.k);
+    block_rows<T>(P.v, u.slots + kb, n, u.head, d, sc.vbuf.data(), br.v);
+    for (int64_t j = n; j < kBlock + 4; ++j) br.k[j] = br.k[n - 1];  // pad the block
+    const float* kt = nullptr;
+    if constexpr (std::is_same_v<T, float>) {
+      if (rows >= kPackRows) pack_kt(br.k, d, sc.kt.data()), kt = sc.kt.data();
+    }
+    for (int64_t t = 0; t < rows; t += kRows) {
+      const int mr = static_cast<int>(std::min<int64_t>(kRows, rows - t));
+      const int64_t seen = std::min(n, sc.lim[t + mr - 1] - kb);  // keys any tile row sees
+      if (seen <= 0) continue;
+      if (mr == 3) tile_block<3, T>(sc, t, d, kt, br.k, br.v, seen, kb);
+      else if (mr == 2) tile_block<2, T>(sc, t, d, kt, br.k, br.v, seen, kb);
+      else tile_block<1, T>(sc, t, d, kt, br.k, br.v, seen, kb);
+    }
+  }
+}
+
 void run_item(Problem& P, const Item& it) {
   const Unit& u = P.units[it.unit];
   const int64_t rows = it.r1 - it.r0, d = P.d;
@@ -453,26 +503,9 @@ void run_item(Problem& P, const Item& it) {
   std::fill(sc.o.begin(), sc.o.begin() + rows * d, 0.f);
   std::fill(sc.m.begin(), sc.m.begin() + rows, kNegInf);
   std::fill(sc.l.begin(), sc.l.begin() + rows, 0.f);
-  const int64_t kend = sc.lim[rows - 1];  // limits grow with the row
-  for (int64_t kb = it.k0; kb < kend; kb += kBlock) {
-    const int64_t n = std::min(kBlock, kend - kb);
-    prefetch_rows(P, u.slots + kb + n, std::min(kBlock, kend - kb - n), u.head);
-    block_rows(P.k, u.slots + kb, n, u.head, d, sc.kbuf.data(), sc.krows.data());
-    block_rows(P.v, u.slots + kb, n, u.head, d, sc.vbuf.data(), sc.vrows.data());
-    for (int64_t j = n; j < kBlock + 4; ++j) sc.krows[j] = sc.krows[n - 1];  // pad the block
-    const float* kt = rows >= kPackRows ? sc.kt.data() : nullptr;
-    if (kt != nullptr) pack_kt(sc.krows.data(), d, sc.kt.data());
-    for (int64_t t = 0; t < rows; t += kRows) {
-      const int mr = static_cast<int>(std::min<int64_t>(kRows, rows - t));
-      const int64_t seen = std::min(n, sc.lim[t + mr - 1] - kb);  // keys any tile row sees
-      if (seen <= 0) continue;
-      const float* const* k = sc.krows.data();
-      const float* const* v = sc.vrows.data();
-      if (mr == 3) tile_block<3>(sc, t, d, kt, k, v, seen, kb);
-      else if (mr == 2) tile_block<2>(sc, t, d, kt, k, v, seen, kb);
-      else tile_block<1>(sc, t, d, kt, k, v, seen, kb);
-    }
-  }
+  if (P.k.dtype == at::kFloat || rows >= kPackRows) stream_blocks<float>(P, u, it, sc);
+  else if (P.k.dtype == at::kBFloat16) stream_blocks<at::BFloat16>(P, u, it, sc);
+  else stream_blocks<at::Half>(P, u, it, sc);
   finish_item(P, u, it, sc);
 }
 
