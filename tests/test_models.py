@@ -463,6 +463,28 @@ def test_native_rms_norm_matches_torch_formula() -> None:
     )
 
 
+def test_native_float32_ops_match_torch() -> None:
+    """float32 rows: RoPE bit for bit; RMSNorm within float32 rounding of the sum order."""
+    from radixserve.models.llama import apply_rope
+
+    fused = native_ops_or_skip()
+    gen = torch.Generator().manual_seed(3)
+    for rows, h in [(1, 576), (33, 960)]:
+        x = torch.randn(rows, h + 3, generator=gen)[:, :h] * 3  # strided rows
+        w = torch.rand(h, generator=gen)
+        want = w * torch.nn.functional.rms_norm(x, (h,), None, 1e-5)
+        torch.testing.assert_close(fused.rms_norm(x, w, 1e-5), want, rtol=2e-6, atol=1e-6)
+    t, hq, hkv, d = 5, 9, 3, 64
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen)
+    ang = torch.rand(t, d // 2, generator=gen) * 500
+    c, s_ = ang.cos(), ang.sin()
+    table = torch.stack((torch.cat((c, c), -1), torch.cat((-s_, s_), -1)), 1)
+    q, k = fused.rope_qk(qkv, table, hq, hkv)
+    want = apply_rope(qkv[:, : (hq + hkv) * d].reshape(t, hq + hkv, d), table[:, None, 0],
+                      table[:, None, 1])  # fmt: skip
+    assert torch.equal(q, want[:, :hq]) and torch.equal(k, want[:, hq:])
+
+
 def test_native_rope_matches_torch_ops() -> None:
     """Fused RoPE of the q and k heads == the torch-op path (apply_rope), bit for bit."""
     from radixserve.models.llama import apply_rope
@@ -491,9 +513,11 @@ def test_native_rms_norm_rejects_bad_input_and_can_be_disabled(
 
     fused = native_ops_or_skip()
     w = torch.ones(8, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="bfloat16 expected"):
+    with pytest.raises(RuntimeError, match="bfloat16 or float32 expected"):
+        fused.rms_norm(torch.ones(2, 8, dtype=torch.float16), w, 1e-5)
+    with pytest.raises(RuntimeError, match=r"of x's dtype expected"):
         fused.rms_norm(torch.ones(2, 8), w, 1e-5)
-    with pytest.raises(RuntimeError, match=r"contiguous bfloat16 \(8,\) expected"):
+    with pytest.raises(RuntimeError, match=r"contiguous \(8,\) of x's dtype expected"):
         fused.rms_norm(
             torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(4, dtype=torch.bfloat16), 1e-5
         )

@@ -76,7 +76,7 @@ def rope_qk(qkv: Tensor, cos_sin: Tensor, q_heads: int, kv_heads: int) -> tuple[
     """RoPE on the q and k heads of a fused projection qkv (T, >= (Hq + Hkv) * D) with table
     rows cos_sin (T, 2, D) -> q (T, Hq, D) contiguous, k (T, Hkv, D).
 
-    bf16 rows on CPU go through the fused native op (same rounding, one call)."""
+    bf16 / float32 rows on CPU go through the fused native op (same rounding, one call)."""
     if native.applies(qkv) and (fused := native.ops()) is not None:
         q, k = fused.rope_qk(qkv, cos_sin, q_heads, kv_heads)
         return q, k
@@ -91,7 +91,7 @@ def rope_qk(qkv: Tensor, cos_sin: Tensor, q_heads: int, kv_heads: int) -> tuple[
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """HF LlamaRMSNorm: variance in float32, normalised value cast back before the weight.
 
-    bf16 rows on CPU go through the fused native op (same rounding, one call)."""
+    bf16 / float32 rows on CPU go through the fused native op (same rounding, one call)."""
     if native.applies(x) and weight.dtype == x.dtype and (fused := native.ops()) is not None:
         return fused.rms_norm(x, weight, eps)
     # One fused op for the float32 normalisation (same math, bit-identical to the unfused

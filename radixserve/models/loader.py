@@ -222,7 +222,7 @@ def load_model(
     packed = _use_packed_linear(packed_linear, dtype, device)
     if packed:
         model.pack_linear_weights()
-    if dtype == torch.bfloat16 and on_cpu:
+    if dtype in (torch.bfloat16, torch.float32) and on_cpu:
         native.ops()  # build (or load the cached build of) the fused ops now, not mid-request
     formats = sorted({m.fmt for m in model.modules() if isinstance(m, QuantLinear)})
     logger.info(
