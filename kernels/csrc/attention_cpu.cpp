@@ -180,10 +180,12 @@ struct Cache {
   }
 };
 
-// Query rows of a unit (see the file comment): row r -> token tok0 + r / group,
-// query head head * group + r % group. The same map addresses out and lse.
+// Query rows of a unit (see the file comment): row r of KV head h -> token tok0 + r / group,
+// query head h * group + r % group. The same map addresses out and lse. A unit spans KV
+// heads [head, head + heads): several when its rows per head are few (decode), so that one
+// item streams whole pool rows (all heads of a slot are adjacent) instead of a strided slice.
 struct Unit {
-  int64_t tok0, q_len, head;
+  int64_t tok0, q_len, head, heads;
   const int64_t* slots;  // the unit's keys, in position order
   int64_t kv_len;
   int64_t shift;  // row r sees keys [0, min(kv_len, shift + r / group + 1))
@@ -296,14 +298,16 @@ void block_rows(const Cache& c, const int64_t* slots, int64_t n, int64_t head, i
 
 // Ask for the K and V rows of the next block while this one is computed (rows by slot are
 // scattered, so the hardware prefetcher alone sees no stream).
-void prefetch_rows(const Problem& P, const int64_t* slots, int64_t n, int64_t head) {
+void prefetch_rows(const Problem& P, const int64_t* slots, int64_t n, int64_t head, int64_t heads) {
   const int64_t bytes = P.d * P.k.elt;
   for (int64_t j = 0; j < n; ++j) {
-    const char* k = P.k.row(slots[j], head);
-    const char* v = P.v.row(slots[j], head);
-    for (int64_t b = 0; b < bytes; b += 64) {
-      __builtin_prefetch(k + b);
-      __builtin_prefetch(v + b);
+    for (int64_t h = head; h < head + heads; ++h) {
+      const char* k = P.k.row(slots[j], h);
+      const char* v = P.v.row(slots[j], h);
+      for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(k + b);
+        __builtin_prefetch(v + b);
+      }
     }
   }
 }
@@ -429,81 +433,99 @@ void tile_block(Scratch& sc, int64_t row, int64_t d, const float* kt, const T* c
 
 // ------------------------------------------------------------------ items
 
-void pack_q(const Problem& P, const Unit& u, int64_t r0, int64_t rows, float* dst) {
-  const at::Tensor& q = *P.q;
-  const char* base = static_cast<const char*>(q.data_ptr());
-  const int64_t elt = q.element_size();
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t row = r0 + r;
-    const int64_t tok = u.tok0 + row / P.group, hq = u.head * P.group + row % P.group;
-    float* out = dst + r * P.d;
-    row_to_float(base + (tok * q.stride(0) + hq * q.stride(1)) * elt, q.scalar_type(), out, P.d);
-    for (int64_t i = 0; i < P.d; ++i) out[i] *= P.scale;
+// Scratch row i of an item with `rows` rows per head is row it.r0 + i % rows of head
+// u.head + i / rows; its place in q / out (element offset) and lse.
+struct RowRef {
+  int64_t q, out, lse;
+};
+
+RowRef locate(const Problem& P, const Unit& u, const Item& it, int64_t i) {
+  const int64_t rows = it.r1 - it.r0, row = it.r0 + i % rows;
+  const int64_t tok = u.tok0 + row / P.group, hq = (u.head + i / rows) * P.group + row % P.group;
+  return {tok * P.q->stride(0) + hq * P.q->stride(1), tok * P.out.stride(0) + hq * P.out.stride(1),
+          tok * P.lse.stride(0) + hq};
+}
+
+// Scaled float copies of the item's query rows, and each row's key limit.
+void load_queries(const Problem& P, const Unit& u, const Item& it, Scratch& sc) {
+  const char* base = static_cast<const char*>(P.q->data_ptr());
+  const int64_t elt = P.q->element_size(), rows = it.r1 - it.r0;
+  for (int64_t i = 0; i < rows * u.heads; ++i) {
+    float* dst = sc.q.data() + i * P.d;
+    row_to_float(base + locate(P, u, it, i).q * elt, P.q->scalar_type(), dst, P.d);
+    for (int64_t c = 0; c < P.d; ++c) dst[c] *= P.scale;
+    sc.lim[i] = std::min(it.k1, P.limit(u, it.r0 + i % rows));
   }
 }
 
 // Normalize the item's rows and write them to the output (or its chunk's partial buffers).
 void finish_item(Problem& P, const Unit& u, const Item& it, Scratch& sc) {
   const int64_t d = P.d;
-  for (int64_t r = 0; r < it.r1 - it.r0; ++r) {
-    const float l = sc.l[r];
-    const float lse = l > 0.f ? sc.m[r] + std::log(l) : kNegInf;
+  char* out = static_cast<char*>(P.out.data_ptr());
+  for (int64_t i = 0; i < (it.r1 - it.r0) * u.heads; ++i) {
+    const float l = sc.l[i];
+    const float lse = l > 0.f ? sc.m[i] + std::log(l) : kNegInf;
     const float inv = l > 0.f ? 1.f / l : 0.f;
     if (it.partial >= 0) {
-      float* dst = P.part_o.data_ptr<float>() + (it.partial + r) * d;
-      for (int64_t i = 0; i < d; ++i) dst[i] = sc.o[r * d + i] * inv;
-      P.part_lse.data_ptr<float>()[it.partial + r] = lse;
+      float* dst = P.part_o.data_ptr<float>() + (it.partial + i) * d;
+      for (int64_t c = 0; c < d; ++c) dst[c] = sc.o[i * d + c] * inv;
+      P.part_lse.data_ptr<float>()[it.partial + i] = lse;
       continue;
     }
-    const int64_t row = it.r0 + r;
-    const int64_t tok = u.tok0 + row / P.group, hq = u.head * P.group + row % P.group;
-    char* dst = static_cast<char*>(P.out.data_ptr()) +
-                (tok * P.out.stride(0) + hq * P.out.stride(1)) * P.out.element_size();
-    row_from_float(sc.o.data() + r * d, inv, dst, P.out.scalar_type(), d);
-    P.lse.data_ptr<float>()[tok * P.lse.stride(0) + hq] = lse;
+    const RowRef at = locate(P, u, it, i);
+    row_from_float(sc.o.data() + i * d, inv, out + at.out * P.out.element_size(), P.out.scalar_type(), d);
+    P.lse.data_ptr<float>()[at.lse] = lse;
   }
 }
 
-// Stream the item's keys block by block through every query tile. T is what the micro-
-// kernels read: float (fp32 pool rows, or bf16 / fp16 rows converted once per block, which
-// pays when many tiles share the block) or the stored type itself (converted in registers).
+// One key block [kb, kb + n) of one KV head through the query tiles of that head, whose
+// scratch rows are [base, base + rows).
+template <typename T>
+void head_block(Problem& P, const Unit& u, int64_t head, int64_t base, int64_t rows, int64_t kb, int64_t n,
+                Scratch& sc) {
+  const int64_t d = P.d;
+  Rows<T>& br = sc.rows<T>();
+  block_rows<T>(P.k, u.slots + kb, n, head, d, sc.kbuf.data(), br.k);
+  block_rows<T>(P.v, u.slots + kb, n, head, d, sc.vbuf.data(), br.v);
+  for (int64_t j = n; j < kBlock + 4; ++j) br.k[j] = br.k[n - 1];  // pad the block
+  const float* kt = nullptr;
+  if constexpr (std::is_same_v<T, float>) {
+    if (rows >= kPackRows) pack_kt(br.k, d, sc.kt.data()), kt = sc.kt.data();
+  }
+  for (int64_t t = base; t < base + rows; t += kRows) {
+    const int mr = static_cast<int>(std::min<int64_t>(kRows, base + rows - t));
+    const int64_t seen = std::min(n, sc.lim[t + mr - 1] - kb);  // keys any tile row sees
+    if (seen <= 0) continue;
+    if (mr == 3) tile_block<3, T>(sc, t, d, kt, br.k, br.v, seen, kb);
+    else if (mr == 2) tile_block<2, T>(sc, t, d, kt, br.k, br.v, seen, kb);
+    else tile_block<1, T>(sc, t, d, kt, br.k, br.v, seen, kb);
+  }
+}
+
+// Stream the item's keys block by block through every head's query tiles. T is what the
+// micro-kernels read: float (fp32 pool rows, or bf16 / fp16 rows converted once per block,
+// which pays when many tiles share the block) or the stored type (converted in registers).
 template <typename T>
 void stream_blocks(Problem& P, const Unit& u, const Item& it, Scratch& sc) {
-  const int64_t rows = it.r1 - it.r0, d = P.d;
+  const int64_t rows = it.r1 - it.r0;
   const int64_t kend = sc.lim[rows - 1];  // limits grow with the row
-  Rows<T>& br = sc.rows<T>();
   for (int64_t kb = it.k0; kb < kend; kb += kBlock) {
     const int64_t n = std::min(kBlock, kend - kb);
-    prefetch_rows(P, u.slots + kb + n, std::min(kBlock, kend - kb - n), u.head);
-    block_rows<T>(P.k, u.slots + kb, n, u.head, d, sc.kbuf.data(), br.k);
-    block_rows<T>(P.v, u.slots + kb, n, u.head, d, sc.vbuf.data(), br.v);
-    for (int64_t j = n; j < kBlock + 4; ++j) br.k[j] = br.k[n - 1];  // pad the block
-    const float* kt = nullptr;
-    if constexpr (std::is_same_v<T, float>) {
-      if (rows >= kPackRows) pack_kt(br.k, d, sc.kt.data()), kt = sc.kt.data();
-    }
-    for (int64_t t = 0; t < rows; t += kRows) {
-      const int mr = static_cast<int>(std::min<int64_t>(kRows, rows - t));
-      const int64_t seen = std::min(n, sc.lim[t + mr - 1] - kb);  // keys any tile row sees
-      if (seen <= 0) continue;
-      if (mr == 3) tile_block<3, T>(sc, t, d, kt, br.k, br.v, seen, kb);
-      else if (mr == 2) tile_block<2, T>(sc, t, d, kt, br.k, br.v, seen, kb);
-      else tile_block<1, T>(sc, t, d, kt, br.k, br.v, seen, kb);
-    }
+    prefetch_rows(P, u.slots + kb + n, std::min(kBlock, kend - kb - n), u.head, u.heads);
+    for (int64_t h = 0; h < u.heads; ++h) head_block<T>(P, u, u.head + h, h * rows, rows, kb, n, sc);
   }
 }
 
 void run_item(Problem& P, const Item& it) {
   const Unit& u = P.units[it.unit];
-  const int64_t rows = it.r1 - it.r0, d = P.d;
+  const int64_t rows = (it.r1 - it.r0) * u.heads, d = P.d;
   Scratch& sc = scratch();
   sc.fit(rows, d);
-  pack_q(P, u, it.r0, rows, sc.q.data());
-  for (int64_t r = 0; r < rows; ++r) sc.lim[r] = std::min(it.k1, P.limit(u, it.r0 + r));
+  load_queries(P, u, it, sc);
   std::fill(sc.o.begin(), sc.o.begin() + rows * d, 0.f);
   std::fill(sc.m.begin(), sc.m.begin() + rows, kNegInf);
   std::fill(sc.l.begin(), sc.l.begin() + rows, 0.f);
-  if (P.k.dtype == at::kFloat || rows >= kPackRows) stream_blocks<float>(P, u, it, sc);
+  if (P.k.dtype == at::kFloat || it.r1 - it.r0 >= kPackRows) stream_blocks<float>(P, u, it, sc);
   else if (P.k.dtype == at::kBFloat16) stream_blocks<at::BFloat16>(P, u, it, sc);
   else stream_blocks<at::Half>(P, u, it, sc);
   finish_item(P, u, it, sc);
@@ -513,7 +535,7 @@ void run_item(Problem& P, const Item& it) {
 // while the work is too coarse for the threads. Items of one (unit, row block) are adjacent.
 void plan_items(Problem& P, int64_t threads) {
   int64_t total = 0;
-  for (const Unit& u : P.units) total += u.q_len * P.group * std::max<int64_t>(u.kv_len, 1);
+  for (const Unit& u : P.units) total += u.heads * u.q_len * P.group * std::max<int64_t>(u.kv_len, 1);
   const int64_t target = std::max<int64_t>(total / (kItemsPerThread * threads), 1);
   int64_t partial = 0;
   for (int64_t ui = 0; ui < static_cast<int64_t>(P.units.size()); ++ui) {
@@ -523,14 +545,15 @@ void plan_items(Problem& P, int64_t threads) {
     for (int64_t b = 0; b < nrb; ++b) {
       const int64_t r0 = rows * b / nrb, r1 = rows * (b + 1) / nrb;
       const int64_t kend = P.limit(u, r1 - 1);
-      const int64_t want = ((r1 - r0) * kend + target - 1) / target;
+      const int64_t want = (u.heads * (r1 - r0) * kend + target - 1) / target;
       const int64_t chunks = std::max<int64_t>(1, std::min(want, kend / kMinChunkKeys));
       const int64_t step = ((kend + chunks - 1) / chunks + kBlock - 1) / kBlock * kBlock;
       const int64_t n = chunks == 1 ? 1 : (kend + step - 1) / step;
       for (int64_t c = 0; c < n; ++c) {
         const int64_t k0 = c * step, k1 = std::min(kend, k0 + step);
-        P.items.push_back({ui, r0, r1, k0, k1, n == 1 ? -1 : partial, (r1 - r0) * (k1 - k0 + 16)});
-        if (n > 1) partial += r1 - r0;
+        const int64_t cost = u.heads * (r1 - r0) * (k1 - k0 + 16);
+        P.items.push_back({ui, r0, r1, k0, k1, n == 1 ? -1 : partial, cost});
+        if (n > 1) partial += u.heads * (r1 - r0);
       }
     }
   }
@@ -538,13 +561,31 @@ void plan_items(Problem& P, int64_t threads) {
   P.part_lse = at::empty({partial}, at::kFloat);
 }
 
-// Run fn(i) for i in [0, n) on all threads, taking indices from a shared counter.
-template <typename F>
-void run_dynamic(int64_t n, int64_t threads, const F& fn) {
+// Run fn(i) for i in [0, n) on all threads, taking indices from a shared counter. Each
+// thread claims its next index before running the current one and calls ahead(next) first,
+// so the next item's first loads are in flight while this one computes.
+template <typename F, typename A>
+void run_dynamic(int64_t n, int64_t threads, const F& fn, const A& ahead) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min(threads, n), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+    for (int64_t i = next.fetch_add(1); i < n;) {
+      const int64_t j = next.fetch_add(1);
+      if (j < n) ahead(j);
+      fn(i);
+      i = j;
+    }
   });
+}
+
+template <typename F>
+void run_dynamic(int64_t n, int64_t threads, const F& fn) {
+  run_dynamic(n, threads, fn, [](int64_t) {});
+}
+
+// Prefetch the first key block of an item.
+void prefetch_item(const Problem& P, const Item& it) {
+  const Unit& u = P.units[it.unit];
+  prefetch_rows(P, u.slots + it.k0, std::min(kBlock, it.k1 - it.k0), u.head, u.heads);
 }
 
 // Exact LSE merge of n float rows (stride `step` apart) into one output row.
@@ -588,16 +629,14 @@ void merge_chunks(Problem& P, int64_t threads) {
   run_dynamic(static_cast<int64_t>(groups.size()), threads, [&](int64_t g) {
     const Item& it = P.items[groups[g].first];
     const Unit& u = P.units[it.unit];
-    const int64_t rows = it.r1 - it.r0, d = P.d;
+    const int64_t rows = (it.r1 - it.r0) * u.heads, d = P.d;  // scratch rows of one chunk
     std::vector<float> acc(d);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t row = it.r0 + r;
-      const int64_t tok = u.tok0 + row / P.group, hq = u.head * P.group + row % P.group;
-      char* dst = static_cast<char*>(P.out.data_ptr()) +
-                  (tok * P.out.stride(0) + hq * P.out.stride(1)) * P.out.element_size();
-      merge_rows(P.part_o.data_ptr<float>() + (it.partial + r) * d,
-                 P.part_lse.data_ptr<float>() + it.partial + r, groups[g].second, rows, d,
-                 acc.data(), dst, P.out.scalar_type(), P.lse.data_ptr<float>() + tok * P.lse.stride(0) + hq);
+    char* out = static_cast<char*>(P.out.data_ptr());
+    for (int64_t i = 0; i < rows; ++i) {
+      const RowRef at = locate(P, u, it, i);
+      merge_rows(P.part_o.data_ptr<float>() + (it.partial + i) * d, P.part_lse.data_ptr<float>() + it.partial + i,
+                 groups[g].second, rows, d, acc.data(), out + at.out * P.out.element_size(), P.out.scalar_type(),
+                 P.lse.data_ptr<float>() + at.lse);
     }
   });
 }
@@ -609,8 +648,9 @@ void run(Problem& P) {
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return P.items[a].cost > P.items[b].cost; });
-  run_dynamic(static_cast<int64_t>(order.size()), threads,
-              [&](int64_t i) { run_item(P, P.items[order[i]]); });
+  run_dynamic(
+      static_cast<int64_t>(order.size()), threads, [&](int64_t i) { run_item(P, P.items[order[i]]); },
+      [&](int64_t i) { prefetch_item(P, P.items[order[i]]); });
   if (P.part_o.size(0) > 0) merge_chunks(P, threads);
 }
 
@@ -662,7 +702,7 @@ std::vector<at::Tensor> segment_attention(const at::Tensor& q, const at::Tensor&
   Problem P = make_problem(q, k, v, slots, scale);
   const int64_t len = slots.numel();
   if (q.size(0) > 0) {
-    for (int64_t h = 0; h < k.size(1); ++h) P.units.push_back({0, q.size(0), h, slots.data_ptr<int64_t>(), len, len});
+    for (int64_t h = 0; h < k.size(1); ++h) P.units.push_back({0, q.size(0), h, 1, slots.data_ptr<int64_t>(), len, len});
   }
   run(P);
   return {P.out, P.lse};
@@ -687,8 +727,12 @@ std::vector<at::Tensor> private_attention(const at::Tensor& q, const at::Tensor&
     const int64_t ql = qo[r + 1] - qo[r], kl = ko[r + 1] - ko[r];
     TORCH_CHECK(0 <= ql && ql <= kl, "request ", r, ": need 0 <= q_len <= kv_len, got ", ql, ", ", kl);
     if (ql == 0) continue;
-    for (int64_t h = 0; h < k.size(1); ++h)
-      P.units.push_back({qo[r], ql, h, slots.data_ptr<int64_t>() + ko[r], kl, kl - ql});
+    const int64_t* keys = slots.data_ptr<int64_t>() + ko[r];
+    if (ql * P.group < kPackRows) {  // few rows per head: one unit reads whole pool rows
+      P.units.push_back({qo[r], ql, 0, k.size(1), keys, kl, kl - ql});
+      continue;
+    }
+    for (int64_t h = 0; h < k.size(1); ++h) P.units.push_back({qo[r], ql, h, 1, keys, kl, kl - ql});
   }
   run(P);
   return {P.out, P.lse};
