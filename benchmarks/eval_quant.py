@@ -1,0 +1,109 @@
+"""What quantized weights cost in exactness: perplexity, logprob deltas and greedy agreement of
+each `--quantization` mode against the dequantized float32 model, on the same fixed text.
+
+Modes: `none` (every weight dequantized to float32: the reference), `auto` (the GGUF's own
+Q4_1 / Q8_0 blocks: the same weights, so only the float32 summation order differs), `int8`
+(every projection re-quantized to Q8_0: a real rounding of the weights).
+
+Per mode: perplexity of the text (teacher-forced, the prompt's own input logprobs), the mean
+and max |logprob delta| per token against `none`, and for greedy continuations of the prompts
+the number identical to `none`'s and the mean length of the common prefix.
+
+    python benchmarks/eval_quant.py --data-path ../shared/data/gsm8k/test.jsonl --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_vs_llamacpp import gsm8k_text, synthetic_text
+
+from radixserve import Engine
+from radixserve.isa import cpu_isa
+
+MODES = ("none", "auto", "int8")
+
+
+def texts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
+    """`--chunks` token windows of `--chunk-tokens` ids each, from one fixed text."""
+    total = args.chunks * args.chunk_tokens
+    text = gsm8k_text(Path(args.data_path), total) if args.data_path else synthetic_text(total)
+    ids = tokenizer.encode(text)
+    n = args.chunk_tokens
+    assert len(ids) >= total, f"{len(ids)} tokens of text, need {total}"
+    return [ids[i * n : (i + 1) * n] for i in range(args.chunks)]
+
+
+def logprobs(engine: Engine, chunks: list[list[int]]) -> torch.Tensor:
+    """Teacher-forced logprob of every token after the first, all chunks concatenated."""
+    res = engine.generate(
+        input_ids=chunks, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+        logprob_start_len=0,
+    )  # fmt: skip
+    rows = res if isinstance(res, list) else [res]
+    vals = [e[0] for r in rows for e in r["meta_info"]["input_token_logprobs"] if e[0] is not None]
+    return torch.tensor(vals, dtype=torch.float64)
+
+
+def greedy(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+    res = engine.generate(input_ids=prompts, sampling_params=params)
+    return [r["output_ids"] for r in (res if isinstance(res, list) else [res])]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data-path", default=None, help="GSM8K jsonl; default: synthetic text")
+    ap.add_argument("--chunks", type=int, default=8)
+    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--greedy-tokens", type=int, default=32)
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    results: dict[str, dict[str, Any]] = {}
+    ref_lp: torch.Tensor | None = None
+    ref_out: list[list[int]] | None = None
+    for mode in ("none", *[m for m in args.modes if m != "none"]):
+        engine = Engine(quantization=mode, dtype="float32")
+        chunks = texts(args, engine.tokenizer)
+        lp = logprobs(engine, chunks)
+        out = greedy(engine, [c[:64] for c in chunks], args.greedy_tokens)
+        engine.shutdown()
+        ref_lp = lp if ref_lp is None else ref_lp
+        ref_out = out if ref_out is None else ref_out
+        delta = (lp - ref_lp).abs()
+        prefixes = [common_prefix(a, b) for a, b in zip(out, ref_out)]
+        results[mode] = {
+            "perplexity": float(torch.exp(-lp.mean())),
+            "mean_abs_logprob_delta": float(delta.mean()),
+            "max_abs_logprob_delta": float(delta.max()),
+            "greedy_identical": sum(a == b for a, b in zip(out, ref_out)),
+            "greedy_prompts": len(out),
+            "mean_common_prefix": sum(prefixes) / len(prefixes),
+        }
+        r = results[mode]
+        print(
+            f"{mode:5s} ppl {r['perplexity']:.4f}",
+            f"|dlogprob| mean {r['mean_abs_logprob_delta']:.2e}",
+            f"max {r['max_abs_logprob_delta']:.2e}",
+            f"greedy identical {r['greedy_identical']}/{r['greedy_prompts']},",
+            f"common prefix {r['mean_common_prefix']:.1f}/{args.greedy_tokens}",
+        )
+    res = {"isa": cpu_isa(), "tokens": int(ref_lp.numel()) if ref_lp is not None else 0,
+           "modes": results}  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()
