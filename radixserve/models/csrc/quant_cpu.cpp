@@ -33,7 +33,7 @@ namespace {
 
 enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
 constexpr int64_t kBlock = 32;
-constexpr int64_t kRows = 4;    // rows of x per pass over the weights in qmatmul_small
+constexpr int64_t kRows = 8;    // rows of x per pass over the weights in qmatmul_small
 constexpr int64_t kTile = 64;   // weight rows dequantized per sgemm in qmatmul_tiled
 
 int64_t block_bytes(int64_t fmt) {
@@ -130,7 +130,8 @@ void dot_rows(const uint8_t* wrow, int64_t nb, const float* x, int64_t ldx, floa
   const int64_t bb = block_bytes(fmt);
 #ifdef RS_AVX2
   // A independent accumulators per row: one FMA chain would wait on its 4-cycle latency.
-  constexpr int A = R <= 2 ? 4 : 2;
+  // (R * A + 4 weight registers must fit the 16 ymm registers.)
+  constexpr int A = R <= 2 ? 4 : R <= 4 ? 2 : 1;
   __m256 acc[R][A];
   for (int r = 0; r < R; ++r)
     for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
@@ -151,7 +152,7 @@ void dot_rows(const uint8_t* wrow, int64_t nb, const float* x, int64_t ldx, floa
     out[r * ldo] = hsum(sum);
   }
 #else
-  float acc[R] = {};
+  float acc[R] = {};  // (scalar build)
   float w[kBlock];
   for (int64_t b = 0; b < nb; ++b) {
     dequant_block_scalar(wrow + b * bb, fmt, w);
@@ -171,6 +172,10 @@ void dot_rows(const uint8_t* wrow, int64_t nb, const float* x, int64_t ldx, int6
     case 1: return dot_rows<fmt, 1>(wrow, nb, x, ldx, out, ldo);
     case 2: return dot_rows<fmt, 2>(wrow, nb, x, ldx, out, ldo);
     case 3: return dot_rows<fmt, 3>(wrow, nb, x, ldx, out, ldo);
+    case 4: return dot_rows<fmt, 4>(wrow, nb, x, ldx, out, ldo);
+    case 5: return dot_rows<fmt, 5>(wrow, nb, x, ldx, out, ldo);
+    case 6: return dot_rows<fmt, 6>(wrow, nb, x, ldx, out, ldo);
+    case 7: return dot_rows<fmt, 7>(wrow, nb, x, ldx, out, ldo);
     default: return dot_rows<fmt, kRows>(wrow, nb, x, ldx, out, ldo);
   }
 }
