@@ -41,6 +41,8 @@ constexpr int64_t kMinChunkKeys = 256;  // never split keys finer than this
 constexpr int64_t kItemsPerThread = 8;  // split keys until there is about this much work
 constexpr int64_t kPackRows = 12;       // items with this many rows transpose each K block
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.44269504088896341f;  // scores are kept in base 2: exp2 is cheaper
+constexpr float kLn2 = 0.693147180559945309f;
 
 // ------------------------------------------------------------------ 8-lane float vectors
 #if defined(RS_AVX2)
@@ -67,21 +69,20 @@ inline void hsum4(const V8* a, float* out) {
   const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
 }
-// exp(x) for x <= 0 (Cephes expf polynomial, ~1 ulp); x < -87.3 (or -inf) gives exactly 0.
-inline V8 vexp(V8 x) {
-  const V8 tiny = _mm256_cmp_ps(x, vset1(-87.3f), _CMP_LT_OQ);
-  x = _mm256_max_ps(x, vset1(-87.3f));
-  const V8 n = _mm256_round_ps(vmul(x, vset1(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  V8 r = vfma(n, vset1(-0.693359375f), x);
-  r = vfma(n, vset1(2.12194440e-4f), r);
-  V8 p = vset1(1.9875691500e-4f);
-  p = vfma(p, r, vset1(1.3981999507e-3f));
-  p = vfma(p, r, vset1(8.3334519073e-3f));
-  p = vfma(p, r, vset1(4.1665795894e-2f));
-  p = vfma(p, r, vset1(1.6666665459e-1f));
-  p = vfma(p, r, vset1(5.0000001201e-1f));
-  p = vfma(p, vmul(r, r), vadd(r, vset1(1.0f)));
+// 2^x for x <= 0: x = n + f, |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative
+// error ~1e-7), 2^n in the exponent bits; x < -126 (or -inf) gives exactly 0.
+inline V8 vexp2(V8 x) {
+  const V8 tiny = _mm256_cmp_ps(x, vset1(-126.f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, vset1(-126.f));
+  const V8 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const V8 f = _mm256_sub_ps(x, n);
+  V8 p = vset1(1.5403530393381609e-4f);  // ln2^k / k!, k = 6 .. 0
+  p = vfma(p, f, vset1(1.3333558146428443e-3f));
+  p = vfma(p, f, vset1(9.6181291076284772e-3f));
+  p = vfma(p, f, vset1(5.5504108664821580e-2f));
+  p = vfma(p, f, vset1(2.4022650695910071e-1f));
+  p = vfma(p, f, vset1(6.9314718055994531e-1f));
+  p = vfma(p, f, vset1(1.0f));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(tiny, vmul(p, _mm256_castsi256_ps(e)));
 }
@@ -151,8 +152,8 @@ inline float hsum(V8 a) { return std::accumulate(a.x, a.x + 8, 0.0f); }
 inline void hsum4(const V8* a, float* out) {
   for (int c = 0; c < 4; ++c) out[c] = hsum(a[c]);
 }
-inline V8 vexp(V8 a) {
-  for (int i = 0; i < 8; ++i) a.x[i] = std::exp(a.x[i]);
+inline V8 vexp2(V8 a) {
+  for (int i = 0; i < 8; ++i) a.x[i] = std::exp2(a.x[i]);
   return a;
 }
 template <typename T>
@@ -386,9 +387,9 @@ void pv_tile(float* o, int64_t d, const float* alpha, const float* p, int64_t ld
   for (; i0 < d; i0 += 8) pv_slice<MR, 1, T>(o, d, i0, alpha, p, ldp, v, n);
 }
 
-// Online-softmax step of one row over the block's scores s[0..n8) (n8 = n rounded up to 8):
-// keys at vis.. are masked; s becomes the weights exp(s - m_new); returns the factor alpha
-// that rescales the row's earlier O and l.
+// Online-softmax step of one row over the block's scores s[0..n8) (n8 = n rounded up to 8),
+// in base 2 (the queries carry scale * log2(e)): keys at vis.. are masked; s becomes the
+// weights 2^(s - m_new); returns the factor alpha that rescales the row's earlier O and l.
 float softmax_row(float* s, int64_t vis, int64_t n8, float& m, float& l) {
   for (int64_t j = std::max<int64_t>(vis, 0); j < n8; ++j) s[j] = kNegInf;
   V8 mx = vset1(kNegInf);
@@ -401,11 +402,11 @@ float softmax_row(float* s, int64_t vis, int64_t n8, float& m, float& l) {
   const V8 neg = vset1(-m_new);
   V8 sum = vset1(0.f);
   for (int64_t j = 0; j < n8; j += 8) {
-    const V8 p = vexp(vadd(vload(s + j), neg));
+    const V8 p = vexp2(vadd(vload(s + j), neg));
     vstore(s + j, p);
     sum = vadd(sum, p);
   }
-  const float alpha = m == kNegInf ? 0.f : std::exp(m - m_new);
+  const float alpha = m == kNegInf ? 0.f : std::exp2(m - m_new);
   l = l * alpha + hsum(sum);
   m = m_new;
   return alpha;
@@ -453,7 +454,7 @@ void load_queries(const Problem& P, const Unit& u, const Item& it, Scratch& sc) 
   for (int64_t i = 0; i < rows * u.heads; ++i) {
     float* dst = sc.q.data() + i * P.d;
     row_to_float(base + locate(P, u, it, i).q * elt, P.q->scalar_type(), dst, P.d);
-    for (int64_t c = 0; c < P.d; ++c) dst[c] *= P.scale;
+    for (int64_t c = 0; c < P.d; ++c) dst[c] *= P.scale * kLog2e;
     sc.lim[i] = std::min(it.k1, P.limit(u, it.r0 + i % rows));
   }
 }
@@ -464,7 +465,7 @@ void finish_item(Problem& P, const Unit& u, const Item& it, Scratch& sc) {
   char* out = static_cast<char*>(P.out.data_ptr());
   for (int64_t i = 0; i < (it.r1 - it.r0) * u.heads; ++i) {
     const float l = sc.l[i];
-    const float lse = l > 0.f ? sc.m[i] + std::log(l) : kNegInf;
+    const float lse = l > 0.f ? (sc.m[i] + std::log2(l)) * kLn2 : kNegInf;  // natural log
     const float inv = l > 0.f ? 1.f / l : 0.f;
     if (it.partial >= 0) {
       float* dst = P.part_o.data_ptr<float>() + (it.partial + i) * d;
@@ -479,10 +480,11 @@ void finish_item(Problem& P, const Unit& u, const Item& it, Scratch& sc) {
 }
 
 // One key block [kb, kb + n) of one KV head through the query tiles of that head, whose
-// scratch rows are [base, base + rows).
+// scratch rows are [base, base + rows). The next block's `ahead` rows of this head are
+// prefetched a few per tile: issued all at once they overflow the core's miss buffers.
 template <typename T>
 void head_block(Problem& P, const Unit& u, int64_t head, int64_t base, int64_t rows, int64_t kb, int64_t n,
-                Scratch& sc) {
+                int64_t ahead, Scratch& sc) {
   const int64_t d = P.d;
   Rows<T>& br = sc.rows<T>();
   block_rows<T>(P.k, u.slots + kb, n, head, d, sc.kbuf.data(), br.k);
@@ -492,7 +494,9 @@ void head_block(Problem& P, const Unit& u, int64_t head, int64_t base, int64_t r
   if constexpr (std::is_same_v<T, float>) {
     if (rows >= kPackRows) pack_kt(br.k, d, sc.kt.data()), kt = sc.kt.data();
   }
-  for (int64_t t = base; t < base + rows; t += kRows) {
+  const int64_t tiles = (rows + kRows - 1) / kRows, per = (ahead + tiles - 1) / tiles;
+  for (int64_t t = base, j = 0; t < base + rows; t += kRows, j += per) {
+    prefetch_rows(P, u.slots + kb + n + j, std::min(per, ahead - j), head, 1);
     const int mr = static_cast<int>(std::min<int64_t>(kRows, base + rows - t));
     const int64_t seen = std::min(n, sc.lim[t + mr - 1] - kb);  // keys any tile row sees
     if (seen <= 0) continue;
@@ -510,9 +514,8 @@ void stream_blocks(Problem& P, const Unit& u, const Item& it, Scratch& sc) {
   const int64_t rows = it.r1 - it.r0;
   const int64_t kend = sc.lim[rows - 1];  // limits grow with the row
   for (int64_t kb = it.k0; kb < kend; kb += kBlock) {
-    const int64_t n = std::min(kBlock, kend - kb);
-    prefetch_rows(P, u.slots + kb + n, std::min(kBlock, kend - kb - n), u.head, u.heads);
-    for (int64_t h = 0; h < u.heads; ++h) head_block<T>(P, u, u.head + h, h * rows, rows, kb, n, sc);
+    const int64_t n = std::min(kBlock, kend - kb), ahead = std::min(kBlock, kend - kb - n);
+    for (int64_t h = 0; h < u.heads; ++h) head_block<T>(P, u, u.head + h, h * rows, rows, kb, n, ahead, sc);
   }
 }
 
