@@ -10,14 +10,19 @@ Shapes default to SmolLM2-135M (Hq 9, Hkv 3, D 64), in the model's dtype on this
 lives in ONE pool layer (num_slots, Hkv, D), laid out as a fresh pool hands out slots.
 - flat: each request attends its whole path (q_len 1, kv_len P1+P2+R).
 - tree: each shared segment once with all the queries under it (segment attention), the
-  private parts in one call, then one N-way merge_states.
+  private parts in one call, merged by log-sum-exp: with "native" each part starts from the
+  state of the parts before it (the fused merge of the pool ops' `prior`), with the gathering
+  implementations one N-way merge_states at the end.
 How K/V reach the kernels depends on the implementation (`--impls`, default native and cpu):
 - "native" reads them from the pool in place by slot (kernels.pool_* ops);
 - "cpu" (torch) and "reference" gather them first (index_select on (slots, Hkv*D) rows),
   and that gather is timed, as the attention backends pay it every layer.
 The slot lists (the per-step plan) are built outside the timed region, as a backend's plan()
-runs once per step, not per layer. Times: the sides and implementations are interleaved
-round-robin, `--repeats` rounds; the table shows the best (min) and the JSON the median too.
+runs once per step, not per layer. Times: the two sides of one implementation are
+interleaved round-robin, `--repeats` rounds, and the implementations run one after the
+other (interleaving them too put each native call right after the torch path's hundreds of
+MB of gather writes, whose write-backs cost it ~1.5 ms at the headline); the table shows the
+best (min) and the JSON the median too.
 
 Roofline, one bound per side for all implementations (what any kernel must do):
 bound = max(bytes / read bandwidth, FLOPs / fp32 matmul peak), with bytes = K/V read once
@@ -204,7 +209,27 @@ def segment(
     return kernels.segment_attention(q, k, v, scale)
 
 
+def tree_in_place(lay: Layout, case: Case, scale: float) -> torch.Tensor:
+    """Each part's kernel starts from the state of the parts before it: no merge pass."""
+    k, v = lay.k_pool, lay.v_pool
+    state = kernels.pool_segment_attention(lay.q, k, v, lay.prefix_slots, scale)  # (B,Hq,D),(B,Hq)
+    if lay.group_slots:
+        outs, lses = [], []
+        for g, slots in enumerate(lay.group_slots):
+            rows = slice(g * case.group, (g + 1) * case.group)  # the group's G requests
+            prior = state[0][rows], state[1][rows]
+            o, lse = kernels.pool_segment_attention(lay.q[rows], k, v, slots, scale, prior)
+            outs.append(o)
+            lses.append(lse)
+        state = torch.cat(outs), torch.cat(lses)
+    own = lay.private_slots, lay.private_offsets
+    return kernels.pool_decode_attention(lay.q, k, v, *own, scale, prior=state)[0]
+
+
 def run_tree(lay: Layout, case: Case, gather: Gatherer | None, scale: float) -> torch.Tensor:
+    """Tree decode; gather is None when the kernels read the pool in place."""
+    if gather is None:
+        return tree_in_place(lay, case, scale)
     parts = [segment(lay, lay.q, lay.prefix_slots, gather, "p1", scale)]
     if lay.group_slots:
         outs, lses = [], []
@@ -214,16 +239,10 @@ def run_tree(lay: Layout, case: Case, gather: Gatherer | None, scale: float) -> 
             outs.append(o)
             lses.append(lse)
         parts.append((torch.cat(outs), torch.cat(lses)))
-    if gather is None:
-        own = kernels.pool_decode_attention(
-            lay.q, lay.k_pool, lay.v_pool, lay.private_slots, lay.private_offsets, scale
-        )
-    else:
-        kp = gather("own_k", lay.k_pool, lay.private_slots)  # (B*R, Hkv, D)
-        vp = gather("own_v", lay.v_pool, lay.private_slots)
-        lens = [1] * case.batch, [case.private] * case.batch
-        own = kernels.private_attention(lay.q, kp, vp, *lens, scale)
-    parts.append(own)
+    kp = gather("own_k", lay.k_pool, lay.private_slots)  # (B*R, Hkv, D)
+    vp = gather("own_v", lay.v_pool, lay.private_slots)
+    lens = [1] * case.batch, [case.private] * case.batch
+    parts.append(kernels.private_attention(lay.q, kp, vp, *lens, scale))
     stacked = torch.stack([o for o, _ in parts]), torch.stack([s for _, s in parts])
     out, _ = kernels.merge_states(*stacked)  # (B, Hq, D)
     return out
@@ -282,7 +301,10 @@ def run_case(
         for side, run in (("tree", run_tree), ("flat", run_flat)):
             fns[f"{impl}/{side}"] = _with_impl(impl, run, lay, case, gather, scale)
     diffs = {impl: _max_diff(fns[f"{impl}/tree"](), fns[f"{impl}/flat"]()) for impl in args.impls}
-    times = time_round_robin(fns, args.repeats)
+    times: dict[str, list[float]] = {}
+    for impl in args.impls:  # sides of one impl interleaved; impls one after the other
+        sides = {k: fn for k, fn in fns.items() if k.startswith(f"{impl}/")}
+        times.update(time_round_robin(sides, args.repeats))
     bounds = bounds_ms(case, shapes, dtype, roof)
     return [_row(case, impl, times, bounds, diffs[impl]) for impl in args.impls]
 

@@ -17,6 +17,10 @@ int64 (B + 1,) cumulative counts starting at 0):
   slots[kv_offsets[b]:kv_offsets[b+1]], bottom-right causal as private_attention
 - pool_decode_attention(q (B,Hq,D), k_cache, v_cache, slots (S,), kv_offsets, scale): one
   query per request (pool_private_attention with q_offsets = arange(B + 1))
+Each pool op takes an optional `prior` = (out, lse) of the same query rows over other keys
+and then returns the exact LSE merge of that state and its own (a shared segment's result
+passed to the private part, say): the "native" impl fuses it (its online softmax starts from
+the prior state, no merge pass, no stacked buffers), the others run merge_states.
 The "native" impl reads the rows in place; the others gather them (index_select) and run
 their dense op. `reads_pool_in_place` says which, so callers keep their own gather path
 (with reused scratch buffers) for the others.
@@ -63,6 +67,7 @@ __all__ = [
 IMPLS = ("reference", "cpu", "native", "triton", "auto")
 logger = logging.getLogger("radixserve.kernels")
 
+State = tuple[torch.Tensor, torch.Tensor]  # out (rows, Hq, D), lse (rows, Hq) float32
 _impl = "auto"
 _logged: set[tuple[str, str]] = set()  # (requested, resolved) pairs already logged
 
@@ -172,13 +177,15 @@ def pool_segment_attention(
     v_cache: torch.Tensor,
     slots: torch.Tensor,  # (L,) int64, the segment's keys
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """segment_attention over k_cache[slots] / v_cache[slots] -> (n, Hq, D), (n, Hq)."""
+    prior: State | None = None,  # (n, Hq, D), (n, Hq) float32
+) -> State:
+    """segment_attention over k_cache[slots] / v_cache[slots] -> (n, Hq, D), (n, Hq), merged
+    with `prior` when given."""
     mod = _module(q)
     if mod is native:
-        return native.pool_segment_attention(q, k_cache, v_cache, slots, scale)
+        return native.pool_segment_attention(q, k_cache, v_cache, slots, scale, prior)
     k, v = k_cache.index_select(0, slots), v_cache.index_select(0, slots)  # (L, Hkv, D)
-    return mod.segment_attention(q, k, v, scale)
+    return _merged(mod, prior, mod.segment_attention(q, k, v, scale))
 
 
 def pool_private_attention(
@@ -189,17 +196,18 @@ def pool_private_attention(
     q_offsets: torch.Tensor,  # (B + 1,) int64
     kv_offsets: torch.Tensor,  # (B + 1,) int64
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    prior: State | None = None,  # (T, Hq, D), (T, Hq) float32
+) -> State:
     """private_attention with request b's keys slots[kv_offsets[b]:kv_offsets[b + 1]] and
-    queries q[q_offsets[b]:q_offsets[b + 1]] -> (T, Hq, D), (T, Hq)."""
+    queries q[q_offsets[b]:q_offsets[b + 1]] -> (T, Hq, D), (T, Hq), merged with `prior`."""
     mod = _module(q)
     if mod is native:
         return native.pool_private_attention(
-            q, k_cache, v_cache, slots, q_offsets, kv_offsets, scale
+            q, k_cache, v_cache, slots, q_offsets, kv_offsets, scale, prior
         )
     q_lens, kv_lens = q_offsets.diff().tolist(), kv_offsets.diff().tolist()
     k, v = k_cache.index_select(0, slots), v_cache.index_select(0, slots)  # (S, Hkv, D)
-    return mod.private_attention(q, k, v, q_lens, kv_lens, scale)
+    return _merged(mod, prior, mod.private_attention(q, k, v, q_lens, kv_lens, scale))
 
 
 def pool_decode_attention(
@@ -209,7 +217,14 @@ def pool_decode_attention(
     slots: torch.Tensor,  # (S,) int64, requests' keys concatenated
     kv_offsets: torch.Tensor,  # (B + 1,) int64; every request has >= 1 key
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    prior: State | None = None,  # (B, Hq, D), (B, Hq) float32
+) -> State:
     """Decode: request b's query attends its keys slots[kv_offsets[b]:kv_offsets[b + 1]]."""
     q_offsets = torch.arange(q.shape[0] + 1, dtype=torch.int64, device=kv_offsets.device)
-    return pool_private_attention(q, k_cache, v_cache, slots, q_offsets, kv_offsets, scale)
+    return pool_private_attention(q, k_cache, v_cache, slots, q_offsets, kv_offsets, scale, prior)
+
+
+def _merged(mod: ModuleType, prior: State | None, state: State) -> State:
+    if prior is None:
+        return state
+    return mod.merge_states(torch.stack([prior[0], state[0]]), torch.stack([prior[1], state[1]]))

@@ -2,11 +2,13 @@
 
 Ops (shapes as in kernels/__init__.py; the pool ops take one layer's pool tensors
 k_cache / v_cache (num_slots, Hkv, D) and int64 slot indices instead of gathered K/V):
-- pool_segment_attention(q (n,Hq,D), k_cache, v_cache, slots (L,), scale) -> out, lse
+- pool_segment_attention(q (n,Hq,D), k_cache, v_cache, slots (L,), scale, prior) -> out, lse
 - pool_private_attention(q (T,Hq,D), k_cache, v_cache, slots (S,), q_offsets (B+1,),
-  kv_offsets (B+1,), scale) -> out, lse; request b's queries are rows
+  kv_offsets (B+1,), scale, prior) -> out, lse; request b's queries are rows
   q_offsets[b]:q_offsets[b+1], its keys slots[kv_offsets[b]:kv_offsets[b+1]]
   (bottom-right causal). Decode is q_offsets == arange(B + 1).
+  prior: None, or (out, lse) of the same query rows over other keys; the result is then the
+  exact LSE merge of both, fused: the kernel starts its online softmax from that state.
 - segment_attention, private_attention, decode_attention, merge_states: the dense contract
   of kernels/__init__.py, run by the same kernels (dense K/V is a pool whose slots are
   0..L-1).
@@ -97,8 +99,22 @@ def _offsets(lens: list[int]) -> torch.Tensor:
     return out
 
 
+State = tuple[torch.Tensor, torch.Tensor]  # out (rows, Hq, D), lse (rows, Hq) float32
+
+
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, slots)  # (S, Hkv, D) copy, for the torch fallback only
+
+
+def merge_two(prior: State | None, state: State) -> State:
+    """The LSE merge of a prior state and a new one (torch path of the fused merge)."""
+    if prior is None:
+        return state
+    return cpu.merge_states(torch.stack([prior[0], state[0]]), torch.stack([prior[1], state[1]]))
+
+
+def _prior(prior: State | None) -> dict[str, torch.Tensor]:
+    return {} if prior is None else {"prior_out": prior[0], "prior_lse": prior[1]}
 
 
 # ---------------------------------------------------------------------------- pool ops
@@ -108,11 +124,16 @@ def pool_segment_attention(
     v_cache: torch.Tensor,
     slots: torch.Tensor,  # (L,) int64
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q against the segment's keys k_cache[slots], no mask -> (n, Hq, D), (n, Hq) float32."""
+    prior: State | None = None,
+) -> State:
+    """q against the segment's keys k_cache[slots], no mask -> (n, Hq, D), (n, Hq) float32,
+    merged with `prior` when given."""
     if not supports(q, k_cache):
-        return cpu.segment_attention(q, _gather(k_cache, slots), _gather(v_cache, slots), scale)
-    out, lse = ops().segment_attention(q, k_cache, v_cache, slots, scale)  # type: ignore[union-attr]
+        k, v = _gather(k_cache, slots), _gather(v_cache, slots)
+        return merge_two(prior, cpu.segment_attention(q, k, v, scale))
+    mod = ops()
+    assert mod is not None
+    out, lse = mod.segment_attention(q, k_cache, v_cache, slots, scale, **_prior(prior))
     return out, lse
 
 
@@ -124,13 +145,19 @@ def pool_private_attention(
     q_offsets: torch.Tensor,  # (B + 1,) int64, q rows of request b: [q_offsets[b], ..[b+1])
     kv_offsets: torch.Tensor,  # (B + 1,) int64, its keys: slots[kv_offsets[b]:..[b+1]]
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bottom-right causal attention per request -> (T, Hq, D), (T, Hq) float32."""
+    prior: State | None = None,
+) -> State:
+    """Bottom-right causal attention per request -> (T, Hq, D), (T, Hq) float32, merged with
+    `prior` when given."""
     if not supports(q, k_cache):
         q_lens, kv_lens = q_offsets.diff().tolist(), kv_offsets.diff().tolist()
         k, v = _gather(k_cache, slots), _gather(v_cache, slots)
-        return cpu.private_attention(q, k, v, q_lens, kv_lens, scale)
-    out, lse = ops().private_attention(q, k_cache, v_cache, slots, q_offsets, kv_offsets, scale)  # type: ignore[union-attr]
+        return merge_two(prior, cpu.private_attention(q, k, v, q_lens, kv_lens, scale))
+    mod = ops()
+    assert mod is not None
+    out, lse = mod.private_attention(
+        q, k_cache, v_cache, slots, q_offsets, kv_offsets, scale, **_prior(prior)
+    )
     return out, lse
 
 

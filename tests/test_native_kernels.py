@@ -134,6 +134,38 @@ def test_pool_private_matches_reference(hkv: int, group: int, dtype: torch.dtype
         close(got, want)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("impl", ["native", "reference"])
+def test_prior_state_is_merged(impl: str, dtype: torch.dtype, restore_impl: None) -> None:
+    """pool ops given prior = (out, lse) of the same rows over other keys return attention over
+    both key sets: shared segment -> its requests' private parts (decode, extend, long keys
+    split across threads: only the first chunk may start from the prior), and rows whose
+    prior is empty (lse -inf)."""
+    kernels.set_impl(impl)
+    q_lens, own = [1, 5, 1, 1], [3, 40, 3000, 1]
+    shared = 700
+    pool = Pool(9, shared + sum(own), 3, 64, dtype)
+    seg, mine = pool.take(shared), pool.take(sum(own))
+    q = pool.queries(sum(q_lens), 9)
+    prior = kernels.pool_segment_attention(q, pool.k, pool.v, seg, 0.2)  # (T, Hq, D), (T, Hq)
+    prior[1][-1] = float("-inf")  # the last request: no shared part after all
+    prior[0][-1] = 0.0
+    q_off, kv_off = native._offsets(q_lens), native._offsets(own)
+    got = kernels.pool_private_attention(q, pool.k, pool.v, mine, q_off, kv_off, 0.2, prior)
+    starts = kv_off.tolist()
+    for r, (a, b) in enumerate(zip(starts, starts[1:], strict=False)):
+        keys = mine[a:b] if r == len(own) - 1 else torch.cat([seg, mine[a:b]])
+        rows = slice(int(q_off[r]), int(q_off[r + 1]))
+        want = reference.private_attention(
+            q[rows], pool.k[keys], pool.v[keys], [q_lens[r]], [keys.numel()], 0.2
+        )
+        close((got[0][rows], got[1][rows]), want)
+    twice = kernels.pool_segment_attention(q, pool.k, pool.v, seg[:5], 0.2, prior=prior)
+    both = torch.cat([seg, seg[:5]])
+    want = reference.segment_attention(q[:-1], pool.k[both], pool.v[both], 0.2)
+    close((twice[0][:-1], twice[1][:-1]), want)
+
+
 def test_pool_ops_through_dispatch(restore_impl: None) -> None:
     """kernels.pool_* route to the native kernels; with another impl they gather first."""
     pool = Pool(7, 400, 3, 64, torch.float32)

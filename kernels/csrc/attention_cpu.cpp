@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -40,6 +41,7 @@ constexpr int64_t kMaxRows = 1024;      // rows per item: O accumulators stay in
 constexpr int64_t kMinChunkKeys = 256;  // never split keys finer than this
 constexpr int64_t kItemsPerThread = 8;  // split keys until there is about this much work
 constexpr int64_t kPackRows = 12;       // items with this many rows transpose each K block
+constexpr int64_t kAllHeadsRows = 48;   // units with fewer rows per head span all KV heads
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.44269504088896341f;  // scores are kept in base 2: exp2 is cheaper
 constexpr float kLn2 = 0.693147180559945309f;
@@ -209,6 +211,9 @@ struct Problem {
   std::vector<Item> items;
   at::Tensor part_o;    // (rows, D) float32: normalized O of each chunk
   at::Tensor part_lse;  // (rows,) float32
+  // Optional prior state of the same query rows (out like `out`, lse like `lse`): the
+  // attention over other keys that this op's result is merged with (see init_state).
+  at::Tensor prior_o, prior_lse;
 
   int64_t limit(const Unit& u, int64_t row) const {
     return std::min(u.kv_len, u.shift + row / group + 1);
@@ -435,16 +440,16 @@ void tile_block(Scratch& sc, int64_t row, int64_t d, const float* kt, const T* c
 // ------------------------------------------------------------------ items
 
 // Scratch row i of an item with `rows` rows per head is row it.r0 + i % rows of head
-// u.head + i / rows; its place in q / out (element offset) and lse.
+// u.head + i / rows: query token `tok`, query head `hq` (q / out / lse / prior index).
 struct RowRef {
-  int64_t q, out, lse;
+  int64_t tok, hq;
+
+  int64_t in(const at::Tensor& t) const { return tok * t.stride(0) + hq * t.stride(1); }
 };
 
 RowRef locate(const Problem& P, const Unit& u, const Item& it, int64_t i) {
   const int64_t rows = it.r1 - it.r0, row = it.r0 + i % rows;
-  const int64_t tok = u.tok0 + row / P.group, hq = (u.head + i / rows) * P.group + row % P.group;
-  return {tok * P.q->stride(0) + hq * P.q->stride(1), tok * P.out.stride(0) + hq * P.out.stride(1),
-          tok * P.lse.stride(0) + hq};
+  return {u.tok0 + row / P.group, (u.head + i / rows) * P.group + row % P.group};
 }
 
 // Scaled float copies of the item's query rows, and each row's key limit.
@@ -453,7 +458,7 @@ void load_queries(const Problem& P, const Unit& u, const Item& it, Scratch& sc) 
   const int64_t elt = P.q->element_size(), rows = it.r1 - it.r0;
   for (int64_t i = 0; i < rows * u.heads; ++i) {
     float* dst = sc.q.data() + i * P.d;
-    row_to_float(base + locate(P, u, it, i).q * elt, P.q->scalar_type(), dst, P.d);
+    row_to_float(base + locate(P, u, it, i).in(*P.q) * elt, P.q->scalar_type(), dst, P.d);
     for (int64_t c = 0; c < P.d; ++c) dst[c] *= P.scale * kLog2e;
     sc.lim[i] = std::min(it.k1, P.limit(u, it.r0 + i % rows));
   }
@@ -474,8 +479,8 @@ void finish_item(Problem& P, const Unit& u, const Item& it, Scratch& sc) {
       continue;
     }
     const RowRef at = locate(P, u, it, i);
-    row_from_float(sc.o.data() + i * d, inv, out + at.out * P.out.element_size(), P.out.scalar_type(), d);
-    P.lse.data_ptr<float>()[at.lse] = lse;
+    row_from_float(sc.o.data() + i * d, inv, out + at.in(P.out) * P.out.element_size(), P.out.scalar_type(), d);
+    P.lse.data_ptr<float>()[at.in(P.lse)] = lse;
   }
 }
 
@@ -519,15 +524,33 @@ void stream_blocks(Problem& P, const Unit& u, const Item& it, Scratch& sc) {
   }
 }
 
+// The item's online-softmax state before its first key: empty (m -inf, l 0, O 0), or, for
+// the first key chunk of an op given a prior (out, lse), that state itself: m = lse, l = 1,
+// O = out is exactly a normalized attention with that lse, so continuing the online softmax
+// over this op's keys yields the exact LSE merge of both. (Base 2: m = lse * log2 e.)
+void init_state(const Problem& P, const Unit& u, const Item& it, Scratch& sc) {
+  const int64_t rows = (it.r1 - it.r0) * u.heads, d = P.d;
+  std::fill(sc.o.begin(), sc.o.begin() + rows * d, 0.f);
+  std::fill(sc.m.begin(), sc.m.begin() + rows, kNegInf);
+  std::fill(sc.l.begin(), sc.l.begin() + rows, 0.f);
+  if (!P.prior_o.defined() || it.k0 != 0) return;
+  const char* base = static_cast<const char*>(P.prior_o.data_ptr());
+  for (int64_t i = 0; i < rows; ++i) {
+    const RowRef at = locate(P, u, it, i);
+    const float lse = P.prior_lse.data_ptr<float>()[at.in(P.prior_lse)];
+    if (lse == kNegInf) continue;
+    row_to_float(base + at.in(P.prior_o) * P.prior_o.element_size(), P.prior_o.scalar_type(), sc.o.data() + i * d, d);
+    sc.m[i] = lse * kLog2e, sc.l[i] = 1.f;
+  }
+}
+
 void run_item(Problem& P, const Item& it) {
   const Unit& u = P.units[it.unit];
   const int64_t rows = (it.r1 - it.r0) * u.heads, d = P.d;
   Scratch& sc = scratch();
   sc.fit(rows, d);
   load_queries(P, u, it, sc);
-  std::fill(sc.o.begin(), sc.o.begin() + rows * d, 0.f);
-  std::fill(sc.m.begin(), sc.m.begin() + rows, kNegInf);
-  std::fill(sc.l.begin(), sc.l.begin() + rows, 0.f);
+  init_state(P, u, it, sc);
   if (P.k.dtype == at::kFloat || it.r1 - it.r0 >= kPackRows) stream_blocks<float>(P, u, it, sc);
   else if (P.k.dtype == at::kBFloat16) stream_blocks<at::BFloat16>(P, u, it, sc);
   else stream_blocks<at::Half>(P, u, it, sc);
@@ -638,8 +661,8 @@ void merge_chunks(Problem& P, int64_t threads) {
     for (int64_t i = 0; i < rows; ++i) {
       const RowRef at = locate(P, u, it, i);
       merge_rows(P.part_o.data_ptr<float>() + (it.partial + i) * d, P.part_lse.data_ptr<float>() + it.partial + i,
-                 groups[g].second, rows, d, acc.data(), out + at.out * P.out.element_size(), P.out.scalar_type(),
-                 P.lse.data_ptr<float>() + at.lse);
+                 groups[g].second, rows, d, acc.data(), out + at.in(P.out) * P.out.element_size(),
+                 P.out.scalar_type(), P.lse.data_ptr<float>() + at.in(P.lse));
     }
   });
 }
@@ -663,6 +686,35 @@ Cache make_cache(const at::Tensor& c, const char* name) {
   TORCH_CHECK(c.dim() == 3 && c.stride(2) == 1, name, ": (num_slots, Hkv, D) with unit stride in D expected, got ",
               c.sizes(), " strides ", c.strides());
   return {static_cast<const char*>(c.data_ptr()), c.scalar_type(), c.element_size(), c.stride(0), c.stride(1)};
+}
+
+// `all` spans every KV head. Few rows per head (decode, small segments): keep it whole, so an
+// item streams whole pool rows (the heads of a slot are adjacent); else one unit per head,
+// for more parallel work and a per-head O that stays in L2.
+void add_units(Problem& P, const Unit& all) {
+  if (all.q_len * P.group < kAllHeadsRows) {
+    P.units.push_back(all);
+    return;
+  }
+  for (int64_t h = 0; h < all.heads; ++h) {
+    Unit u = all;
+    u.head = h, u.heads = 1;
+    P.units.push_back(u);
+  }
+}
+
+using Prior = std::optional<at::Tensor>;
+
+void set_prior(Problem& P, const Prior& out, const Prior& lse) {
+  TORCH_CHECK(out.has_value() == lse.has_value(), "prior_out and prior_lse come together");
+  if (!out.has_value()) return;
+  const at::Tensor& q = *P.q;
+  TORCH_CHECK(out->sizes() == q.sizes() && out->stride(2) == 1 && out->scalar_type() == q.scalar_type(),
+              "prior_out: like q ", q.sizes(), " (dtype, unit stride in D) expected, got ", out->sizes());
+  TORCH_CHECK(lse->dim() == 2 && lse->size(0) == q.size(0) && lse->size(1) == q.size(1) &&
+                  lse->scalar_type() == at::kFloat && lse->stride(1) == 1,
+              "prior_lse: float32 (T, Hq) with unit stride expected, got ", lse->sizes());
+  P.prior_o = *out, P.prior_lse = *lse;
 }
 
 Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
@@ -700,24 +752,28 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // q (n, Hq, D) against the L keys at `slots` (L,) of the pool k/v (N, Hkv, D), no mask:
 // one unit per KV head, every query row of all n requests stacked.
 // -> [out (n, Hq, D) in q's dtype, lse (n, Hq) float32]; L == 0 gives out 0, lse -inf.
+// With prior_out / prior_lse (like out / lse): the exact LSE merge of the prior and this.
 std::vector<at::Tensor> segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                          const at::Tensor& slots, double scale) {
+                                          const at::Tensor& slots, double scale, const Prior& prior_out,
+                                          const Prior& prior_lse) {
   Problem P = make_problem(q, k, v, slots, scale);
+  set_prior(P, prior_out, prior_lse);
   const int64_t len = slots.numel();
-  if (q.size(0) > 0) {
-    for (int64_t h = 0; h < k.size(1); ++h) P.units.push_back({0, q.size(0), h, 1, slots.data_ptr<int64_t>(), len, len});
-  }
+  if (q.size(0) > 0) add_units(P, {0, q.size(0), 0, k.size(1), slots.data_ptr<int64_t>(), len, len});
   run(P);
   return {P.out, P.lse};
 }
 
 // Per request b: its q_len = q_off[b+1] - q_off[b] queries (rows q_off[b]..) are the last
 // positions of its kv_len = kv_off[b+1] - kv_off[b] keys slots[kv_off[b] ..]; query i sees
-// keys 0 .. kv_len - q_len + i. q_off / kv_off: (B + 1,) int64 ascending from 0.
+// keys 0 .. kv_len - q_len + i. q_off / kv_off: (B + 1,) int64 ascending from 0. Prior: as
+// segment_attention (rows of requests without queries have none).
 std::vector<at::Tensor> private_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                           const at::Tensor& slots, const at::Tensor& q_off,
-                                          const at::Tensor& kv_off, double scale) {
+                                          const at::Tensor& kv_off, double scale, const Prior& prior_out,
+                                          const Prior& prior_lse) {
   Problem P = make_problem(q, k, v, slots, scale);
+  set_prior(P, prior_out, prior_lse);
   TORCH_CHECK(q_off.scalar_type() == at::kLong && kv_off.scalar_type() == at::kLong && q_off.is_contiguous() &&
                   kv_off.is_contiguous() && q_off.numel() == kv_off.numel() && q_off.numel() >= 1,
               "q_off / kv_off: contiguous int64 (B + 1,) expected");
@@ -730,12 +786,7 @@ std::vector<at::Tensor> private_attention(const at::Tensor& q, const at::Tensor&
     const int64_t ql = qo[r + 1] - qo[r], kl = ko[r + 1] - ko[r];
     TORCH_CHECK(0 <= ql && ql <= kl, "request ", r, ": need 0 <= q_len <= kv_len, got ", ql, ", ", kl);
     if (ql == 0) continue;
-    const int64_t* keys = slots.data_ptr<int64_t>() + ko[r];
-    if (ql * P.group < kPackRows) {  // few rows per head: one unit reads whole pool rows
-      P.units.push_back({qo[r], ql, 0, k.size(1), keys, kl, kl - ql});
-      continue;
-    }
-    for (int64_t h = 0; h < k.size(1); ++h) P.units.push_back({qo[r], ql, h, 1, keys, kl, kl - ql});
+    add_units(P, {qo[r], ql, 0, k.size(1), slots.data_ptr<int64_t>() + ko[r], kl, kl - ql});
   }
   run(P);
   return {P.out, P.lse};
@@ -761,8 +812,12 @@ std::vector<at::Tensor> merge_states(const at::Tensor& outs, const at::Tensor& l
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
-  m.def("segment_attention", &segment_attention, nogil);
-  m.def("private_attention", &private_attention, nogil);
+  namespace py = pybind11;
+  m.def("segment_attention", &segment_attention, nogil, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("slots"), py::arg("scale"), py::arg("prior_out") = py::none(), py::arg("prior_lse") = py::none());
+  m.def("private_attention", &private_attention, nogil, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("slots"), py::arg("q_off"), py::arg("kv_off"), py::arg("scale"), py::arg("prior_out") = py::none(),
+        py::arg("prior_lse") = py::none());
   m.def("merge_states", &merge_states, nogil);
 #if defined(RS_AVX2)
   m.attr("isa") = "avx2";

@@ -83,11 +83,17 @@ class SlotPlan:
     kv_offsets: torch.Tensor  # (B + 1,) int64 cumulative kv_lens
 
     def attend(
-        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        scale: float,
+        prior: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q (T, Hq, D) against one layer's pool k/v (num_slots, Hkv, D) -> (T, Hq, D), (T, Hq)."""
+        """q (T, Hq, D) against one layer's pool k/v (num_slots, Hkv, D) -> (T, Hq, D), (T, Hq);
+        merged with `prior` (out, lse of the same rows over other keys) when given."""
         return kernels.pool_private_attention(
-            q, kc, vc, self.slots, self.q_offsets, self.kv_offsets, scale
+            q, kc, vc, self.slots, self.q_offsets, self.kv_offsets, scale, prior
         )
 
 

@@ -26,7 +26,10 @@ Per layer: write the new K/V, ONE private_attention call for the whole batch, on
 segment_attention per kept segment (queries of all its requests stacked, K/V read once), then
 one merge_states over the rows that have any shared part. With kernels that read the pool in
 place (`kernels.reads_pool_in_place`) segments and private parts are passed as slot lists
-into the pool; otherwise a segment whose slots are not one range is gathered first.
+into the pool and the merge is fused: segments run ancestors first, each starting from its
+rows' running (out, lse) state (the pool ops' `prior`), and the private part last, from the
+state of all of them; no merge buffer, no merge pass. Otherwise a segment whose slots are
+not one range is gathered first.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 
 from radixserve import kernels
 from radixserve.attention.base import AttentionBackend
-from radixserve.attention.flat import PrivatePlan, private_plan
+from radixserve.attention.flat import PrivatePlan, SlotPlan, private_plan
 from radixserve.engine.batch import ForwardBatch
 
 Range = tuple[int, int]  # half-open [start, end)
@@ -208,6 +211,8 @@ class TreeBackend(AttentionBackend):
         # Write first: an extend's queries must see their own (and earlier) new keys.
         pool.write(layer, batch.out_cache_loc, k, v)
         kc, vc = pool.k[layer], pool.v[layer]  # (num_slots, Hkv, D)
+        if plan.in_place:
+            return _fused_in_place(plan, q, kc, vc, scale)
         out, lse = plan.private.attend(q, kc, vc, scale)  # (T, Hq, D), (T, Hq)
         if not plan.segments:
             return out
@@ -295,6 +300,54 @@ def _private_slots(batch: ForwardBatch, per_req: list[list[Range]]) -> list[torc
     return out
 
 
+def _fused_in_place(
+    plan: TreePlan,
+    q: torch.Tensor,  # (T, Hq, D)
+    kc: torch.Tensor,  # (num_slots, Hkv, D) one layer's keys
+    vc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Segments by start (a request's ancestors first), each merged into its rows' running
+    state by the kernel, then the private part from the full state -> (T, Hq, D)."""
+    assert isinstance(plan.private, SlotPlan), f"in-place plan with {type(plan.private)}"
+    state: tuple[torch.Tensor, torch.Tensor] | None = None  # (T, Hq, D), (T, Hq) float32
+    for seg in plan.segments:
+        everyone = seg.q_range == (0, q.shape[0])
+        if state is None and everyone:
+            state = kernels.pool_segment_attention(q, kc, vc, seg.slots, scale)
+            continue
+        if state is None:  # rows without a shared part yet: empty state (lse -inf)
+            state = (
+                q.new_zeros(q.shape),
+                q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32),
+            )
+        state = _segment_into(state, seg, q, kc, vc, scale)
+    return plan.private.attend(q, kc, vc, scale, prior=state)[0]
+
+
+def _segment_into(
+    state: tuple[torch.Tensor, torch.Tensor],
+    seg: SharedSegment,
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The segment's rows of `state` merged with its attention (in place in `state`)."""
+    out, lse = state
+    if seg.q_range:
+        rows = slice(*seg.q_range)
+        o, s = kernels.pool_segment_attention(
+            q[rows], kc, vc, seg.slots, scale, prior=(out[rows], lse[rows])
+        )
+        out[rows], lse[rows] = o, s
+        return out, lse
+    prior = out.index_select(0, seg.q_rows), lse.index_select(0, seg.q_rows)
+    qs = q.index_select(0, seg.q_rows)
+    o, s = kernels.pool_segment_attention(qs, kc, vc, seg.slots, scale, prior=prior)
+    return out.index_copy_(0, seg.q_rows, o), lse.index_copy_(0, seg.q_rows, s)
+
+
 def _segment(
     plan: TreePlan,
     seg: SharedSegment,
@@ -303,9 +356,7 @@ def _segment(
     vc: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One kept segment's attention: by slot in place, as a slice view, or gathered."""
-    if plan.in_place:
-        return kernels.pool_segment_attention(qs, kc, vc, seg.slots, scale)
+    """One kept segment's attention (gathering kernels): as a slice view, or gathered."""
     if seg.kv_range:
         ks, vs = kc[seg.kv_range[0] : seg.kv_range[1]], vc[seg.kv_range[0] : seg.kv_range[1]]
     else:
