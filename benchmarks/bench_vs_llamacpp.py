@@ -543,6 +543,7 @@ def setup(args: argparse.Namespace) -> tuple[Radix, LlamaCpp | None, dict[str, A
         "threads": args.threads,
         "torch": torch.__version__,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "loadavg_start": os.getloadavg(),  # other processes on the cores skew every number
         "radixserve_config": radix.config(),
         "llamacpp": None
         if llama is None
@@ -593,11 +594,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res = {
         **info,
         "capacity_note": note,
+        "loadavg_end": os.getloadavg(),
         "new_tokens": args.new_tokens,
         "data": args.data_path or "synthetic",
         "argv": sys.argv[1:] if argv is None else argv,
         "rows": rows,
     }
+    print(f"loadavg_end: {res['loadavg_end']}")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     if args.plot and llama is not None:
