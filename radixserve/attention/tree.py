@@ -178,6 +178,9 @@ class TreeBackend(AttentionBackend):
         under L = 64 were at best break-even. Extends (q_len 8): merge work grows with the
         query rows and nothing under L = 512 paid (k=8: 512 -> 0.78, 256 -> 1.10).
         These are CPU numbers for the "cpu" kernels; a GPU wants its own measurement.
+        The native kernels (same sweep, float32, AVX2 EPYC) keep the k * L >= ~2048 rule (k=2:
+        1024 -> 0.99; k=4: 512 -> 0.92; k=8: 256 -> 0.92; k=16: 128 -> 0.97) but L = 64 now
+        loses (k=16 and 32: 1.08): min_tokens=128 would fit them better (not the default yet).
         """
         floor = self.min_tokens_extend if max_q_len > 1 else self.min_tokens
         return (
