@@ -212,3 +212,24 @@ def test_bad_input_is_a_clear_error(engine: Engine, kwargs: dict, field: str) ->
     with pytest.raises(ValueError, match=field):
         engine.generate(**kwargs)
     assert_all_free(engine)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_abort_before_fork_finishes_every_sample(tiny_model_dir: Path, chunked: bool) -> None:
+    """n = 3 aborted while queued, or mid-prefill (chunked, its prompt not done): all three
+    samples report 'abort' and the request holds nothing afterwards."""
+    from radixserve.sampling.params import SamplingParams
+    from radixserve.scheduler.io import TokenizedRequest
+
+    eng = make_engine(tiny_model_dir, chunked_prefill_size=16, max_prefill_tokens=16)
+    sched = eng.scheduler
+    params = SamplingParams(max_new_tokens=4, n=3)
+    sched.add_request(TokenizedRequest("fam", prompts(1, length=40)[0], params))
+    if chunked:
+        sched.step()  # the first 16-token chunk of the prompt
+        assert sched.running and sched.running[0].fork_pending
+    sched.abort_request("fam")
+    outs = list(sched.run_until_idle())
+    assert sorted(o.index for o in outs if o.finished) == [0, 1, 2]
+    assert {o.finish_reason.type for o in outs if o.finish_reason} == {"abort"}
+    assert_all_free(eng)

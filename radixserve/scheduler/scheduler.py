@@ -297,6 +297,12 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.finished_outputs.append(self.out.collect(req))
+        if req.fork_pending:  # ended before its prompt was done: samples 1..n-1 never began
+            req.fork_pending = False
+            self.finished_outputs.extend(
+                SampleOutput(req.rid, i, [], reason, prompt_tokens=len(req.prompt_ids))
+                for i in range(1, req.sampling.n)
+            )
 
     # ---- management ----------------------------------------------------------------
     def has_work(self) -> bool:
