@@ -96,6 +96,8 @@ BAD_PARAMS = [
     ({"stop": 5}, "stop", "string"),
     ({"stop": ["ok", 3]}, "stop", "list of strings"),
     ({"stop": [""]}, "stop", "non-empty"),
+    ({"stop": ["x"] * 65}, "stop", "at most 64"),
+    ({"stop": ["x" * 1025]}, "stop", "<= 1024"),
     ({"stop_token_ids": [1, "2"]}, "stop_token_ids", "integers"),
     ({"stop_token_ids": [-1]}, "stop_token_ids", ">= 0"),
     ({"ignore_eos": 1}, "ignore_eos", "boolean"),

@@ -20,7 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_N = 256  # most samples one request may ask for
+from radixserve.limits import MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS
+
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for frequency/presence penalties
 
 
@@ -132,8 +133,15 @@ class SamplingParams:
             f"got {self.min_new_tokens}",
         )
         _require(1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}")
+        _require(
+            len(self.stop) <= MAX_STOP_STRINGS,
+            f"stop has {len(self.stop)} strings, at most {MAX_STOP_STRINGS} are allowed",
+        )
         for s in self.stop:
-            _require(len(s) > 0, "stop strings must be non-empty, got ''")
+            _require(
+                0 < len(s) <= MAX_STOP_CHARS,
+                f"stop strings must be non-empty and <= {MAX_STOP_CHARS} characters, got {len(s)}",
+            )
         _require(
             not self.stop_regex,
             "stop_regex is not supported yet: use stop (strings) or regex (constrained output)",

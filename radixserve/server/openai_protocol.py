@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.limits import MAX_TOP_LOGPROBS
 from radixserve.message.messages import GenerateReq
 from radixserve.sampling.params import SamplingParams
 from radixserve.server.protocol import bad, check_fields, get, get_int
@@ -52,7 +53,6 @@ CHAT_FIELDS = COMMON_FIELDS | {
     "logit_bias",
 }
 CHAT_ROLES = ("system", "developer", "user", "assistant")
-MAX_LOGPROBS = 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
 
@@ -125,7 +125,7 @@ def parse_completion(body: dict[str, Any]) -> OpenAIBatch:
     if best_of != n:
         raise bad(f"best_of must equal n ({n}); other values are not supported", "best_of")
     top = body.get("logprobs")
-    top = None if top is None else get_int(body, "logprobs", 0, 0, MAX_LOGPROBS)
+    top = None if top is None else get_int(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS)
     stream, include_usage = _stream_flags(body)
     base_rid = get(body, "rid", "str") or f"cmpl-{uuid.uuid4().hex}"
     prompts = _prompts(body)
@@ -189,7 +189,7 @@ def parse_chat(body: dict[str, Any]) -> OpenAIBatch:
         body = {**body, "max_tokens": limit}
     sampling = _sampling(body, {})
     logprobs = get(body, "logprobs", "bool", False)
-    top = get_int(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
+    top = get_int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
     if top and not logprobs:
         raise bad("top_logprobs requires logprobs: true", "top_logprobs")
     stream, include_usage = _stream_flags(body)

@@ -1,0 +1,18 @@
+"""Caps on what ONE request may ask for, in one place (imports nothing: any layer may use it).
+
+Each bounds something a single request multiplies: requests submitted on the api server's
+event loop (prompts), samples queued in the scheduler (prompts x n), per-token work of the
+stop checker (stop strings), logprob rows on the wire. Past a cap the request is a 400 that
+names the field. How much the server holds at once is configured instead, in `EngineConfig`
+(`--max-running-requests`, `--max-queued-requests`, `--max-queued-tokens`,
+`--max-connections`); past those a request is a 503 with Retry-After.
+"""
+
+from __future__ import annotations
+
+MAX_PROMPTS = 1024  # prompts in one request (a list of text / input_ids / prompt)
+MAX_N = 256  # samples per prompt
+MAX_SAMPLES = 1024  # prompts x n of one request
+MAX_STOP_STRINGS = 64  # entries of `stop`
+MAX_STOP_CHARS = 1024  # length of one stop string
+MAX_TOP_LOGPROBS = 20  # top_logprobs_num (native), logprobs / top_logprobs (OpenAI)
