@@ -73,7 +73,9 @@ def test_from_dict_normalises() -> None:
 BAD_PARAMS = [
     # (input, field the message must name, fragment of the allowed range/type)
     ({"foo": 1}, "'foo'", "unknown sampling parameter"),
-    ({"temperature": -0.1}, "temperature", ">= 0"),
+    ({"temperature": -0.1}, "temperature", "[0, 100.0]"),
+    ({"temperature": 1e3}, "temperature", "[0, 100.0]"),
+    ({"temperature": 10**400}, "temperature", "finite number"),
     ({"temperature": "hot"}, "temperature", "number"),
     ({"temperature": float("inf")}, "temperature", "finite"),
     ({"temperature": True}, "temperature", "number"),
@@ -86,7 +88,13 @@ BAD_PARAMS = [
     ({"min_p": -0.1}, "min_p", "[0, 1]"),
     ({"frequency_penalty": 2.5}, "frequency_penalty", "[-2.0, 2.0]"),
     ({"presence_penalty": -3}, "presence_penalty", "[-2.0, 2.0]"),
-    ({"repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "[0.01, 100.0]"),
+    ({"repetition_penalty": 1e-40}, "repetition_penalty", "[0.01, 100.0]"),
+    ({"top_k": 2**64}, "top_k", "64-bit integer"),
+    ({"seed": -(2**63) - 1}, "seed", "64-bit integer"),
+    ({"stop_token_ids": [2**63]}, "stop_token_ids", "64-bit integers"),
+    ({"stop_token_ids": [1] * 1025}, "stop_token_ids", "at most 1024"),
+    ({"regex": "a" * 65537}, "regex", "at most 65536"),
     ({"max_new_tokens": -1}, "max_new_tokens", ">= 0"),
     ({"max_new_tokens": "5"}, "max_new_tokens", "integer"),
     ({"min_new_tokens": 10, "max_new_tokens": 5}, "min_new_tokens", "max_new_tokens=5"),
@@ -159,6 +167,8 @@ def test_greedy_rows_exact_in_mixed_batch() -> None:
         SamplingParams(temperature=1.3, top_k=1),
         SamplingParams(temperature=1.0, top_p=1e-6),
         SamplingParams(temperature=2.0, top_k=50, top_p=1e-6, seed=3),
+        SamplingParams(temperature=1e-40),  # below MIN_TEMPERATURE: greedy, not overflowed
+        SamplingParams(temperature=1e-7, repetition_penalty=0.01, seed=5),
     ],
 )
 def test_degenerate_filters_equal_greedy(params: SamplingParams) -> None:

@@ -20,7 +20,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.limits import MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from radixserve.limits import (
+    MAX_N,
+    MAX_PATTERN_CHARS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    REPETITION_PENALTY_RANGE,
+)
 
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for frequency/presence penalties
 
@@ -33,7 +42,7 @@ class InvalidRequest(ValueError):
 class SamplingParams:
     max_new_tokens: int = 128  # 0: prefill only (e.g. prompt logprobs)
     min_new_tokens: int = 0  # eos and stop_token_ids are masked until this many tokens
-    temperature: float = 1.0  # 0: greedy (exact argmax, no randomness)
+    temperature: float = 1.0  # 0 (or below MIN_TEMPERATURE): greedy (exact argmax, no randomness)
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: off
     min_p: float = 0.0
@@ -95,8 +104,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """Greedy rows take the exact argmax of the (penalised) logits."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """Greedy rows take the exact argmax of the (penalised) logits. A temperature below
+        MIN_TEMPERATURE counts as 0: dividing float32 logits by it would overflow them."""
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
@@ -112,7 +122,10 @@ class SamplingParams:
         return self.top_k > 1 or self.top_p < 1.0 or self.min_p > 0.0
 
     def _check_ranges(self) -> None:
-        _require(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        _require(
+            0.0 <= self.temperature <= MAX_TEMPERATURE,
+            f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}",
+        )
         _require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _require(self.top_k >= -1, f"top_k must be -1 (off), 0 (off) or >= 1, got {self.top_k}")
         _require(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
@@ -120,9 +133,10 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
             _require(lo <= v <= hi, f"{name} must be in [{lo}, {hi}], got {v}")
+        lo, hi = REPETITION_PENALTY_RANGE
         _require(
-            self.repetition_penalty > 0.0,
-            f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+            lo <= self.repetition_penalty <= hi,
+            f"repetition_penalty must be in [{lo}, {hi}], got {self.repetition_penalty}",
         )
         _require(
             self.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {self.max_new_tokens}"
@@ -146,8 +160,19 @@ class SamplingParams:
             not self.stop_regex,
             "stop_regex is not supported yet: use stop (strings) or regex (constrained output)",
         )
+        _require(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            f"stop_token_ids has {len(self.stop_token_ids)} entries, "
+            f"at most {MAX_STOP_TOKEN_IDS} are allowed",
+        )
         for t in self.stop_token_ids:
             _require(t >= 0, f"stop_token_ids entries must be >= 0, got {t}")
+        for name in ("regex", "json_schema"):
+            text = getattr(self, name)
+            _require(
+                text is None or len(text) <= MAX_PATTERN_CHARS,
+                f"{name} must be at most {MAX_PATTERN_CHARS} characters",
+            )
         _require(
             self.regex is None or self.json_schema is None,
             "regex and json_schema are exclusive: set at most one of them",
@@ -155,7 +180,8 @@ class SamplingParams:
 
 
 def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    # 64-bit: what msgspec, torch and the seed hash carry.
+    return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
 
 
 def _is_float(v: object) -> bool:
@@ -182,15 +208,15 @@ _BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens")
 # Expected type of each field, as (check, description for the error message).
 _TYPES: dict[str, tuple[Any, str]] = {
     **{name: (_is_float, "a finite number") for name in _FLOATS},
-    **{name: (_is_int, "an integer") for name in _INTS},
+    **{name: (_is_int, "a 64-bit integer") for name in _INTS},
     **{name: (lambda v: isinstance(v, bool), "a boolean") for name in _BOOLS},
     "stop": (lambda v: _is_list_of(v, lambda x: isinstance(x, str)), "a string or list of strings"),
-    "stop_token_ids": (lambda v: _is_list_of(v, _is_int), "a list of integers"),
+    "stop_token_ids": (lambda v: _is_list_of(v, _is_int), "a list of 64-bit integers"),
     "stop_regex": (
         lambda v: _is_list_of(v, lambda x: isinstance(x, str)),
         "a string or list of strings",
     ),
-    "seed": (lambda v: v is None or _is_int(v), "an integer or null"),
+    "seed": (lambda v: v is None or _is_int(v), "a 64-bit integer or null"),
     "regex": (lambda v: v is None or isinstance(v, str), "a string or null"),
     "json_schema": (lambda v: v is None or isinstance(v, str), "a string or null"),
 }

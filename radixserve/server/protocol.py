@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from starlette.requests import Request
 
+from radixserve.limits import MAX_JSON_DEPTH, MAX_JSON_ITEMS
+
 MAX_BODY_BYTES = 8 * 2**20  # larger bodies get 413 (a 128k-token prompt is ~1 MiB of JSON)
+INT64 = (-(2**63), 2**63 - 1)  # every integer of a request fits here (msgspec, torch, seeds)
 
 # SGLang request fields we do not implement but its clients send empty (bench_serving sends
 # "lora_path": null, "image_data": null, ...). Accepted when null/false/""/[]/{}.
@@ -49,6 +53,7 @@ class ApiError(Exception):
         param: str | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
+        message = _printable(message)  # it may quote client text: keep it encodable
         super().__init__(message)
         self.status = status
         self.message = message
@@ -85,13 +90,92 @@ async def read_json(request: Request, limit: int = MAX_BODY_BYTES) -> dict[str, 
     raw = b"".join(chunks)
     if not raw.strip():
         return {}
+    return parse_body(raw)
+
+
+def parse_body(raw: bytes | str) -> dict[str, Any]:
+    """A JSON object whose every value is safe to carry (see `check_values`); 400 otherwise."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_int=_parse_int, parse_constant=float)
+    except RecursionError as e:
+        raise bad(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad(f"invalid JSON body: {e}") from e
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    check_values(body)
     return body
+
+
+class _HugeInt(int):
+    """An integer literal too long for 64 bits, kept unconverted so `check_values` can name
+    its field (Python refuses to convert > 4300 digits, and anything past 20 is too big)."""
+
+    digits: int
+
+
+def _parse_int(text: str) -> int:
+    if len(text) <= 20:
+        return int(text)
+    huge = _HugeInt(0)
+    huge.digits = len(text.lstrip("-"))
+    return huge
+
+
+def check_values(body: dict[str, Any]) -> None:
+    """400 naming the first offending value (as `a.b[2].c`) anywhere in `body`: nesting past
+    MAX_JSON_DEPTH, a list or object past MAX_JSON_ITEMS entries, an integer outside 64 bits,
+    a float that is not finite (NaN, Infinity, 1e400), or a string or key with a lone UTF-16
+    surrogate (it cannot be encoded into any reply or message)."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        where = path or "the request body"
+        if isinstance(value, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                raise bad(f"{where} is nested deeper than {MAX_JSON_DEPTH} levels", _field(path))
+            if len(value) > MAX_JSON_ITEMS:
+                raise bad(f"{where} has more than {MAX_JSON_ITEMS} entries", _field(path))
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    key = _printable(k)
+                    _check_text(k, f"{path}.{key}" if path else key, "key")
+                    stack.append((v, f"{path}.{key}" if path else key, depth + 1))
+            else:
+                stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(value, where, "string")
+        elif isinstance(value, _HugeInt):
+            raise bad(
+                f"{where} must fit in 64 bits, got a {value.digits}-digit integer", _field(path)
+            )
+        elif (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and not INT64[0] <= value <= INT64[1]
+        ):
+            raise bad(f"{where} must fit in 64 bits, got {value}", _field(path))
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise bad(f"{where} must be a finite number, got {value}", _field(path))
+
+
+def _check_text(text: str, where: str, what: str) -> None:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise bad(
+                f"{where}: the {what} holds a lone UTF-16 surrogate at {e.start}", _field(where)
+            ) from e
+
+
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _field(path: str) -> str | None:
+    """The top-level field of a path (`sampling_params[1].seed` -> `sampling_params`)."""
+    return re.split(r"[.\[]", path, maxsplit=1)[0] or None
 
 
 def check_fields(body: Mapping[str, Any], allowed: frozenset[str] | set[str]) -> None:
