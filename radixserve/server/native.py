@@ -122,7 +122,7 @@ def parse_generate(body: dict[str, Any]) -> NativeBatch:
     key, prompts, single = _prompts(body)
     count = len(prompts)
     sampling = _sampling(body, count)
-    rids = _per_prompt(body, "rid", "str", None, count)
+    rids = _per_prompt(body, "rid", "rid", None, count)
     if len(set(r for r in rids if r is not None)) < sum(r is not None for r in rids):
         raise bad("rid values must be distinct", "rid")
     want_lp = _per_prompt(body, "return_logprob", "bool", False, count)

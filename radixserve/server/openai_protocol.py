@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.limits import MAX_TOP_LOGPROBS
+from radixserve.limits import MAX_MESSAGES, MAX_TOP_LOGPROBS
 from radixserve.message.messages import GenerateReq
 from radixserve.sampling.params import SamplingParams
 from radixserve.server.protocol import bad, check_fields, get, get_int
@@ -127,7 +127,7 @@ def parse_completion(body: dict[str, Any]) -> OpenAIBatch:
     top = body.get("logprobs")
     top = None if top is None else get_int(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS)
     stream, include_usage = _stream_flags(body)
-    base_rid = get(body, "rid", "str") or f"cmpl-{uuid.uuid4().hex}"
+    base_rid = get(body, "rid", "rid") or f"cmpl-{uuid.uuid4().hex}"
     prompts = _prompts(body)
     reqs = []
     for i, (key, prompt) in enumerate(prompts):
@@ -183,6 +183,10 @@ def parse_chat(body: dict[str, Any]) -> OpenAIBatch:
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad("messages must be a non-empty list", "messages")
+    if len(raw) > MAX_MESSAGES:
+        raise bad(
+            f"messages has {len(raw)} entries, at most {MAX_MESSAGES} are allowed", "messages"
+        )
     messages = [_message(m, i) for i, m in enumerate(raw)]
     limit = get(body, "max_completion_tokens", "int")
     if limit is not None and body.get("max_tokens") is None:
@@ -194,7 +198,7 @@ def parse_chat(body: dict[str, Any]) -> OpenAIBatch:
         raise bad("top_logprobs requires logprobs: true", "top_logprobs")
     stream, include_usage = _stream_flags(body)
     req = GenerateReq(
-        rid=get(body, "rid", "str") or f"chatcmpl-{uuid.uuid4().hex}",
+        rid=get(body, "rid", "rid") or f"chatcmpl-{uuid.uuid4().hex}",
         sampling=sampling,
         messages=messages,
         return_logprob=logprobs,

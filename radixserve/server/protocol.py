@@ -16,7 +16,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from radixserve.limits import MAX_JSON_DEPTH, MAX_JSON_ITEMS
+from radixserve.limits import MAX_JSON_DEPTH, MAX_JSON_ITEMS, MAX_RID_CHARS
 
 MAX_BODY_BYTES = 8 * 2**20  # larger bodies get 413 (a 128k-token prompt is ~1 MiB of JSON)
 INT64 = (-(2**63), 2**63 - 1)  # every integer of a request fits here (msgspec, torch, seeds)
@@ -202,6 +202,10 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "int": (_is_int, "an integer"),
     "number": (_is_number, "a number"),
     "bool": (lambda v: isinstance(v, bool), "a boolean"),
+    "rid": (
+        lambda v: isinstance(v, str) and 0 < len(v) <= MAX_RID_CHARS,
+        f"a non-empty string of at most {MAX_RID_CHARS} characters",
+    ),
     "dict": (lambda v: isinstance(v, dict), "an object"),
     "list": (lambda v: isinstance(v, list), "a list"),
     "int_list": (lambda v: isinstance(v, list) and all(map(_is_int, v)), "a list of integers"),
