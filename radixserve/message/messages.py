@@ -181,6 +181,7 @@ class ServerInfoResp(Message):
     seq: int
     stats: SchedulerStats
     active_requests: int  # requests the scheduler process has accepted and not finished
+    tokenizer_requests: int = 0  # requests the tokenizer tracks (it fills this in on the way)
 
 
 ControlReq = FlushCacheReq | ServerInfoReq

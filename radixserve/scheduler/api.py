@@ -36,6 +36,7 @@ class SchedulerStats:
     num_queued: int
     kv_used_tokens: int
     kv_capacity_tokens: int
+    kv_held_tokens: int  # slots that requests hold (locked cache nodes + their own): 0 when idle
     prompt_tokens_total: int  # counters since start
     cached_tokens_total: int
     generation_tokens_total: int

@@ -324,6 +324,7 @@ class Scheduler:
             num_queued=len(self.waiting),
             kv_used_tokens=pool.capacity - pool.num_free,
             kv_capacity_tokens=pool.capacity,
+            kv_held_tokens=pool.capacity - pool.num_free - self.cache.evictable_size,
             prompt_tokens_total=self.prompt_tokens_total,
             cached_tokens_total=self.cached_tokens_total,
             generation_tokens_total=self.generation_tokens_total,

@@ -160,8 +160,16 @@ class RequestManager:
             raise ApiError(503, f"the server failed: {self.failure}")
         if req.rid in self.pending:
             raise ApiError(400, f"rid {req.rid!r} is already in use", "rid")
+        try:
+            data = encode(req)
+        except (OverflowError, ValueError) as e:  # msgspec: ints beyond 64 bits, lone surrogates
+            raise ApiError(400, f"the request cannot be encoded: {e}") from e
         pending = self.pending[req.rid] = Pending(req.rid, n)
-        self.send(req)
+        try:
+            self._outbox.send(data)
+        except BaseException:
+            del self.pending[req.rid]  # never sent: its rid must not stay "in use"
+            raise
         return pending
 
     def abort(self, rid: str) -> None:

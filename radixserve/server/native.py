@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from radixserve.config import EngineConfig
+from radixserve.limits import MAX_TOP_LOGPROBS
 from radixserve.message.messages import (
     FlushCacheReq,
     FlushCacheResp,
@@ -43,7 +44,6 @@ GENERATE_FIELDS = frozenset(
         "return_text_in_logprobs",
     }
 )
-MAX_TOP_LOGPROBS = 20
 HEALTH_GENERATE_TIMEOUT_S = 60.0
 
 
@@ -237,7 +237,9 @@ async def get_model_info(request: Request) -> Response:
 
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> Response:
-    """Server arguments, model info and a fresh scheduler snapshot (KV use included)."""
+    """Server arguments, model info, a fresh scheduler snapshot (KV use included) and the
+    requests each process tracks (api_pending_requests, tokenizer_requests,
+    scheduler.active_requests): all 0 and scheduler.kv_held_tokens 0 when idle."""
     manager = _manager(request)
     resp = await manager.call(ServerInfoReq)
     assert isinstance(resp, ServerInfoResp)
@@ -258,6 +260,7 @@ async def get_server_info(request: Request) -> Response:
             "model_info": info,
             "scheduler": scheduler,
             "api_pending_requests": len(manager.pending),
+            "tokenizer_requests": resp.tokenizer_requests,
         }
     )
 

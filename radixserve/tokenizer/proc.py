@@ -72,7 +72,7 @@ class TokenizerWorker:
             SampleBatch: self.on_samples,
             RequestError: self.on_error,
             FlushCacheResp: to_api.send,
-            ServerInfoResp: to_api.send,
+            ServerInfoResp: self.on_info,
         }
 
     def handle(self, msg: AnyMessage) -> None:
@@ -83,6 +83,9 @@ class TokenizerWorker:
     # ---------------------------------------------------------------- requests
 
     def on_generate(self, req: GenerateReq) -> None:
+        if req.rid in self.reqs:  # refused here, so the request in flight keeps its state
+            self.to_api.send(RequestError(req.rid, 400, f"rid: {req.rid!r} is already in use"))
+            return
         try:
             ids, sampling = self._prepare(req)
         except ValueError as e:
@@ -126,6 +129,10 @@ class TokenizerWorker:
         params = SamplingParams.from_dict(sampling)
         params.validate(self.info.vocab_size)
         return ids, params
+
+    def on_info(self, resp: ServerInfoResp) -> None:
+        resp.tokenizer_requests = len(self.reqs)
+        self.to_api.send(resp)
 
     def on_error(self, err: RequestError) -> None:
         self.reqs.pop(err.rid, None)
