@@ -24,7 +24,10 @@ HELP = {
     "chunked_prefill_size": "most prompt tokens of one request per prefill step",
     "max_prefill_tokens": "most new tokens of one extend batch",
     "max_running_requests": "most samples decoding at once",
-    "max_queued_requests": "most waiting samples; beyond, requests get HTTP 503",
+    "max_queued_requests": "most waiting samples (n counts n); beyond, HTTP 503 + Retry-After",
+    "max_queued_tokens": "most prompt tokens waiting; beyond, HTTP 503 (default: 4x the KV pool)",
+    "max_connections": "most HTTP connections at once; beyond, uvicorn answers 503 "
+    "(default: max running + max queued + 64)",
     "schedule_policy": "waiting-queue order: lpm (longest prefix match) or fcfs",
     "disable_radix_cache": "do not reuse KV across requests",
     "attention_backend": "tree (shared-prefix Hydragen attention) or flat (per request)",

@@ -11,6 +11,7 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 QUANTIZATIONS = ("auto", "none", "int8")
 POLICIES = ("lpm", "fcfs")
 BACKENDS = ("tree", "flat", "none")  # "none": benchmark-only no-attention ceiling
+CONTROL_CONNECTIONS = 64  # connections kept for /health, /get_server_info, aborts, ...
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,9 @@ class EngineConfig:
     chunked_prefill_size: int = 2048  # max prompt tokens of one request per prefill step
     max_prefill_tokens: int = 8192  # max new tokens of a whole extend batch
     max_running_requests: int = 256
-    max_queued_requests: int = 4096
+    max_queued_requests: int = 4096  # samples waiting (a request with n samples counts n)
+    max_queued_tokens: int | None = None  # prompt tokens waiting; None: 4x the KV pool
+    max_connections: int | None = None  # HTTP connections; None: running + queued + control
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     attention_backend: str = "tree"
@@ -63,3 +66,17 @@ class EngineConfig:
         check(self.max_running_requests >= 1, "max_running_requests must be >= 1")
         check(self.max_queued_requests >= 1, "max_queued_requests must be >= 1")
         check(self.tp_size >= 1, "tp_size must be >= 1")
+        for name in ("max_queued_tokens", "max_connections"):
+            value = getattr(self, name)
+            check(value is None or value >= 1, f"{name} must be >= 1, got {value}")
+
+    @property
+    def max_samples_in_flight(self) -> int:
+        """Samples the server holds at once (running + waiting): the api server refuses
+        more with 503 before they reach the pipeline."""
+        return self.max_running_requests + self.max_queued_requests
+
+    @property
+    def connection_limit(self) -> int:
+        """uvicorn's limit_concurrency: beyond it a connection gets uvicorn's own 503."""
+        return self.max_connections or self.max_samples_in_flight + CONTROL_CONNECTIONS

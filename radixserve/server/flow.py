@@ -29,7 +29,9 @@ def sse(obj: Any) -> str:
 
 
 def submit_all(manager: RequestManager, reqs: list[tuple[GenerateReq, int]]) -> list[Pending]:
-    """Submit (request, n) pairs; if one is refused, abort those already sent and re-raise."""
+    """Submit (request, n) pairs, all or none: 503 when the server has no room for their
+    samples; if one is refused, abort those already sent and re-raise."""
+    manager.check_room(sum(n for _, n in reqs))
     pendings: list[Pending] = []
     try:
         for req, n in reqs:

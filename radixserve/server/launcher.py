@@ -7,8 +7,9 @@
     3. wait for TokenizerReady (scheduler loaded the model -> tokenizer loaded its tokenizer);
        a child that dies first ends the launch with status 1 (its traceback is in the log)
     4. serve HTTP with uvicorn until SIGINT/SIGTERM, or until a child dies (status 1)
-    5. send Shutdown down the pipeline, join the children (then terminate, then kill),
-       remove the socket folder
+    5. send Shutdown down the pipeline, join the children (then terminate, then kill; after
+       a child crashed, the Shutdown may not get through, so the join is short), remove
+       the socket folder
 
 Signals: uvicorn's own handler re-raises the signal after serving, which would kill us
 before step 5; `_Uvicorn` only asks the server to stop. Outside serving, SIGTERM raises
@@ -46,6 +47,7 @@ logger = logging.getLogger("radixserve.launcher")
 
 STARTUP_TIMEOUT_S = 900.0  # first run converts the embedded model; slow disks take minutes
 CHILD_JOIN_S = 10.0
+CHILD_JOIN_AFTER_CRASH_S = 1.0  # a dead child breaks the Shutdown chain: don't wait long
 GRACEFUL_HTTP_SHUTDOWN_S = 5
 EXIT_INTERRUPTED = 130
 
@@ -137,7 +139,7 @@ def _spawn_children(config: EngineConfig, ipc: IpcPaths) -> dict[str, BaseProces
 
 async def _serve(config: EngineConfig, ipc: IpcPaths, procs: dict[str, BaseProcess]) -> int:
     metrics = Metrics()
-    manager = RequestManager(ipc, metrics)
+    manager = RequestManager(ipc, metrics, config.max_samples_in_flight)
     try:
         procs.update(_spawn_children(config, ipc))
         manager.procs = procs
@@ -154,6 +156,7 @@ async def _serve(config: EngineConfig, ipc: IpcPaths, procs: dict[str, BaseProce
                 log_level=config.log_level,
                 access_log=config.log_level == "debug",
                 timeout_graceful_shutdown=GRACEFUL_HTTP_SHUTDOWN_S,
+                limit_concurrency=config.connection_limit,
                 lifespan="off",
             ),
             on_stop=lambda: manager.fail_all(503, "the server is shutting down"),
@@ -203,7 +206,8 @@ async def _run_http(server: _Uvicorn, manager: RequestManager) -> int:
 
 def _stop_children(procs: dict[str, BaseProcess]) -> None:
     """Join (they got Shutdown), then SIGTERM, then SIGKILL whatever is left."""
-    deadline = time.monotonic() + CHILD_JOIN_S
+    crashed = any(p.exitcode not in (None, 0) for p in procs.values())
+    deadline = time.monotonic() + (CHILD_JOIN_AFTER_CRASH_S if crashed else CHILD_JOIN_S)
     for proc in procs.values():
         proc.join(max(0.0, deadline - time.monotonic()))
     for proc in procs.values():

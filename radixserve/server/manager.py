@@ -8,6 +8,10 @@ One `RequestManager` lives in the api server's event loop:
   `finally` of a cancelled handler (a client that went away).
 - A request leaves `pending` when its n-th sample finishes or it is refused; a final
   'abort' output is what an aborted request's samples finish with.
+- Back-pressure: `check_room` keeps the unfinished samples of `pending` within
+  `max_samples` (what the scheduler can run + queue), answering 503 beyond. So the
+  requests on their way through the tokenizer and scheduler inboxes are bounded too,
+  although the outbox itself has no high-water mark.
 - `watch_children` notices a dead child: it records `failure`, fails every pending request
   (HTTP 500) and calls `on_failure` (the launcher stops the server and exits non-zero).
 """
@@ -25,6 +29,7 @@ from multiprocessing.process import BaseProcess
 import zmq
 import zmq.asyncio
 
+from radixserve.limits import MAX_SAMPLES
 from radixserve.message.codec import decode, encode
 from radixserve.message.ipc import IpcPaths
 from radixserve.message.messages import (
@@ -73,8 +78,9 @@ class Pending:
 
 
 class RequestManager:
-    def __init__(self, ipc: IpcPaths, metrics: Metrics) -> None:
+    def __init__(self, ipc: IpcPaths, metrics: Metrics, max_samples: int) -> None:
         self.metrics = metrics
+        self.max_samples = max_samples  # samples in flight at once (running + queued)
         self._actx = zmq.asyncio.Context()
         self._inbox = self._actx.socket(zmq.PULL)
         self._inbox.setsockopt(zmq.LINGER, 0)
@@ -153,6 +159,24 @@ class RequestManager:
 
     def send(self, msg: Message) -> None:
         self._outbox.send(encode(msg))
+
+    @property
+    def samples_in_flight(self) -> int:
+        return sum(p.n - p.finished for p in self.pending.values())
+
+    def check_room(self, samples: int) -> None:
+        """Before submitting a request of `samples` samples: ApiError 400 if it can never
+        be served at once, 503 (Retry-After) while the server holds too many already."""
+        most = min(self.max_samples, MAX_SAMPLES)
+        if samples > most:
+            raise ApiError(400, f"n: the request asks for {samples} samples, at most {most}", "n")
+        if self.samples_in_flight + samples > self.max_samples:
+            raise ApiError(
+                503,
+                f"the server is at capacity ({self.max_samples} samples running or queued); "
+                "retry later",
+                headers={"Retry-After": RETRY_AFTER_S},
+            )
 
     def submit(self, req: GenerateReq, n: int) -> Pending:
         """Register and send one request. ApiError 400 if its rid is in flight."""

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from radixserve.config import EngineConfig
-from radixserve.limits import MAX_TOP_LOGPROBS
+from radixserve.limits import MAX_PROMPTS, MAX_TOP_LOGPROBS
 from radixserve.message.messages import (
     FlushCacheReq,
     FlushCacheResp,
@@ -121,6 +121,8 @@ def parse_generate(body: dict[str, Any]) -> NativeBatch:
     check_fields(body, GENERATE_FIELDS)
     key, prompts, single = _prompts(body)
     count = len(prompts)
+    if count > MAX_PROMPTS:
+        raise bad(f"{key} has {count} prompts, at most {MAX_PROMPTS} per request", key)
     sampling = _sampling(body, count)
     rids = _per_prompt(body, "rid", "rid", None, count)
     if len(set(r for r in rids if r is not None)) < sum(r is not None for r in rids):

@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.limits import MAX_MESSAGES, MAX_TOP_LOGPROBS
+from radixserve.limits import MAX_MESSAGES, MAX_PROMPTS, MAX_TOP_LOGPROBS
 from radixserve.message.messages import GenerateReq
 from radixserve.sampling.params import SamplingParams
 from radixserve.server.protocol import bad, check_fields, get, get_int
@@ -129,6 +129,8 @@ def parse_completion(body: dict[str, Any]) -> OpenAIBatch:
     stream, include_usage = _stream_flags(body)
     base_rid = get(body, "rid", "rid") or f"cmpl-{uuid.uuid4().hex}"
     prompts = _prompts(body)
+    if len(prompts) > MAX_PROMPTS:
+        raise bad(f"prompt has {len(prompts)} prompts, at most {MAX_PROMPTS} per request", "prompt")
     reqs = []
     for i, (key, prompt) in enumerate(prompts):
         rid = base_rid if len(prompts) == 1 else f"{base_rid}-{i}"

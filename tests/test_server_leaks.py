@@ -1,0 +1,258 @@
+"""Every way a request can end leaves nothing behind: the api server's pending table, the
+tokenizer's request table, the scheduler's active table, its running and waiting queues and
+the KV slots held by requests all return to zero (read from /get_server_info), and the
+client always gets an answer. The abort storm is issue 12's bar: 40 streams cut after 1-3
+chunks and 20 client timeouts, half of them with n = 2, clean within 10 s."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import launch_server
+
+RUNNING = 4  # --max-running-requests: a fifth sample waits in the queue
+GREEDY = {"temperature": 0, "max_new_tokens": 8}
+LONG = {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}
+ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+
+
+@pytest.fixture(scope="module")
+def leak_server(tiny_model_dir, tmp_path_factory):
+    h = launch_server(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("leak-server"),
+        "--max-total-tokens",
+        "1024",
+        "--max-running-requests",
+        str(RUNNING),
+    )
+    yield h
+    assert h.stop() == 0, h.log_text()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def client(leak_server):
+    with leak_server.client() as c:
+        yield c
+
+
+def tables(c: httpx.Client) -> dict[str, int]:
+    r = c.get("/get_server_info")
+    assert r.status_code == 200, r.text
+    info = r.json()
+    s = info["scheduler"]
+    return {
+        "api_pending": info["api_pending_requests"],
+        "tokenizer": info["tokenizer_requests"],
+        "active": s["active_requests"],
+        "running": s["num_running"],
+        "queued": s["num_queued"],
+        "kv_held": s["kv_held_tokens"],
+    }
+
+
+def wait_clean(c: httpx.Client, timeout: float = 10) -> None:
+    """Every table back to zero within `timeout` s, and no KV slot used once the cache is
+    flushed."""
+    deadline = time.monotonic() + timeout
+    while any((t := tables(c)).values()):
+        assert time.monotonic() < deadline, f"not clean after {timeout} s: {t}"
+        time.sleep(0.05)
+    assert c.post("/flush_cache", json={}).status_code == 200
+    assert c.get("/get_server_info").json()["scheduler"]["kv_used_tokens"] == 0
+
+
+def body_for(route: str, k: int, n: int, stream: bool, params: dict) -> dict:
+    """A request for `route` with prompt number `k`, `n` samples and the sampling `params`."""
+    text = f"request {k}: tell me a long story"
+    if route == "/generate":
+        return {"text": text, "stream": stream, "sampling_params": {**params, "n": n}}
+    sampling = {
+        "max_tokens": params["max_new_tokens"],
+        "temperature": params["temperature"],
+        "ignore_eos": params.get("ignore_eos", False),
+        "n": n,
+        "stream": stream,
+    }
+    if route == "/v1/completions":
+        return {"prompt": text, **sampling}
+    return {"messages": [{"role": "user", "content": text}], **sampling}
+
+
+def data_lines(r: httpx.Response):
+    for line in r.iter_lines():
+        if line.startswith("data: {"):
+            yield json.loads(line[6:])
+
+
+# ---------------------------------------------------------------- one ending at a time
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("route", ROUTES)
+def test_finish(client, route, n):
+    r = client.post(route, json=body_for(route, 0, n, False, GREEDY))
+    assert r.status_code == 200, r.text
+    wait_clean(client)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_abort_request_of_a_running_stream(client, n):
+    body = {**body_for("/generate", 1, n, True, LONG), "rid": f"running-{n}"}
+    reasons = {}
+    with client.stream("POST", "/generate", json=body) as r:
+        for chunk in data_lines(r):
+            if not reasons:
+                client.post("/abort_request", json={"rid": f"running-{n}"})
+            reasons[chunk.get("index", 0)] = chunk["meta_info"]["finish_reason"]
+    assert [reasons[i]["type"] for i in range(n)] == ["abort"] * n, reasons
+    wait_clean(client)
+
+
+def _occupy(leak_server, started: threading.Event) -> threading.Thread:
+    """RUNNING long streams that hold every running slot until aborted."""
+
+    def run(k: int) -> None:
+        with leak_server.client() as c:
+            body = {**body_for("/generate", 100 + k, 1, True, LONG), "rid": f"occupy-{k}"}
+            with c.stream("POST", "/generate", json=body) as r:
+                for _ in data_lines(r):
+                    started.set()
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(RUNNING)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_abort_request_of_a_queued_request_answers_its_client(leak_server, client, n):
+    started = threading.Event()
+    occupiers = _occupy(leak_server, started)
+    assert started.wait(60)
+    while tables(client)["running"] < RUNNING:
+        time.sleep(0.05)
+    answer: dict[str, httpx.Response] = {}
+    body = {**body_for("/generate", 2, n, False, GREEDY), "rid": f"queued-{n}"}
+
+    def wait_for_answer() -> None:
+        with leak_server.client() as c:
+            answer["r"] = c.post("/generate", json=body)
+
+    waiter = threading.Thread(target=wait_for_answer)
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while tables(client)["queued"] == 0:
+        assert time.monotonic() < deadline, "the request never queued"
+        time.sleep(0.02)
+    client.post("/abort_request", json={"rid": f"queued-{n}"})
+    waiter.join(10)
+    assert not waiter.is_alive(), "the client of an aborted queued request was left hanging"
+    out = answer["r"].json()
+    outs = out if isinstance(out, list) else [out]
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort"] * n
+    client.post("/abort_request", json={"abort_all": True})
+    for t in occupiers:
+        t.join(30)
+    wait_clean(client)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("route", ROUTES)
+def test_client_disconnect_mid_stream(leak_server, client, route, n):
+    with leak_server.client() as c:
+        with c.stream("POST", route, json=body_for(route, 3, n, True, LONG)) as r:
+            assert r.status_code == 200
+            next(data_lines(r))
+    wait_clean(client)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_client_timeout(leak_server, client, n):
+    with leak_server.client() as c, pytest.raises(httpx.ReadTimeout):
+        params = {**LONG, "max_new_tokens": 900}  # several seconds of decoding
+        c.post("/generate", json=body_for("/generate", 4, n, False, params), timeout=0.3)
+    wait_clean(client)
+
+
+def test_rid_clash_is_refused_and_the_first_request_is_untouched(client):
+    body = {**body_for("/generate", 5, 1, True, {**LONG, "max_new_tokens": 40}), "rid": "dup"}
+    with client.stream("POST", "/generate", json=body) as r:
+        chunks = data_lines(r)
+        next(chunks)
+        clash = client.post("/generate", json={"text": "again", "rid": "dup"})
+        assert clash.status_code == 400 and "already in use" in clash.text
+        last = list(chunks)[-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(last["output_ids"]) == 40
+    assert client.post("/generate", json={"text": "now free", "rid": "dup"}).status_code == 200
+    wait_clean(client)
+
+
+def test_a_request_that_cannot_be_sent_releases_its_rid(client):
+    # A lone surrogate cannot be encoded for IPC: 400, and the rid is not left "in use".
+    raw = b'{"text": "\\ud800", "rid": "unsendable"}'
+    r = client.post("/generate", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    ok = client.post("/generate", json={"text": "hello", "rid": "unsendable"})
+    assert ok.status_code == 200, ok.text
+    wait_clean(client)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_refused_by_the_scheduler(client, n):
+    body = {"input_ids": [1] * 1000, "sampling_params": {"max_new_tokens": 100, "n": n}}
+    r = client.post("/generate", json=body)
+    assert r.status_code == 400 and "max_new_tokens" in r.text
+    wait_clean(client)
+
+
+# ---------------------------------------------------------------- the storm (issue 12's bar)
+
+
+async def _storm(url: str) -> tuple[int, int]:
+    """40 streams cut after 1-3 chunks and 20 requests whose clients time out, every other
+    one with n = 2, over all three generation routes. Returns (streams cut, timeouts)."""
+    params = {**LONG, "max_new_tokens": 800}
+    async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+
+        async def cut(k: int) -> bool:
+            route = ROUTES[k % 3]
+            body = body_for(route, k, 1 + k % 2, True, params)
+            async with c.stream("POST", route, json=body) as r:
+                assert r.status_code == 200, await r.aread()
+                seen = 0
+                async for line in r.aiter_lines():
+                    seen += line.startswith("data: {")
+                    if seen == 1 + k % 3:
+                        return True  # leaving the block closes the connection mid-stream
+            return False
+
+        async def timeout(k: int) -> bool:
+            route = ROUTES[k % 3]
+            try:
+                await c.post(
+                    route, json=body_for(route, 100 + k, 1 + k % 2, False, params), timeout=1.0
+                )
+            except httpx.ReadTimeout:
+                return True
+            return False
+
+        results = await asyncio.gather(*map(cut, range(40)), *map(timeout, range(20)))
+    return sum(results[:40]), sum(results[40:])
+
+
+def test_abort_storm_leaves_every_table_clean_within_10s(leak_server, client):
+    reference = client.post("/generate", json={"text": "the reference", "sampling_params": GREEDY})
+    wait_clean(client)
+    cut, timed_out = asyncio.run(_storm(leak_server.url))
+    assert (cut, timed_out) == (40, 20)
+    wait_clean(client, timeout=10)
+    again = client.post("/generate", json={"text": "the reference", "sampling_params": GREEDY})
+    assert again.json()["output_ids"] == reference.json()["output_ids"]
+    wait_clean(client)
