@@ -79,7 +79,10 @@ class RuntimeEndpoint(Backend):
             raise BackendError(f"POST {self.base_url}/generate (stream): {e!r}") from e
 
     def _stream_events(self, body: dict[str, Any], on_text: TextCallback) -> GenResult:
+        """Text is cumulative; output logprobs come per chunk (SGLang's stream) and are
+        joined here, so the result's meta_info is that of a non-streamed request."""
         text, last = "", None
+        logprobs: dict[str, list[Any]] = {"output_token_logprobs": [], "output_top_logprobs": []}
         with self._client.stream("POST", "/generate", json={**body, "stream": True}) as resp:
             if resp.status_code != 200:
                 resp.read()
@@ -92,9 +95,12 @@ class RuntimeEndpoint(Backend):
                 if len(new) > len(text):
                     on_text(new[len(text) :])
                 text, last = new, event
+                for key, entries in logprobs.items():
+                    entries.extend(event["meta_info"].get(key, []))
         if last is None:
             raise BackendError("/generate stream ended without any result")
-        return GenResult(text, last["meta_info"])
+        meta = last["meta_info"]
+        return GenResult(text, {**meta, **logprobs} if "output_token_logprobs" in meta else meta)
 
     def commit(self, prompt: str) -> None:
         if prompt:

@@ -25,6 +25,7 @@ LOGPROB_KEYS = {
     "output_token_logprobs",
     "input_top_logprobs",
     "output_top_logprobs",
+    "output_token_logprobs_length",
 }
 GREEDY = {"temperature": 0, "max_new_tokens": 6}
 
@@ -169,6 +170,40 @@ def test_logprobs_shapes_and_values(client, tokenizer):
     plain = gen(client, text=prompt, sampling_params=GREEDY, return_logprob=True)
     assert all(e[2] is None for e in plain["meta_info"]["output_token_logprobs"])
     assert plain["meta_info"]["input_token_logprobs"] == []
+
+
+def test_stream_logprobs_are_incremental_as_sglang_sends_them(client):
+    """SGLang's stream: each chunk carries only its NEW output_token_logprobs (and top
+    logprobs) and the cumulative output_token_logprobs_length; joined, the chunks give the
+    non-streamed lists exactly."""
+    body = {
+        "text": "Streamed logprobs prompt",
+        "sampling_params": {**GREEDY, "max_new_tokens": 12},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "return_text_in_logprobs": True,
+    }
+    full = gen(client, **body)["meta_info"]
+    assert full["output_token_logprobs_length"] == len(full["output_token_logprobs"]) == 12
+    with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        chunks = [e["meta_info"] for e in sse(r)[:-1]]
+    assert len(chunks) >= 2
+    joined, joined_top, seen = [], [], 0
+    for meta in chunks:
+        new = meta["output_token_logprobs"]
+        assert meta["output_token_logprobs_length"] == seen + len(new)
+        assert len(meta["output_top_logprobs"]) == len(new)
+        seen = meta["output_token_logprobs_length"]
+        joined += new
+        joined_top += meta["output_top_logprobs"]
+    # The same tokens; values equal up to the rounding of a cached vs uncached prefix.
+    assert [e[1:] for e in joined] == [e[1:] for e in full["output_token_logprobs"]]
+    assert [e[0] for e in joined] == pytest.approx(
+        [e[0] for e in full["output_token_logprobs"]], abs=1e-4
+    )
+    assert [[e[1] for e in t] for t in joined_top] == [
+        [e[1] for e in t] for t in full["output_top_logprobs"]
+    ]
 
 
 def test_stop_string_is_matched_and_cut(client, tokenizer):

@@ -4,6 +4,7 @@ of one sample walking such an automaton.
     GrammarCompiler            one per tokenizer; builds the outlines Vocabulary on first use
       .compile(params)         -> CompiledGrammar | None; LRU cache per (field, pattern);
                                   InvalidRequest (a ValueError) naming `regex`/`json_schema`
+      .compile_async(params)   -> Future of the same, built on a daemon thread
       .new_state(params)       -> GrammarState | None, one per sample (n > 1: one each)
     CompiledGrammar            outlines Index (DFA over token ids) + packed mask per state
     GrammarState               the sample's DFA state: allowed_tokens() / advance() / terminated
@@ -14,6 +15,14 @@ A sample is *terminated* once it has taken eos, or reached a state where eos is 
 allowed token: the pattern is complete and nothing may follow, so it finishes without
 spending a step on eos. Every automaton state allows at least one token (checked when its
 mask is built), so a constrained row never runs out of candidates.
+
+Bounds (a pattern comes from a client): before compiling, the pattern is parsed with Python's
+own regex parser and its size with every repetition multiplied out (`(a{30}){30}` = 900
+literals, a character class costs _CLASS_COST) must stay within MAX_PATTERN_SIZE, each bound
+within MAX_REPEAT; measured here, the largest allowed patterns compile in ~3 s. outlines
+releases the GIL while it builds, so `compile_async` keeps the scheduler stepping; the
+scheduler gives up on a compile after COMPILE_TIMEOUT_S (a pattern Python cannot parse is
+bounded only by that).
 """
 
 from __future__ import annotations
@@ -21,9 +30,11 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -32,11 +43,22 @@ from radixserve.constrained.mask import pack_token_mask
 from radixserve.constrained.vocab import build_vocabulary
 from radixserve.sampling.params import InvalidRequest, SamplingParams
 
+try:  # Python's regex parser, used only to measure a pattern before it is compiled
+    from re import _constants as _sre  # type: ignore[attr-defined]
+    from re import _parser as _sre_parse  # type: ignore[attr-defined]
+except ImportError:  # Python 3.10
+    import sre_constants as _sre
+    import sre_parse as _sre_parse
+
 logger = logging.getLogger("radixserve.constrained")
 
 DEFAULT_CACHE_SIZE = 64  # compiled patterns kept (LRU); each holds its index and masks
 MAX_REPEAT = 1000  # largest {n,m} bound accepted: DFA size (and build time) grow with it
-_REPEAT = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")  # {n}, {n,}, {n,m}
+MAX_PATTERN_SIZE = 2000  # pattern size with repetitions multiplied out (module docstring)
+COMPILE_TIMEOUT_S = 10.0  # the scheduler refuses a request whose pattern compiles longer
+_CLASS_COST = 4  # size of one character class / any-char: they fan out over many tokens
+_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")  # {n}, {n,}, {n,m}
+_REPEATS = (_sre.MAX_REPEAT, _sre.MIN_REPEAT, getattr(_sre, "POSSESSIVE_REPEAT", _sre.MAX_REPEAT))
 
 
 class CompiledGrammar:
@@ -105,7 +127,8 @@ class GrammarCompiler:
 
     `eos_token_ids` are the model's eos ids; the tokenizer's own eos (else the smallest) is
     the automaton's end token. `vocab_size` is the model's logits width (masks cover it; ids
-    past the tokenizer are never allowed). Not thread-safe (the scheduler loop owns it).
+    past the tokenizer are never allowed). Thread-safe: the cache and the vocabulary are
+    guarded by a lock, compilations run outside it.
     """
 
     def __init__(
@@ -123,6 +146,7 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self._vocabulary: Any = None  # built on the first compile (~0.3 s for 49k tokens)
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
 
     def compile(self, params: SamplingParams) -> CompiledGrammar | None:
         """The compiled constraint of `params` (None when it has none).
@@ -132,17 +156,40 @@ class GrammarCompiler:
         key = _constraint(params)
         if key is None:
             return None
-        hit = self._cache.get(key)
-        if hit is not None:
-            self._cache.move_to_end(key)
-            return hit
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
         start = time.perf_counter()
         grammar = self._build(*key)
         logger.info("compiled %s in %.3f s", key[0], time.perf_counter() - start)
-        self._cache[key] = grammar
-        if len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._cache[key] = grammar
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
         return grammar
+
+    def compile_async(self, params: SamplingParams) -> Future[CompiledGrammar | None]:
+        """`compile(params)` on a daemon thread; already done when there is nothing to build
+        (no constraint, or a cached one). The future raises what `compile` raised; a thread
+        past its deadline is abandoned (it cannot be stopped) and ends on its own."""
+        future: Future[CompiledGrammar | None] = Future()
+        key = _constraint(params)
+        with self._lock:
+            cached = key is None or key in self._cache
+        if cached:
+            future.set_result(self.compile(params))
+            return future
+
+        def run() -> None:
+            try:
+                future.set_result(self.compile(params))
+            except BaseException as e:  # outlines panics are BaseExceptions: report them too
+                future.set_exception(e)
+
+        threading.Thread(target=run, name="grammar-compile", daemon=True).start()
+        return future
 
     def new_state(self, params: SamplingParams) -> GrammarState | None:
         """A fresh state at the pattern's start for one sample; None if unconstrained."""
@@ -151,7 +198,7 @@ class GrammarCompiler:
 
     def _build(self, field: str, text: str) -> CompiledGrammar:
         regex = text if field == "regex" else schema_to_regex(text)
-        _check_repeats(field, regex)
+        _check_size(field, regex)
         grammar = CompiledGrammar(
             self._index(field, regex), self.vocab_size, self.end_id, self.eos_ids
         )
@@ -162,10 +209,11 @@ class GrammarCompiler:
     def _index(self, field: str, regex: str) -> Any:
         from outlines_core import Index  # optional dependency: imported on first use
 
-        if self._vocabulary is None:
-            self._vocabulary = build_vocabulary(
-                self.tokenizer, self.end_id, self.vocab_size, self.eos_ids - {self.end_id}
-            )
+        with self._lock:
+            if self._vocabulary is None:
+                self._vocabulary = build_vocabulary(
+                    self.tokenizer, self.end_id, self.vocab_size, self.eos_ids - {self.end_id}
+                )
         try:
             return Index(regex, self._vocabulary)
         except ValueError as e:
@@ -190,9 +238,11 @@ def schema_to_regex(schema: str) -> str:
         json.loads(schema)
     except json.JSONDecodeError as e:
         raise InvalidRequest(f"json_schema: not valid JSON ({e})") from e
+    except RecursionError as e:
+        raise InvalidRequest("json_schema: the schema is nested too deeply") from e
     try:
         return build_regex_from_schema(schema)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, RecursionError) as e:
         raise InvalidRequest(f"json_schema: unsupported schema: {str(e).splitlines()[0]}") from e
 
 
@@ -205,14 +255,50 @@ def _constraint(params: SamplingParams) -> tuple[str, str] | None:
     return None
 
 
-def _check_repeats(field: str, regex: str) -> None:
-    """Reject {n,m} bounds above MAX_REPEAT: a{100000} takes minutes to compile."""
-    for m in _REPEAT.finditer(regex):
-        bound = max(int(m.group(1)), int(m.group(2) or 0))
-        if bound > MAX_REPEAT:
-            raise InvalidRequest(
-                f"{field}: repetition {m.group(0)!r} exceeds the limit of {MAX_REPEAT}"
-            )
+def _check_size(field: str, regex: str) -> None:
+    """Reject patterns whose automaton would be too big to build in reasonable time: a bound
+    above MAX_REPEAT (a{100000} takes minutes), or a size above MAX_PATTERN_SIZE with the
+    repetitions multiplied out ((a{1000}){1000})."""
+    try:
+        parsed = _sre_parse.parse(regex)
+        size = _expanded_size(field, parsed)
+    except RecursionError as e:
+        raise InvalidRequest(f"{field}: the pattern is nested too deeply") from e
+    except re.error:  # not Python syntax (outlines accepts more): check the bounds in the text
+        for m in _REPEAT.finditer(regex):
+            _check_bound(field, int(m.group(1)), int(m.group(2) or 0), m.group(0))
+        return
+    if size > MAX_PATTERN_SIZE:
+        raise InvalidRequest(
+            f"{field}: the pattern is too large to compile: {size} units with its repetitions "
+            f"multiplied out, the limit is {MAX_PATTERN_SIZE}"
+        )
+
+
+def _expanded_size(field: str, items: Any) -> int:
+    """Size of a parsed pattern (sre items) with every repetition multiplied out."""
+    total = 0
+    for op, av in items:
+        if op in _REPEATS:
+            lo, hi, sub = av
+            bound = lo if hi == _sre.MAXREPEAT else hi  # unbounded: lo copies and a loop
+            shown = f"{{{lo}}}" if lo == hi else f"{{{lo},{'' if hi == _sre.MAXREPEAT else hi}}}"
+            _check_bound(field, lo, 0 if hi == _sre.MAXREPEAT else hi, shown)
+            total += max(bound, 1) * _expanded_size(field, sub)
+        elif op is _sre.SUBPATTERN:
+            total += _expanded_size(field, av[-1])
+        elif op is _sre.BRANCH:
+            total += sum(_expanded_size(field, branch) for branch in av[1])
+        elif op in (_sre.ASSERT, _sre.ASSERT_NOT):
+            total += _expanded_size(field, av[1])
+        else:
+            total += 1 if op is _sre.LITERAL else _CLASS_COST
+    return total
+
+
+def _check_bound(field: str, lo: int, hi: int, shown: str) -> None:
+    if max(lo, hi) > MAX_REPEAT:
+        raise InvalidRequest(f"{field}: repetition {shown!r} exceeds the limit of {MAX_REPEAT}")
 
 
 def _explain(regex: str, error: ValueError) -> str:

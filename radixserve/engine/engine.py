@@ -12,7 +12,7 @@ from typing import Any
 from radixserve.config import EngineConfig
 from radixserve.message.messages import SampleDelta
 from radixserve.sampling.params import SamplingParams
-from radixserve.scheduler.io import TokenizedRequest
+from radixserve.scheduler.io import FinishReason, TokenizedRequest
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server.results import SampleResult, native_result
 from radixserve.tokenizer.detokenize import IncrementalDetokenizer
@@ -105,6 +105,7 @@ class Engine:
                     delta.text = detok.push(delta.token_ids, delta.finish_reason)
                     result.apply(delta)
                     pending -= out.finished
+                    _raise_if_failed(out.finish_reason)
         except BaseException:
             for rid in added:
                 self.scheduler.abort_request(rid)
@@ -138,3 +139,10 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+
+def _raise_if_failed(reason: FinishReason | None) -> None:
+    """A request the scheduler failed (finish "error"): ValueError when it was the request's
+    fault (status 400, e.g. a pattern that does not compile), RuntimeError otherwise."""
+    if reason is not None and reason.type == "error":
+        raise (ValueError if reason.status == 400 else RuntimeError)(str(reason.matched))

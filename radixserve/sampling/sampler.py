@@ -5,7 +5,11 @@ Contract of `sample(logits, infos)`:
     masks are applied to a private copy, made only when some row needs one);
   - reads every `SamplingInfo` and mutates none of them (the caller appends the token and
     advances the grammar state; `allowed_tokens()` only reads it);
-  - raises AssertionError on shape/dtype mismatch or a row with no finite logit left.
+  - raises AssertionError on shape/dtype mismatch (a programming error), and `BadRows` when
+    some rows cannot be drawn from: NaN/inf in the model's logits, or no finite logit left
+    after penalties and masks (e.g. a grammar allowing only tokens that stop_token_ids bans
+    during min_new_tokens). Rows are independent: the caller can drop the bad rows and
+    sample the others again.
 
 Per row, in this order (SGLang/HF/OpenAI semantics):
   1. repetition penalty over prompt+output tokens (HF: positive logits divided by the
@@ -54,6 +58,15 @@ _PROCESS_GENERATOR = torch.Generator().manual_seed(0)
 def seed_process_generator(seed: int) -> None:
     """Reseed the generator used by rows without a seed (EngineConfig.random_seed)."""
     _PROCESS_GENERATOR.manual_seed(seed)
+
+
+class BadRows(ValueError):
+    """Rows of a `sample` batch that have nothing to draw from (see the contract above)."""
+
+    def __init__(self, nonfinite: list[int], masked: list[int]) -> None:
+        super().__init__(f"rows with NaN/inf logits {nonfinite}, with every token masked {masked}")
+        self.nonfinite = nonfinite  # the model's logits hold NaN or +-inf
+        self.masked = masked  # finite logits, but penalties and masks left no token
 
 
 class AllowedTokens(Protocol):
@@ -116,6 +129,7 @@ def sample(
     )
     assert logits.dtype == torch.float32, f"sampler expects float32 logits, got {logits.dtype}"
     work = process_logits(logits, infos)  # (B, V); `logits` itself when nothing applies
+    _check_rows(logits, work)
     greedy = [i for i, info in enumerate(infos) if info.params.is_greedy]
     if len(greedy) == len(infos):
         # The common decode case: one kernel, no gathers. max().indices is the first maximal
@@ -135,6 +149,18 @@ def sample(
     want = [info.return_logprob for info in infos]
     logprobs, top = _raw_logprobs(logits, next_ids, top_ks, want)
     return SampleResult(next_ids=next_ids, logprobs=logprobs, top_logprobs=top)
+
+
+def _check_rows(logits: torch.Tensor, work: torch.Tensor) -> None:
+    """BadRows unless every row of `logits` (the model's) is finite and every row of `work`
+    (after penalties and masks) keeps a finite maximum: amax propagates NaN, and is -inf
+    exactly when every token is masked."""
+    raw_ok = torch.isfinite(logits).all(dim=-1)  # (B,); -inf from the model is bad too
+    ok = raw_ok if work is logits else raw_ok & torch.isfinite(work.amax(dim=-1))  # (B,)
+    if not bool(ok.all()):
+        bad = (~ok).nonzero()[:, 0].tolist()
+        raw = raw_ok.tolist()
+        raise BadRows([i for i in bad if not raw[i]], [i for i in bad if raw[i]])
 
 
 def prompt_logprobs(
@@ -264,10 +290,7 @@ def _draw(logits: torch.Tensor, infos: list[SamplingInfo], gen: torch.Generator)
     # Inverse CDF uses only differences of neighbouring cdf entries, so float32 rounding
     # errors do not accumulate: each token's probability is off by <= ~2 ulp(1) = 1.2e-7.
     cdf = probs.cumsum(dim=-1)  # (S, V)
-    total = cdf[:, -1]  # (S,)
-    assert bool((total > 0).all()) and bool(total.isfinite().all()), (
-        f"rows with no finite logit left: {total.tolist()}"
-    )
+    total = cdf[:, -1]  # (S,) > 0: every row has a finite maximum (_check_rows)
     u = _uniforms(infos, gen).to(logits.device)  # (S,) float64 in [0, 1)
     target = (u * total.double()).to(cdf.dtype)  # (S,)
     # First index whose cumulative mass exceeds the target: always a kept (p > 0) token.

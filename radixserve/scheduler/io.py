@@ -24,8 +24,9 @@ class TokenizedRequest:
 
 @dataclass
 class FinishReason:
-    type: str  # "stop" | "length" | "abort"
-    matched: int | str | None = None  # stop token id or stop string; abort: message
+    type: str  # "stop" | "length" | "abort" | "error"
+    matched: int | str | None = None  # stop token id or stop string; abort, error: message
+    status: int | None = None  # "error": the HTTP status (400 the request's fault, 500 ours)
 
     def to_dict(self) -> dict[str, object]:
         return {"type": self.type, "matched": self.matched}

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import torch
 
-from radixserve.sampling.sampler import SamplingInfo, prompt_logprobs, sample
+from radixserve.sampling.sampler import BadRows, SamplingInfo, prompt_logprobs, sample
 from radixserve.scheduler.io import SampleOutput, TokenLogprob
 from radixserve.scheduler.req import Req
+
+logger = logging.getLogger("radixserve.scheduler")
+
+Drawn = tuple[Req, int, float, list[TokenLogprob]]  # sample, token, its logprob, top logprobs
+NO_TOKEN_ALLOWED = (
+    "no token is allowed: the regex / json_schema together with min_new_tokens and "
+    "stop_token_ids (or eos) exclude every token"
+)
 
 
 class OutputProcessor:
@@ -36,6 +45,36 @@ class OutputProcessor:
         res = sample(logits[:, : self.vocab_size], infos)
         for i, (r, tok) in enumerate(zip(reqs, res.next_ids.tolist())):
             yield r, tok, float(res.logprobs[i]), res.top_logprobs[i]
+
+    def draw(
+        self, draw: list[tuple[Req, int]], logits: torch.Tensor
+    ) -> tuple[list[Drawn], list[tuple[Req, int, str]]]:
+        """A token for each (sample, logits row) of `draw`, isolating failures: returns the
+        drawn samples and the failed ones as (sample, HTTP status, message). Rows that
+        cannot be drawn from are left out and the others drawn again; any other error is
+        pinned on its row by drawing the rows one by one."""
+        failed: list[tuple[Req, int, str]] = []
+        while draw:
+            rows = torch.tensor([row for _, row in draw], dtype=torch.int64)
+            try:
+                return list(self.sample([r for r, _ in draw], logits[rows])), failed
+            except BadRows as e:
+                failed += [
+                    (draw[i][0], 500, "the model's logits hold NaN or inf") for i in e.nonfinite
+                ]
+                failed += [(draw[i][0], 400, NO_TOKEN_ALLOWED) for i in e.masked]
+                bad = set(e.nonfinite) | set(e.masked)
+                draw = [d for i, d in enumerate(draw) if i not in bad]
+            except Exception:
+                logger.exception("sampling failed: drawing the rows one by one")
+                break
+        drawn: list[Drawn] = []
+        for req, row in draw:
+            try:
+                drawn += self.sample([req], logits[row : row + 1])
+            except Exception as e:
+                failed.append((req, 500, f"internal error while sampling: {type(e).__name__}: {e}"))
+        return drawn, failed
 
     def append_token(self, req: Req, token: int, logprob: float, top: list[TokenLogprob]) -> None:
         req.output_ids.append(token)

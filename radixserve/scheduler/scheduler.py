@@ -6,6 +6,11 @@ order while the prefill budget, free rows and KV slots allow. Under KV pressure 
 evicts unlocked leaves first; if decoding still cannot proceed, the most recently admitted
 samples are retracted (their K/V goes to the radix cache, they re-queue at their original
 arrival key and resume later with identical results).
+
+Isolation: whatever goes wrong with ONE request while it is served (its pattern will not
+compile, its logits hold NaN/inf, its masks leave no token, an exception on its path after
+the forward pass) ends all its samples with finish "error" (status 400 when the request
+asked for it, 500 otherwise); the batch and every other request go on.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.config import EngineConfig
-from radixserve.constrained.grammar import GrammarCompiler
+from radixserve.constrained.grammar import CompiledGrammar, GrammarCompiler, GrammarState
 from radixserve.engine.batch import ForwardBatch
 from radixserve.engine.worker import ModelWorker
 from radixserve.kvcache.pool import ReqToTokenPool
@@ -26,6 +31,7 @@ from radixserve.kvcache.radix import RadixCache
 from radixserve.models.loader import load_tokenizer, resolve_model_path
 from radixserve.sampling.stop import StopChecker
 from radixserve.scheduler.api import ModelInfo, SchedulerStats
+from radixserve.scheduler.compiling import PendingCompiles
 from radixserve.scheduler.io import FinishReason, SampleOutput, TokenizedRequest
 from radixserve.scheduler.kv import KVManager
 from radixserve.scheduler.outputs import OutputProcessor
@@ -36,6 +42,7 @@ logger = logging.getLogger("radixserve.scheduler")
 
 DEFER_SHARED_TOKENS = 32  # see policy.shares_uncached_prefix
 DECODE_RESERVE = 16  # slots per admitted sample kept free for its first decode steps
+COMPILE_POLL_S = 0.05  # an otherwise idle step waits this long for a pattern to compile
 
 
 class QueueFullError(RuntimeError):
@@ -64,6 +71,7 @@ class Scheduler:
         self.kv = KVManager(self.worker.pool, req_pool, self.cache)
         self.out = OutputProcessor(mc.vocab_size, self.eos_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.eos_ids, mc.vocab_size)
+        self.compiling = PendingCompiles()  # requests whose pattern builds off this thread
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.finished_outputs: list[SampleOutput] = []
@@ -83,11 +91,22 @@ class Scheduler:
 
     # ---- receive -------------------------------------------------------------------
     def add_request(self, request: TokenizedRequest) -> None:
-        """Queue a request. ValueError: it can never run; QueueFullError: try later."""
+        """Queue a request. ValueError: it can never run; QueueFullError: try later.
+
+        A pattern not compiled yet is built off this thread: the request waits in
+        `compiling` and is queued later, or ends with finish "error" (400) if it fails.
+        """
         self._validate(request)
-        if len(self.waiting) >= self.config.max_queued_requests:
+        if len(self.waiting) + len(self.compiling) >= self.config.max_queued_requests:
             raise QueueFullError(f"queue full ({self.config.max_queued_requests} waiting)")
-        req = self._new_req(request, 0)
+        grammar = self.grammars.compile_async(request.sampling)
+        if grammar.done():  # nothing to build: queued now, or refused at once
+            self._enqueue(request, grammar.result())
+        else:
+            self.compiling.add(request, grammar)
+
+    def _enqueue(self, request: TokenizedRequest, grammar: CompiledGrammar | None) -> None:
+        req = self._new_req(request, 0, grammar)
         req.fork_pending = request.sampling.n > 1
         self.waiting.append(req)
 
@@ -110,21 +129,51 @@ class Scheduler:
             )
         if request.logprob_start_len >= len(ids):
             raise ValueError(f"logprob_start_len must be < prompt length {len(ids)}")
-        if any(r.rid == request.rid for r in itertools.chain(self.waiting, self.running)):
+        in_use = itertools.chain(self.waiting, self.running)
+        if any(r.rid == request.rid for r in in_use) or self.compiling.has(request.rid):
             raise ValueError(f"rid: {request.rid!r} is already in use")
-        self.grammars.compile(sp)  # regex / json_schema: ValueError naming the field
 
-    def _new_req(self, request: TokenizedRequest, index: int) -> Req:
+    def _new_req(
+        self, request: TokenizedRequest, index: int, grammar: CompiledGrammar | None
+    ) -> Req:
         stop = StopChecker(request.sampling, set(self.eos_ids), self.tokenizer)
-        grammar = self.grammars.new_state(request.sampling)  # own state per sample
+        state = None if grammar is None else GrammarState(grammar)  # own state per sample
         return Req(
-            request=request, index=index, stop=stop, grammar=grammar, arrival=next(self._arrival)
+            request=request, index=index, stop=stop, grammar=state, arrival=next(self._arrival)
         )
 
     def abort_request(self, rid: str) -> None:
-        """Drop every sample of `rid` (queued or running); each reports finish 'abort'."""
+        """Drop every sample of `rid` (compiling, queued or running); each reports finish
+        'abort'."""
+        self._end(rid, FinishReason("abort", "aborted by the client"))
+
+    def _end(self, rid: str, reason: FinishReason) -> None:
+        """Finish every sample of `rid` with `reason`, wherever it is."""
+        for request in self.compiling.remove(rid):
+            self._end_unqueued(request, reason)
         for req in [r for r in itertools.chain(self.waiting, self.running) if r.rid == rid]:
-            self._finish(req, FinishReason("abort", "aborted by the client"))
+            self._finish(req, reason)
+
+    def _fail(self, rid: str, status: int, message: str) -> None:
+        """Isolation (module docstring): end `rid` with finish "error"."""
+        logger.warning("request %s failed (HTTP %d): %s", rid, status, message)
+        self._end(rid, FinishReason("error", message, status))
+
+    def _end_unqueued(self, request: TokenizedRequest, reason: FinishReason) -> None:
+        """The n outputs of a request that never got a sample (its pattern was compiling)."""
+        prompt = len(request.input_ids)
+        self.finished_outputs.extend(
+            SampleOutput(request.rid, i, [], reason, prompt_tokens=prompt)
+            for i in range(request.sampling.n)
+        )
+
+    def _poll_compiles(self) -> None:
+        built, failed = self.compiling.poll()
+        for request, grammar in built:
+            self._enqueue(request, grammar)
+        for request, message in failed:
+            logger.warning("request %s refused: %s", request.rid, message)
+            self._end_unqueued(request, FinishReason("error", message, 400))
 
     # ---- schedule ------------------------------------------------------------------
     def _schedule(self) -> list[Work]:
@@ -221,6 +270,9 @@ class Scheduler:
     # ---- process results -----------------------------------------------------------
     def step(self) -> list[SampleOutput]:
         """Run one scheduling step; return the deltas of every sample that progressed."""
+        self._poll_compiles()
+        if not (self.waiting or self.running or self.finished_outputs):
+            self.compiling.wait(COMPILE_POLL_S)  # only compiles pending: do not spin
         work = self._schedule()
         if work:
             batch, rows, first_row = self._build_batch(work)
@@ -257,7 +309,8 @@ class Scheduler:
         parent.fork_pending = False
         children = []
         for i in range(1, parent.sampling.n):
-            child = self._new_req(parent.request, i)
+            grammar = None if parent.grammar is None else parent.grammar.grammar
+            child = self._new_req(parent.request, i, grammar)
             if not self.cache.disable and self.kv.fork(parent, child):
                 self.running.append(child)
                 children.append(child)
@@ -272,13 +325,22 @@ class Scheduler:
                 self._finish(req, FinishReason("length"))
         if not draw:
             return
-        rows = torch.tensor([row for _, row in draw], dtype=torch.int64)
-        for req, token, lp, top in self.out.sample([r for r, _ in draw], logits[rows]):
-            self.out.append_token(req, token, lp, top)
-            self.generation_tokens_total += 1
-            reason = req.stop.check(req.output_ids)
-            if req.grammar is not None and req.grammar.terminated:
-                reason = self._grammar_finish(token, reason)
+        drawn, failures = self.out.draw(draw, logits)
+        for req, status, message in failures:
+            self._fail(req.rid, status, message)
+        for req, token, lp, top in drawn:
+            if req.finished:  # a sibling sample failed this step: the request is over
+                continue
+            try:
+                self.out.append_token(req, token, lp, top)
+                self.generation_tokens_total += 1
+                reason = req.stop.check(req.output_ids)
+                if req.grammar is not None and req.grammar.terminated:
+                    reason = self._grammar_finish(token, reason)
+            except Exception as e:  # a bug on this request's path: it alone fails
+                logger.exception("request %s: error after sampling", req.rid)
+                self._fail(req.rid, 500, f"internal error: {type(e).__name__}: {e}")
+                continue
             if reason is not None:
                 self._finish(req, reason)
 
@@ -306,7 +368,7 @@ class Scheduler:
 
     # ---- management ----------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.finished_outputs)
+        return bool(self.waiting or self.running or self.finished_outputs or self.compiling)
 
     def flush_cache(self) -> bool:
         if self.waiting or self.running:
@@ -321,7 +383,7 @@ class Scheduler:
         pool = self.kv.pool
         return SchedulerStats(
             num_running=len(self.running),
-            num_queued=len(self.waiting),
+            num_queued=len(self.waiting) + len(self.compiling),
             kv_used_tokens=pool.capacity - pool.num_free,
             kv_capacity_tokens=pool.capacity,
             kv_held_tokens=pool.capacity - pool.num_free - self.cache.evictable_size,

@@ -310,6 +310,10 @@ class RequestManager:
 
 
 def _raise_if_error(item: SampleDelta | RequestError | None) -> None:
+    """ApiError for a refusal, or for a sample the scheduler failed (finish "error")."""
     if isinstance(item, RequestError):
         headers = {"Retry-After": RETRY_AFTER_S} if item.status == 503 else None
         raise ApiError(item.status, item.message, headers=headers)
+    reason = item.finish_reason if item is not None else None
+    if reason is not None and reason.type == "error":
+        raise ApiError(reason.status or 500, str(reason.matched))

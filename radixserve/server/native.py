@@ -190,7 +190,8 @@ async def _stream(
             r = results[k][d.index]
             r.apply(d)
             index = None if batch.single else offsets[k] + d.index
-            yield sse(native_result(r, pendings[k].created, batch.reqs[k][0].return_logprob, index))
+            want_lp = batch.reqs[k][0].return_logprob
+            yield sse(native_result(r, pendings[k].created, want_lp, index, chunk=d))
 
     return await start_stream(request, manager, pendings, body)
 

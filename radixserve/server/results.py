@@ -7,7 +7,12 @@ Native result (one per sample; a batch or n > 1 gives a list, prompt-major):
                    "completion_tokens", "cached_tokens", "e2e_latency",
                    # with return_logprob: lists of [logprob, token_id, text | null]
                    "input_token_logprobs", "output_token_logprobs",
-                   "input_top_logprobs", "output_top_logprobs"}}
+                   "input_top_logprobs", "output_top_logprobs",
+                   "output_token_logprobs_length"}}
+
+In a stream (as SGLang sends it), each chunk's output_token_logprobs / output_top_logprobs
+hold only the entries new in that chunk, and output_token_logprobs_length counts all so far;
+text, output_ids and the input logprobs are cumulative.
 """
 
 from __future__ import annotations
@@ -53,8 +58,13 @@ class SampleResult:
 
 
 def native_result(
-    r: SampleResult, created: float, return_logprob: bool, index: int | None = None
+    r: SampleResult,
+    created: float,
+    return_logprob: bool,
+    index: int | None = None,
+    chunk: SampleDelta | None = None,
 ) -> dict[str, Any]:
+    """The result so far; `chunk`: a stream chunk, whose output logprobs are its own."""
     meta: dict[str, Any] = {
         "id": r.rid,
         "finish_reason": r.finish_reason.to_dict() if r.finish_reason else None,
@@ -65,9 +75,11 @@ def native_result(
     }
     if return_logprob:
         meta["input_token_logprobs"] = [list(e) for e in r.input_logprobs]
-        meta["output_token_logprobs"] = [list(e) for e in r.output_logprobs]
+        out = r if chunk is None else chunk
+        meta["output_token_logprobs"] = [list(e) for e in out.output_logprobs]
         meta["input_top_logprobs"] = [[list(e) for e in top] for top in r.input_top_logprobs]
-        meta["output_top_logprobs"] = [[list(e) for e in top] for top in r.output_top_logprobs]
+        meta["output_top_logprobs"] = [[list(e) for e in top] for top in out.output_top_logprobs]
+        meta["output_token_logprobs_length"] = len(r.output_logprobs)
     out: dict[str, Any] = {"text": r.text, "output_ids": r.output_ids, "meta_info": meta}
     if index is not None:
         out["index"] = index

@@ -91,6 +91,10 @@ class TokenizerWorker:
         except ValueError as e:
             self.to_api.send(RequestError(req.rid, 400, str(e)))
             return
+        except Exception as e:  # a bug on this request's path: it alone fails
+            logger.exception("request %s: tokenization failed", req.rid)
+            self.to_api.send(RequestError(req.rid, 500, f"tokenization failed: {e!r}"))
+            return
         self.reqs[req.rid] = _ReqState(
             sampling.n, sampling, ids, req.return_logprob and req.return_text_in_logprobs
         )
@@ -141,9 +145,17 @@ class TokenizerWorker:
     # ---------------------------------------------------------------- outputs
 
     def on_samples(self, batch: SampleBatch) -> None:
-        out = [self._detokenize(d) for d in batch.outputs if d.rid in self.reqs]
-        if len(out) != len(batch.outputs):
-            logger.warning("dropped %d outputs of unknown requests", len(batch.outputs) - len(out))
+        out = []
+        for d in batch.outputs:
+            if d.rid not in self.reqs:  # refused, failed or aborted: its last outputs
+                continue
+            try:
+                out.append(self._detokenize(d))
+            except Exception as e:  # this request alone fails; the scheduler drops it
+                logger.exception("request %s: detokenization failed", d.rid)
+                del self.reqs[d.rid]
+                self.to_api.send(RequestError(d.rid, 500, f"detokenization failed: {e!r}"))
+                self.to_sched.send(AbortReq(d.rid))
         if out:
             self.to_api.send(SampleBatch(out))
 
