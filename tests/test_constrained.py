@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +195,12 @@ def test_grammar_state_walks_and_terminates(compiler: GrammarCompiler, tokenizer
         ({"regex": "(?=a)b"}, r"^regex: cannot compile '\(\?=a\)b' for constrained decoding"),
         ({"regex": ""}, r"^regex: the pattern matches only the empty string"),
         ({"regex": "a{5000}"}, r"^regex: repetition '\{5000\}' exceeds the limit of 1000"),
+        # An escaped backslash before the bound (used to slip past a textual check).
+        ({"regex": "\\\\{100000}"}, r"^regex: repetition '\{100000\}' exceeds the limit"),
+        ({"regex": "(a{1000}){1000}"}, r"^regex: the pattern is too large to compile: 1000000"),
+        ({"regex": "(" * 5000 + ")" * 5000}, r"^regex: the pattern is nested too deeply"),
+        ({"regex": "x{99999999999}"}, r"^regex: repetition '\{99999999999\}' exceeds"),
+        ({"json_schema": "[" * 60000}, r"^json_schema: the schema is nested too deeply"),
         ({"json_schema": '{"type": "object",'}, r"^json_schema: not valid JSON \(Expecting"),
         ({"json_schema": '{"type": "foo"}'}, r"^json_schema: unsupported schema: .*foo"),
         (
@@ -207,6 +214,22 @@ def test_invalid_pattern_names_the_field(
 ) -> None:
     with pytest.raises(InvalidRequest, match=message):
         compiler.compile(SamplingParams.from_dict(params))
+
+
+def test_compile_async_runs_off_the_calling_thread(compiler: GrammarCompiler) -> None:
+    """A pattern not in the cache builds on another thread (the scheduler keeps stepping);
+    a cached one, or none, is done at once; failures arrive through the future."""
+    params = SamplingParams(regex="[a-z]{200}q")
+    future = compiler.compile_async(params)
+    ticks = 0
+    while not future.done():  # outlines releases the GIL while it builds
+        ticks += 1
+        time.sleep(0.001)
+    assert ticks > 10 and future.result() is compiler.compile(params)
+    assert compiler.compile_async(params).done()
+    assert compiler.compile_async(SamplingParams()).result() is None
+    bad = compiler.compile_async(SamplingParams(regex="(a{1000}){1000}"))
+    assert isinstance(bad.exception(timeout=30), InvalidRequest)
 
 
 def test_index_cache_is_lru(tokenizer: Any) -> None:

@@ -24,6 +24,7 @@ from radixserve.sampling import (
     sample,
     trim_text,
 )
+from radixserve.sampling.sampler import BadRows
 from radixserve.scheduler.io import FinishReason
 
 # chi-square critical values at p = 0.001 by degrees of freedom
@@ -532,3 +533,23 @@ def test_stop_regex_key_accepted_empty_refused_set() -> None:
     assert SamplingParams.from_dict({"stop_regex": []}).stop_regex == []
     with pytest.raises(ValueError, match="stop_regex is not supported"):
         SamplingParams.from_dict({"stop_regex": ["\\d+"]})
+
+
+def test_rows_without_a_finite_logit_are_reported_not_asserted() -> None:
+    """NaN/inf in one row of the model's logits, or masks that leave a row no token, raise
+    BadRows naming exactly those rows (the scheduler fails their requests alone)."""
+    logits = torch.randn(4, 50, generator=gen(9))
+    logits[1, 7] = float("nan")
+    logits[3, 0] = float("inf")
+    banned = SamplingParams(temperature=0.5, min_new_tokens=1, stop_token_ids=list(range(50)))
+    infos = [
+        SamplingInfo(SamplingParams(temperature=0.0)),
+        SamplingInfo(SamplingParams(temperature=0.7)),
+        SamplingInfo(banned),  # every token is a stop token, masked during min_new_tokens
+        SamplingInfo(SamplingParams(temperature=0.0)),
+    ]
+    with pytest.raises(BadRows) as e:
+        sample(logits, infos)
+    assert (e.value.nonfinite, e.value.masked) == ([1, 3], [2])
+    good = sample(logits[[0]], infos[:1])  # the other rows draw as usual
+    assert int(good.next_ids[0]) == int(logits[0].argmax())

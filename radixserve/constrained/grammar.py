@@ -264,7 +264,8 @@ def _check_size(field: str, regex: str) -> None:
         size = _expanded_size(field, parsed)
     except RecursionError as e:
         raise InvalidRequest(f"{field}: the pattern is nested too deeply") from e
-    except re.error:  # not Python syntax (outlines accepts more): check the bounds in the text
+    except (re.error, OverflowError):  # not Python syntax (outlines accepts more), or a bound
+        # past what Python accepts: check the bounds in the text
         for m in _REPEAT.finditer(regex):
             _check_bound(field, int(m.group(1)), int(m.group(2) or 0), m.group(0))
         return

@@ -75,10 +75,10 @@ def native_result(
     }
     if return_logprob:
         meta["input_token_logprobs"] = [list(e) for e in r.input_logprobs]
-        out = r if chunk is None else chunk
-        meta["output_token_logprobs"] = [list(e) for e in out.output_logprobs]
+        new: SampleResult | SampleDelta = r if chunk is None else chunk
+        meta["output_token_logprobs"] = [list(e) for e in new.output_logprobs]
         meta["input_top_logprobs"] = [[list(e) for e in top] for top in r.input_top_logprobs]
-        meta["output_top_logprobs"] = [[list(e) for e in top] for top in out.output_top_logprobs]
+        meta["output_top_logprobs"] = [[list(e) for e in top] for top in new.output_top_logprobs]
         meta["output_token_logprobs_length"] = len(r.output_logprobs)
     out: dict[str, Any] = {"text": r.text, "output_ids": r.output_ids, "meta_info": meta}
     if index is not None:
