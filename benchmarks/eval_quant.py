@@ -7,7 +7,10 @@ Q4_1 / Q8_0 blocks: the same weights, so only the float32 summation order differ
 
 Per mode: perplexity of the text (teacher-forced, the prompt's own input logprobs), the mean
 and max |logprob delta| per token against `none`, and for greedy continuations of the prompts
-the number identical to `none`'s and the mean length of the common prefix.
+the number identical to `none`'s and the mean length of the common prefix. The teacher-forced
+logprobs are taken twice: in one long forward per chunk (prefill-sized: the tiled kernels,
+float32 activations) and `--step` tokens a forward, each request extending the cached prefix
+(decode-sized: the small kernels, which round activations to int8 per 32-block).
 
     python benchmarks/eval_quant.py --data-path ../shared/data/gsm8k/test.jsonl --json out.json
 """
@@ -39,14 +42,28 @@ def texts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
 
 
 def logprobs(engine: Engine, chunks: list[list[int]]) -> torch.Tensor:
-    """Teacher-forced logprob of every token after the first, all chunks concatenated."""
+    """Teacher-forced logprob of every token after the first: (chunks, tokens - 1)."""
     res = engine.generate(
         input_ids=chunks, sampling_params={"max_new_tokens": 0}, return_logprob=True,
         logprob_start_len=0,
     )  # fmt: skip
     rows = res if isinstance(res, list) else [res]
     vals = [e[0] for r in rows for e in r["meta_info"]["input_token_logprobs"] if e[0] is not None]
-    return torch.tensor(vals, dtype=torch.float64)
+    return torch.tensor(vals, dtype=torch.float64).view(len(chunks), -1)
+
+
+def stepped_logprobs(engine: Engine, chunks: list[list[int]], step: int) -> torch.Tensor:
+    """The same logprobs as `logprobs`, computed `step` tokens a forward (decode-sized M):
+    (chunks, the first whole number of steps of tokens - 1)."""
+    vals: list[float] = []
+    for ids in chunks:
+        for end in range(step + 1, len(ids) + 1, step):
+            res = engine.generate(
+                input_ids=ids[:end], sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                logprob_start_len=end - step,
+            )  # fmt: skip
+            vals += [e[0] for e in res["meta_info"]["input_token_logprobs"]]
+    return torch.tensor(vals, dtype=torch.float64).view(len(chunks), -1)
 
 
 def greedy(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -65,26 +82,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--greedy-tokens", type=int, default=32)
+    ap.add_argument("--step", type=int, default=8, help="tokens a forward, decode-sized pass")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     results: dict[str, dict[str, Any]] = {}
     ref_lp: torch.Tensor | None = None
+    ref_steps: torch.Tensor | None = None
     ref_out: list[list[int]] | None = None
     for mode in ("none", *[m for m in args.modes if m != "none"]):
         engine = Engine(quantization=mode, dtype="float32")
         chunks = texts(args, engine.tokenizer)
         lp = logprobs(engine, chunks)
+        steps = stepped_logprobs(engine, chunks, args.step)
         out = greedy(engine, [c[:64] for c in chunks], args.greedy_tokens)
         engine.shutdown()
         ref_lp = lp if ref_lp is None else ref_lp
+        ref_steps = lp[:, : steps.shape[1]] if ref_steps is None else ref_steps  # none, one pass
         ref_out = out if ref_out is None else ref_out
-        delta = (lp - ref_lp).abs()
+        delta, step_delta = (lp - ref_lp).abs(), (steps - ref_steps).abs()
         prefixes = [common_prefix(a, b) for a, b in zip(out, ref_out)]
         results[mode] = {
             "perplexity": float(torch.exp(-lp.mean())),
             "mean_abs_logprob_delta": float(delta.mean()),
             "max_abs_logprob_delta": float(delta.max()),
+            "decode_sized_perplexity": float(torch.exp(-steps.mean())),
+            "decode_sized_mean_abs_logprob_delta": float(step_delta.mean()),
+            "decode_sized_max_abs_logprob_delta": float(step_delta.max()),
             "greedy_identical": sum(a == b for a, b in zip(out, ref_out)),
             "greedy_prompts": len(out),
             "mean_common_prefix": sum(prefixes) / len(prefixes),
@@ -93,7 +117,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(
             f"{mode:5s} ppl {r['perplexity']:.4f}",
             f"|dlogprob| mean {r['mean_abs_logprob_delta']:.2e}",
-            f"max {r['max_abs_logprob_delta']:.2e}",
+            f"max {r['max_abs_logprob_delta']:.2e};",
+            f"decode-sized ppl {r['decode_sized_perplexity']:.4f}",
+            f"|dlogprob| mean {r['decode_sized_mean_abs_logprob_delta']:.2e}",
+            f"max {r['decode_sized_max_abs_logprob_delta']:.2e};",
             f"greedy identical {r['greedy_identical']}/{r['greedy_prompts']},",
             f"common prefix {r['mean_common_prefix']:.1f}/{args.greedy_tokens}",
         )

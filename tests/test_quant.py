@@ -34,6 +34,15 @@ def _weights(n: int, k: int, fmt: str, seed: int) -> tuple[torch.Tensor, torch.T
     return blocks, dequantize(blocks, fmt, k)
 
 
+def q16_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) as the small kernel sees it: each 32-block rounded to int16 steps of
+    amax / 32767, returned dequantized."""
+    b = x.view(x.shape[0], -1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    q = torch.round(b * torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax)))
+    return (q * (amax / 32767)).view_as(x)
+
+
 def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     want = x.double() @ w.double().T
     scale = x.double().abs() @ w.double().abs().T
@@ -72,23 +81,43 @@ def test_native_kernels_match_reference(fmt: str, m: int, k: int) -> None:
     blocks, w = _weights(75, k, fmt, seed=m)  # 75 rows: not a multiple of any tile
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m))
     code = FORMATS[fmt].code
-    _close(native.qmatmul_small(x, blocks, code, k), x, w)
-    _close(native.qmatmul_tiled(x, blocks, code, k), x, w)
+    _close(native.qmatmul_small(x, blocks, code, k), q16_rows(x), w)  # int16 activations
+    _close(native.qmatmul_tiled(x, blocks, code, k), x, w)  # exact float32 activations
+
+
+def test_small_kernel_activation_error_is_bounded_and_per_row() -> None:
+    """Rounding x to int16 moves each product by at most half a step (amax / 65534) of its
+    block: the output error is bounded by |w| @ that step (plus float32 summation error), and
+    a non-finite value in one row of x gives NaN in that row only."""
+    native = ops()
+    assert native is not None
+    blocks, w = _weights(64, 576, "q4_1", seed=9)
+    x = torch.randn(4, 576, generator=torch.Generator().manual_seed(9))
+    step = x.view(4, -1, 32).abs().amax(-1, keepdim=True).expand(4, 18, 32).reshape(4, 576) / 65534
+    bound = step.double() @ w.double().abs().T + REL_TOL * (x.double().abs() @ w.double().abs().T)
+    got = native.qmatmul_small(x, blocks, FORMATS["q4_1"].code, 576)
+    err = (got.double() - x.double() @ w.double().T).abs()
+    assert bool((err <= bound).all()), (err / bound).max()
+    x[2, 100] = float("inf")
+    got = native.qmatmul_small(x, blocks, FORMATS["q4_1"].code, 576)
+    assert bool(got[2].isnan().all()) and bool(got[[0, 1, 3]].isfinite().all())
 
 
 def test_quant_linear_bias_dtype_and_leading_dims() -> None:
     blocks, w = _weights(40, 64, "q4_1", seed=3)
     bias = torch.randn(40)
     layer = QuantLinear(blocks, "q4_1", 64, bias)
-    for rows in (1, SMALL_M + 5):  # both kernels
+    for rows in (1, SMALL_M + 5):  # both kernels (the small one on int16 activations)
         x = torch.randn(2, rows, 64)
         y = layer(x)
         assert y.shape == (2, rows, 40) and y.dtype == torch.float32
-        torch.testing.assert_close(y, x @ w.T + bias, rtol=1e-5, atol=1e-5)
+        xs = x if 2 * rows > SMALL_M else q16_rows(x.view(-1, 64)).view_as(x)
+        torch.testing.assert_close(y, xs @ w.T + bias, rtol=1e-5, atol=1e-5)
     xb = torch.randn(3, 64).bfloat16()
     yb = layer(xb)
     assert yb.dtype == torch.bfloat16
-    torch.testing.assert_close(yb.float(), (xb.float() @ w.T + bias).bfloat16().float())
+    want = (q16_rows(xb.float()) @ w.T + bias).bfloat16().float()
+    torch.testing.assert_close(yb.float(), want)
 
 
 def test_rows_are_dequantized_rows_and_bad_ids_raise() -> None:
@@ -116,6 +145,7 @@ def test_portable_build_matches_reference() -> None:
 import torch
 from radixserve.isa import cpu_isa
 from radixserve.models.quant import FORMATS, ops, quantize, dequantize
+from test_quant import q16_rows
 assert cpu_isa() == "scalar", cpu_isa()
 m = ops()
 assert m is not None and m.__name__ == "radixserve_quant_scalar", m
@@ -123,11 +153,13 @@ for fmt, f in FORMATS.items():
     b = quantize(torch.randn(33, 64) * 0.1, fmt); w = dequantize(b, fmt, 64)
     for rows in (1, 5, 20):
         x = torch.randn(rows, 64)
-        for y in (m.qmatmul_small(x, b, f.code, 64), m.qmatmul_tiled(x, b, f.code, 64)):
-            torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
+        small, tiled = m.qmatmul_small(x, b, f.code, 64), m.qmatmul_tiled(x, b, f.code, 64)
+        torch.testing.assert_close(small, q16_rows(x) @ w.T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tiled, x @ w.T, rtol=1e-5, atol=1e-5)
 print("ok")
 """
-    env = {"RADIXSERVE_CPU_ISA": "scalar", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+    env = {"RADIXSERVE_CPU_ISA": "scalar", "PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
+           "PYTHONPATH": str(Path(__file__).parent)}  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
@@ -183,8 +215,8 @@ def test_embedded_model_runs_quantized_by_default(smollm2_pair: tuple) -> None:
 
 
 def test_quantized_smollm2_logits_match_dequantized(smollm2_pair: tuple) -> None:
-    """Same weights, float32 compute in another summation order: logits within 1e-3, and the
-    same greedy continuation."""
+    """Same weights: a 40-token extend (float32 activations) gives logits within 1e-3, and
+    greedy decoding (one row a step: int16 activations) the same continuation."""
     quantized, plain = smollm2_pair
     ids = list(range(1000, 1040))
     got = extend(quantized, FlatBackend(), *_pool(quantized, ids), ids, 0)

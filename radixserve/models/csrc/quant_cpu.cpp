@@ -8,20 +8,25 @@
 // where, for the 4-bit formats, q_j = qs[j] & 15 for j < 16 and qs[j - 16] >> 4 otherwise.
 //
 // Two ways to multiply x (M, K) float32 by such a weight, picked by the caller per call:
-// - `qmatmul_small`: dequantize each block into registers once and multiply it with up to
-//   kRows rows of x (M small: decode). Reads each weight byte once per kRows rows: the
-//   weight-bandwidth-bound case, where the 4-bit layout reads ~5x fewer bytes than fp32.
+// - `qmatmul_small` (M small: decode): x is rounded per 32-block to int16 (error <= amax /
+//   65534 of its block), each weight block is widened to int16 once for up to kRows rows
+//   of x, and the block dot products run as exact int32 sums (madd), scaled in float32.
+//   Reads each weight byte once per kRows rows: the weight-bandwidth-bound case, where the
+//   4-bit layout reads ~5x fewer bytes than fp32. (Dequantizing to float32 in registers
+//   instead took ~2x the instructions and ran compute-bound on AVX2.)
 // - `qmatmul_tiled`: dequantize a tile of kTile weight rows into a per-thread float32
 //   buffer (it stays in L2) and run the BLAS sgemm on it (M large: prefill, big batches),
 //   so the arithmetic runs at the machine's fp32 matmul rate.
-// Both compute in float32 with the exact dequantized weights (only the summation order
+// Both use the exact weights; `tiled` also the exact float32 x (only the summation order
 // differs from F.linear on the dequantized matrix). Built per ISA: with -mavx2 -mfma
 // -mf16c the AVX2 paths below are used, without them plain C++ (portable, slower).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -122,70 +127,161 @@ void dequant_rows(const uint8_t* w, int64_t fmt, int64_t K, int64_t n0, int64_t 
   }
 }
 
-// out[r * ldo] = dot(x[r], weight row) for r < R: the block is dequantized once for R rows.
-// R is a template constant so the accumulators live in registers.
-template <int64_t fmt, int R>
-void dot_rows(const uint8_t* wrow, int64_t nb, const float* x, int64_t ldx, float* out,
-              int64_t ldo) {
-  const int64_t bb = block_bytes(fmt);
+// x rows quantized per 32-block to int16: q = round(x * 32767 / amax), d = amax / 32767,
+// plus s = d * sum(q) (the weight formats' offset term multiplies it). The rounding moves x
+// by at most amax / 65534: ~256x finer than the int8 activations of llama.cpp's kernels.
+// A block holding inf or NaN gets d = s = NaN, so the bad value still reaches the output.
+constexpr float kQMax = 32767.f;
+
+struct QRows {
+  std::vector<int16_t> q;  // (M, K)
+  std::vector<float> d, s;  // (M, K / 32)
+};
+
+void quantize_block(const float* x, int16_t* q, float* d, float* s) {
 #ifdef RS_AVX2
-  // A independent accumulators per row: one FMA chain would wait on its 4-cycle latency.
-  // (R * A + 4 weight registers must fit the 16 ymm registers.)
-  constexpr int A = R <= 2 ? 4 : R <= 4 ? 2 : 1;
-  __m256 acc[R][A];
-  for (int r = 0; r < R; ++r)
-    for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
+  const __m256 zero = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], amax = zero, bad = zero;
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    bad = _mm256_add_ps(bad, _mm256_mul_ps(v[i], zero));  // NaN iff some x is inf or NaN
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  if (std::isnan(hsum(bad))) {
+    std::memset(q, 0, kBlock * sizeof(int16_t));
+    *d = *s = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  const __m256 id = _mm256_set1_ps(m > 0.f ? kQMax / m : 0.f);
+  __m256i i32[4];
+  for (int i = 0; i < 4; ++i) {
+    i32[i] = _mm256_cvtps_epi32(
+        _mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+  for (int i = 0; i < 2; ++i) {  // packs work within 128-bit lanes: a permute restores order
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(i32[2 * i], i32[2 * i + 1]), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * i), p);
+  }
+  alignas(32) int32_t parts[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(parts), sum);
+  int32_t total = 0;
+  for (int32_t p : parts) total += p;
+#else
+  float m = 0.f;
+  bool bad = false;
+  for (int j = 0; j < kBlock; ++j) m = std::max(m, std::fabs(x[j])), bad |= !std::isfinite(x[j]);
+  if (bad) {
+    std::memset(q, 0, kBlock * sizeof(int16_t));
+    *d = *s = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  const float id = m > 0.f ? kQMax / m : 0.f;
+  int32_t total = 0;
+  for (int j = 0; j < kBlock; ++j) q[j] = static_cast<int16_t>(std::nearbyint(x[j] * id)), total += q[j];
+#endif
+  *d = m / kQMax;
+  *s = *d * static_cast<float>(total);
+}
+
+void quantize_rows(const float* x, int64_t M, int64_t K, QRows& out) {
+  const int64_t nb = K / kBlock;
+  out.q.resize(M * K), out.d.resize(M * nb), out.s.resize(M * nb);
+  for (int64_t i = 0; i < M * nb; ++i) {
+    quantize_block(x + i * kBlock, out.q.data() + i * kBlock, out.d.data() + i, out.s.data() + i);
+  }
+}
+
+// The weight block's scale d and offset m (w = d * q + m; 0 for Q8_0, -8 d for Q4_0).
+template <int64_t fmt>
+inline void block_scales(const uint8_t* b, float& d, float& m) {
+  d = half_to_float(b);
+  m = fmt == kQ4_1 ? half_to_float(b + 2) : fmt == kQ4_0 ? -8.f * d : 0.f;
+}
+
+// out[r * ldo] = dot(x[r], weight row) for r < R, with x quantized (QRows at row offset
+// `xr`): per block d_w * d_x * sum(q_w * q_x) in exact int32 (|sum| <= 32 * 128 * 32767),
+// plus m_w * s_x. The weight block is widened to int16 once for R rows; R is a template
+// constant (registers).
+template <int64_t fmt, int R>
+void dot_rows(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, float* out, int64_t ldo) {
+  const int64_t bb = block_bytes(fmt);
+  float offset[R] = {};
+#ifdef RS_AVX2
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    __m256 w[4];
-    dequant_block_avx2<fmt>(wrow + b * bb, w);
-    const float* xb = x + b * kBlock;
+    const uint8_t* blk = wrow + b * bb;
+    float dw, mw;
+    block_scales<fmt>(blk, dw, mw);
+    __m256i w0, w1;  // weights 0-15 and 16-31 as int16
+    if (fmt == kQ8_0) {
+      w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
+      w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
+    } else {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (fmt == kQ4_1 ? 4 : 2)));
+      const __m128i low4 = _mm_set1_epi8(15);
+      w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4));
+      w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+    }
     for (int r = 0; r < R; ++r) {
-      for (int i = 0; i < 4; ++i) {
-        __m256 xv = _mm256_loadu_ps(xb + r * ldx + 8 * i);
-        acc[r][i % A] = _mm256_fmadd_ps(w[i], xv, acc[r][i % A]);
-      }
+      const int64_t xb = (xr + r) * nb + b;
+      const __m256i* xq = reinterpret_cast<const __m256i*>(x.q.data() + xb * kBlock);
+      const __m256i dots = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xq)),
+                                            _mm256_madd_epi16(w1, _mm256_loadu_si256(xq + 1)));
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d[xb]), _mm256_cvtepi32_ps(dots), acc[r]);
+      if (fmt != kQ8_0) offset[r] += mw * x.s[xb];
     }
   }
-  for (int r = 0; r < R; ++r) {
-    __m256 sum = acc[r][0];
-    for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[r][a]);
-    out[r * ldo] = hsum(sum);
-  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = hsum(acc[r]) + offset[r];
 #else
   float acc[R] = {};  // (scalar build)
-  float w[kBlock];
+  int32_t wq[kBlock];
   for (int64_t b = 0; b < nb; ++b) {
-    dequant_block_scalar(wrow + b * bb, fmt, w);
+    const uint8_t* blk = wrow + b * bb;
+    float dw, mw;
+    block_scales<fmt>(blk, dw, mw);
+    const uint8_t* qs = blk + (fmt == kQ4_1 ? 4 : 2);
+    for (int j = 0; j < kBlock; ++j) {
+      wq[j] = fmt == kQ8_0 ? static_cast<int8_t>(qs[j]) : j < 16 ? qs[j] & 15 : qs[j - 16] >> 4;
+    }
     for (int r = 0; r < R; ++r) {
-      const float* xr = x + r * ldx + b * kBlock;
-      for (int j = 0; j < kBlock; ++j) acc[r] += w[j] * xr[j];
+      const int64_t xb = (xr + r) * nb + b;
+      const int16_t* xq = x.q.data() + xb * kBlock;
+      int32_t dot = 0;
+      for (int j = 0; j < kBlock; ++j) dot += wq[j] * xq[j];
+      acc[r] += dw * x.d[xb] * static_cast<float>(dot);
+      offset[r] += mw * x.s[xb];
     }
   }
-  for (int r = 0; r < R; ++r) out[r * ldo] = acc[r];
+  for (int r = 0; r < R; ++r) out[r * ldo] = acc[r] + offset[r];
 #endif
 }
 
 template <int64_t fmt>
-void dot_rows(const uint8_t* wrow, int64_t nb, const float* x, int64_t ldx, int64_t rows,
-              float* out, int64_t ldo) {
+void dot_rows(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, int64_t rows, float* out,
+              int64_t ldo) {
   switch (rows) {
-    case 1: return dot_rows<fmt, 1>(wrow, nb, x, ldx, out, ldo);
-    case 2: return dot_rows<fmt, 2>(wrow, nb, x, ldx, out, ldo);
-    case 3: return dot_rows<fmt, 3>(wrow, nb, x, ldx, out, ldo);
-    case 4: return dot_rows<fmt, 4>(wrow, nb, x, ldx, out, ldo);
-    case 5: return dot_rows<fmt, 5>(wrow, nb, x, ldx, out, ldo);
-    case 6: return dot_rows<fmt, 6>(wrow, nb, x, ldx, out, ldo);
-    case 7: return dot_rows<fmt, 7>(wrow, nb, x, ldx, out, ldo);
-    default: return dot_rows<fmt, kRows>(wrow, nb, x, ldx, out, ldo);
+    case 1: return dot_rows<fmt, 1>(wrow, nb, x, xr, out, ldo);
+    case 2: return dot_rows<fmt, 2>(wrow, nb, x, xr, out, ldo);
+    case 3: return dot_rows<fmt, 3>(wrow, nb, x, xr, out, ldo);
+    case 4: return dot_rows<fmt, 4>(wrow, nb, x, xr, out, ldo);
+    case 5: return dot_rows<fmt, 5>(wrow, nb, x, xr, out, ldo);
+    case 6: return dot_rows<fmt, 6>(wrow, nb, x, xr, out, ldo);
+    case 7: return dot_rows<fmt, 7>(wrow, nb, x, xr, out, ldo);
+    default: return dot_rows<fmt, kRows>(wrow, nb, x, xr, out, ldo);
   }
 }
 
-void dot_rows(const uint8_t* wrow, int64_t fmt, int64_t nb, const float* x, int64_t ldx,
-              int64_t rows, float* out, int64_t ldo) {
+void dot_rows(const uint8_t* wrow, int64_t fmt, int64_t nb, const QRows& x, int64_t xr, int64_t rows,
+              float* out, int64_t ldo) {
   switch (fmt) {
-    case kQ4_0: return dot_rows<kQ4_0>(wrow, nb, x, ldx, rows, out, ldo);
-    case kQ4_1: return dot_rows<kQ4_1>(wrow, nb, x, ldx, rows, out, ldo);
-    default: return dot_rows<kQ8_0>(wrow, nb, x, ldx, rows, out, ldo);
+    case kQ4_0: return dot_rows<kQ4_0>(wrow, nb, x, xr, rows, out, ldo);
+    case kQ4_1: return dot_rows<kQ4_1>(wrow, nb, x, xr, rows, out, ldo);
+    default: return dot_rows<kQ8_0>(wrow, nb, x, xr, rows, out, ldo);
   }
 }
 
@@ -202,19 +298,20 @@ void check_args(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K
 
 }  // namespace
 
-// x (M, K) float32 @ w(N, K).T -> (M, N) float32; decode-sized M.
+// x (M, K) float32 @ w(N, K).T -> (M, N) float32; decode-sized M, x rounded to int16.
 at::Tensor qmatmul_small(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K) {
   check_args(x, w, fmt, K);
   const int64_t M = x.size(0), N = w.size(0), nb = K / kBlock, row_bytes = w.size(1);
   at::Tensor out = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
+  QRows xq;
+  quantize_rows(x.data_ptr<float>(), M, K, xq);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       for (int64_t r0 = 0; r0 < M; r0 += kRows) {
         const int64_t rows = std::min(kRows, M - r0);
-        dot_rows(wp + n * row_bytes, fmt, nb, xp + r0 * K, K, rows, op + r0 * N + n, N);
+        dot_rows(wp + n * row_bytes, fmt, nb, xq, r0, rows, op + r0 * N + n, N);
       }
     }
   });
