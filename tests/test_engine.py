@@ -233,3 +233,45 @@ def test_abort_before_fork_finishes_every_sample(tiny_model_dir: Path, chunked: 
     assert sorted(o.index for o in outs if o.finished) == [0, 1, 2]
     assert {o.finish_reason.type for o in outs if o.finish_reason} == {"abort"}
     assert_all_free(eng)
+
+
+def test_queue_counts_samples_and_tokens(tiny_model_dir: Path) -> None:
+    """The waiting queue holds at most 3 samples and 100 prompt tokens: a family of n counts
+    n samples; what can never queue is a ValueError (400), what cannot queue now a
+    QueueFullError (503)."""
+    from radixserve.sampling.params import SamplingParams
+    from radixserve.scheduler.io import TokenizedRequest
+    from radixserve.scheduler.scheduler import QueueFullError
+
+    eng = make_engine(tiny_model_dir, max_queued_requests=3, max_queued_tokens=100)
+    sched = eng.scheduler
+
+    def add(rid: str, length: int, n: int) -> None:
+        sched.add_request(
+            TokenizedRequest(rid, [7] * length, SamplingParams(max_new_tokens=2, n=n))
+        )
+
+    add("a", 40, 2)
+    with pytest.raises(QueueFullError, match="4 samples"):
+        add("b", 10, 2)
+    with pytest.raises(QueueFullError, match="110 tokens"):
+        add("c", 70, 1)
+    add("d", 60, 1)  # 3 samples, 100 tokens: full on both counts
+    with pytest.raises(ValueError, match="n: 4 samples can never queue"):
+        add("e", 10, 4)
+    with pytest.raises(ValueError, match="can never queue"):
+        add("f", 101, 1)
+    assert len(list(sched.run_until_idle())) > 0
+    add("g", 40, 3)  # drained: room again
+    sched.abort_request("g")
+    list(sched.run_until_idle())
+    assert_all_free(eng)
+
+
+def test_offline_batch_larger_than_the_queue(
+    tiny_model_dir: Path, reference: list[list[int]]
+) -> None:
+    eng = make_engine(tiny_model_dir, max_queued_requests=2, max_queued_tokens=50)
+    outs = eng.generate(input_ids=prompts(5), sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == reference[:5]
+    assert_all_free(eng)

@@ -13,7 +13,7 @@ from radixserve.config import EngineConfig
 from radixserve.message.messages import SampleDelta
 from radixserve.sampling.params import SamplingParams
 from radixserve.scheduler.io import FinishReason, TokenizedRequest
-from radixserve.scheduler.scheduler import Scheduler
+from radixserve.scheduler.scheduler import QueueFullError, Scheduler
 from radixserve.server.results import SampleResult, native_result
 from radixserve.tokenizer.detokenize import IncrementalDetokenizer
 
@@ -92,13 +92,12 @@ class Engine:
             for r in reqs
             for i in range(r.sampling.n)
         }
-        added = []
+        added: list[str] = []
+        backlog = list(reqs)  # requests the scheduler's queue has no room for yet
         try:
-            for r in reqs:
-                self.scheduler.add_request(r)
-                added.append(r.rid)
             pending = len(samples)
             while pending:
+                self._add_what_fits(backlog, added)
                 for out in self.scheduler.step():
                     result, detok = samples[(out.rid, out.index)]
                     delta = SampleDelta.from_output(out)
@@ -112,6 +111,16 @@ class Engine:
             self.scheduler.step()
             raise
         return [native_result(res, start, return_logprob) for res, _ in samples.values()]
+
+    def _add_what_fits(self, backlog: list[TokenizedRequest], added: list[str]) -> None:
+        """Move requests from `backlog` into the scheduler while its queue takes them (an
+        empty queue takes any valid request, so the batch always progresses)."""
+        while backlog:
+            try:
+                self.scheduler.add_request(backlog[0])
+            except QueueFullError:
+                return
+            added.append(backlog.pop(0).rid)
 
     def _detokenizer(self, r: TokenizedRequest) -> IncrementalDetokenizer:
         return IncrementalDetokenizer.for_sample(self.tokenizer, r.input_ids, r.sampling)

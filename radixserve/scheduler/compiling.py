@@ -30,6 +30,10 @@ class PendingCompiles:
     def __len__(self) -> int:
         return len(self._items)
 
+    @property
+    def requests(self) -> list[TokenizedRequest]:
+        return [c.request for c in self._items]
+
     def has(self, rid: str) -> bool:
         return any(c.request.rid == rid for c in self._items)
 

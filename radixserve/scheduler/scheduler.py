@@ -46,7 +46,8 @@ COMPILE_POLL_S = 0.05  # an otherwise idle step waits this long for a pattern to
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue is at --max-queued-requests (HTTP 503, retry later)."""
+    """The waiting queue has no room: --max-queued-requests samples or --max-queued-tokens
+    prompt tokens (HTTP 503, retry later)."""
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Scheduler:
         self.cache = RadixCache(self.worker.pool, disable=config.disable_radix_cache)
         req_pool = ReqToTokenPool(config.max_running_requests, self.context_len + 1)
         self.kv = KVManager(self.worker.pool, req_pool, self.cache)
+        self.max_queued_tokens = config.max_queued_tokens or 4 * self.worker.pool.capacity
         self.out = OutputProcessor(mc.vocab_size, self.eos_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.eos_ids, mc.vocab_size)
         self.compiling = PendingCompiles()  # requests whose pattern builds off this thread
@@ -97,13 +99,26 @@ class Scheduler:
         `compiling` and is queued later, or ends with finish "error" (400) if it fails.
         """
         self._validate(request)
-        if len(self.waiting) + len(self.compiling) >= self.config.max_queued_requests:
-            raise QueueFullError(f"queue full ({self.config.max_queued_requests} waiting)")
+        self._check_queue_room(request)
         grammar = self.grammars.compile_async(request.sampling)
         if grammar.done():  # nothing to build: queued now, or refused at once
             self._enqueue(request, grammar.result())
         else:
             self.compiling.add(request, grammar)
+
+    def _check_queue_room(self, request: TokenizedRequest) -> None:
+        """QueueFullError unless the queue (waiting + compiling) has room for all the
+        request's samples and its prompt. A family waiting to fork counts n samples and one
+        prompt; a retracted sample counts its prompt and its output so far."""
+        queued = [(r.sampling.n if r.fork_pending else 1, r.seq_len) for r in self.waiting]
+        queued += [(q.sampling.n, len(q.input_ids)) for q in self.compiling.requests]
+        samples = request.sampling.n + sum(s for s, _ in queued)
+        tokens = len(request.input_ids) + sum(t for _, t in queued)
+        if samples > self.config.max_queued_requests or tokens > self.max_queued_tokens:
+            raise QueueFullError(
+                f"queue full: {samples} samples / {tokens} tokens with this request, at most "
+                f"{self.config.max_queued_requests} / {self.max_queued_tokens}"
+            )
 
     def _enqueue(self, request: TokenizedRequest, grammar: CompiledGrammar | None) -> None:
         req = self._new_req(request, 0, grammar)
@@ -129,6 +144,16 @@ class Scheduler:
             )
         if request.logprob_start_len >= len(ids):
             raise ValueError(f"logprob_start_len must be < prompt length {len(ids)}")
+        if sp.n > self.config.max_queued_requests:
+            raise ValueError(
+                f"n: {sp.n} samples can never queue (--max-queued-requests "
+                f"{self.config.max_queued_requests})"
+            )
+        if len(ids) > self.max_queued_tokens:
+            raise ValueError(
+                f"input_ids: the prompt ({len(ids)} tokens) can never queue "
+                f"(--max-queued-tokens {self.max_queued_tokens})"
+            )
         in_use = itertools.chain(self.waiting, self.running)
         if any(r.rid == request.rid for r in in_use) or self.compiling.has(request.rid):
             raise ValueError(f"rid: {request.rid!r} is already in use")
