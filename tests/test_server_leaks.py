@@ -212,6 +212,25 @@ def test_refused_by_the_scheduler(client, n):
     wait_clean(client)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_pattern_that_fails_to_compile(client, n):
+    # Python parses it (so the edge lets it through); outlines cannot build a lookahead, so
+    # it fails on the compile thread and the scheduler refuses all n samples.
+    body = {"text": "x", "sampling_params": {"regex": "a(?=b)b", "n": n}}
+    r = client.post("/generate", json=body)
+    assert r.status_code == 400 and "regex" in r.text, r.text
+    wait_clean(client)
+
+
+def test_client_gone_while_its_pattern_compiles(leak_server, client):
+    fields = {f"field_{i}": {"type": "string"} for i in range(30)}
+    schema = json.dumps({"type": "object", "properties": fields, "required": list(fields)})
+    body = {"text": "x", "sampling_params": {"json_schema": schema, "n": 2}}
+    with leak_server.client() as c, pytest.raises(httpx.ReadTimeout):
+        c.post("/generate", json=body, timeout=0.05)
+    wait_clean(client)
+
+
 # ---------------------------------------------------------------- the storm (issue 12's bar)
 
 
