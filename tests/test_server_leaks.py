@@ -272,6 +272,7 @@ def test_abort_storm_leaves_every_table_clean_within_10s(leak_server, client):
     cut, timed_out = asyncio.run(_storm(leak_server.url))
     assert (cut, timed_out) == (40, 20)
     wait_clean(client, timeout=10)
+    assert "radixserve_kv_held_tokens 0.0" in client.get("/metrics").text
     again = client.post("/generate", json={"text": "the reference", "sampling_params": GREEDY})
     assert again.json()["output_ids"] == reference.json()["output_ids"]
     wait_clean(client)

@@ -32,6 +32,7 @@ class _SchedulerCollector(Collector):
             "num_running_reqs": ("Samples in the running batch", s.num_running),
             "num_queued_reqs": ("Samples waiting to be admitted", s.num_queued),
             "kv_used_tokens": ("KV slots in use (running + cached)", s.kv_used_tokens),
+            "kv_held_tokens": ("KV slots held by requests (0 when idle)", s.kv_held_tokens),
             "kv_capacity_tokens": ("KV pool capacity in tokens", s.kv_capacity_tokens),
             "kv_usage": ("Fraction of the KV pool in use", s.kv_usage),
             "cache_hit_rate": ("Cached / prompt tokens since start", s.cache_hit_rate),
