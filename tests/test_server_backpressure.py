@@ -20,6 +20,7 @@ from test_server_leaks import tables, wait_clean
 from radixserve.limits import MAX_PROMPTS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 RUNNING, QUEUED, CONNECTIONS = 2, 2, 16
+QUEUED_TOKENS = 64
 CAPACITY = RUNNING + QUEUED  # samples the server holds at once
 
 
@@ -36,6 +37,8 @@ def bp_server(tiny_model_dir, tmp_path_factory):
         str(QUEUED),
         "--max-connections",
         str(CONNECTIONS),
+        "--max-queued-tokens",
+        str(QUEUED_TOKENS),
     )
     yield h
     assert h.stop() == 0, h.log_text()[-4000:]
@@ -122,6 +125,43 @@ def test_capacity_counts_samples_and_503_has_retry_after(bp_server, client):
         "/generate", json={"text": "one more", "sampling_params": {"max_new_tokens": 1}}
     )
     assert ok.status_code == 200
+
+
+def test_queue_counts_prompt_tokens(bp_server, client):
+    """Room for samples, but not for the prompt tokens: the scheduler's 503 comes back with
+    Retry-After, and nothing is left behind."""
+    long = {"temperature": 0, "max_new_tokens": 300, "ignore_eos": True}
+    first = threading.Event()
+    answers: list[int] = []
+
+    def send(body: dict) -> None:
+        with bp_server.client() as c:
+            with c.stream("POST", "/generate", json={**body, "stream": True}) as r:
+                for line in r.iter_lines():
+                    first.set() if line.startswith("data: {") else None
+            answers.append(r.status_code)
+
+    held = {"text": "held", "rid": "held", "sampling_params": {**long, "n": RUNNING}}
+    threads = [threading.Thread(target=send, args=(held,))]
+    threads[0].start()
+    assert first.wait(60)
+    waits = {"input_ids": [5] * 40, "rid": "waits", "sampling_params": long}
+    threads.append(threading.Thread(target=send, args=(waits,)))
+    threads[1].start()
+    deadline = time.monotonic() + 30
+    while tables(client)["queued"] < 1:
+        assert time.monotonic() < deadline, tables(client)
+        time.sleep(0.02)
+    r = client.post(
+        "/generate", json={"input_ids": [6] * 40, "sampling_params": {"max_new_tokens": 1}}
+    )
+    assert "80 tokens" in error_of(r, 503)
+    assert r.headers["retry-after"] == "1"
+    client.post("/abort_request", json={"abort_all": True})
+    for t in threads:
+        t.join(60)
+    assert answers == [200, 200]
+    wait_clean(client)
 
 
 def test_connection_limit(bp_server, client):
