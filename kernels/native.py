@@ -87,6 +87,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (
         q.device.type == "cpu"
         and q.dtype in DTYPES
+        and k_cache.dtype in DTYPES
         and q.shape[-1] % 8 == 0
         and k_cache.stride(-1) == 1
         and ops() is not None

@@ -16,8 +16,10 @@ from radixserve.config import BACKENDS, DTYPE_CHOICES, POLICIES, QUANTIZATIONS, 
 
 HELP = {
     "model": "HF checkpoint folder (Llama/Qwen2/Mistral); default: embedded SmolLM2-135M-Instruct",
-    "dtype": "compute and KV cache dtype; auto: bfloat16 where bf16 is fast here, else float32",
+    "dtype": "compute dtype; auto: bfloat16 where bf16 is fast here, else float32",
     "quantization": "auto: a GGUF model's Q4_0/Q4_1/Q8_0 weights run quantized; none; int8",
+    "kv_cache_dtype": "KV cache storage dtype; auto: float16 under quantized weights on a CPU "
+    "(native attention kernels convert on load), else the compute dtype",
     "device": "torch device of the model worker (cpu, cuda)",
     "max_total_tokens": "KV pool size in tokens (default: from --mem-fraction)",
     "mem_fraction": "fraction of free memory for the KV pool when --max-total-tokens is unset",
@@ -40,6 +42,7 @@ HELP = {
 }
 CHOICES: dict[str, Sequence[str]] = {
     "dtype": DTYPE_CHOICES,
+    "kv_cache_dtype": DTYPE_CHOICES,
     "quantization": QUANTIZATIONS,
     "schedule_policy": POLICIES,
     "attention_backend": BACKENDS,

@@ -19,6 +19,7 @@ class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     dtype: str = "auto"  # "auto": bf16 where the CPU/GPU computes it fast, else float32
     quantization: str = "auto"  # "auto": a GGUF's Q4_0/Q4_1/Q8_0 stay quantized; "none"; "int8"
+    kv_cache_dtype: str = "auto"  # "auto": fp16 under quantized weights on CPU, else = dtype
     device: str = "cpu"
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction
     mem_fraction: float = 0.3  # of available host/GPU memory, when max_total_tokens is None
@@ -46,6 +47,10 @@ class EngineConfig:
         check(
             self.dtype in DTYPE_CHOICES,
             f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}",
+        )
+        check(
+            self.kv_cache_dtype in DTYPE_CHOICES,
+            f"kv_cache_dtype must be one of {list(DTYPE_CHOICES)}, got {self.kv_cache_dtype!r}",
         )
         check(
             self.quantization in QUANTIZATIONS,

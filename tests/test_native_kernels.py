@@ -106,6 +106,21 @@ def test_pool_segment_matches_reference(hkv: int, group: int, dtype: torch.dtype
         close(got, reference.segment_attention(q, pool.k[slots], pool.v[slots], d**-0.5))
 
 
+@pytest.mark.parametrize("store", [torch.float16, torch.bfloat16])
+def test_narrow_pool_under_float32_queries(store: torch.dtype) -> None:
+    """A pool stored in fp16 / bf16 (kv_cache_dtype) read by float32 queries: rows are widened
+    exactly on load, so the result is the float32 attention over the rounded K/V."""
+    for i, (q_lens, kv_lens) in enumerate([([1], [4000]), ([1] * 3, [64, 65, 129]), ([70], [300])]):
+        pool = Pool(200 + i, sum(kv_lens), 3, 64, store)
+        slots, q = pool.take(sum(kv_lens)), pool.queries(sum(q_lens), 9).float()
+        k, v = pool.k[slots].float(), pool.v[slots].float()
+        qo, ko = native._offsets(q_lens), native._offsets(kv_lens)
+        close(native.pool_private_attention(q, pool.k, pool.v, slots, qo, ko, 0.3),
+              reference.private_attention(q, k, v, q_lens, kv_lens, 0.3))  # fmt: skip
+        close(native.pool_segment_attention(q, pool.k, pool.v, slots, 0.3),
+              reference.segment_attention(q, k, v, 0.3))  # fmt: skip
+
+
 # --------------------------------------------------------------------------- private
 PRIVATE_CASES = [  # (q_lens, kv_lens, D)
     ([1], [1], 64),  # one key
@@ -237,8 +252,8 @@ def test_rejects_bad_input() -> None:
         ops.private_attention(q, pool.k, pool.v, pool.take(1), two, torch.tensor([0, 1]), 0.1)
     with pytest.raises(RuntimeError, match="offsets must run"):
         ops.private_attention(q, pool.k, pool.v, pool.take(3), two, torch.tensor([0, 2]), 0.1)
-    with pytest.raises(RuntimeError, match="dtypes differ"):
-        ops.segment_attention(q.bfloat16(), pool.k, pool.v, pool.take(2), 0.1)
+    with pytest.raises(RuntimeError, match="k/v dtypes differ"):
+        ops.segment_attention(q, pool.k, pool.v.half(), pool.take(2), 0.1)
 
 
 # --------------------------------------------------------------------------- builds and ISA

@@ -722,10 +722,12 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q: (T, Hq, D) with unit stride in D expected, got ", q.sizes());
   TORCH_CHECK(k.sizes() == v.sizes(), "k ", k.sizes(), " and v ", v.sizes(), " differ");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "q/k/v dtypes differ: ",
-              q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type());
-  const auto dt = q.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "fp32 / bf16 / fp16 expected, got ", dt);
+  // K/V may be stored narrower than q (e.g. an fp16 pool under float32 compute): every
+  // row is converted to float32 on load, and out takes q's dtype.
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k/v dtypes differ: ", k.scalar_type(), ", ", v.scalar_type());
+  for (const auto dt : {q.scalar_type(), k.scalar_type()}) {
+    TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "fp32 / bf16 / fp16 expected, got ", dt);
+  }
   TORCH_CHECK(q.size(2) == k.size(2) && q.size(2) % 8 == 0, "head dim must match and be a multiple of 8: q ",
               q.size(2), ", k ", k.size(2));
   TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "q heads ", q.size(1), " not a multiple of kv heads ",

@@ -14,8 +14,9 @@ import weakref
 import psutil
 import torch
 
+from radixserve import kernels
 from radixserve.attention import make_backend
-from radixserve.config import EngineConfig
+from radixserve.config import DTYPES, EngineConfig
 from radixserve.distributed.batch_sync import recv_batch, send_batch
 from radixserve.distributed.parallel import TPGroup, agree_min, check_tp_size, get_tp, rank_device
 from radixserve.engine.batch import ForwardBatch
@@ -23,6 +24,7 @@ from radixserve.isa import resolve_dtype
 from radixserve.kvcache.pool import KVPool
 from radixserve.models.config import ModelConfig
 from radixserve.models.loader import load_config, load_model
+from radixserve.models.quant import QuantLinear
 
 logger = logging.getLogger("radixserve.worker")
 
@@ -74,16 +76,18 @@ class ModelWorker:
             quantization=config.quantization,
         )  # fmt: skip
         self.backend = make_backend(config.attention_backend)
+        self.kv_dtype, why = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.model, device)
+        logger.info("KV cache dtype %s (%s: %s)", self.kv_dtype, config.kv_cache_dtype, why)
         mc = self.model_config
         kv_heads = mc.num_kv_heads // size  # this rank's shard of the KV heads
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = torch.empty((), dtype=self.kv_dtype).element_size()
         per_token = 2 * mc.num_layers * kv_heads * mc.head_dim * itemsize
         sharing = 1 if device.startswith("cuda") else size  # CPU ranks share host memory
         capacity = kv_capacity(config, mc, per_token * sharing)
         if self.tp is not None:  # same slot numbering on every rank needs the same size
             capacity = agree_min(capacity, self.tp)
         self.pool = KVPool(capacity + 1, mc.num_layers, kv_heads, mc.head_dim,
-                           self.dtype, device)  # fmt: skip
+                           self.kv_dtype, device)  # fmt: skip
         logger.info(
             "KV pool: %d tokens (%.1f MiB, %d B/token)%s, attention backend %s",
             capacity,
@@ -125,6 +129,30 @@ class ModelWorker:
         tp_size 1 and on followers. Call it only between steps."""
         if self._closer is not None:
             self._closer()
+
+
+def kv_cache_dtype(
+    choice: str, compute: torch.dtype, model: torch.nn.Module, device: str
+) -> tuple[torch.dtype, str]:
+    """The KV pool's storage dtype and why. "auto": float16 under quantized weights on a CPU
+    whose native attention kernels read the pool in place (they convert rows to float32 on
+    load: half the bytes a decode step reads, as llama.cpp's default f16 cache), else the
+    compute dtype. A dtype other than the compute dtype needs those kernels (the gathering
+    attention paths compute in the pool's dtype)."""
+    probe = torch.empty(0, 1, 8, dtype=torch.float16)
+    in_place = device == "cpu" and kernels.reads_pool_in_place(probe)
+    if choice == "auto":
+        quantized = any(isinstance(m, QuantLinear) for m in model.modules())
+        if in_place and quantized and compute == torch.float32:
+            return torch.float16, "quantized weights, native CPU attention: fp16 rows, fp32 math"
+        return compute, "the compute dtype"
+    want = DTYPES[choice]
+    if want != compute and not in_place:
+        raise ValueError(
+            f"kv_cache_dtype {choice} differs from the compute dtype {compute}: only the native "
+            "CPU attention kernels read such a pool; use kv_cache_dtype=auto"
+        )
+    return want, "requested"
 
 
 def _join_tp(config: EngineConfig, model_path: str) -> TPGroup | None:

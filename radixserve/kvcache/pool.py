@@ -66,9 +66,11 @@ class KVPool:
         self._free.extend(slots.flip(0).tolist())
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K/V rows (T, kv_heads, head_dim) of `layer` at `slots` (T,)."""
-        self.k[layer].index_copy_(0, slots, k)  # ~2x faster than k[layer][slots] = k
-        self.v[layer].index_copy_(0, slots, v)
+        """Store K/V rows (T, kv_heads, head_dim) of `layer` at `slots` (T,), rounded to the
+        pool's dtype when it is narrower (see EngineConfig.kv_cache_dtype)."""
+        kc, vc = self.k[layer], self.v[layer]
+        kc.index_copy_(0, slots, k.to(kc.dtype))  # ~2x faster than kc[slots] = k
+        vc.index_copy_(0, slots, v.to(vc.dtype))
 
     def bytes_per_token(self) -> int:
         k = self.k[0]

@@ -135,18 +135,23 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).float().contiguous()  # (M, K)
-        native = ops()
+        # (Lean on purpose: a batch-1 decode step makes ~120 of these calls.)
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()  # (M, K)
+        blocks, bias, native = self._buffers["blocks"], self._buffers["bias"], ops()
+        assert blocks is not None
         if native is None:
-            y = x2 @ dequantize(self.blocks, self.fmt, self.in_features).T
+            y = x2 @ dequantize(blocks, self.fmt, self.in_features).T
         elif x2.shape[0] <= SMALL_M:
-            y = native.qmatmul_small(x2, self.blocks, self.code, self.in_features)
+            y = native.qmatmul_small(x2, blocks, self.code, self.in_features)
         else:
-            y = native.qmatmul_tiled(x2, self.blocks, self.code, self.in_features)
-        if self.bias is not None:
-            y = y + self.bias  # still float32: one rounding to x's dtype, after the bias
-        return y.to(x.dtype).view(*lead, self.out_features)
+            y = native.qmatmul_tiled(x2, blocks, self.code, self.in_features)
+        if bias is not None:
+            y = y + bias  # still float32: one rounding to x's dtype, after the bias
+        if x.dtype != torch.float32:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def rows(self, ids: Tensor) -> Tensor:
         """Rows `ids` (int64) of the dequantized weight -> (len(ids), K) float32 (token
