@@ -67,7 +67,8 @@ async def metrics(request: Request) -> Response:
 
 
 def build_app(manager: RequestManager, config: EngineConfig, metrics_: Metrics) -> FastAPI:
-    app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json describes every request body (server/openapi.py); no docs UI is served.
+    app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.manager = manager
     app.state.config = config
     app.state.metrics = metrics_

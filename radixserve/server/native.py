@@ -24,6 +24,7 @@ from radixserve.message.messages import (
     ServerInfoResp,
 )
 from radixserve.sampling.params import SamplingParams
+from radixserve.server import openapi
 from radixserve.server.flow import sse, start_stream, submit_all, unless_disconnected
 from radixserve.server.manager import Pending, RequestManager
 from radixserve.server.protocol import ApiError, bad, check_fields, get, get_int, read_json
@@ -155,7 +156,7 @@ def parse_generate(body: dict[str, Any]) -> NativeBatch:
 # ---------------------------------------------------------------- /generate
 
 
-@router.post("/generate")
+@router.post("/generate", openapi_extra=openapi.body(openapi.GENERATE))
 async def generate(request: Request) -> Response:
     batch = parse_generate(await read_json(request))
     manager = _manager(request)

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from radixserve.message.messages import WireLogprob
+from radixserve.server import openapi
 from radixserve.server.flow import sse, start_stream, submit_all, unless_disconnected
 from radixserve.server.manager import Pending, RequestManager
 from radixserve.server.openai_protocol import OpenAIBatch, parse_chat, parse_completion
@@ -176,7 +177,7 @@ def _stream_body(
 # ---------------------------------------------------------------- routes
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=openapi.body(openapi.COMPLETION))
 async def completions(request: Request) -> Response:
     batch = parse_completion(await read_json(request))
 
@@ -192,7 +193,7 @@ async def completions(request: Request) -> Response:
     return await _run(request, batch, "text_completion", choice, chunk)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=openapi.body(openapi.CHAT))
 async def chat_completions(request: Request) -> Response:
     batch = parse_chat(await read_json(request))
 
