@@ -4,7 +4,7 @@ For each weight shape (N, K) and rows M: float32 `F.linear` on the dequantized w
 the two native kernels of radixserve/models/quant.py on the same weight in Q4_1 / Q8_0:
 `small` (dequantize in registers, the decode kernel) and `tiled` (dequantize tiles into
 sgemm). Prints ms per call and the weight-read bound of each (bytes / measured bandwidth),
-and the M at which `tiled` overtakes `small` (the measurement behind quant.SMALL_M).
+and the M at which `tiled` overtakes `small` (the measurement behind Format.small_m).
 
     python benchmarks/bench_quant.py --json benchmarks/results/quant.json
 """

@@ -21,7 +21,7 @@ from radixserve.config import EngineConfig
 from radixserve.models import load_model, resolve_model_path
 from radixserve.models.gguf_weights import QuantWeight, read_gguf_weights, unpermute_rows
 from radixserve.models.loader import gguf_source, load_config
-from radixserve.models.quant import FORMATS, SMALL_M, QuantLinear, dequantize, ops, quantize
+from radixserve.models.quant import FORMATS, QuantLinear, dequantize, ops, quantize
 
 GGML = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,
         "q8_0": GGMLQuantizationType.Q8_0}  # fmt: skip
@@ -75,7 +75,7 @@ def test_quantize_error_is_within_half_a_step(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, SMALL_M, SMALL_M + 1, 67])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 67])
 @pytest.mark.parametrize("k", [32, 576])
 def test_native_kernels_match_reference(fmt: str, m: int, k: int) -> None:
     native = ops()
@@ -109,11 +109,12 @@ def test_quant_linear_bias_dtype_and_leading_dims() -> None:
     blocks, w = _weights(40, 64, "q4_1", seed=3)
     bias = torch.randn(40)
     layer = QuantLinear(blocks, "q4_1", 64, bias)
-    for rows in (1, SMALL_M + 5):  # both kernels (the small one on int16 activations)
+    small_m = FORMATS["q4_1"].small_m
+    for rows in (1, small_m + 5):  # both kernels (the small one on int16 activations)
         x = torch.randn(2, rows, 64)
         y = layer(x)
         assert y.shape == (2, rows, 40) and y.dtype == torch.float32
-        xs = x if 2 * rows > SMALL_M else q16_rows(x.view(-1, 64)).view_as(x)
+        xs = x if 2 * rows > small_m else q16_rows(x.view(-1, 64)).view_as(x)
         torch.testing.assert_close(y, xs @ w.T + bias, rtol=1e-5, atol=1e-5)
     xb = torch.randn(3, 64).bfloat16()
     yb = layer(xb)

@@ -3,9 +3,9 @@ layer that multiplies by them (csrc/quant_cpu.cpp, built per CPU ISA on first us
 
 Why: a decode step at small batch reads every weight once, so its time is the weight bytes
 over the memory bandwidth. Q4_1 stores 32 weights in 20 bytes (5 bits a weight) against
-128 bytes in float32: ~6x fewer bytes per step. At M > SMALL_M rows the native kernel
-dequantizes tiles into sgemm (F.linear on the dequantized matrix up to the order of the
-float32 sums); at M <= SMALL_M it rounds x to int16 per 32-block and sums exact integer
+128 bytes in float32: ~6x fewer bytes per step. Above the format's `small_m` rows the
+native kernel dequantizes tiles into sgemm (F.linear on the dequantized matrix up to the
+order of the float32 sums); up to it, it rounds x to int16 per 32-block and sums exact integer
 products (error <= amax / 65534 of each block: on SmolLM2, |logprob delta| 1.7e-4 mean
 against float32, benchmarks/eval_quant.py; tests/test_quant.py).
 
@@ -30,9 +30,6 @@ from radixserve.isa import cpu_isa
 logger = logging.getLogger("radixserve.quant")
 SOURCE = Path(__file__).with_name("csrc") / "quant_cpu.cpp"
 BLOCK = 32
-# Rows of x up to which the register-dequantizing kernel beats dequantize-a-tile + sgemm
-# (benchmarks/bench_quant.py on the AVX2 EPYC: small wins to M ~12, even at 16, tiled after).
-SMALL_M = 12
 ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mf16c"], "avx2": ["-mavx2", "-mfma", "-mf16c"]}
 
 
@@ -41,9 +38,16 @@ class Format:
     name: str
     code: int  # the C++ enum
     block_bytes: int
+    # Rows of x up to which the int16-activation kernel beats dequantize-a-tile + sgemm
+    # (benchmarks/bench_quant.py on the AVX2 EPYC: Q4 even at 16-20 rows; Q8_0, without the
+    # 4-bit formats' per-block offset term, wins to ~40).
+    small_m: int
 
 
-FORMATS = {f.name: f for f in (Format("q4_0", 0, 18), Format("q4_1", 1, 20), Format("q8_0", 2, 34))}
+FORMATS = {
+    f.name: f
+    for f in (Format("q4_0", 0, 18, 16), Format("q4_1", 1, 20, 16), Format("q8_0", 2, 34, 32))
+}
 
 
 @functools.cache
@@ -127,7 +131,7 @@ class QuantLinear(nn.Module):
         assert in_features % BLOCK == 0, f"in_features {in_features} not a multiple of {BLOCK}"
         want = (blocks.shape[0], in_features // BLOCK * f.block_bytes)
         assert blocks.dtype == torch.uint8 and tuple(blocks.shape) == want, (blocks.shape, want)
-        self.fmt, self.code = fmt, f.code
+        self.fmt, self.code, self.small_m = fmt, f.code, f.small_m
         self.blocks: Tensor
         self.in_features, self.out_features = in_features, blocks.shape[0]
         self.register_buffer("blocks", blocks.contiguous())
@@ -143,7 +147,7 @@ class QuantLinear(nn.Module):
         assert blocks is not None
         if native is None:
             y = x2 @ dequantize(blocks, self.fmt, self.in_features).T
-        elif x2.shape[0] <= SMALL_M:
+        elif x2.shape[0] <= self.small_m:
             y = native.qmatmul_small(x2, blocks, self.code, self.in_features)
         else:
             y = native.qmatmul_tiled(x2, blocks, self.code, self.in_features)
