@@ -30,6 +30,7 @@ from radixserve.constrained import (
     tokenizer_kind,
     unpack_token_masks,
 )
+from radixserve.constrained.grammar import GrammarError
 from radixserve.constrained.vocab import BYTE_LEVEL, SENTENCEPIECE, gpt2_unicode_to_byte
 from radixserve.sampling.params import InvalidRequest, SamplingParams
 from radixserve.sampling.sampler import SamplingInfo, process_logits, sample
@@ -181,7 +182,7 @@ def test_grammar_state_walks_and_terminates(compiler: GrammarCompiler, tokenizer
         assert bool(allowed[0, tok]) and not bool(allowed[0, compiler.end_id])
         state.advance(tok)
     assert state.terminated  # "maybe" is complete: nothing but eos may follow
-    with pytest.raises(AssertionError, match="terminated"):
+    with pytest.raises(GrammarError, match="terminated"):
         state.allowed_tokens()
 
 

@@ -61,6 +61,11 @@ _REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")  # {n}, {n,}, {n,m}
 _REPEATS = (_sre.MAX_REPEAT, _sre.MIN_REPEAT, getattr(_sre, "POSSESSIVE_REPEAT", _sre.MAX_REPEAT))
 
 
+class GrammarError(RuntimeError):
+    """A sample's walk through its automaton broke (a token the mask should have forbidden).
+    The scheduler fails that request alone (HTTP 500)."""
+
+
 class CompiledGrammar:
     """One pattern over one vocabulary. Immutable except its per-state mask cache."""
 
@@ -82,14 +87,16 @@ class CompiledGrammar:
 
     def next_state(self, state: int, token: int) -> int:
         nxt = self.index.get_next_state(state, token)
-        assert nxt is not None, f"token {token} is not allowed in state {state}"
+        if nxt is None:  # the mask forbade it: a bug, which fails this request alone
+            raise GrammarError(f"token {token} is not allowed in state {state}")
         return int(nxt)
 
     def _state_info(self, state: int) -> tuple[torch.Tensor, bool]:
         info = self._masks.get(state)
         if info is None:  # at most one build per state: a grammar has finitely many
             allowed = self.index.get_allowed_tokens(state)  # list, up to the whole vocab
-            assert allowed, f"automaton state {state} allows no token"
+            if not allowed:
+                raise GrammarError(f"automaton state {state} allows no token")
             only_eos = len(allowed) == 1 and allowed[0] == self.end_id
             if self.end_id in allowed:  # duplicates are harmless to pack_token_mask
                 allowed = allowed + sorted(self.eos_ids)
@@ -107,15 +114,18 @@ class GrammarState:
 
     def allowed_tokens(self) -> torch.Tensor:
         """Packed mask (ceil(V / 8),) uint8 of the tokens allowed next (see mask.py)."""
-        assert not self.terminated, "a terminated grammar allows no further token"
+        if self.terminated:
+            raise GrammarError("a terminated grammar allows no further token")
         return self.grammar.mask(self.state)
 
     def advance(self, token: int) -> None:
-        """Consume the sample's newest token. AssertionError if the mask forbade it."""
-        assert not self.terminated, f"token {token} after the grammar terminated"
+        """Consume the sample's newest token. GrammarError if the mask forbade it."""
+        if self.terminated:
+            raise GrammarError(f"token {token} after the grammar terminated")
         if token in self.grammar.eos_ids:
             accepting = self.grammar.index.is_final_state(self.state)
-            assert accepting, f"eos {token} in non-accepting state {self.state}"
+            if not accepting:
+                raise GrammarError(f"eos {token} in non-accepting state {self.state}")
             self.terminated = True
             return
         self.state = self.grammar.next_state(self.state, token)
