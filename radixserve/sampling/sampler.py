@@ -65,7 +65,7 @@ class BadRows(ValueError):
 
     def __init__(self, nonfinite: list[int], masked: list[int]) -> None:
         super().__init__(f"rows with NaN/inf logits {nonfinite}, with every token masked {masked}")
-        self.nonfinite = nonfinite  # the model's logits hold NaN or +-inf
+        self.nonfinite = nonfinite  # the model's logits hold NaN or +inf (or only -inf)
         self.masked = masked  # finite logits, but penalties and masks left no token
 
 
@@ -152,10 +152,11 @@ def sample(
 
 
 def _check_rows(logits: torch.Tensor, work: torch.Tensor) -> None:
-    """BadRows unless every row of `logits` (the model's) is finite and every row of `work`
-    (after penalties and masks) keeps a finite maximum: amax propagates NaN, and is -inf
-    exactly when every token is masked."""
-    raw_ok = torch.isfinite(logits).all(dim=-1)  # (B,); -inf from the model is bad too
+    """BadRows unless every row keeps a finite maximum, in `logits` (the model's: NaN, +inf
+    or nothing but -inf there is the model's failure) and in `work` (after penalties and
+    masks: -inf everywhere means no token is allowed). One amax per tensor: it propagates
+    NaN; a -inf entry beside finite ones is harmless (probability 0)."""
+    raw_ok = torch.isfinite(logits.amax(dim=-1))  # (B,)
     ok = raw_ok if work is logits else raw_ok & torch.isfinite(work.amax(dim=-1))  # (B,)
     if not bool(ok.all()):
         bad = (~ok).nonzero()[:, 0].tolist()
