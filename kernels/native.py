@@ -18,14 +18,13 @@ wise, K/V of a block of 64 keys loaded once for all of them (fp32 read in place;
 converted once per block), online softmax, float32 accumulation; long key ranges split
 across threads and merged by log-sum-exp; N-way merge in one pass.
 
-Build: torch's extension builder (a C++ compiler and ninja; cached under
-~/.cache/torch_extensions by module name and source hash), with -fopenmp (at::parallel_for
-is inline OpenMP: without it the kernels run on one thread). The ISA (`build_isa`, from
-radixserve/isa.py) picks the flags and the module name: "avx2" (-mavx2 -mfma -mf16c) or
-"scalar" (portable C++, no vector flags; never chosen by "auto", which then takes the torch
-path). RADIXSERVE_CPU_ISA=scalar selects the portable build on an AVX2 machine (tests);
-ATEN_CPU_CAPABILITY=avx2 is seen through torch. `ops()` returns None when the build fails
-(no compiler): callers then use the torch path ("cpu"), logged.
+Build: radixserve/native_build.py (torch's extension builder, -fopenmp, one module per
+ISA). The ISA (`build_isa`, from radixserve/isa.py) picks the flags and the module name:
+"avx2" (-mavx2 -mfma -mf16c) or "scalar" (portable C++, no vector flags; never chosen by
+"auto", which then takes the torch path). RADIXSERVE_CPU_ISA=scalar selects the portable
+build on an AVX2 machine (tests); ATEN_CPU_CAPABILITY=avx2 is seen through torch. `ops()`
+returns None when the build fails (no compiler) or RADIXSERVE_NATIVE_OPS=0: callers then
+use the torch path ("cpu"), logged.
 
 Unsupported inputs (head dim not a multiple of 8, other dtypes) run the torch path per call.
 """
@@ -33,7 +32,6 @@ Unsupported inputs (head dim not a multiple of 8, other dtypes) run the torch pa
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 from types import ModuleType
 
@@ -41,12 +39,10 @@ import torch
 from radixserve.kernels import cpu
 
 from radixserve.isa import cpu_isa
+from radixserve.native_build import build
 
-logger = logging.getLogger("radixserve.kernels")
 SOURCE = Path(__file__).with_name("csrc") / "attention_cpu.cpp"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-FLAGS = {"avx2": ["-O3", "-mavx2", "-mfma", "-mf16c", "-DRS_AVX2", "-fopenmp"],
-         "scalar": ["-O3", "-fopenmp"]}  # fmt: skip
 
 
 def build_isa() -> str:
@@ -60,21 +56,7 @@ def build_isa() -> str:
 @functools.cache
 def ops() -> ModuleType | None:
     """The compiled module for `build_isa()`, or None when it cannot be built (logged)."""
-    isa = build_isa()
-    from torch.utils.cpp_extension import load
-
-    try:
-        module = load(
-            f"radixserve_attention_cpu_{isa}",
-            [str(SOURCE)],
-            extra_cflags=FLAGS[isa],
-            extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch already loaded
-        )
-    except Exception as exc:  # no compiler / ninja, or a failing build: fall back, loudly
-        logger.warning("native attention kernels unavailable (%s); using the torch path", exc)
-        return None
-    logger.info("native attention kernels built for ISA %s (%s)", isa, SOURCE.name)
-    return module
+    return build("radixserve_attention_cpu", SOURCE, build_isa())
 
 
 def auto_ok() -> bool:

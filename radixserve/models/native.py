@@ -1,10 +1,9 @@
 """Fused CPU ops for the decoder (csrc/fused_cpu.cpp), bf16 or float32: RMSNorm and the RoPE
 of the q/k heads, built once on first use.
 
-`ops()` compiles the C++ source with torch's extension builder (a C++ compiler and ninja;
-the build is cached under ~/.cache/torch_extensions and reused while the source is
-unchanged) and returns the module, or None where the build fails or
-RADIXSERVE_NATIVE_OPS=0: the model then runs the same math as plain torch ops.
+`ops()` compiles the C++ source (radixserve/native_build.py) and returns the module, or None
+where the build fails or RADIXSERVE_NATIVE_OPS=0: the model then runs the same math as plain
+torch ops.
 
 Why: a decode step at batch 16 runs ~25 small ops per layer between the oneDNN matmuls,
 and the chain of torch ops behind one RMSNorm (cast, pow, mean, rsqrt, mul, cast, mul)
@@ -21,39 +20,20 @@ C++ SwiGLU was 5x slower than torch's vectorised silu and was dropped.)
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-logger = logging.getLogger("radixserve.native")
+from radixserve.native_build import build
+
 SOURCE = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
 
 
 @functools.cache
 def ops() -> ModuleType | None:
     """The compiled module (`rms_norm`, `rope_qk`), or None when disabled or unbuildable."""
-    if os.environ.get("RADIXSERVE_NATIVE_OPS", "1") == "0":
-        logger.info("native CPU ops disabled by RADIXSERVE_NATIVE_OPS=0")
-        return None
-    from torch.utils.cpp_extension import load
-
-    try:
-        # -fopenmp: at::parallel_for is inline OpenMP (serial without it); libgomp.so.1 is
-        # the soname torch has already loaded.
-        module = load(
-            "radixserve_fused_cpu",
-            [str(SOURCE)],
-            extra_cflags=["-O3", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-        )
-    except Exception as exc:  # no compiler / ninja, or a failing build: fall back, loudly
-        logger.warning("native CPU ops unavailable (%s); using torch ops", exc)
-        return None
-    logger.info("native CPU ops loaded (%s)", SOURCE.name)
-    return module
+    return build("radixserve_fused_cpu", SOURCE, None)
 
 
 def applies(x: torch.Tensor) -> bool:

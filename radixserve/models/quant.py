@@ -16,8 +16,6 @@ K / 32 blocks of output row n (see the C++ file for the block formats).
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -26,11 +24,10 @@ import torch
 from torch import Tensor, nn
 
 from radixserve.isa import cpu_isa
+from radixserve.native_build import build
 
-logger = logging.getLogger("radixserve.quant")
 SOURCE = Path(__file__).with_name("csrc") / "quant_cpu.cpp"
 BLOCK = 32
-ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mf16c"], "avx2": ["-mavx2", "-mfma", "-mf16c"]}
 
 
 @dataclass(frozen=True)
@@ -54,23 +51,7 @@ FORMATS = {
 def ops() -> ModuleType | None:
     """The compiled kernels for this CPU's ISA, or None (no compiler, or RADIXSERVE_NATIVE_OPS=0:
     quantized linears then dequantize with torch ops, correct but slow)."""
-    if os.environ.get("RADIXSERVE_NATIVE_OPS", "1") == "0":
-        return None
-    from torch.utils.cpp_extension import load
-
-    isa = cpu_isa()
-    try:
-        # -fopenmp: at::parallel_for is inline OpenMP; without it the kernels run serial.
-        # (It links libgomp.so.1, the soname torch has already loaded.)
-        flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(isa, [])]
-        module = load(
-            f"radixserve_quant_{isa}", [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"]
-        )
-    except Exception as exc:  # no compiler / ninja, or a failing build: fall back, loudly
-        logger.warning("quantized CPU kernels unavailable (%s); dequantizing with torch", exc)
-        return None
-    logger.info("quantized CPU kernels loaded (%s build)", isa)
-    return module
+    return build("radixserve_quant", SOURCE, cpu_isa())
 
 
 def dequantize(blocks: Tensor, fmt: str, k: int) -> Tensor:
