@@ -30,11 +30,11 @@ from radixserve.constrained import (
     tokenizer_kind,
     unpack_token_masks,
 )
-from radixserve.constrained.grammar import GrammarError
+from radixserve.constrained.grammar import COMPILE_TIMEOUT_S, GrammarError
 from radixserve.constrained.vocab import BYTE_LEVEL, SENTENCEPIECE, gpt2_unicode_to_byte
 from radixserve.sampling.params import InvalidRequest, SamplingParams
 from radixserve.sampling.sampler import SamplingInfo, process_logits, sample
-from radixserve.scheduler.io import TokenizedRequest
+from radixserve.scheduler.io import FinishReason, TokenizedRequest
 
 INTEGER = r"-?\d{1,8}"
 DATE = r"\d{4}-\d{2}-\d{2}"
@@ -307,6 +307,27 @@ def test_invalid_pattern_via_engine(engine: Engine) -> None:
     with pytest.raises(ValueError, match="^json_schema: "):
         engine.generate("x", {"json_schema": "{not json"})
     assert not engine.scheduler.waiting and not engine.scheduler.running
+    engine.check_integrity()
+
+
+def test_a_request_compiling_holds_nothing(engine: Engine) -> None:
+    """While its pattern compiles (off the scheduler thread) a request can be aborted, or
+    run out of time: either way all its n samples end (abort / error 400)."""
+    sched = engine.scheduler
+    sched.add_request(_request("compiling", "x", engine, regex="[0-9]{41}z", n=2))
+    assert len(sched.compiling) == 1 and sched.stats().num_queued == 1
+    sched.abort_request("compiling")
+    outs = list(sched.run_until_idle())
+    assert sorted(o.index for o in outs if o.finished) == [0, 1]
+    assert {o.finish_reason.type for o in outs if o.finish_reason} == {"abort"}
+    sched.compiling.timeout_s = 0.0
+    try:
+        sched.add_request(_request("too-slow", "x", engine, regex="[0-9]{42}z"))
+        (out,) = sched.run_until_idle()
+    finally:
+        sched.compiling.timeout_s = COMPILE_TIMEOUT_S
+    assert out.finish_reason == FinishReason("error", "regex: did not compile in 0 s", 400)
+    assert not sched.has_work()
     engine.check_integrity()
 
 
