@@ -82,6 +82,31 @@ def test_stream_and_chat_roles(endpoint: rs.RuntimeEndpoint) -> None:
     assert full.text() == tok.apply_chat_template(full.messages(), tokenize=False)
 
 
+def test_stream_logprobs(endpoint: rs.RuntimeEndpoint) -> None:
+    """SGLang's test_stream_logprobs program: a streamed gen with return_logprob ends with
+    the whole output's logprobs (the server sends them per chunk; the endpoint joins them),
+    the same as without streaming."""
+
+    @rs.function
+    def prog(s: Any) -> None:
+        s += "Logprobs while streaming:" + rs.gen(
+            "x", max_tokens=10, return_logprob=True, top_logprobs_num=3, **GREEDY
+        )
+
+    streamed = prog.run(backend=endpoint, stream=True)
+    text = "".join(streamed.text_iter("x"))
+    full = prog.run(backend=endpoint)
+    meta, want = streamed.get_meta_info("x"), full.get_meta_info("x")
+    assert text == full["x"] and meta["completion_tokens"] == 10
+    assert meta["output_token_logprobs_length"] == len(meta["output_token_logprobs"]) == 10
+    assert [e[1] for e in meta["output_token_logprobs"]] == [
+        e[1] for e in want["output_token_logprobs"]
+    ]
+    assert len(meta["output_top_logprobs"]) == 10 and all(
+        len(t) == 3 for t in meta["output_top_logprobs"]
+    )
+
+
 def test_select_against_server_equals_engine_scores(
     endpoint: rs.RuntimeEndpoint, tiny_model_dir: Any
 ) -> None:
