@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from radixserve.constrained.grammar import COMPILE_TIMEOUT_S, CompiledGrammar
 from radixserve.scheduler.io import TokenizedRequest
 
+Built = tuple[TokenizedRequest, CompiledGrammar | None]  # ready to queue
+Failed = tuple[TokenizedRequest, str]  # refused (400), with the reason
+
 
 @dataclass
 class _Compile:
@@ -46,13 +49,11 @@ class PendingCompiles:
         self._items = [c for c in self._items if c.request.rid != rid]
         return gone
 
-    def poll(
-        self,
-    ) -> tuple[
-        list[tuple[TokenizedRequest, CompiledGrammar | None]], list[tuple[TokenizedRequest, str]]
-    ]:
+    def poll(self) -> tuple[list[Built], list[Failed]]:
         """Take the finished compiles: (built: request and grammar, failed: request and why)."""
-        built, failed, keep = [], [], []
+        built: list[Built] = []
+        failed: list[Failed] = []
+        keep: list[_Compile] = []
         now = time.monotonic()
         for c in self._items:
             field = "regex" if c.request.sampling.regex is not None else "json_schema"
