@@ -157,6 +157,7 @@ class GrammarCompiler:
         self._vocabulary: Any = None  # built on the first compile (~0.3 s for 49k tokens)
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
+        self._building: dict[tuple[str, str], Future[CompiledGrammar | None]] = {}
 
     def compile(self, params: SamplingParams) -> CompiledGrammar | None:
         """The compiled constraint of `params` (None when it has none).
@@ -182,12 +183,20 @@ class GrammarCompiler:
 
     def compile_async(self, params: SamplingParams) -> Future[CompiledGrammar | None]:
         """`compile(params)` on a daemon thread; already done when there is nothing to build
-        (no constraint, or a cached one). The future raises what `compile` raised; a thread
-        past its deadline is abandoned (it cannot be stopped) and ends on its own."""
+        (no constraint, or a cached one). Requests with a pattern being built share its one
+        future. The future raises what `compile` raised; a thread past its deadline is
+        abandoned (it cannot be stopped) and ends on its own."""
         future: Future[CompiledGrammar | None] = Future()
         key = _constraint(params)
+        if key is None:
+            future.set_result(None)
+            return future
         with self._lock:
-            cached = key is None or key in self._cache
+            if key in self._building:
+                return self._building[key]
+            cached = key in self._cache
+            if not cached:
+                self._building[key] = future
         if cached:
             future.set_result(self.compile(params))
             return future
@@ -197,6 +206,8 @@ class GrammarCompiler:
                 future.set_result(self.compile(params))
             except BaseException as e:  # outlines panics are BaseExceptions: report them too
                 future.set_exception(e)
+            with self._lock:
+                del self._building[key]
 
         threading.Thread(target=run, name="grammar-compile", daemon=True).start()
         return future
