@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
 from benchmarks.runtime_args import add_runtime_args, check_runtime_args  # noqa: E402
-from benchmarks.sandbox import Limits, run_python  # noqa: E402
+from benchmarks.sandbox import Limits, check_available, run_python  # noqa: E402
 
 FORMATS = ("chat", "completion")
 HUMANEVAL_STOP = ["\nclass ", "\ndef ", "\n#", "\nif __name__", "\nprint("]  # as Codex
@@ -494,6 +494,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     check_runtime_args(args)
+    check_available()  # no sandbox here: fail now, before generating anything
     problems = load_problems(args)
     cfg = EvalConfig(
         k=args.samples,
