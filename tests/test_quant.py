@@ -18,10 +18,11 @@ from helpers import alloc_slots, extend, greedy_generate, make_pool
 from radixserve import Engine
 from radixserve.attention.flat import FlatBackend
 from radixserve.config import EngineConfig
+from radixserve.isa import fast_cpu_bf16, resolve_dtype
 from radixserve.models import load_model, resolve_model_path
 from radixserve.models.gguf_weights import QuantWeight, read_gguf_weights, unpermute_rows
 from radixserve.models.loader import gguf_source, load_config
-from radixserve.models.quant import FORMATS, QuantLinear, dequantize, ops, quantize
+from radixserve.models.quant import BF16_TILED_M, FORMATS, QuantLinear, dequantize, ops, quantize
 
 GGML = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,
         "q8_0": GGMLQuantizationType.Q8_0}  # fmt: skip
@@ -85,6 +86,25 @@ def test_native_kernels_match_reference(fmt: str, m: int, k: int) -> None:
     code = FORMATS[fmt].code
     _close(native.qmatmul_small(x, blocks, code, k), q16_rows(x), w)  # int16 activations
     _close(native.qmatmul_tiled(x, blocks, code, k), x, w)  # exact float32 activations
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_bf16_tiles_are_the_bf16_rounded_weights(fmt: str) -> None:
+    """bf16 x: qmatmul_tiled multiplies by the weights rounded to bf16 (as torch rounds them)
+    in the bf16 GEMM, output bf16; QuantLinear takes that path for a bf16 model from
+    BF16_TILED_M rows where bf16 matmuls are fast, else the float32 path."""
+    native = ops()
+    assert native is not None
+    blocks, w = _weights(75, 576, fmt, seed=5)
+    x = torch.randn(BF16_TILED_M, 576, generator=torch.Generator().manual_seed(5)).bfloat16()
+    got = native.qmatmul_tiled(x, blocks, FORMATS[fmt].code, 576)
+    assert got.dtype == torch.bfloat16
+    wb = w.bfloat16().double()
+    err = (got.double() - x.double() @ wb.T).abs() / (x.double().abs() @ wb.abs().T)
+    assert err.max().item() <= 2**-8  # the output's bf16 rounding and float32 sums only
+    layer = QuantLinear(blocks, fmt, 576, None)
+    expected = got if fast_cpu_bf16() else layer(x.float()).bfloat16()
+    assert torch.equal(layer(x), expected)
 
 
 def test_small_kernel_activation_error_is_bounded_and_per_row() -> None:
@@ -158,6 +178,9 @@ for fmt, f in FORMATS.items():
         x = torch.randn(rows, 64)
         _close(m.qmatmul_small(x, b, f.code, 64), q16_rows(x), w)
         _close(m.qmatmul_tiled(x, b, f.code, 64), x, w)
+    got = m.qmatmul_tiled(x.bfloat16(), b, f.code, 64)
+    want = x.bfloat16().double() @ w.bfloat16().double().T
+    assert got.dtype == torch.bfloat16 and (got.double() - want).abs().max() <= 2**-7 * want.abs().max()
 print("ok")
 """
     env = {"RADIXSERVE_CPU_ISA": "scalar", "PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
@@ -275,14 +298,17 @@ def test_without_native_kernels_auto_loads_dequantized(monkeypatch, smollm2_path
 
 
 def test_kv_cache_dtype_auto_is_fp16_under_quantized_weights(tiny_model_dir: Path) -> None:
-    """auto: fp16 KV rows for the GGUF-quantized embedded model on a CPU (the native kernels
-    widen them on load), the compute dtype for a float checkpoint; an explicit dtype wins;
-    fp16 rows keep the greedy continuation of the float32 pool."""
+    """auto: fp16 KV rows for the GGUF-quantized embedded model on a CPU computing in float32
+    (the native kernels widen them on load; a bf16 CPU keeps its 2-byte compute dtype), the
+    compute dtype for a float checkpoint; an explicit dtype wins; the narrow rows keep the
+    greedy continuation of the float32 pool."""
     quantized = Engine(max_total_tokens=1024)
     exact_kv = Engine(max_total_tokens=1024, kv_cache_dtype="float32")
     plain = Engine(str(tiny_model_dir), dtype="float32", max_total_tokens=256)
+    compute = resolve_dtype("auto", "cpu")[0]
     try:
-        assert quantized.scheduler.worker.pool.k[0].dtype == torch.float16
+        want = torch.float16 if compute == torch.float32 else compute
+        assert quantized.scheduler.worker.pool.k[0].dtype == want
         assert exact_kv.scheduler.worker.pool.k[0].dtype == torch.float32
         assert plain.scheduler.worker.pool.k[0].dtype == torch.float32
         prompt = quantized.apply_chat_template([{"role": "user", "content": "Name three colours."}])

@@ -105,12 +105,27 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-// Rows [n0, n1) of the weight, all of it dequantized into dst (n1 - n0, K) float32.
-void dequant_rows(const uint8_t* w, int64_t fmt, int64_t K, int64_t n0, int64_t n1, float* dst) {
+// 8 float32 lanes -> dst[0..8) as float32, or as bfloat16 rounded to nearest even (what
+// torch's conversion does; the weights are finite).
+#ifdef RS_AVX2
+inline void store8(float* dst, __m256 v) { _mm256_storeu_ps(dst, v); }
+inline void store8(at::BFloat16* dst, __m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
+}
+#endif
+
+// Rows [n0, n1) of the weight, all of it dequantized into dst (n1 - n0, K) of T (float32,
+// or bfloat16 for the bf16 GEMM).
+template <typename T>
+void dequant_rows(const uint8_t* w, int64_t fmt, int64_t K, int64_t n0, int64_t n1, T* dst) {
   const int64_t bb = block_bytes(fmt), nb = K / kBlock;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * nb * bb;
-    float* out = dst + (n - n0) * K;
+    T* out = dst + (n - n0) * K;
     for (int64_t b = 0; b < nb; ++b) {
 #ifdef RS_AVX2
       __m256 v[4];
@@ -119,9 +134,11 @@ void dequant_rows(const uint8_t* w, int64_t fmt, int64_t K, int64_t n0, int64_t 
         case kQ4_1: dequant_block_avx2<kQ4_1>(row + b * bb, v); break;
         default: dequant_block_avx2<kQ8_0>(row + b * bb, v);
       }
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + b * kBlock + 8 * i, v[i]);
+      for (int i = 0; i < 4; ++i) store8(out + b * kBlock + 8 * i, v[i]);
 #else
-      dequant_block_scalar(row + b * bb, fmt, out + b * kBlock);
+      float v[kBlock];
+      dequant_block_scalar(row + b * bb, fmt, v);
+      for (int i = 0; i < kBlock; ++i) out[b * kBlock + i] = static_cast<T>(v[i]);
 #endif
     }
   }
@@ -285,9 +302,11 @@ void dot_rows(const uint8_t* wrow, int64_t fmt, int64_t nb, const QRows& x, int6
   }
 }
 
-void check_args(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "x must be a contiguous (M, K) float32 tensor, got ", x.sizes(), " ", x.scalar_type());
+void check_args(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K, bool bf16_ok = false) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || (bf16_ok && x.scalar_type() == at::kBFloat16)),
+              "x must be a contiguous (M, K) float32", bf16_ok ? " or bfloat16" : "", " tensor, got ", x.sizes(), " ",
+              x.scalar_type());
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "w must be a contiguous (N, bytes) uint8 tensor, got ", w.sizes());
   TORCH_CHECK(K % kBlock == 0 && x.size(1) == K, "K must be a multiple of 32 and equal x.size(1): K=", K,
@@ -318,20 +337,25 @@ at::Tensor qmatmul_small(const at::Tensor& x, const at::Tensor& w, int64_t fmt, 
   return out;
 }
 
-// x (M, K) float32 @ w(N, K).T -> (M, N) float32; prefill-sized M.
+// x (M, K) @ w(N, K).T -> (M, N) in x's dtype; prefill-sized M. float32 x: the tiles are
+// exact float32 weights and the sgemm sums in float32. bfloat16 x (a bf16 model): the tiles
+// are the weights rounded to bf16, as a bf16 model holding the dequantized weights has them,
+// and the bf16 GEMM (float32 accumulation) runs at the CPU's bf16 rate.
 at::Tensor qmatmul_tiled(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K) {
-  check_args(x, w, fmt, K);
+  check_args(x, w, fmt, K, true);
   const int64_t M = x.size(0), N = w.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t tiles = (N + kTile - 1) / kTile;
   const bool inference = c10::InferenceMode::is_enabled();
+  const bool narrow = x.scalar_type() != at::kFloat;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     c10::InferenceMode guard(inference);  // thread-local: the caller's mode, on every thread
     at::Tensor buf = at::empty({kTile, K}, x.options());  // this thread's tile, ~L2-sized
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTile, n1 = std::min(N, n0 + kTile);
-      dequant_rows(wp, fmt, K, n0, n1, buf.data_ptr<float>());
+      if (narrow) dequant_rows(wp, fmt, K, n0, n1, buf.data_ptr<at::BFloat16>());
+      else dequant_rows(wp, fmt, K, n0, n1, buf.data_ptr<float>());
       at::Tensor dst = out.narrow(1, n0, n1 - n0);  // (M, tile) strided view: BLAS ldc = N
       at::mm_out(dst, x, buf.narrow(0, 0, n1 - n0).t());
     }
