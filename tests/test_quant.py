@@ -180,7 +180,8 @@ for fmt, f in FORMATS.items():
         _close(m.qmatmul_tiled(x, b, f.code, 64), x, w)
     got = m.qmatmul_tiled(x.bfloat16(), b, f.code, 64)
     want = x.bfloat16().double() @ w.bfloat16().double().T
-    assert got.dtype == torch.bfloat16 and (got.double() - want).abs().max() <= 2**-7 * want.abs().max()
+    assert got.dtype == torch.bfloat16
+    assert (got.double() - want).abs().max() <= 2**-7 * want.abs().max()
 print("ok")
 """
     env = {"RADIXSERVE_CPU_ISA": "scalar", "PATH": "/usr/bin:/bin", "HOME": str(Path.home()),

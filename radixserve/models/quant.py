@@ -131,7 +131,8 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         blocks, bias, native = self._buffers["blocks"], self._buffers["bias"], ops()
         assert blocks is not None
-        if native is not None and x2.shape[0] >= BF16_TILED_M and x2.dtype == torch.bfloat16 and fast_cpu_bf16():
+        bf16_tiles = x2.dtype == torch.bfloat16 and x2.shape[0] >= BF16_TILED_M
+        if native is not None and bf16_tiles and fast_cpu_bf16():
             y = native.qmatmul_tiled(x2.contiguous(), blocks, self.code, self.in_features)
             y = y if bias is None else y.add_(bias)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
