@@ -153,6 +153,7 @@ constexpr float kQMax = 32767.f;
 struct QRows {
   std::vector<int16_t> q;  // (M, K)
   std::vector<float> d, s;  // (M, K / 32)
+  std::vector<float> d8, s8;  // the same per group of kRows rows, row-minor: (M / kRows, K / 32, kRows)
 };
 
 void quantize_block(const float* x, int16_t* q, float* d, float* s) {
@@ -209,6 +210,16 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QRows& out) {
   out.q.resize(M * K), out.d.resize(M * nb), out.s.resize(M * nb);
   for (int64_t i = 0; i < M * nb; ++i) {
     quantize_block(x + i * kBlock, out.q.data() + i * kBlock, out.d.data() + i, out.s.data() + i);
+  }
+  const int64_t groups = M / kRows;
+  out.d8.resize(groups * nb * kRows), out.s8.resize(groups * nb * kRows);
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int64_t r = 0; r < kRows; ++r) {
+        out.d8[(g * nb + b) * kRows + r] = out.d[(g * kRows + r) * nb + b];
+        out.s8[(g * nb + b) * kRows + r] = out.s[(g * kRows + r) * nb + b];
+      }
+    }
   }
 }
 
@@ -278,6 +289,51 @@ void dot_rows(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, float
 #endif
 }
 
+#ifdef RS_AVX2
+// dot_rows for a whole group of kRows = 8 rows of x (xr a multiple of 8). Per block the 8
+// rows' int32 sums are reduced into one vector (lane r = row r: exact integers), then scaled
+// and accumulated for all 8 rows at once, instead of a scale broadcast and FMA per row.
+template <int64_t fmt>
+void dot_rows8(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, float* out, int64_t ldo) {
+  static_assert(kRows == 8, "one AVX2 lane per row");
+  const int64_t bb = block_bytes(fmt);
+  const float* d8 = x.d8.data() + xr * nb;  // group xr / 8: (nb, 8)
+  const float* s8 = x.s8.data() + xr * nb;
+  __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = wrow + b * bb;
+    float dw, mw;
+    block_scales<fmt>(blk, dw, mw);
+    __m256i w0, w1;  // weights 0-15 and 16-31 as int16
+    if (fmt == kQ8_0) {
+      w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
+      w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
+    } else {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (fmt == kQ4_1 ? 4 : 2)));
+      const __m128i low4 = _mm_set1_epi8(15);
+      w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4));
+      w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+    }
+    __m256i sums[8];
+    for (int r = 0; r < 8; ++r) {
+      const __m256i* xq = reinterpret_cast<const __m256i*>(x.q.data() + ((xr + r) * nb + b) * kBlock);
+      sums[r] = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xq)),
+                                 _mm256_madd_epi16(w1, _mm256_loadu_si256(xq + 1)));
+    }
+    // hadd twice: 128-bit lane halves hold rows 0-3 (and 4-7) summed over their 4 columns
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[0], sums[1]), _mm256_hadd_epi32(sums[2], sums[3]));
+    const __m256i c = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[4], sums[5]), _mm256_hadd_epi32(sums[6], sums[7]));
+    const __m256i dots = _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31));
+    const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(dw), _mm256_loadu_ps(d8 + b * 8));
+    acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dots), acc);
+    if (fmt != kQ8_0) off = _mm256_fmadd_ps(_mm256_set1_ps(mw), _mm256_loadu_ps(s8 + b * 8), off);
+  }
+  alignas(32) float res[8];
+  _mm256_store_ps(res, _mm256_add_ps(acc, off));
+  for (int r = 0; r < 8; ++r) out[r * ldo] = res[r];
+}
+#endif
+
 template <int64_t fmt>
 void dot_rows(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, int64_t rows, float* out,
               int64_t ldo) {
@@ -289,7 +345,11 @@ void dot_rows(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, int64
     case 5: return dot_rows<fmt, 5>(wrow, nb, x, xr, out, ldo);
     case 6: return dot_rows<fmt, 6>(wrow, nb, x, xr, out, ldo);
     case 7: return dot_rows<fmt, 7>(wrow, nb, x, xr, out, ldo);
+#ifdef RS_AVX2
+    default: return dot_rows8<fmt>(wrow, nb, x, xr, out, ldo);
+#else
     default: return dot_rows<fmt, kRows>(wrow, nb, x, xr, out, ldo);
+#endif
   }
 }
 
