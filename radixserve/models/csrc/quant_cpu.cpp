@@ -230,6 +230,22 @@ inline void block_scales(const uint8_t* b, float& d, float& m) {
   m = fmt == kQ4_1 ? half_to_float(b + 2) : fmt == kQ4_0 ? -8.f * d : 0.f;
 }
 
+#ifdef RS_AVX2
+// The weight block's 32 quants as int16: w0 = weights 0-15, w1 = weights 16-31.
+template <int64_t fmt>
+inline void widen_block(const uint8_t* blk, __m256i& w0, __m256i& w1) {
+  if (fmt == kQ8_0) {
+    w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
+    w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (fmt == kQ4_1 ? 4 : 2)));
+    const __m128i low4 = _mm_set1_epi8(15);
+    w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4));
+    w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+  }
+}
+#endif
+
 // out[r * ldo] = dot(x[r], weight row) for r < R, with x quantized (QRows at row offset
 // `xr`): per block d_w * d_x * sum(q_w * q_x) in exact int32 (|sum| <= 32 * 128 * 32767),
 // plus m_w * s_x. The weight block is widened to int16 once for R rows; R is a template
@@ -245,16 +261,8 @@ void dot_rows(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, float
     const uint8_t* blk = wrow + b * bb;
     float dw, mw;
     block_scales<fmt>(blk, dw, mw);
-    __m256i w0, w1;  // weights 0-15 and 16-31 as int16
-    if (fmt == kQ8_0) {
-      w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
-      w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
-    } else {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (fmt == kQ4_1 ? 4 : 2)));
-      const __m128i low4 = _mm_set1_epi8(15);
-      w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4));
-      w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
-    }
+    __m256i w0, w1;
+    widen_block<fmt>(blk, w0, w1);
     for (int r = 0; r < R; ++r) {
       const int64_t xb = (xr + r) * nb + b;
       const __m256i* xq = reinterpret_cast<const __m256i*>(x.q.data() + xb * kBlock);
@@ -304,16 +312,8 @@ void dot_rows8(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, floa
     const uint8_t* blk = wrow + b * bb;
     float dw, mw;
     block_scales<fmt>(blk, dw, mw);
-    __m256i w0, w1;  // weights 0-15 and 16-31 as int16
-    if (fmt == kQ8_0) {
-      w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
-      w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
-    } else {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (fmt == kQ4_1 ? 4 : 2)));
-      const __m128i low4 = _mm_set1_epi8(15);
-      w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4));
-      w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
-    }
+    __m256i w0, w1;
+    widen_block<fmt>(blk, w0, w1);
     __m256i sums[8];
     for (int r = 0; r < 8; ++r) {
       const __m256i* xq = reinterpret_cast<const __m256i*>(x.q.data() + ((xr + r) * nb + b) * kBlock);
