@@ -513,9 +513,6 @@ void head_block(Problem& P, const Unit& u, int64_t head, int64_t base, int64_t r
   }
 }
 
-// Stream the item's keys block by block through every head's query tiles. T is what the
-// micro-kernels read: float (fp32 pool rows, or bf16 / fp16 rows converted once per block,
-// which pays when many tiles share the block) or the stored type (converted in registers).
 // Read the K and V pool rows of keys slots[0..n) (all `heads` heads, bytes each) once, in
 // address order, touching every cache line.
 int warm_rows(const Problem& P, const int64_t* slots, int64_t n, int64_t head, int64_t bytes) {
