@@ -2,15 +2,16 @@
 each `--quantization` mode against the dequantized float32 model, on the same fixed text.
 
 Modes: `none` (every weight dequantized to float32: the reference), `auto` (the GGUF's own
-Q4_1 / Q8_0 blocks: the same weights, so only the float32 summation order differs), `int8`
-(every projection re-quantized to Q8_0: a real rounding of the weights).
+Q4_1 / Q8_0 blocks: the same weights, with activations rounded to int16 per 32-block by the
+native kernels, float32 ones in a build without AVX2), `int8` (every projection re-quantized
+to Q8_0: a real rounding of the weights).
 
 Per mode: perplexity of the text (teacher-forced, the prompt's own input logprobs), the mean
 and max |logprob delta| per token against `none`, and for greedy continuations of the prompts
 the number identical to `none`'s and the mean length of the common prefix. The teacher-forced
-logprobs are taken twice: in one long forward per chunk (prefill-sized: the tiled kernels,
-float32 activations) and `--step` tokens a forward, each request extending the cached prefix
-(decode-sized: the small kernels, which round activations to int8 per 32-block).
+logprobs are taken twice: in one long forward per chunk (prefill-sized: the int16 GEMM) and
+`--step` tokens a forward, each request extending the cached prefix (decode-sized: the
+weight-streaming kernels).
 
     python benchmarks/eval_quant.py --data-path ../shared/data/gsm8k/test.jsonl --json out.json
 """

@@ -18,7 +18,7 @@ from helpers import alloc_slots, extend, greedy_generate, make_pool
 from radixserve import Engine
 from radixserve.attention.flat import FlatBackend
 from radixserve.config import EngineConfig
-from radixserve.isa import fast_cpu_bf16, resolve_dtype
+from radixserve.isa import cpu_isa, fast_cpu_bf16, resolve_dtype
 from radixserve.models import load_model, resolve_model_path
 from radixserve.models.gguf_weights import QuantWeight, read_gguf_weights, unpermute_rows
 from radixserve.models.loader import gguf_source, load_config
@@ -76,16 +76,24 @@ def test_quantize_error_is_within_half_a_step(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 67])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 67, 130])
 @pytest.mark.parametrize("k", [32, 576])
 def test_native_kernels_match_reference(fmt: str, m: int, k: int) -> None:
     native = ops()
     assert native is not None, "the quantized kernels must build on the test machines"
-    blocks, w = _weights(75, k, fmt, seed=m)  # 75 rows: not a multiple of any tile
+    blocks, w = _weights(75, k, fmt, seed=m)  # 75 rows: not a multiple of any tile or panel
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m))
     code = FORMATS[fmt].code
     _close(native.qmatmul_small(x, blocks, code, k), q16_rows(x), w)  # int16 activations
+    _close(native.qmatmul_gemm(x, blocks, code, k), q16_rows(x), w)  # (130: > one row pass)
     _close(native.qmatmul_tiled(x, blocks, code, k), x, w)  # exact float32 activations
+
+
+def test_int16_gemm_is_built_where_avx2_is() -> None:
+    """The int16 GEMM is the AVX2 build's path above small_m; a portable build falls back."""
+    native = ops()
+    assert native is not None
+    assert native.int_gemm == (cpu_isa() != "scalar")
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -107,22 +115,24 @@ def test_bf16_tiles_are_the_bf16_rounded_weights(fmt: str) -> None:
     assert torch.equal(layer(x), expected)
 
 
-def test_small_kernel_activation_error_is_bounded_and_per_row() -> None:
+@pytest.mark.parametrize("kernel", ["qmatmul_small", "qmatmul_gemm"])
+def test_int16_activation_error_is_bounded_and_per_row(kernel: str) -> None:
     """Rounding x to int16 moves each product by at most half a step (amax / 65534) of its
     block: the output error is bounded by |w| @ that step (plus float32 summation error), and
     a non-finite value in one row of x gives NaN in that row only."""
     native = ops()
     assert native is not None
+    run = getattr(native, kernel)
     blocks, w = _weights(64, 576, "q4_1", seed=9)
-    x = torch.randn(4, 576, generator=torch.Generator().manual_seed(9))
-    step = x.view(4, -1, 32).abs().amax(-1, keepdim=True).expand(4, 18, 32).reshape(4, 576) / 65534
+    x = torch.randn(6, 576, generator=torch.Generator().manual_seed(9))
+    step = x.view(6, -1, 32).abs().amax(-1, keepdim=True).expand(6, 18, 32).reshape(6, 576) / 65534
     bound = step.double() @ w.double().abs().T + REL_TOL * (x.double().abs() @ w.double().abs().T)
-    got = native.qmatmul_small(x, blocks, FORMATS["q4_1"].code, 576)
+    got = run(x, blocks, FORMATS["q4_1"].code, 576)
     err = (got.double() - x.double() @ w.double().T).abs()
     assert bool((err <= bound).all()), (err / bound).max()
     x[2, 100] = float("inf")
-    got = native.qmatmul_small(x, blocks, FORMATS["q4_1"].code, 576)
-    assert bool(got[2].isnan().all()) and bool(got[[0, 1, 3]].isfinite().all())
+    got = run(x, blocks, FORMATS["q4_1"].code, 576)
+    assert bool(got[2].isnan().all()) and bool(got[[0, 1, 3, 4, 5]].isfinite().all())
 
 
 def test_quant_linear_bias_dtype_and_leading_dims() -> None:
@@ -130,11 +140,14 @@ def test_quant_linear_bias_dtype_and_leading_dims() -> None:
     bias = torch.randn(40)
     layer = QuantLinear(blocks, "q4_1", 64, bias)
     small_m = FORMATS["q4_1"].small_m
-    for rows in (1, small_m + 5):  # both kernels (the small one on int16 activations)
+    native = ops()
+    assert native is not None
+    for rows in (1, small_m + 5):  # both kernels: int16 x, or float32 tiles without AVX2
         x = torch.randn(2, rows, 64)
         y = layer(x)
         assert y.shape == (2, rows, 40) and y.dtype == torch.float32
-        xs = x if 2 * rows > small_m else q16_rows(x.view(-1, 64)).view_as(x)
+        exact_x = 2 * rows > small_m and not native.int_gemm
+        xs = x if exact_x else q16_rows(x.view(-1, 64)).view_as(x)
         torch.testing.assert_close(y, xs @ w.T + bias, rtol=1e-5, atol=1e-5)
     xb = torch.randn(3, 64).bfloat16()
     yb = layer(xb)
@@ -172,11 +185,13 @@ from test_quant import _close, q16_rows
 assert cpu_isa() == "scalar", cpu_isa()
 m = ops()
 assert m is not None and m.__name__ == "radixserve_quant_scalar", m
+assert not m.int_gemm  # QuantLinear uses the tiles there; qmatmul_gemm still computes
 for fmt, f in FORMATS.items():
     b = quantize(torch.randn(33, 64) * 0.1, fmt); w = dequantize(b, fmt, 64)
     for rows in (1, 5, 20):
         x = torch.randn(rows, 64)
         _close(m.qmatmul_small(x, b, f.code, 64), q16_rows(x), w)
+        _close(m.qmatmul_gemm(x, b, f.code, 64), q16_rows(x), w)
         _close(m.qmatmul_tiled(x, b, f.code, 64), x, w)
     got = m.qmatmul_tiled(x.bfloat16(), b, f.code, 64)
     want = x.bfloat16().double() @ w.bfloat16().double().T
@@ -241,14 +256,15 @@ def test_embedded_model_runs_quantized_by_default(smollm2_pair: tuple) -> None:
 
 
 def test_quantized_smollm2_logits_match_dequantized(smollm2_pair: tuple) -> None:
-    """Same weights: a 40-token extend (float32 activations) gives logits within 1e-3, and
-    greedy decoding (one row a step: int16 activations) the same continuation."""
+    """Same weights, activations rounded to int16 per 32-block by the quantized kernels: a
+    40-token extend gives logits (|logit| up to ~33) within 2e-2 (9.0e-3 measured, 1.1e-3 mean;
+    6.2e-3 for a single row, the decode kernel), and greedy decoding the same continuation."""
     quantized, plain = smollm2_pair
     ids = list(range(1000, 1040))
     got = extend(quantized, FlatBackend(), *_pool(quantized, ids), ids, 0)
     want = extend(plain, FlatBackend(), *_pool(plain, ids), ids, 0)
-    diff = (got - want).abs().max().item()
-    assert diff < 1e-3, f"max abs logit diff {diff:.2e}"
+    diff = (got - want).abs()
+    assert diff.max().item() < 2e-2 and diff.mean().item() < 3e-3, (diff.max(), diff.mean())
     prompt = [1, 504, 3458, 282, 4649, 314]  # "<|im_start|>The capital of France is"-like
     assert greedy_generate(quantized, prompt, 12, FlatBackend()) == greedy_generate(
         plain, prompt, 12, FlatBackend()

@@ -3,13 +3,16 @@ layer that multiplies by them (csrc/quant_cpu.cpp, built per CPU ISA on first us
 
 Why: a decode step at small batch reads every weight once, so its time is the weight bytes
 over the memory bandwidth. Q4_1 stores 32 weights in 20 bytes (5 bits a weight) against
-128 bytes in float32: ~6x fewer bytes per step. Above the format's `small_m` rows the
-native kernel dequantizes tiles into sgemm (F.linear on the dequantized matrix up to the
-order of the float32 sums; a bf16 model with BF16_TILED_M rows or more, on a CPU with fast
-bf16 matmuls, gets bf16 tiles and the bf16 GEMM, as if it held the dequantized weights in
-bf16); up to it, it rounds x to int16 per 32-block and sums exact integer
-products (error <= amax / 65534 of each block: on SmolLM2, |logprob delta| 1.7e-4 mean
-against float32, benchmarks/eval_quant.py; tests/test_quant.py).
+128 bytes in float32: ~6x fewer bytes per step. x is rounded to int16 per 32-block and the
+block products are summed as exact integers (error <= amax / 65534 of each block: on
+SmolLM2, |logprob delta| 1.7e-4 mean against float32, benchmarks/eval_quant.py;
+tests/test_quant.py), by one of two kernels: up to the format's `small_m` rows, a
+weight-streaming kernel (each weight block widened once for 8 rows of x); above it, an
+int16 GEMM (weights widened into panels of 16 columns, madd at twice the multiply-adds per
+instruction of a float32 FMA: 1.3-1.4x dequantize + sgemm from 64 to 1024 rows). A bf16
+model with BF16_TILED_M rows or more, on a CPU with fast bf16 matmuls, gets bf16 tiles and
+the bf16 GEMM instead (as if it held the dequantized weights in bf16); a build without AVX2
+dequantizes float32 tiles into sgemm above `small_m`.
 
 Layout of a weight (N, K): a uint8 tensor (N, K / 32 * block_bytes), row n holding the
 K / 32 blocks of output row n (see the C++ file for the block formats).
@@ -32,9 +35,10 @@ SOURCE = Path(__file__).with_name("csrc") / "quant_cpu.cpp"
 BLOCK = 32
 # Rows from which a bf16 model's quantized linears run as bf16 tiles into the bf16 GEMM
 # (weights rounded to bf16, as in a bf16 model holding the dequantized weights) instead of
-# float32 tiles: where bf16 matmuls are fast (AVX512-BF16 / AMX), bench_quant.py on a Zen 4
-# EPYC: 0.8x at 32 rows, 1.15x at 48, 1.3x at 64, 2.1x at 512.
-BF16_TILED_M = 40
+# the int16 GEMM, where bf16 matmuls are fast (AVX512-BF16 / AMX). On a Zen 4 EPYC (AVX512-BF16,
+# benchmarks/bench_quant.py) bf16 tiles take 1.2-1.6x the int16 GEMM's time at 48-64 rows, about
+# the same at 96, 0.6-0.95x at 128, 0.6x at 1024.
+BF16_TILED_M = 96
 
 
 @dataclass(frozen=True)
@@ -42,15 +46,15 @@ class Format:
     name: str
     code: int  # the C++ enum
     block_bytes: int
-    # Rows of x up to which the int16-activation kernel beats dequantize-a-tile + sgemm
-    # (benchmarks/bench_quant.py on the AVX2 EPYC: Q4 even at 16-20 rows; Q8_0, without the
-    # 4-bit formats' per-block offset term, wins to ~40).
+    # Rows of x up to which the weight-streaming kernel beats the int16 GEMM, whose panel
+    # packing costs more per weight byte: Q4 to ~8 rows, Q8_0 (twice the bytes to widen) to
+    # ~24 on the 49152-row embedding (benchmarks/bench_quant.py, Zen 4 EPYC, both ISA paths).
     small_m: int
 
 
 FORMATS = {
     f.name: f
-    for f in (Format("q4_0", 0, 18, 16), Format("q4_1", 1, 20, 16), Format("q8_0", 2, 34, 32))
+    for f in (Format("q4_0", 0, 18, 8), Format("q4_1", 1, 20, 8), Format("q8_0", 2, 34, 24))
 }
 
 
@@ -109,8 +113,8 @@ def _pack(n: int, parts: list[Tensor]) -> Tensor:
 class QuantLinear(nn.Module):
     """y = x @ dequantize(blocks).T + bias; x (..., K) in any float dtype, y in x's dtype.
 
-    Computes in float32 whatever x's dtype. Holds `blocks` (uint8, see module doc) as a
-    buffer, so `state_dict` carries the quantized bytes.
+    Runs the kernel the module doc picks for x's rows and dtype. Holds `blocks` (uint8, see
+    module doc) as a buffer, so `state_dict` carries the quantized bytes.
     """
 
     def __init__(self, blocks: Tensor, fmt: str, in_features: int, bias: Tensor | None) -> None:
@@ -142,6 +146,8 @@ class QuantLinear(nn.Module):
             y = x2 @ dequantize(blocks, self.fmt, self.in_features).T
         elif x2.shape[0] <= self.small_m:
             y = native.qmatmul_small(x2, blocks, self.code, self.in_features)
+        elif native.int_gemm:
+            y = native.qmatmul_gemm(x2, blocks, self.code, self.in_features)
         else:
             y = native.qmatmul_tiled(x2, blocks, self.code, self.in_features)
         if bias is not None:

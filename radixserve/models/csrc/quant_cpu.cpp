@@ -7,19 +7,23 @@
 //   Q8_0 (34 B): fp16 d, int8 qs[32]            w_j = d * q_j
 // where, for the 4-bit formats, q_j = qs[j] & 15 for j < 16 and qs[j - 16] >> 4 otherwise.
 //
-// Two ways to multiply x (M, K) float32 by such a weight, picked by the caller per call:
+// Three ways to multiply x (M, K) float32 by such a weight, picked by the caller per call:
 // - `qmatmul_small` (M small: decode): x is rounded per 32-block to int16 (error <= amax /
 //   65534 of its block), each weight block is widened to int16 once for up to kRows rows
 //   of x, and the block dot products run as exact int32 sums (madd), scaled in float32.
 //   Reads each weight byte once per kRows rows: the weight-bandwidth-bound case, where the
 //   4-bit layout reads ~5x fewer bytes than fp32. (Dequantizing to float32 in registers
 //   instead took ~2x the instructions and ran compute-bound on AVX2.)
-// - `qmatmul_tiled`: dequantize a tile of kTile weight rows into a per-thread float32
-//   buffer (it stays in L2) and run the BLAS sgemm on it (M large: prefill, big batches),
-//   so the arithmetic runs at the machine's fp32 matmul rate.
-// Both use the exact weights; `tiled` also the exact float32 x (only the summation order
-// differs from F.linear on the dequantized matrix). Built per ISA: with -mavx2 -mfma
-// -mf16c the AVX2 paths below are used, without them plain C++ (portable, slower).
+// - `qmatmul_gemm` (larger M): the same int16 x and exact integer block sums, as a GEMM:
+//   weight panels widened and interleaved so that each madd lane is one output column (no
+//   horizontal sums), at madd's 16 multiply-adds per instruction against the 8 of a float32
+//   FMA.
+// - `qmatmul_tiled`: dequantize a tile of kTile weight rows into a per-thread float32 (or,
+//   for a bf16 x, bfloat16) buffer (it stays in L2) and run the BLAS GEMM on it, so the
+//   arithmetic runs at the machine's matmul rate with the exact float32 x: the path of
+//   builds without AVX2, and of bf16 models where bf16 matmuls are fast.
+// Built per ISA: with -mavx2 -mfma -mf16c the AVX2 paths below are used, without them plain
+// C++ (portable, slower; qmatmul_gemm then runs qmatmul_small's loops).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -334,6 +338,142 @@ void dot_rows8(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, floa
 }
 #endif
 
+#ifdef RS_AVX2
+// qmatmul_gemm: the weight in groups of 8 rows (output columns), widened to int16 and
+// interleaved so that one madd lane is one column: per block, vector j holds lane n =
+// (w[n][2j], w[n][2j + 1]). A row of x then meets the group with a broadcast pair of its
+// int16 quants, and the block's 8 column sums build up in one int32 vector, with no
+// horizontal reduction; the block is then scaled per lane (d_w of each column times d_x of
+// the row), as in dot_rows. madd does 16 multiply-adds per instruction against 8 for a
+// float32 FMA, so this outruns dequantize + sgemm.
+constexpr int64_t kGroup = 8;       // columns per int32 vector
+constexpr int64_t kPanelGroups = 2;  // groups per panel: 16 columns share each x broadcast
+constexpr int64_t kPanelCols = kGroup * kPanelGroups;
+constexpr int64_t kPanelRows = 128;  // rows of x per pass over a packed panel (stay in L2)
+constexpr int kGemmRows = 4;         // rows of x per register block: 4 x 2 int32 sums
+
+struct Panel {
+  std::vector<__m256i> w;   // (nb, 16 pairs, kPanelGroups) interleaved int16 pairs
+  std::vector<float> d, m;  // (nb, kPanelCols) per column: scale, offset
+};
+
+inline void transpose8(__m256i r[8]) {  // 8x8 int32: r[i] lane j <- r[j] lane i
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+  }
+}
+
+// Weight rows [n0, n0 + cols) (cols <= kPanelCols; missing columns are zero) -> panel.
+template <int64_t fmt>
+void pack_panel(const uint8_t* w, int64_t nb, int64_t n0, int64_t cols, Panel& p) {
+  const int64_t bb = block_bytes(fmt);
+  p.w.resize(nb * 16 * kPanelGroups), p.d.assign(nb * kPanelCols, 0.f), p.m.assign(nb * kPanelCols, 0.f);
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t g = 0; g < kPanelGroups; ++g) {
+      __m256i lo[8], hi[8];  // per column: pairs 0-7 and 8-15 of the block
+      for (int64_t c = 0; c < kGroup; ++c) {
+        const int64_t col = g * kGroup + c;
+        if (col >= cols) {
+          lo[c] = hi[c] = _mm256_setzero_si256();
+          continue;
+        }
+        const uint8_t* blk = w + (n0 + col) * nb * bb + b * bb;
+        widen_block<fmt>(blk, lo[c], hi[c]);
+        block_scales<fmt>(blk, p.d[b * kPanelCols + col], p.m[b * kPanelCols + col]);
+      }
+      transpose8(lo), transpose8(hi);
+      __m256i* dst = p.w.data() + b * 16 * kPanelGroups + g;
+      for (int j = 0; j < 8; ++j) dst[j * kPanelGroups] = lo[j], dst[(8 + j) * kPanelGroups] = hi[j];
+    }
+  }
+}
+
+// out[r * ldo + c] for rows r < R of x (from row xr) and the panel's columns c < cols.
+template <int64_t fmt, int R>
+void gemm_rows(const Panel& p, int64_t nb, const QRows& x, int64_t xr, float* out, int64_t ldo, int64_t cols) {
+  constexpr int G = kPanelGroups;
+  __m256 acc[R][G], off[R][G];
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < G; ++g) acc[r][g] = off[r][g] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i* pw = p.w.data() + b * 16 * G;
+    const int32_t* xq[R];
+    for (int r = 0; r < R; ++r) xq[r] = reinterpret_cast<const int32_t*>(x.q.data() + ((xr + r) * nb + b) * kBlock);
+    __m256i sum[R][G];
+    for (int r = 0; r < R; ++r) {
+      for (int g = 0; g < G; ++g) sum[r][g] = _mm256_setzero_si256();
+    }
+    for (int j = 0; j < 16; ++j) {
+      __m256i wj[G];
+      for (int g = 0; g < G; ++g) wj[g] = _mm256_load_si256(pw + j * G + g);
+      for (int r = 0; r < R; ++r) {
+        const __m256i pair = _mm256_set1_epi32(xq[r][j]);  // x[2j], x[2j + 1]
+        for (int g = 0; g < G; ++g) {
+          sum[r][g] = _mm256_add_epi32(sum[r][g], _mm256_madd_epi16(wj[g], pair));
+          asm("" : "+x"(sum[r][g]));  // keep the chain: GCC would reassociate it into a tree and spill
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m256 dw = _mm256_loadu_ps(p.d.data() + b * kPanelCols + g * kGroup);
+      const __m256 mw = _mm256_loadu_ps(p.m.data() + b * kPanelCols + g * kGroup);
+      for (int r = 0; r < R; ++r) {
+        const int64_t xb = (xr + r) * nb + b;
+        acc[r][g] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x.d[xb])), _mm256_cvtepi32_ps(sum[r][g]), acc[r][g]);
+        if (fmt != kQ8_0) off[r][g] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[xb]), off[r][g]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float y[kPanelCols];
+    for (int g = 0; g < G; ++g) _mm256_store_ps(y + g * kGroup, _mm256_add_ps(acc[r][g], off[r][g]));
+    std::memcpy(out + r * ldo, y, cols * sizeof(float));
+  }
+}
+
+template <int64_t fmt>
+void gemm_panel(const Panel& p, int64_t nb, const QRows& x, int64_t m0, int64_t m1, float* out, int64_t ldo,
+                int64_t cols) {
+  constexpr int R = kGemmRows;
+  int64_t r = m0;
+  for (; r + R <= m1; r += R) gemm_rows<fmt, R>(p, nb, x, r, out + r * ldo, ldo, cols);
+  switch (m1 - r) {
+    case 3: return gemm_rows<fmt, 3>(p, nb, x, r, out + r * ldo, ldo, cols);
+    case 2: return gemm_rows<fmt, 2>(p, nb, x, r, out + r * ldo, ldo, cols);
+    case 1: return gemm_rows<fmt, 1>(p, nb, x, r, out + r * ldo, ldo, cols);
+    default: return;
+  }
+}
+
+template <int64_t fmt>
+void gemm(const uint8_t* w, int64_t N, int64_t nb, const QRows& x, int64_t M, float* out) {
+  const int64_t panels = (N + kPanelCols - 1) / kPanelCols;
+  at::parallel_for(0, panels, 1, [&](int64_t g0, int64_t g1) {
+    Panel p;
+    for (int64_t m0 = 0; m0 < M; m0 += kPanelRows) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t n0 = g * kPanelCols, cols = std::min(kPanelCols, N - n0);
+        pack_panel<fmt>(w, nb, n0, cols, p);
+        gemm_panel<fmt>(p, nb, x, m0, std::min(M, m0 + kPanelRows), out + n0, N, cols);
+      }
+    }
+  });
+}
+#endif
+
 template <int64_t fmt>
 void dot_rows(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, int64_t rows, float* out,
               int64_t ldo) {
@@ -397,6 +537,29 @@ at::Tensor qmatmul_small(const at::Tensor& x, const at::Tensor& w, int64_t fmt, 
   return out;
 }
 
+// x (M, K) float32 @ w(N, K).T -> (M, N) float32, x rounded to int16 as in qmatmul_small;
+// the int16 GEMM above for any M (AVX2 builds; `int_gemm` tells the caller whether it is
+// there: the portable build runs qmatmul_small's loops instead).
+at::Tensor qmatmul_gemm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K) {
+#ifdef RS_AVX2
+  check_args(x, w, fmt, K);
+  const int64_t M = x.size(0), N = w.size(0), nb = K / kBlock;
+  at::Tensor out = at::empty({M, N}, x.options());
+  QRows xq;
+  quantize_rows(x.data_ptr<float>(), M, K, xq);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  switch (fmt) {
+    case kQ4_0: gemm<kQ4_0>(wp, N, nb, xq, M, op); break;
+    case kQ4_1: gemm<kQ4_1>(wp, N, nb, xq, M, op); break;
+    default: gemm<kQ8_0>(wp, N, nb, xq, M, op);
+  }
+  return out;
+#else
+  return qmatmul_small(x, w, fmt, K);
+#endif
+}
+
 // x (M, K) @ w(N, K).T -> (M, N) in x's dtype; prefill-sized M. float32 x: the tiles are
 // exact float32 weights and the sgemm sums in float32. bfloat16 x (a bf16 model): the tiles
 // are the weights rounded to bf16, as a bf16 model holding the dequantized weights has them,
@@ -444,5 +607,11 @@ at::Tensor dequant(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tensor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul_small", &qmatmul_small, "x @ dequant(w).T, decode-sized M");
   m.def("qmatmul_tiled", &qmatmul_tiled, "x @ dequant(w).T, tiles dequantized into sgemm");
+  m.def("qmatmul_gemm", &qmatmul_gemm, "x @ dequant(w).T, x rounded to int16, int16 GEMM");
+#ifdef RS_AVX2
+  m.attr("int_gemm") = true;
+#else
+  m.attr("int_gemm") = false;
+#endif
   m.def("dequant", &dequant, "rows of a block-quantized weight as float32");
 }
