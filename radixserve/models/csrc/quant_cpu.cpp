@@ -339,24 +339,12 @@ void dot_rows8(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, floa
 #endif
 
 #ifdef RS_AVX2
-// qmatmul_gemm: the weight in groups of 8 rows (output columns), widened to int16 and
-// interleaved so that one madd lane is one column: per block, vector j holds lane n =
-// (w[n][2j], w[n][2j + 1]). A row of x then meets the group with a broadcast pair of its
-// int16 quants, and the block's 8 column sums build up in one int32 vector, with no
-// horizontal reduction; the block is then scaled per lane (d_w of each column times d_x of
-// the row), as in dot_rows. madd does 16 multiply-adds per instruction against 8 for a
-// float32 FMA, so this outruns dequantize + sgemm.
-constexpr int64_t kGroup = 8;       // columns per int32 vector
-constexpr int64_t kPanelGroups = 2;  // groups per panel: 16 columns share each x broadcast
-constexpr int64_t kPanelCols = kGroup * kPanelGroups;
-constexpr int64_t kPanelRows = 128;  // rows of x per pass over a packed panel (stay in L2)
-constexpr int kGemmRows = 4;         // rows of x per register block: 4 x 2 int32 sums
-
-struct Panel {
-  std::vector<__m256i> w;   // (nb, 16 pairs, kPanelGroups) interleaved int16 pairs
-  std::vector<float> d, m;  // (nb, kPanelCols) per column: scale, offset
-};
-
+// qmatmul_gemm: x's int16 quants transposed so that a vector holds one int16 pair (x[2j],
+// x[2j + 1]) of each of 8 rows: a madd with a broadcast pair of weights then gives the block
+// sums of 8 rows for one column in one int32 vector, with no horizontal reduction, and the
+// block is scaled per lane (d_x of each row times d_w), as in dot_rows8. madd does 16
+// multiply-adds per instruction against 8 for a float32 FMA, so this outruns dequantize +
+// sgemm; the weights are only widened (kCols columns at a time), never transposed.
 inline void transpose8(__m256i r[8]) {  // 8x8 int32: r[i] lane j <- r[j] lane i
   __m256i t[8], u[8];
   for (int i = 0; i < 8; i += 2) {
@@ -375,99 +363,113 @@ inline void transpose8(__m256i r[8]) {  // 8x8 int32: r[i] lane j <- r[j] lane i
   }
 }
 
-// Weight rows [n0, n0 + cols) (cols <= kPanelCols; missing columns are zero) -> panel.
-template <int64_t fmt>
-void pack_panel(const uint8_t* w, int64_t nb, int64_t n0, int64_t cols, Panel& p) {
-  const int64_t bb = block_bytes(fmt);
-  p.w.resize(nb * 16 * kPanelGroups), p.d.assign(nb * kPanelCols, 0.f), p.m.assign(nb * kPanelCols, 0.f);
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t g = 0; g < kPanelGroups; ++g) {
-      __m256i lo[8], hi[8];  // per column: pairs 0-7 and 8-15 of the block
-      for (int64_t c = 0; c < kGroup; ++c) {
-        const int64_t col = g * kGroup + c;
-        if (col >= cols) {
-          lo[c] = hi[c] = _mm256_setzero_si256();
-          continue;
-        }
-        const uint8_t* blk = w + (n0 + col) * nb * bb + b * bb;
-        widen_block<fmt>(blk, lo[c], hi[c]);
-        block_scales<fmt>(blk, p.d[b * kPanelCols + col], p.m[b * kPanelCols + col]);
+constexpr int64_t kCols = 4;         // weight columns per register block
+constexpr int64_t kRowGroups = 2;    // groups of 8 rows of x per register block
+constexpr int64_t kChunkGroups = 16; // groups of x per pass over the widened columns (L2)
+
+// QRows' int16 quants of full 8-row groups -> (groups, nb, 16 pairs, 8 rows) int32 pairs.
+std::vector<__m256i> transpose_groups(const QRows& x, int64_t groups, int64_t nb) {
+  std::vector<__m256i> t(groups * nb * 16);
+  at::parallel_for(0, groups * nb, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = i / nb, b = i % nb;
+      __m256i lo[8], hi[8];  // per row: pairs 0-7 and 8-15 of the block
+      for (int r = 0; r < 8; ++r) {
+        const __m256i* q = reinterpret_cast<const __m256i*>(x.q.data() + ((g * 8 + r) * nb + b) * kBlock);
+        lo[r] = _mm256_loadu_si256(q), hi[r] = _mm256_loadu_si256(q + 1);
       }
       transpose8(lo), transpose8(hi);
-      __m256i* dst = p.w.data() + b * 16 * kPanelGroups + g;
-      for (int j = 0; j < 8; ++j) dst[j * kPanelGroups] = lo[j], dst[(8 + j) * kPanelGroups] = hi[j];
+      for (int j = 0; j < 8; ++j) t[i * 16 + j] = lo[j], t[i * 16 + 8 + j] = hi[j];
+    }
+  });
+  return t;
+}
+
+// Columns [n0, n0 + C) widened: w (nb, C, 16) int32 pairs, d / m (nb, C).
+template <int64_t fmt, int C>
+void widen_cols(const uint8_t* w, int64_t nb, int64_t n0, int32_t* wq, float* d, float* m) {
+  const int64_t bb = block_bytes(fmt);
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* blk = w + (n0 + c) * nb * bb + b * bb;
+      __m256i w0, w1;
+      widen_block<fmt>(blk, w0, w1);
+      __m256i* dst = reinterpret_cast<__m256i*>(wq + (b * C + c) * 16);
+      _mm256_store_si256(dst, w0), _mm256_store_si256(dst + 1, w1);
+      block_scales<fmt>(blk, d[b * C + c], m[b * C + c]);
     }
   }
 }
 
-// out[r * ldo + c] for rows r < R of x (from row xr) and the panel's columns c < cols.
-template <int64_t fmt, int R>
-void gemm_rows(const Panel& p, int64_t nb, const QRows& x, int64_t xr, float* out, int64_t ldo, int64_t cols) {
-  constexpr int G = kPanelGroups;
-  __m256 acc[R][G], off[R][G];
-  for (int r = 0; r < R; ++r) {
-    for (int g = 0; g < G; ++g) acc[r][g] = off[r][g] = _mm256_setzero_ps();
+// out[row, n0 + c] for the 8 * RG rows of groups [g0, g0 + RG) and columns c < C.
+template <int64_t fmt, int C, int RG>
+void gemm_block(const int32_t* wq, const float* wd, const float* wm, const __m256i* xt, const QRows& x,
+                int64_t nb, int64_t g0, int64_t n0, int64_t M, float* out, int64_t ldo) {
+  __m256 acc[C][RG], off[C][RG];
+  for (int c = 0; c < C; ++c) {
+    for (int g = 0; g < RG; ++g) acc[c][g] = off[c][g] = _mm256_setzero_ps();
   }
   for (int64_t b = 0; b < nb; ++b) {
-    const __m256i* pw = p.w.data() + b * 16 * G;
-    const int32_t* xq[R];
-    for (int r = 0; r < R; ++r) xq[r] = reinterpret_cast<const int32_t*>(x.q.data() + ((xr + r) * nb + b) * kBlock);
-    __m256i sum[R][G];
-    for (int r = 0; r < R; ++r) {
-      for (int g = 0; g < G; ++g) sum[r][g] = _mm256_setzero_si256();
+    __m256i sum[C][RG];
+    for (int c = 0; c < C; ++c) {
+      for (int g = 0; g < RG; ++g) sum[c][g] = _mm256_setzero_si256();
     }
     for (int j = 0; j < 16; ++j) {
-      __m256i wj[G];
-      for (int g = 0; g < G; ++g) wj[g] = _mm256_load_si256(pw + j * G + g);
-      for (int r = 0; r < R; ++r) {
-        const __m256i pair = _mm256_set1_epi32(xq[r][j]);  // x[2j], x[2j + 1]
-        for (int g = 0; g < G; ++g) {
-          sum[r][g] = _mm256_add_epi32(sum[r][g], _mm256_madd_epi16(wj[g], pair));
-          asm("" : "+x"(sum[r][g]));  // keep the chain: GCC would reassociate it into a tree and spill
+      __m256i xv[RG];
+      for (int g = 0; g < RG; ++g) xv[g] = _mm256_load_si256(xt + ((g0 + g) * nb + b) * 16 + j);
+      for (int c = 0; c < C; ++c) {
+        const __m256i pair = _mm256_set1_epi32(wq[(b * C + c) * 16 + j]);  // w[2j], w[2j + 1]
+        for (int g = 0; g < RG; ++g) {
+          sum[c][g] = _mm256_add_epi32(sum[c][g], _mm256_madd_epi16(pair, xv[g]));
+          asm("" : "+x"(sum[c][g]));  // keep the chain: GCC would reassociate it into a tree and spill
         }
       }
     }
-    for (int g = 0; g < G; ++g) {
-      const __m256 dw = _mm256_loadu_ps(p.d.data() + b * kPanelCols + g * kGroup);
-      const __m256 mw = _mm256_loadu_ps(p.m.data() + b * kPanelCols + g * kGroup);
-      for (int r = 0; r < R; ++r) {
-        const int64_t xb = (xr + r) * nb + b;
-        acc[r][g] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x.d[xb])), _mm256_cvtepi32_ps(sum[r][g]), acc[r][g]);
-        if (fmt != kQ8_0) off[r][g] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[xb]), off[r][g]);
+    for (int g = 0; g < RG; ++g) {
+      const __m256 dx = _mm256_loadu_ps(x.d8.data() + ((g0 + g) * nb + b) * 8);
+      const __m256 sx = _mm256_loadu_ps(x.s8.data() + ((g0 + g) * nb + b) * 8);
+      for (int c = 0; c < C; ++c) {
+        const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(wd[b * C + c]), dx);
+        acc[c][g] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sum[c][g]), acc[c][g]);
+        if (fmt != kQ8_0) off[c][g] = _mm256_fmadd_ps(_mm256_set1_ps(wm[b * C + c]), sx, off[c][g]);
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float y[kPanelCols];
-    for (int g = 0; g < G; ++g) _mm256_store_ps(y + g * kGroup, _mm256_add_ps(acc[r][g], off[r][g]));
-    std::memcpy(out + r * ldo, y, cols * sizeof(float));
+  for (int c = 0; c < C; ++c) {
+    for (int g = 0; g < RG; ++g) {
+      alignas(32) float y[8];
+      _mm256_store_ps(y, _mm256_add_ps(acc[c][g], off[c][g]));
+      for (int64_t r = 0; r < 8 && (g0 + g) * 8 + r < M; ++r) out[((g0 + g) * 8 + r) * ldo + n0 + c] = y[r];
+    }
   }
 }
 
-template <int64_t fmt>
-void gemm_panel(const Panel& p, int64_t nb, const QRows& x, int64_t m0, int64_t m1, float* out, int64_t ldo,
-                int64_t cols) {
-  constexpr int R = kGemmRows;
-  int64_t r = m0;
-  for (; r + R <= m1; r += R) gemm_rows<fmt, R>(p, nb, x, r, out + r * ldo, ldo, cols);
-  switch (m1 - r) {
-    case 3: return gemm_rows<fmt, 3>(p, nb, x, r, out + r * ldo, ldo, cols);
-    case 2: return gemm_rows<fmt, 2>(p, nb, x, r, out + r * ldo, ldo, cols);
-    case 1: return gemm_rows<fmt, 1>(p, nb, x, r, out + r * ldo, ldo, cols);
-    default: return;
-  }
+template <int64_t fmt, int C>
+void gemm_cols(const uint8_t* w, int64_t nb, int64_t n0, const __m256i* xt, const QRows& x, int64_t g0,
+               int64_t g1, int64_t M, float* out, int64_t ldo, int32_t* wq, float* wd, float* wm) {
+  widen_cols<fmt, C>(w, nb, n0, wq, wd, wm);
+  int64_t g = g0;
+  for (; g + kRowGroups <= g1; g += kRowGroups) gemm_block<fmt, C, kRowGroups>(wq, wd, wm, xt, x, nb, g, n0, M, out, ldo);
+  if (g < g1) gemm_block<fmt, C, 1>(wq, wd, wm, xt, x, nb, g, n0, M, out, ldo);
 }
 
 template <int64_t fmt>
 void gemm(const uint8_t* w, int64_t N, int64_t nb, const QRows& x, int64_t M, float* out) {
-  const int64_t panels = (N + kPanelCols - 1) / kPanelCols;
-  at::parallel_for(0, panels, 1, [&](int64_t g0, int64_t g1) {
-    Panel p;
-    for (int64_t m0 = 0; m0 < M; m0 += kPanelRows) {
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t n0 = g * kPanelCols, cols = std::min(kPanelCols, N - n0);
-        pack_panel<fmt>(w, nb, n0, cols, p);
-        gemm_panel<fmt>(p, nb, x, m0, std::min(M, m0 + kPanelRows), out + n0, N, cols);
+  const int64_t groups = (M + 7) / 8;
+  const std::vector<__m256i> xt = transpose_groups(x, groups, nb);
+  at::parallel_for(0, (N + kCols - 1) / kCols, 1, [&](int64_t q0, int64_t q1) {
+    std::vector<__m256i> wbuf(nb * kCols * 2);
+    std::vector<float> wd(nb * kCols), wm(nb * kCols);
+    int32_t* wq = reinterpret_cast<int32_t*>(wbuf.data());
+    for (int64_t g0 = 0; g0 < groups; g0 += kChunkGroups) {
+      const int64_t g1 = std::min(groups, g0 + kChunkGroups);
+      for (int64_t q = q0; q < q1; ++q) {
+        const int64_t n0 = q * kCols;
+        if (n0 + kCols <= N) {
+          gemm_cols<fmt, kCols>(w, nb, n0, xt.data(), x, g0, g1, M, out, N, wq, wd.data(), wm.data());
+        } else {
+          for (int64_t n = n0; n < N; ++n) gemm_cols<fmt, 1>(w, nb, n, xt.data(), x, g0, g1, M, out, N, wq, wd.data(), wm.data());
+        }
       }
     }
   });
@@ -545,8 +547,10 @@ at::Tensor qmatmul_gemm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, i
   check_args(x, w, fmt, K);
   const int64_t M = x.size(0), N = w.size(0), nb = K / kBlock;
   at::Tensor out = at::empty({M, N}, x.options());
+  const int64_t padded = (M + 7) / 8 * 8;  // whole groups of 8 rows; zero rows have d = s = 0
+  const at::Tensor xp = padded == M ? x : at::constant_pad_nd(x, {0, 0, 0, padded - M});
   QRows xq;
-  quantize_rows(x.data_ptr<float>(), M, K, xq);
+  quantize_rows(xp.data_ptr<float>(), padded, K, xq);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   switch (fmt) {
