@@ -1,10 +1,11 @@
 """Quantized linears vs float32 F.linear, side by side in one run, on SmolLM2's shapes.
 
 For each weight shape (N, K) and rows M: float32 `F.linear` on the dequantized weight, and
-the two native kernels of radixserve/models/quant.py on the same weight in Q4_1 / Q8_0:
-`small` (dequantize in registers, the decode kernel) and `tiled` (dequantize tiles into
-sgemm). Prints ms per call and the weight-read bound of each (bytes / measured bandwidth),
-and the M at which `tiled` overtakes `small` (the measurement behind Format.small_m).
+the native kernels of radixserve/models/quant.py on the same weight in Q4_1 / Q8_0: `small`
+(int16 activations, weights streamed: the decode kernel), `gemm` (int16 activations, the
+int16 GEMM), `tiled` (dequantize tiles into sgemm) and `bf16` (bf16 x, bf16 tiles into the
+bf16 GEMM). Prints ms per call and the weight-read bound (bytes / measured bandwidth): the
+measurements behind Format.small_m (small vs gemm) and BF16_TILED_M (gemm vs bf16).
 
     python benchmarks/bench_quant.py --json benchmarks/results/quant.json
 """
@@ -51,16 +52,20 @@ def bench_shape(name: str, n: int, k: int, fmt: str, rows: list[int], repeats: i
     out = []
     for m in rows:
         x = torch.randn(m, k)
+        xb = x.bfloat16()
         reps = max(repeats, copies)
         row = {"shape": name, "fmt": fmt, "M": m,
                "fp32_ms": best_ms(lambda i: F.linear(x, ws[i]), copies, reps),  # noqa: B023
                "small_ms": best_ms(lambda i: native.qmatmul_small(x, blocks[i], code, k), copies, reps),  # noqa: B023,E501
+               "gemm_ms": best_ms(lambda i: native.qmatmul_gemm(x, blocks[i], code, k), copies, reps),  # noqa: B023,E501
                "tiled_ms": best_ms(lambda i: native.qmatmul_tiled(x, blocks[i], code, k), copies, reps),  # noqa: B023,E501
+               "bf16_ms": best_ms(lambda i: native.qmatmul_tiled(xb, blocks[i], code, k), copies, reps),  # noqa: B023,E501
                "fp32_bound_ms": n * k * 4 / bw * 1e3,
                "quant_bound_ms": blocks[0].numel() / bw * 1e3}  # fmt: skip
         out.append(row)
         print(f"{name:8s} {fmt} M={m:5d}  fp32 {row['fp32_ms']:8.3f}  small {row['small_ms']:8.3f}"
-              f"  tiled {row['tiled_ms']:8.3f} ms   bounds: fp32 {row['fp32_bound_ms']:.3f},"
+              f"  gemm {row['gemm_ms']:8.3f}  tiled {row['tiled_ms']:8.3f}"
+              f"  bf16 {row['bf16_ms']:8.3f} ms   bounds: fp32 {row['fp32_bound_ms']:.3f},"
               f" {fmt} {row['quant_bound_ms']:.3f} ms")  # fmt: skip
     return out
 

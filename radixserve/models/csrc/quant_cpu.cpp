@@ -450,7 +450,7 @@ void gemm_cols(const uint8_t* w, int64_t nb, int64_t n0, const __m256i* xt, cons
   widen_cols<fmt, C>(w, nb, n0, wq, wd, wm);
   int64_t g = g0;
   for (; g + kRowGroups <= g1; g += kRowGroups) gemm_block<fmt, C, kRowGroups>(wq, wd, wm, xt, x, nb, g, n0, M, out, ldo);
-  if (g < g1) gemm_block<fmt, C, 1>(wq, wd, wm, xt, x, nb, g, n0, M, out, ldo);
+  for (; g < g1; ++g) gemm_block<fmt, C, 1>(wq, wd, wm, xt, x, nb, g, n0, M, out, ldo);
 }
 
 template <int64_t fmt>
