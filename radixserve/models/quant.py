@@ -8,8 +8,8 @@ block products are summed as exact integers (error <= amax / 65534 of each block
 SmolLM2, |logprob delta| 1.7e-4 mean against float32, benchmarks/eval_quant.py;
 tests/test_quant.py), by one of two kernels: up to the format's `small_m` rows, a
 weight-streaming kernel (each weight block widened once for 8 rows of x); above it, an
-int16 GEMM (weights widened into panels of 16 columns, madd at twice the multiply-adds per
-instruction of a float32 FMA: 1.3-1.4x dequantize + sgemm from 64 to 1024 rows). A bf16
+int16 GEMM (x transposed 8 rows a vector, madd at twice the multiply-adds per instruction of
+a float32 FMA: ~1.2-1.5x dequantize + sgemm at 64-1024 rows, bench_quant.py). A bf16
 model with BF16_TILED_M rows or more, on a CPU with fast bf16 matmuls, gets bf16 tiles and
 the bf16 GEMM instead (as if it held the dequantized weights in bf16); a build without AVX2
 dequantizes float32 tiles into sgemm above `small_m`.
@@ -46,15 +46,16 @@ class Format:
     name: str
     code: int  # the C++ enum
     block_bytes: int
-    # Rows of x up to which the weight-streaming kernel beats the int16 GEMM, whose panel
-    # packing costs more per weight byte: Q4 to ~8 rows, Q8_0 (twice the bytes to widen) to
-    # ~24 on the 49152-row embedding (benchmarks/bench_quant.py, Zen 4 EPYC, both ISA paths).
+    # Rows of x up to which the weight-streaming kernel beats the int16 GEMM, which widens
+    # each weight once per call into a buffer: Q4 to 7 rows (the GEMM 1.1-1.2x at 8), Q8_0
+    # (twice the bytes to widen) to ~20 on the 49152-row embedding (0.9x at 16, 1.04-1.1x at
+    # 24; benchmarks/bench_quant.py, Zen 4 EPYC, native and AVX2 settings).
     small_m: int
 
 
 FORMATS = {
     f.name: f
-    for f in (Format("q4_0", 0, 18, 8), Format("q4_1", 1, 20, 8), Format("q8_0", 2, 34, 24))
+    for f in (Format("q4_0", 0, 18, 7), Format("q4_1", 1, 20, 7), Format("q8_0", 2, 34, 20))
 }
 
 

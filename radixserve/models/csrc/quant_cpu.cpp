@@ -366,6 +366,7 @@ inline void transpose8(__m256i r[8]) {  // 8x8 int32: r[i] lane j <- r[j] lane i
 constexpr int64_t kCols = 4;         // weight columns per register block
 constexpr int64_t kRowGroups = 2;    // groups of 8 rows of x per register block
 constexpr int64_t kChunkGroups = 16; // groups of x per pass over the widened columns (L2)
+constexpr int64_t kBlockCols = 32;   // columns widened together; output rows written this wide
 
 // QRows' int16 quants of full 8-row groups -> (groups, nb, 16 pairs, 8 rows) int32 pairs.
 std::vector<__m256i> transpose_groups(const QRows& x, int64_t groups, int64_t nb) {
@@ -403,8 +404,9 @@ void widen_cols(const uint8_t* w, int64_t nb, int64_t n0, int32_t* wq, float* d,
 
 // out[row, n0 + c] for the 8 * RG rows of groups [g0, g0 + RG) and columns c < C.
 template <int64_t fmt, int C, int RG>
+__attribute__((noinline))  // inlined into the callers, it spilled its sums (Q8_0: 1.4x slower)
 void gemm_block(const int32_t* wq, const float* wd, const float* wm, const __m256i* xt, const QRows& x,
-                int64_t nb, int64_t g0, int64_t n0, int64_t M, float* out, int64_t ldo) {
+                int64_t nb, int64_t g0, float* y, int64_t ldy) {
   __m256 acc[C][RG], off[C][RG];
   for (int c = 0; c < C; ++c) {
     for (int g = 0; g < RG; ++g) acc[c][g] = off[c][g] = _mm256_setzero_ps();
@@ -437,39 +439,65 @@ void gemm_block(const int32_t* wq, const float* wd, const float* wm, const __m25
   }
   for (int c = 0; c < C; ++c) {
     for (int g = 0; g < RG; ++g) {
-      alignas(32) float y[8];
-      _mm256_store_ps(y, _mm256_add_ps(acc[c][g], off[c][g]));
-      for (int64_t r = 0; r < 8 && (g0 + g) * 8 + r < M; ++r) out[((g0 + g) * 8 + r) * ldo + n0 + c] = y[r];
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, _mm256_add_ps(acc[c][g], off[c][g]));
+      for (int r = 0; r < 8; ++r) y[(g * 8 + r) * ldy + c] = lanes[r];
     }
   }
 }
 
-template <int64_t fmt, int C>
-void gemm_cols(const uint8_t* w, int64_t nb, int64_t n0, const __m256i* xt, const QRows& x, int64_t g0,
-               int64_t g1, int64_t M, float* out, int64_t ldo, int32_t* wq, float* wd, float* wm) {
-  widen_cols<fmt, C>(w, nb, n0, wq, wd, wm);
-  int64_t g = g0;
-  for (; g + kRowGroups <= g1; g += kRowGroups) gemm_block<fmt, C, kRowGroups>(wq, wd, wm, xt, x, nb, g, n0, M, out, ldo);
-  for (; g < g1; ++g) gemm_block<fmt, C, 1>(wq, wd, wm, xt, x, nb, g, n0, M, out, ldo);
+// Output columns [n0, n0 + cols) (cols <= kBlockCols) for the rows of groups [g0, g1): the
+// columns are widened once, then each register block of rows meets them all, into a tile
+// whose rows are copied out whole. (Writing C columns of each output row at a time touched
+// every row's cache line again and again; with a row stride of a multiple of 4 KB, as for
+// 3072 or 49152 columns, those lines also share one L1 set.)
+template <int64_t fmt, int RG>
+void gemm_rows(const int32_t* wq, const float* wd, const float* wm, int64_t nb, int64_t cols, const __m256i* xt,
+               const QRows& x, int64_t g, float* tile) {
+  const int64_t quads = cols / kCols;
+  for (int64_t q = 0; q < quads; ++q) {
+    gemm_block<fmt, kCols, RG>(wq + q * nb * kCols * 16, wd + q * nb * kCols, wm + q * nb * kCols, xt, x, nb, g,
+                               tile + q * kCols, kBlockCols);
+  }
+  for (int64_t n = quads * kCols; n < cols; ++n) {  // the last block's odd columns
+    gemm_block<fmt, 1, RG>(wq + n * nb * 16, wd + n * nb, wm + n * nb, xt, x, nb, g, tile + n, kBlockCols);
+  }
+}
+
+template <int64_t fmt>
+void gemm_cols(const uint8_t* w, int64_t nb, int64_t n0, int64_t cols, const __m256i* xt, const QRows& x,
+               int64_t g0, int64_t g1, int64_t M, float* out, int64_t ldo, int32_t* wq, float* wd, float* wm,
+               float* tile) {
+  const int64_t quads = cols / kCols;
+  for (int64_t q = 0; q < quads; ++q) {
+    widen_cols<fmt, kCols>(w, nb, n0 + q * kCols, wq + q * nb * kCols * 16, wd + q * nb * kCols, wm + q * nb * kCols);
+  }
+  for (int64_t n = quads * kCols; n < cols; ++n) widen_cols<fmt, 1>(w, nb, n0 + n, wq + n * nb * 16, wd + n * nb, wm + n * nb);
+  for (int64_t g = g0; g < g1;) {
+    const int64_t step = g + kRowGroups <= g1 ? kRowGroups : 1;
+    if (step == kRowGroups) gemm_rows<fmt, kRowGroups>(wq, wd, wm, nb, cols, xt, x, g, tile);
+    else gemm_rows<fmt, 1>(wq, wd, wm, nb, cols, xt, x, g, tile);
+    for (int64_t r = 0; r < step * 8 && g * 8 + r < M; ++r) {
+      std::memcpy(out + (g * 8 + r) * ldo + n0, tile + r * kBlockCols, cols * sizeof(float));
+    }
+    g += step;
+  }
 }
 
 template <int64_t fmt>
 void gemm(const uint8_t* w, int64_t N, int64_t nb, const QRows& x, int64_t M, float* out) {
   const int64_t groups = (M + 7) / 8;
   const std::vector<__m256i> xt = transpose_groups(x, groups, nb);
-  at::parallel_for(0, (N + kCols - 1) / kCols, 1, [&](int64_t q0, int64_t q1) {
-    std::vector<__m256i> wbuf(nb * kCols * 2);
-    std::vector<float> wd(nb * kCols), wm(nb * kCols);
+  at::parallel_for(0, (N + kBlockCols - 1) / kBlockCols, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<__m256i> wbuf(nb * kBlockCols * 2);
+    std::vector<float> wd(nb * kBlockCols), wm(nb * kBlockCols), tile(kRowGroups * 8 * kBlockCols);
     int32_t* wq = reinterpret_cast<int32_t*>(wbuf.data());
     for (int64_t g0 = 0; g0 < groups; g0 += kChunkGroups) {
       const int64_t g1 = std::min(groups, g0 + kChunkGroups);
-      for (int64_t q = q0; q < q1; ++q) {
-        const int64_t n0 = q * kCols;
-        if (n0 + kCols <= N) {
-          gemm_cols<fmt, kCols>(w, nb, n0, xt.data(), x, g0, g1, M, out, N, wq, wd.data(), wm.data());
-        } else {
-          for (int64_t n = n0; n < N; ++n) gemm_cols<fmt, 1>(w, nb, n, xt.data(), x, g0, g1, M, out, N, wq, wd.data(), wm.data());
-        }
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n0 = b * kBlockCols;
+        gemm_cols<fmt>(w, nb, n0, std::min(kBlockCols, N - n0), xt.data(), x, g0, g1, M, out, N, wq, wd.data(),
+                       wm.data(), tile.data());
       }
     }
   });
