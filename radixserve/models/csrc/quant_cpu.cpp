@@ -344,7 +344,7 @@ void dot_rows8(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, floa
 // sums of 8 rows for one column in one int32 vector, with no horizontal reduction, and the
 // block is scaled per lane (d_x of each row times d_w), as in dot_rows8. madd does 16
 // multiply-adds per instruction against 8 for a float32 FMA, so this outruns dequantize +
-// sgemm; the weights are only widened (kCols columns at a time), never transposed.
+// sgemm; the weights are only widened (kBlockCols columns at a time), never transposed.
 inline void transpose8(__m256i r[8]) {  // 8x8 int32: r[i] lane j <- r[j] lane i
   __m256i t[8], u[8];
   for (int i = 0; i < 8; i += 2) {
