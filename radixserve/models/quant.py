@@ -5,7 +5,7 @@ Why: a decode step at small batch reads every weight once, so its time is the we
 over the memory bandwidth. Q4_1 stores 32 weights in 20 bytes (5 bits a weight) against
 128 bytes in float32: ~6x fewer bytes per step. x is rounded to int16 per 32-block and the
 block products are summed as exact integers (error <= amax / 65534 of each block: on
-SmolLM2, |logprob delta| 1.7e-4 mean against float32, benchmarks/eval_quant.py;
+SmolLM2, |logprob delta| 7.8e-4 mean against float32, benchmarks/eval_quant.py;
 tests/test_quant.py), by one of two kernels: up to the format's `small_m` rows, a
 weight-streaming kernel (each weight block widened once for 8 rows of x); above it, an
 int16 GEMM (x transposed 8 rows a vector, madd at twice the multiply-adds per instruction of

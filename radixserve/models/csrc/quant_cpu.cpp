@@ -15,9 +15,9 @@
 //   4-bit layout reads ~5x fewer bytes than fp32. (Dequantizing to float32 in registers
 //   instead took ~2x the instructions and ran compute-bound on AVX2.)
 // - `qmatmul_gemm` (larger M): the same int16 x and exact integer block sums, as a GEMM:
-//   weight panels widened and interleaved so that each madd lane is one output column (no
-//   horizontal sums), at madd's 16 multiply-adds per instruction against the 8 of a float32
-//   FMA.
+//   x transposed so that each madd lane is one row of x and a broadcast weight pair one
+//   column (no horizontal sums), at madd's 16 multiply-adds per instruction against the 8
+//   of a float32 FMA.
 // - `qmatmul_tiled`: dequantize a tile of kTile weight rows into a per-thread float32 (or,
 //   for a bf16 x, bfloat16) buffer (it stays in L2) and run the BLAS GEMM on it, so the
 //   arithmetic runs at the machine's matmul rate with the exact float32 x: the path of
