@@ -24,6 +24,7 @@ from radixserve.sampling import (
     sample,
     trim_text,
 )
+from radixserve.sampling import sampler as sampler_module
 from radixserve.sampling.sampler import BadRows
 from radixserve.scheduler.io import FinishReason
 
@@ -190,6 +191,59 @@ def test_temperature_frequencies_match_softmax(temperature: float) -> None:
     )
     counts = torch.bincount(res.next_ids, minlength=6).float()
     assert chi_square(counts, probs) < CHI2_CRIT_001[5], counts.tolist()
+
+
+def _torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sampler_module, "_native", lambda: None)
+
+
+def test_native_draw_is_built_and_matches_the_torch_formula(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused native draw (rows without filters) picks the torch formula's token for the
+    same uniform: u at the middle of every CDF step, so float32 rounding cannot move it.
+    5003 tokens: tails past the vectors and the scan blocks; -inf entries (masked tokens)."""
+    assert sampler_module._native() is not None, "the native sampler must build here"
+    rows, vocab = 48, 5003
+    logits = torch.randn(rows, vocab, generator=gen(11)) * 4
+    logits[::3, ::7] = float("-inf")
+    logits[5, :] = float("-inf")
+    logits[5, 4321] = 0.3  # one finite token
+    temps = torch.tensor([0.3, 0.7, 1.0, 2.5] * (rows // 4))
+    probs = torch.softmax(logits / temps.unsqueeze(1), -1).double()
+    cdf = probs.cumsum(-1)
+    # Row r targets token t_r: u in the middle of its step of the CDF.
+    want = torch.multinomial(probs.float(), 1, generator=gen(12))[:, 0]
+    lo = torch.where(want > 0, cdf.gather(1, (want - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    u = (lo + probs.gather(1, want[:, None])[:, 0] / 2) / cdf[:, -1]
+    infos = [SamplingInfo(SamplingParams(temperature=float(t))) for t in temps]
+    monkeypatch.setattr(sampler_module, "_uniforms", lambda infos, gen: u.clone())
+    native = sample(logits, infos).next_ids
+    _torch_path(monkeypatch)
+    assert torch.equal(native, sample(logits, infos).next_ids)
+    assert torch.equal(native, want) and native[5] == 4321
+
+
+@pytest.mark.parametrize("u", [0.0, 1.0 - 2.0**-53])
+def test_native_draw_never_picks_a_masked_token_at_the_ends(monkeypatch: pytest.MonkeyPatch, u: float) -> None:
+    logits = torch.full((4, 1000), float("-inf"))
+    logits[:, 100:103] = torch.tensor([0.0, 1.0, -1.0])
+    monkeypatch.setattr(sampler_module, "_uniforms", lambda infos, gen: torch.full((4,), u, dtype=torch.float64))
+    ids = sample(logits, infos_for(SamplingParams(temperature=0.8), 4)).next_ids
+    assert ids.tolist() == [100 if u == 0.0 else 102] * 4
+
+
+def test_native_and_torch_draws_agree_in_frequency(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both paths against softmax over a vocabulary wider than one scan block."""
+    logits = torch.full((1, 300), -30.0)
+    logits[0, [3, 77, 150, 299]] = torch.tensor([1.0, 0.0, 0.5, -0.5])
+    probs = torch.softmax(logits[0] / 0.9, -1)[[3, 77, 150, 299]]
+    draws = 20000
+    for torch_path in (False, True):
+        if torch_path:
+            _torch_path(monkeypatch)
+        res = sample(logits.expand(draws, 300).contiguous(), infos_for(SamplingParams(temperature=0.9), draws), gen(13))
+        counts = torch.bincount(res.next_ids, minlength=300).float()[[3, 77, 150, 299]]
+        assert counts.sum() >= draws - 5  # the -30 tokens carry ~1e-13 of the mass
+        assert chi_square(counts, probs / probs.sum()) < CHI2_CRIT_001[3], (torch_path, counts.tolist())
 
 
 def test_seeded_draws_are_uniform_across_seeds() -> None:

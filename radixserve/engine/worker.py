@@ -8,6 +8,7 @@ worker (inside the Scheduler) broadcasts each step's batch before running it; fo
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import weakref
 
@@ -27,6 +28,27 @@ from radixserve.models.loader import load_config, load_model
 from radixserve.models.quant import QuantLinear
 
 logger = logging.getLogger("radixserve.worker")
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters (malloc.h)
+
+
+def keep_freed_host_memory() -> None:
+    """Make glibc malloc keep freed memory for reuse: no mmap per large block, no trimming.
+
+    By default glibc serves each block above its mmap threshold (128 KiB, adapting up to
+    32 MiB) with a fresh mmap and returns freed heap tops to the OS, so a forward's large
+    activations page-fault in again on every step. Measured on a 2-core EPYC (Zen 4, AVX2
+    settings): prefill of 4096 tokens 432-464 -> 520-528 tok/s. The process's memory then
+    stays at its peak, which a server reaches in its first steps anyway. A no-op where the
+    C library is not glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    if libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1):
+        logger.info("host allocator: freed memory kept for reuse (no mmap, no trim)")
 
 
 def kv_capacity(config: EngineConfig, model: ModelConfig, bytes_per_token: int) -> int:
@@ -69,6 +91,8 @@ class ModelWorker:
     def _build(self, config: EngineConfig, model_path: str) -> None:
         rank, size = (self.tp.rank, self.tp.size) if self.tp is not None else (0, 1)
         device = rank_device(config.device, rank)
+        if not device.startswith("cuda"):
+            keep_freed_host_memory()
         self.dtype, why = resolve_dtype(config.dtype, device)
         logger.info("dtype %s (%s: %s)", self.dtype, config.dtype, why)
         self.model, self.model_config = load_model(

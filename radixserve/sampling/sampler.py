@@ -39,13 +39,18 @@ penalties, masks, temperature and filters (what SGLang and OpenAI report).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Protocol
 
 import torch
 
 from radixserve.constrained.mask import token_mask_bias
+from radixserve.isa import cpu_isa
+from radixserve.native_build import build
 from radixserve.sampling.params import SamplingParams
 
 TokenLogprob = tuple[float, int]  # (logprob, token_id), as radixserve.scheduler.io
@@ -281,19 +286,37 @@ def _per_row(values: list[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=like.dtype, device=like.device)  # (B,)
 
 
+@functools.cache
+def _native() -> ModuleType | None:
+    """csrc/sample_cpu.cpp (steps 4 and 8 fused for rows without filters), or None where it
+    does not build or RADIXSERVE_NATIVE_OPS=0."""
+    return build("radixserve_sample", Path(__file__).with_name("csrc") / "sample_cpu.cpp", cpu_isa())
+
+
 def _draw(logits: torch.Tensor, infos: list[SamplingInfo], gen: torch.Generator) -> torch.Tensor:
-    """Steps 4-8 for non-greedy rows: logits (S, V) -> token ids (S,) int64."""
+    """Steps 4-8 for non-greedy rows: logits (S, V) -> token ids (S,) int64.
+
+    Without top_k / top_p / min_p on CPU, one native pass per row does the same draw as the
+    torch formula below (same u, weights exp((l - max) / T) in float32: the same token
+    unless u falls within float32 rounding of a CDF step), without its (S, V) temporaries:
+    64 x 49152 logits 4.5 -> 1.2-1.7 ms (Zen 4 EPYC, 2 threads, native and AVX2 settings).
+    """
     temps = _per_row([info.params.temperature for info in infos], logits)  # (S,)
+    u = _uniforms(infos, gen)  # (S,) float64 in [0, 1)
+    filters = any(info.params.has_filters for info in infos)
+    if not filters and logits.device.type == "cpu" and logits.stride(1) == 1:
+        native = _native()
+        if native is not None:
+            return native.sample_softmax(logits, temps, u)
     scaled = logits if bool((temps == 1.0).all()) else logits / temps.unsqueeze(1)  # (S, V)
     probs = torch.softmax(scaled, dim=-1)  # (S, V)
-    if any(info.params.has_filters for info in infos):
+    if filters:
         probs = _filter(probs, [info.params for info in infos])
     # Inverse CDF uses only differences of neighbouring cdf entries, so float32 rounding
     # errors do not accumulate: each token's probability is off by <= ~2 ulp(1) = 1.2e-7.
     cdf = probs.cumsum(dim=-1)  # (S, V)
     total = cdf[:, -1]  # (S,) > 0: every row has a finite maximum (_check_rows)
-    u = _uniforms(infos, gen).to(logits.device)  # (S,) float64 in [0, 1)
-    target = (u * total.double()).to(cdf.dtype)  # (S,)
+    target = (u.to(logits.device) * total.double()).to(cdf.dtype)  # (S,)
     # First index whose cumulative mass exceeds the target: always a kept (p > 0) token.
     idx = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)  # (S,)
     over = idx >= probs.shape[1]  # (S,)

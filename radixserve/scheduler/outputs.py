@@ -55,9 +55,11 @@ class OutputProcessor:
         pinned on its row by drawing the rows one by one."""
         failed: list[tuple[Req, int, str]] = []
         while draw:
-            rows = torch.tensor([row for _, row in draw], dtype=torch.int64)
+            rows = [row for _, row in draw]
+            # Every row in order (a decode batch): no copy of the (B, vocab) logits.
+            picked = logits if rows == list(range(len(logits))) else logits[torch.tensor(rows)]
             try:
-                return list(self.sample([r for r, _ in draw], logits[rows])), failed
+                return list(self.sample([r for r, _ in draw], picked)), failed
             except BadRows as e:
                 failed += [
                     (draw[i][0], 500, "the model's logits hold NaN or inf") for i in e.nonfinite
