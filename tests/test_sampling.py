@@ -197,7 +197,9 @@ def _torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sampler_module, "_native", lambda: None)
 
 
-def test_native_draw_is_built_and_matches_the_torch_formula(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_native_draw_is_built_and_matches_the_torch_formula(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The fused native draw (rows without filters) picks the torch formula's token for the
     same uniform: u at the middle of every CDF step, so float32 rounding cannot move it.
     5003 tokens: tails past the vectors and the scan blocks; -inf entries (masked tokens)."""
@@ -223,10 +225,14 @@ def test_native_draw_is_built_and_matches_the_torch_formula(monkeypatch: pytest.
 
 
 @pytest.mark.parametrize("u", [0.0, 1.0 - 2.0**-53])
-def test_native_draw_never_picks_a_masked_token_at_the_ends(monkeypatch: pytest.MonkeyPatch, u: float) -> None:
+def test_native_draw_never_picks_a_masked_token_at_the_ends(
+    monkeypatch: pytest.MonkeyPatch, u: float
+) -> None:
     logits = torch.full((4, 1000), float("-inf"))
     logits[:, 100:103] = torch.tensor([0.0, 1.0, -1.0])
-    monkeypatch.setattr(sampler_module, "_uniforms", lambda infos, gen: torch.full((4,), u, dtype=torch.float64))
+    monkeypatch.setattr(
+        sampler_module, "_uniforms", lambda infos, gen: torch.full((4,), u, dtype=torch.float64)
+    )
     ids = sample(logits, infos_for(SamplingParams(temperature=0.8), 4)).next_ids
     assert ids.tolist() == [100 if u == 0.0 else 102] * 4
 
@@ -240,10 +246,17 @@ def test_native_and_torch_draws_agree_in_frequency(monkeypatch: pytest.MonkeyPat
     for torch_path in (False, True):
         if torch_path:
             _torch_path(monkeypatch)
-        res = sample(logits.expand(draws, 300).contiguous(), infos_for(SamplingParams(temperature=0.9), draws), gen(13))
+        res = sample(
+            logits.expand(draws, 300).contiguous(),
+            infos_for(SamplingParams(temperature=0.9), draws),
+            gen(13),
+        )
         counts = torch.bincount(res.next_ids, minlength=300).float()[[3, 77, 150, 299]]
         assert counts.sum() >= draws - 5  # the -30 tokens carry ~1e-13 of the mass
-        assert chi_square(counts, probs / probs.sum()) < CHI2_CRIT_001[3], (torch_path, counts.tolist())
+        assert chi_square(counts, probs / probs.sum()) < CHI2_CRIT_001[3], (
+            torch_path,
+            counts.tolist(),
+        )
 
 
 def test_seeded_draws_are_uniform_across_seeds() -> None:

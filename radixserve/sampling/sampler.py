@@ -290,7 +290,9 @@ def _per_row(values: list[float], like: torch.Tensor) -> torch.Tensor:
 def _native() -> ModuleType | None:
     """csrc/sample_cpu.cpp (steps 4 and 8 fused for rows without filters), or None where it
     does not build or RADIXSERVE_NATIVE_OPS=0."""
-    return build("radixserve_sample", Path(__file__).with_name("csrc") / "sample_cpu.cpp", cpu_isa())
+    return build(
+        "radixserve_sample", Path(__file__).with_name("csrc") / "sample_cpu.cpp", cpu_isa()
+    )
 
 
 def _draw(logits: torch.Tensor, infos: list[SamplingInfo], gen: torch.Generator) -> torch.Tensor:
