@@ -46,11 +46,12 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def build_isa() -> str:
-    """The build for this CPU: "avx2" (also on AVX-512 CPUs) or "scalar" (portable C++).
+    """The build for this CPU: "avx512", "avx2" or "scalar" (portable C++).
 
-    From `radixserve.isa.cpu_isa()`: torch's capability (ATEN_CPU_CAPABILITY honoured), FMA
-    and F16C from /proc/cpuinfo, lowered by RADIXSERVE_CPU_ISA=avx2|scalar."""
-    return "scalar" if cpu_isa() == "scalar" else "avx2"
+    `radixserve.isa.cpu_isa()`: torch's capability (ATEN_CPU_CAPABILITY honoured), FMA and
+    F16C from /proc/cpuinfo, lowered by RADIXSERVE_CPU_ISA=avx2|scalar. The avx512 build is
+    the avx2 one plus the vdpbf16ps score path, used where the CPU has AVX512-BF16."""
+    return cpu_isa()
 
 
 @functools.cache

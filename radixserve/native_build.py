@@ -4,7 +4,8 @@ builder: one place for the flags, the module names and the fallback.
 Each source is built once per ISA (module name `<name>_<isa>`, cached by torch under
 ~/.cache/torch_extensions with the source hash) with -O3 and -fopenmp: at::parallel_for is
 inline OpenMP, serial without it; the link resolves to the libgomp.so.1 torch has loaded.
-The AVX2 build (also used on AVX-512 CPUs) adds -mavx2 -mfma -mf16c and defines RS_AVX2;
+The AVX2 build adds -mavx2 -mfma -mf16c and defines RS_AVX2; the AVX-512 build is the same
+plus RS_AVX512 (its few AVX-512 functions carry target attributes and check the CPU first);
 "scalar" is portable C++. Without a compiler, or with RADIXSERVE_NATIVE_OPS=0, `build`
 returns None and the callers run the same math as torch ops.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 from types import ModuleType
 
 logger = logging.getLogger("radixserve.native")
-VECTOR_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mf16c", "-DRS_AVX2"],
+VECTOR_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mf16c", "-DRS_AVX2", "-DRS_AVX512"],
                 "avx2": ["-mavx2", "-mfma", "-mf16c", "-DRS_AVX2"], "scalar": []}  # fmt: skip
 
 

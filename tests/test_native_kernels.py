@@ -292,7 +292,7 @@ def test_portable_build_matches_reference() -> None:
 def test_avx2_capped_environment() -> None:
     """ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (what CI uses to mimic an AVX2-only
     CPU) selects the avx2 build wherever the CPU has AVX2 + FMA + F16C."""
-    if native.build_isa() != "avx2":
+    if native.build_isa() == "scalar":
         pytest.skip("this CPU has no AVX2 + FMA + F16C")
     out = child({"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
     assert out[:4] == ["isa", "avx2", "auto", "native"] and out[-3:] == ["ok", "build", "avx2"]

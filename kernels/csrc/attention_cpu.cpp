@@ -1,8 +1,12 @@
 // Native CPU attention that reads K/V straight from the KV pool by slot index
 // (kernels/native.py builds it; contracts in kernels/__init__.py).
 //
-// Built twice from this one file: with -DRS_AVX2 -mavx2 -mfma -mf16c (8-lane AVX2 vectors,
-// F16C half loads) or portable (the same algorithm on a plain 8-float struct). Every op is
+// Built per ISA from this one file: with -DRS_AVX2 -mavx2 -mfma -mf16c (8-lane AVX2 vectors,
+// F16C half loads), or portable (the same algorithm on a plain 8-float struct). The AVX-512
+// build (RS_AVX512, else as AVX2) adds one path, taken where the CPU has AVX512-BF16: a bf16
+// query against a bf16 pool with many rows per KV head gets its scores from vdpbf16ps (bf16
+// pairs multiplied exactly, summed in float32: 32 products an instruction against 8 for an
+// AVX2 FMA); the softmax and P.V stay float32 as everywhere else. Every op is
 // a set of UNITS, one per (query group, KV head):
 //
 //   segment:  one unit per KV head; rows = every query row of every request under the
@@ -23,6 +27,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <optional>
@@ -37,6 +42,7 @@ namespace {
 
 constexpr int64_t kBlock = 64;          // keys per block (K+V of a block: 32 KiB fp32 at D=64)
 constexpr int kRows = 3;                // query rows per tile (3 rows x 4 keys = 12 accumulators)
+constexpr int kRowsBf16 = 6;            // ... on the vdpbf16ps path (6 rows x 64 keys = 24 zmm)
 constexpr int64_t kMaxRows = 1024;      // rows per item: O accumulators stay in L2
 constexpr int64_t kMinChunkKeys = 256;  // never split keys finer than this
 constexpr int64_t kItemsPerThread = 8;  // split keys until there is about this much work
@@ -231,7 +237,9 @@ struct Rows {
 // Per-thread scratch, grown on demand and reused across calls.
 struct Scratch {
   std::vector<float> q, o, m, l, s, kbuf, vbuf, kt;
+  std::vector<uint32_t> qb;  // bf16 query pairs, unscaled (the vdpbf16ps path)
   std::vector<int64_t> lim;
+  bool dot_bf16 = false;     // this item's scores come from vdpbf16ps
   Rows<float> f32;
   Rows<at::BFloat16> bf16;
   Rows<at::Half> f16;
@@ -242,7 +250,8 @@ struct Scratch {
       if (static_cast<int64_t>(v.size()) < n) v.resize(n);
     };
     grow(q, rows * d), grow(o, rows * d), grow(m, rows), grow(l, rows), grow(lim, rows);
-    grow(s, kRows * kBlock), grow(kbuf, kBlock * d), grow(vbuf, kBlock * d);
+    grow(qb, rows * d / 2);
+    grow(s, std::max(kRows, kRowsBf16) * kBlock), grow(kbuf, kBlock * d), grow(vbuf, kBlock * d);
     grow(kt, kBlock * d);
   }
 
@@ -466,6 +475,13 @@ void load_queries(const Problem& P, const Unit& u, const Item& it, Scratch& sc) 
   }
 }
 
+// The item's bf16 query rows as they are (unscaled pairs) for the vdpbf16ps path.
+void load_query_pairs(const Problem& P, const Unit& u, const Item& it, Scratch& sc) {
+  const char* base = static_cast<const char*>(P.q->data_ptr());
+  for (int64_t i = 0; i < (it.r1 - it.r0) * u.heads; ++i)
+    std::memcpy(sc.qb.data() + i * P.d / 2, base + locate(P, u, it, i).in(*P.q) * 2, P.d * 2);
+}
+
 // Normalize the item's rows and write them to the output (or its chunk's partial buffers).
 void finish_item(Problem& P, const Unit& u, const Item& it, Scratch& sc) {
   const int64_t d = P.d;
@@ -513,6 +529,85 @@ void head_block(Problem& P, const Unit& u, int64_t head, int64_t base, int64_t r
   }
 }
 
+#if defined(RS_AVX512)
+#define RS_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+bool cpu_has_bf16_dot() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  return ok;
+}
+
+// s[r][0..kBlock) = mul * (q_r . k_j) for MR query rows given as bf16 pairs q (stride d2 pairs)
+// and the block's keys as pairs kp (d2, kBlock): kp[i][j] = (k_j[2i], k_j[2i+1]).
+template <int MR>
+RS_BF16_TARGET inline void qk_bf16(const uint32_t* q, int64_t d2, const float* kp, float mul, float* s) {
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d2; ++i) {
+    __m512bh kv[4];
+    for (int c = 0; c < 4; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kp + i * kBlock + 16 * c);
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * d2 + i]));
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qv, kv[c]);
+    }
+  }
+  const __m512 m = _mm512_set1_ps(mul);
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * kBlock + 16 * c, _mm512_mul_ps(acc[r][c], m));
+}
+
+template <int MR>
+RS_BF16_TARGET void tile_bf16(Scratch& sc, int64_t row, int64_t d, const float* kp, const float* const* v,
+                              int64_t n, int64_t kb, float mul) {
+  float* s = sc.s.data();
+  qk_bf16<MR>(sc.qb.data() + row * d / 2, d / 2, kp, mul, s);
+  const int64_t n8 = (n + 7) & ~int64_t{7};
+  float alpha[MR];
+  for (int r = 0; r < MR; ++r)
+    alpha[r] = softmax_row(s + r * kBlock, sc.lim[row + r] - kb, n8, sc.m[row + r], sc.l[row + r]);
+  for (int r0 = 0; r0 < MR; r0 += 3) {
+    float* o = sc.o.data() + (row + r0) * d;
+    const float* p = s + r0 * kBlock;
+    if (MR - r0 >= 3) pv_tile<3, float>(o, d, alpha + r0, p, kBlock, v, n);
+    else if (MR - r0 == 2) pv_tile<2, float>(o, d, alpha + r0, p, kBlock, v, n);
+    else pv_tile<1, float>(o, d, alpha + r0, p, kBlock, v, n);
+  }
+}
+
+// head_block for a bf16 query against bf16 K/V (sc.dot_bf16): the block's keys transposed
+// pairwise (the 8x8 float transpose moves the 32-bit bf16 pairs as they are), V widened to
+// float32 once, then every tile of kRowsBf16 rows.
+RS_BF16_TARGET void head_block_bf16(Problem& P, const Unit& u, int64_t head, int64_t base, int64_t rows,
+                                    int64_t kb, int64_t n, int64_t ahead, Scratch& sc) {
+  const int64_t d = P.d;
+  const at::BFloat16** kr = sc.bf16.k;
+  block_rows<at::BFloat16>(P.k, u.slots + kb, n, head, d, nullptr, kr);
+  const float* pairs[kBlock];
+  for (int64_t j = 0; j < kBlock; ++j) pairs[j] = reinterpret_cast<const float*>(kr[std::min(j, n - 1)]);
+  pack_kt(pairs, d / 2, sc.kt.data());
+  block_rows<float>(P.v, u.slots + kb, n, head, d, sc.vbuf.data(), sc.f32.v);
+  prefetch_rows(P, u.slots + kb + n, ahead, head, 1);
+  const float mul = P.scale * kLog2e;
+  for (int64_t t = base; t < base + rows; t += kRowsBf16) {
+    const int mr = static_cast<int>(std::min<int64_t>(kRowsBf16, base + rows - t));
+    const int64_t seen = std::min(n, sc.lim[t + mr - 1] - kb);  // keys any tile row sees
+    if (seen <= 0) continue;
+    switch (mr) {
+      case 6: tile_bf16<6>(sc, t, d, sc.kt.data(), sc.f32.v, seen, kb, mul); break;
+      case 5: tile_bf16<5>(sc, t, d, sc.kt.data(), sc.f32.v, seen, kb, mul); break;
+      case 4: tile_bf16<4>(sc, t, d, sc.kt.data(), sc.f32.v, seen, kb, mul); break;
+      case 3: tile_bf16<3>(sc, t, d, sc.kt.data(), sc.f32.v, seen, kb, mul); break;
+      case 2: tile_bf16<2>(sc, t, d, sc.kt.data(), sc.f32.v, seen, kb, mul); break;
+      default: tile_bf16<1>(sc, t, d, sc.kt.data(), sc.f32.v, seen, kb, mul);
+    }
+  }
+}
+#else
+bool cpu_has_bf16_dot() { return false; }
+#endif
+
 // Read the K and V pool rows of keys slots[0..n) (all `heads` heads, bytes each) once, in
 // address order, touching every cache line.
 int warm_rows(const Problem& P, const int64_t* slots, int64_t n, int64_t head, int64_t bytes) {
@@ -546,7 +641,15 @@ void stream_blocks(Problem& P, const Unit& u, const Item& it, Scratch& sc) {
     if (u.heads > 1) sc.sink += warm_rows(P, u.slots + k0, k1 - k0, u.head, u.heads * P.d * P.k.elt);
     for (int64_t kb = k0; kb < k1; kb += kBlock) {
       const int64_t n = std::min(kBlock, k1 - kb), ahead = u.heads > 1 ? 0 : std::min(kBlock, kend - kb - n);
-      for (int64_t h = 0; h < u.heads; ++h) head_block<T>(P, u, u.head + h, h * rows, rows, kb, n, ahead, sc);
+      for (int64_t h = 0; h < u.heads; ++h) {
+#if defined(RS_AVX512)
+        if (sc.dot_bf16) {
+          head_block_bf16(P, u, u.head + h, h * rows, rows, kb, n, ahead, sc);
+          continue;
+        }
+#endif
+        head_block<T>(P, u, u.head + h, h * rows, rows, kb, n, ahead, sc);
+      }
     }
   }
 }
@@ -577,6 +680,9 @@ void run_item(Problem& P, const Item& it) {
   Scratch& sc = scratch();
   sc.fit(rows, d);
   load_queries(P, u, it, sc);
+  sc.dot_bf16 = P.q->scalar_type() == at::kBFloat16 && P.k.dtype == at::kBFloat16 && P.d % 16 == 0 &&
+                it.r1 - it.r0 >= kPackRows && cpu_has_bf16_dot();
+  if (sc.dot_bf16) load_query_pairs(P, u, it, sc);
   init_state(P, u, it, sc);
   if (P.k.dtype == at::kFloat || it.r1 - it.r0 >= kPackRows) stream_blocks<float>(P, u, it, sc);
   else if (P.k.dtype == at::kBFloat16) stream_blocks<at::BFloat16>(P, u, it, sc);
@@ -848,7 +954,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slots"), py::arg("q_off"), py::arg("kv_off"), py::arg("scale"), py::arg("prior_out") = py::none(),
         py::arg("prior_lse") = py::none());
   m.def("merge_states", &merge_states, nogil);
-#if defined(RS_AVX2)
+  m.attr("bf16_dot") = cpu_has_bf16_dot();  // the vdpbf16ps score path is live here
+#if defined(RS_AVX512)
+  m.attr("isa") = "avx512";
+#elif defined(RS_AVX2)
   m.attr("isa") = "avx2";
 #else
   m.attr("isa") = "scalar";
