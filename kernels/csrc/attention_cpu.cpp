@@ -6,7 +6,8 @@
 // build (RS_AVX512, else as AVX2) adds one path, taken where the CPU has AVX512-BF16: a bf16
 // query against a bf16 pool with many rows per KV head gets its scores from vdpbf16ps (bf16
 // pairs multiplied exactly, summed in float32: 32 products an instruction against 8 for an
-// AVX2 FMA); the softmax and P.V stay float32 as everywhere else. Every op is
+// AVX2 FMA), the online softmax in float32, and P.V from vdpbf16ps on the weights rounded to
+// bf16 (what torch's bf16 flash attention does: ~2^-9 relative per weight). Every op is
 // a set of UNITS, one per (query group, KV head):
 //
 //   segment:  one unit per KV head; rows = every query row of every request under the
@@ -558,27 +559,63 @@ RS_BF16_TARGET inline void qk_bf16(const uint32_t* q, int64_t d2, const float* k
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * kBlock + 16 * c, _mm512_mul_ps(acc[r][c], m));
 }
 
-template <int MR>
-RS_BF16_TARGET void tile_bf16(Scratch& sc, int64_t row, int64_t d, const float* kp, const float* const* v,
-                              int64_t n, int64_t kb, float mul) {
-  float* s = sc.s.data();
-  qk_bf16<MR>(sc.qb.data() + row * d / 2, d / 2, kp, mul, s);
-  const int64_t n8 = (n + 7) & ~int64_t{7};
-  float alpha[MR];
-  for (int r = 0; r < MR; ++r)
-    alpha[r] = softmax_row(s + r * kBlock, sc.lim[row + r] - kb, n8, sc.m[row + r], sc.l[row + r]);
-  for (int r0 = 0; r0 < MR; r0 += 3) {
-    float* o = sc.o.data() + (row + r0) * d;
-    const float* p = s + r0 * kBlock;
-    if (MR - r0 >= 3) pv_tile<3, float>(o, d, alpha + r0, p, kBlock, v, n);
-    else if (MR - r0 == 2) pv_tile<2, float>(o, d, alpha + r0, p, kBlock, v, n);
-    else pv_tile<1, float>(o, d, alpha + r0, p, kBlock, v, n);
+// vp (ceil(n / 2), d) bf16 pairs of consecutive keys: vp[j][i] = (v_2j[i], v_2j+1[i]); a
+// missing partner (odd n) is 0.
+RS_BF16_TARGET void pack_v_pairs(const at::BFloat16* const* v, int64_t n, int64_t d, uint32_t* vp) {
+  for (int64_t j = 0; j < n; j += 2) {
+    const uint16_t* a = reinterpret_cast<const uint16_t*>(v[j]);
+    const uint16_t* b = j + 1 < n ? reinterpret_cast<const uint16_t*>(v[j + 1]) : nullptr;
+    uint32_t* dst = vp + j / 2 * d;
+    for (int64_t i = 0; i < d; ++i) dst[i] = a[i] | (b != nullptr ? uint32_t{b[i]} << 16 : 0u);
   }
 }
 
+// o[r][i0 .. i0 + 16 NV) = alpha[r] o[r][...] + sum_j bf16(p[r][j]) v_j[...] over n keys, from
+// pw (MR rows of ceil(n / 2) bf16 pairs of weights, stride ldw words) and vp (pack_v_pairs).
+template <int MR, int NV>
+RS_BF16_TARGET inline void pv_bf16(float* o, int64_t d, int64_t i0, const float* alpha, const uint32_t* pw,
+                                   int64_t ldw, const uint32_t* vp, int64_t n2) {
+  __m512 acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NV; ++c)
+      acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * d + i0 + 16 * c), _mm512_set1_ps(alpha[r]));
+  for (int64_t j = 0; j < n2; ++j) {
+    __m512bh vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vp + j * d + i0 + 16 * c);
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[r * ldw + j]));
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, vv[c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * d + i0 + 16 * c, acc[r][c]);
+}
+
+// One tile: scores, online softmax (float32), then the weights rounded to bf16 (as torch's
+// bf16 flash attention does for its P.V product) and P.V from vdpbf16ps.
+template <int MR>
+RS_BF16_TARGET void tile_bf16(Scratch& sc, int64_t row, int64_t d, const float* kp, const uint32_t* vp,
+                              int64_t n, int64_t kb, float mul) {
+  float* s = sc.s.data();
+  qk_bf16<MR>(sc.qb.data() + row * d / 2, d / 2, kp, mul, s);
+  const int64_t n8 = (n + 7) & ~int64_t{7}, n2 = (n + 1) / 2;
+  float alpha[MR];
+  uint32_t pw[MR][kBlock / 2];
+  for (int r = 0; r < MR; ++r) {
+    float* p = s + r * kBlock;
+    alpha[r] = softmax_row(p, sc.lim[row + r] - kb, n8, sc.m[row + r], sc.l[row + r]);
+    for (int64_t j = 0; j < n8; j += 32)  // n8 <= kBlock; weights past n8 are never read
+      _mm512_storeu_si512(pw[r] + j / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + j + 16), _mm512_loadu_ps(p + j)));
+  }
+  float* o = sc.o.data() + row * d;
+  int64_t i0 = 0;
+  for (; i0 + 64 <= d; i0 += 64) pv_bf16<MR, 4>(o, d, i0, alpha, pw[0], kBlock / 2, vp, n2);
+  for (; i0 < d; i0 += 16) pv_bf16<MR, 1>(o, d, i0, alpha, pw[0], kBlock / 2, vp, n2);
+}
+
 // head_block for a bf16 query against bf16 K/V (sc.dot_bf16): the block's keys transposed
-// pairwise (the 8x8 float transpose moves the 32-bit bf16 pairs as they are), V widened to
-// float32 once, then every tile of kRowsBf16 rows.
+// pairwise (the 8x8 float transpose moves the 32-bit bf16 pairs as they are), its values
+// interleaved in key pairs, then every tile of kRowsBf16 rows.
 RS_BF16_TARGET void head_block_bf16(Problem& P, const Unit& u, int64_t head, int64_t base, int64_t rows,
                                     int64_t kb, int64_t n, int64_t ahead, Scratch& sc) {
   const int64_t d = P.d;
@@ -587,7 +624,9 @@ RS_BF16_TARGET void head_block_bf16(Problem& P, const Unit& u, int64_t head, int
   const float* pairs[kBlock];
   for (int64_t j = 0; j < kBlock; ++j) pairs[j] = reinterpret_cast<const float*>(kr[std::min(j, n - 1)]);
   pack_kt(pairs, d / 2, sc.kt.data());
-  block_rows<float>(P.v, u.slots + kb, n, head, d, sc.vbuf.data(), sc.f32.v);
+  block_rows<at::BFloat16>(P.v, u.slots + kb, n, head, d, nullptr, sc.bf16.v);
+  uint32_t* vp = reinterpret_cast<uint32_t*>(sc.vbuf.data());  // (kBlock / 2, d) pairs fit
+  pack_v_pairs(sc.bf16.v, n, d, vp);
   prefetch_rows(P, u.slots + kb + n, ahead, head, 1);
   const float mul = P.scale * kLog2e;
   for (int64_t t = base; t < base + rows; t += kRowsBf16) {
@@ -595,12 +634,12 @@ RS_BF16_TARGET void head_block_bf16(Problem& P, const Unit& u, int64_t head, int
     const int64_t seen = std::min(n, sc.lim[t + mr - 1] - kb);  // keys any tile row sees
     if (seen <= 0) continue;
     switch (mr) {
-      case 6: tile_bf16<6>(sc, t, d, sc.kt.data(), sc.f32.v, seen, kb, mul); break;
-      case 5: tile_bf16<5>(sc, t, d, sc.kt.data(), sc.f32.v, seen, kb, mul); break;
-      case 4: tile_bf16<4>(sc, t, d, sc.kt.data(), sc.f32.v, seen, kb, mul); break;
-      case 3: tile_bf16<3>(sc, t, d, sc.kt.data(), sc.f32.v, seen, kb, mul); break;
-      case 2: tile_bf16<2>(sc, t, d, sc.kt.data(), sc.f32.v, seen, kb, mul); break;
-      default: tile_bf16<1>(sc, t, d, sc.kt.data(), sc.f32.v, seen, kb, mul);
+      case 6: tile_bf16<6>(sc, t, d, sc.kt.data(), vp, seen, kb, mul); break;
+      case 5: tile_bf16<5>(sc, t, d, sc.kt.data(), vp, seen, kb, mul); break;
+      case 4: tile_bf16<4>(sc, t, d, sc.kt.data(), vp, seen, kb, mul); break;
+      case 3: tile_bf16<3>(sc, t, d, sc.kt.data(), vp, seen, kb, mul); break;
+      case 2: tile_bf16<2>(sc, t, d, sc.kt.data(), vp, seen, kb, mul); break;
+      default: tile_bf16<1>(sc, t, d, sc.kt.data(), vp, seen, kb, mul);
     }
   }
 }
