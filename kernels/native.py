@@ -16,11 +16,15 @@ k_cache / v_cache (num_slots, Hkv, D) and int64 slot indices instead of gathered
 What the C++ does (details in its header comment): query rows of one KV head stacked GQA-
 wise, K/V of a block of 64 keys loaded once for all of them (fp32 read in place; bf16 / fp16
 converted once per block), online softmax, float32 accumulation; long key ranges split
-across threads and merged by log-sum-exp; N-way merge in one pass.
+across threads and merged by log-sum-exp; N-way merge in one pass. The AVX-512 build, on a
+CPU with AVX512-BF16, computes Q.K^T and P.V of bf16 queries against a bf16 pool with many
+rows per KV head (shared segments) with vdpbf16ps, the weights P rounded to bf16 (module
+attribute `bf16_dot`).
 
 Build: radixserve/native_build.py (torch's extension builder, -fopenmp, one module per
 ISA). The ISA (`build_isa`, from radixserve/isa.py) picks the flags and the module name:
-"avx2" (-mavx2 -mfma -mf16c) or "scalar" (portable C++, no vector flags; never chosen by
+"avx512" (the avx2 flags plus the vdpbf16ps path), "avx2" (-mavx2 -mfma -mf16c) or "scalar"
+(portable C++, no vector flags; never chosen by
 "auto", which then takes the torch path). RADIXSERVE_CPU_ISA=scalar selects the portable
 build on an AVX2 machine (tests); ATEN_CPU_CAPABILITY=avx2 is seen through torch. `ops()`
 returns None when the build fails (no compiler) or RADIXSERVE_NATIVE_OPS=0: callers then
