@@ -240,7 +240,6 @@ struct Scratch {
   std::vector<float> q, o, m, l, s, kbuf, vbuf, kt;
   std::vector<uint32_t> qb;  // bf16 query pairs, unscaled (the vdpbf16ps path)
   std::vector<int64_t> lim;
-  bool dot_bf16 = false;     // this item's scores come from vdpbf16ps
   Rows<float> f32;
   Rows<at::BFloat16> bf16;
   Rows<at::Half> f16;
@@ -594,10 +593,10 @@ RS_BF16_TARGET inline void pv_bf16(float* o, int64_t d, int64_t i0, const float*
 // One tile: scores, online softmax (float32), then the weights rounded to bf16 (as torch's
 // bf16 flash attention does for its P.V product) and P.V from vdpbf16ps.
 template <int MR>
-RS_BF16_TARGET void tile_bf16(Scratch& sc, int64_t row, int64_t d, const float* kp, const uint32_t* vp,
-                              int64_t n, int64_t kb, float mul) {
+RS_BF16_TARGET void tile_bf16(Scratch& sc, int64_t row, int64_t d, const uint32_t* vp, int64_t n, int64_t kb,
+                              float mul) {
   float* s = sc.s.data();
-  qk_bf16<MR>(sc.qb.data() + row * d / 2, d / 2, kp, mul, s);
+  qk_bf16<MR>(sc.qb.data() + row * d / 2, d / 2, sc.kt.data(), mul, s);
   const int64_t n8 = (n + 7) & ~int64_t{7}, n2 = (n + 1) / 2;
   float alpha[MR];
   uint32_t pw[MR][kBlock / 2];
@@ -613,7 +612,7 @@ RS_BF16_TARGET void tile_bf16(Scratch& sc, int64_t row, int64_t d, const float* 
   for (; i0 < d; i0 += 16) pv_bf16<MR, 1>(o, d, i0, alpha, pw[0], kBlock / 2, vp, n2);
 }
 
-// head_block for a bf16 query against bf16 K/V (sc.dot_bf16): the block's keys transposed
+// head_block for a bf16 query against bf16 K/V (stream_blocks' dot_bf16): the block's keys transposed
 // pairwise (the 8x8 float transpose moves the 32-bit bf16 pairs as they are), its values
 // interleaved in key pairs, then every tile of kRowsBf16 rows.
 RS_BF16_TARGET void head_block_bf16(Problem& P, const Unit& u, int64_t head, int64_t base, int64_t rows,
@@ -634,12 +633,12 @@ RS_BF16_TARGET void head_block_bf16(Problem& P, const Unit& u, int64_t head, int
     const int64_t seen = std::min(n, sc.lim[t + mr - 1] - kb);  // keys any tile row sees
     if (seen <= 0) continue;
     switch (mr) {
-      case 6: tile_bf16<6>(sc, t, d, sc.kt.data(), vp, seen, kb, mul); break;
-      case 5: tile_bf16<5>(sc, t, d, sc.kt.data(), vp, seen, kb, mul); break;
-      case 4: tile_bf16<4>(sc, t, d, sc.kt.data(), vp, seen, kb, mul); break;
-      case 3: tile_bf16<3>(sc, t, d, sc.kt.data(), vp, seen, kb, mul); break;
-      case 2: tile_bf16<2>(sc, t, d, sc.kt.data(), vp, seen, kb, mul); break;
-      default: tile_bf16<1>(sc, t, d, sc.kt.data(), vp, seen, kb, mul);
+      case 6: tile_bf16<6>(sc, t, d, vp, seen, kb, mul); break;
+      case 5: tile_bf16<5>(sc, t, d, vp, seen, kb, mul); break;
+      case 4: tile_bf16<4>(sc, t, d, vp, seen, kb, mul); break;
+      case 3: tile_bf16<3>(sc, t, d, vp, seen, kb, mul); break;
+      case 2: tile_bf16<2>(sc, t, d, vp, seen, kb, mul); break;
+      default: tile_bf16<1>(sc, t, d, vp, seen, kb, mul);
     }
   }
 }
@@ -671,7 +670,7 @@ int warm_rows(const Problem& P, const int64_t* slots, int64_t n, int64_t head, i
 // kStageKeys keys once in address order (whole rows: the hardware prefetcher streams that
 // at full bandwidth into L2), then computes the stage's blocks from L2: 2x faster cold.
 template <typename T>
-void stream_blocks(Problem& P, const Unit& u, const Item& it, Scratch& sc) {
+void stream_blocks(Problem& P, const Unit& u, const Item& it, Scratch& sc, bool dot_bf16 = false) {
   const int64_t rows = it.r1 - it.r0;
   const int64_t kend = sc.lim[rows - 1];  // limits grow with the row
   const int64_t stage = u.heads > 1 ? kStageKeys : kend;
@@ -682,7 +681,7 @@ void stream_blocks(Problem& P, const Unit& u, const Item& it, Scratch& sc) {
       const int64_t n = std::min(kBlock, k1 - kb), ahead = u.heads > 1 ? 0 : std::min(kBlock, kend - kb - n);
       for (int64_t h = 0; h < u.heads; ++h) {
 #if defined(RS_AVX512)
-        if (sc.dot_bf16) {
+        if (dot_bf16) {
           head_block_bf16(P, u, u.head + h, h * rows, rows, kb, n, ahead, sc);
           continue;
         }
@@ -719,11 +718,12 @@ void run_item(Problem& P, const Item& it) {
   Scratch& sc = scratch();
   sc.fit(rows, d);
   load_queries(P, u, it, sc);
-  sc.dot_bf16 = P.q->scalar_type() == at::kBFloat16 && P.k.dtype == at::kBFloat16 && P.d % 16 == 0 &&
-                it.r1 - it.r0 >= kPackRows && cpu_has_bf16_dot();
-  if (sc.dot_bf16) load_query_pairs(P, u, it, sc);
+  // Scores (and P.V) from vdpbf16ps: bf16 queries and pool, many rows, AVX512-BF16.
+  const bool dot_bf16 = P.q->scalar_type() == at::kBFloat16 && P.k.dtype == at::kBFloat16 && P.d % 16 == 0 &&
+                        it.r1 - it.r0 >= kPackRows && cpu_has_bf16_dot();
+  if (dot_bf16) load_query_pairs(P, u, it, sc);
   init_state(P, u, it, sc);
-  if (P.k.dtype == at::kFloat || it.r1 - it.r0 >= kPackRows) stream_blocks<float>(P, u, it, sc);
+  if (P.k.dtype == at::kFloat || it.r1 - it.r0 >= kPackRows) stream_blocks<float>(P, u, it, sc, dot_bf16);
   else if (P.k.dtype == at::kBFloat16) stream_blocks<at::BFloat16>(P, u, it, sc);
   else stream_blocks<at::Half>(P, u, it, sc);
   finish_item(P, u, it, sc);

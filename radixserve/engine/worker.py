@@ -38,10 +38,11 @@ def keep_freed_host_memory() -> None:
 
     By default glibc serves each block above its mmap threshold (128 KiB, adapting up to
     32 MiB) with a fresh mmap and returns freed heap tops to the OS, so a forward's large
-    activations page-fault in again on every step. Measured on a 2-core EPYC (Zen 4, AVX2
-    settings): prefill of 4096 tokens 432-464 -> 520-528 tok/s. The process's memory then
-    stays at its peak, which a server reaches in its first steps anyway. A no-op where the
-    C library is not glibc.
+    activations page-fault in again on every step. Measured on a 2-core EPYC (Zen 4), prefill
+    of 4096 tokens, A/B alternating: 373-500 -> 482-522 tok/s under the AVX2 settings; natively
+    the cold first prefill 334-371 -> 570-660 tok/s, steady state unchanged. The memory then
+    stays at the process's peak, which a server reaches in its first steps anyway. A no-op
+    where the C library is not glibc.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")

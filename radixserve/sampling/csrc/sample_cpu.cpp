@@ -1,4 +1,4 @@
-// Temperature sampling fused into one pass per row (radixserve/sampling/native.py): the
+// Temperature sampling fused into one pass per row (`_native` in sampler.py): the
 // softmax's exponentials are drawn from by inverse CDF without the (B, V) probability and
 // cumulative-sum tensors of the torch formula, whose passes over a 49152-token vocabulary
 // cost more than the arithmetic. Vectors are ATen's (AVX2 in the AVX2 build, plain C++ in
