@@ -12,7 +12,13 @@ import sys
 import typing
 from collections.abc import Sequence
 
-from radixserve.config import BACKENDS, DTYPE_CHOICES, POLICIES, QUANTIZATIONS, EngineConfig
+from radixserve.config import (
+    ATTENTION_BACKENDS,
+    DTYPE_CHOICES,
+    POLICIES,
+    QUANTIZATIONS,
+    EngineConfig,
+)
 
 HELP = {
     "model": "HF checkpoint folder (Llama/Qwen2/Mistral); default: embedded SmolLM2-135M-Instruct",
@@ -45,7 +51,7 @@ CHOICES: dict[str, Sequence[str]] = {
     "kv_cache_dtype": DTYPE_CHOICES,
     "quantization": QUANTIZATIONS,
     "schedule_policy": POLICIES,
-    "attention_backend": BACKENDS,
+    "attention_backend": ATTENTION_BACKENDS,
     "log_level": ("debug", "info", "warning", "error"),
 }
 

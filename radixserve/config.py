@@ -10,7 +10,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 DTYPE_CHOICES = ("auto", *DTYPES)
 QUANTIZATIONS = ("auto", "none", "int8")
 POLICIES = ("lpm", "fcfs")
-BACKENDS = ("tree", "flat", "none")  # "none": benchmark-only no-attention ceiling
+ATTENTION_BACKENDS = ("tree", "flat", "none")  # "none": benchmark-only no-attention ceiling
 CONTROL_CONNECTIONS = 64  # connections kept for /health, /get_server_info, aborts, ...
 
 
@@ -57,7 +57,10 @@ class EngineConfig:
             f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",
         )
         check(self.schedule_policy in POLICIES, f"schedule_policy must be one of {POLICIES}")
-        check(self.attention_backend in BACKENDS, f"attention_backend must be one of {BACKENDS}")
+        check(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"attention_backend must be one of {ATTENTION_BACKENDS}",
+        )
         check(
             self.max_total_tokens is None or self.max_total_tokens >= 16,
             f"max_total_tokens must be >= 16, got {self.max_total_tokens}",

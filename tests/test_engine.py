@@ -218,8 +218,8 @@ def test_bad_input_is_a_clear_error(engine: Engine, kwargs: dict, field: str) ->
 def test_abort_before_fork_finishes_every_sample(tiny_model_dir: Path, chunked: bool) -> None:
     """n = 3 aborted while queued, or mid-prefill (chunked, its prompt not done): all three
     samples report 'abort' and the request holds nothing afterwards."""
-    from radixserve.sampling.params import SamplingParams
-    from radixserve.scheduler.io import TokenizedRequest
+    from radixserve.core.params import SamplingParams
+    from radixserve.core.request import TokenizedRequest
 
     eng = make_engine(tiny_model_dir, chunked_prefill_size=16, max_prefill_tokens=16)
     sched = eng.scheduler
@@ -239,8 +239,8 @@ def test_queue_counts_samples_and_tokens(tiny_model_dir: Path) -> None:
     """The waiting queue holds at most 3 samples and 100 prompt tokens: a family of n counts
     n samples; what can never queue is a ValueError (400), what cannot queue now a
     QueueFullError (503)."""
-    from radixserve.sampling.params import SamplingParams
-    from radixserve.scheduler.io import TokenizedRequest
+    from radixserve.core.params import SamplingParams
+    from radixserve.core.request import TokenizedRequest
     from radixserve.scheduler.scheduler import QueueFullError
 
     eng = make_engine(tiny_model_dir, max_queued_requests=3, max_queued_tokens=100)

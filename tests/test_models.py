@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from radixserve import kernels
 from radixserve.attention.flat import FlatBackend
-from radixserve.engine.batch import ForwardBatch
+from radixserve.core.batch import ForwardBatch
 from radixserve.models import ModelConfig, load_model, load_tokenizer, resolve_model_path
 from radixserve.models.llama import Linear, LlamaForCausalLM, packed_linear_supported
 

@@ -331,9 +331,9 @@ def test_kv_cache_dtype_auto_is_fp16_under_quantized_weights(tiny_model_dir: Pat
     compute = resolve_dtype("auto", "cpu")[0]
     try:
         want = torch.float16 if compute == torch.float32 else compute
-        assert quantized.scheduler.worker.pool.k[0].dtype == want
-        assert exact_kv.scheduler.worker.pool.k[0].dtype == torch.float32
-        assert plain.scheduler.worker.pool.k[0].dtype == torch.float32
+        assert quantized.worker.pool.k[0].dtype == want
+        assert exact_kv.worker.pool.k[0].dtype == torch.float32
+        assert plain.worker.pool.k[0].dtype == torch.float32
         prompt = quantized.apply_chat_template([{"role": "user", "content": "Name three colours."}])
         params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
         a, b = (

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
+from radixserve.core.params import InvalidRequest, SamplingParams
+from radixserve.core.request import FinishReason
 from radixserve.sampling import (
-    InvalidRequest,
     SamplingInfo,
-    SamplingParams,
     StopChecker,
     process_logits,
     prompt_logprobs,
@@ -26,7 +26,6 @@ from radixserve.sampling import (
 )
 from radixserve.sampling import sampler as sampler_module
 from radixserve.sampling.sampler import BadRows
-from radixserve.scheduler.io import FinishReason
 
 # chi-square critical values at p = 0.001 by degrees of freedom
 CHI2_CRIT_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}

@@ -28,12 +28,12 @@ import torch
 from safetensors import safe_open
 
 from radixserve.config import QUANTIZATIONS
-from radixserve.distributed.parallel import shard_hf_weights
 from radixserve.models import native, quant
 from radixserve.models.config import ModelConfig
 from radixserve.models.gguf_weights import QuantWeight, Weight, read_gguf_weights
 from radixserve.models.llama import LlamaForCausalLM, packed_linear_supported
 from radixserve.models.quant import QuantLinear, dequantize, quantize
+from radixserve.models.sharding import shard_hf_weights
 
 logger = logging.getLogger(__name__)
 

@@ -49,11 +49,10 @@ from typing import Protocol
 import torch
 
 from radixserve.constrained.mask import token_mask_bias
+from radixserve.core.params import SamplingParams
+from radixserve.core.request import TokenLogprob
 from radixserve.isa import cpu_isa
 from radixserve.native_build import build
-from radixserve.sampling.params import SamplingParams
-
-TokenLogprob = tuple[float, int]  # (logprob, token_id), as radixserve.scheduler.io
 
 _MASK64 = (1 << 64) - 1
 _TOP_P_TRY = 1024  # top_p looks for its cut among this many top tokens before a full sort
@@ -98,7 +97,7 @@ class SamplingInfo:
     sample_index: int = 0  # which of the request's n samples (n > 1 samples must differ)
     need_top_logprobs: int = 0  # top-k raw logprobs to report for this row; 0: none
     # False skips this row's log-sum-exp (a full pass over the vocabulary): its entry in
-    # SampleResult.logprobs is then NaN. The scheduler sets it from return_logprob.
+    # SampledTokens.logprobs is then NaN. The scheduler sets it from return_logprob.
     return_logprob: bool = True
     grammar: AllowedTokens | None = None  # regex / json_schema state; None: unconstrained
 
@@ -115,7 +114,7 @@ class SamplingInfo:
 
 
 @dataclass
-class SampleResult:
+class SampledTokens:
     next_ids: torch.Tensor  # (B,) int64
     logprobs: torch.Tensor  # (B,) float32, raw log_softmax(logits)[row, next_id]; NaN for
     # rows with return_logprob False and need_top_logprobs 0
@@ -124,7 +123,7 @@ class SampleResult:
 
 def sample(
     logits: torch.Tensor, infos: list[SamplingInfo], generator: torch.Generator | None = None
-) -> SampleResult:
+) -> SampledTokens:
     """Pick one token per row (see the module docstring for order and determinism).
 
     `generator` overrides the process-level generator for rows without a seed.
@@ -153,7 +152,7 @@ def sample(
     top_ks = [info.need_top_logprobs for info in infos]
     want = [info.return_logprob for info in infos]
     logprobs, top = _raw_logprobs(logits, next_ids, top_ks, want)
-    return SampleResult(next_ids=next_ids, logprobs=logprobs, top_logprobs=top)
+    return SampledTokens(next_ids=next_ids, logprobs=logprobs, top_logprobs=top)
 
 
 def _check_rows(logits: torch.Tensor, work: torch.Tensor) -> None:

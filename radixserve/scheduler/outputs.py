@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import torch
 
+from radixserve.core.request import SampleOutput, TokenLogprob
 from radixserve.sampling.sampler import BadRows, SamplingInfo, prompt_logprobs, sample
-from radixserve.scheduler.io import SampleOutput, TokenLogprob
 from radixserve.scheduler.req import Req
 
 logger = logging.getLogger("radixserve.scheduler")

@@ -3,7 +3,7 @@
 Tensor parallel (tp_size > 1): every rank has a ModelWorker with its shard of the weights and
 a KV pool for its KV heads, all pools the same size with the same slot numbering. Rank 0's
 worker (inside the Scheduler) broadcasts each step's batch before running it; followers run
-`follow()` (radixserve.distributed.follower). Only rank 0 computes logits.
+`follow()` (radixserve.worker.tp_follower). Only rank 0 computes logits.
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ import torch
 from radixserve import kernels
 from radixserve.attention import make_backend
 from radixserve.config import DTYPES, EngineConfig
-from radixserve.distributed.batch_sync import recv_batch, send_batch
-from radixserve.distributed.parallel import TPGroup, agree_min, check_tp_size, get_tp, rank_device
-from radixserve.engine.batch import ForwardBatch
+from radixserve.core.batch import ForwardBatch
+from radixserve.distributed.parallel import TPGroup, agree_min, get_tp, rank_device
 from radixserve.isa import resolve_dtype
 from radixserve.kvcache.pool import KVPool
 from radixserve.models.config import ModelConfig
 from radixserve.models.loader import load_config, load_model
 from radixserve.models.quant import QuantLinear
+from radixserve.models.sharding import check_tp_size
+from radixserve.worker.batch_sync import recv_batch, send_batch
 
 logger = logging.getLogger("radixserve.worker")
 
@@ -186,7 +187,7 @@ def _join_tp(config: EngineConfig, model_path: str) -> TPGroup | None:
     check_tp_size(load_config(model_path), config.tp_size)  # fail before any collective
     tp = get_tp()
     if tp is None:  # no launcher made a group: this process leads and spawns the followers
-        from radixserve.distributed.follower import start_local_tp  # (it imports us)
+        from radixserve.worker.tp_follower import start_local_tp  # (it imports us)
 
         tp = start_local_tp(config)
     assert tp.size == config.tp_size, f"TP group of {tp.size} ranks, config says {config.tp_size}"
@@ -194,6 +195,6 @@ def _join_tp(config: EngineConfig, model_path: str) -> TPGroup | None:
 
 
 def _stop_followers(tp: TPGroup, send: bool = True) -> None:
-    from radixserve.distributed.follower import stop_followers  # (it imports us)
+    from radixserve.worker.tp_follower import stop_followers  # (it imports us)
 
     stop_followers(tp, send)
