@@ -27,7 +27,7 @@ from radixserve.constrained.grammar import CompiledGrammar, GrammarCompiler, Gra
 from radixserve.engine.batch import ForwardBatch
 from radixserve.engine.worker import ModelWorker
 from radixserve.kvcache.pool import ReqToTokenPool
-from radixserve.kvcache.radix import RadixCache
+from radixserve.kvcache.prefix_cache import make_prefix_cache
 from radixserve.models.loader import load_tokenizer, resolve_model_path
 from radixserve.sampling.stop import StopChecker
 from radixserve.scheduler.api import ModelInfo, SchedulerStats
@@ -67,7 +67,7 @@ class Scheduler:
         mc = self.worker.model_config
         self.context_len = mc.max_position_embeddings
         self.eos_ids = frozenset(mc.eos_token_ids)
-        self.cache = RadixCache(self.worker.pool, disable=config.disable_radix_cache)
+        self.cache = make_prefix_cache(config, self.worker.pool)
         req_pool = ReqToTokenPool(config.max_running_requests, self.context_len + 1)
         self.kv = KVManager(self.worker.pool, req_pool, self.cache)
         self.max_queued_tokens = config.max_queued_tokens or 4 * self.worker.pool.capacity
@@ -268,11 +268,8 @@ class Scheduler:
             locs.append(slots[start:end])
             seq_lens.append(end)
             kv_idx.append(slots)
-            if self.cache.disable:
-                paths.append([])
-            else:
-                assert r.last_node is not None, f"{r.rid} runs without a radix node"
-                paths.append(self.cache.path(r.last_node))
+            assert r.last_node is not None, f"{r.rid} runs without a cache node"
+            paths.append(self.cache.path(r.last_node))
             first_row.append(len(rows))
             rows.extend(range(t, t + w.n) if self._wants_all_logits(w) else [t + w.n - 1])
             t += w.n
@@ -336,10 +333,10 @@ class Scheduler:
         for i in range(1, parent.sampling.n):
             grammar = None if parent.grammar is None else parent.grammar.grammar
             child = self._new_req(parent.request, i, grammar)
-            if not self.cache.disable and self.kv.fork(parent, child):
+            if self.kv.fork(parent, child):
                 self.running.append(child)
                 children.append(child)
-            else:  # no sharing (cache disabled) or no free row: prefill on its own later
+            else:  # the cache holds no prompt K/V (NoPrefixCache) or no free row: prefill later
                 self.waiting.append(child)
         return children
 
