@@ -1,6 +1,6 @@
 """Scheduler + Engine behaviour on a tiny random Llama (fp32): the same greedy output alone,
-in a mixed continuous batch, after a radix hit, after retraction, chunked, cache disabled;
-KV accounting exact after every run."""
+in a mixed continuous batch, after a radix hit, after retraction, chunked, cache disabled
+(which reuses and leaks nothing); KV accounting exact after every run."""
 
 from __future__ import annotations
 
@@ -120,6 +120,51 @@ def test_fork_shares_prompt(engine: Engine) -> None:
     assert len({tuple(o["output_ids"]) for o in outs}) > 1, "samples of a fork must differ"
     again = engine.generate(input_ids=ids, sampling_params=params)
     assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]  # seeded
+    assert_all_free(engine)
+
+
+def test_no_cache_reuses_nothing_and_leaks_nothing(
+    tiny_model_dir: Path,
+    engine: Engine,
+    reference: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--disable-radix-cache: no sample ever holds cache slots (tree_len 0 at every step,
+    integrity checked after every step), a repeated prompt and the samples of a fork compute
+    their whole prompt again, and every slot is free once idle without a flush."""
+    eng = make_engine(tiny_model_dir, disable_radix_cache=True)
+    sched, pool = eng.scheduler, eng.scheduler.kv.pool
+    step = sched.step
+
+    def checked_step() -> list[Any]:
+        outs = step()
+        sched.check_integrity()
+        assert [r.tree_len for r in sched.running] == [0] * len(sched.running)
+        return outs
+
+    monkeypatch.setattr(sched, "step", checked_step)
+    ids = prompts(8)[3]
+    for _ in range(2):
+        before = sched.stats().computed_tokens_total
+        out = eng.generate(input_ids=ids, sampling_params=GREEDY)
+        assert out["output_ids"] == reference[3] and out["meta_info"]["cached_tokens"] == 0
+        assert sched.stats().computed_tokens_total - before == len(ids) + 11  # no reuse
+        assert pool.num_free == pool.capacity  # nothing kept: no flush needed
+    fork_ids = prompts(1, length=60, seed=5)[0]
+    params = {"temperature": 1.0, "max_new_tokens": 8, "n": 6, "seed": 7, "ignore_eos": True}
+    before = sched.stats().computed_tokens_total
+    outs = eng.generate(input_ids=fork_ids, sampling_params=params)
+    assert isinstance(outs, list)
+    # Samples 1..5 cannot share sample 0's prompt K/V: each prefills the prompt itself.
+    assert sched.stats().computed_tokens_total - before == 6 * len(fork_ids) + 6 * 7
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == [0] * 6
+    engine.flush_cache()
+    shared = engine.generate(input_ids=fork_ids, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in shared]  # seeded
+    stats = sched.stats()
+    assert (stats.cached_tokens_total, stats.kv_used_tokens, stats.kv_held_tokens) == (0, 0, 0)
+    assert pool.num_free == pool.capacity and eng.flush_cache()
+    assert pool.num_free == pool.capacity
     assert_all_free(engine)
 
 

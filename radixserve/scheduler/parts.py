@@ -17,7 +17,7 @@ from radixserve.config import EngineConfig
 from radixserve.constrained.grammar import GrammarCompiler
 from radixserve.core.batch import ForwardBatch
 from radixserve.kvcache.pool import KVPool
-from radixserve.kvcache.radix import RadixCache
+from radixserve.kvcache.prefix_cache import PrefixCache, make_prefix_cache
 from radixserve.models.config import ModelConfig
 from radixserve.models.loader import load_tokenizer, resolve_model_path
 from radixserve.worker.model_worker import ModelWorker
@@ -44,7 +44,7 @@ class SchedulerParts:
     model_path: str
     tokenizer: Any  # a transformers fast tokenizer
     worker: StepWorker
-    cache: RadixCache  # over worker.pool
+    cache: PrefixCache  # over worker.pool
     grammars: GrammarCompiler
 
 
@@ -53,7 +53,7 @@ def build_parts(
 ) -> SchedulerParts:
     """The cache and grammar compiler that go with a worker and tokenizer."""
     mc = worker.model_config
-    cache = RadixCache(worker.pool, disable=config.disable_radix_cache)
+    cache = make_prefix_cache(config, worker.pool)
     grammars = GrammarCompiler(tokenizer, mc.eos_token_ids, mc.vocab_size)
     return SchedulerParts(model_path, tokenizer, worker, cache, grammars)
 

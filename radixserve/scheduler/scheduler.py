@@ -275,11 +275,8 @@ class Scheduler:
             locs.append(slots[start:end])
             seq_lens.append(end)
             kv_idx.append(slots)
-            if self.cache.disable:
-                paths.append([])
-            else:
-                assert r.last_node is not None, f"{r.rid} runs without a radix node"
-                paths.append(self.cache.path(r.last_node))
+            assert r.last_node is not None, f"{r.rid} runs without a cache node"
+            paths.append(self.cache.path(r.last_node))
             first_row.append(len(rows))
             rows.extend(range(t, t + w.n) if self._wants_all_logits(w) else [t + w.n - 1])
             t += w.n
@@ -343,10 +340,10 @@ class Scheduler:
         for i in range(1, parent.sampling.n):
             grammar = None if parent.grammar is None else parent.grammar.grammar
             child = self._new_req(parent.request, i, grammar)
-            if not self.cache.disable and self.kv.fork(parent, child):
+            if self.kv.fork(parent, child):
                 self.running.append(child)
                 children.append(child)
-            else:  # no sharing (cache disabled) or no free row: prefill on its own later
+            else:  # the cache holds no prompt K/V (NoPrefixCache) or no free row: prefill later
                 self.waiting.append(child)
         return children
 
