@@ -15,7 +15,6 @@ from radixserve.sampling.sampler import (
     process_logits,
     prompt_logprobs,
     sample,
-    seed_process_generator,
 )
 
 __all__ = [
@@ -27,7 +26,6 @@ __all__ = [
     "process_logits",
     "prompt_logprobs",
     "sample",
-    "seed_process_generator",
     "trim_text",
 ]
 
