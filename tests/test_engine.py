@@ -177,6 +177,52 @@ def test_seed_independent_of_batch(engine: Engine) -> None:
     assert_all_free(engine)
 
 
+UNSEEDED = {"temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True}  # no "seed"
+
+
+def first_unseeded_outputs(model_dir: Path, random_seed: int) -> tuple[list[list[int]], float]:
+    """A fresh engine's outputs for 4 prompts without a seed (64 drawn tokens), and the log
+    of the probability that an independent random stream draws exactly these outputs: the
+    sum of the drawn tokens' logprobs (temperature 1, no filters: the model's distribution)."""
+    eng = make_engine(model_dir, random_seed=random_seed)
+    outs = eng.generate(input_ids=prompts(4), sampling_params=UNSEEDED, return_logprob=True)
+    log_p = sum(lp for o in outs for lp, _, _ in o["meta_info"]["output_token_logprobs"])
+    return [o["output_ids"] for o in outs], log_p
+
+
+def test_random_seed_fixes_unseeded_draws(tiny_model_dir: Path) -> None:
+    """EngineConfig.random_seed: same seed, same tokens in fresh engines; another seed,
+    other tokens (a collision has probability exp(log_p), asserted below 1e-9)."""
+    outs, log_p = first_unseeded_outputs(tiny_model_dir, 7)
+    assert first_unseeded_outputs(tiny_model_dir, 7)[0] == outs
+    assert log_p < math.log(1e-9), f"draws too predictable for the test: log P {log_p:.1f}"
+    assert first_unseeded_outputs(tiny_model_dir, 8)[0] != outs
+
+
+def test_fast_path_choices_come_from_the_config(
+    tiny_model_dir: Path, reference: list[list[int]]
+) -> None:
+    """The reference paths chosen in EngineConfig give the greedy outputs of the fast ones;
+    each engine's worker sets the process-wide kernel switches from its own config."""
+    from radixserve import kernels
+    from radixserve.config import EngineConfig
+    from radixserve.native_build import native_ops_enabled, use_native_ops
+
+    before = native_ops_enabled(), kernels.get_impl()
+    try:
+        slow = make_engine(
+            tiny_model_dir, native_ops=False, attention_kernels="reference", packed_linear="off"
+        )
+        assert (native_ops_enabled(), kernels.get_impl()) == (False, "reference")
+        outs = slow.generate(input_ids=prompts(8), sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == reference
+        make_engine(tiny_model_dir, max_total_tokens=64)
+        assert (native_ops_enabled(), kernels.get_impl()) == (EngineConfig().native_ops, "auto")
+    finally:
+        use_native_ops(before[0])
+        kernels.set_impl(before[1])
+
+
 def test_max_new_tokens_zero_caches_prompt(engine: Engine) -> None:
     ids = prompts(1, length=40, seed=9)[0]
     out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0})

@@ -11,7 +11,6 @@ from radixserve.sampling.sampler import (
     process_logits,
     prompt_logprobs,
     sample,
-    seed_process_generator,
 )
 from radixserve.sampling.stop import StopChecker, trim_text
 
@@ -22,6 +21,5 @@ __all__ = [
     "process_logits",
     "prompt_logprobs",
     "sample",
-    "seed_process_generator",
     "trim_text",
 ]

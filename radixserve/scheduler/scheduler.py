@@ -78,7 +78,7 @@ class Scheduler:
         req_pool = ReqToTokenPool(config.max_running_requests, self.context_len + 1)
         self.kv = KVManager(self.worker.pool, req_pool, self.cache)
         self.max_queued_tokens = config.max_queued_tokens or 4 * self.worker.pool.capacity
-        self.out = OutputProcessor(mc.vocab_size, self.eos_ids)
+        self.out = OutputProcessor(mc.vocab_size, self.eos_ids, config.random_seed)
         self.grammars = parts.grammars
         self.compiling = PendingCompiles()  # requests whose pattern builds off this thread
         self.waiting: list[Req] = []

@@ -26,6 +26,7 @@ from radixserve.models.config import ModelConfig
 from radixserve.models.loader import load_config, load_model
 from radixserve.models.quant import QuantLinear
 from radixserve.models.sharding import check_tp_size
+from radixserve.native_build import use_native_ops
 from radixserve.worker.batch_sync import recv_batch, send_batch
 
 logger = logging.getLogger("radixserve.worker")
@@ -95,11 +96,12 @@ class ModelWorker:
         device = rank_device(config.device, rank)
         if not device.startswith("cuda"):
             keep_freed_host_memory()
+        select_fast_paths(config)
         self.dtype, why = resolve_dtype(config.dtype, device)
         logger.info("dtype %s (%s: %s)", self.dtype, config.dtype, why)
         self.model, self.model_config = load_model(
-            model_path, self.dtype, device, tp_rank=rank, tp_size=size,
-            quantization=config.quantization,
+            model_path, self.dtype, device, packed_linear=config.packed_linear_request,
+            tp_rank=rank, tp_size=size, quantization=config.quantization,
         )  # fmt: skip
         self.backend = make_backend(config.attention_backend)
         self.kv_dtype, why = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.model, device)
@@ -155,6 +157,18 @@ class ModelWorker:
         tp_size 1 and on followers. Call it only between steps."""
         if self._closer is not None:
             self._closer()
+
+
+def select_fast_paths(config: EngineConfig) -> None:
+    """Set the two process-wide kernel switches from the config (the last worker started in
+    a process wins): native CPU ops on/off, and the attention ops' implementation.
+    packed_linear travels to the loader as an argument."""
+    use_native_ops(config.native_ops)
+    kernels.set_impl(config.attention_kernels)
+    logger.info(
+        "fast paths: native CPU ops %s, attention kernels %s, packed linear %s",
+        "on" if config.native_ops else "off", config.attention_kernels, config.packed_linear,
+    )  # fmt: skip
 
 
 def kv_cache_dtype(
