@@ -31,7 +31,7 @@ from radixserve import kernels
 from radixserve.attention import FlatBackend, NoAttentionBackend, TreeBackend
 from radixserve.attention.base import AttentionBackend
 from radixserve.attention.flat import GatherPlan, PaddedPlan
-from radixserve.engine.batch import ForwardBatch
+from radixserve.core.batch import ForwardBatch
 from radixserve.kvcache.pool import KVPool
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}

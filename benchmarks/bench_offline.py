@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         max_total_tokens=args.batch * (args.new_tokens + 128) + 2 * args.cache_prompt_tokens,
     )
     path = engine.scheduler.model_info.model_path
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=engine.scheduler.worker.dtype).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=engine.worker.dtype).eval()
     texts = prompts(engine, args.batch)
     n = args.new_tokens
     time_engine(engine, texts[:2], 4)  # warm-up both sides

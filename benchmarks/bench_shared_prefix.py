@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
+from radixserve.config import ATTENTION_BACKENDS
 from radixserve.isa import resolve_dtype
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
-ENGINE_BACKENDS = ("tree", "flat", "none")
 
 
 def prefix_ids(tokenizer: Any, tokens: int) -> list[int]:
@@ -116,7 +116,7 @@ def load_engines(args: argparse.Namespace, capacity: int) -> dict[str, Any]:
             max_running_requests=max(args.batch) + 8,
         )
         for b in args.backends
-        if b in ENGINE_BACKENDS
+        if b in ATTENTION_BACKENDS
     }
 
 
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--backends",
         nargs="+",
         default=["tree", "flat", "none", "hf"],
-        choices=[*ENGINE_BACKENDS, "hf"],
+        choices=[*ATTENTION_BACKENDS, "hf"],
     )
     ap.add_argument("--samples", action="store_true", help="B samples of one prompt, prefill incl.")
     ap.add_argument("--repeats", type=int, default=1, help="decode mode: best of N runs")

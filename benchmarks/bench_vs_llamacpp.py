@@ -291,7 +291,7 @@ class Radix:
         )
 
     def config(self) -> dict[str, Any]:
-        w = self.engine.scheduler.worker
+        w = self.engine.worker
         return {
             **dataclasses.asdict(self.engine.config),
             "kv_capacity_tokens": w.pool.capacity,

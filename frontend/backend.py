@@ -16,7 +16,7 @@ from radixserve.frontend.chat import RoleTemplate
 from radixserve.frontend.choices import (
     ChoiceScores,
     ChoicesMethod,
-    TokenLogprob,
+    PromptLogprob,
     choose,
     score_choices,
 )
@@ -84,7 +84,7 @@ class Backend(ABC):
         """Token ids of `text` exactly as the runtime tokenizes a text prompt."""
 
     @abstractmethod
-    def prompt_logprobs(self, reqs: list[tuple[list[int], int]]) -> list[list[TokenLogprob]]:
+    def prompt_logprobs(self, reqs: list[tuple[list[int], int]]) -> list[list[PromptLogprob]]:
         """For each (ids, start): [(logprob, id)] of ids[start:] given the tokens before
         (None for position 0), all requests sent as one batch; nothing is generated."""
 

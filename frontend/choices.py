@@ -23,8 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# (logprob | None, token id): None for the very first token of a sequence.
-TokenLogprob = tuple[float | None, int]
+from radixserve.core.request import PromptLogprob
 
 
 @dataclass(frozen=True)
@@ -113,7 +112,7 @@ def choose(
 
 # A batch of prefill-only scoring requests: (input ids, first position to score) -> the
 # logprobs of ids[start:], one list per request.
-ScoreFn = Callable[[list[tuple[list[int], int]]], list[list[TokenLogprob]]]
+ScoreFn = Callable[[list[tuple[list[int], int]]], list[list[PromptLogprob]]]
 
 
 def score_choices(

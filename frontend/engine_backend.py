@@ -28,12 +28,11 @@ from typing import Any
 
 from radixserve.frontend.backend import Backend, BackendError, GenRequest, GenResult, TextCallback
 from radixserve.frontend.chat import RoleTemplate, template_for
-from radixserve.frontend.choices import TokenLogprob
 
+from radixserve.core.params import SamplingParams
+from radixserve.core.request import PromptLogprob, SampleOutput, TokenizedRequest
 from radixserve.engine.engine import Engine
 from radixserve.message.messages import SampleDelta
-from radixserve.sampling.params import SamplingParams
-from radixserve.scheduler.io import SampleOutput, TokenizedRequest
 from radixserve.scheduler.scheduler import QueueFullError
 from radixserve.server.results import SampleResult, native_result
 from radixserve.tokenizer.detokenize import IncrementalDetokenizer
@@ -136,7 +135,7 @@ class EngineBackend(Backend):
         with self._tok_lock:  # exactly as Engine.generate (and the server) tokenize text
             return list(self.engine.tokenizer.encode(text))
 
-    def prompt_logprobs(self, reqs: list[tuple[list[int], int]]) -> list[list[TokenLogprob]]:
+    def prompt_logprobs(self, reqs: list[tuple[list[int], int]]) -> list[list[PromptLogprob]]:
         jobs = [
             self._job(self._request(ids, {"max_new_tokens": 0}, True, start, 0), None)
             for ids, start in reqs

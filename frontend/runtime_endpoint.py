@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 from radixserve.frontend.backend import Backend, BackendError, GenRequest, GenResult, TextCallback
 from radixserve.frontend.chat import RoleTemplate, template_for
-from radixserve.frontend.choices import TokenLogprob
+
+from radixserve.core.request import PromptLogprob
 
 DEFAULT_TIMEOUT_S = 600.0
 MAX_CONNECTIONS = 256  # concurrent requests (one per fork child / batched program)
@@ -118,7 +119,7 @@ class RuntimeEndpoint(Backend):
         with self._tok_lock:  # as the server tokenizes a text prompt (special tokens added)
             return list(self._tok().encode(text))
 
-    def prompt_logprobs(self, reqs: list[tuple[list[int], int]]) -> list[list[TokenLogprob]]:
+    def prompt_logprobs(self, reqs: list[tuple[list[int], int]]) -> list[list[PromptLogprob]]:
         body = {
             "input_ids": [ids for ids, _ in reqs],
             "sampling_params": {"max_new_tokens": 0},

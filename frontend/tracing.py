@@ -23,7 +23,9 @@ from radixserve.frontend.backend import (
     TextCallback,
 )
 from radixserve.frontend.chat import RoleTemplate
-from radixserve.frontend.choices import ChoicesMethod, TokenLogprob
+from radixserve.frontend.choices import ChoicesMethod
+
+from radixserve.core.request import PromptLogprob
 
 TYPED_PLACEHOLDER = {"int": "0", "float": "0.0", "bool": "True", "str": '""'}
 
@@ -93,5 +95,5 @@ class TracingBackend(Backend):
     def encode(self, text: str) -> list[int]:
         raise BackendError("TracingBackend has no tokenizer")
 
-    def prompt_logprobs(self, reqs: list[tuple[list[int], int]]) -> list[list[TokenLogprob]]:
+    def prompt_logprobs(self, reqs: list[tuple[list[int], int]]) -> list[list[PromptLogprob]]:
         raise BackendError("TracingBackend has no model")

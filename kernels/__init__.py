@@ -28,8 +28,9 @@ their dense op. `reads_pool_in_place` says which, so callers keep their own gath
 Outputs are new tensors (out in q's / outs' dtype); inputs are never modified. A row that sees
 no key (L == 0, or every merged part -inf) gets out 0 and lse -inf.
 
-Implementations, chosen in ONE place with `set_impl` and logged once per resolved choice
-(logger "radixserve.kernels"):
+Implementations, chosen in ONE place with `set_impl` (process-wide; a ModelWorker sets it
+from EngineConfig.attention_kernels when it starts, benchmarks and tests call it directly) and
+logged once per resolved choice (logger "radixserve.kernels"):
 - "reference": readable torch (kernels/reference.py), the oracle.
 - "cpu": PyTorch's fused CPU flash-attention kernel, GQA-stacked (kernels/cpu.py).
 - "native": our C++ CPU kernels reading K/V from the pool in place (kernels/native.py), built
@@ -49,6 +50,8 @@ from types import ModuleType
 import torch
 from radixserve.kernels import cpu, native, reference
 
+from radixserve.config import ATTENTION_KERNELS as IMPLS
+
 __all__ = [
     "IMPLS",
     "decode_attention",
@@ -64,7 +67,6 @@ __all__ = [
     "set_impl",
 ]
 
-IMPLS = ("reference", "cpu", "native", "triton", "auto")
 logger = logging.getLogger("radixserve.kernels")
 
 State = tuple[torch.Tensor, torch.Tensor]  # out (rows, Hq, D), lse (rows, Hq) float32

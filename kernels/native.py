@@ -27,15 +27,14 @@ ISA). The ISA (`build_isa`, from radixserve/isa.py) picks the flags and the modu
 (portable C++, no vector flags; never chosen by
 "auto", which then takes the torch path). RADIXSERVE_CPU_ISA=scalar selects the portable
 build on an AVX2 machine (tests); ATEN_CPU_CAPABILITY=avx2 is seen through torch. `ops()`
-returns None when the build fails (no compiler) or RADIXSERVE_NATIVE_OPS=0: callers then
-use the torch path ("cpu"), logged.
+returns None when the build fails (no compiler) or native ops are off
+(EngineConfig.native_ops): callers then use the torch path ("cpu"), logged.
 
 Unsupported inputs (head dim not a multiple of 8, other dtypes) run the torch path per call.
 """
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from types import ModuleType
 
@@ -43,7 +42,7 @@ import torch
 from radixserve.kernels import cpu
 
 from radixserve.isa import cpu_isa
-from radixserve.native_build import build
+from radixserve.native_build import build, native_module
 
 SOURCE = Path(__file__).with_name("csrc") / "attention_cpu.cpp"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -58,9 +57,10 @@ def build_isa() -> str:
     return cpu_isa()
 
 
-@functools.cache
+@native_module
 def ops() -> ModuleType | None:
-    """The compiled module for `build_isa()`, or None when it cannot be built (logged)."""
+    """The compiled module for `build_isa()`, or None when native ops are off or it cannot be
+    built (logged)."""
     return build("radixserve_attention_cpu", SOURCE, build_isa())
 
 

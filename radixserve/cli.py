@@ -1,7 +1,9 @@
 """Command line: `radixserve serve [flags]` (also `python -m radixserve serve ...`).
 
 The serve flags are generated from `EngineConfig`'s fields, one flag per field
-(`max_total_tokens` -> `--max-total-tokens`), so the two can never drift apart.
+(`max_total_tokens` -> `--max-total-tokens`; a bool field also gets `--no-...`), so the two
+can never drift apart. Defaults are the fields' (some come from environment variables: see
+radixserve/config.py).
 """
 
 from __future__ import annotations
@@ -12,7 +14,15 @@ import sys
 import typing
 from collections.abc import Sequence
 
-from radixserve.config import BACKENDS, DTYPE_CHOICES, POLICIES, QUANTIZATIONS, EngineConfig
+from radixserve.config import (
+    ATTENTION_BACKENDS,
+    ATTENTION_KERNELS,
+    DTYPE_CHOICES,
+    PACKED_LINEAR,
+    POLICIES,
+    QUANTIZATIONS,
+    EngineConfig,
+)
 
 HELP = {
     "model": "HF checkpoint folder (Llama/Qwen2/Mistral); default: embedded SmolLM2-135M-Instruct",
@@ -33,8 +43,14 @@ HELP = {
     "schedule_policy": "waiting-queue order: lpm (longest prefix match) or fcfs",
     "disable_radix_cache": "do not reuse KV across requests",
     "attention_backend": "tree (shared-prefix Hydragen attention) or flat (per request)",
+    "attention_kernels": "attention ops under the backend: auto (triton on CUDA, native C++ "
+    "on an AVX2 CPU, else cpu), native, cpu (torch), reference (readable torch), triton",
+    "native_ops": "our C++ CPU kernels (RMSNorm/RoPE, quantized matmuls, sampling, attention); "
+    "off: the same math as torch ops; RADIXSERVE_NATIVE_OPS=0/1 sets the default",
+    "packed_linear": "oneDNN pre-packed bf16 weights: auto (where supported), on, off; "
+    "RADIXSERVE_PACKED_LINEAR=1/0 sets the default (else auto)",
     "tp_size": "tensor-parallel ranks (processes); must divide the model's heads and KV heads",
-    "random_seed": "seed of the process-level sampling generator",
+    "random_seed": "seed of the sampling generator of requests without a seed",
     "host": "address to listen on",
     "port": "port to listen on",
     "api_key": "require 'Authorization: Bearer <key>' on every route but /health",
@@ -45,7 +61,9 @@ CHOICES: dict[str, Sequence[str]] = {
     "kv_cache_dtype": DTYPE_CHOICES,
     "quantization": QUANTIZATIONS,
     "schedule_policy": POLICIES,
-    "attention_backend": BACKENDS,
+    "attention_backend": ATTENTION_BACKENDS,
+    "attention_kernels": ATTENTION_KERNELS,
+    "packed_linear": PACKED_LINEAR,
     "log_level": ("debug", "info", "warning", "error"),
 }
 
@@ -56,7 +74,10 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         if kind is bool:
-            parser.add_argument(flag, action="store_true", help=HELP.get(f.name))
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default,
+                help=HELP.get(f.name),
+            )  # fmt: skip
             continue
         base = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))
         parser.add_argument(

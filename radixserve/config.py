@@ -1,17 +1,47 @@
-"""Engine / server configuration: one frozen dataclass, validated once at construction."""
+"""Engine / server configuration: one frozen dataclass, validated once at construction.
+
+Fast paths are chosen here and nowhere else (`native_ops`, `packed_linear`,
+`attention_kernels`). Environment variables only give defaults, read once when this module
+is imported: RADIXSERVE_NATIVE_OPS=0|1 -> native_ops, RADIXSERVE_PACKED_LINEAR=0|1 ->
+packed_linear "off" | "on" (unset: True and "auto"). An explicit field, flag or Engine
+argument wins over them.
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
+
+_T = TypeVar("_T")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
 QUANTIZATIONS = ("auto", "none", "int8")
 POLICIES = ("lpm", "fcfs")
-BACKENDS = ("tree", "flat", "none")  # "none": benchmark-only no-attention ceiling
+ATTENTION_BACKENDS = ("tree", "flat", "none")  # "none": benchmark-only no-attention ceiling
 CONTROL_CONNECTIONS = 64  # connections kept for /health, /get_server_info, aborts, ...
+PACKED_LINEAR = ("auto", "on", "off")
+# Attention op implementations (radixserve.kernels, which documents each): "auto" picks
+# triton on CUDA, the native C++ kernels on an AVX2 CPU where they build, else "cpu".
+ATTENTION_KERNELS = ("auto", "native", "cpu", "reference", "triton")
+
+
+def env_default(name: str, values: dict[str, _T], unset: _T) -> _T:
+    """A field's default from environment variable `name`: `unset` when it is not set, else
+    values[its value]. ValueError naming the variable for any other value."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return unset
+    if raw not in values:
+        raise ValueError(f"{name} must be one of {sorted(values)} or unset, got {raw!r}")
+    return values[raw]
+
+
+NATIVE_OPS_DEFAULT = env_default("RADIXSERVE_NATIVE_OPS", {"0": False, "1": True}, True)
+PACKED_LINEAR_DEFAULT = env_default("RADIXSERVE_PACKED_LINEAR", {"0": "off", "1": "on"}, "auto")
 
 
 @dataclass(frozen=True)
@@ -32,8 +62,14 @@ class EngineConfig:
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     attention_backend: str = "tree"
+    attention_kernels: str = "auto"  # the ops under the backend; process-wide (see worker)
+    # Our C++ CPU kernels (RMSNorm/RoPE, quantized matmuls, sampling, attention), built on
+    # first use; False: the same math as torch ops. Process-wide (see worker).
+    native_ops: bool = NATIVE_OPS_DEFAULT
+    # oneDNN pre-packed bf16 weights: "auto" where supported, "on" (refused where not), "off"
+    packed_linear: str = PACKED_LINEAR_DEFAULT
     tp_size: int = 1
-    random_seed: int = 0
+    random_seed: int = 0  # seeds the draws of requests without a seed (per scheduler)
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
@@ -57,7 +93,22 @@ class EngineConfig:
             f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",
         )
         check(self.schedule_policy in POLICIES, f"schedule_policy must be one of {POLICIES}")
-        check(self.attention_backend in BACKENDS, f"attention_backend must be one of {BACKENDS}")
+        check(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"attention_backend must be one of {ATTENTION_BACKENDS}",
+        )
+        check(
+            self.attention_kernels in ATTENTION_KERNELS,
+            f"attention_kernels must be one of {ATTENTION_KERNELS}, got {self.attention_kernels!r}",
+        )
+        check(
+            self.native_ops or self.attention_kernels != "native",
+            "attention_kernels native needs native_ops",
+        )
+        check(
+            self.packed_linear in PACKED_LINEAR,
+            f"packed_linear must be one of {PACKED_LINEAR}, got {self.packed_linear!r}",
+        )
         check(
             self.max_total_tokens is None or self.max_total_tokens >= 16,
             f"max_total_tokens must be >= 16, got {self.max_total_tokens}",
@@ -74,6 +125,11 @@ class EngineConfig:
         for name in ("max_queued_tokens", "max_connections"):
             value = getattr(self, name)
             check(value is None or value >= 1, f"{name} must be >= 1, got {value}")
+
+    @property
+    def packed_linear_request(self) -> bool | None:
+        """`packed_linear` as the loader takes it: None = auto, True = on, False = off."""
+        return {"auto": None, "on": True, "off": False}[self.packed_linear]
 
     @property
     def max_samples_in_flight(self) -> int:

@@ -6,28 +6,57 @@ Each source is built once per ISA (module name `<name>_<isa>`, cached by torch u
 inline OpenMP, serial without it; the link resolves to the libgomp.so.1 torch has loaded.
 The AVX2 build adds -mavx2 -mfma -mf16c and defines RS_AVX2; the AVX-512 build is the same
 plus RS_AVX512 (its few AVX-512 functions carry target attributes and check the CPU first);
-"scalar" is portable C++. Without a compiler, or with RADIXSERVE_NATIVE_OPS=0, `build`
-returns None and the callers run the same math as torch ops.
+"scalar" is portable C++. Without a compiler `build` returns None, and while native ops are
+off (`use_native_ops(False)`) every `@native_module` getter does: the callers then run the
+same math as torch ops.
+
+The switch is process-wide, like the attention ops' `kernels.set_impl`: these kernels are
+called deep inside the model, the sampler and the attention ops. A ModelWorker sets it from
+EngineConfig.native_ops when it starts (nothing else does in the package); a test that flips
+it sets it back.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 logger = logging.getLogger("radixserve.native")
 VECTOR_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mf16c", "-DRS_AVX2", "-DRS_AVX512"],
                 "avx2": ["-mavx2", "-mfma", "-mf16c", "-DRS_AVX2"], "scalar": []}  # fmt: skip
+_enabled = True  # EngineConfig.native_ops of the last ModelWorker started in this process
+
+Getter = Callable[[], ModuleType | None]
+
+
+def use_native_ops(enabled: bool) -> None:
+    """Turn every native CPU kernel of this process on or off (modules stay built)."""
+    global _enabled
+    _enabled = enabled
+
+
+def native_ops_enabled() -> bool:
+    return _enabled
+
+
+def native_module(get: Getter) -> Getter:
+    """Decorate a getter that `build`s one module: the build runs once per process (cached,
+    failure included); the getter returns the module while native ops are on, else None."""
+    built = functools.cache(get)
+
+    @functools.wraps(get)
+    def getter() -> ModuleType | None:
+        return built() if _enabled else None
+
+    return getter
 
 
 def build(name: str, source: Path, isa: str | None) -> ModuleType | None:
     """Compile `source` as `name` (per ISA when `isa` is given: `name_isa`, its vector flags);
-    None, logged, when disabled or the build fails."""
-    if os.environ.get("RADIXSERVE_NATIVE_OPS", "1") == "0":
-        logger.info("native CPU kernels disabled by RADIXSERVE_NATIVE_OPS=0 (%s)", source.name)
-        return None
+    None, logged, when the build fails."""
     from torch.utils.cpp_extension import load
 
     flags = ["-O3", "-fopenmp", *(VECTOR_FLAGS[isa] if isa else [])]

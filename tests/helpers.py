@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from radixserve.attention.base import AttentionBackend
-from radixserve.engine.batch import ForwardBatch
+from radixserve.core.batch import ForwardBatch
 from radixserve.kvcache.pool import KVPool
 from radixserve.models.llama import LlamaForCausalLM
 

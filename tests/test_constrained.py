@@ -32,9 +32,9 @@ from radixserve.constrained import (
 )
 from radixserve.constrained.grammar import COMPILE_TIMEOUT_S, GrammarError
 from radixserve.constrained.vocab import BYTE_LEVEL, SENTENCEPIECE, gpt2_unicode_to_byte
-from radixserve.sampling.params import InvalidRequest, SamplingParams
+from radixserve.core.params import InvalidRequest, SamplingParams
+from radixserve.core.request import FinishReason, TokenizedRequest
 from radixserve.sampling.sampler import SamplingInfo, process_logits, sample
-from radixserve.scheduler.io import FinishReason, TokenizedRequest
 
 INTEGER = r"-?\d{1,8}"
 DATE = r"\d{4}-\d{2}-\d{2}"

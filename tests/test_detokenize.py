@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.scheduler.io import FinishReason
+from radixserve.core.request import FinishReason
 from radixserve.tokenizer.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer
 
 

@@ -1,6 +1,6 @@
 """Scheduler + Engine behaviour on a tiny random Llama (fp32): the same greedy output alone,
-in a mixed continuous batch, after a radix hit, after retraction, chunked, cache disabled;
-KV accounting exact after every run."""
+in a mixed continuous batch, after a radix hit, after retraction, chunked, cache disabled
+(which reuses and leaks nothing); KV accounting exact after every run."""
 
 from __future__ import annotations
 
@@ -123,6 +123,51 @@ def test_fork_shares_prompt(engine: Engine) -> None:
     assert_all_free(engine)
 
 
+def test_no_cache_reuses_nothing_and_leaks_nothing(
+    tiny_model_dir: Path,
+    engine: Engine,
+    reference: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--disable-radix-cache: no sample ever holds cache slots (tree_len 0 at every step,
+    integrity checked after every step), a repeated prompt and the samples of a fork compute
+    their whole prompt again, and every slot is free once idle without a flush."""
+    eng = make_engine(tiny_model_dir, disable_radix_cache=True)
+    sched, pool = eng.scheduler, eng.scheduler.kv.pool
+    step = sched.step
+
+    def checked_step() -> list[Any]:
+        outs = step()
+        sched.check_integrity()
+        assert [r.tree_len for r in sched.running] == [0] * len(sched.running)
+        return outs
+
+    monkeypatch.setattr(sched, "step", checked_step)
+    ids = prompts(8)[3]
+    for _ in range(2):
+        before = sched.stats().computed_tokens_total
+        out = eng.generate(input_ids=ids, sampling_params=GREEDY)
+        assert out["output_ids"] == reference[3] and out["meta_info"]["cached_tokens"] == 0
+        assert sched.stats().computed_tokens_total - before == len(ids) + 11  # no reuse
+        assert pool.num_free == pool.capacity  # nothing kept: no flush needed
+    fork_ids = prompts(1, length=60, seed=5)[0]
+    params = {"temperature": 1.0, "max_new_tokens": 8, "n": 6, "seed": 7, "ignore_eos": True}
+    before = sched.stats().computed_tokens_total
+    outs = eng.generate(input_ids=fork_ids, sampling_params=params)
+    assert isinstance(outs, list)
+    # Samples 1..5 cannot share sample 0's prompt K/V: each prefills the prompt itself.
+    assert sched.stats().computed_tokens_total - before == 6 * len(fork_ids) + 6 * 7
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == [0] * 6
+    engine.flush_cache()
+    shared = engine.generate(input_ids=fork_ids, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in shared]  # seeded
+    stats = sched.stats()
+    assert (stats.cached_tokens_total, stats.kv_used_tokens, stats.kv_held_tokens) == (0, 0, 0)
+    assert pool.num_free == pool.capacity and eng.flush_cache()
+    assert pool.num_free == pool.capacity
+    assert_all_free(engine)
+
+
 def test_seed_independent_of_batch(engine: Engine) -> None:
     sampled = {"temperature": 0.9, "top_p": 0.9, "max_new_tokens": 10, "seed": 123}
     ids = prompts(4)
@@ -130,6 +175,52 @@ def test_seed_independent_of_batch(engine: Engine) -> None:
     batch = engine.generate(input_ids=ids, sampling_params=[GREEDY, GREEDY, sampled, GREEDY])
     assert batch[2]["output_ids"] == alone
     assert_all_free(engine)
+
+
+UNSEEDED = {"temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True}  # no "seed"
+
+
+def first_unseeded_outputs(model_dir: Path, random_seed: int) -> tuple[list[list[int]], float]:
+    """A fresh engine's outputs for 4 prompts without a seed (64 drawn tokens), and the log
+    of the probability that an independent random stream draws exactly these outputs: the
+    sum of the drawn tokens' logprobs (temperature 1, no filters: the model's distribution)."""
+    eng = make_engine(model_dir, random_seed=random_seed)
+    outs = eng.generate(input_ids=prompts(4), sampling_params=UNSEEDED, return_logprob=True)
+    log_p = sum(lp for o in outs for lp, _, _ in o["meta_info"]["output_token_logprobs"])
+    return [o["output_ids"] for o in outs], log_p
+
+
+def test_random_seed_fixes_unseeded_draws(tiny_model_dir: Path) -> None:
+    """EngineConfig.random_seed: same seed, same tokens in fresh engines; another seed,
+    other tokens (a collision has probability exp(log_p), asserted below 1e-9)."""
+    outs, log_p = first_unseeded_outputs(tiny_model_dir, 7)
+    assert first_unseeded_outputs(tiny_model_dir, 7)[0] == outs
+    assert log_p < math.log(1e-9), f"draws too predictable for the test: log P {log_p:.1f}"
+    assert first_unseeded_outputs(tiny_model_dir, 8)[0] != outs
+
+
+def test_fast_path_choices_come_from_the_config(
+    tiny_model_dir: Path, reference: list[list[int]]
+) -> None:
+    """The reference paths chosen in EngineConfig give the greedy outputs of the fast ones;
+    each engine's worker sets the process-wide kernel switches from its own config."""
+    from radixserve import kernels
+    from radixserve.config import EngineConfig
+    from radixserve.native_build import native_ops_enabled, use_native_ops
+
+    before = native_ops_enabled(), kernels.get_impl()
+    try:
+        slow = make_engine(
+            tiny_model_dir, native_ops=False, attention_kernels="reference", packed_linear="off"
+        )
+        assert (native_ops_enabled(), kernels.get_impl()) == (False, "reference")
+        outs = slow.generate(input_ids=prompts(8), sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == reference
+        make_engine(tiny_model_dir, max_total_tokens=64)
+        assert (native_ops_enabled(), kernels.get_impl()) == (EngineConfig().native_ops, "auto")
+    finally:
+        use_native_ops(before[0])
+        kernels.set_impl(before[1])
 
 
 def test_max_new_tokens_zero_caches_prompt(engine: Engine) -> None:
@@ -218,8 +309,8 @@ def test_bad_input_is_a_clear_error(engine: Engine, kwargs: dict, field: str) ->
 def test_abort_before_fork_finishes_every_sample(tiny_model_dir: Path, chunked: bool) -> None:
     """n = 3 aborted while queued, or mid-prefill (chunked, its prompt not done): all three
     samples report 'abort' and the request holds nothing afterwards."""
-    from radixserve.sampling.params import SamplingParams
-    from radixserve.scheduler.io import TokenizedRequest
+    from radixserve.core.params import SamplingParams
+    from radixserve.core.request import TokenizedRequest
 
     eng = make_engine(tiny_model_dir, chunked_prefill_size=16, max_prefill_tokens=16)
     sched = eng.scheduler
@@ -239,8 +330,8 @@ def test_queue_counts_samples_and_tokens(tiny_model_dir: Path) -> None:
     """The waiting queue holds at most 3 samples and 100 prompt tokens: a family of n counts
     n samples; what can never queue is a ValueError (400), what cannot queue now a
     QueueFullError (503)."""
-    from radixserve.sampling.params import SamplingParams
-    from radixserve.scheduler.io import TokenizedRequest
+    from radixserve.core.params import SamplingParams
+    from radixserve.core.request import TokenizedRequest
     from radixserve.scheduler.scheduler import QueueFullError
 
     eng = make_engine(tiny_model_dir, max_queued_requests=3, max_queued_tokens=100)

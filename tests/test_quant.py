@@ -23,6 +23,7 @@ from radixserve.models import load_model, resolve_model_path
 from radixserve.models.gguf_weights import QuantWeight, read_gguf_weights, unpermute_rows
 from radixserve.models.loader import gguf_source, load_config
 from radixserve.models.quant import BF16_TILED_M, FORMATS, QuantLinear, dequantize, ops, quantize
+from radixserve.native_build import native_ops_enabled, use_native_ops
 
 GGML = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,
         "q8_0": GGMLQuantizationType.Q8_0}  # fmt: skip
@@ -304,16 +305,16 @@ def test_bad_quantization_and_missing_gguf_are_refused(tiny_model_dir: Path) -> 
         resolve_model_path("/nonexistent/model.gguf")
 
 
-def test_without_native_kernels_auto_loads_dequantized(monkeypatch, smollm2_path: Path) -> None:
-    """RADIXSERVE_NATIVE_OPS=0 (or no compiler): "auto" must not leave the model on the slow
+def test_without_native_kernels_auto_loads_dequantized() -> None:
+    """native_ops=False (or no compiler): "auto" must not leave the model on the slow
     dequantize-every-call fallback."""
-    monkeypatch.setenv("RADIXSERVE_NATIVE_OPS", "0")
-    ops.cache_clear()
+    before = native_ops_enabled()
     try:
-        model, _ = load_model(smollm2_path, torch.float32)
+        engine = Engine(dtype="float32", native_ops=False, max_total_tokens=64)
+        assert ops() is None and kernels.resolve_impl(torch.empty(1, 1, 8)) == "cpu"
     finally:
-        monkeypatch.delenv("RADIXSERVE_NATIVE_OPS")
-        ops.cache_clear()
+        use_native_ops(before)  # the worker set the process-wide switch from the config
+    model = engine.scheduler.worker.model
     assert not any(isinstance(m, QuantLinear) for m in model.modules())
 
 
@@ -331,9 +332,9 @@ def test_kv_cache_dtype_auto_is_fp16_under_quantized_weights(tiny_model_dir: Pat
     compute = resolve_dtype("auto", "cpu")[0]
     try:
         want = torch.float16 if compute == torch.float32 else compute
-        assert quantized.scheduler.worker.pool.k[0].dtype == want
-        assert exact_kv.scheduler.worker.pool.k[0].dtype == torch.float32
-        assert plain.scheduler.worker.pool.k[0].dtype == torch.float32
+        assert quantized.worker.pool.k[0].dtype == want
+        assert exact_kv.worker.pool.k[0].dtype == torch.float32
+        assert plain.worker.pool.k[0].dtype == torch.float32
         prompt = quantized.apply_chat_template([{"role": "user", "content": "Name three colours."}])
         params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
         a, b = (

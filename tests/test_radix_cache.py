@@ -1,5 +1,6 @@
 """RadixCache: exact unit cases (splits, duplicates, locks, LRU order) and a seeded
 state-machine property test against a plain dict model, with check_integrity after every step.
+NoPrefixCache (the cache off): the same interface, sharing nothing; and the one factory.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from radixserve.config import EngineConfig
 from radixserve.kvcache.pool import KVPool
+from radixserve.kvcache.prefix_cache import NoPrefixCache, make_prefix_cache
 from radixserve.kvcache.radix import MatchResult, RadixCache, TreeNode
 
 
@@ -288,22 +291,59 @@ def test_flush_frees_everything_and_refuses_while_locked() -> None:
     assert new.id > node.id  # ids never reused
 
 
-def test_disable_mode_frees_on_insert_and_never_matches() -> None:
+def test_no_prefix_cache_keeps_nothing_and_takes_no_slots() -> None:
     pool = make_pool(8)
-    cache = RadixCache(pool, disable=True)
+    cache = NoPrefixCache(pool)
     kv = slots(pool, 5)
+    before = kv.tolist()
     res = cache.insert([1, 2, 3, 4, 5], kv)
-    assert res.indices.numel() == 0 and res.last_node is cache.root
-    assert pool.num_free == 8
+    # Keeps no prefix and takes none of the slots: all 5 stay the caller's, none freed.
+    assert res.indices.tolist() == [] and res.indices.dtype == torch.int64
+    assert res.last_node is cache.root and kv.tolist() == before
+    assert pool.num_free == 3 and free_set(pool) == {6, 7, 8}
+    cache.check_integrity(in_use_elsewhere=5)
+    with pytest.raises(AssertionError, match="capacity"):
+        cache.check_integrity()  # the caller's 5 slots, unaccounted: a leak
+    miss = cache.insert([1, 2, 3, 4, 5], kv)  # the same tokens again: still nothing shared
+    assert miss.indices.tolist() == [] and cache.match_prefix([1, 2, 3]).indices.tolist() == []
     assert cache.match_prefix([1, 2, 3]).last_node is cache.root
+    assert cache.cached_length([1, 2, 3, 4, 5]) == 0
+    assert (cache.evictable_size, cache.locked_size, cache.total_size) == (0, 0, 0)
+    assert cache.evict(10) == 0 and pool.num_free == 3
     cache.lock(cache.root)
+    cache.lock(cache.root)
+    assert cache.path(cache.root) == [] and cache.root.lock_ref == 0
     cache.unlock(cache.root)
-    assert cache.evict(10) == 0 and cache.total_size == 0
-    held = slots(pool, 2)
-    cache.check_integrity(in_use_elsewhere=2)
-    pool.free(held)
-    cache.flush()
+    cache.unlock(cache.root)
+    cache.flush()  # holds nothing: frees nothing
+    assert pool.num_free == 3
+    pool.free(kv)  # the caller frees its own K/V when its request ends
+    assert pool.num_free == 8
     cache.check_integrity()
+
+
+def test_no_prefix_cache_refuses_foreign_nodes_and_bad_slots() -> None:
+    pool = make_pool(8)
+    cache = NoPrefixCache(pool)
+    radix = RadixCache(pool)
+    foreign = radix.insert([1, 2], slots(pool, 2)).last_node
+    for op in (cache.lock, cache.unlock, cache.path):
+        with pytest.raises(AssertionError, match="not this cache's root"):
+            op(foreign)
+    with pytest.raises(AssertionError, match="not this cache's root"):
+        cache.lock(radix.root)
+    with pytest.raises(AssertionError, match="kv_indices"):
+        cache.insert([1, 2, 3], slots(pool, 2))
+    with pytest.raises(AssertionError, match="kv_indices"):
+        cache.insert([1], torch.tensor([1], dtype=torch.int32))
+
+
+def test_make_prefix_cache_reads_the_flag() -> None:
+    pool = make_pool(8)
+    assert type(make_prefix_cache(EngineConfig(), pool)) is RadixCache
+    off = make_prefix_cache(EngineConfig(disable_radix_cache=True), pool)
+    assert type(off) is NoPrefixCache
+    off.check_integrity()
 
 
 def test_check_integrity_detects_leaks_and_bad_slots() -> None:

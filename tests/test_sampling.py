@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
+from radixserve.core.params import InvalidRequest, SamplingParams
+from radixserve.core.request import FinishReason
 from radixserve.sampling import (
-    InvalidRequest,
     SamplingInfo,
-    SamplingParams,
     StopChecker,
     process_logits,
     prompt_logprobs,
@@ -26,7 +26,6 @@ from radixserve.sampling import (
 )
 from radixserve.sampling import sampler as sampler_module
 from radixserve.sampling.sampler import BadRows
-from radixserve.scheduler.io import FinishReason
 
 # chi-square critical values at p = 0.001 by degrees of freedom
 CHI2_CRIT_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
@@ -269,6 +268,19 @@ def test_seeded_draws_are_uniform_across_seeds() -> None:
     assert chi_square(counts, torch.softmax(logits[0], -1)) < CHI2_CRIT_001[3], counts.tolist()
 
 
+def test_unseeded_rows_draw_from_the_callers_generator() -> None:
+    """No process-level stream: rows without a seed need the caller's generator, and a
+    generator in the same state gives the same tokens."""
+    logits = torch.randn(3, 50, generator=gen(15))
+    infos = [SamplingInfo(SamplingParams(seed=1)), SamplingInfo(SamplingParams()),
+             SamplingInfo(SamplingParams(temperature=0.0))]  # fmt: skip
+    with pytest.raises(AssertionError, match=r"rows \[1\] have no seed"):
+        sample(logits, infos)
+    assert sample(logits[[0, 2]], [infos[0], infos[2]]).next_ids.shape == (2,)  # seeded: fine
+    first = sample(logits, infos, gen(16)).next_ids
+    assert torch.equal(first, sample(logits, infos, gen(16)).next_ids)
+
+
 def _filtered_counts(probs: list[float], params: SamplingParams, draws: int = 20000) -> list[int]:
     logits = torch.tensor(probs).log().expand(draws, len(probs)).contiguous()
     res = sample(logits, infos_for(params, draws), generator=gen(5))
@@ -322,7 +334,7 @@ def test_long_nucleus_is_exact_and_batch_independent() -> None:
     alone = sample(logits.expand(draws, vocab), rows).next_ids.tolist()
     other = torch.randn(1, vocab, generator=gen(12))
     mixed = torch.cat([other, logits.expand(draws, vocab)])
-    res = sample(mixed, [SamplingInfo(SamplingParams(top_k=3000)), *rows])
+    res = sample(mixed, [SamplingInfo(SamplingParams(top_k=3000)), *rows], gen(14))
     batched = res.next_ids[1:].tolist()
     assert batched == alone
     assert max(alone) < n_star and max(alone) > n_star - 300, (max(alone), n_star)

@@ -17,7 +17,7 @@ import pytest
 from conftest import children_of, launch_server
 from test_server_leaks import tables, wait_clean
 
-from radixserve.limits import MAX_PROMPTS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from radixserve.core.limits import MAX_PROMPTS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 RUNNING, QUEUED, CONNECTIONS = 2, 2, 16
 QUEUED_TOKENS = 64

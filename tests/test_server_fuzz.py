@@ -21,10 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
+from radixserve.core.params import InvalidRequest, SamplingParams
 from radixserve.message.codec import encode
-from radixserve.sampling.params import InvalidRequest, SamplingParams
 from radixserve.server import openapi
-from radixserve.server.native import GENERATE_FIELDS, parse_generate
 from radixserve.server.openai_protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -32,6 +31,7 @@ from radixserve.server.openai_protocol import (
     parse_completion,
 )
 from radixserve.server.protocol import ACCEPTED_IF_EMPTY, ApiError, parse_body
+from radixserve.server.sglang_api import GENERATE_FIELDS, parse_generate
 
 # schemathesis cases per generation mode: valid bodies run the model (<= 8 tokens each),
 # invalid ones are refused at the edge (cheap)

@@ -26,12 +26,13 @@ import pytest
 import torch
 from conftest import children_of, launch_server, pid_alive
 
-from radixserve.distributed.batch_sync import decode_batch, encode_batch
-from radixserve.distributed.parallel import get_tp, shard_hf_weights
-from radixserve.engine.batch import ForwardBatch
+from radixserve.core.batch import ForwardBatch
+from radixserve.distributed.parallel import get_tp
 from radixserve.engine.engine import Engine
 from radixserve.kvcache.pool import KVPool
 from radixserve.models.loader import load_config
+from radixserve.models.sharding import shard_hf_weights
+from radixserve.worker.batch_sync import decode_batch, encode_batch
 
 SHARED = [(7 * i + 3) % 900 + 20 for i in range(320)]  # cached prefix of every prompt
 PROMPTS = [SHARED + [100 + 13 * i + j for j in range(i + 1)] for i in range(10)]
@@ -53,7 +54,7 @@ def engines(tiny_model_dir: Path) -> Iterator[tuple[Engine, Engine]]:
     tp = get_tp()
     assert tp is not None and tp.rank == 0 and tp.size == 2 and len(tp.followers) == 1
     yield e1, e2
-    e2.scheduler.worker.close()
+    e2.worker.close()
     assert torch.get_num_threads() == threads  # rank 0 gave this process its threads back
     assert [p.exitcode for p in tp.followers] == [0]
     assert get_tp() is None and tp.scratch_dir is not None and not os.path.exists(tp.scratch_dir)
@@ -148,7 +149,7 @@ def _forward(
 ) -> torch.Tensor:
     """One batch on `engine`'s worker: request r has tokens reqs[r] at KV slots kv[r]; its
     last `new` tokens (all when None) are this step's queries. -> logits of every query."""
-    worker = engine.scheduler.worker
+    worker = engine.worker
     ext = [len(t) if new is None else new for t in reqs]
     batch = ForwardBatch(
         input_ids=torch.tensor([x for t, e in zip(reqs, ext) for x in t[len(t) - e :]]),
@@ -170,7 +171,7 @@ def test_logits_close(engines: tuple[Engine, Engine]) -> None:
     decoded = [p + [400 + r] for r, p in enumerate(prompts)]
     got: list[list[torch.Tensor]] = []
     for engine in engines:
-        pool = engine.scheduler.worker.pool
+        pool = engine.worker.pool
         kv = [pool.alloc(len(p) + 1) for p in prompts]
         assert all(s is not None for s in kv)
         got.append(

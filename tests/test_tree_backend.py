@@ -27,7 +27,7 @@ from radixserve import kernels
 from radixserve.attention import AttentionBackend, FlatBackend, TreeBackend, make_backend
 from radixserve.attention.flat import GatherPlan, PaddedPlan, SlotPlan
 from radixserve.attention.tree import TreePlan
-from radixserve.engine.batch import ForwardBatch
+from radixserve.core.batch import ForwardBatch
 from radixserve.kvcache.pool import KVPool
 
 FP32_ATOL = 1e-5

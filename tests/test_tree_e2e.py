@@ -26,7 +26,7 @@ class PlanStats:
     def __init__(self, engine: Engine) -> None:
         self.steps_with_segments = 0
         self.max_levels = 0
-        backend = engine.scheduler.worker.backend
+        backend = engine.worker.backend
         inner = backend.plan
 
         def plan(batch: Any) -> None:
@@ -94,7 +94,7 @@ def sampled(engine: Engine, prompt: str, params: dict[str, Any]) -> list[tuple[l
 @pytest.mark.parametrize("thresholds", ["default", "off"])
 def test_two_level_tree_identical(engines: dict[str, Engine], thresholds: str) -> None:
     tree_engine = engines["tree"]
-    backend = tree_engine.scheduler.worker.backend
+    backend = tree_engine.worker.backend
     saved = (backend.min_tokens, backend.min_reads, backend.min_tokens_extend)
     if thresholds == "off":  # keep every shared segment: both tree levels are attended
         backend.min_tokens = backend.min_reads = backend.min_tokens_extend = 1

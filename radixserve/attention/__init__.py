@@ -15,7 +15,7 @@ import torch
 from radixserve.attention.base import AttentionBackend
 from radixserve.attention.flat import FlatBackend
 from radixserve.attention.tree import TreeBackend
-from radixserve.engine.batch import ForwardBatch
+from radixserve.core.batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class NoAttentionBackend(AttentionBackend):
         return torch.zeros_like(q)  # (T, Hq, D)
 
 
-BACKENDS: dict[str, type[AttentionBackend]] = {
+BACKEND_CLASSES: dict[str, type[AttentionBackend]] = {  # keys: config.ATTENTION_BACKENDS
     "tree": TreeBackend,
     "flat": FlatBackend,
     "none": NoAttentionBackend,
@@ -53,9 +53,10 @@ def make_backend(name: str) -> AttentionBackend:
 
     Raises ValueError for an unknown name.
     """
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {list(BACKENDS)}")
-    backend = BACKENDS[name]()
+    if name not in BACKEND_CLASSES:
+        choices = list(BACKEND_CLASSES)
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {choices}")
+    backend = BACKEND_CLASSES[name]()
     logger.info("attention backend: %s (%s %s)", name, type(backend).__name__, vars(backend))
     if name == "none":
         logger.warning("attention backend 'none' computes no attention: benchmarks only")

@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from radixserve.engine.batch import ForwardBatch
+from radixserve.core.batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

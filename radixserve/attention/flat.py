@@ -21,7 +21,7 @@ import torch
 
 from radixserve import kernels
 from radixserve.attention.base import AttentionBackend
-from radixserve.engine.batch import ForwardBatch
+from radixserve.core.batch import ForwardBatch
 
 # Decode steps use the padded grid while its cells are at most this many times the real keys
 # (`benchmarks/bench_backend.py --pad-sweep`; numbers in docs/benchmarks.md).

@@ -41,7 +41,7 @@ import torch
 from radixserve import kernels
 from radixserve.attention.base import AttentionBackend
 from radixserve.attention.flat import PrivatePlan, SlotPlan, private_plan
-from radixserve.engine.batch import ForwardBatch
+from radixserve.core.batch import ForwardBatch
 
 Range = tuple[int, int]  # half-open [start, end)
 

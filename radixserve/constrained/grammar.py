@@ -41,7 +41,7 @@ import torch
 
 from radixserve.constrained.mask import pack_token_mask
 from radixserve.constrained.vocab import build_vocabulary
-from radixserve.sampling.params import InvalidRequest, SamplingParams
+from radixserve.core.params import InvalidRequest, SamplingParams
 
 try:  # Python's regex parser, used only to measure a pattern before it is compiled
     from re import _constants as _sre  # type: ignore[attr-defined]

@@ -1,7 +1,6 @@
-"""Tensor parallelism: the process group, weight sharding, the per-step batch broadcast from
-rank 0 to its followers, and the follower ranks' main loop.
+"""Tensor-parallel process groups (`parallel`): init, all_reduce, the control group.
 
-Modules: `parallel` (group, all_reduce, sharding), `batch_sync` (ForwardBatch over
-torch.distributed), `follower` (follower process main; spawning followers for an
-in-process Engine).
+The model's weight layout under TP is `radixserve.models.sharding`; the follower ranks'
+main loop and the per-step batch broadcast are `radixserve.worker.tp_follower` and
+`radixserve.worker.batch_sync`.
 """

@@ -10,9 +10,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from radixserve.config import EngineConfig
+from radixserve.core.params import SamplingParams
+from radixserve.core.request import FinishReason, TokenizedRequest
 from radixserve.message.messages import SampleDelta
-from radixserve.sampling.params import SamplingParams
-from radixserve.scheduler.io import FinishReason, TokenizedRequest
+from radixserve.scheduler.parts import load_parts
 from radixserve.scheduler.scheduler import QueueFullError, Scheduler
 from radixserve.server.results import SampleResult, native_result
 from radixserve.tokenizer.detokenize import IncrementalDetokenizer
@@ -28,8 +29,9 @@ class Engine:
 
     def __init__(self, model: str | None = None, **config: Any) -> None:
         self.config = EngineConfig(model=model, **config)
-        self.scheduler = Scheduler(self.config)
-        self.tokenizer = self.scheduler.tokenizer
+        parts = load_parts(self.config)
+        self.tokenizer, self.worker = parts.tokenizer, parts.worker
+        self.scheduler = Scheduler(self.config, parts)
         self._ids = itertools.count()
 
     def generate(
@@ -135,7 +137,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop tensor-parallel follower ranks (if any); the engine is unusable afterwards."""
-        self.scheduler.worker.close()
+        self.worker.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -12,6 +12,7 @@ Slot accounting (asserted by `check_integrity`):
                                                                         outside the tree
 
 The tree is single-threaded: the scheduler owns it and calls it between model steps.
+`RadixCache` is the `PrefixCache` (prefix_cache.py) that shares every cached prefix.
 """
 
 from __future__ import annotations
@@ -86,6 +87,14 @@ def _cat(values: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(values) if values else _empty_slots()
 
 
+def check_insert_args(num_tokens: int, kv_indices: torch.Tensor) -> None:
+    """The `insert` argument check of every PrefixCache: kv_indices is (num_tokens,) int64."""
+    assert kv_indices.dtype == torch.int64 and kv_indices.shape == (num_tokens,), (
+        f"kv_indices must be ({num_tokens},) int64, got {tuple(kv_indices.shape)} "
+        f"{kv_indices.dtype}"
+    )
+
+
 def _common_prefix_len(key: list[int], tokens: list[int], start: int) -> int:
     """Length of the common prefix of `key` and `tokens[start:]` (at most len(key))."""
     window = tokens[start : start + len(key)]
@@ -132,25 +141,20 @@ def _counter_clock() -> Callable[[], float]:
 
 
 class RadixCache:
-    """Token-level prefix cache over a KVPool.
+    """Token-level prefix cache over a KVPool; the `PrefixCache` that shares every prefix.
 
-    Contract:
+    Contract (the interface's, made exact):
       - `match_prefix` never frees or allocates slots; it may split one node.
-      - `insert` takes ownership of `kv_indices`: afterwards every one of those slots is either
-        held by the tree or back in the pool. It never evicts.
+      - `insert` keeps ALL of `token_ids` and takes ownership of all of `kv_indices`:
+        afterwards every one of those slots is either held by the tree or back in the pool.
+        It never evicts.
       - `evict` and `flush` return slots to the pool; nodes they remove get `parent = None` and
         any MatchResult pointing into them is stale.
       - Slots of a locked node are never evicted; `lock`/`unlock` on the root are no-ops.
     """
 
-    def __init__(
-        self,
-        pool: KVPool,
-        disable: bool = False,
-        clock: Callable[[], float] | None = None,
-    ) -> None:
+    def __init__(self, pool: KVPool, clock: Callable[[], float] | None = None) -> None:
         self.pool = pool
-        self.disable = disable
         self._clock = clock if clock is not None else _counter_clock()
         self._ids = itertools.count()
         self.root = TreeNode(next(self._ids), [], _empty_slots(), None, self._clock())
@@ -177,9 +181,9 @@ class RadixCache:
         """Longest cached prefix of `token_ids`: its KV slots and the node ending it.
 
         Splits a node when the match ends inside its edge; sets last_access of every node on
-        the matched path. Disabled cache or no match: empty indices at the root.
+        the matched path. No match: empty indices at the root.
         """
-        if self.disable or len(token_ids) == 0:
+        if len(token_ids) == 0:
             return MatchResult(_empty_slots(), self.root)
         node, values, _ = self._descend(list(token_ids), self._clock())
         return MatchResult(_cat(values), node)
@@ -187,8 +191,6 @@ class RadixCache:
     def cached_length(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens of `token_ids` are cached. Read-only: no split, no LRU touch
         (for ranking candidates; `match_prefix` is for the one that is admitted)."""
-        if self.disable:
-            return 0
         return sum(m for _, m in self._edges(list(token_ids)))
 
     def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
@@ -197,16 +199,11 @@ class RadixCache:
         Positions already cached keep the tree's slots; caller slots there that differ from the
         tree's are duplicates and are freed to the pool. Returns the tree's slots for ALL of
         `token_ids` and the node ending at its last token (the caller may switch to those slots
-        and lock that node). Disabled cache: frees every slot, returns an empty match at root.
-        Raises AssertionError if kv_indices is not (len(token_ids),) int64.
+        and lock that node). Raises AssertionError if kv_indices is not (len(token_ids),) int64.
         """
         tokens = list(token_ids)
-        assert kv_indices.dtype == torch.int64 and kv_indices.shape == (len(tokens),), (
-            f"kv_indices must be ({len(tokens)},) int64, got {tuple(kv_indices.shape)} "
-            f"{kv_indices.dtype}"
-        )
-        if self.disable or not tokens:
-            self.pool.free(kv_indices)
+        check_insert_args(len(tokens), kv_indices)
+        if not tokens:
             return MatchResult(_empty_slots(), self.root)
         now = self._clock()
         node, values, pos = self._descend(tokens, now)
@@ -320,7 +317,7 @@ class RadixCache:
         A parent becomes a candidate once its children are gone. Frees fewer only when the
         whole evictable part of the tree is gone. Returns the number of slots freed.
         """
-        if self.disable or num_tokens <= 0:
+        if num_tokens <= 0:
             return 0
         heap = [
             (n.last_access, n.id, n)

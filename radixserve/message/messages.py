@@ -5,11 +5,11 @@ Processes and who sends what (each process owns one PULL inbox; see `ipc.py`):
     api server ──GenerateReq/AbortReq/ControlReq/Shutdown──> tokenizer
     tokenizer  ──TokenizedReq/AbortReq/ControlReq/Shutdown─> scheduler
     scheduler  ──SchedulerReady, SampleBatch, RequestError, ControlResp──> tokenizer
-    tokenizer  ──TokenizerReady, TextBatch, RequestError, ControlResp────> api server
+    tokenizer  ──TokenizerReady, SampleBatch (text filled), RequestError, ControlResp──> api server
 
 Rules:
 - Only plain data crosses: str/int/float/bool/None, lists, dicts of those, and the frozen
-  record dataclasses of `radixserve.scheduler.api` (msgspec encodes dataclasses natively).
+  record dataclasses of `radixserve.core.info` (msgspec encodes dataclasses natively).
   No pickle anywhere (a socket is an attack surface even when local).
 - `rid` identifies a request end to end; the `n` samples of one request share it and are
   told apart by `index`.
@@ -24,8 +24,8 @@ from typing import Any
 
 import msgspec
 
-from radixserve.scheduler.api import ModelInfo, SchedulerStats
-from radixserve.scheduler.io import FinishReason, SampleOutput
+from radixserve.core.info import ModelInfo, SchedulerStats
+from radixserve.core.request import FinishReason, SampleOutput
 
 
 class Message(msgspec.Struct, tag=True, array_like=True):
@@ -84,7 +84,6 @@ class TokenizedReq(Message):
     return_logprob: bool
     logprob_start_len: int
     top_logprobs_num: int
-    stream: bool
 
 
 class AbortReq(Message):

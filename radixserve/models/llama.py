@@ -23,11 +23,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from radixserve.attention.base import AttentionBackend
-from radixserve.distributed.parallel import all_reduce, local_config
-from radixserve.engine.batch import ForwardBatch
+from radixserve.core.batch import ForwardBatch
+from radixserve.distributed.parallel import all_reduce
 from radixserve.models import native
 from radixserve.models.config import ModelConfig
 from radixserve.models.quant import QuantLinear
+from radixserve.models.sharding import local_config
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:

@@ -28,12 +28,12 @@ import torch
 from safetensors import safe_open
 
 from radixserve.config import QUANTIZATIONS
-from radixserve.distributed.parallel import shard_hf_weights
 from radixserve.models import native, quant
 from radixserve.models.config import ModelConfig
 from radixserve.models.gguf_weights import QuantWeight, Weight, read_gguf_weights
 from radixserve.models.llama import LlamaForCausalLM, packed_linear_supported
 from radixserve.models.quant import QuantLinear, dequantize, quantize
+from radixserve.models.sharding import shard_hf_weights
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def load_model(
     - "auto": a folder converted from a GGUF keeps the file's Q4_0 / Q4_1 / Q8_0 tensors
       quantized (QuantLinear; float32 compute); an HF folder loads as `dtype`. Tensor
       parallelism (tp_size > 1), non-CPU devices and CPUs where the native kernels do not
-      build (or RADIXSERVE_NATIVE_OPS=0) load dequantized.
+      build (or native ops are off: EngineConfig.native_ops) load dequantized.
     - "none": every weight dequantized to `dtype` (the reference).
     - "int8": every projection and an untied LM head as Q8_0 blocks (weight-only int8,
       one fp16 scale per 32 weights), from whatever the checkpoint holds.
@@ -185,7 +185,7 @@ def load_model(
 
     `packed_linear` selects the plain-weight matmul (logged): None = auto (oneDNN packed
     weights for bf16 on CPU, else plain F.linear), True = packed (ValueError where
-    unsupported), False = plain. Env RADIXSERVE_PACKED_LINEAR=0/1 overrides auto.
+    unsupported), False = plain (EngineConfig.packed_linear_request).
 
     Raises ValueError (unsupported config or quantization, weights missing / unexpected for
     the config: the message names them, or a tp_size that does not divide the heads) or
@@ -278,8 +278,7 @@ def _use_packed_linear(
 ) -> bool:
     supported = packed_linear_supported(dtype, device)
     if requested is None:
-        env = os.environ.get("RADIXSERVE_PACKED_LINEAR")
-        requested = supported if env is None else env == "1"
+        return supported
     if requested and not supported:
         raise ValueError(f"packed linear needs bf16 on a oneDNN CPU, got {dtype} on {device}")
     return requested

@@ -2,8 +2,8 @@
 of the q/k heads, built once on first use.
 
 `ops()` compiles the C++ source (radixserve/native_build.py) and returns the module, or None
-where the build fails or RADIXSERVE_NATIVE_OPS=0: the model then runs the same math as plain
-torch ops.
+where the build fails or native ops are off (EngineConfig.native_ops): the model then runs the
+same math as plain torch ops.
 
 Why: a decode step at batch 16 runs ~25 small ops per layer between the oneDNN matmuls,
 and the chain of torch ops behind one RMSNorm (cast, pow, mean, rsqrt, mul, cast, mul)
@@ -19,20 +19,20 @@ C++ SwiGLU was 5x slower than torch's vectorised silu and was dropped.)
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from radixserve.native_build import build
+from radixserve.native_build import build, native_module
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
 
 
-@functools.cache
+@native_module
 def ops() -> ModuleType | None:
-    """The compiled module (`rms_norm`, `rope_qk`), or None when disabled or unbuildable."""
+    """The compiled module (`rms_norm`, `rope_qk`), or None when native ops are off
+    (EngineConfig.native_ops) or it cannot be built."""
     return build("radixserve_fused_cpu", SOURCE, None)
 
 

@@ -20,7 +20,6 @@ K / 32 blocks of output row n (see the C++ file for the block formats).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -29,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from radixserve.isa import cpu_isa, fast_cpu_bf16
-from radixserve.native_build import build
+from radixserve.native_build import build, native_module
 
 SOURCE = Path(__file__).with_name("csrc") / "quant_cpu.cpp"
 BLOCK = 32
@@ -59,9 +58,9 @@ FORMATS = {
 }
 
 
-@functools.cache
+@native_module
 def ops() -> ModuleType | None:
-    """The compiled kernels for this CPU's ISA, or None (no compiler, or RADIXSERVE_NATIVE_OPS=0:
+    """The compiled kernels for this CPU's ISA, or None (no compiler, or native ops off:
     quantized linears then dequantize with torch ops, correct but slow)."""
     return build("radixserve_quant", SOURCE, cpu_isa())
 

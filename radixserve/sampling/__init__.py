@@ -1,40 +1,25 @@
-"""Sampling: parameters (one parser for every entry point), the batched sampler, stop rules.
+"""Sampling: the batched sampler (`sampler`) and stop rules (`stop`).
 
-`StopChecker` and `trim_text` are loaded lazily: stop.py needs radixserve.scheduler.io, which
-itself imports radixserve.sampling.params, so importing stop.py here would be circular.
+The parameters they read are `radixserve.core.params.SamplingParams`, parsed once at the edge.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from radixserve.sampling.params import InvalidRequest, SamplingParams
 from radixserve.sampling.sampler import (
-    SampleResult,
+    SampledTokens,
     SamplingInfo,
     process_logits,
     prompt_logprobs,
     sample,
-    seed_process_generator,
 )
+from radixserve.sampling.stop import StopChecker, trim_text
 
 __all__ = [
-    "InvalidRequest",
-    "SampleResult",
+    "SampledTokens",
     "SamplingInfo",
-    "SamplingParams",
     "StopChecker",
     "process_logits",
     "prompt_logprobs",
     "sample",
-    "seed_process_generator",
     "trim_text",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name in ("StopChecker", "trim_text"):
-        from radixserve.sampling import stop
-
-        return getattr(stop, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,10 +1,10 @@
 """Batched next-token sampling, logprobs of the chosen tokens, and prompt logprobs.
 
-Contract of `sample(logits, infos)`:
+Contract of `sample(logits, infos, generator)`:
   - reads `logits` (B, vocab) float32, one row per sample; never modifies it (penalties and
     masks are applied to a private copy, made only when some row needs one);
   - reads every `SamplingInfo` and mutates none of them (the caller appends the token and
-    advances the grammar state; `allowed_tokens()` only reads it);
+    advances the grammar state; `allowed_tokens()` only reads it); advances `generator`;
   - raises AssertionError on shape/dtype mismatch (a programming error), and `BadRows` when
     some rows cannot be drawn from: NaN/inf in the model's logits, or no finite logit left
     after penalties and masks (e.g. a grammar allowing only tokens that stop_token_ids bans
@@ -31,7 +31,8 @@ Per row, in this order (SGLang/HF/OpenAI semantics):
 Determinism: for a row with a seed, u for output token i (i = len(output_ids)) is a 64-bit
 hash of (seed, sample_index, i) -- a pure function, so the token depends only on that key and
 the row's own logits: not on the other rows of the batch nor on retraction and resumption.
-Rows without a seed take u from a process-level torch.Generator (`seed_process_generator`).
+Rows without a seed take u from the caller's torch.Generator (the scheduler's, seeded with
+EngineConfig.random_seed: the same seed and the same request stream give the same tokens).
 
 Logprobs are always those of the RAW model distribution log_softmax(logits), before
 penalties, masks, temperature and filters (what SGLang and OpenAI report).
@@ -39,7 +40,6 @@ penalties, masks, temperature and filters (what SGLang and OpenAI report).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,20 +49,13 @@ from typing import Protocol
 import torch
 
 from radixserve.constrained.mask import token_mask_bias
+from radixserve.core.params import SamplingParams
+from radixserve.core.request import TokenLogprob
 from radixserve.isa import cpu_isa
-from radixserve.native_build import build
-from radixserve.sampling.params import SamplingParams
-
-TokenLogprob = tuple[float, int]  # (logprob, token_id), as radixserve.scheduler.io
+from radixserve.native_build import build, native_module
 
 _MASK64 = (1 << 64) - 1
 _TOP_P_TRY = 1024  # top_p looks for its cut among this many top tokens before a full sort
-_PROCESS_GENERATOR = torch.Generator().manual_seed(0)
-
-
-def seed_process_generator(seed: int) -> None:
-    """Reseed the generator used by rows without a seed (EngineConfig.random_seed)."""
-    _PROCESS_GENERATOR.manual_seed(seed)
 
 
 class BadRows(ValueError):
@@ -98,13 +91,13 @@ class SamplingInfo:
     sample_index: int = 0  # which of the request's n samples (n > 1 samples must differ)
     need_top_logprobs: int = 0  # top-k raw logprobs to report for this row; 0: none
     # False skips this row's log-sum-exp (a full pass over the vocabulary): its entry in
-    # SampleResult.logprobs is then NaN. The scheduler sets it from return_logprob.
+    # SampledTokens.logprobs is then NaN. The scheduler sets it from return_logprob.
     return_logprob: bool = True
     grammar: AllowedTokens | None = None  # regex / json_schema state; None: unconstrained
 
     @property
     def stream_key(self) -> tuple[int, int] | None:
-        """Key of the seeded random stream; None: the process-level generator."""
+        """Key of the seeded random stream; None: the caller's generator."""
         seed = self.params.seed
         return None if seed is None else (seed, self.sample_index)
 
@@ -115,7 +108,7 @@ class SamplingInfo:
 
 
 @dataclass
-class SampleResult:
+class SampledTokens:
     next_ids: torch.Tensor  # (B,) int64
     logprobs: torch.Tensor  # (B,) float32, raw log_softmax(logits)[row, next_id]; NaN for
     # rows with return_logprob False and need_top_logprobs 0
@@ -124,10 +117,11 @@ class SampleResult:
 
 def sample(
     logits: torch.Tensor, infos: list[SamplingInfo], generator: torch.Generator | None = None
-) -> SampleResult:
+) -> SampledTokens:
     """Pick one token per row (see the module docstring for order and determinism).
 
-    `generator` overrides the process-level generator for rows without a seed.
+    `generator` (CPU) gives the uniforms of rows without a seed; it may be None only when no
+    such row draws (AssertionError otherwise).
     """
     assert logits.dim() == 2 and logits.shape[0] == len(infos), (
         f"logits {tuple(logits.shape)} vs {len(infos)} infos"
@@ -147,13 +141,12 @@ def sample(
             next_ids[rows] = work[rows].max(dim=-1).indices
         drawn = [i for i, info in enumerate(infos) if not info.params.is_greedy]
         rows = torch.tensor(drawn, dtype=torch.int64, device=logits.device)
-        gen = _PROCESS_GENERATOR if generator is None else generator
         sub = work if not greedy else work[rows]  # (S, V); no copy when every row draws
-        next_ids[rows] = _draw(sub, [infos[i] for i in drawn], gen)
+        next_ids[rows] = _draw(sub, [infos[i] for i in drawn], generator)
     top_ks = [info.need_top_logprobs for info in infos]
     want = [info.return_logprob for info in infos]
     logprobs, top = _raw_logprobs(logits, next_ids, top_ks, want)
-    return SampleResult(next_ids=next_ids, logprobs=logprobs, top_logprobs=top)
+    return SampledTokens(next_ids=next_ids, logprobs=logprobs, top_logprobs=top)
 
 
 def _check_rows(logits: torch.Tensor, work: torch.Tensor) -> None:
@@ -286,16 +279,18 @@ def _per_row(values: list[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=like.dtype, device=like.device)  # (B,)
 
 
-@functools.cache
+@native_module
 def _native() -> ModuleType | None:
     """csrc/sample_cpu.cpp (steps 4 and 8 fused for rows without filters), or None where it
-    does not build or RADIXSERVE_NATIVE_OPS=0."""
+    does not build or native ops are off."""
     return build(
         "radixserve_sample", Path(__file__).with_name("csrc") / "sample_cpu.cpp", cpu_isa()
     )
 
 
-def _draw(logits: torch.Tensor, infos: list[SamplingInfo], gen: torch.Generator) -> torch.Tensor:
+def _draw(
+    logits: torch.Tensor, infos: list[SamplingInfo], gen: torch.Generator | None
+) -> torch.Tensor:
     """Steps 4-8 for non-greedy rows: logits (S, V) -> token ids (S,) int64.
 
     Without top_k / top_p / min_p on CPU, one native pass per row does the same draw as the
@@ -385,9 +380,14 @@ def _nucleus_size(vals: torch.Tensor, t_k: torch.Tensor, mass: torch.Tensor) -> 
     return torch.minimum(n, (kept > 0).sum(dim=-1)).clamp(min=1)
 
 
-def _uniforms(infos: list[SamplingInfo], gen: torch.Generator) -> torch.Tensor:
+def _uniforms(infos: list[SamplingInfo], gen: torch.Generator | None) -> torch.Tensor:
     """One uniform in [0, 1) per row: hashed from the seed stream, else from `gen`."""
-    u = torch.rand(len(infos), generator=gen, dtype=torch.float64)  # (S,)
+    if gen is None:
+        unseeded = [r for r, info in enumerate(infos) if info.stream_key is None]
+        assert not unseeded, f"rows {unseeded} have no seed and sample() got no generator"
+        u = torch.empty(len(infos), dtype=torch.float64)  # (S,), every entry set below
+    else:
+        u = torch.rand(len(infos), generator=gen, dtype=torch.float64)  # (S,)
     for r, info in enumerate(infos):
         key = info.stream_key
         if key is not None:

@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from radixserve.sampling.params import SamplingParams
-from radixserve.scheduler.io import FinishReason
+from radixserve.core.params import SamplingParams
+from radixserve.core.request import FinishReason
 
 _TAIL_MARGIN = 4
 

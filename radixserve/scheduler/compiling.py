@@ -12,7 +12,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 from radixserve.constrained.grammar import COMPILE_TIMEOUT_S, CompiledGrammar
-from radixserve.scheduler.io import TokenizedRequest
+from radixserve.core.request import TokenizedRequest
 
 Built = tuple[TokenizedRequest, CompiledGrammar | None]  # ready to queue
 Failed = tuple[TokenizedRequest, str]  # refused (400), with the reason

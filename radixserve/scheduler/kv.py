@@ -1,9 +1,10 @@
 """KV lifecycle of a sample: admit, extend, cache, release, retract.
 
-Slot ownership (see req.py's region table): positions < tree_len belong to the radix cache
+Slot ownership (see req.py's region table): positions < tree_len belong to the prefix cache
 (kept alive by the lock on last_node); positions tree_len..kv_len-1 belong to the request.
-Every slot is always owned by exactly one of: the pool's free list, the radix cache, or one
-admitted request — `check_integrity` counts them.
+Every slot is always owned by exactly one of: the pool's free list, the prefix cache, or one
+admitted request — `check_integrity` counts them. With a NoPrefixCache tree_len stays 0: the
+request owns all its K/V and frees it when it ends.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from __future__ import annotations
 import torch
 
 from radixserve.kvcache.pool import KVPool, ReqToTokenPool
-from radixserve.kvcache.radix import RadixCache
+from radixserve.kvcache.prefix_cache import PrefixCache
 from radixserve.scheduler.req import Req
 
 
 class KVManager:
-    def __init__(self, pool: KVPool, req_pool: ReqToTokenPool, cache: RadixCache) -> None:
+    def __init__(self, pool: KVPool, req_pool: ReqToTokenPool, cache: PrefixCache) -> None:
         self.pool = pool
         self.req_pool = req_pool
         self.cache = cache
@@ -64,20 +65,28 @@ class KVManager:
         return slots
 
     def cache_prefix(self, req: Req) -> None:
-        """Move the request's computed K/V into the radix tree; it keeps using it (locked)."""
-        if self.cache.disable:
-            return
-        match = self.cache.insert(req.all_ids[: req.kv_len], self.slots(req).clone())
-        assert len(match.indices) == req.kv_len
+        """Offer the request's computed K/V to the cache; the request goes on using it.
+
+        The prefix the cache keeps (all of it for a RadixCache, none for a NoPrefixCache)
+        switches to the cache's slots and becomes positions < tree_len, locked through the
+        new last_node; the rest stays the request's.
+        """
         assert req.row is not None and req.last_node is not None
-        self.req_pool.table[req.row, : req.kv_len] = match.indices
+        match = self.cache.insert(req.all_ids[: req.kv_len], self.slots(req).clone())
+        n = len(match.indices)
+        assert req.tree_len <= n <= req.kv_len, (
+            f"{req.rid}: the cache kept {n} of {req.kv_len} tokens, {req.tree_len} already"
+        )
+        self.req_pool.table[req.row, :n] = match.indices
         self.cache.lock(match.last_node)
         self.cache.unlock(req.last_node)
-        req.last_node, req.tree_len = match.last_node, req.kv_len
+        req.last_node, req.tree_len = match.last_node, n
 
     def fork(self, parent: Req, child: Req) -> bool:
-        """Let `child` share all of `parent`'s (cached) K/V. False: no row free."""
-        assert parent.tree_len == parent.kv_len, "fork needs the parent's K/V in the tree"
+        """Let `child` share all of `parent`'s K/V through the cache's lock on it. False when
+        the cache does not hold all of it (a NoPrefixCache holds none) or no row is free."""
+        if parent.tree_len < parent.kv_len:
+            return False
         row = self.req_pool.alloc()
         if row is None:
             return False
@@ -90,13 +99,12 @@ class KVManager:
         return True
 
     def release(self, req: Req) -> None:
-        """Finished, aborted or retracted: its K/V goes to the cache (or the pool)."""
+        """Finished, aborted or retracted: the cache keeps what it takes of its K/V (see
+        `cache_prefix`); the rest goes back to the pool now."""
         if req.row is None:
             return
-        if not self.cache.disable:
-            self.cache_prefix(req)
-        else:
-            self.pool.free(self.slots(req)[req.tree_len :].clone())
+        self.cache_prefix(req)
+        self.pool.free(self.slots(req)[req.tree_len :].clone())
         self._drop(req)
 
     def _drop(self, req: Req) -> None:

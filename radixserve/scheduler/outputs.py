@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import torch
 
+from radixserve.core.request import SampleOutput, TokenLogprob
 from radixserve.sampling.sampler import BadRows, SamplingInfo, prompt_logprobs, sample
-from radixserve.scheduler.io import SampleOutput, TokenLogprob
 from radixserve.scheduler.req import Req
 
 logger = logging.getLogger("radixserve.scheduler")
@@ -21,9 +21,13 @@ NO_TOKEN_ALLOWED = (
 
 
 class OutputProcessor:
-    def __init__(self, vocab_size: int, eos_ids: frozenset[int]) -> None:
+    """Owns the random stream of samples without a seed: `seed` (EngineConfig.random_seed)
+    starts it, so the same seed and the same sequence of steps draw the same tokens."""
+
+    def __init__(self, vocab_size: int, eos_ids: frozenset[int], seed: int) -> None:
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
+        self.generator = torch.Generator().manual_seed(seed)  # CPU: the sampler's uniforms
 
     def sample(
         self, reqs: list[Req], logits: torch.Tensor
@@ -42,7 +46,7 @@ class OutputProcessor:
             )
             for r in reqs
         ]
-        res = sample(logits[:, : self.vocab_size], infos)
+        res = sample(logits[:, : self.vocab_size], infos, self.generator)
         for i, (r, tok) in enumerate(zip(reqs, res.next_ids.tolist())):
             yield r, tok, float(res.logprobs[i]), res.top_logprobs[i]
 

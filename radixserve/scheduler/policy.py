@@ -4,20 +4,21 @@ lpm (longest prefix match, SGLang): samples whose prompt is most cached go first
 group sharing a prefix runs together while that prefix is hot. With a long queue matching
 everything costs more than it saves, so lpm falls back to fcfs past LPM_QUEUE_LIMIT.
 fcfs: arrival order. Retracted samples keep their original arrival key in both policies.
+Under a NoPrefixCache every cached length is 0, so lpm keeps arrival order.
 """
 
 from __future__ import annotations
 
-from radixserve.kvcache.radix import RadixCache
+from radixserve.kvcache.prefix_cache import PrefixCache
 from radixserve.scheduler.req import Req
 
 LPM_QUEUE_LIMIT = 128
 
 
-def order_waiting(waiting: list[Req], cache: RadixCache, policy: str) -> list[Req]:
+def order_waiting(waiting: list[Req], cache: PrefixCache, policy: str) -> list[Req]:
     """Return `waiting` in admission order. Reads the cache only (no split, no LRU touch)."""
     by_arrival = sorted(waiting, key=lambda r: r.arrival)
-    if policy == "fcfs" or cache.disable or len(waiting) > LPM_QUEUE_LIMIT:
+    if policy == "fcfs" or len(waiting) > LPM_QUEUE_LIMIT:
         return by_arrival
     matched = {id(r): cache.cached_length(r.all_ids[: r.reuse_limit()]) for r in waiting}
     return sorted(by_arrival, key=lambda r: -matched[id(r)])

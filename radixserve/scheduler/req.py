@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from radixserve.constrained.grammar import GrammarState
+from radixserve.core.params import SamplingParams
+from radixserve.core.request import FinishReason, PromptLogprob, TokenizedRequest, TokenLogprob
 from radixserve.kvcache.radix import TreeNode
-from radixserve.sampling.params import SamplingParams
 from radixserve.sampling.stop import StopChecker
-from radixserve.scheduler.io import FinishReason, TokenizedRequest, TokenLogprob
 
 
 @dataclass(eq=False)
@@ -45,7 +45,7 @@ class Req:
     new_ids: list[int] = field(default_factory=list)
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     new_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
-    input_logprobs: list[TokenLogprob | tuple[None, int]] = field(default_factory=list)
+    input_logprobs: list[PromptLogprob] = field(default_factory=list)
     input_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
 
     @property

@@ -11,6 +11,17 @@ Isolation: whatever goes wrong with ONE request while it is served (its pattern 
 compile, its logits hold NaN/inf, its masks leave no token, an exception on its path after
 the forward pass) ends all its samples with finish "error" (status 400 when the request
 asked for it, 500 otherwise); the batch and every other request go on.
+
+Public surface (the in-process Engine and the scheduler process use nothing else):
+
+    sched = Scheduler(config, load_parts(config))  # parts: model worker, tokenizer, cache
+    sched.add_request(TokenizedRequest)   # ValueError (-> HTTP 400) if it can never run
+    outputs = sched.step()                # one schedule + forward; list[SampleOutput] deltas
+    sched.abort_request(rid)              # frees its KV; a final SampleOutput(abort) follows
+    sched.flush_cache() -> bool           # False while requests are running or queued
+    sched.has_work() -> bool
+    sched.stats() -> SchedulerStats
+    sched.model_info -> ModelInfo
 """
 
 from __future__ import annotations
@@ -23,18 +34,16 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.config import EngineConfig
-from radixserve.constrained.grammar import CompiledGrammar, GrammarCompiler, GrammarState
-from radixserve.engine.batch import ForwardBatch
-from radixserve.engine.worker import ModelWorker
+from radixserve.constrained.grammar import CompiledGrammar, GrammarState
+from radixserve.core.batch import ForwardBatch
+from radixserve.core.info import ModelInfo, SchedulerStats
+from radixserve.core.request import FinishReason, SampleOutput, TokenizedRequest
 from radixserve.kvcache.pool import ReqToTokenPool
-from radixserve.kvcache.radix import RadixCache
-from radixserve.models.loader import load_tokenizer, resolve_model_path
 from radixserve.sampling.stop import StopChecker
-from radixserve.scheduler.api import ModelInfo, SchedulerStats
 from radixserve.scheduler.compiling import PendingCompiles
-from radixserve.scheduler.io import FinishReason, SampleOutput, TokenizedRequest
 from radixserve.scheduler.kv import KVManager
 from radixserve.scheduler.outputs import OutputProcessor
+from radixserve.scheduler.parts import SchedulerParts
 from radixserve.scheduler.policy import order_waiting, shares_uncached_prefix
 from radixserve.scheduler.req import Req
 
@@ -59,20 +68,18 @@ class Work:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, parts: SchedulerParts) -> None:
         self.config = config
-        path = resolve_model_path(config.model)
-        self.tokenizer = load_tokenizer(path)
-        self.worker = ModelWorker(config, str(path))
+        self.tokenizer, self.worker = parts.tokenizer, parts.worker
         mc = self.worker.model_config
         self.context_len = mc.max_position_embeddings
         self.eos_ids = frozenset(mc.eos_token_ids)
-        self.cache = RadixCache(self.worker.pool, disable=config.disable_radix_cache)
+        self.cache = parts.cache
         req_pool = ReqToTokenPool(config.max_running_requests, self.context_len + 1)
         self.kv = KVManager(self.worker.pool, req_pool, self.cache)
         self.max_queued_tokens = config.max_queued_tokens or 4 * self.worker.pool.capacity
-        self.out = OutputProcessor(mc.vocab_size, self.eos_ids)
-        self.grammars = GrammarCompiler(self.tokenizer, self.eos_ids, mc.vocab_size)
+        self.out = OutputProcessor(mc.vocab_size, self.eos_ids, config.random_seed)
+        self.grammars = parts.grammars
         self.compiling = PendingCompiles()  # requests whose pattern builds off this thread
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -81,8 +88,8 @@ class Scheduler:
         self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
         self.computed_tokens_total = 0
         self.model_info = ModelInfo(
-            model_path=str(path),
-            tokenizer_path=str(path),
+            model_path=parts.model_path,
+            tokenizer_path=parts.model_path,
             context_len=self.context_len,
             vocab_size=mc.vocab_size,
             eos_token_ids=tuple(sorted(self.eos_ids)),
@@ -268,11 +275,8 @@ class Scheduler:
             locs.append(slots[start:end])
             seq_lens.append(end)
             kv_idx.append(slots)
-            if self.cache.disable:
-                paths.append([])
-            else:
-                assert r.last_node is not None, f"{r.rid} runs without a radix node"
-                paths.append(self.cache.path(r.last_node))
+            assert r.last_node is not None, f"{r.rid} runs without a cache node"
+            paths.append(self.cache.path(r.last_node))
             first_row.append(len(rows))
             rows.extend(range(t, t + w.n) if self._wants_all_logits(w) else [t + w.n - 1])
             t += w.n
@@ -336,10 +340,10 @@ class Scheduler:
         for i in range(1, parent.sampling.n):
             grammar = None if parent.grammar is None else parent.grammar.grammar
             child = self._new_req(parent.request, i, grammar)
-            if not self.cache.disable and self.kv.fork(parent, child):
+            if self.kv.fork(parent, child):
                 self.running.append(child)
                 children.append(child)
-            else:  # no sharing (cache disabled) or no free row: prefill on its own later
+            else:  # the cache holds no prompt K/V (NoPrefixCache) or no free row: prefill later
                 self.waiting.append(child)
         return children
 

@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.config import EngineConfig
 from radixserve.message.messages import ServerInfoReq, ServerInfoResp
-from radixserve.server import native, openai_api
+from radixserve.server import openai_api, sglang_api
 from radixserve.server.manager import RequestManager
 from radixserve.server.metrics import Metrics
 from radixserve.server.protocol import ApiError
@@ -73,7 +73,7 @@ def build_app(manager: RequestManager, config: EngineConfig, metrics_: Metrics) 
     app.state.config = config
     app.state.metrics = metrics_
     app.state.started = time.time()
-    app.include_router(native.router)
+    app.include_router(sglang_api.router)
     app.include_router(openai_api.router)
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_exception_handler(ApiError, _api_error)

@@ -33,15 +33,15 @@ from typing import Any
 import uvicorn
 
 from radixserve.config import EngineConfig
-from radixserve.distributed.follower import init_method_in, run_follower
 from radixserve.message.ipc import IpcPaths, make_ipc_dir, remove_ipc_dir
 from radixserve.message.messages import Shutdown
+from radixserve.procutil import child_main, configure_logging
+from radixserve.scheduler.proc import run_scheduler_process
 from radixserve.server.app import build_app
 from radixserve.server.manager import ChildDied, RequestManager
 from radixserve.server.metrics import Metrics
-from radixserve.server.procutil import child_main, configure_logging
-from radixserve.server.scheduler_proc import run_scheduler_process
 from radixserve.tokenizer.proc import run_tokenizer_process
+from radixserve.worker.tp_follower import init_method_in, run_follower
 
 logger = logging.getLogger("radixserve.launcher")
 

@@ -29,7 +29,8 @@ from multiprocessing.process import BaseProcess
 import zmq
 import zmq.asyncio
 
-from radixserve.limits import MAX_SAMPLES
+from radixserve.core.info import ModelInfo
+from radixserve.core.limits import MAX_SAMPLES
 from radixserve.message.codec import decode, encode
 from radixserve.message.ipc import IpcPaths
 from radixserve.message.messages import (
@@ -46,7 +47,6 @@ from radixserve.message.messages import (
     ServerInfoResp,
     TokenizerReady,
 )
-from radixserve.scheduler.api import ModelInfo
 from radixserve.server.metrics import Metrics
 from radixserve.server.protocol import ApiError
 

@@ -7,9 +7,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.limits import MAX_MESSAGES, MAX_PROMPTS, MAX_TOP_LOGPROBS
+from radixserve.core.limits import MAX_MESSAGES, MAX_PROMPTS, MAX_TOP_LOGPROBS
+from radixserve.core.params import SamplingParams
 from radixserve.message.messages import GenerateReq
-from radixserve.sampling.params import SamplingParams
 from radixserve.server.protocol import bad, check_fields, get, get_int
 
 # OpenAI name -> SamplingParams name, for fields passed straight through.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.limits import (
+from radixserve.core.limits import (
     MAX_MESSAGES,
     MAX_N,
     MAX_PATTERN_CHARS,

@@ -16,7 +16,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from radixserve.limits import MAX_JSON_DEPTH, MAX_JSON_ITEMS, MAX_RID_CHARS
+from radixserve.core.limits import MAX_JSON_DEPTH, MAX_JSON_ITEMS, MAX_RID_CHARS
 
 MAX_BODY_BYTES = 8 * 2**20  # larger bodies get 413 (a 128k-token prompt is ~1 MiB of JSON)
 INT64 = (-(2**63), 2**63 - 1)  # every integer of a request fits here (msgspec, torch, seeds)

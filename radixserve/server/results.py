@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.core.request import FinishReason
 from radixserve.message.messages import SampleDelta, WireLogprob
-from radixserve.scheduler.io import FinishReason
 
 
 @dataclass

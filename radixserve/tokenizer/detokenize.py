@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from radixserve.sampling.params import SamplingParams
-from radixserve.scheduler.io import FinishReason
+from radixserve.core.params import SamplingParams
+from radixserve.core.request import FinishReason
 
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens seeding the window (enough for any merge we know)
 REPLACEMENT_CHAR = "\ufffd"

@@ -17,6 +17,8 @@ from typing import Any
 
 import zmq
 
+from radixserve.core.info import ModelInfo
+from radixserve.core.params import SamplingParams
 from radixserve.message.ipc import Inbox, IpcPaths, Outbox
 from radixserve.message.messages import (
     AbortReq,
@@ -36,9 +38,7 @@ from radixserve.message.messages import (
     WireLogprob,
 )
 from radixserve.models.loader import load_tokenizer
-from radixserve.sampling.params import SamplingParams
-from radixserve.scheduler.api import ModelInfo
-from radixserve.server.procutil import PARENT_POLL_MS, ParentWatch
+from radixserve.procutil import PARENT_POLL_MS, ParentWatch
 from radixserve.tokenizer.chat import render_chat
 from radixserve.tokenizer.detokenize import IncrementalDetokenizer
 
@@ -106,7 +106,6 @@ class TokenizerWorker:
                 req.return_logprob,
                 req.logprob_start_len,
                 req.top_logprobs_num,
-                req.stream,
             )
         )
 

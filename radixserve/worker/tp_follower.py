@@ -24,11 +24,11 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from radixserve.config import EngineConfig
-from radixserve.distributed.batch_sync import send_stop
 from radixserve.distributed.parallel import TPGroup, destroy_tp, init_tp
-from radixserve.engine.worker import ModelWorker
 from radixserve.models.loader import resolve_model_path
-from radixserve.server.procutil import child_main
+from radixserve.procutil import child_main
+from radixserve.worker.batch_sync import send_stop
+from radixserve.worker.model_worker import ModelWorker
 
 logger = logging.getLogger("radixserve.tp")
 

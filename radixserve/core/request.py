@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from radixserve.sampling.params import SamplingParams
+from radixserve.core.params import SamplingParams
 
 
 @dataclass
@@ -19,7 +19,6 @@ class TokenizedRequest:
     return_logprob: bool = False
     logprob_start_len: int = -1  # -1: no prompt logprobs; k >= 0: prompt positions k.. onward
     top_logprobs_num: int = 0
-    stream: bool = False
 
 
 @dataclass
@@ -34,6 +33,8 @@ class FinishReason:
 
 # One logprob entry: (logprob, token_id). Top-k entries are lists of those.
 TokenLogprob = tuple[float, int]
+# A prompt token's entry: the very first token of a sequence has no logprob (None).
+PromptLogprob = tuple[float | None, int]
 
 
 @dataclass
@@ -56,7 +57,7 @@ class SampleOutput:
     output_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     # Prompt logprobs arrive once, with the first output: entry i is for prompt token
     # logprob_start_len + i; the very first prompt token has no logprob (None).
-    input_logprobs: list[TokenLogprob | tuple[None, int]] = field(default_factory=list)
+    input_logprobs: list[PromptLogprob] = field(default_factory=list)
     input_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
 
     @property

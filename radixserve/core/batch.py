@@ -15,10 +15,22 @@ Decode is the case extend_lens[r] == 1 for every r.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from radixserve.kvcache.pool import KVPool
+
+class KVStore(Protocol):
+    """The per-layer K/V storage a step reads and writes (radixserve.kvcache.pool.KVPool).
+
+    k[layer], v[layer]: (num_slots, kv_heads, head_dim); `write` stores one layer's new K/V
+    (each (T, kv_heads, head_dim)) at `slots` (T,) int64.
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -32,7 +44,7 @@ class ForwardBatch:
     # Per request: the radix nodes covering the start of its sequence, root first, as
     # (node_id, num_tokens). Requests listing the same node_id share those KV slots.
     paths: list[list[tuple[int, int]]]
-    kv_pool: KVPool
+    kv_pool: KVStore
     # Backend-specific per-step plan, set by AttentionBackend.plan() and read by every layer.
     attn_plan: object = field(default=None, repr=False)
 

@@ -3,7 +3,7 @@
 Tensor parallel (tp_size > 1): every rank has a ModelWorker with its shard of the weights and
 a KV pool for its KV heads, all pools the same size with the same slot numbering. Rank 0's
 worker (inside the Scheduler) broadcasts each step's batch before running it; followers run
-`follow()` (radixserve.distributed.follower). Only rank 0 computes logits.
+`follow()` (radixserve.worker.tp_follower). Only rank 0 computes logits.
 """
 
 from __future__ import annotations
@@ -18,14 +18,16 @@ import torch
 from radixserve import kernels
 from radixserve.attention import make_backend
 from radixserve.config import DTYPES, EngineConfig
-from radixserve.distributed.batch_sync import recv_batch, send_batch
-from radixserve.distributed.parallel import TPGroup, agree_min, check_tp_size, get_tp, rank_device
-from radixserve.engine.batch import ForwardBatch
+from radixserve.core.batch import ForwardBatch
+from radixserve.distributed.parallel import TPGroup, agree_min, get_tp, rank_device
 from radixserve.isa import resolve_dtype
 from radixserve.kvcache.pool import KVPool
 from radixserve.models.config import ModelConfig
 from radixserve.models.loader import load_config, load_model
 from radixserve.models.quant import QuantLinear
+from radixserve.models.sharding import check_tp_size
+from radixserve.native_build import use_native_ops
+from radixserve.worker.batch_sync import recv_batch, send_batch
 
 logger = logging.getLogger("radixserve.worker")
 
@@ -94,11 +96,12 @@ class ModelWorker:
         device = rank_device(config.device, rank)
         if not device.startswith("cuda"):
             keep_freed_host_memory()
+        select_fast_paths(config)
         self.dtype, why = resolve_dtype(config.dtype, device)
         logger.info("dtype %s (%s: %s)", self.dtype, config.dtype, why)
         self.model, self.model_config = load_model(
-            model_path, self.dtype, device, tp_rank=rank, tp_size=size,
-            quantization=config.quantization,
+            model_path, self.dtype, device, packed_linear=config.packed_linear_request,
+            tp_rank=rank, tp_size=size, quantization=config.quantization,
         )  # fmt: skip
         self.backend = make_backend(config.attention_backend)
         self.kv_dtype, why = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.model, device)
@@ -156,6 +159,18 @@ class ModelWorker:
             self._closer()
 
 
+def select_fast_paths(config: EngineConfig) -> None:
+    """Set the two process-wide kernel switches from the config (the last worker started in
+    a process wins): native CPU ops on/off, and the attention ops' implementation.
+    packed_linear travels to the loader as an argument."""
+    use_native_ops(config.native_ops)
+    kernels.set_impl(config.attention_kernels)
+    logger.info(
+        "fast paths: native CPU ops %s, attention kernels %s, packed linear %s",
+        "on" if config.native_ops else "off", config.attention_kernels, config.packed_linear,
+    )  # fmt: skip
+
+
 def kv_cache_dtype(
     choice: str, compute: torch.dtype, model: torch.nn.Module, device: str
 ) -> tuple[torch.dtype, str]:
@@ -186,7 +201,7 @@ def _join_tp(config: EngineConfig, model_path: str) -> TPGroup | None:
     check_tp_size(load_config(model_path), config.tp_size)  # fail before any collective
     tp = get_tp()
     if tp is None:  # no launcher made a group: this process leads and spawns the followers
-        from radixserve.distributed.follower import start_local_tp  # (it imports us)
+        from radixserve.worker.tp_follower import start_local_tp  # (it imports us)
 
         tp = start_local_tp(config)
     assert tp.size == config.tp_size, f"TP group of {tp.size} ranks, config says {config.tp_size}"
@@ -194,6 +209,6 @@ def _join_tp(config: EngineConfig, model_path: str) -> TPGroup | None:
 
 
 def _stop_followers(tp: TPGroup, send: bool = True) -> None:
-    from radixserve.distributed.follower import stop_followers  # (it imports us)
+    from radixserve.worker.tp_follower import stop_followers  # (it imports us)
 
     stop_followers(tp, send)

@@ -22,6 +22,8 @@ import time
 import zmq
 
 from radixserve.config import EngineConfig
+from radixserve.core.params import SamplingParams
+from radixserve.core.request import SampleOutput, TokenizedRequest
 from radixserve.distributed.parallel import init_tp
 from radixserve.message.ipc import Inbox, IpcPaths, Outbox
 from radixserve.message.messages import (
@@ -38,12 +40,11 @@ from radixserve.message.messages import (
     Shutdown,
     TokenizedReq,
 )
-from radixserve.sampling.params import SamplingParams
-from radixserve.scheduler.io import SampleOutput, TokenizedRequest
+from radixserve.procutil import PARENT_POLL_MS, ParentWatch
+from radixserve.scheduler.parts import load_parts
 from radixserve.scheduler.scheduler import QueueFullError, Scheduler
-from radixserve.server.procutil import PARENT_POLL_MS, ParentWatch
 
-logger = logging.getLogger("radixserve.scheduler_proc")
+logger = logging.getLogger("radixserve.scheduler.proc")
 
 
 class SchedulerLoop:
@@ -116,7 +117,6 @@ class SchedulerLoop:
                     return_logprob=msg.return_logprob,
                     logprob_start_len=msg.logprob_start_len,
                     top_logprobs_num=msg.top_logprobs_num,
-                    stream=msg.stream,
                 )
             )
         except QueueFullError as e:
@@ -166,7 +166,8 @@ def run_scheduler_process(config: EngineConfig, ipc: IpcPaths, tp_init: str | No
         if config.tp_size > 1:
             assert tp_init is not None, "tp_size > 1 needs the group's init method"
             init_tp(0, config.tp_size, tp_init, config.device)
-        sched = Scheduler(config)
+        parts = load_parts(config)
+        sched = Scheduler(config, parts)
         info = sched.model_info
         logger.info(
             "scheduler ready: model %s, dtype %s, KV capacity %d tokens, backend %s",
@@ -177,7 +178,7 @@ def run_scheduler_process(config: EngineConfig, ipc: IpcPaths, tp_init: str | No
         )
         out.send(SchedulerReady(info))
         SchedulerLoop(sched, inbox, out, watch).run()
-        sched.worker.close()
+        parts.worker.close()
     finally:
         inbox.close()
         out.close()

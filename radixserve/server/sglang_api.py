@@ -15,7 +15,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from radixserve.config import EngineConfig
-from radixserve.limits import MAX_PROMPTS, MAX_TOP_LOGPROBS
+from radixserve.core.limits import MAX_PROMPTS, MAX_TOP_LOGPROBS
+from radixserve.core.params import SamplingParams
 from radixserve.message.messages import (
     FlushCacheReq,
     FlushCacheResp,
@@ -23,7 +24,6 @@ from radixserve.message.messages import (
     ServerInfoReq,
     ServerInfoResp,
 )
-from radixserve.sampling.params import SamplingParams
 from radixserve.server import openapi
 from radixserve.server.flow import sse, start_stream, submit_all, unless_disconnected
 from radixserve.server.manager import Pending, RequestManager

@@ -1,16 +1,6 @@
-"""The scheduler's public surface, as used by the in-process Engine and the scheduler process.
+"""What the scheduler reports about itself: the model it serves and its counters.
 
-    sched = Scheduler(config)             # loads model + tokenizer, sizes the KV pool
-    sched.add_request(TokenizedRequest)   # ValueError (-> HTTP 400) if it can never run
-    outputs = sched.step()                # one schedule + forward; list[SampleOutput] deltas
-    sched.abort_request(rid)              # frees its KV; a final SampleOutput(abort) follows
-    sched.flush_cache() -> bool           # False while requests are running or queued
-    sched.has_work() -> bool
-    sched.stats() -> SchedulerStats
-    sched.model_info -> ModelInfo
-
-The real class lives in radixserve/scheduler/scheduler.py; these records are the data it
-reports.
+Both cross the IPC boundary as they are (msgspec encodes these dataclasses).
 """
 
 from __future__ import annotations

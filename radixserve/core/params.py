@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.limits import (
+from radixserve.core.limits import (
     MAX_N,
     MAX_PATTERN_CHARS,
     MAX_STOP_CHARS,

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from radixserve.core.batch import ForwardBatch
 from radixserve.distributed.parallel import TPGroup
-from radixserve.engine.batch import ForwardBatch
 from radixserve.kvcache.pool import KVPool
 
 HEADER_LEN = 5

@@ -1,0 +1,177 @@
+"""The prefix cache interface, the cache that shares nothing, and the one place that picks.
+
+A prefix cache holds the KV slots of token prefixes that requests computed and hands them to
+later requests starting with the same tokens. Two implementations:
+  - `RadixCache` (radix.py): shares every cached prefix (the default);
+  - `NoPrefixCache` (here, `--disable-radix-cache`): a tree that is only a root; it matches
+    nothing and keeps nothing, so a request's K/V stays the request's and goes back to the
+    pool when the request ends.
+`make_prefix_cache` is the only code that reads `EngineConfig.disable_radix_cache`; callers
+hold a `PrefixCache` and never ask which one it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from radixserve.config import EngineConfig
+from radixserve.kvcache.pool import KVPool
+from radixserve.kvcache.radix import MatchResult, RadixCache, TreeNode, check_insert_args
+
+
+class PrefixCache(Protocol):
+    """KV slots of cached token prefixes over a KVPool, handed out through lockable nodes.
+
+    Slot accounting (asserted by `check_integrity`): every pool slot is free, held by the
+    cache (`total_size` = `evictable_size` + `locked_size`), or held by the caller
+    (`in_use_elsewhere`).
+
+    Contract:
+      - `match_prefix` and `cached_length` never free or allocate slots.
+      - `insert(token_ids, kv_indices)` keeps some prefix of `token_ids` (its length is
+        len(result.indices), between the prefix already matched and locked and all of
+        `token_ids`) and takes ownership of exactly that prefix of `kv_indices`; the rest of
+        `kv_indices` stays the caller's, to use and later free. It never evicts.
+      - A MatchResult's `indices` stay valid while its `last_node` is locked; `evict` never
+        frees a locked node's slots; `evict` and `flush` free only slots the cache holds.
+      - `lock`/`unlock`/`path` take only nodes this cache handed out and still holds, else
+        raise AssertionError; on the root they are no-ops (path: []).
+      - Single-threaded: the scheduler calls it between model steps.
+    """
+
+    @property
+    def evictable_size(self) -> int:
+        """Slots held in unlocked nodes: what `evict` can free."""
+        ...
+
+    @property
+    def locked_size(self) -> int:
+        """Slots held in locked nodes."""
+        ...
+
+    @property
+    def total_size(self) -> int:
+        """evictable_size + locked_size."""
+        ...
+
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        """The longest cached prefix of `token_ids`: its slots, and the node ending it (the
+        root when nothing matches). May reorganise nodes; frees and allocates nothing."""
+        ...
+
+    def cached_length(self, token_ids: Sequence[int]) -> int:
+        """len(match_prefix(token_ids).indices) without changing anything (for ranking)."""
+        ...
+
+    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
+        """Offer `token_ids` whose K/V sit at `kv_indices`; returns the slots the cache now
+        holds for the prefix it kept and the node ending that prefix (see the contract).
+        Raises AssertionError if kv_indices is not (len(token_ids),) int64."""
+        ...
+
+    def lock(self, node: TreeNode) -> None:
+        """Pin `node`'s path: its slots are not evicted until the matching `unlock`."""
+        ...
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one `lock(node)`."""
+        ...
+
+    def path(self, node: TreeNode) -> list[tuple[int, int]]:
+        """[(node id, tokens), ...] from below the root down to `node`: the shared segments an
+        attention backend may compute once for every request on them."""
+        ...
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` unlocked slots if it can; returns how many it freed."""
+        ...
+
+    def flush(self) -> None:
+        """Free every slot the cache holds. Asserts that nothing is locked."""
+        ...
+
+    def check_integrity(self, in_use_elsewhere: int = 0) -> None:
+        """Assert the cache's invariants and the slot accounting above, given the slots the
+        caller holds outside the cache. Raises AssertionError with the offending values."""
+        ...
+
+
+class NoPrefixCache:
+    """The PrefixCache that shares nothing (`--disable-radix-cache`).
+
+    A tree that is only a root: `match_prefix` matches nothing, `insert` keeps nothing and
+    takes none of the caller's slots (a request keeps its own K/V and frees it when it ends),
+    nothing is evictable or locked. `check_integrity` still counts every slot:
+    pool.num_free + in_use_elsewhere == pool.capacity.
+    """
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.root = TreeNode(0, [], torch.empty(0, dtype=torch.int64), None, 0.0)
+
+    @property
+    def evictable_size(self) -> int:
+        return 0
+
+    @property
+    def locked_size(self) -> int:
+        return 0
+
+    @property
+    def total_size(self) -> int:
+        return 0
+
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        return self._nothing()
+
+    def cached_length(self, token_ids: Sequence[int]) -> int:
+        return 0
+
+    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
+        check_insert_args(len(token_ids), kv_indices)
+        return self._nothing()
+
+    def _nothing(self) -> MatchResult:
+        return MatchResult(torch.empty(0, dtype=torch.int64), self.root)
+
+    def lock(self, node: TreeNode) -> None:
+        self._check_root(node)
+
+    def unlock(self, node: TreeNode) -> None:
+        self._check_root(node)
+
+    def path(self, node: TreeNode) -> list[tuple[int, int]]:
+        self._check_root(node)
+        return []
+
+    def _check_root(self, node: TreeNode) -> None:
+        assert node is self.root, f"{node} is not this cache's root, the only node it hands out"
+
+    def evict(self, num_tokens: int) -> int:
+        return 0
+
+    def flush(self) -> None:
+        """Nothing is held, so nothing to free."""
+
+    def check_integrity(self, in_use_elsewhere: int = 0) -> None:
+        root = self.root
+        assert root.parent is None and not root.children and root.lock_ref == 0, (
+            f"the root of a NoPrefixCache must stay bare: {root}"
+        )
+        pool = self.pool
+        total = pool.num_free + in_use_elsewhere
+        assert total == pool.capacity, (
+            f"free {pool.num_free} + elsewhere {in_use_elsewhere} = {total} "
+            f"!= capacity {pool.capacity}"
+        )
+
+
+def make_prefix_cache(config: EngineConfig, pool: KVPool) -> PrefixCache:
+    """The scheduler's prefix cache: a RadixCache, or a NoPrefixCache under
+    `disable_radix_cache`. The only place that reads that flag."""
+    if config.disable_radix_cache:
+        return NoPrefixCache(pool)
+    return RadixCache(pool)

@@ -1,0 +1,65 @@
+"""The parts a Scheduler runs on, built beside it and handed in.
+
+`load_parts(config)` loads the real ones (tokenizer, model worker with its KV pool, radix
+cache, grammar compiler); a test may hand a Scheduler its own (a fake worker over a small
+pool), so no scheduler needs a model to exist. The caller keeps the parts: it closes the
+worker and reads the tokenizer itself, not through the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from radixserve.config import EngineConfig
+from radixserve.constrained.grammar import GrammarCompiler
+from radixserve.core.batch import ForwardBatch
+from radixserve.kvcache.pool import KVPool
+from radixserve.kvcache.prefix_cache import PrefixCache, make_prefix_cache
+from radixserve.models.config import ModelConfig
+from radixserve.models.loader import load_tokenizer, resolve_model_path
+from radixserve.worker.model_worker import ModelWorker
+
+
+class StepWorker(Protocol):
+    """What the scheduler needs of a model worker (radixserve.worker.ModelWorker).
+
+    `forward(batch, rows)` writes the batch's new K/V into `pool` and returns float32 logits
+    (len(rows), vocab) for the flattened token rows `rows`.
+    """
+
+    pool: KVPool
+    model_config: ModelConfig
+    dtype: torch.dtype
+
+    def forward(self, batch: ForwardBatch, rows: torch.Tensor) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class SchedulerParts:
+    model_path: str
+    tokenizer: Any  # a transformers fast tokenizer
+    worker: StepWorker
+    cache: PrefixCache  # over worker.pool
+    grammars: GrammarCompiler
+
+
+def build_parts(
+    config: EngineConfig, model_path: str, tokenizer: Any, worker: StepWorker
+) -> SchedulerParts:
+    """The cache and grammar compiler that go with a worker and tokenizer."""
+    mc = worker.model_config
+    cache = make_prefix_cache(config, worker.pool)
+    grammars = GrammarCompiler(tokenizer, mc.eos_token_ids, mc.vocab_size)
+    return SchedulerParts(model_path, tokenizer, worker, cache, grammars)
+
+
+def load_parts(config: EngineConfig) -> SchedulerParts:
+    """Load the model named by the config (its tokenizer, weights, KV pool) and build the rest."""
+    path = resolve_model_path(config.model)
+    tokenizer = load_tokenizer(path)
+    return build_parts(config, str(path), tokenizer, ModelWorker(config, str(path)))

@@ -1,0 +1,70 @@
+"""EngineConfig: fast-path fields validated once, their environment defaults (read once, at
+import), and the CLI flags generated from the fields."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from radixserve.cli import build_parser, config_from_args
+from radixserve.config import EngineConfig
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"attention_kernels": "fast"}, "attention_kernels must be one of"),
+        ({"attention_kernels": "native", "native_ops": False}, "native needs native_ops"),
+        ({"packed_linear": "yes"}, "packed_linear must be one of"),
+    ],
+)
+def test_fast_path_fields_are_validated(kw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kw)
+
+
+def test_packed_linear_request() -> None:
+    got = [EngineConfig(packed_linear=p).packed_linear_request for p in ("auto", "on", "off")]
+    assert got == [None, True, False]
+
+
+ENV_PROBE = (
+    "from radixserve.config import EngineConfig as C; c = C(); "
+    "print(c.native_ops, c.packed_linear, C(native_ops=True, packed_linear='auto').native_ops)"
+)
+
+
+def probe(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RADIXSERVE_")}
+    return subprocess.run(
+        [sys.executable, "-c", ENV_PROBE], env={**clean, **env}, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_environment_sets_defaults_only() -> None:
+    """RADIXSERVE_NATIVE_OPS / RADIXSERVE_PACKED_LINEAR give the defaults; an explicit field
+    wins; any other value fails at import, naming the variable."""
+    out = probe({"RADIXSERVE_NATIVE_OPS": "0", "RADIXSERVE_PACKED_LINEAR": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "on", "True"]
+    assert probe({}).stdout.split() == ["True", "auto", "True"]
+    bad = probe({"RADIXSERVE_NATIVE_OPS": "no"})
+    assert bad.returncode != 0 and "RADIXSERVE_NATIVE_OPS must be one of" in bad.stderr
+
+
+def parse(*flags: str) -> EngineConfig:
+    parser = build_parser()
+    return config_from_args(parser.parse_args(["serve", *flags]), parser)
+
+
+def test_cli_flags_map_onto_the_fields() -> None:
+    assert parse() == EngineConfig()
+    got = parse("--no-native-ops", "--attention-kernels", "reference", "--packed-linear", "off",
+                "--disable-radix-cache", "--random-seed", "7")  # fmt: skip
+    assert (got.native_ops, got.attention_kernels, got.packed_linear) == (False, "reference", "off")
+    assert got.disable_radix_cache and got.random_seed == 7
+    assert parse("--native-ops").native_ops

@@ -1,0 +1,106 @@
+"""A Scheduler built from parts in a test, without a model: a fake worker over a small pool.
+
+The fake worker's "model" continues every sequence with (last token + 1): the scheduler's
+batching, radix reuse, forking and KV accounting are checked exactly against that rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from radixserve.config import EngineConfig
+from radixserve.core.batch import ForwardBatch
+from radixserve.core.params import SamplingParams
+from radixserve.core.request import SampleOutput, TokenizedRequest
+from radixserve.kvcache.pool import KVPool
+from radixserve.models.config import ModelConfig
+from radixserve.scheduler.parts import build_parts
+from radixserve.scheduler.scheduler import Scheduler
+
+VOCAB = 1000  # the fake's logits; token ids stay below every real special token
+
+
+class CountingWorker:
+    """Writes nothing real into the pool (zeros); logits put all mass on last id + 1."""
+
+    def __init__(self, slots: int, context: int) -> None:
+        self.model_config = ModelConfig(
+            architecture="LlamaForCausalLM", hidden_size=8, num_layers=1, num_heads=1,
+            num_kv_heads=1, head_dim=2, intermediate_size=8, vocab_size=VOCAB,
+            rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None,
+            max_position_embeddings=context, tie_word_embeddings=True, qkv_bias=False,
+            o_bias=False, mlp_bias=False, eos_token_ids=(VOCAB - 1,),
+        )  # fmt: skip
+        self.pool = KVPool(slots, 1, 1, 2, torch.float32)
+        self.dtype = torch.float32
+        self.tokens_run = 0
+
+    def forward(self, batch: ForwardBatch, rows: torch.Tensor) -> torch.Tensor:
+        self.tokens_run += batch.input_ids.numel()
+        nxt = (batch.input_ids[rows] + 1) % VOCAB
+        logits = torch.full((rows.numel(), VOCAB), -30.0)
+        logits[torch.arange(rows.numel()), nxt] = 30.0
+        return logits
+
+    def close(self) -> None:
+        pass
+
+
+def _scheduler(tokenizer: Any, **config: Any) -> tuple[Scheduler, CountingWorker]:
+    cfg = EngineConfig(max_running_requests=8, **config)
+    worker = CountingWorker(slots=257, context=128)
+    return Scheduler(cfg, build_parts(cfg, "fake", tokenizer, worker)), worker
+
+
+def _run(sched: Scheduler, *reqs: TokenizedRequest) -> dict[tuple[str, int], list[SampleOutput]]:
+    outs: dict[tuple[str, int], list[SampleOutput]] = {}
+    for r in reqs:
+        sched.add_request(r)
+    while sched.has_work():
+        for o in sched.step():
+            outs.setdefault((o.rid, o.index), []).append(o)
+        sched.check_integrity()
+    return outs
+
+
+def _tokens(outs: list[SampleOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def test_a_scheduler_runs_on_a_fake_worker_and_reuses_the_prefix(tokenizer: Any) -> None:
+    sched, worker = _scheduler(tokenizer)
+    assert sched.model_info.model_path == "fake" and sched.model_info.vocab_size == VOCAB
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=5)
+    prompt = list(range(100, 140))
+    first = _run(sched, TokenizedRequest("a", prompt, greedy))
+    assert _tokens(first["a", 0]) == [140, 141, 142, 143, 144]
+    assert first["a", 0][-1].finish_reason is not None
+    assert first["a", 0][-1].finish_reason.type == "length"
+    run_before = worker.tokens_run
+    second = _run(sched, TokenizedRequest("b", [*prompt, 7], greedy))
+    assert _tokens(second["b", 0]) == [8, 9, 10, 11, 12]
+    assert second["b", 0][-1].cached_tokens == 40  # the whole first prompt came from the tree
+    assert worker.tokens_run - run_before == 1 + 4  # one new prompt token, then 4 decodes
+    assert sched.stats().kv_held_tokens == 0  # idle: nothing locked, nothing leaked
+
+
+def test_fork_shares_the_prompt_and_each_sample_ends(tokenizer: Any) -> None:
+    sched, worker = _scheduler(tokenizer)
+    params = SamplingParams(temperature=0.0, max_new_tokens=3, n=4)
+    outs = _run(sched, TokenizedRequest("f", list(range(10, 30)), params))
+    assert sorted(outs) == [("f", i) for i in range(4)]
+    assert all(_tokens(outs["f", i]) == [30, 31, 32] for i in range(4))
+    assert worker.tokens_run == 20 + 4 * 2  # the prompt once, then 2 decodes per sample
+    assert sched.stats().kv_held_tokens == 0
+
+
+def test_eos_from_the_worker_ends_the_sample(tokenizer: Any) -> None:
+    sched, _ = _scheduler(tokenizer)
+    outs = _run(
+        sched, TokenizedRequest("e", [VOCAB - 4], SamplingParams(temperature=0, max_new_tokens=9))
+    )
+    reason = outs["e", 0][-1].finish_reason
+    assert reason is not None and (reason.type, reason.matched) == ("stop", VOCAB - 1)
+    assert _tokens(outs["e", 0]) == [VOCAB - 3, VOCAB - 2, VOCAB - 1]  # the text hides eos
