@@ -175,6 +175,9 @@ class EngineBackend(Backend):
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
     ) -> TokenizedRequest:
+        """The request, its parameters parsed once here (BackendError names the field)."""
+        if not ids:
+            raise BackendError("input_ids: the prompt is empty")
         try:
             params = SamplingParams.from_dict(sampling)
         except ValueError as e:

@@ -65,6 +65,13 @@ class Engine:
         return results[0] if single and len(results) == 1 else results
 
     def _prompts(self, prompt: Prompt, input_ids: Any) -> tuple[bool, list[list[int]]]:
+        """(whether one prompt was given, the token ids of each); ValueError names the field."""
+        single, batch = self._token_ids(prompt, input_ids)
+        if not all(batch):
+            raise ValueError("input_ids: the prompt is empty")
+        return single, batch
+
+    def _token_ids(self, prompt: Prompt, input_ids: Any) -> tuple[bool, list[list[int]]]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt (text) or input_ids")
         if prompt is not None:

@@ -8,8 +8,10 @@ Processes and who sends what (each process owns one PULL inbox; see `ipc.py`):
     tokenizer  ──TokenizerReady, SampleBatch (text filled), RequestError, ControlResp──> api server
 
 Rules:
-- Only plain data crosses: str/int/float/bool/None, lists, dicts of those, and the frozen
-  record dataclasses of `radixserve.core.info` (msgspec encodes dataclasses natively).
+- Only plain data crosses: str/int/float/bool/None, lists, dicts of those, and the plain
+  dataclasses of `radixserve.core` (msgspec encodes them natively as objects and, on decode,
+  checks each field's type and runs their `__post_init__`: a `SamplingParams` re-checks
+  itself, which an instance that was valid when sent always passes).
   No pickle anywhere (a socket is an attack surface even when local).
 - `rid` identifies a request end to end; the `n` samples of one request share it and are
   told apart by `index`.
@@ -25,7 +27,8 @@ from typing import Any
 import msgspec
 
 from radixserve.core.info import ModelInfo, SchedulerStats
-from radixserve.core.request import FinishReason, SampleOutput
+from radixserve.core.params import SamplingParams
+from radixserve.core.request import FinishReason, SampleOutput, TokenizedRequest
 
 
 class Message(msgspec.Struct, tag=True, array_like=True):
@@ -57,13 +60,13 @@ class Shutdown(Message):
 class GenerateReq(Message):
     """Api server -> tokenizer: one prompt (exactly one of text / input_ids / messages).
 
-    `sampling` is the JSON dict already accepted by `SamplingParams.from_dict` in the api
-    server; every process re-parses it with that one parser. `max_new_tokens_auto`: the
-    client gave no limit, so the tokenizer fills in what is left of the context.
+    `sampling` was parsed (and checked) once, by the api server; later processes only add
+    what they alone know. `max_new_tokens_auto`: the client gave no limit, so the tokenizer
+    sets max_new_tokens to what is left of the context.
     """
 
     rid: str
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     text: str | None = None
     input_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None  # chat: OpenAI-style role/content dicts
@@ -76,14 +79,9 @@ class GenerateReq(Message):
 
 
 class TokenizedReq(Message):
-    """Tokenizer -> scheduler: becomes a `TokenizedRequest`."""
+    """Tokenizer -> scheduler: the request as the scheduler takes it."""
 
-    rid: str
-    input_ids: list[int]
-    sampling: dict[str, Any]
-    return_logprob: bool
-    logprob_start_len: int
-    top_logprobs_num: int
+    request: TokenizedRequest
 
 
 class AbortReq(Message):

@@ -8,7 +8,8 @@ Loop, as designed: receive -> schedule + forward (`Scheduler.step`) -> send outp
         if has_work: send(step())         # one batch
         elif it just went idle: check_integrity()
 
-Requests are accepted or refused at once: a refusal is a `RequestError` (400 for a request
+Requests arrive as the typed `TokenizedRequest` (parameters parsed once, at the api server);
+they are accepted or refused at once: a refusal is a `RequestError` (400 for a request
 that can never run, 503 when the waiting queue is full) and the request holds nothing.
 `active` counts, per accepted rid, the samples that have not finished yet, so aborts of
 unknown or finished rids are ignored and /get_server_info can report in-flight requests.
@@ -22,8 +23,7 @@ import time
 import zmq
 
 from radixserve.config import EngineConfig
-from radixserve.core.params import SamplingParams
-from radixserve.core.request import SampleOutput, TokenizedRequest
+from radixserve.core.request import SampleOutput
 from radixserve.distributed.parallel import init_tp
 from radixserve.message.ipc import Inbox, IpcPaths, Outbox
 from radixserve.message.messages import (
@@ -104,27 +104,17 @@ class SchedulerLoop:
     # ---------------------------------------------------------------- handlers
 
     def on_request(self, msg: TokenizedReq) -> None:
-        if msg.rid in self.active:
-            self.out.send(RequestError(msg.rid, 400, f"rid: {msg.rid!r} is already in use"))
-            return
+        request = msg.request
+        # The api server refuses a rid in flight; the pipeline lets it go here first.
+        assert request.rid not in self.active, f"rid {request.rid!r} is already in use"
         try:
-            sampling = SamplingParams.from_dict(msg.sampling)
-            self.sched.add_request(
-                TokenizedRequest(
-                    rid=msg.rid,
-                    input_ids=msg.input_ids,
-                    sampling=sampling,
-                    return_logprob=msg.return_logprob,
-                    logprob_start_len=msg.logprob_start_len,
-                    top_logprobs_num=msg.top_logprobs_num,
-                )
-            )
+            self.sched.add_request(request)
         except QueueFullError as e:
-            self.out.send(RequestError(msg.rid, 503, str(e)))
+            self.out.send(RequestError(request.rid, 503, str(e)))
         except ValueError as e:
-            self.out.send(RequestError(msg.rid, 400, str(e)))
+            self.out.send(RequestError(request.rid, 400, str(e)))
         else:
-            self.active[msg.rid] = sampling.n
+            self.active[request.rid] = request.sampling.n
 
     def on_abort(self, msg: AbortReq) -> None:
         if msg.rid in self.active:  # its final 'abort' outputs come from the next step()

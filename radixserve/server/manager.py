@@ -178,8 +178,9 @@ class RequestManager:
                 headers={"Retry-After": RETRY_AFTER_S},
             )
 
-    def submit(self, req: GenerateReq, n: int) -> Pending:
-        """Register and send one request. ApiError 400 if its rid is in flight."""
+    def submit(self, req: GenerateReq) -> Pending:
+        """Register and send one request. ApiError 400 if its rid is in flight: the one
+        check of it (the tokenizer and scheduler let a rid go before this does)."""
         if self.failure is not None:
             raise ApiError(503, f"the server failed: {self.failure}")
         if req.rid in self.pending:
@@ -188,7 +189,7 @@ class RequestManager:
             data = encode(req)
         except (OverflowError, ValueError) as e:  # msgspec: ints beyond 64 bits, lone surrogates
             raise ApiError(400, f"the request cannot be encoded: {e}") from e
-        pending = self.pending[req.rid] = Pending(req.rid, n)
+        pending = self.pending[req.rid] = Pending(req.rid, req.sampling.n)
         try:
             self._outbox.send(data)
         except BaseException:

@@ -107,7 +107,7 @@ async def _run(
     manager: RequestManager = request.app.state.manager
     pendings = submit_all(manager, batch.reqs)
     head = {
-        "id": batch.reqs[0][0].rid,
+        "id": batch.reqs[0].rid,
         "object": kind,
         "created": int(time.time()),
         "model": batch.model or _served_name(request),

@@ -11,6 +11,7 @@ so the tokenizer path is known), load the tokenizer, send `TokenizerReady` to th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ import zmq
 
 from radixserve.core.info import ModelInfo
 from radixserve.core.params import SamplingParams
+from radixserve.core.request import TokenizedRequest
 from radixserve.message.ipc import Inbox, IpcPaths, Outbox
 from radixserve.message.messages import (
     AbortReq,
@@ -53,6 +55,9 @@ class _ReqState:
     want_texts: bool  # return_text_in_logprobs
     detoks: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
     finished: int = 0
+    # Detokenizing failed: the scheduler was told to abort; this error goes to the api
+    # server once every sample has ended, so the rid is released after the scheduler's.
+    error: str | None = None
 
 
 class TokenizerWorker:
@@ -83,11 +88,11 @@ class TokenizerWorker:
     # ---------------------------------------------------------------- requests
 
     def on_generate(self, req: GenerateReq) -> None:
-        if req.rid in self.reqs:  # refused here, so the request in flight keeps its state
-            self.to_api.send(RequestError(req.rid, 400, f"rid: {req.rid!r} is already in use"))
-            return
+        # The api server refuses a rid in flight, and this process lets a rid go only after
+        # the scheduler has (its last outputs come through here), so a clash is a bug.
+        assert req.rid not in self.reqs, f"rid {req.rid!r} is already in use"
         try:
-            ids, sampling = self._prepare(req)
+            request = self._tokenized(req)
         except ValueError as e:
             self.to_api.send(RequestError(req.rid, 400, str(e)))
             return
@@ -95,22 +100,18 @@ class TokenizerWorker:
             logger.exception("request %s: tokenization failed", req.rid)
             self.to_api.send(RequestError(req.rid, 500, f"tokenization failed: {e!r}"))
             return
+        sampling = request.sampling
         self.reqs[req.rid] = _ReqState(
-            sampling.n, sampling, ids, req.return_logprob and req.return_text_in_logprobs
+            sampling.n,
+            sampling,
+            request.input_ids,
+            req.return_logprob and req.return_text_in_logprobs,
         )
-        self.to_sched.send(
-            TokenizedReq(
-                req.rid,
-                ids,
-                sampling.to_dict(),
-                req.return_logprob,
-                req.logprob_start_len,
-                req.top_logprobs_num,
-            )
-        )
+        self.to_sched.send(TokenizedReq(request))
 
-    def _prepare(self, req: GenerateReq) -> tuple[list[int], SamplingParams]:
-        """Token ids and parsed sampling parameters; ValueError names the bad field."""
+    def _tokenized(self, req: GenerateReq) -> TokenizedRequest:
+        """The request with its token ids, and max_new_tokens filled in when the client gave
+        none: what only this process knows. ValueError names the bad field."""
         if req.messages is not None:
             ids = render_chat(self.tok, req.messages)
         elif req.text is not None:
@@ -119,7 +120,7 @@ class TokenizerWorker:
             ids = list(req.input_ids or [])
         if not ids:
             raise ValueError("text: the prompt is empty")
-        sampling = dict(req.sampling)
+        sampling = req.sampling
         if req.max_new_tokens_auto:
             room = min(self.info.context_len, self.info.kv_capacity_tokens) - len(ids)
             if room < 1:
@@ -128,10 +129,10 @@ class TokenizerWorker:
                     f"(context {self.info.context_len}, KV pool "
                     f"{self.info.kv_capacity_tokens} tokens)"
                 )
-            sampling["max_new_tokens"] = room
-        params = SamplingParams.from_dict(sampling)
-        params.validate(self.info.vocab_size)
-        return ids, params
+            sampling = dataclasses.replace(sampling, max_new_tokens=room)  # checks min_new_tokens
+        return TokenizedRequest(
+            req.rid, ids, sampling, req.return_logprob, req.logprob_start_len, req.top_logprobs_num
+        )
 
     def on_info(self, resp: ServerInfoResp) -> None:
         resp.tokenizer_requests = len(self.reqs)
@@ -146,30 +147,36 @@ class TokenizerWorker:
     def on_samples(self, batch: SampleBatch) -> None:
         out = []
         for d in batch.outputs:
-            if d.rid not in self.reqs:  # refused, failed or aborted: its last outputs
+            state = self.reqs.get(d.rid)
+            if state is None:  # refused by the scheduler: never had outputs
                 continue
-            try:
-                out.append(self._detokenize(d))
-            except Exception as e:  # this request alone fails; the scheduler drops it
-                logger.exception("request %s: detokenization failed", d.rid)
-                del self.reqs[d.rid]
-                self.to_api.send(RequestError(d.rid, 500, f"detokenization failed: {e!r}"))
-                self.to_sched.send(AbortReq(d.rid))
+            if state.error is None:
+                try:
+                    out.append(self._detokenize(state, d))
+                except Exception as e:  # this request alone fails
+                    logger.exception("request %s: detokenization failed", d.rid)
+                    state.error = f"detokenization failed: {e!r}"
+                    self.to_sched.send(AbortReq(d.rid))
+            if d.finish_reason is not None:
+                state.finished += 1
+                if state.finished == state.n:
+                    self._release(d.rid, state)
         if out:
             self.to_api.send(SampleBatch(out))
 
-    def _detokenize(self, d: SampleDelta) -> SampleDelta:
-        state = self.reqs[d.rid]
+    def _release(self, rid: str, state: _ReqState) -> None:
+        """Every sample of `rid` ended (the scheduler let it go): forget it here too."""
+        del self.reqs[rid]
+        if state.error is not None:
+            self.to_api.send(RequestError(rid, 500, state.error))
+
+    def _detokenize(self, state: _ReqState, d: SampleDelta) -> SampleDelta:
         detok = state.detoks.get(d.index)
         if detok is None:
             detok = state.detoks[d.index] = IncrementalDetokenizer.for_sample(
                 self.tok, state.prompt_ids, state.sampling
             )
         d.text = detok.push(d.token_ids, d.finish_reason)
-        if d.finish_reason is not None:
-            state.finished += 1
-            if state.finished == state.n:
-                del self.reqs[d.rid]
         if state.want_texts:
             d.output_logprobs = self._with_text(d.output_logprobs)
             d.input_logprobs = self._with_text(d.input_logprobs)
