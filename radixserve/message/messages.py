@@ -5,7 +5,7 @@ Processes and who sends what (each process owns one PULL inbox; see `ipc.py`):
     api server ──GenerateReq/AbortReq/ControlReq/Shutdown──> tokenizer
     tokenizer  ──TokenizedReq/AbortReq/ControlReq/Shutdown─> scheduler
     scheduler  ──SchedulerReady, SampleBatch, RequestError, ControlResp──> tokenizer
-    tokenizer  ──TokenizerReady, SampleBatch (text filled), RequestError, ControlResp──> api server
+    tokenizer  ──TokenizerReady, ChunkBatch, RequestError, ControlResp──> api server
 
 Rules:
 - Only plain data crosses: str/int/float/bool/None, lists, dicts of those, and the plain
@@ -28,7 +28,7 @@ import msgspec
 
 from radixserve.core.info import ModelInfo, SchedulerStats
 from radixserve.core.params import SamplingParams
-from radixserve.core.request import FinishReason, SampleOutput, TokenizedRequest
+from radixserve.core.request import SampleChunk, SampleOutput, TokenizedRequest
 
 
 class Message(msgspec.Struct, tag=True, array_like=True):
@@ -108,54 +108,16 @@ class RequestError(Message):
 # ---------------------------------------------------------------- outputs
 
 
-# One logprob entry on the wire: (logprob or None for the first prompt token, token id,
-# token text or None when the client did not ask for texts).
-WireLogprob = tuple[float | None, int, str | None]
-
-
-class SampleDelta(Message):
-    """Progress of one sample (deltas). Built from `SampleOutput` in the scheduler; the
-    tokenizer fills `text` (the new stable text) and the logprob texts."""
-
-    rid: str
-    index: int
-    token_ids: list[int]
-    finish_reason: FinishReason | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    text: str = ""
-    output_logprobs: list[WireLogprob] = msgspec.field(default_factory=list)
-    output_top_logprobs: list[list[WireLogprob]] = msgspec.field(default_factory=list)
-    input_logprobs: list[WireLogprob] = msgspec.field(default_factory=list)
-    input_top_logprobs: list[list[WireLogprob]] = msgspec.field(default_factory=list)
-
-    @classmethod
-    def from_output(cls, o: SampleOutput) -> SampleDelta:
-        """SampleOutput -> its IPC form (logprob entries gain a text slot, filled later)."""
-
-        def wire(pairs: list[Any]) -> list[WireLogprob]:
-            return [(lp, t, None) for lp, t in pairs]
-
-        return cls(
-            rid=o.rid,
-            index=o.index,
-            token_ids=list(o.new_token_ids),
-            finish_reason=o.finish_reason,
-            prompt_tokens=o.prompt_tokens,
-            completion_tokens=o.completion_tokens,
-            cached_tokens=o.cached_tokens,
-            output_logprobs=wire(o.output_logprobs),
-            output_top_logprobs=[wire(top) for top in o.output_top_logprobs],
-            input_logprobs=wire(o.input_logprobs),
-            input_top_logprobs=[wire(top) for top in o.input_top_logprobs],
-        )
-
-
 class SampleBatch(Message):
-    """Scheduler -> tokenizer (token ids) and tokenizer -> api server (with text)."""
+    """Scheduler -> tokenizer: one step's deltas (token ids, logprobs)."""
 
-    outputs: list[SampleDelta]
+    outputs: list[SampleOutput]
+
+
+class ChunkBatch(Message):
+    """Tokenizer -> api server: those deltas with their text (`tokenizer.accumulate`)."""
+
+    chunks: list[SampleChunk]
 
 
 # ---------------------------------------------------------------- control
@@ -193,6 +155,7 @@ AnyMessage = (
     | AbortReq
     | RequestError
     | SampleBatch
+    | ChunkBatch
     | FlushCacheReq
     | ServerInfoReq
     | FlushCacheResp

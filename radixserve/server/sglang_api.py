@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from radixserve.config import EngineConfig
 from radixserve.core.limits import MAX_PROMPTS, MAX_TOP_LOGPROBS
 from radixserve.core.params import SamplingParams
+from radixserve.core.result import SampleResult, native_result
 from radixserve.message.messages import (
     FlushCacheReq,
     FlushCacheResp,
@@ -28,7 +29,6 @@ from radixserve.server import openapi
 from radixserve.server.flow import sse, start_stream, submit_all, unless_disconnected
 from radixserve.server.manager import Pending, RequestManager
 from radixserve.server.protocol import ApiError, bad, check_fields, get, get_int, read_json
-from radixserve.server.results import SampleResult, native_result
 
 router = APIRouter()
 

@@ -2,8 +2,9 @@
 
 Loop: block on the inbox (1 s at a time, to notice a dead launcher) -> dispatch by message
 type. Requests flow api -> here -> scheduler; outputs flow scheduler -> here -> api. Per
-request it keeps one `IncrementalDetokenizer` per sample, created on the sample's first
-output and dropped when the last of its `n` samples finishes (or the request is refused).
+request it keeps one `SampleAccumulator` (`accumulate.py`: detokenize, token texts) per
+sample, created on the sample's first output and dropped when the last of its `n` samples
+finishes (or the request is refused).
 
 Start-up handshake: wait for `SchedulerReady` (the scheduler resolved/converted the model,
 so the tokenizer path is known), load the tokenizer, send `TokenizerReady` to the api server.
@@ -19,41 +20,37 @@ from typing import Any
 import zmq
 
 from radixserve.core.info import ModelInfo
-from radixserve.core.params import SamplingParams
-from radixserve.core.request import TokenizedRequest
+from radixserve.core.request import SampleChunk, SampleOutput, TokenizedRequest
 from radixserve.message.ipc import Inbox, IpcPaths, Outbox
 from radixserve.message.messages import (
     AbortReq,
     AnyMessage,
+    ChunkBatch,
     FlushCacheReq,
     FlushCacheResp,
     GenerateReq,
     RequestError,
     SampleBatch,
-    SampleDelta,
     SchedulerReady,
     ServerInfoReq,
     ServerInfoResp,
     Shutdown,
     TokenizedReq,
     TokenizerReady,
-    WireLogprob,
 )
 from radixserve.models.loader import load_tokenizer
 from radixserve.procutil import PARENT_POLL_MS, ParentWatch
+from radixserve.tokenizer.accumulate import SampleAccumulator
 from radixserve.tokenizer.chat import render_chat
-from radixserve.tokenizer.detokenize import IncrementalDetokenizer
 
 logger = logging.getLogger("radixserve.tokenizer")
 
 
 @dataclass
 class _ReqState:
-    n: int
-    sampling: SamplingParams
-    prompt_ids: list[int]
+    request: TokenizedRequest
     want_texts: bool  # return_text_in_logprobs
-    detoks: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
+    samples: dict[int, SampleAccumulator] = field(default_factory=dict)
     finished: int = 0
     # Detokenizing failed: the scheduler was told to abort; this error goes to the api
     # server once every sample has ended, so the rid is released after the scheduler's.
@@ -100,13 +97,7 @@ class TokenizerWorker:
             logger.exception("request %s: tokenization failed", req.rid)
             self.to_api.send(RequestError(req.rid, 500, f"tokenization failed: {e!r}"))
             return
-        sampling = request.sampling
-        self.reqs[req.rid] = _ReqState(
-            sampling.n,
-            sampling,
-            request.input_ids,
-            req.return_logprob and req.return_text_in_logprobs,
-        )
+        self.reqs[req.rid] = _ReqState(request, req.return_logprob and req.return_text_in_logprobs)
         self.to_sched.send(TokenizedReq(request))
 
     def _tokenized(self, req: GenerateReq) -> TokenizedRequest:
@@ -146,23 +137,23 @@ class TokenizerWorker:
 
     def on_samples(self, batch: SampleBatch) -> None:
         out = []
-        for d in batch.outputs:
-            state = self.reqs.get(d.rid)
+        for o in batch.outputs:
+            state = self.reqs.get(o.rid)
             if state is None:  # refused by the scheduler: never had outputs
                 continue
             if state.error is None:
                 try:
-                    out.append(self._detokenize(state, d))
+                    out.append(self._detokenize(state, o))
                 except Exception as e:  # this request alone fails
-                    logger.exception("request %s: detokenization failed", d.rid)
+                    logger.exception("request %s: detokenization failed", o.rid)
                     state.error = f"detokenization failed: {e!r}"
-                    self.to_sched.send(AbortReq(d.rid))
-            if d.finish_reason is not None:
+                    self.to_sched.send(AbortReq(o.rid))
+            if o.finish_reason is not None:
                 state.finished += 1
-                if state.finished == state.n:
-                    self._release(d.rid, state)
+                if state.finished == state.request.sampling.n:
+                    self._release(o.rid, state)
         if out:
-            self.to_api.send(SampleBatch(out))
+            self.to_api.send(ChunkBatch(out))
 
     def _release(self, rid: str, state: _ReqState) -> None:
         """Every sample of `rid` ended (the scheduler let it go): forget it here too."""
@@ -170,22 +161,13 @@ class TokenizerWorker:
         if state.error is not None:
             self.to_api.send(RequestError(rid, 500, state.error))
 
-    def _detokenize(self, state: _ReqState, d: SampleDelta) -> SampleDelta:
-        detok = state.detoks.get(d.index)
-        if detok is None:
-            detok = state.detoks[d.index] = IncrementalDetokenizer.for_sample(
-                self.tok, state.prompt_ids, state.sampling
+    def _detokenize(self, state: _ReqState, o: SampleOutput) -> SampleChunk:
+        acc = state.samples.get(o.index)
+        if acc is None:
+            acc = state.samples[o.index] = SampleAccumulator.for_sample(
+                self.tok, state.request, o.index, state.want_texts
             )
-        d.text = detok.push(d.token_ids, d.finish_reason)
-        if state.want_texts:
-            d.output_logprobs = self._with_text(d.output_logprobs)
-            d.input_logprobs = self._with_text(d.input_logprobs)
-            d.output_top_logprobs = [self._with_text(t) for t in d.output_top_logprobs]
-            d.input_top_logprobs = [self._with_text(t) for t in d.input_top_logprobs]
-        return d
-
-    def _with_text(self, entries: list[WireLogprob]) -> list[WireLogprob]:
-        return [(lp, tid, self.tok.decode([tid])) for lp, tid, _ in entries]
+        return acc.push(o)
 
 
 def run_tokenizer_process(ipc: IpcPaths) -> None:
