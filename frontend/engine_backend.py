@@ -1,10 +1,12 @@
 """In-process backend: programs run on a radixserve.Engine in this process.
 
 The Engine is not thread-safe, and programs call the backend from many threads (fork
-children, run_batch). So ONE dispatcher thread owns the engine's scheduler:
+children, run_batch). So ONE dispatcher thread owns the engine's scheduler, driving its one
+`StepLoop` (as the scheduler process and `Engine.generate` do):
 
-    program threads ──put job──> inbox ──> dispatcher: admit all queued jobs, step(),
-          ^                                            route each SampleOutput to its job
+    program threads ──put job──> inbox ──> dispatcher: loop.add(each queued job), step(),
+          ^                                            each SampleOutput to its job's
+          |                                            SampleAccumulator
           └──────────── job.done (result or error) ──────────┘
 
 Jobs arriving while others run join the running batch at the next step (continuous
@@ -31,11 +33,10 @@ from radixserve.frontend.chat import RoleTemplate, template_for
 
 from radixserve.core.params import SamplingParams
 from radixserve.core.request import PromptLogprob, SampleOutput, TokenizedRequest
+from radixserve.core.result import native_result
 from radixserve.engine.engine import Engine
-from radixserve.message.messages import SampleDelta
-from radixserve.scheduler.scheduler import QueueFullError
-from radixserve.server.results import SampleResult, native_result
-from radixserve.tokenizer.detokenize import IncrementalDetokenizer
+from radixserve.scheduler.loop import StepLoop
+from radixserve.tokenizer.accumulate import SampleAccumulator
 
 GATHER_S = 0.002  # see the module docstring
 
@@ -45,35 +46,21 @@ class _Job:
     """One request (n == 1) in flight, accumulating its outputs like a /generate result."""
 
     request: TokenizedRequest
-    detok: IncrementalDetokenizer
+    acc: SampleAccumulator
     on_text: TextCallback | None = None
-    texts_in_logprobs: bool = False  # return_text_in_logprobs
     start: float = field(default_factory=time.perf_counter)
     done: threading.Event = field(default_factory=threading.Event)
     result: dict[str, Any] | None = None
     error: BaseException | None = None
-    acc: SampleResult | None = None
 
     def add(self, out: SampleOutput) -> None:
-        if self.acc is None:
-            self.acc = SampleResult(out.rid, out.index)
-        delta = SampleDelta.from_output(out)
-        delta.text = self.detok.push(delta.token_ids, delta.finish_reason)
-        if delta.text and self.on_text is not None:
-            self.on_text(delta.text)
-        self.acc.apply(delta)
-
-    def finish(self, decode: Callable[[int], str] | None) -> None:
-        """Build the result and wake the waiter. `decode` (token -> text) fills logprob
-        texts when return_text_in_logprobs was asked."""
-        assert self.acc is not None and self.acc.finish_reason is not None, self.request.rid
-        if decode is not None:
-            for entries in (self.acc.input_logprobs, self.acc.output_logprobs):
-                entries[:] = [(lp, t, decode(t)) for lp, t, _ in entries]
-            for tops in (self.acc.input_top_logprobs, self.acc.output_top_logprobs):
-                tops[:] = [[(lp, t, decode(t)) for lp, t, _ in top] for top in tops]
-        self.result = native_result(self.acc, self.start, self.request.return_logprob)
-        self.done.set()
+        """One output (caller holds the tokenizer lock); the last one wakes the waiter."""
+        text = self.acc.push(out).text
+        if text and self.on_text is not None:
+            self.on_text(text)
+        if out.finished:
+            self.result = native_result(self.acc.kept, self.start, self.request.return_logprob)
+            self.done.set()
 
     def fail(self, error: BaseException) -> None:
         self.error = error
@@ -103,7 +90,9 @@ class EngineBackend(Backend):
         self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._template: RoleTemplate | None = None
-        self._backlog: list[_Job] = []  # jobs refused with QueueFullError, retried each step
+        # The dispatcher's: jobs by rid (accepted or in the loop's backlog), and the one loop.
+        self._jobs: dict[str, _Job] = {}
+        self._loop = StepLoop(engine.scheduler, self._deliver, self._refused, backlog=True)
         self.peak_running = 0  # most requests running in one step (how well jobs batched)
 
     # ---------------------------------------------------------------- Backend API
@@ -175,6 +164,9 @@ class EngineBackend(Backend):
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
     ) -> TokenizedRequest:
+        """The request, its parameters parsed once here (BackendError names the field)."""
+        if not ids:
+            raise BackendError("input_ids: the prompt is empty")
         try:
             params = SamplingParams.from_dict(sampling)
         except ValueError as e:
@@ -188,17 +180,18 @@ class EngineBackend(Backend):
             top_logprobs_num=top_logprobs_num,
         )
 
-    def _job(self, request: TokenizedRequest, on_text: TextCallback | None) -> _Job:
-        detok = IncrementalDetokenizer.for_sample(
-            self.engine.tokenizer, request.input_ids, request.sampling
+    def _job(
+        self, request: TokenizedRequest, on_text: TextCallback | None, texts: bool = False
+    ) -> _Job:
+        acc = SampleAccumulator.for_sample(
+            self.engine.tokenizer, request, 0, texts_in_logprobs=texts, keep_result=True
         )
-        return _Job(request, detok, on_text)
+        return _Job(request, acc, on_text)
 
     def _run(
         self, request: TokenizedRequest, on_text: TextCallback | None = None, texts: bool = False
     ) -> dict[str, Any]:
-        job = self._job(request, on_text)
-        job.texts_in_logprobs = texts
+        job = self._job(request, on_text, texts)
         self._put(job)
         return self._wait(job)
 
@@ -206,7 +199,7 @@ class EngineBackend(Backend):
         with self._start_lock:
             if self._thread is None:
                 self._thread = threading.Thread(
-                    target=self._loop, name="radixserve-engine-backend", daemon=True
+                    target=self._loop_thread, name="radixserve-engine-backend", daemon=True
                 )
                 self._thread.start()
         self._inbox.put(item)
@@ -220,20 +213,19 @@ class EngineBackend(Backend):
         return job.result
 
     # ---------------------------------------------------------------- dispatcher thread
-    def _loop(self) -> None:
-        active: dict[str, _Job] = {}
+    def _loop_thread(self) -> None:
         closing = False
         try:
-            while not (closing and not active and not self._backlog):
-                idle = not active and not self._backlog and not closing
-                closing = self._take(active, block=idle) or closing
-                self._step(active)
+            while not (closing and not self._jobs):
+                closing = self._take(block=not self._jobs and not closing) or closing
+                self._step()
         except BaseException as e:  # a bug here must not leave program threads waiting
-            for job in [*active.values(), *self._backlog]:
+            for job in self._jobs.values():
                 job.fail(BackendError(f"engine backend dispatcher failed: {e!r}"))
+            self._jobs.clear()
             raise
 
-    def _take(self, active: dict[str, _Job], block: bool) -> bool:
+    def _take(self, block: bool) -> bool:
         """Admit queued jobs and run queued calls (waiting for one item if `block`).
         Returns whether the close sentinel was among them."""
         items: list[_Job | _Call | None] = []
@@ -250,13 +242,13 @@ class EngineBackend(Backend):
                 items.append(self._inbox.get_nowait())
             except queue.Empty:
                 break
-        pending, self._backlog = [*self._backlog, *items], []
-        for item in pending:
+        for item in items:
             if isinstance(item, _Call):
                 self._do_call(item)
             elif item is not None:
-                self._admit(item, active)
-        return None in pending
+                self._jobs[item.request.rid] = item
+                self._loop.add(item.request)
+        return None in items
 
     @staticmethod
     def _do_call(c: _Call) -> None:
@@ -266,39 +258,26 @@ class EngineBackend(Backend):
             c.error = e
         c.done.set()
 
-    def _admit(self, job: _Job, active: dict[str, _Job]) -> None:
-        try:
-            self.engine.scheduler.add_request(job.request)
-        except QueueFullError:
-            self._backlog.append(job)
-            return
-        except ValueError as e:
-            job.fail(BackendError(str(e)))
-            return
-        active[job.request.rid] = job
+    def _refused(self, rid: str, status: int, message: str) -> None:
+        self._jobs.pop(rid).fail(BackendError(message))
 
-    def _step(self, active: dict[str, _Job]) -> None:
-        sched = self.engine.scheduler
-        if not active and not sched.has_work():
-            return
+    def _step(self) -> None:
         try:
-            outputs = sched.step()
-        except Exception as e:
-            for rid, failed in list(active.items()):
-                sched.abort_request(rid)
-                failed.fail(BackendError(f"engine step failed: {e!r}"))
-            active.clear()
+            self._loop.step()
+        except Exception as e:  # every job but the backlog's fails (its outputs may be lost)
+            waiting = {r.rid for r in self._loop.backlog}
+            for rid in [rid for rid in self._jobs if rid not in waiting]:
+                self._loop.abort(rid)
+                self._jobs.pop(rid).fail(BackendError(f"engine step failed: {e!r}"))
             return
-        self.peak_running = max(self.peak_running, len(sched.running))
+        self.peak_running = max(self.peak_running, len(self.engine.scheduler.running))
+
+    def _deliver(self, outputs: list[SampleOutput]) -> None:
+        """The loop's sink: each output to its job (none for a job failed already)."""
         with self._tok_lock:  # detokenizers decode with the shared tokenizer
             for out in outputs:
-                job = active.get(out.rid)
-                if job is None:
-                    continue  # a request aborted after its job failed
-                job.add(out)
-                if out.finished:
-                    del active[out.rid]
-                    job.finish(self._decode_one if job.texts_in_logprobs else None)
-
-    def _decode_one(self, token: int) -> str:
-        return str(self.engine.tokenizer.decode([token]))  # caller holds _tok_lock
+                job = self._jobs.get(out.rid)
+                if job is not None:
+                    job.add(out)
+                    if out.finished:
+                        del self._jobs[out.rid]

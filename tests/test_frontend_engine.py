@@ -185,8 +185,10 @@ def test_select_matches_hf_logprobs(
         assert got == pytest.approx(ref, abs=2e-4)  # fp32 engine vs fp32 HF
         expected_means.append(sum(ref) / len(ref))
     assert meta["normalized_prompt_logprobs"] == pytest.approx(expected_means, abs=2e-4)
+    # The rerun reads its prompt from the radix cache, so other kernels and batch shapes sum
+    # in another float32 order: 1.1e-5 apart was seen once; the engine-vs-HF bound is 2e-4.
     assert meta2["normalized_prompt_logprobs"] == pytest.approx(
-        meta["normalized_prompt_logprobs"], abs=1e-5
+        meta["normalized_prompt_logprobs"], abs=5e-5
     )
     best = max(range(3), key=lambda i: expected_means[i])
     assert first["c"] == again["c"] == options[best]

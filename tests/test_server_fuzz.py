@@ -81,9 +81,9 @@ def _accepted_or_4xx(parse: Any, raw: bytes) -> None:
         e.message.encode("utf-8")  # the error itself is encodable
         return
     _assert_carriable(body)
-    for req, n in batch.reqs:
+    for req in batch.reqs:
         encode(req)  # msgspec: 64-bit ints, encodable strings
-        assert n >= 1
+        assert req.sampling.n >= 1
 
 
 # ---------------------------------------------------------------- property tests (no server)

@@ -63,3 +63,28 @@ class SampleOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+# A logprob entry as clients get it: (logprob or None for the first prompt token, token id,
+# token text or None when the client did not ask for texts).
+TextLogprob = tuple[float | None, int, str | None]
+
+
+@dataclass
+class SampleChunk:
+    """A `SampleOutput` with its text (deltas): `text` is the output text that became stable
+    with it (stop strings cut); the logprob entries carry their token texts when asked for.
+    Made by `tokenizer.accumulate.SampleAccumulator`; what the api server receives."""
+
+    rid: str
+    index: int
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    text: str = ""
+    output_logprobs: list[TextLogprob] = field(default_factory=list)
+    output_top_logprobs: list[list[TextLogprob]] = field(default_factory=list)
+    input_logprobs: list[TextLogprob] = field(default_factory=list)
+    input_top_logprobs: list[list[TextLogprob]] = field(default_factory=list)

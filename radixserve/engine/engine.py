@@ -1,4 +1,9 @@
-"""Offline, in-process engine: `Engine(model).generate(...)` -> SGLang /generate-shaped dicts."""
+"""Offline, in-process engine: `Engine(model).generate(...)` -> SGLang /generate-shaped dicts.
+
+`generate` is the edge of this path (parameters parsed once, prompts tokenized and checked
+here); it then drives the scheduler's one `StepLoop` in the calling thread, and each
+sample's outputs go through the one `SampleAccumulator`, as in the server.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +16,12 @@ from typing import Any
 
 from radixserve.config import EngineConfig
 from radixserve.core.params import SamplingParams
-from radixserve.core.request import FinishReason, TokenizedRequest
-from radixserve.message.messages import SampleDelta
+from radixserve.core.request import FinishReason, SampleOutput, TokenizedRequest
+from radixserve.core.result import native_result
+from radixserve.scheduler.loop import StepLoop
 from radixserve.scheduler.parts import load_parts
-from radixserve.scheduler.scheduler import QueueFullError, Scheduler
-from radixserve.server.results import SampleResult, native_result
-from radixserve.tokenizer.detokenize import IncrementalDetokenizer
+from radixserve.scheduler.scheduler import Scheduler
+from radixserve.tokenizer.accumulate import SampleAccumulator
 
 logger = logging.getLogger("radixserve.engine")
 
@@ -65,6 +70,13 @@ class Engine:
         return results[0] if single and len(results) == 1 else results
 
     def _prompts(self, prompt: Prompt, input_ids: Any) -> tuple[bool, list[list[int]]]:
+        """(whether one prompt was given, the token ids of each); ValueError names the field."""
+        single, batch = self._token_ids(prompt, input_ids)
+        if not all(batch):
+            raise ValueError("input_ids: the prompt is empty")
+        return single, batch
+
+    def _token_ids(self, prompt: Prompt, input_ids: Any) -> tuple[bool, list[list[int]]]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt (text) or input_ids")
         if prompt is not None:
@@ -88,44 +100,35 @@ class Engine:
         return [SamplingParams.from_dict(p) for p in sampling_params]
 
     def _run(self, reqs: list[TokenizedRequest], return_logprob: bool) -> list[dict[str, Any]]:
+        """Drive the one `StepLoop` in this thread until every sample of `reqs` finished."""
         start = time.perf_counter()
         samples = {
-            (r.rid, i): (SampleResult(r.rid, i), self._detokenizer(r))
+            (r.rid, i): SampleAccumulator.for_sample(self.tokenizer, r, i, keep_result=True)
             for r in reqs
             for i in range(r.sampling.n)
         }
-        added: list[str] = []
-        backlog = list(reqs)  # requests the scheduler's queue has no room for yet
+        unfinished = len(samples)
+
+        def sink(outputs: list[SampleOutput]) -> None:
+            nonlocal unfinished
+            for out in outputs:
+                samples[(out.rid, out.index)].push(out)
+                unfinished -= out.finished
+                _raise_if_failed(out.finish_reason)
+
+        loop = StepLoop(self.scheduler, sink, _refused, backlog=True)
         try:
-            pending = len(samples)
-            while pending:
-                self._add_what_fits(backlog, added)
-                for out in self.scheduler.step():
-                    result, detok = samples[(out.rid, out.index)]
-                    delta = SampleDelta.from_output(out)
-                    delta.text = detok.push(delta.token_ids, delta.finish_reason)
-                    result.apply(delta)
-                    pending -= out.finished
-                    _raise_if_failed(out.finish_reason)
+            for r in reqs:
+                loop.add(r)
+            while unfinished:
+                ran = loop.step()
+                assert ran, f"{unfinished} samples unfinished and nothing to run"
         except BaseException:
-            for rid in added:
-                self.scheduler.abort_request(rid)
-            self.scheduler.step()
+            loop.abort_all()
+            loop.sink = _discard
+            loop.step()  # the aborted samples' last outputs
             raise
-        return [native_result(res, start, return_logprob) for res, _ in samples.values()]
-
-    def _add_what_fits(self, backlog: list[TokenizedRequest], added: list[str]) -> None:
-        """Move requests from `backlog` into the scheduler while its queue takes them (an
-        empty queue takes any valid request, so the batch always progresses)."""
-        while backlog:
-            try:
-                self.scheduler.add_request(backlog[0])
-            except QueueFullError:
-                return
-            added.append(backlog.pop(0).rid)
-
-    def _detokenizer(self, r: TokenizedRequest) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer.for_sample(self.tokenizer, r.input_ids, r.sampling)
+        return [native_result(acc.kept, start, return_logprob) for acc in samples.values()]
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         """The model's chat template applied, ending with the assistant's turn opener."""
@@ -150,6 +153,15 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+
+def _refused(rid: str, status: int, message: str) -> None:
+    """A request the scheduler can never run (the loop keeps a backlog, so never 503)."""
+    raise ValueError(message)
+
+
+def _discard(outputs: list[SampleOutput]) -> None:
+    """The sink of a failed call: its aborted samples' outputs are not wanted."""
 
 
 def _raise_if_failed(reason: FinishReason | None) -> None:

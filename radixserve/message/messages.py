@@ -5,11 +5,13 @@ Processes and who sends what (each process owns one PULL inbox; see `ipc.py`):
     api server ──GenerateReq/AbortReq/ControlReq/Shutdown──> tokenizer
     tokenizer  ──TokenizedReq/AbortReq/ControlReq/Shutdown─> scheduler
     scheduler  ──SchedulerReady, SampleBatch, RequestError, ControlResp──> tokenizer
-    tokenizer  ──TokenizerReady, SampleBatch (text filled), RequestError, ControlResp──> api server
+    tokenizer  ──TokenizerReady, ChunkBatch, RequestError, ControlResp──> api server
 
 Rules:
-- Only plain data crosses: str/int/float/bool/None, lists, dicts of those, and the frozen
-  record dataclasses of `radixserve.core.info` (msgspec encodes dataclasses natively).
+- Only plain data crosses: str/int/float/bool/None, lists, dicts of those, and the plain
+  dataclasses of `radixserve.core` (msgspec encodes them natively as objects and, on decode,
+  checks each field's type and runs their `__post_init__`: a `SamplingParams` re-checks
+  itself, which an instance that was valid when sent always passes).
   No pickle anywhere (a socket is an attack surface even when local).
 - `rid` identifies a request end to end; the `n` samples of one request share it and are
   told apart by `index`.
@@ -25,7 +27,8 @@ from typing import Any
 import msgspec
 
 from radixserve.core.info import ModelInfo, SchedulerStats
-from radixserve.core.request import FinishReason, SampleOutput
+from radixserve.core.params import SamplingParams
+from radixserve.core.request import SampleChunk, SampleOutput, TokenizedRequest
 
 
 class Message(msgspec.Struct, tag=True, array_like=True):
@@ -57,13 +60,13 @@ class Shutdown(Message):
 class GenerateReq(Message):
     """Api server -> tokenizer: one prompt (exactly one of text / input_ids / messages).
 
-    `sampling` is the JSON dict already accepted by `SamplingParams.from_dict` in the api
-    server; every process re-parses it with that one parser. `max_new_tokens_auto`: the
-    client gave no limit, so the tokenizer fills in what is left of the context.
+    `sampling` was parsed (and checked) once, by the api server; later processes only add
+    what they alone know. `max_new_tokens_auto`: the client gave no limit, so the tokenizer
+    sets max_new_tokens to what is left of the context.
     """
 
     rid: str
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     text: str | None = None
     input_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None  # chat: OpenAI-style role/content dicts
@@ -76,14 +79,9 @@ class GenerateReq(Message):
 
 
 class TokenizedReq(Message):
-    """Tokenizer -> scheduler: becomes a `TokenizedRequest`."""
+    """Tokenizer -> scheduler: the request as the scheduler takes it."""
 
-    rid: str
-    input_ids: list[int]
-    sampling: dict[str, Any]
-    return_logprob: bool
-    logprob_start_len: int
-    top_logprobs_num: int
+    request: TokenizedRequest
 
 
 class AbortReq(Message):
@@ -110,54 +108,16 @@ class RequestError(Message):
 # ---------------------------------------------------------------- outputs
 
 
-# One logprob entry on the wire: (logprob or None for the first prompt token, token id,
-# token text or None when the client did not ask for texts).
-WireLogprob = tuple[float | None, int, str | None]
-
-
-class SampleDelta(Message):
-    """Progress of one sample (deltas). Built from `SampleOutput` in the scheduler; the
-    tokenizer fills `text` (the new stable text) and the logprob texts."""
-
-    rid: str
-    index: int
-    token_ids: list[int]
-    finish_reason: FinishReason | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    text: str = ""
-    output_logprobs: list[WireLogprob] = msgspec.field(default_factory=list)
-    output_top_logprobs: list[list[WireLogprob]] = msgspec.field(default_factory=list)
-    input_logprobs: list[WireLogprob] = msgspec.field(default_factory=list)
-    input_top_logprobs: list[list[WireLogprob]] = msgspec.field(default_factory=list)
-
-    @classmethod
-    def from_output(cls, o: SampleOutput) -> SampleDelta:
-        """SampleOutput -> its IPC form (logprob entries gain a text slot, filled later)."""
-
-        def wire(pairs: list[Any]) -> list[WireLogprob]:
-            return [(lp, t, None) for lp, t in pairs]
-
-        return cls(
-            rid=o.rid,
-            index=o.index,
-            token_ids=list(o.new_token_ids),
-            finish_reason=o.finish_reason,
-            prompt_tokens=o.prompt_tokens,
-            completion_tokens=o.completion_tokens,
-            cached_tokens=o.cached_tokens,
-            output_logprobs=wire(o.output_logprobs),
-            output_top_logprobs=[wire(top) for top in o.output_top_logprobs],
-            input_logprobs=wire(o.input_logprobs),
-            input_top_logprobs=[wire(top) for top in o.input_top_logprobs],
-        )
-
-
 class SampleBatch(Message):
-    """Scheduler -> tokenizer (token ids) and tokenizer -> api server (with text)."""
+    """Scheduler -> tokenizer: one step's deltas (token ids, logprobs)."""
 
-    outputs: list[SampleDelta]
+    outputs: list[SampleOutput]
+
+
+class ChunkBatch(Message):
+    """Tokenizer -> api server: those deltas with their text (`tokenizer.accumulate`)."""
+
+    chunks: list[SampleChunk]
 
 
 # ---------------------------------------------------------------- control
@@ -195,6 +155,7 @@ AnyMessage = (
     | AbortReq
     | RequestError
     | SampleBatch
+    | ChunkBatch
     | FlushCacheReq
     | ServerInfoReq
     | FlushCacheResp

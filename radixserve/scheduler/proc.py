@@ -1,17 +1,17 @@
 """The scheduler process: hosts the Scheduler (and with it the model worker and KV pool).
 
-Loop, as designed: receive -> schedule + forward (`Scheduler.step`) -> send outputs.
+It drives the one `StepLoop` (`loop.py`) with the ZeroMQ inbox and outbox:
+receive -> schedule + forward (`StepLoop.step`) -> send outputs.
 
     while not stopping:
         messages = all pending (block up to 1 s only when the scheduler has no work)
         dispatch each message             # add / abort / flush / info / shutdown
-        if has_work: send(step())         # one batch
+        if has_work: step()               # one batch; its outputs go to the tokenizer
         elif it just went idle: check_integrity()
 
-Requests are accepted or refused at once: a refusal is a `RequestError` (400 for a request
+Requests arrive as the typed `TokenizedRequest` (parameters parsed once, at the api server);
+they are accepted or refused at once: a refusal is a `RequestError` (400 for a request
 that can never run, 503 when the waiting queue is full) and the request holds nothing.
-`active` counts, per accepted rid, the samples that have not finished yet, so aborts of
-unknown or finished rids are ignored and /get_server_info can report in-flight requests.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import time
 import zmq
 
 from radixserve.config import EngineConfig
-from radixserve.core.params import SamplingParams
-from radixserve.core.request import SampleOutput, TokenizedRequest
+from radixserve.core.request import SampleOutput
 from radixserve.distributed.parallel import init_tp
 from radixserve.message.ipc import Inbox, IpcPaths, Outbox
 from radixserve.message.messages import (
@@ -33,7 +32,6 @@ from radixserve.message.messages import (
     FlushCacheResp,
     RequestError,
     SampleBatch,
-    SampleDelta,
     SchedulerReady,
     ServerInfoReq,
     ServerInfoResp,
@@ -41,8 +39,9 @@ from radixserve.message.messages import (
     TokenizedReq,
 )
 from radixserve.procutil import PARENT_POLL_MS, ParentWatch
+from radixserve.scheduler.loop import StepLoop
 from radixserve.scheduler.parts import load_parts
-from radixserve.scheduler.scheduler import QueueFullError, Scheduler
+from radixserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("radixserve.scheduler.proc")
 
@@ -53,7 +52,7 @@ class SchedulerLoop:
         self.inbox = inbox
         self.out = out
         self.watch = watch
-        self.active: dict[str, int] = {}  # rid -> samples not finished yet
+        self.loop = StepLoop(sched, self.send_outputs, self.refuse)  # no backlog: 503
         self.stopping = False
         self.dispatch = {
             TokenizedReq: self.on_request,
@@ -67,13 +66,13 @@ class SchedulerLoop:
         was_busy = False
         last_parent_check = time.monotonic()
         while not self.stopping:
-            for msg in self.receive(block=not self.sched.has_work()):
+            for msg in self.receive(block=not self.loop.has_work()):
                 self.handle(msg)
             if self.stopping:
                 break
-            busy = self.sched.has_work()
+            busy = self.loop.has_work()
             if busy:
-                self.send_outputs(self.sched.step())
+                self.loop.step()
             elif was_busy:
                 self.sched.check_integrity()  # every time it drains: free+cached+locked == pool
             was_busy = busy
@@ -104,50 +103,25 @@ class SchedulerLoop:
     # ---------------------------------------------------------------- handlers
 
     def on_request(self, msg: TokenizedReq) -> None:
-        if msg.rid in self.active:
-            self.out.send(RequestError(msg.rid, 400, f"rid: {msg.rid!r} is already in use"))
-            return
-        try:
-            sampling = SamplingParams.from_dict(msg.sampling)
-            self.sched.add_request(
-                TokenizedRequest(
-                    rid=msg.rid,
-                    input_ids=msg.input_ids,
-                    sampling=sampling,
-                    return_logprob=msg.return_logprob,
-                    logprob_start_len=msg.logprob_start_len,
-                    top_logprobs_num=msg.top_logprobs_num,
-                )
-            )
-        except QueueFullError as e:
-            self.out.send(RequestError(msg.rid, 503, str(e)))
-        except ValueError as e:
-            self.out.send(RequestError(msg.rid, 400, str(e)))
-        else:
-            self.active[msg.rid] = sampling.n
+        self.loop.add(msg.request)
 
     def on_abort(self, msg: AbortReq) -> None:
-        if msg.rid in self.active:  # its final 'abort' outputs come from the next step()
-            self.sched.abort_request(msg.rid)
+        self.loop.abort(msg.rid)
 
     def on_flush(self, msg: FlushCacheReq) -> None:
         self.out.send(FlushCacheResp(msg.seq, self.sched.flush_cache()))
 
     def on_info(self, msg: ServerInfoReq) -> None:
-        self.out.send(ServerInfoResp(msg.seq, self.sched.stats(), len(self.active)))
+        self.out.send(ServerInfoResp(msg.seq, self.sched.stats(), len(self.loop.active)))
 
     def on_shutdown(self, msg: Shutdown) -> None:
         self.stopping = True
 
     def send_outputs(self, outputs: list[SampleOutput]) -> None:
-        if not outputs:
-            return
-        for o in outputs:
-            if o.finished and o.rid in self.active:
-                self.active[o.rid] -= 1
-                if self.active[o.rid] == 0:
-                    del self.active[o.rid]
-        self.out.send(SampleBatch([SampleDelta.from_output(o) for o in outputs]))
+        self.out.send(SampleBatch(outputs))
+
+    def refuse(self, rid: str, status: int, message: str) -> None:
+        self.out.send(RequestError(rid, status, message))
 
 
 def run_scheduler_process(config: EngineConfig, ipc: IpcPaths, tp_init: str | None = None) -> None:

@@ -15,7 +15,8 @@ asked for it, 500 otherwise); the batch and every other request go on.
 Public surface (the in-process Engine and the scheduler process use nothing else):
 
     sched = Scheduler(config, load_parts(config))  # parts: model worker, tokenizer, cache
-    sched.add_request(TokenizedRequest)   # ValueError (-> HTTP 400) if it can never run
+    sched.add_request(TokenizedRequest)   # ValueError (-> HTTP 400) if it can never run;
+                                          # rid unique, prompt non-empty (the caller's part)
     outputs = sched.step()                # one schedule + forward; list[SampleOutput] deltas
     sched.abort_request(rid)              # frees its KV; a final SampleOutput(abort) follows
     sched.flush_cache() -> bool           # False while requests are running or queued
@@ -133,12 +134,14 @@ class Scheduler:
         self.waiting.append(req)
 
     def _validate(self, request: TokenizedRequest) -> None:
+        """What only the scheduler knows: the model's vocabulary, context and KV capacity,
+        and the queue limits. The parameters themselves were checked where they were parsed."""
         ids, sp = request.input_ids, request.sampling
-        if not ids:
-            raise ValueError("input_ids: the prompt is empty")
+        assert ids, f"{request.rid}: an empty prompt is refused where it is tokenized"
         vocab = self.model_info.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"input_ids: token ids must be in [0, {vocab})")
+        sp.validate(vocab)
         if len(ids) + sp.max_new_tokens > self.context_len:
             raise ValueError(
                 f"max_new_tokens: prompt ({len(ids)} tokens) + max_new_tokens "
@@ -161,9 +164,6 @@ class Scheduler:
                 f"input_ids: the prompt ({len(ids)} tokens) can never queue "
                 f"(--max-queued-tokens {self.max_queued_tokens})"
             )
-        in_use = itertools.chain(self.waiting, self.running)
-        if any(r.rid == request.rid for r in in_use) or self.compiling.has(request.rid):
-            raise ValueError(f"rid: {request.rid!r} is already in use")
 
     def _new_req(
         self, request: TokenizedRequest, index: int, grammar: CompiledGrammar | None

@@ -2,7 +2,7 @@
 
 One `RequestManager` lives in the api server's event loop:
 - `submit(GenerateReq)` registers a `Pending` (an asyncio queue of that request's events)
-  and sends the request to the tokenizer; `receive_loop` puts every `SampleDelta` /
+  and sends the request to the tokenizer; `receive_loop` puts every `SampleChunk` /
   `RequestError` for the rid into its queue; `events(pending)` reads them back.
 - `abort(rid)` and every send are synchronous and non-blocking, so they are safe in the
   `finally` of a cancelled handler (a client that went away).
@@ -31,19 +31,19 @@ import zmq.asyncio
 
 from radixserve.core.info import ModelInfo
 from radixserve.core.limits import MAX_SAMPLES
+from radixserve.core.request import SampleChunk
 from radixserve.message.codec import decode, encode
 from radixserve.message.ipc import IpcPaths
 from radixserve.message.messages import (
     AbortReq,
     AnyMessage,
+    ChunkBatch,
     ControlReq,
     ControlResp,
     FlushCacheResp,
     GenerateReq,
     Message,
     RequestError,
-    SampleBatch,
-    SampleDelta,
     ServerInfoResp,
     TokenizerReady,
 )
@@ -67,10 +67,10 @@ class Pending:
     rid: str
     n: int  # samples to expect
     created: float = field(default_factory=time.perf_counter)
-    queue: asyncio.Queue[SampleDelta | RequestError] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[SampleChunk | RequestError] = field(default_factory=asyncio.Queue)
     first_token_at: float | None = None
     finished: int = 0  # samples finished, as seen by the receiver
-    head: SampleDelta | RequestError | None = None  # an event peeked by `first_event`
+    head: SampleChunk | RequestError | None = None  # an event peeked by `first_event`
 
     @property
     def done(self) -> bool:
@@ -98,7 +98,7 @@ class RequestManager:
         self._control: dict[int, asyncio.Future[ControlResp]] = {}
         self._seq = itertools.count()
         self._dispatch: dict[type, Callable[..., None]] = {
-            SampleBatch: self._on_samples,
+            ChunkBatch: self._on_chunks,
             RequestError: self._on_error,
             FlushCacheResp: self._on_control,
             ServerInfoResp: self._on_control,
@@ -178,8 +178,9 @@ class RequestManager:
                 headers={"Retry-After": RETRY_AFTER_S},
             )
 
-    def submit(self, req: GenerateReq, n: int) -> Pending:
-        """Register and send one request. ApiError 400 if its rid is in flight."""
+    def submit(self, req: GenerateReq) -> Pending:
+        """Register and send one request. ApiError 400 if its rid is in flight: the one
+        check of it (the tokenizer and scheduler let a rid go before this does)."""
         if self.failure is not None:
             raise ApiError(503, f"the server failed: {self.failure}")
         if req.rid in self.pending:
@@ -188,7 +189,7 @@ class RequestManager:
             data = encode(req)
         except (OverflowError, ValueError) as e:  # msgspec: ints beyond 64 bits, lone surrogates
             raise ApiError(400, f"the request cannot be encoded: {e}") from e
-        pending = self.pending[req.rid] = Pending(req.rid, n)
+        pending = self.pending[req.rid] = Pending(req.rid, req.sampling.n)
         try:
             self._outbox.send(data)
         except BaseException:
@@ -211,7 +212,7 @@ class RequestManager:
             pending.head = await pending.queue.get()
         _raise_if_error(pending.head)
 
-    async def events(self, pending: Pending) -> AsyncIterator[SampleDelta]:
+    async def events(self, pending: Pending) -> AsyncIterator[SampleChunk]:
         """Every delta of `pending` until its n samples finished; ApiError if refused."""
         finished = 0
         while finished < pending.n:
@@ -220,16 +221,16 @@ class RequestManager:
             else:
                 item = await pending.queue.get()
             _raise_if_error(item)
-            assert isinstance(item, SampleDelta)
+            assert isinstance(item, SampleChunk)
             finished += item.finish_reason is not None
             yield item
 
-    async def merged(self, pendings: list[Pending]) -> AsyncIterator[tuple[int, SampleDelta]]:
+    async def merged(self, pendings: list[Pending]) -> AsyncIterator[tuple[int, SampleChunk]]:
         """(position in `pendings`, delta) of all requests, in arrival order.
 
         The first ApiError of any request is raised; closing the iterator stops the pumps.
         """
-        queue: asyncio.Queue[tuple[int, SampleDelta | ApiError | None]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, SampleChunk | ApiError | None]] = asyncio.Queue()
 
         async def pump(i: int, p: Pending) -> None:
             try:
@@ -275,9 +276,9 @@ class RequestManager:
 
     # ---------------------------------------------------------------- handlers
 
-    def _on_samples(self, batch: SampleBatch) -> None:
+    def _on_chunks(self, batch: ChunkBatch) -> None:
         now = time.perf_counter()
-        for d in batch.outputs:
+        for d in batch.chunks:
             p = self.pending.get(d.rid)
             if p is None:
                 continue  # already failed or given up on
@@ -309,7 +310,7 @@ class RequestManager:
         self._sctx.term()
 
 
-def _raise_if_error(item: SampleDelta | RequestError | None) -> None:
+def _raise_if_error(item: SampleChunk | RequestError | None) -> None:
     """ApiError for a refusal, or for a sample the scheduler failed (finish "error")."""
     if isinstance(item, RequestError):
         headers = {"Retry-After": RETRY_AFTER_S} if item.status == 503 else None

@@ -16,18 +16,18 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from radixserve.message.messages import WireLogprob
+from radixserve.core.request import TextLogprob
+from radixserve.core.result import SampleResult
 from radixserve.server import openapi
 from radixserve.server.flow import sse, start_stream, submit_all, unless_disconnected
 from radixserve.server.manager import Pending, RequestManager
 from radixserve.server.openai_protocol import OpenAIBatch, parse_chat, parse_completion
 from radixserve.server.protocol import ApiError, read_json
-from radixserve.server.results import SampleResult
 
 router = APIRouter()
 
 # Renders one choice: (result, choice index, logprob entries new in this chunk) -> dict.
-ChoiceFn = Callable[[SampleResult, int, list[WireLogprob], list[list[WireLogprob]]], dict]
+ChoiceFn = Callable[[SampleResult, int, list[TextLogprob], list[list[TextLogprob]]], dict]
 
 
 def _served_name(request: Request) -> str:
@@ -57,7 +57,7 @@ def _finish(r: SampleResult) -> str | None:
 
 
 def _completion_logprobs(
-    entries: list[WireLogprob], tops: list[list[WireLogprob]], offset: int
+    entries: list[TextLogprob], tops: list[list[TextLogprob]], offset: int
 ) -> dict[str, Any]:
     texts = [t or "" for _, _, t in entries]
     offsets, at = [], offset
@@ -72,7 +72,7 @@ def _completion_logprobs(
     }
 
 
-def _chat_logprobs(entries: list[WireLogprob], tops: list[list[WireLogprob]]) -> dict[str, Any]:
+def _chat_logprobs(entries: list[TextLogprob], tops: list[list[TextLogprob]]) -> dict[str, Any]:
     def item(lp: float | None, t: str | None) -> dict[str, Any]:
         text = t or ""
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
@@ -107,7 +107,7 @@ async def _run(
     manager: RequestManager = request.app.state.manager
     pendings = submit_all(manager, batch.reqs)
     head = {
-        "id": batch.reqs[0][0].rid,
+        "id": batch.reqs[0].rid,
         "object": kind,
         "created": int(time.time()),
         "model": batch.model or _served_name(request),

@@ -58,26 +58,26 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/compl
 
 @dataclass
 class OpenAIBatch:
-    reqs: list[tuple[GenerateReq, int]]  # (request, n); choice index = prompt * n + sample
+    reqs: list[GenerateReq]  # choice index = prompt * n + sample
     model: str | None
     stream: bool
     include_usage: bool
     logprobs: bool
 
 
-def _sampling(body: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+def _sampling(body: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
+    """The request's parameters, parsed once here; 400 naming the field as the client did."""
     sampling = dict(defaults)
     for ours_name, theirs in SAMPLING_FIELDS.items():
         if body.get(ours_name) is not None:
             sampling[theirs] = body[ours_name]
     try:
-        SamplingParams.from_dict(sampling)
+        return SamplingParams.from_dict(sampling)
     except ValueError as e:
         # Speak the client's language: SamplingParams names fields the SGLang way.
         msg = str(e).replace("max_new_tokens", "max_tokens").replace("min_new_tokens", "min_tokens")
         param = next((k for k in SAMPLING_FIELDS if msg.startswith(k + " ")), None)
         raise bad(msg, param) from e
-    return sampling
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -120,7 +120,7 @@ def parse_completion(body: dict[str, Any]) -> OpenAIBatch:
     model = get(body, "model", "str")
     get(body, "user", "str")
     sampling = _sampling(body, {"max_new_tokens": COMPLETIONS_DEFAULT_MAX_TOKENS})
-    n = sampling.get("n", 1)
+    n = sampling.n
     best_of = get(body, "best_of", "int", n)
     if best_of != n:
         raise bad(f"best_of must equal n ({n}); other values are not supported", "best_of")
@@ -131,11 +131,9 @@ def parse_completion(body: dict[str, Any]) -> OpenAIBatch:
     prompts = _prompts(body)
     if len(prompts) > MAX_PROMPTS:
         raise bad(f"prompt has {len(prompts)} prompts, at most {MAX_PROMPTS} per request", "prompt")
-    reqs = []
-    for i, (key, prompt) in enumerate(prompts):
-        rid = base_rid if len(prompts) == 1 else f"{base_rid}-{i}"
-        req = GenerateReq(
-            rid=rid,
+    reqs = [
+        GenerateReq(
+            rid=base_rid if len(prompts) == 1 else f"{base_rid}-{i}",
             sampling=sampling,
             return_logprob=top is not None,
             top_logprobs_num=top or 0,
@@ -143,7 +141,8 @@ def parse_completion(body: dict[str, Any]) -> OpenAIBatch:
             stream=stream,
             **{key: prompt},
         )
-        reqs.append((req, n))
+        for i, (key, prompt) in enumerate(prompts)
+    ]
     return OpenAIBatch(reqs, model, stream, include_usage, top is not None)
 
 
@@ -194,6 +193,7 @@ def parse_chat(body: dict[str, Any]) -> OpenAIBatch:
     if limit is not None and body.get("max_tokens") is None:
         body = {**body, "max_tokens": limit}
     sampling = _sampling(body, {})
+    auto_limit = body.get("max_tokens") is None  # the tokenizer fills in the room left
     logprobs = get(body, "logprobs", "bool", False)
     top = get_int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
     if top and not logprobs:
@@ -207,6 +207,6 @@ def parse_chat(body: dict[str, Any]) -> OpenAIBatch:
         top_logprobs_num=top,
         return_text_in_logprobs=logprobs,
         stream=stream,
-        max_new_tokens_auto="max_new_tokens" not in sampling,
+        max_new_tokens_auto=auto_limit,
     )
-    return OpenAIBatch([(req, sampling.get("n", 1))], model, stream, include_usage, logprobs)
+    return OpenAIBatch([req], model, stream, include_usage, logprobs)

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from radixserve.config import EngineConfig
 from radixserve.core.limits import MAX_PROMPTS, MAX_TOP_LOGPROBS
 from radixserve.core.params import SamplingParams
+from radixserve.core.result import SampleResult, native_result
 from radixserve.message.messages import (
     FlushCacheReq,
     FlushCacheResp,
@@ -28,7 +29,6 @@ from radixserve.server import openapi
 from radixserve.server.flow import sse, start_stream, submit_all, unless_disconnected
 from radixserve.server.manager import Pending, RequestManager
 from radixserve.server.protocol import ApiError, bad, check_fields, get, get_int, read_json
-from radixserve.server.results import SampleResult, native_result
 
 router = APIRouter()
 
@@ -50,7 +50,7 @@ HEALTH_GENERATE_TIMEOUT_S = 60.0
 
 @dataclass
 class NativeBatch:
-    reqs: list[tuple[GenerateReq, int]]  # (request, n samples)
+    reqs: list[GenerateReq]
     single: bool  # one prompt and n == 1: the response is a dict, not a list
     stream: bool
 
@@ -97,7 +97,8 @@ def _per_prompt(body: dict[str, Any], name: str, kind: str, default: Any, count:
     return [get(body, name, kind, default)] * count
 
 
-def _sampling(body: dict[str, Any], count: int) -> list[dict[str, Any]]:
+def _sampling(body: dict[str, Any], count: int) -> list[SamplingParams]:
+    """The parameters of each prompt, parsed once here (400 naming the field)."""
     value = body.get("sampling_params")
     values = value if isinstance(value, list) else [value] * count
     if len(values) != count:
@@ -110,10 +111,9 @@ def _sampling(body: dict[str, Any], count: int) -> list[dict[str, Any]]:
         if not isinstance(v, dict):
             raise bad("sampling_params must be an object (or a list of them)", "sampling_params")
         try:
-            SamplingParams.from_dict(v)
+            out.append(SamplingParams.from_dict(v))
         except ValueError as e:
             raise bad(f"sampling_params: {e}", "sampling_params") from e
-        out.append(v)
     return out
 
 
@@ -136,10 +136,8 @@ def parse_generate(body: dict[str, Any]) -> NativeBatch:
         get_int({"top_logprobs_num": k}, "top_logprobs_num", 0, 0, MAX_TOP_LOGPROBS)
     texts = get(body, "return_text_in_logprobs", "bool", False)
     stream = get(body, "stream", "bool", False)
-    reqs = []
-    for i in range(count):
-        n = int(sampling[i].get("n") or 1)
-        req = GenerateReq(
+    reqs = [
+        GenerateReq(
             rid=rids[i] or uuid.uuid4().hex,
             sampling=sampling[i],
             return_logprob=want_lp[i],
@@ -149,8 +147,9 @@ def parse_generate(body: dict[str, Any]) -> NativeBatch:
             stream=stream,
             **{key: prompts[i]},
         )
-        reqs.append((req, n))
-    return NativeBatch(reqs, single and reqs[0][1] == 1, stream)
+        for i in range(count)
+    ]
+    return NativeBatch(reqs, single and reqs[0].sampling.n == 1, stream)
 
 
 # ---------------------------------------------------------------- /generate
@@ -168,7 +167,7 @@ async def generate(request: Request) -> Response:
         return results
     out = [
         native_result(r, p.created, req.return_logprob)
-        for (req, _), p, rs in zip(batch.reqs, pendings, results)
+        for req, p, rs in zip(batch.reqs, pendings, results)
         for r in rs
     ]
     return JSONResponse(out[0] if batch.single else out)
@@ -191,7 +190,7 @@ async def _stream(
             r = results[k][d.index]
             r.apply(d)
             index = None if batch.single else offsets[k] + d.index
-            want_lp = batch.reqs[k][0].return_logprob
+            want_lp = batch.reqs[k].return_logprob
             yield sse(native_result(r, pendings[k].created, want_lp, index, chunk=d))
 
     return await start_stream(request, manager, pendings, body)
@@ -214,10 +213,10 @@ async def health_generate(request: Request) -> Response:
     manager = _manager(request)
     req = GenerateReq(
         rid=f"health-{uuid.uuid4().hex}",
-        sampling={"max_new_tokens": 1, "temperature": 0},
+        sampling=SamplingParams(max_new_tokens=1, temperature=0),
         input_ids=[0],
     )
-    pendings = submit_all(manager, [(req, 1)])
+    pendings = submit_all(manager, [req])
     try:
         await asyncio.wait_for(_collect(manager, pendings), HEALTH_GENERATE_TIMEOUT_S)
     except (ApiError, asyncio.TimeoutError) as e:

@@ -2,8 +2,9 @@
 
 Loop: block on the inbox (1 s at a time, to notice a dead launcher) -> dispatch by message
 type. Requests flow api -> here -> scheduler; outputs flow scheduler -> here -> api. Per
-request it keeps one `IncrementalDetokenizer` per sample, created on the sample's first
-output and dropped when the last of its `n` samples finishes (or the request is refused).
+request it keeps one `SampleAccumulator` (`accumulate.py`: detokenize, token texts) per
+sample, created on the sample's first output and dropped when the last of its `n` samples
+finishes (or the request is refused).
 
 Start-up handshake: wait for `SchedulerReady` (the scheduler resolved/converted the model,
 so the tokenizer path is known), load the tokenizer, send `TokenizerReady` to the api server.
@@ -11,6 +12,7 @@ so the tokenizer path is known), load the tokenizer, send `TokenizerReady` to th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,41 +20,41 @@ from typing import Any
 import zmq
 
 from radixserve.core.info import ModelInfo
-from radixserve.core.params import SamplingParams
+from radixserve.core.request import SampleChunk, SampleOutput, TokenizedRequest
 from radixserve.message.ipc import Inbox, IpcPaths, Outbox
 from radixserve.message.messages import (
     AbortReq,
     AnyMessage,
+    ChunkBatch,
     FlushCacheReq,
     FlushCacheResp,
     GenerateReq,
     RequestError,
     SampleBatch,
-    SampleDelta,
     SchedulerReady,
     ServerInfoReq,
     ServerInfoResp,
     Shutdown,
     TokenizedReq,
     TokenizerReady,
-    WireLogprob,
 )
 from radixserve.models.loader import load_tokenizer
 from radixserve.procutil import PARENT_POLL_MS, ParentWatch
+from radixserve.tokenizer.accumulate import SampleAccumulator
 from radixserve.tokenizer.chat import render_chat
-from radixserve.tokenizer.detokenize import IncrementalDetokenizer
 
 logger = logging.getLogger("radixserve.tokenizer")
 
 
 @dataclass
 class _ReqState:
-    n: int
-    sampling: SamplingParams
-    prompt_ids: list[int]
+    request: TokenizedRequest
     want_texts: bool  # return_text_in_logprobs
-    detoks: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
+    samples: dict[int, SampleAccumulator] = field(default_factory=dict)
     finished: int = 0
+    # Detokenizing failed: the scheduler was told to abort; this error goes to the api
+    # server once every sample has ended, so the rid is released after the scheduler's.
+    error: str | None = None
 
 
 class TokenizerWorker:
@@ -83,11 +85,11 @@ class TokenizerWorker:
     # ---------------------------------------------------------------- requests
 
     def on_generate(self, req: GenerateReq) -> None:
-        if req.rid in self.reqs:  # refused here, so the request in flight keeps its state
-            self.to_api.send(RequestError(req.rid, 400, f"rid: {req.rid!r} is already in use"))
-            return
+        # The api server refuses a rid in flight, and this process lets a rid go only after
+        # the scheduler has (its last outputs come through here), so a clash is a bug.
+        assert req.rid not in self.reqs, f"rid {req.rid!r} is already in use"
         try:
-            ids, sampling = self._prepare(req)
+            request = self._tokenized(req)
         except ValueError as e:
             self.to_api.send(RequestError(req.rid, 400, str(e)))
             return
@@ -95,22 +97,12 @@ class TokenizerWorker:
             logger.exception("request %s: tokenization failed", req.rid)
             self.to_api.send(RequestError(req.rid, 500, f"tokenization failed: {e!r}"))
             return
-        self.reqs[req.rid] = _ReqState(
-            sampling.n, sampling, ids, req.return_logprob and req.return_text_in_logprobs
-        )
-        self.to_sched.send(
-            TokenizedReq(
-                req.rid,
-                ids,
-                sampling.to_dict(),
-                req.return_logprob,
-                req.logprob_start_len,
-                req.top_logprobs_num,
-            )
-        )
+        self.reqs[req.rid] = _ReqState(request, req.return_logprob and req.return_text_in_logprobs)
+        self.to_sched.send(TokenizedReq(request))
 
-    def _prepare(self, req: GenerateReq) -> tuple[list[int], SamplingParams]:
-        """Token ids and parsed sampling parameters; ValueError names the bad field."""
+    def _tokenized(self, req: GenerateReq) -> TokenizedRequest:
+        """The request with its token ids, and max_new_tokens filled in when the client gave
+        none: what only this process knows. ValueError names the bad field."""
         if req.messages is not None:
             ids = render_chat(self.tok, req.messages)
         elif req.text is not None:
@@ -119,7 +111,7 @@ class TokenizerWorker:
             ids = list(req.input_ids or [])
         if not ids:
             raise ValueError("text: the prompt is empty")
-        sampling = dict(req.sampling)
+        sampling = req.sampling
         if req.max_new_tokens_auto:
             room = min(self.info.context_len, self.info.kv_capacity_tokens) - len(ids)
             if room < 1:
@@ -128,10 +120,10 @@ class TokenizerWorker:
                     f"(context {self.info.context_len}, KV pool "
                     f"{self.info.kv_capacity_tokens} tokens)"
                 )
-            sampling["max_new_tokens"] = room
-        params = SamplingParams.from_dict(sampling)
-        params.validate(self.info.vocab_size)
-        return ids, params
+            sampling = dataclasses.replace(sampling, max_new_tokens=room)  # checks min_new_tokens
+        return TokenizedRequest(
+            req.rid, ids, sampling, req.return_logprob, req.logprob_start_len, req.top_logprobs_num
+        )
 
     def on_info(self, resp: ServerInfoResp) -> None:
         resp.tokenizer_requests = len(self.reqs)
@@ -145,40 +137,37 @@ class TokenizerWorker:
 
     def on_samples(self, batch: SampleBatch) -> None:
         out = []
-        for d in batch.outputs:
-            if d.rid not in self.reqs:  # refused, failed or aborted: its last outputs
+        for o in batch.outputs:
+            state = self.reqs.get(o.rid)
+            if state is None:  # refused by the scheduler: never had outputs
                 continue
-            try:
-                out.append(self._detokenize(d))
-            except Exception as e:  # this request alone fails; the scheduler drops it
-                logger.exception("request %s: detokenization failed", d.rid)
-                del self.reqs[d.rid]
-                self.to_api.send(RequestError(d.rid, 500, f"detokenization failed: {e!r}"))
-                self.to_sched.send(AbortReq(d.rid))
+            if state.error is None:
+                try:
+                    out.append(self._detokenize(state, o))
+                except Exception as e:  # this request alone fails
+                    logger.exception("request %s: detokenization failed", o.rid)
+                    state.error = f"detokenization failed: {e!r}"
+                    self.to_sched.send(AbortReq(o.rid))
+            if o.finish_reason is not None:
+                state.finished += 1
+                if state.finished == state.request.sampling.n:
+                    self._release(o.rid, state)
         if out:
-            self.to_api.send(SampleBatch(out))
+            self.to_api.send(ChunkBatch(out))
 
-    def _detokenize(self, d: SampleDelta) -> SampleDelta:
-        state = self.reqs[d.rid]
-        detok = state.detoks.get(d.index)
-        if detok is None:
-            detok = state.detoks[d.index] = IncrementalDetokenizer.for_sample(
-                self.tok, state.prompt_ids, state.sampling
+    def _release(self, rid: str, state: _ReqState) -> None:
+        """Every sample of `rid` ended (the scheduler let it go): forget it here too."""
+        del self.reqs[rid]
+        if state.error is not None:
+            self.to_api.send(RequestError(rid, 500, state.error))
+
+    def _detokenize(self, state: _ReqState, o: SampleOutput) -> SampleChunk:
+        acc = state.samples.get(o.index)
+        if acc is None:
+            acc = state.samples[o.index] = SampleAccumulator.for_sample(
+                self.tok, state.request, o.index, state.want_texts
             )
-        d.text = detok.push(d.token_ids, d.finish_reason)
-        if d.finish_reason is not None:
-            state.finished += 1
-            if state.finished == state.n:
-                del self.reqs[d.rid]
-        if state.want_texts:
-            d.output_logprobs = self._with_text(d.output_logprobs)
-            d.input_logprobs = self._with_text(d.input_logprobs)
-            d.output_top_logprobs = [self._with_text(t) for t in d.output_top_logprobs]
-            d.input_top_logprobs = [self._with_text(t) for t in d.input_top_logprobs]
-        return d
-
-    def _with_text(self, entries: list[WireLogprob]) -> list[WireLogprob]:
-        return [(lp, tid, self.tok.decode([tid])) for lp, tid, _ in entries]
+        return acc.push(o)
 
 
 def run_tokenizer_process(ipc: IpcPaths) -> None:
