@@ -41,9 +41,9 @@ PromptLogprob = tuple[float | None, int]
 class SampleOutput:
     """Progress of one sample since its previous SampleOutput (deltas, not cumulative).
 
-    `new_token_ids` excludes a matched stop string's tokens only when the stop came from
-    `stop_token_ids`/eos (those ids are never shown); stop strings are cut from the text by
-    the detokenizer using `finish_reason.matched`.
+    `new_token_ids` includes the token that ended the sample when it is a stop token (eos or
+    `stop_token_ids`); the detokenizer keeps such an id out of the text and cuts a matched
+    stop string from the text using `finish_reason.matched`.
     """
 
     rid: str
