@@ -54,6 +54,7 @@ HELP = {
     "host": "address to listen on",
     "port": "port to listen on",
     "api_key": "require 'Authorization: Bearer <key>' on every route but /health",
+    "web_ui": "serve the web console at / (chat playground, live radix tree, plots)",
     "log_level": "debug, info, warning or error",
 }
 CHOICES: dict[str, Sequence[str]] = {

@@ -73,6 +73,7 @@ class EngineConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    web_ui: bool = True  # GET / serves the web console (chat playground, cache tree, plots)
     log_level: str = "info"
 
     def __post_init__(self) -> None:

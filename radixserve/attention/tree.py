@@ -222,6 +222,22 @@ class TreeBackend(AttentionBackend):
         return _merge_shared(plan, q, kc, vc, out, lse, scale)
 
 
+def batched_nodes(batch: ForwardBatch) -> set[int]:
+    """Ids of the radix nodes that this batch's tree plan attended once for several requests
+    (empty for a batch planned by another backend, or not planned)."""
+    plan = batch.attn_plan
+    if not isinstance(plan, TreePlan):
+        return set()
+    found: set[int] = set()
+    for seg in plan.segments:
+        pos = 0
+        for node, n in batch.paths[seg.requests[0]]:
+            if seg.start <= pos and pos + n <= seg.start + seg.num_tokens:
+                found.add(node)
+            pos += n
+    return found
+
+
 def _build_plan(batch: ForwardBatch, kept: list[tuple[tuple[int, ...], int, int]]) -> TreePlan:
     q_lens = list(batch.extend_lens)
     q_starts = [0]

@@ -39,3 +39,34 @@ class SchedulerStats:
     @property
     def cache_hit_rate(self) -> float:
         return self.cached_tokens_total / max(self.prompt_tokens_total, 1)
+
+
+@dataclass
+class CacheNodeView:
+    """One radix node as the web console draws it (`/cache_tree`)."""
+
+    id: int
+    parent: int  # -1 for the root
+    depth: int  # 0 for the root
+    num_tokens: int
+    preview_ids: list[int]  # its first tokens
+    lock_ref: int  # > 0: a running sample's path holds it (not evictable)
+    num_children: int  # all of them, shown or not
+    running: int  # running samples whose cached path passes through it
+    batched: bool  # part of a shared segment tree attention read once in the last step
+    tier: str  # where its K/V lives: "device" (the KV pool attention reads)
+    text: str = ""  # preview_ids decoded (the tokenizer process fills it in)
+
+
+@dataclass
+class CacheTreeView:
+    """A bounded snapshot of the radix tree: the nodes nearest the root, breadth first."""
+
+    nodes: list[CacheNodeView]
+    total_nodes: int  # in the whole tree, root included
+    truncated: bool  # nodes were left out by the node or depth limit
+    cached_tokens: int
+    evictable_tokens: int
+    locked_tokens: int
+    stats: SchedulerStats
+    attention_backend: str

@@ -42,6 +42,8 @@ class PrefixCache(Protocol):
       - Single-threaded: the scheduler calls it between model steps.
     """
 
+    root: TreeNode  # never evicted; a NoPrefixCache's has no children
+
     @property
     def evictable_size(self) -> int:
         """Slots held in unlocked nodes: what `evict` can free."""

@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from radixserve.core.info import ModelInfo, SchedulerStats
+from radixserve.core.info import CacheTreeView, ModelInfo, SchedulerStats
 from radixserve.core.params import SamplingParams
 from radixserve.core.request import SampleChunk, SampleOutput, TokenizedRequest
 
@@ -143,8 +143,19 @@ class ServerInfoResp(Message):
     tokenizer_requests: int = 0  # requests the tokenizer tracks (it fills this in on the way)
 
 
-ControlReq = FlushCacheReq | ServerInfoReq
-ControlResp = FlushCacheResp | ServerInfoResp
+class CacheTreeReq(Message):
+    seq: int
+    max_nodes: int
+    max_depth: int
+
+
+class CacheTreeResp(Message):
+    seq: int
+    view: CacheTreeView  # the tokenizer fills in each node's text on the way
+
+
+ControlReq = FlushCacheReq | ServerInfoReq | CacheTreeReq
+ControlResp = FlushCacheResp | ServerInfoResp | CacheTreeResp
 
 AnyMessage = (
     SchedulerReady
@@ -160,4 +171,6 @@ AnyMessage = (
     | ServerInfoReq
     | FlushCacheResp
     | ServerInfoResp
+    | CacheTreeReq
+    | CacheTreeResp
 )

@@ -28,6 +28,8 @@ from radixserve.message.ipc import Inbox, IpcPaths, Outbox
 from radixserve.message.messages import (
     AbortReq,
     AnyMessage,
+    CacheTreeReq,
+    CacheTreeResp,
     FlushCacheReq,
     FlushCacheResp,
     RequestError,
@@ -59,6 +61,7 @@ class SchedulerLoop:
             AbortReq: self.on_abort,
             FlushCacheReq: self.on_flush,
             ServerInfoReq: self.on_info,
+            CacheTreeReq: self.on_cache_tree,
             Shutdown: self.on_shutdown,
         }
 
@@ -113,6 +116,9 @@ class SchedulerLoop:
 
     def on_info(self, msg: ServerInfoReq) -> None:
         self.out.send(ServerInfoResp(msg.seq, self.sched.stats(), len(self.loop.active)))
+
+    def on_cache_tree(self, msg: CacheTreeReq) -> None:
+        self.out.send(CacheTreeResp(msg.seq, self.sched.cache_tree(msg.max_nodes, msg.max_depth)))
 
     def on_shutdown(self, msg: Shutdown) -> None:
         self.stopping = True

@@ -22,6 +22,7 @@ Public surface (the in-process Engine and the scheduler process use nothing else
     sched.flush_cache() -> bool           # False while requests are running or queued
     sched.has_work() -> bool
     sched.stats() -> SchedulerStats
+    sched.cache_tree(max_nodes, max_depth) -> CacheTreeView  # the web console's tree view
     sched.model_info -> ModelInfo
 """
 
@@ -34,12 +35,14 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.attention.tree import batched_nodes
 from radixserve.config import EngineConfig
 from radixserve.constrained.grammar import CompiledGrammar, GrammarState
 from radixserve.core.batch import ForwardBatch
-from radixserve.core.info import ModelInfo, SchedulerStats
+from radixserve.core.info import CacheTreeView, ModelInfo, SchedulerStats
 from radixserve.core.request import FinishReason, SampleOutput, TokenizedRequest
 from radixserve.kvcache.pool import ReqToTokenPool
+from radixserve.kvcache.tree_view import running_counts, view_tree
 from radixserve.sampling.stop import StopChecker
 from radixserve.scheduler.compiling import PendingCompiles
 from radixserve.scheduler.kv import KVManager
@@ -53,6 +56,7 @@ logger = logging.getLogger("radixserve.scheduler")
 DEFER_SHARED_TOKENS = 32  # see policy.shares_uncached_prefix
 DECODE_RESERVE = 16  # slots per admitted sample kept free for its first decode steps
 COMPILE_POLL_S = 0.05  # an otherwise idle step waits this long for a pattern to compile
+PREVIEW_TOKENS = 16  # tokens of each node the tree view shows
 
 
 class QueueFullError(RuntimeError):
@@ -88,6 +92,7 @@ class Scheduler:
         self._arrival = itertools.count()
         self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
         self.computed_tokens_total = 0
+        self.last_batch: ForwardBatch | None = None  # the tree view marks what it batched
         self.model_info = ModelInfo(
             model_path=parts.model_path,
             tokenizer_path=parts.model_path,
@@ -306,6 +311,7 @@ class Scheduler:
         if work:
             batch, rows, first_row = self._build_batch(work)
             logits = self.worker.forward(batch, rows)
+            self.last_batch = batch
             self.computed_tokens_total += batch.input_ids.numel()
             self._process(work, logits, first_row)
         outputs, self.finished_outputs = self.finished_outputs, []
@@ -420,6 +426,25 @@ class Scheduler:
             cached_tokens_total=self.cached_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             computed_tokens_total=self.computed_tokens_total,
+        )
+
+    def cache_tree(self, max_nodes: int, max_depth: int) -> CacheTreeView:
+        """A bounded snapshot of the prefix cache's tree (`kvcache/tree_view.py`), with the
+        running samples' paths and the nodes the last step's tree attention batched."""
+        running = running_counts(r.last_node for r in self.running if r.last_node is not None)
+        batched = batched_nodes(self.last_batch) if self.last_batch is not None else set()
+        nodes, total, truncated = view_tree(
+            self.cache.root, max_nodes, max_depth, PREVIEW_TOKENS, running, batched
+        )
+        return CacheTreeView(
+            nodes=nodes,
+            total_nodes=total,
+            truncated=truncated,
+            cached_tokens=self.cache.total_size,
+            evictable_tokens=self.cache.evictable_size,
+            locked_tokens=self.cache.locked_size,
+            stats=self.stats(),
+            attention_backend=self.config.attention_backend,
         )
 
     def run_until_idle(self) -> Iterable[SampleOutput]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -17,7 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.config import EngineConfig
 from radixserve.message.messages import ServerInfoReq, ServerInfoResp
-from radixserve.server import openai_api, sglang_api
+from radixserve.server import console, openai_api, sglang_api
 from radixserve.server.manager import RequestManager
 from radixserve.server.metrics import Metrics
 from radixserve.server.protocol import ApiError
@@ -28,23 +29,32 @@ PUBLIC_PATHS = frozenset({"/health"})  # reachable without the API key (load bal
 
 
 class ApiKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on every HTTP route but PUBLIC_PATHS."""
+    """Requires `Authorization: Bearer <key>` on every HTTP route but PUBLIC_PATHS; the web
+    console's page (`/`), which a browser opens without headers, takes it as `?key=`."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.expected_query = api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
+        if hmac.compare_digest(given, self.expected) or self._page_key_ok(scope):
             await self.app(scope, receive, send)
             return
         err = ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
         response = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
+
+
+    def _page_key_ok(self, scope: Scope) -> bool:
+        if scope["path"] != "/":
+            return False
+        key = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("key", [""])[0]
+        return hmac.compare_digest(key.encode(), self.expected_query.encode())
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -75,6 +85,9 @@ def build_app(manager: RequestManager, config: EngineConfig, metrics_: Metrics) 
     app.state.started = time.time()
     app.include_router(sglang_api.router)
     app.include_router(openai_api.router)
+    app.include_router(console.api)
+    if config.web_ui:
+        app.include_router(console.page)
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(Exception, _internal_error)

@@ -37,6 +37,7 @@ from radixserve.message.ipc import IpcPaths
 from radixserve.message.messages import (
     AbortReq,
     AnyMessage,
+    CacheTreeResp,
     ChunkBatch,
     ControlReq,
     ControlResp,
@@ -69,6 +70,7 @@ class Pending:
     created: float = field(default_factory=time.perf_counter)
     queue: asyncio.Queue[SampleChunk | RequestError] = field(default_factory=asyncio.Queue)
     first_token_at: float | None = None
+    last_chunk_at: dict[int, float] = field(default_factory=dict)  # sample index -> time
     finished: int = 0  # samples finished, as seen by the receiver
     head: SampleChunk | RequestError | None = None  # an event peeked by `first_event`
 
@@ -102,6 +104,7 @@ class RequestManager:
             RequestError: self._on_error,
             FlushCacheResp: self._on_control,
             ServerInfoResp: self._on_control,
+            CacheTreeResp: self._on_control,
         }
 
     # ---------------------------------------------------------------- start-up
@@ -282,15 +285,28 @@ class RequestManager:
             p = self.pending.get(d.rid)
             if p is None:
                 continue  # already failed or given up on
-            if p.first_token_at is None and d.token_ids:
-                p.first_token_at = now
-                self.metrics.ttft.observe(now - p.created)
+            self._record(p, d, now)
             p.queue.put_nowait(d)
             if d.finish_reason is not None:
                 p.finished += 1
                 if p.done:
                     del self.pending[d.rid]
                     self.metrics.e2e.observe(now - p.created)
+
+    def _record(self, p: Pending, d: SampleChunk, now: float) -> None:
+        history = self.metrics.history
+        if d.token_ids:
+            history.tokens(len(d.token_ids))
+            if p.first_token_at is None:
+                p.first_token_at = now
+                self.metrics.ttft.observe(now - p.created)
+                history.ttft(now - p.created)
+            last = p.last_chunk_at.get(d.index)
+            if last is not None:
+                history.itl((now - last) / len(d.token_ids))
+            p.last_chunk_at[d.index] = now
+        if d.finish_reason is not None:
+            history.finished(d.prompt_tokens, d.cached_tokens)
 
     def _on_error(self, err: RequestError) -> None:
         p = self.pending.pop(err.rid, None)

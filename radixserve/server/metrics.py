@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from radixserve.core.info import SchedulerStats
+from radixserve.server.history import History
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 PREFIX = "radixserve_"
@@ -63,6 +64,7 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.history = History()  # the web console's plots
         self._sched = _SchedulerCollector()
         self.registry.register(self._sched)
 

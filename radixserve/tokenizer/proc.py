@@ -25,6 +25,8 @@ from radixserve.message.ipc import Inbox, IpcPaths, Outbox
 from radixserve.message.messages import (
     AbortReq,
     AnyMessage,
+    CacheTreeReq,
+    CacheTreeResp,
     ChunkBatch,
     FlushCacheReq,
     FlushCacheResp,
@@ -71,10 +73,12 @@ class TokenizerWorker:
             AbortReq: to_sched.send,
             FlushCacheReq: to_sched.send,
             ServerInfoReq: to_sched.send,
+            CacheTreeReq: to_sched.send,
             SampleBatch: self.on_samples,
             RequestError: self.on_error,
             FlushCacheResp: to_api.send,
             ServerInfoResp: self.on_info,
+            CacheTreeResp: self.on_cache_tree,
         }
 
     def handle(self, msg: AnyMessage) -> None:
@@ -127,6 +131,11 @@ class TokenizerWorker:
 
     def on_info(self, resp: ServerInfoResp) -> None:
         resp.tokenizer_requests = len(self.reqs)
+        self.to_api.send(resp)
+
+    def on_cache_tree(self, resp: CacheTreeResp) -> None:
+        for node in resp.view.nodes:
+            node.text = self.tok.decode(node.preview_ids)
         self.to_api.send(resp)
 
     def on_error(self, err: RequestError) -> None:

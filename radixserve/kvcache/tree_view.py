@@ -1,0 +1,66 @@
+"""A bounded, read-only snapshot of a prefix cache's tree for the web console.
+
+Breadth first from the root, so the shared nodes near the root (system prompts, few-shot
+headers) are always in it; `max_nodes` and `max_depth` bound the work and the answer, so a
+tree of any size costs at most one pass over its node count plus `max_nodes` views.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable
+
+from radixserve.core.info import CacheNodeView
+from radixserve.kvcache.radix import TreeNode
+
+MAX_NODES = 2000  # most nodes one snapshot may ask for
+MAX_DEPTH = 64
+
+
+def running_counts(last_nodes: Iterable[TreeNode]) -> Counter[int]:
+    """node id -> how many of these samples' cached paths pass through it (root excluded)."""
+    counts: Counter[int] = Counter()
+    for node in last_nodes:
+        walk: TreeNode | None = node
+        while walk is not None and walk.parent is not None:
+            counts[walk.id] += 1
+            walk = walk.parent
+    return counts
+
+
+def view_tree(
+    root: TreeNode,
+    max_nodes: int,
+    max_depth: int,
+    preview_tokens: int,
+    running: Counter[int],
+    batched: set[int],
+) -> tuple[list[CacheNodeView], int, bool]:
+    """(views of at most `max_nodes` nodes within `max_depth` of the root, breadth first;
+    the tree's node count; whether any node was left out)."""
+    assert 1 <= max_nodes <= MAX_NODES and 0 <= max_depth <= MAX_DEPTH, (max_nodes, max_depth)
+    views: list[CacheNodeView] = []
+    total = 0
+    queue: deque[tuple[TreeNode, int, int]] = deque([(root, -1, 0)])
+    while queue:
+        node, parent, depth = queue.popleft()
+        total += 1
+        shown = len(views) < max_nodes and depth <= max_depth
+        if shown:
+            views.append(
+                CacheNodeView(
+                    id=node.id,
+                    parent=parent,
+                    depth=depth,
+                    num_tokens=len(node.key),
+                    preview_ids=node.key[:preview_tokens],
+                    lock_ref=node.lock_ref,
+                    num_children=len(node.children),
+                    running=running.get(node.id, 0),
+                    batched=node.id in batched,
+                    tier="device",
+                )
+            )
+        for child in node.children.values():
+            queue.append((child, node.id, depth + 1))
+    return views, total, len(views) < total

@@ -1,0 +1,74 @@
+"""The web console: `GET /` (one page from package data, no external assets) and the two
+read-only JSON endpoints it polls, `/cache_tree` and `/metrics_history`.
+
+With `--api-key` the page is reached as `/?key=<api key>` (the page sends the key as a Bearer
+header on every call it makes); `--no-web-ui` leaves `/` unrouted (404).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from importlib import resources
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from radixserve.kvcache.tree_view import MAX_DEPTH, MAX_NODES
+from radixserve.message.messages import CacheTreeReq, CacheTreeResp
+from radixserve.server.manager import RequestManager
+from radixserve.server.protocol import ApiError
+
+DEFAULT_NODES = 300
+DEFAULT_DEPTH = 16
+
+api = APIRouter()  # always served
+page = APIRouter()  # GET /, unless --no-web-ui
+
+
+@functools.cache
+def _page_html() -> str:
+    return resources.files("radixserve.server").joinpath("static/console.html").read_text()
+
+
+@page.get("/", include_in_schema=False)
+async def console(request: Request) -> Response:
+    return HTMLResponse(_page_html())
+
+
+def _int_param(request: Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ApiError(400, f"{name} must be an integer, got {raw!r}", name) from None
+    if not low <= value <= high:
+        raise ApiError(400, f"{name} must be in [{low}, {high}], got {value}", name)
+    return value
+
+
+@api.get("/cache_tree")
+async def cache_tree(request: Request) -> Response:
+    """The radix tree breadth first from the root, at most `max_nodes` nodes (default 300,
+    at most 2000) within `max_depth` of the root (default 16, at most 64), each with a text
+    preview; plus the cache's token counts and a scheduler snapshot."""
+    max_nodes = _int_param(request, "max_nodes", DEFAULT_NODES, 1, MAX_NODES)
+    max_depth = _int_param(request, "max_depth", DEFAULT_DEPTH, 0, MAX_DEPTH)
+    manager: RequestManager = request.app.state.manager
+    resp = await manager.call(lambda seq: CacheTreeReq(seq, max_nodes, max_depth))
+    assert isinstance(resp, CacheTreeResp)
+    view = resp.view
+    body = dataclasses.asdict(view)
+    for node in body["nodes"]:
+        del node["preview_ids"]
+    body["stats"].update(kv_usage=view.stats.kv_usage, cache_hit_rate=view.stats.cache_hit_rate)
+    return JSONResponse(body)
+
+
+@api.get("/metrics_history")
+async def metrics_history(request: Request) -> Response:
+    """The last ten minutes in 5-second points: tokens/s, TTFT and inter-token latency
+    p50/p99 (seconds), cache hit rate (None where a bucket had no such event)."""
+    return JSONResponse(request.app.state.metrics.history.series())
