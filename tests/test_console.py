@@ -36,8 +36,8 @@ def test_view_is_breadth_first_and_counts_running_paths() -> None:
     shared = cache.match_prefix([1, 2, 3, 6]).last_node
     leaf = cache.match_prefix([1, 2, 3, 6, 8]).last_node
     running = running_counts([leaf, leaf, shared])
-    views, total, truncated = view_tree(cache.root, 100, 10, 2, running, {shared.id})
-    assert (total, truncated) == (6, False)
+    views, truncated = view_tree(cache.root, 100, 10, 2, running, {shared.id})
+    assert (len(views), truncated, cache.num_nodes) == (6, False, 6)
     assert [v.depth for v in views] == [0, 1, 2, 2, 3, 3]
     by_id = {v.id: v for v in views}
     top = views[1]
@@ -50,9 +50,10 @@ def test_view_is_breadth_first_and_counts_running_paths() -> None:
 
 def test_view_limits_nodes_and_depth() -> None:
     cache = cache_with([[1, 2, 3, 4, 5], [1, 2, 3, 6, 7], [1, 2, 3, 6, 8]])
-    views, total, truncated = view_tree(cache.root, 3, 10, 4, Counter(), set())
-    assert (len(views), total, truncated) == (3, 6, True)
-    views, total, truncated = view_tree(cache.root, 100, 1, 4, Counter(), set())
+    views, truncated = view_tree(cache.root, 3, 10, 4, Counter(), set())
+    assert (len(views), truncated) == (3, True)
+    assert view_tree(cache.root, 6, 10, 4, Counter(), set())[1] is False  # exactly all
+    views, truncated = view_tree(cache.root, 100, 1, 4, Counter(), set())
     assert [v.depth for v in views] == [0, 1] and truncated
     shown = {v.id for v in views}
     assert all(v.parent in shown for v in views[1:])
@@ -62,8 +63,9 @@ def test_view_of_a_ten_thousand_node_tree_stays_bounded() -> None:
     # 5000 distinct two-token tails under one shared head: 1 + 1 + 5000 + splits nodes.
     prompts = [[0, 0, i // 100 + 1, i % 100 + 1] for i in range(5000)]
     cache = cache_with(prompts)
-    views, total, truncated = view_tree(cache.root, 300, 16, 8, Counter(), set())
-    assert total > 5000 and truncated and len(views) == 300
+    views, truncated = view_tree(cache.root, 300, 16, 8, Counter(), set())
+    assert cache.num_nodes > 5000 and truncated and len(views) == 300
+    cache.check_integrity()  # num_nodes agrees with a walk of the tree
 
 
 def test_history_buckets_rates_and_percentiles() -> None:

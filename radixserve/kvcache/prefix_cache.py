@@ -43,6 +43,7 @@ class PrefixCache(Protocol):
     """
 
     root: TreeNode  # never evicted; a NoPrefixCache's has no children
+    num_nodes: int  # in the tree, root included
 
     @property
     def evictable_size(self) -> int:
@@ -113,6 +114,7 @@ class NoPrefixCache:
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
         self.root = TreeNode(0, [], torch.empty(0, dtype=torch.int64), None, 0.0)
+        self.num_nodes = 1
 
     @property
     def evictable_size(self) -> int:

@@ -160,6 +160,7 @@ class RadixCache:
         self.root = TreeNode(next(self._ids), [], _empty_slots(), None, self._clock())
         self._evictable = 0  # tokens in nodes with lock_ref == 0
         self._locked = 0  # tokens in nodes with lock_ref > 0
+        self.num_nodes = 1  # root included
 
     # -- sizes -----------------------------------------------------------------------------
 
@@ -256,6 +257,7 @@ class RadixCache:
         upper.lock_ref = node.lock_ref
         upper.children[node.key[k]] = node
         parent.children[node.key[0]] = upper
+        self.num_nodes += 1
         node.parent = upper
         node.key = node.key[k:]
         node.value = node.value[k:]
@@ -268,6 +270,7 @@ class RadixCache:
         leaf = TreeNode(next(self._ids), key, value, parent, now)
         parent.children[key[0]] = leaf
         self._evictable += len(key)
+        self.num_nodes += 1
         return leaf
 
     # -- locking ---------------------------------------------------------------------------
@@ -340,6 +343,7 @@ class RadixCache:
         self.pool.free(leaf.value)
         del parent.children[leaf.key[0]]
         self._evictable -= len(leaf.key)
+        self.num_nodes -= 1
         leaf.parent = None
         return parent
 
@@ -353,6 +357,7 @@ class RadixCache:
             n.children = {}
         self.root.children = {}
         self._evictable = 0
+        self.num_nodes = 1
 
     def _iter_nodes(self) -> Iterator[TreeNode]:
         """Every node of the tree, root included, parents before children."""
@@ -386,6 +391,7 @@ class RadixCache:
                     evictable += len(node.key)
                 else:
                     locked += len(node.key)
+        assert len(ids) == self.num_nodes, f"num_nodes {self.num_nodes}, tree has {len(ids)}"
         assert (evictable, locked) == (self._evictable, self._locked), (
             f"size counters (evictable, locked)={(self._evictable, self._locked)}, "
             f"tree has {(evictable, locked)}"

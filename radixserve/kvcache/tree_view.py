@@ -1,8 +1,8 @@
 """A bounded, read-only snapshot of a prefix cache's tree for the web console.
 
 Breadth first from the root, so the shared nodes near the root (system prompts, few-shot
-headers) are always in it; `max_nodes` and `max_depth` bound the work and the answer, so a
-tree of any size costs at most one pass over its node count plus `max_nodes` views.
+headers) are always in it; `max_nodes` and `max_depth` bound the work and the answer: the
+walk stops once they are reached, so a tree of any size costs O(max_nodes + their children).
 """
 
 from __future__ import annotations
@@ -35,32 +35,33 @@ def view_tree(
     preview_tokens: int,
     running: Counter[int],
     batched: set[int],
-) -> tuple[list[CacheNodeView], int, bool]:
+) -> tuple[list[CacheNodeView], bool]:
     """(views of at most `max_nodes` nodes within `max_depth` of the root, breadth first;
-    the tree's node count; whether any node was left out)."""
+    whether any node was left out)."""
     assert 1 <= max_nodes <= MAX_NODES and 0 <= max_depth <= MAX_DEPTH, (max_nodes, max_depth)
     views: list[CacheNodeView] = []
-    total = 0
+    truncated = False
     queue: deque[tuple[TreeNode, int, int]] = deque([(root, -1, 0)])
     while queue:
+        if len(views) == max_nodes:
+            return views, True
         node, parent, depth = queue.popleft()
-        total += 1
-        shown = len(views) < max_nodes and depth <= max_depth
-        if shown:
-            views.append(
-                CacheNodeView(
-                    id=node.id,
-                    parent=parent,
-                    depth=depth,
-                    num_tokens=len(node.key),
-                    preview_ids=node.key[:preview_tokens],
-                    lock_ref=node.lock_ref,
-                    num_children=len(node.children),
-                    running=running.get(node.id, 0),
-                    batched=node.id in batched,
-                    tier="device",
-                )
+        views.append(
+            CacheNodeView(
+                id=node.id,
+                parent=parent,
+                depth=depth,
+                num_tokens=len(node.key),
+                preview_ids=node.key[:preview_tokens],
+                lock_ref=node.lock_ref,
+                num_children=len(node.children),
+                running=running.get(node.id, 0),
+                batched=node.id in batched,
+                tier="device",
             )
-        for child in node.children.values():
-            queue.append((child, node.id, depth + 1))
-    return views, total, len(views) < total
+        )
+        if depth == max_depth:
+            truncated = truncated or bool(node.children)
+        else:
+            queue.extend((child, node.id, depth + 1) for child in node.children.values())
+    return views, truncated

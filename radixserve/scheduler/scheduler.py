@@ -433,12 +433,12 @@ class Scheduler:
         running samples' paths and the nodes the last step's tree attention batched."""
         running = running_counts(r.last_node for r in self.running if r.last_node is not None)
         batched = batched_nodes(self.last_batch) if self.last_batch is not None else set()
-        nodes, total, truncated = view_tree(
+        nodes, truncated = view_tree(
             self.cache.root, max_nodes, max_depth, PREVIEW_TOKENS, running, batched
         )
         return CacheTreeView(
             nodes=nodes,
-            total_nodes=total,
+            total_nodes=self.cache.num_nodes,
             truncated=truncated,
             cached_tokens=self.cache.total_size,
             evictable_tokens=self.cache.evictable_size,
