@@ -1,4 +1,4 @@
-"""Constrained decoding (regex / json_schema through outlines-core).
+"""Constrained decoding (regex / json_schema through outlines-core and llguidance).
 
 Fast tests use the tiny random Llama with the real SmolLM2 tokenizer (fp32): token bytes
 round-trip exactly, packed masks round-trip exactly, the sampler masks exactly the tokens the
@@ -24,13 +24,13 @@ from radixserve import Engine
 from radixserve.constrained import (
     GrammarCompiler,
     pack_token_mask,
-    schema_to_regex,
     token_bytes,
     token_mask_bias,
     tokenizer_kind,
     unpack_token_masks,
 )
 from radixserve.constrained.grammar import COMPILE_TIMEOUT_S, GrammarError
+from radixserve.constrained.outlines_backend import schema_to_regex
 from radixserve.constrained.vocab import BYTE_LEVEL, SENTENCEPIECE, gpt2_unicode_to_byte
 from radixserve.core.params import InvalidRequest, SamplingParams
 from radixserve.core.request import FinishReason, TokenizedRequest
@@ -46,7 +46,8 @@ SCHEMA = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "maxDigits": 3},
+        # maxDigits bounds it for outlines, the range for llguidance (each ignores the other)
+        "age": {"type": "integer", "maxDigits": 3, "minimum": -999, "maximum": 999},
         "ok": {"type": "boolean"},
     },
     "required": ["name", "age", "ok"],
@@ -143,7 +144,8 @@ def test_mask_pack_unpack_exact(vocab: int) -> None:
 
 @pytest.fixture(scope="module")
 def compiler(tokenizer: Any) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer, [tokenizer.eos_token_id], len(tokenizer))
+    """The outlines backend: these tests read its automaton."""
+    return GrammarCompiler(tokenizer, [tokenizer.eos_token_id], len(tokenizer), backend="outlines")
 
 
 def test_sampler_masks_exactly_the_forbidden_tokens(compiler: GrammarCompiler) -> None:
@@ -313,6 +315,18 @@ def test_invalid_pattern_via_engine(engine: Engine) -> None:
 def test_a_request_compiling_holds_nothing(engine: Engine) -> None:
     """While its pattern compiles (off the scheduler thread) a request can be aborted, or
     run out of time: either way all its n samples end (abort / error 400)."""
+    sched = engine.scheduler
+    fast = sched.grammars  # llguidance compiles this in milliseconds: outlines takes seconds
+    sched.grammars = GrammarCompiler(
+        engine.tokenizer, sched.eos_ids, fast.vocab_size, backend="outlines"
+    )
+    try:
+        _compiling_holds_nothing(engine)
+    finally:
+        sched.grammars = fast
+
+
+def _compiling_holds_nothing(engine: Engine) -> None:
     sched = engine.scheduler
     sched.add_request(_request("compiling", "x", engine, regex="[0-9]{41}z", n=2))
     assert len(sched.compiling) == 1 and sched.stats().num_queued == 1

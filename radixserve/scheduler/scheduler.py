@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.config import EngineConfig
-from radixserve.constrained.grammar import CompiledGrammar, GrammarState
+from radixserve.constrained.backend import CompiledGrammar
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.info import ModelInfo, SchedulerStats
 from radixserve.core.request import FinishReason, SampleOutput, TokenizedRequest
@@ -169,7 +169,7 @@ class Scheduler:
         self, request: TokenizedRequest, index: int, grammar: CompiledGrammar | None
     ) -> Req:
         stop = StopChecker(request.sampling, set(self.eos_ids), self.tokenizer)
-        state = None if grammar is None else GrammarState(grammar)  # own state per sample
+        state = None if grammar is None else grammar.new_state()  # own state per sample
         return Req(
             request=request, index=index, stop=stop, grammar=state, arrival=next(self._arrival)
         )
