@@ -35,6 +35,7 @@ class GrammarError(RuntimeError):
 class GrammarState(ABC):
     """Where ONE sample is in its grammar. Only `advance` mutates it (once per token)."""
 
+    grammar: CompiledGrammar  # what it walks (a forked sample starts its own state of it)
     terminated: bool  # eos taken, or only eos may follow
 
     @abstractmethod

@@ -45,6 +45,8 @@ class LLGuidanceGrammar(CompiledGrammar):
 class LLGuidanceState(GrammarState):
     """The sample's own matcher (a copy of the grammar's start)."""
 
+    grammar: LLGuidanceGrammar
+
     def __init__(self, grammar: LLGuidanceGrammar) -> None:
         self.grammar = grammar
         self.matcher = grammar.start.deep_copy()

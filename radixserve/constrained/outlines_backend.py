@@ -71,6 +71,8 @@ class OutlinesGrammar(CompiledGrammar):
 class OutlinesState(GrammarState):
     """The sample's DFA state."""
 
+    grammar: OutlinesGrammar
+
     def __init__(self, grammar: OutlinesGrammar) -> None:
         self.grammar = grammar
         self.state = grammar.initial

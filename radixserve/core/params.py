@@ -250,7 +250,7 @@ _TYPES: dict[str, tuple[Any, str]] = {
 }
 
 
-def _token_key(key: object) -> object:
+def _token_key(key: Any) -> Any:
     """A logit_bias key: JSON spells ids as strings of digits; anything else is left for the
     type check to refuse."""
     if isinstance(key, str) and key.strip().lstrip("-").isdigit() and len(key) <= 20:

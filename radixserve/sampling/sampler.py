@@ -245,8 +245,8 @@ def process_logits(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Ten
         biases = [infos[i].params.logit_bias for i in bias]
         r, t = _pairs(bias, [(list(b),) for b in biases], work)
         assert int(t.max()) < work.shape[1], f"logit_bias ids {t.max()} vs vocab {work.shape[1]}"
-        vals = [v for b in biases for v in b.values()]  # in the order _pairs flattened them
-        work[r, t] += torch.tensor(vals, dtype=work.dtype, device=work.device)  # ids distinct
+        added = [v for b in biases for v in b.values()]  # in the order _pairs flattened them
+        work[r, t] += torch.tensor(added, dtype=work.dtype, device=work.device)  # ids distinct
     if ban:
         banned = [
             (sorted(set(infos[i].eos_token_ids) | set(infos[i].params.stop_token_ids)),)
