@@ -22,7 +22,7 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 QUANTIZATIONS = ("auto", "none", "int8")
 POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("tree", "flat", "none")  # "none": benchmark-only no-attention ceiling
-GRAMMAR_BACKENDS = ("llguidance", "outlines")  # radixserve.constrained.BACKENDS
+GRAMMAR_BACKENDS = ("llguidance", "outlines", "xgrammar")  # radixserve.constrained.BACKENDS
 CONTROL_CONNECTIONS = 64  # connections kept for /health, /get_server_info, aborts, ...
 PACKED_LINEAR = ("auto", "on", "off")
 # Attention op implementations (radixserve.kernels, which documents each): "auto" picks

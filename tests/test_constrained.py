@@ -11,6 +11,7 @@ The slow tests repeat the pattern checks on the real SmolLM2 (bf16).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import time
@@ -22,7 +23,10 @@ import torch
 
 from radixserve import Engine
 from radixserve.constrained import (
+    BACKENDS,
+    GrammarBackend,
     GrammarCompiler,
+    make_grammar_backend,
     pack_token_mask,
     token_bytes,
     token_mask_bias,
@@ -188,7 +192,62 @@ def test_grammar_state_walks_and_terminates(compiler: GrammarCompiler, tokenizer
         state.allowed_tokens()
 
 
-# ---- compiling and validation ----------------------------------------------------------
+# ---- every backend, one interface -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def backends(tokenizer: Any) -> dict[str, GrammarBackend]:
+    eos = frozenset({tokenizer.eos_token_id})
+    out = {}
+    for name in BACKENDS:
+        if name == "xgrammar" and importlib.util.find_spec("xgrammar") is None:
+            continue  # an optional extra
+        out[name] = make_grammar_backend(
+            name, tokenizer, tokenizer.eos_token_id, eos, len(tokenizer)
+        )
+    return out
+
+
+@pytest.mark.parametrize(
+    ("field", "pattern", "document"),
+    [
+        ("regex", CHOICE, "maybe"),
+        # [0-9], not \d: outlines reads \d as any Unicode digit, xgrammar as ASCII
+        ("regex", "[0-9]{4}-[0-9]{2}-[0-9]{2}", "2024-01-31"),
+        ("regex", "-?[0-9]{1,8}", "-1234"),
+        ("ebnf", 'root ::= ("yes" | "no") ", " [0-9]', "no, 7"),
+    ],
+    ids=["choice", "date", "int", "ebnf"],
+)
+def test_backends_allow_the_same_tokens(
+    backends: dict[str, GrammarBackend], tokenizer: Any, field: str, pattern: str, document: str
+) -> None:
+    """Walking one document, every backend allows exactly the same tokens at every step
+    (eos included where the pattern is complete) and terminates where nothing can follow."""
+    V = len(tokenizer)
+    ids = tokenizer.encode(document, add_special_tokens=False)
+    walks: dict[str, list[list[int]]] = {}
+    for name, backend in backends.items():
+        if name == "outlines" and field == "ebnf":
+            with pytest.raises(InvalidRequest, match="^ebnf: .*--grammar-backend llguidance"):
+                backend.compile(field, pattern)
+            continue
+        state = backend.compile(field, pattern).new_state()
+        steps = []
+        for tok in ids:
+            allowed = unpack_token_masks(state.allowed_tokens().unsqueeze(0), V)[0]
+            steps.append(allowed.nonzero()[:, 0].tolist())
+            assert tok in steps[-1], (name, tok)
+            state.advance(tok)
+        if not state.terminated:  # "\d{1,8}" may go on: eos is allowed, the walk ends
+            allowed = unpack_token_masks(state.allowed_tokens().unsqueeze(0), V)[0]
+            assert bool(allowed[tokenizer.eos_token_id]), name
+            state.advance(tokenizer.eos_token_id)
+        assert state.terminated, name
+        walks[name] = steps
+    reference = next(iter(walks.values()))
+    assert len(walks) >= 2 and all(w == reference for w in walks.values()), list(walks)
+    assert max(len(step) for step in reference) > 1  # the masks do choose among tokens
 
 
 @pytest.mark.parametrize(

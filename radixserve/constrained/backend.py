@@ -80,9 +80,16 @@ def _llguidance(*args: Any) -> GrammarBackend:
     return LLGuidanceBackend(*args)
 
 
+def _xgrammar(*args: Any) -> GrammarBackend:
+    from radixserve.constrained.xgrammar_backend import XGrammarBackend
+
+    return XGrammarBackend(*args)
+
+
 BACKENDS: dict[str, Callable[..., GrammarBackend]] = {
     "llguidance": _llguidance,
     "outlines": _outlines,
+    "xgrammar": _xgrammar,
 }
 
 
