@@ -98,7 +98,8 @@ class XGrammarBackend(GrammarBackend):
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(self.eos_ids)
         )
-        self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        # no cache of its own: the GrammarCompiler above keeps an LRU of compiled patterns
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
 
     def compile(self, field: str, text: str) -> XGrammarGrammar:
         try:
