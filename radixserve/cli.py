@@ -44,8 +44,8 @@ HELP = {
     "schedule_policy": "waiting-queue order: lpm (longest prefix match) or fcfs",
     "disable_radix_cache": "do not reuse KV across requests",
     "attention_backend": "tree (shared-prefix Hydragen attention) or flat (per request)",
-    "grammar_backend": "constrained decoding (regex, json_schema, ebnf): llguidance (default) "
-    "or outlines (outlines-core: regex and json_schema only)",
+    "grammar_backend": "constrained decoding (regex, json_schema, ebnf): llguidance (default), "
+    "xgrammar (the radixserve[xgrammar] extra) or outlines (regex and json_schema only)",
     "attention_kernels": "attention ops under the backend: auto (triton on CUDA, native C++ "
     "on an AVX2 CPU, else cpu), native, cpu (torch), reference (readable torch), triton",
     "native_ops": "our C++ CPU kernels (RMSNorm/RoPE, quantized matmuls, sampling, attention); "

@@ -1,7 +1,7 @@
 """Constrained decoding: regex, JSON-schema and EBNF outputs.
 
 `GrammarCompiler` (grammar.py) compiles a request's constraint once per tokenizer (LRU cache)
-with the chosen backend (backend.py, the one interface: llguidance, the default, or
+with the chosen backend (backend.py, the one interface: llguidance, the default, xgrammar or
 outlines-core); each sample walks its own `GrammarState`, whose packed mask (mask.py) the
 sampler applies as -inf on forbidden logits. vocab.py recovers each token's raw bytes for
 outlines. A backend's library is imported only when the first pattern is compiled.

@@ -1,5 +1,6 @@
 """The grammar compiler: a request's constraint (regex / json_schema / ebnf) compiled once per
-tokenizer by the chosen backend (backend.py: llguidance, outlines), kept in an LRU cache.
+tokenizer by the chosen backend (backend.py: llguidance, xgrammar, outlines), kept in an LRU
+cache.
 
     GrammarCompiler            one per tokenizer and backend
       .compile(params)         -> CompiledGrammar | None; LRU cache per (field, pattern);
