@@ -18,6 +18,7 @@ from radixserve.config import (
     ATTENTION_BACKENDS,
     ATTENTION_KERNELS,
     DTYPE_CHOICES,
+    GRAMMAR_BACKENDS,
     PACKED_LINEAR,
     POLICIES,
     QUANTIZATIONS,
@@ -43,6 +44,8 @@ HELP = {
     "schedule_policy": "waiting-queue order: lpm (longest prefix match) or fcfs",
     "disable_radix_cache": "do not reuse KV across requests",
     "attention_backend": "tree (shared-prefix Hydragen attention) or flat (per request)",
+    "grammar_backend": "constrained decoding (regex, json_schema, ebnf): llguidance (default), "
+    "xgrammar (the radixserve[xgrammar] extra) or outlines (regex and json_schema only)",
     "attention_kernels": "attention ops under the backend: auto (triton on CUDA, native C++ "
     "on an AVX2 CPU, else cpu), native, cpu (torch), reference (readable torch), triton",
     "native_ops": "our C++ CPU kernels (RMSNorm/RoPE, quantized matmuls, sampling, attention); "
@@ -64,6 +67,7 @@ CHOICES: dict[str, Sequence[str]] = {
     "schedule_policy": POLICIES,
     "attention_backend": ATTENTION_BACKENDS,
     "attention_kernels": ATTENTION_KERNELS,
+    "grammar_backend": GRAMMAR_BACKENDS,
     "packed_linear": PACKED_LINEAR,
     "log_level": ("debug", "info", "warning", "error"),
 }

@@ -22,6 +22,7 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 QUANTIZATIONS = ("auto", "none", "int8")
 POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("tree", "flat", "none")  # "none": benchmark-only no-attention ceiling
+GRAMMAR_BACKENDS = ("llguidance", "outlines", "xgrammar")  # radixserve.constrained.BACKENDS
 CONTROL_CONNECTIONS = 64  # connections kept for /health, /get_server_info, aborts, ...
 PACKED_LINEAR = ("auto", "on", "off")
 # Attention op implementations (radixserve.kernels, which documents each): "auto" picks
@@ -63,6 +64,7 @@ class EngineConfig:
     disable_radix_cache: bool = False
     attention_backend: str = "tree"
     attention_kernels: str = "auto"  # the ops under the backend; process-wide (see worker)
+    grammar_backend: str = "llguidance"  # constrained decoding (radixserve.constrained)
     # Our C++ CPU kernels (RMSNorm/RoPE, quantized matmuls, sampling, attention), built on
     # first use; False: the same math as torch ops. Process-wide (see worker).
     native_ops: bool = NATIVE_OPS_DEFAULT
@@ -97,6 +99,10 @@ class EngineConfig:
         check(
             self.attention_backend in ATTENTION_BACKENDS,
             f"attention_backend must be one of {ATTENTION_BACKENDS}",
+        )
+        check(
+            self.grammar_backend in GRAMMAR_BACKENDS,
+            f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}",
         )
         check(
             self.attention_kernels in ATTENTION_KERNELS,

@@ -1,4 +1,4 @@
-"""Constrained decoding (regex / json_schema through outlines-core).
+"""Constrained decoding (regex / json_schema through outlines-core and llguidance).
 
 Fast tests use the tiny random Llama with the real SmolLM2 tokenizer (fp32): token bytes
 round-trip exactly, packed masks round-trip exactly, the sampler masks exactly the tokens the
@@ -11,6 +11,7 @@ The slow tests repeat the pattern checks on the real SmolLM2 (bf16).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import time
@@ -22,15 +23,18 @@ import torch
 
 from radixserve import Engine
 from radixserve.constrained import (
+    BACKENDS,
+    GrammarBackend,
     GrammarCompiler,
+    make_grammar_backend,
     pack_token_mask,
-    schema_to_regex,
     token_bytes,
     token_mask_bias,
     tokenizer_kind,
     unpack_token_masks,
 )
 from radixserve.constrained.grammar import COMPILE_TIMEOUT_S, GrammarError
+from radixserve.constrained.outlines_backend import schema_to_regex
 from radixserve.constrained.vocab import BYTE_LEVEL, SENTENCEPIECE, gpt2_unicode_to_byte
 from radixserve.core.params import InvalidRequest, SamplingParams
 from radixserve.core.request import FinishReason, TokenizedRequest
@@ -46,7 +50,8 @@ SCHEMA = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "maxDigits": 3},
+        # maxDigits bounds it for outlines, the range for llguidance (each ignores the other)
+        "age": {"type": "integer", "maxDigits": 3, "minimum": -999, "maximum": 999},
         "ok": {"type": "boolean"},
     },
     "required": ["name", "age", "ok"],
@@ -143,7 +148,8 @@ def test_mask_pack_unpack_exact(vocab: int) -> None:
 
 @pytest.fixture(scope="module")
 def compiler(tokenizer: Any) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer, [tokenizer.eos_token_id], len(tokenizer))
+    """The outlines backend: these tests read its automaton."""
+    return GrammarCompiler(tokenizer, [tokenizer.eos_token_id], len(tokenizer), backend="outlines")
 
 
 def test_sampler_masks_exactly_the_forbidden_tokens(compiler: GrammarCompiler) -> None:
@@ -186,7 +192,62 @@ def test_grammar_state_walks_and_terminates(compiler: GrammarCompiler, tokenizer
         state.allowed_tokens()
 
 
-# ---- compiling and validation ----------------------------------------------------------
+# ---- every backend, one interface -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def backends(tokenizer: Any) -> dict[str, GrammarBackend]:
+    eos = frozenset({tokenizer.eos_token_id})
+    out = {}
+    for name in BACKENDS:
+        if name == "xgrammar" and importlib.util.find_spec("xgrammar") is None:
+            continue  # an optional extra
+        out[name] = make_grammar_backend(
+            name, tokenizer, tokenizer.eos_token_id, eos, len(tokenizer)
+        )
+    return out
+
+
+@pytest.mark.parametrize(
+    ("field", "pattern", "document"),
+    [
+        ("regex", CHOICE, "maybe"),
+        # [0-9], not \d: outlines reads \d as any Unicode digit, xgrammar as ASCII
+        ("regex", "[0-9]{4}-[0-9]{2}-[0-9]{2}", "2024-01-31"),
+        ("regex", "-?[0-9]{1,8}", "-1234"),
+        ("ebnf", 'root ::= ("yes" | "no") ", " [0-9]', "no, 7"),
+    ],
+    ids=["choice", "date", "int", "ebnf"],
+)
+def test_backends_allow_the_same_tokens(
+    backends: dict[str, GrammarBackend], tokenizer: Any, field: str, pattern: str, document: str
+) -> None:
+    """Walking one document, every backend allows exactly the same tokens at every step
+    (eos included where the pattern is complete) and terminates where nothing can follow."""
+    V = len(tokenizer)
+    ids = tokenizer.encode(document, add_special_tokens=False)
+    walks: dict[str, list[list[int]]] = {}
+    for name, backend in backends.items():
+        if name == "outlines" and field == "ebnf":
+            with pytest.raises(InvalidRequest, match="^ebnf: .*--grammar-backend llguidance"):
+                backend.compile(field, pattern)
+            continue
+        state = backend.compile(field, pattern).new_state()
+        steps = []
+        for tok in ids:
+            allowed = unpack_token_masks(state.allowed_tokens().unsqueeze(0), V)[0]
+            steps.append(allowed.nonzero()[:, 0].tolist())
+            assert tok in steps[-1], (name, tok)
+            state.advance(tok)
+        if not state.terminated:  # "\d{1,8}" may go on: eos is allowed, the walk ends
+            allowed = unpack_token_masks(state.allowed_tokens().unsqueeze(0), V)[0]
+            assert bool(allowed[tokenizer.eos_token_id]), name
+            state.advance(tokenizer.eos_token_id)
+        assert state.terminated, name
+        walks[name] = steps
+    reference = next(iter(walks.values()))
+    assert len(walks) >= 2 and all(w == reference for w in walks.values()), list(walks)
+    assert max(len(step) for step in reference) > 1  # the masks do choose among tokens
 
 
 @pytest.mark.parametrize(
@@ -313,6 +374,18 @@ def test_invalid_pattern_via_engine(engine: Engine) -> None:
 def test_a_request_compiling_holds_nothing(engine: Engine) -> None:
     """While its pattern compiles (off the scheduler thread) a request can be aborted, or
     run out of time: either way all its n samples end (abort / error 400)."""
+    sched = engine.scheduler
+    fast = sched.grammars  # llguidance compiles this in milliseconds: outlines takes seconds
+    sched.grammars = GrammarCompiler(
+        engine.tokenizer, sched.eos_ids, fast.vocab_size, backend="outlines"
+    )
+    try:
+        _compiling_holds_nothing(engine)
+    finally:
+        sched.grammars = fast
+
+
+def _compiling_holds_nothing(engine: Engine) -> None:
     sched = engine.scheduler
     sched.add_request(_request("compiling", "x", engine, regex="[0-9]{41}z", n=2))
     assert len(sched.compiling) == 1 and sched.stats().num_queued == 1

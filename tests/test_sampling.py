@@ -6,6 +6,7 @@ chi-square critical values at p = 0.001 (a correct sampler fails them 1 time in 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -53,6 +54,7 @@ def test_defaults_are_sglangs() -> None:
         frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, stop=[],
         stop_token_ids=[], stop_regex=[], ignore_eos=False, skip_special_tokens=True,
         spaces_between_special_tokens=True, n=1, seed=None, regex=None, json_schema=None,
+        ebnf=None, logit_bias={},
     )  # fmt: skip
     assert SamplingParams().to_dict() == want
 
@@ -69,6 +71,10 @@ def test_from_dict_normalises() -> None:
     assert q.stop == ["a", "b"] and q.stop_token_ids == [3, 4] and q.top_k == 0
     full = SamplingParams(temperature=0.5, stop=["x"], seed=3, n=4, regex="a+")
     assert SamplingParams.from_dict(full.to_dict()) == full
+    bias = SamplingParams.from_dict({"logit_bias": {"7": -100, 3: 2.5}})  # JSON keys: strings
+    assert bias.logit_bias == {7: -100.0, 3: 2.5}
+    assert SamplingParams.from_dict(bias.to_dict()) == bias
+    assert SamplingParams(ebnf='root ::= "a"').constraint == ("ebnf", 'root ::= "a"')
 
 
 BAD_PARAMS = [
@@ -116,6 +122,14 @@ BAD_PARAMS = [
     ({"regex": 3}, "regex", "string"),
     ({"json_schema": {"type": "object"}}, "json_schema", "string"),
     ({"regex": "a", "json_schema": "{}"}, "json_schema", "at most one"),
+    ({"ebnf": "a", "regex": "b"}, "regex and ebnf", "at most one"),
+    ({"ebnf": 5}, "ebnf", "string"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias", "[-100.0, 100.0]"),
+    ({"logit_bias": {"-3": 1}}, "logit_bias", ">= 0"),
+    ({"logit_bias": {"a": 1}}, "logit_bias", "mapping token ids to numbers"),
+    ({"logit_bias": {"1": "x"}}, "logit_bias", "mapping token ids to numbers"),
+    ({"logit_bias": [1, 2]}, "logit_bias", "mapping token ids to numbers"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "at most 1024"),
 ]
 
 
@@ -136,8 +150,34 @@ def test_from_dict_rejects_non_mapping_and_direct_construction_checks() -> None:
 
 def test_validate_vocab() -> None:
     SamplingParams(stop_token_ids=[0, 99]).validate(100)
-    with pytest.raises(InvalidRequest, match=r"stop_token_ids .*\[0, 100\), got 100"):
+    with pytest.raises(InvalidRequest, match=r"stop_token_ids.*\[0, 100\), got 100"):
         SamplingParams(stop_token_ids=[5, 100]).validate(100)
+    with pytest.raises(InvalidRequest, match=r"logit_bias.*\[0, 100\), got 100"):
+        SamplingParams(logit_bias={100: 1.0}).validate(100)
+
+
+def test_logit_bias_is_added_per_row() -> None:
+    """Each row's biases land on its own tokens only, once; -100 keeps a token out of every
+    draw, +100 all but forces it; rows without biases are untouched."""
+    logits = torch.randn(3, 50, generator=gen(1))
+    favourite = int(logits[0].argmax())
+    infos = [
+        SamplingInfo(SamplingParams(logit_bias={favourite: -100, 7: 1.5})),
+        SamplingInfo(SamplingParams(logit_bias={9: 100})),
+        SamplingInfo(SamplingParams()),
+    ]
+    work = process_logits(logits, infos)
+    expect = logits.clone()
+    expect[0, favourite] -= 100
+    expect[0, 7] += 1.5
+    expect[1, 9] += 100
+    assert torch.equal(work, expect)
+    greedy = [SamplingInfo(dataclasses.replace(i.params, temperature=0)) for i in infos]
+    want = [int(expect[0].argmax()), 9, int(logits[2].argmax())]
+    assert want[0] != favourite and sample(logits, greedy).next_ids.tolist() == want
+    banned = SamplingParams(logit_bias={favourite: -100}, temperature=1.0)
+    drawn = [sample(logits[:1], [SamplingInfo(banned)], gen(s)).next_ids.item() for s in range(50)]
+    assert favourite not in drawn
 
 
 # ----------------------------------------------------------------------------- sampler

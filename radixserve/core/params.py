@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.core.limits import (
+    MAX_LOGIT_BIAS,
     MAX_N,
     MAX_PATTERN_CHARS,
     MAX_STOP_CHARS,
@@ -32,6 +33,8 @@ from radixserve.core.limits import (
 )
 
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for frequency/presence penalties
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's range: -100 bans a token, 100 all but forces it
+CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf")  # output constraints, at most one
 
 
 class InvalidRequest(ValueError):
@@ -59,14 +62,20 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     n: int = 1
     seed: int | None = None  # None: draw from the process-level generator
-    regex: str | None = None  # carried for constrained decoding, validated there
-    json_schema: str | None = None  # idem
+    regex: str | None = None  # constrained decoding (at most one of the three), compiled
+    json_schema: str | None = None  # by the grammar backend, which validates the pattern
+    ebnf: str | None = None  # a context-free grammar (GBNF: `root ::= ...`)
+    # token id -> bias added to its logit before sampling (OpenAI: [-100, 100]; JSON object
+    # keys arrive as strings of digits and are read as ids)
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.stop_regex, str):
             self.stop_regex = [self.stop_regex]
+        if isinstance(self.logit_bias, Mapping):
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name))
         self.stop = list(self.stop)
@@ -74,6 +83,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         for name in _FLOATS:
             setattr(self, name, float(getattr(self, name)))
+        self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self._check_ranges()
 
     @classmethod
@@ -96,11 +106,18 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Check what depends on the model: token ids must lie in [0, vocab_size)."""
-        for t in self.stop_token_ids:
-            _require(
-                0 <= t < vocab_size,
-                f"stop_token_ids entries must be in [0, {vocab_size}), got {t}",
-            )
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
+            for t in ids:
+                _require(0 <= t < vocab_size, f"{name}: ids must be in [0, {vocab_size}), got {t}")
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(field name, pattern) of the output constraint, None when unconstrained."""
+        for name in CONSTRAINT_FIELDS:
+            text = getattr(self, name)
+            if text is not None:
+                return name, text
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -167,16 +184,22 @@ class SamplingParams:
         )
         for t in self.stop_token_ids:
             _require(t >= 0, f"stop_token_ids entries must be >= 0, got {t}")
-        for name in ("regex", "json_schema"):
+        for name in CONSTRAINT_FIELDS:
             text = getattr(self, name)
             _require(
                 text is None or len(text) <= MAX_PATTERN_CHARS,
                 f"{name} must be at most {MAX_PATTERN_CHARS} characters",
             )
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        _require(len(given) <= 1, f"{' and '.join(given)} are exclusive: set at most one of them")
         _require(
-            self.regex is None or self.json_schema is None,
-            "regex and json_schema are exclusive: set at most one of them",
+            len(self.logit_bias) <= MAX_LOGIT_BIAS,
+            f"logit_bias has {len(self.logit_bias)} entries, at most {MAX_LOGIT_BIAS} are allowed",
         )
+        lo, hi = LOGIT_BIAS_RANGE
+        for t, b in self.logit_bias.items():
+            _require(t >= 0, f"logit_bias: token ids must be >= 0, got {t}")
+            _require(lo <= b <= hi, f"logit_bias: biases must be in [{lo}, {hi}], got {b} for {t}")
 
 
 def _is_int(v: object) -> bool:
@@ -219,7 +242,20 @@ _TYPES: dict[str, tuple[Any, str]] = {
     "seed": (lambda v: v is None or _is_int(v), "a 64-bit integer or null"),
     "regex": (lambda v: v is None or isinstance(v, str), "a string or null"),
     "json_schema": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "ebnf": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "logit_bias": (
+        lambda v: isinstance(v, Mapping) and all(_is_int(k) and _is_float(b) for k, b in v.items()),
+        "an object mapping token ids to numbers",
+    ),
 }
+
+
+def _token_key(key: Any) -> Any:
+    """A logit_bias key: JSON spells ids as strings of digits; anything else is left for the
+    type check to refuse."""
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit() and len(key) <= 20:
+        return int(key)
+    return key
 
 
 def _check_type(name: str, value: object) -> None:

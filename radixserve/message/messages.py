@@ -76,6 +76,7 @@ class GenerateReq(Message):
     return_text_in_logprobs: bool = False
     stream: bool = False
     max_new_tokens_auto: bool = False
+    tools: list[dict[str, Any]] | None = None  # chat: OpenAI tool definitions to render
 
 
 class TokenizedReq(Message):

@@ -16,6 +16,8 @@ Per row, in this order (SGLang/HF/OpenAI semantics):
      penalty, negative logits multiplied by it; each distinct token once);
   2. frequency/presence penalties over output tokens (OpenAI:
      l -= frequency_penalty * count + presence_penalty * (count > 0));
+  2b. logit_bias: each row's {token id: bias} added to those logits (OpenAI: -100 all but
+     bans a token, +100 all but forces it; greedy rows included);
   3. min_new_tokens: while len(output_ids) < min_new_tokens, eos ids and stop_token_ids get
      -inf (also with ignore_eos, which only means that eos does not stop);
   3b. grammar (regex / json_schema): tokens the row's grammar state does not allow get -inf
@@ -93,7 +95,7 @@ class SamplingInfo:
     # False skips this row's log-sum-exp (a full pass over the vocabulary): its entry in
     # SampledTokens.logprobs is then NaN. The scheduler sets it from return_logprob.
     return_logprob: bool = True
-    grammar: AllowedTokens | None = None  # regex / json_schema state; None: unconstrained
+    grammar: AllowedTokens | None = None  # regex / json_schema / ebnf state; None: free
 
     @property
     def stream_key(self) -> tuple[int, int] | None:
@@ -209,7 +211,7 @@ def _raw_logprobs(
 
 
 def process_logits(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Tensor:
-    """Steps 1-3b (penalties, min_new_tokens and grammar masks) of the module docstring.
+    """Steps 1-3b (penalties, logit_bias, min_new_tokens, grammar masks) of the module docstring.
 
     Returns a modified copy of `logits` (B, V), or `logits` itself (not a copy) when no row
     needs a change; `logits` is never written. Each step is one batched scatter over the
@@ -222,8 +224,9 @@ def process_logits(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Ten
         if f.output_ids and (f.params.frequency_penalty != 0.0 or f.params.presence_penalty != 0.0)
     ]
     ban = [i for i, f in enumerate(infos) if f.masks_stop_tokens]
+    bias = [i for i, f in enumerate(infos) if f.params.logit_bias]
     con = [i for i, f in enumerate(infos) if f.grammar is not None]
-    if not (rep or occ or ban or con):
+    if not (rep or occ or bias or ban or con):
         return logits
     work = logits.clone()
     if rep:
@@ -238,6 +241,12 @@ def process_logits(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Ten
         work[r, t] = work[r, t] - _per_row([f.params.presence_penalty for f in infos], work)[r]
         freq = _per_row([f.params.frequency_penalty for f in infos], work)[r]  # (N,)
         work.index_put_((r, t), -freq, accumulate=True)  # once per occurrence
+    if bias:
+        biases = [infos[i].params.logit_bias for i in bias]
+        r, t = _pairs(bias, [(list(b),) for b in biases], work)
+        assert int(t.max()) < work.shape[1], f"logit_bias ids {t.max()} vs vocab {work.shape[1]}"
+        added = [v for b in biases for v in b.values()]  # in the order _pairs flattened them
+        work[r, t] += torch.tensor(added, dtype=work.dtype, device=work.device)  # ids distinct
     if ban:
         banned = [
             (sorted(set(infos[i].eos_token_ids) | set(infos[i].params.stop_token_ids)),)

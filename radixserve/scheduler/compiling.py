@@ -1,4 +1,4 @@
-"""Requests whose regex / json_schema is being compiled off the scheduler thread.
+"""Requests whose regex / json_schema / ebnf is being compiled off the scheduler thread.
 
 A request with a pattern not in the compiler's cache waits here, holding nothing, until its
 future is done (then it is queued, or refused with 400 if the pattern failed) or its
@@ -11,7 +11,8 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
-from radixserve.constrained.grammar import COMPILE_TIMEOUT_S, CompiledGrammar
+from radixserve.constrained.backend import CompiledGrammar
+from radixserve.constrained.grammar import COMPILE_TIMEOUT_S
 from radixserve.core.request import TokenizedRequest
 
 Built = tuple[TokenizedRequest, CompiledGrammar | None]  # ready to queue
@@ -56,14 +57,14 @@ class PendingCompiles:
         keep: list[_Compile] = []
         now = time.monotonic()
         for c in self._items:
-            field = "regex" if c.request.sampling.regex is not None else "json_schema"
+            field = (c.request.sampling.constraint or ("pattern", ""))[0]
             if c.future.done():
                 error = c.future.exception()
                 if error is None:
                     built.append((c.request, c.future.result()))
                 elif isinstance(error, ValueError):  # InvalidRequest: names the field
                     failed.append((c.request, str(error)))
-                else:  # outlines itself failed (a Rust panic arrives as a BaseException)
+                else:  # the backend itself failed (a Rust panic arrives as a BaseException)
                     failed.append((c.request, f"{field}: cannot compile: {error!r}"))
             elif now > c.deadline:
                 failed.append((c.request, f"{field}: did not compile in {self.timeout_s:.0f} s"))

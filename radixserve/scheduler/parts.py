@@ -54,7 +54,9 @@ def build_parts(
     """The cache and grammar compiler that go with a worker and tokenizer."""
     mc = worker.model_config
     cache = make_prefix_cache(config, worker.pool)
-    grammars = GrammarCompiler(tokenizer, mc.eos_token_ids, mc.vocab_size)
+    grammars = GrammarCompiler(
+        tokenizer, mc.eos_token_ids, mc.vocab_size, backend=config.grammar_backend
+    )
     return SchedulerParts(model_path, tokenizer, worker, cache, grammars)
 
 

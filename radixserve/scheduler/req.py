@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from radixserve.constrained.grammar import GrammarState
+from radixserve.constrained.backend import GrammarState
 from radixserve.core.params import SamplingParams
 from radixserve.core.request import FinishReason, PromptLogprob, TokenizedRequest, TokenLogprob
 from radixserve.kvcache.radix import TreeNode

@@ -37,7 +37,7 @@ import torch
 
 from radixserve.attention.tree import batched_nodes
 from radixserve.config import EngineConfig
-from radixserve.constrained.grammar import CompiledGrammar, GrammarState
+from radixserve.constrained.backend import CompiledGrammar
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.info import CacheTreeView, ModelInfo, SchedulerStats
 from radixserve.core.request import FinishReason, SampleOutput, TokenizedRequest
@@ -174,7 +174,7 @@ class Scheduler:
         self, request: TokenizedRequest, index: int, grammar: CompiledGrammar | None
     ) -> Req:
         stop = StopChecker(request.sampling, set(self.eos_ids), self.tokenizer)
-        state = None if grammar is None else GrammarState(grammar)  # own state per sample
+        state = None if grammar is None else grammar.new_state()  # own state per sample
         return Req(
             request=request, index=index, stop=stop, grammar=state, arrival=next(self._arrival)
         )

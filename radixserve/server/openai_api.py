@@ -22,12 +22,16 @@ from radixserve.server import openapi
 from radixserve.server.flow import sse, start_stream, submit_all, unless_disconnected
 from radixserve.server.manager import Pending, RequestManager
 from radixserve.server.openai_protocol import OpenAIBatch, parse_chat, parse_completion
+from radixserve.server.openai_tools import ToolStream
 from radixserve.server.protocol import ApiError, read_json
 
 router = APIRouter()
 
-# Renders one choice: (result, choice index, logprob entries new in this chunk) -> dict.
-ChoiceFn = Callable[[SampleResult, int, list[TextLogprob], list[list[TextLogprob]]], dict]
+# Renders one choice: (result, prompt, choice index) -> dict.
+ChoiceFn = Callable[[SampleResult, int, int], dict]
+# Renders one stream chunk's choice: (result so far, prompt, choice index, the chunk's text and
+# logprob entries, whether it is the choice's first chunk) -> dict.
+ChunkFn = Callable[[SampleResult, int, int, str, list, list, bool], dict]
 
 
 def _served_name(request: Request) -> str:
@@ -67,7 +71,9 @@ def _completion_logprobs(
     return {
         "tokens": texts,
         "token_logprobs": [lp for lp, _, _ in entries],
-        "top_logprobs": [{t or "": lp for lp, _, t in top} for top in tops] if tops else None,
+        "top_logprobs": [None if top is None else {t or "": lp for lp, _, t in top} for top in tops]
+        if tops
+        else None,
         "text_offset": offsets,
     }
 
@@ -102,7 +108,7 @@ async def _run(
     batch: OpenAIBatch,
     kind: str,
     choice: ChoiceFn,
-    chunk_choice: Callable[[SampleResult, int, str, list, list, bool], dict],
+    chunk_choice: ChunkFn,
 ) -> Response:
     manager: RequestManager = request.app.state.manager
     pendings = submit_all(manager, batch.reqs)
@@ -120,12 +126,12 @@ async def _run(
         work = _collect(manager, pendings, results)
         done = await unless_disconnected(request, manager, pendings, work)
     except ApiError as e:  # refusals from the pipeline use SGLang's field names
-        e.message = e.message.replace("max_new_tokens", "max_tokens")
+        e.message = batch.rename(e.message)
         raise
     if isinstance(done, Response):
         return done
     choices = [
-        choice(r, k * p.n + r.index, r.output_logprobs, r.output_top_logprobs)
+        choice(r, k, k * p.n + r.index)
         for k, (p, rs) in enumerate(zip(pendings, results))
         for r in rs
     ]
@@ -145,7 +151,7 @@ def _stream_body(
     results: list[list[SampleResult]],
     batch: OpenAIBatch,
     head: dict[str, Any],
-    chunk_choice: Callable[[SampleResult, int, str, list, list, bool], dict],
+    chunk_choice: ChunkFn,
 ) -> Callable[[], AsyncIterator[str]]:
     chunk_head = {**head, "object": head["object"] + ".chunk"} if "chat" in head["object"] else head
     usage_null = {"usage": None} if batch.include_usage else {}
@@ -161,6 +167,7 @@ def _stream_body(
                 continue
             c = chunk_choice(
                 r,
+                k,
                 k * pendings[k].n + d.index,
                 d.text,
                 d.output_logprobs,
@@ -181,12 +188,34 @@ def _stream_body(
 async def completions(request: Request) -> Response:
     batch = parse_completion(await read_json(request))
 
-    def choice(r: SampleResult, index: int, lps: list, tops: list) -> dict:
-        logprobs = _completion_logprobs(lps, tops, 0) if batch.logprobs else None
-        return {"index": index, "text": r.text, "logprobs": logprobs, "finish_reason": _finish(r)}
+    def echoed(r: SampleResult, k: int) -> tuple[str, list, list]:
+        """With echo: the prompt's text and its logprob entries (which are asked only with
+        logprobs or for a token-id prompt, whose text they carry)."""
+        if batch.echo is None:
+            return "", [], []
+        prompt = batch.echo[k]
+        if prompt is None:
+            prompt = "".join(t or "" for _, _, t in r.input_logprobs)
+        tops = [top or None for top in r.input_top_logprobs] if r.input_top_logprobs else []
+        return prompt, r.input_logprobs, tops
 
-    def chunk(r: SampleResult, index: int, text: str, lps: list, tops: list, first: bool) -> dict:
-        offset = len(r.text) - len(text)
+    def choice(r: SampleResult, k: int, index: int) -> dict:
+        prompt, lps, tops = echoed(r, k)
+        logprobs = None
+        if batch.logprobs:
+            tops = tops + r.output_top_logprobs if r.output_top_logprobs else []
+            logprobs = _completion_logprobs(lps + r.output_logprobs, tops, 0)
+        text = prompt + r.text
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": _finish(r)}
+
+    def chunk(
+        r: SampleResult, k: int, index: int, text: str, lps: list, tops: list, first: bool
+    ) -> dict:
+        prompt, prompt_lps, prompt_tops = echoed(r, k)
+        offset = len(prompt) + len(r.text) - len(text)
+        if first and batch.echo is not None:
+            text, lps, offset = prompt + text, prompt_lps + lps, 0
+            tops = prompt_tops + tops if tops else []
         logprobs = _completion_logprobs(lps, tops, offset) if batch.logprobs else None
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": _finish(r)}
 
@@ -196,22 +225,49 @@ async def completions(request: Request) -> Response:
 @router.post("/v1/chat/completions", openapi_extra=openapi.body(openapi.CHAT))
 async def chat_completions(request: Request) -> Response:
     batch = parse_chat(await read_json(request))
+    tools = batch.tools
+    streams: dict[int, ToolStream] = {}  # choice index -> its tool-call stream
 
-    def choice(r: SampleResult, index: int, lps: list, tops: list) -> dict:
+    def choice(r: SampleResult, k: int, index: int) -> dict:
+        lps, tops = r.output_logprobs, r.output_top_logprobs
+        message: dict[str, Any] = {"role": "assistant", "content": r.text}
+        finish = _finish(r)
+        if tools is not None and finish != "error":
+            content, calls = tools.parse(r.text)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+                finish = "tool_calls" if finish == "stop" else finish
         return {
             "index": index,
-            "message": {"role": "assistant", "content": r.text},
+            "message": message,
             "logprobs": _chat_logprobs(lps, tops) if batch.logprobs else None,
-            "finish_reason": _finish(r),
+            "finish_reason": finish,
         }
 
-    def chunk(r: SampleResult, index: int, text: str, lps: list, tops: list, first: bool) -> dict:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
+    def chunk(
+        r: SampleResult, k: int, index: int, text: str, lps: list, tops: list, first: bool
+    ) -> dict:
+        delta: dict[str, Any] = {"content": text}
+        finish = _finish(r)
+        if tools is not None:
+            stream = streams.setdefault(index, ToolStream(tools))
+            delta = stream.feed(text) if text else {}
+            if finish is not None:
+                last = stream.finish()
+                delta = {
+                    **delta,
+                    **last,
+                    "content": delta.get("content", "") + last.get("content", ""),
+                }
+                if not delta["content"]:
+                    del delta["content"]
+                finish = "tool_calls" if stream.calls and finish == "stop" else finish
         return {
             "index": index,
-            "delta": delta,
+            "delta": {"role": "assistant", **delta} if first else delta,
             "logprobs": _chat_logprobs(lps, tops) if batch.logprobs else None,
-            "finish_reason": _finish(r),
+            "finish_reason": finish,
         }
 
     return await _run(request, batch, "chat.completion", choice, chunk)

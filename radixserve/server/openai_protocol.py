@@ -3,14 +3,17 @@ that name the field as the client spelled it, e.g. `max_tokens`, not `max_new_to
 
 from __future__ import annotations
 
+import json
+import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.core.limits import MAX_MESSAGES, MAX_PROMPTS, MAX_TOP_LOGPROBS
-from radixserve.core.params import SamplingParams
+from radixserve.core.params import CONSTRAINT_FIELDS, SamplingParams
 from radixserve.message.messages import GenerateReq
-from radixserve.server.protocol import bad, check_fields, get, get_int
+from radixserve.server.openai_tools import Tools, parse_tools
+from radixserve.server.protocol import ApiError, bad, check_fields, get, get_int
 
 # OpenAI name -> SamplingParams name, for fields passed straight through.
 SAMPLING_FIELDS = {
@@ -31,6 +34,10 @@ SAMPLING_FIELDS = {
     "stop_token_ids": "stop_token_ids",
     "skip_special_tokens": "skip_special_tokens",
     "spaces_between_special_tokens": "spaces_between_special_tokens",
+    "regex": "regex",
+    "json_schema": "json_schema",
+    "ebnf": "ebnf",
+    "logit_bias": "logit_bias",
 }
 COMMON_FIELDS = frozenset(SAMPLING_FIELDS) | {"model", "stream", "stream_options", "user", "rid"}
 COMPLETION_FIELDS = COMMON_FIELDS | {
@@ -38,8 +45,8 @@ COMPLETION_FIELDS = COMMON_FIELDS | {
     "logprobs",
     "echo",
     "best_of",
-    "logit_bias",
     "suffix",
+    "response_format",
 }
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages",
@@ -50,9 +57,8 @@ CHAT_FIELDS = COMMON_FIELDS | {
     "tools",
     "tool_choice",
     "parallel_tool_calls",
-    "logit_bias",
 }
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
 
@@ -63,10 +69,28 @@ class OpenAIBatch:
     stream: bool
     include_usage: bool
     logprobs: bool
+    # our field name -> the client's, for errors found later in the pipeline (a schema that
+    # does not compile: `json_schema` came from `response_format`)
+    renames: dict[str, str] = field(default_factory=dict)
+    echo: list[str | None] | None = None  # completions with echo: each prompt's text (None:
+    # token ids, whose text comes from the prompt logprobs)
+    tools: Tools | None = None  # chat with tools and a tool_choice other than none
+
+    def rename(self, message: str) -> str:
+        """`message` with our field names spelled the client's way."""
+        for ours, theirs in {**self.renames, **_RENAMES}.items():
+            message = message.replace(ours, theirs)
+        return message
 
 
-def _sampling(body: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
-    """The request's parameters, parsed once here; 400 naming the field as the client did."""
+_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+def _sampling(
+    body: dict[str, Any], defaults: dict[str, Any], renames: dict[str, str]
+) -> SamplingParams:
+    """The request's parameters, parsed once here; 400 naming the field as the client did
+    (`renames`: fields the route filled in from others, e.g. json_schema <- response_format)."""
     sampling = dict(defaults)
     for ours_name, theirs in SAMPLING_FIELDS.items():
         if body.get(ours_name) is not None:
@@ -75,9 +99,62 @@ def _sampling(body: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
         return SamplingParams.from_dict(sampling)
     except ValueError as e:
         # Speak the client's language: SamplingParams names fields the SGLang way.
-        msg = str(e).replace("max_new_tokens", "max_tokens").replace("min_new_tokens", "min_tokens")
-        param = next((k for k in SAMPLING_FIELDS if msg.startswith(k + " ")), None)
+        msg = str(e)
+        for ours, theirs in {**renames, **_RENAMES}.items():
+            msg = msg.replace(ours, theirs)
+        param = next((k for k in body if re.match(rf"{re.escape(k)}\b", msg)), None)
         raise bad(msg, param) from e
+
+
+def _response_format(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """`response_format` as the SGLang constraint it asks for: ({"json_schema": text} or {},
+    renames for later errors). json_object is any JSON object; json_schema's `strict` is
+    accepted either way: the schema is always enforced."""
+    fmt = get(body, "response_format", "dict")
+    if fmt is None:
+        return {}, {}
+    kind = fmt.get("type")
+    if kind == "text":
+        check_fields(fmt, {"type"})
+        return {}, {}
+    if kind == "json_object":
+        check_fields(fmt, {"type"})
+        return {"json_schema": '{"type": "object"}'}, {"json_schema": "response_format"}
+    if kind != "json_schema":
+        raise bad(
+            "response_format.type must be one of 'text', 'json_object', 'json_schema', "
+            f"got {kind!r}",
+            "response_format",
+        )
+    check_fields(fmt, {"type", "json_schema"})
+    spec = get(fmt, "json_schema", "dict")
+    where = "response_format.json_schema"
+    if spec is None:
+        raise bad(f"{where} is required with type 'json_schema'", "response_format")
+    check_fields(spec, {"name", "schema", "strict", "description"})
+    for name, kind_ in (("name", "str"), ("description", "str"), ("strict", "bool")):
+        _get_in(spec, name, kind_, f"{where}.{name}")
+    schema = spec.get("schema", {"type": "object"})
+    if not isinstance(schema, (dict, bool)):
+        raise bad(f"{where}.schema must be a JSON schema object", "response_format")
+    return {"json_schema": json.dumps(schema)}, {"json_schema": f"{where}.schema"}
+
+
+def _get_in(obj: dict[str, Any], name: str, kind: str, where: str) -> Any:
+    """`get` for a nested field: the error names its whole path."""
+    try:
+        return get(obj, name, kind)
+    except ApiError as e:
+        raise bad(e.message.replace(name, where, 1), where.split(".")[0].split("[")[0]) from e
+
+
+def _constraints(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The SGLang constraint fields the request set through response_format, refusing two."""
+    extra, renames = _response_format(body)
+    for name in CONSTRAINT_FIELDS:
+        if extra and body.get(name) is not None:
+            raise bad(f"response_format and {name} are exclusive: set one of them", name)
+    return extra, renames
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -116,10 +193,13 @@ def _prompts(body: dict[str, Any]) -> list[tuple[str, Any]]:
 
 def parse_completion(body: dict[str, Any]) -> OpenAIBatch:
     check_fields(body, COMPLETION_FIELDS)
-    _unsupported_if_set(body, ("echo", "logit_bias", "suffix"))
+    _unsupported_if_set(body, ("suffix",))
     model = get(body, "model", "str")
     get(body, "user", "str")
-    sampling = _sampling(body, {"max_new_tokens": COMPLETIONS_DEFAULT_MAX_TOKENS})
+    echo = get(body, "echo", "bool", False)
+    extra, renames = _constraints(body)
+    defaults = {"max_new_tokens": COMPLETIONS_DEFAULT_MAX_TOKENS, **extra}
+    sampling = _sampling(body, defaults, renames)
     n = sampling.n
     best_of = get(body, "best_of", "int", n)
     if best_of != n:
@@ -131,26 +211,32 @@ def parse_completion(body: dict[str, Any]) -> OpenAIBatch:
     prompts = _prompts(body)
     if len(prompts) > MAX_PROMPTS:
         raise bad(f"prompt has {len(prompts)} prompts, at most {MAX_PROMPTS} per request", "prompt")
-    reqs = [
-        GenerateReq(
-            rid=base_rid if len(prompts) == 1 else f"{base_rid}-{i}",
-            sampling=sampling,
-            return_logprob=top is not None,
-            top_logprobs_num=top or 0,
-            return_text_in_logprobs=top is not None,
-            stream=stream,
-            **{key: prompt},
+    reqs = []
+    for i, (key, prompt) in enumerate(prompts):
+        # echo: the prompt's logprobs (asked for) or its text (token ids) come from the
+        # prompt logprobs, from position 0
+        prompt_lps = echo and (top is not None or key == "input_ids")
+        reqs.append(
+            GenerateReq(
+                rid=base_rid if len(prompts) == 1 else f"{base_rid}-{i}",
+                sampling=sampling,
+                return_logprob=top is not None or prompt_lps,
+                logprob_start_len=0 if prompt_lps else -1,
+                top_logprobs_num=top or 0,
+                return_text_in_logprobs=top is not None or prompt_lps,
+                stream=stream,
+                **{key: prompt},
+            )
         )
-        for i, (key, prompt) in enumerate(prompts)
-    ]
-    return OpenAIBatch(reqs, model, stream, include_usage, top is not None)
+    echoed = [p if key == "text" else None for key, p in prompts] if echo else None
+    return OpenAIBatch(reqs, model, stream, include_usage, top is not None, renames, echoed)
 
 
-def _message(m: Any, i: int) -> dict[str, str]:
+def _message(m: Any, i: int) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise bad(f"{where} must be an object with role and content", "messages")
-    check_fields(m, {"role", "content", "name"})
+    check_fields(m, {"role", "content", "name", "tool_calls", "tool_call_id"})
     role = m.get("role")
     if role not in CHAT_ROLES:
         raise bad(f"{where}.role must be one of {list(CHAT_ROLES)}, got {role!r}", "messages")
@@ -166,19 +252,55 @@ def _message(m: Any, i: int) -> dict[str, str]:
         content = ""
     if not isinstance(content, str):
         raise bad(f"{where}.content must be a string or a list of text parts", "messages")
-    return {"role": "system" if role == "developer" else role, "content": content}
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+    if role == "tool":
+        call_id = m.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise bad(f"{where}.tool_call_id must be a string", "messages")
+        out["tool_call_id"] = call_id
+    elif m.get("tool_call_id") is not None:
+        raise bad(f"{where}.tool_call_id is only for role 'tool'", "messages")
+    if m.get("tool_calls") is not None:
+        if role != "assistant":
+            raise bad(f"{where}.tool_calls is only for role 'assistant'", "messages")
+        out["tool_calls"] = [
+            _past_call(c, f"{where}.tool_calls[{j}]")
+            for j, c in enumerate(get(m, "tool_calls", "list"))
+        ]
+    return out
 
 
-def _response_format(body: dict[str, Any]) -> None:
-    fmt = get(body, "response_format", "dict")
-    if fmt is not None and fmt.get("type") != "text":
-        raise bad("response_format: only {'type': 'text'} is supported", "response_format")
+def _past_call(call: Any, where: str) -> dict[str, Any]:
+    """An assistant's earlier tool call, as the client sends it back."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad(
+            f"{where} must be {{'id', 'type': 'function', 'function': {{name, arguments}}}}",
+            "messages",
+        )
+    check_fields(call, {"id", "type", "function"})
+    check_fields(fn, {"name", "arguments"})
+    args = fn.get("arguments", "{}")
+    if not isinstance(args, str):
+        raise bad(f"{where}.function.arguments must be a JSON string", "messages")
+    call_id = call.get("id", "")
+    if not isinstance(call_id, str):
+        raise bad(f"{where}.id must be a string", "messages")
+    return {"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
 def parse_chat(body: dict[str, Any]) -> OpenAIBatch:
     check_fields(body, CHAT_FIELDS)
-    _unsupported_if_set(body, ("tools", "logit_bias"))
-    _response_format(body)
+    extra, renames = _constraints(body)
+    tools = parse_tools(body)
+    if tools is not None and tools.choice != "auto":
+        if extra or any(body.get(name) is not None for name in CONSTRAINT_FIELDS):
+            raise bad(
+                f"tool_choice {tools.choice!r} constrains the output itself: "
+                "it cannot be combined with response_format, regex, json_schema or ebnf",
+                "tool_choice",
+            )
+        extra, renames = tools.constraint()
     model = get(body, "model", "str")
     get(body, "user", "str")
     raw = body.get("messages")
@@ -192,7 +314,7 @@ def parse_chat(body: dict[str, Any]) -> OpenAIBatch:
     limit = get(body, "max_completion_tokens", "int")
     if limit is not None and body.get("max_tokens") is None:
         body = {**body, "max_tokens": limit}
-    sampling = _sampling(body, {})
+    sampling = _sampling(body, extra, renames)
     auto_limit = body.get("max_tokens") is None  # the tokenizer fills in the room left
     logprobs = get(body, "logprobs", "bool", False)
     top = get_int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
@@ -208,5 +330,6 @@ def parse_chat(body: dict[str, Any]) -> OpenAIBatch:
         return_text_in_logprobs=logprobs,
         stream=stream,
         max_new_tokens_auto=auto_limit,
+        tools=None if tools is None else tools.definitions,
     )
-    return OpenAIBatch([req], model, stream, include_usage, logprobs)
+    return OpenAIBatch([req], model, stream, include_usage, logprobs, renames, tools=tools)

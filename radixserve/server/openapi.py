@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from radixserve.core.limits import (
+    MAX_LOGIT_BIAS,
     MAX_MESSAGES,
     MAX_N,
     MAX_PATTERN_CHARS,
@@ -87,6 +88,18 @@ SHARED_SAMPLING: dict[str, Any] = {
     "spaces_between_special_tokens": _bool("put spaces between special tokens"),
     "n": _int(1, "samples per prompt", MAX_N),
     "seed": _nullable(INT64, "a seeded sample is reproducible"),
+    "regex": _str("constrain the output to this regex", MAX_PATTERN_CHARS),
+    "json_schema": _str("constrain the output to this JSON schema (text)", MAX_PATTERN_CHARS),
+    "ebnf": _str("constrain the output to this GBNF grammar (root ::= ...)", MAX_PATTERN_CHARS),
+    "logit_bias": _nullable(
+        {
+            "type": "object",
+            "propertyNames": {"pattern": "^[0-9]{1,18}$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+            "maxProperties": MAX_LOGIT_BIAS,
+        },
+        "token id -> bias added to its logit",
+    ),
 }
 SAMPLING_PARAMS = {
     "type": "object",
@@ -96,8 +109,6 @@ SAMPLING_PARAMS = {
         "max_new_tokens": _int(0, "most tokens to generate (0: prefill only)"),
         "min_new_tokens": _int(0, "eos and stop_token_ids are masked until this many"),
         "stop_regex": _empty("not supported yet: accepted only empty"),
-        "regex": _str("constrain the output to this regex", MAX_PATTERN_CHARS),
-        "json_schema": _str("constrain the output to this JSON schema", MAX_PATTERN_CHARS),
     },
 }
 
@@ -166,7 +177,25 @@ OPENAI_COMMON: dict[str, Any] = {
     "stream_options": STREAM_OPTIONS,
     "user": _str("accepted, unused", MAX_RID_CHARS),
     "rid": RID,
-    "logit_bias": _empty("not supported: accepted only empty"),
+    "response_format": _nullable(
+        {
+            "type": "object",
+            "required": ["type"],
+            "properties": {
+                "type": {"enum": ["text", "json_object", "json_schema"]},
+                "json_schema": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string"},
+                        "description": {"type": "string"},
+                        "schema": {"type": "object"},
+                        "strict": {"type": "boolean"},
+                    },
+                },
+            },
+        },
+        "structured output: any JSON object, or JSON following a schema",
+    ),
 }
 COMPLETION = {
     "type": "object",
@@ -186,7 +215,7 @@ COMPLETION = {
         },
         "logprobs": _int(0, "top logprobs per token (null: no logprobs)", MAX_TOP_LOGPROBS),
         "best_of": _int(1, "must equal n", MAX_N),
-        "echo": _empty("not supported: accepted only false"),
+        "echo": _bool("the prompt before the completion (and its logprobs with logprobs)"),
         "suffix": _empty("not supported: accepted only empty"),
     },
 }
@@ -196,14 +225,56 @@ CONTENT_PART = {
     "required": ["type", "text"],
     "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
 }
+TOOL_CALL = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name"],
+            "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+        },
+    },
+}
+TOOL = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+                "description": {"type": "string"},
+                "parameters": {"type": "object", "description": "a JSON schema"},
+                "strict": {"type": "boolean"},
+            },
+        },
+    },
+}
 MESSAGE = {
     "type": "object",
     "additionalProperties": False,
     "required": ["role", "content"],
     "properties": {
-        "role": {"enum": ["system", "developer", "user", "assistant"]},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": CONTENT_PART}]},
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": CONTENT_PART},
+                {"type": "null"},
+            ]
+        },
         "name": {"type": "string", "maxLength": MAX_RID_CHARS},
+        "tool_call_id": {"type": "string", "description": "role tool: the call answered"},
+        "tool_calls": {"type": "array", "items": TOOL_CALL, "description": "role assistant"},
     },
 }
 CHAT = {
@@ -222,13 +293,24 @@ CHAT = {
         "max_completion_tokens": _int(0, "most tokens to generate (as max_tokens)"),
         "logprobs": _bool("return logprobs of the output tokens"),
         "top_logprobs": _int(0, "top logprobs per token (needs logprobs)", MAX_TOP_LOGPROBS),
-        "response_format": _nullable(
-            {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]},
-            "only text",
+        "tools": _nullable(
+            {"type": "array", "items": TOOL, "maxItems": 128}, "functions the model may call"
         ),
-        "tools": _empty("not supported: accepted only empty"),
-        "tool_choice": {"description": "accepted, unused"},
-        "parallel_tool_calls": {"description": "accepted, unused"},
+        "tool_choice": {
+            "anyOf": [
+                {"enum": ["none", "auto", "required"]},
+                {
+                    "type": "object",
+                    "required": ["type", "function"],
+                    "properties": {
+                        "type": {"const": "function"},
+                        "function": {"type": "object", "properties": {"name": {"type": "string"}}},
+                    },
+                },
+            ],
+            "description": "none, auto (default with tools), required, or a named function",
+        },
+        "parallel_tool_calls": _bool("more than one call per answer (default true)"),
     },
 }
 

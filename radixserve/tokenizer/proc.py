@@ -108,7 +108,7 @@ class TokenizerWorker:
         """The request with its token ids, and max_new_tokens filled in when the client gave
         none: what only this process knows. ValueError names the bad field."""
         if req.messages is not None:
-            ids = render_chat(self.tok, req.messages)
+            ids = render_chat(self.tok, req.messages, req.tools)
         elif req.text is not None:
             ids = list(self.tok.encode(req.text))
         else:
