@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -32,7 +31,7 @@ ChoiceFn = Callable[[SampleResult, int, list[TextLogprob], list[list[TextLogprob
 
 def _served_name(request: Request) -> str:
     info = request.app.state.manager.model_info
-    return Path(info.model_path).name if info else "unknown"
+    return info.served_model_name if info else "unknown"
 
 
 @router.get("/v1/models")
