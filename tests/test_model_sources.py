@@ -9,7 +9,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import json
+import math
 import os
+import shutil
 from pathlib import Path
 
 import gguf
@@ -24,6 +27,7 @@ from radixserve.models.quant import QuantLinear
 
 REPO = "tiny-org/tiny-llama"
 COMMIT = "a" * 40
+GGUF_ARCH = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2"}  # test model -> GGUF's
 F32, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
 PROMPTS = ["The capital of France is", "1, 2, 3,", "Once upon a time"]
 
@@ -127,10 +131,28 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
+def llama_cpp_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
+    """llama.cpp's converter's `rope_freqs.weight` for Llama-3 RoPE scaling, as it computes it."""
+    old = rope["original_max_position_embeddings"]
+    low, high, factor = rope["low_freq_factor"], rope["high_freq_factor"], rope["factor"]
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * rope["rope_theta"] ** (i / head_dim)
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def write_gguf(hf_dir: Path, out: Path, arch: str, quant: gguf.GGMLQuantizationType) -> Path:
     """A GGUF of the HF checkpoint at `hf_dir` as llama.cpp's converter lays it out: config
     under `arch`, SmolLM2's tokenizer and chat template (the tiny models use that tokenizer),
-    projections in `quant` (F32 or Q8_0), norms and embeddings F32."""
+    projections in `quant` (F32 or Q8_0), norms and embeddings F32, Llama-3 RoPE scaling as
+    the `rope_freqs.weight` tensor."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -147,6 +169,10 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, quant: gguf.GGMLQuantizationT
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    if cfg.rope_parameters.get("rope_type") == "llama3":
+        w.add_tensor(
+            "rope_freqs.weight", llama_cpp_rope_freqs(cfg.rope_parameters, cfg.hidden_size // heads)
+        )
     for name, field in smollm2_gguf().fields.items():
         if name.startswith("tokenizer."):
             sub = field.types[1] if len(field.types) > 1 else None
@@ -200,21 +226,49 @@ def tiny_qwen2(folder: Path, tokenizer_dir: Path) -> Path:
     return folder
 
 
-def hf_greedy(model_dir: Path, tokenizer, prompts: list[str], n: int, **load) -> list[list[int]]:
+def tiny_llama3(folder: Path, tiny_model_dir: Path) -> Path:
+    """The tiny Llama with Llama 3.1's RoPE scaling (head_dim 16: one rotary frequency in
+    the smoothed band, one scaled fully)."""
+    shutil.copytree(tiny_model_dir, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop("rope_theta", None)
+    cfg["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def hf_greedy_and_logprobs(
+    model_dir: Path, prompts: list[list[int]], n: int
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """HF's greedy continuations of `prompts`, and the logprob of every token after the first
+    of each prompt + continuation."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load).eval()
-    out = []
-    for p in prompts:
-        ids = torch.tensor([tokenizer.encode(p)])
-        gen = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        out.append(gen[0, ids.shape[1] :].tolist())
-    return out
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs, logprobs = [], []
+    for ids in prompts:
+        gen = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        with torch.no_grad():
+            logits = hf(gen).logits[0, :-1].log_softmax(-1)  # (T - 1, vocab)
+        logprobs.append(logits.gather(1, gen[0, 1:, None])[:, 0])
+        outs.append(gen[0, len(ids) :].tolist())
+    return outs, logprobs
+
+
+def our_logprobs(engine: Engine, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """The engine's teacher-forced logprob of every token after the first of each sequence."""
+    res = engine.generate(
+        input_ids=seqs, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+        logprob_start_len=0,
+    )  # fmt: skip
+    return [torch.tensor([e[0] for e in r["meta_info"]["input_token_logprobs"][1:]]) for r in res]
 
 
 @pytest.mark.parametrize(
     ("arch", "quant"),
-    [("llama", Q8_0),  # ~25 s: the conversion reads SmolLM2's 49k-token vocabulary
+    [("llama3", Q8_0),  # ~25 s: the conversion reads SmolLM2's 49k-token vocabulary
      pytest.param("llama", F32, marks=pytest.mark.slow),
      pytest.param("qwen2", F32, marks=pytest.mark.slow)],
 )  # fmt: skip
@@ -223,8 +277,9 @@ def test_gguf_file_loads_and_matches_hf_greedy(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path / "cache"))
-    hf_dir = tiny_model_dir if arch == "llama" else tiny_qwen2(tmp_path / "qwen2", tiny_model_dir)
-    file = write_gguf(hf_dir, tmp_path / f"tiny-{arch}-{quant.name}.gguf", arch, quant)
+    build = {"llama": lambda d, t: t, "llama3": tiny_llama3, "qwen2": tiny_qwen2}[arch]
+    hf_dir = build(tmp_path / arch, tiny_model_dir)
+    file = write_gguf(hf_dir, tmp_path / f"tiny-{arch}.gguf", GGUF_ARCH[arch], quant)
     engine = Engine(str(file), dtype="float32", max_total_tokens=512)
     # The tokenizer and chat template came from the file (the folder's were never copied).
     template = smollm2_gguf().fields["tokenizer.chat_template"].contents()
@@ -233,16 +288,25 @@ def test_gguf_file_loads_and_matches_hf_greedy(
     assert chat.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     quantized = [m for m in engine.worker.model.modules() if isinstance(m, QuantLinear)]
     assert len(quantized) == (8 if quant == Q8_0 else 0)  # 4 a layer
-    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
-    ours = [r["output_ids"] for r in engine.generate(PROMPTS, [params] * len(PROMPTS))]
-    # The same weights in HF: the original folder (F32 is lossless), or the GGUF itself
-    # (transformers dequantizes the Q8_0 blocks).
-    if quant == F32:
-        want = hf_greedy(hf_dir, engine.tokenizer, PROMPTS, 12)
-    else:
-        want = hf_greedy(tmp_path, engine.tokenizer, PROMPTS, 12, gguf_file=file.name)
-    assert ours == want
-    assert len({tuple(x) for x in ours}) == len(PROMPTS)  # the prompts lead apart
+    # The same weights in HF: the original folder (F32 is lossless), or the converted one
+    # (the Q8_0 blocks dequantized), whose RoPE must be the original's.
+    converted = resolve_model_path(str(file))
+    rope = [
+        json.loads((d / "config.json").read_text())["rope_parameters"] for d in (hf_dir, converted)
+    ]
+    assert rope[1] == rope[0]
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    want, want_logprobs = hf_greedy_and_logprobs(hf_dir if quant == F32 else converted, prompts, 12)
+    assert len({tuple(x) for x in want}) == len(PROMPTS)  # the prompts lead apart
+    got_logprobs = our_logprobs(engine, [p + w for p, w in zip(prompts, want)])
+    # Q8_0: the native kernels round activations to int16 per 32 values (README, "Speed")
+    tol = 1e-4 if quant == F32 else 3e-2
+    for got, ref in zip(got_logprobs, want_logprobs, strict=True):
+        assert got.shape == ref.shape and (got - ref).abs().max() < tol, (got - ref).abs().max()
+    if quant == F32:  # exact weights: the same greedy tokens (Q8_0 may flip a near-tie)
+        params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+        ours = engine.generate(input_ids=prompts, sampling_params=[params] * len(prompts))
+        assert [r["output_ids"] for r in ours] == want
 
 
 @pytest.mark.slow

