@@ -13,6 +13,7 @@ models). Every sample runs in `benchmarks/sandbox.py`; pass@k is the unbiased es
 Chen et al. (2021).
 
     python benchmarks/eval_code.py --dataset humaneval --num-problems 20 -k 8
+    python benchmarks/eval_code.py --dataset apps --num-problems 50     # codeparrot/apps, test
     python benchmarks/eval_code.py --dataset apps --data-path benchmarks/data/apps_fixture.jsonl
     python benchmarks/eval_code.py --dataset humaneval --compare      # tree, then flat
     python benchmarks/eval_code.py --url http://127.0.0.1:30000 ...    # a running server
