@@ -57,9 +57,9 @@ def gsm8k(data_path: str | None, split: str, limit: int | None = None) -> list[d
     if data_path:
         path = Path(data_path)
         file = path / f"{split}.jsonl" if path.is_dir() else path
-        return _checked(read_jsonl(_existing(file), limit), ("question", "answer"), file)
+        return _checked(read_jsonl(_existing(file), limit), ("question", "answer"), file, limit)
     file = _cached_download("gsm8k", f"{split}.jsonl", _base("RADIXSERVE_GSM8K_URL", GSM8K_URL))
-    return _checked(read_jsonl(file, limit), ("question", "answer"), file)
+    return _checked(read_jsonl(file, limit), ("question", "answer"), file, limit)
 
 
 def humaneval(data_path: str | None, limit: int | None = None) -> list[dict[str, Any]]:
@@ -72,7 +72,8 @@ def humaneval(data_path: str | None, limit: int | None = None) -> list[dict[str,
             "humaneval", HUMANEVAL_FILE, _base("RADIXSERVE_HUMANEVAL_URL", HUMANEVAL_URL)
         )
     )
-    return _checked(read_jsonl(file, limit), ("task_id", "prompt", "test", "entry_point"), file)
+    keys = ("task_id", "prompt", "test", "entry_point")
+    return _checked(read_jsonl(file, limit), keys, file, limit)
 
 
 def apps(data_path: str | None, split: str = "test", limit: int | None = None) -> list[dict]:
@@ -92,7 +93,7 @@ def apps(data_path: str | None, split: str = "test", limit: int | None = None) -
         if not (isinstance(io, dict) and len(io.get("inputs", ())) == len(io.get("outputs", ()))):
             raise ValueError(f"{file} row {k}: input_output needs equally long inputs/outputs")
         out.append({**row, "problem_id": row.get("problem_id", k), "input_output": io})
-    return _checked(out, ("question",), file)
+    return _checked(out, ("question",), file, limit)
 
 
 def sharegpt(data_path: str | None) -> list[dict[str, Any]]:
@@ -152,10 +153,13 @@ def read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
     return rows
 
 
-def _checked(rows: list[dict[str, Any]], keys: tuple[str, ...], file: Path) -> list[dict]:
-    if not rows:
+def _checked(
+    rows: list[dict[str, Any]], keys: tuple[str, ...], file: Path, limit: int | None
+) -> list[dict]:
+    """`rows` (read with `limit`), checked to be the dataset they claim to be."""
+    if not rows and limit != 0:
         raise ValueError(f"{file} holds no rows")
-    missing = [k for k in keys if k not in rows[0]]
+    missing = [k for k in keys if rows and k not in rows[0]]
     if missing:
         raise ValueError(f"{file}: rows lack {missing} (is it the right dataset?)")
     return rows

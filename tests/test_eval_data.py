@@ -91,6 +91,7 @@ def test_gsm8k_from_a_folder_or_a_file_with_a_limit() -> None:
     assert eval_data.gsm8k(str(DATA / "gsm8k" / "test.jsonl"), "test")[3]["answer"].endswith(
         "#### 540"
     )
+    assert eval_data.gsm8k(str(DATA / "gsm8k"), "train", limit=0) == []  # zero-shot
     text = eval_data.gsm8k_text(train, 40)
     assert text.startswith("Question: Natalia") and "\nAnswer: Natalia sold 48/2" in text
 
@@ -117,6 +118,9 @@ def test_sharegpt_fixture_and_wrong_files_are_named(tmp_path: Path) -> None:
     assert convs[2]["conversations"][2]["value"] == "And the next one?"
     with pytest.raises(ValueError, match=r"rows lack \['answer'\]"):
         eval_data.gsm8k(str(DATA / "apps_test_head.jsonl"), "test")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="empty.jsonl holds no rows"):
+        eval_data.gsm8k(str(tmp_path / "empty.jsonl"), "test")
     with pytest.raises(eval_data.DataNotFound, match="--data-path .*nope.json: no such file"):
         eval_data.sharegpt(str(tmp_path / "nope.json"))
 
