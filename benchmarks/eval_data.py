@@ -79,7 +79,8 @@ def humaneval(data_path: str | None, limit: int | None = None) -> list[dict[str,
 def apps(data_path: str | None, split: str = "test", limit: int | None = None) -> list[dict]:
     """APPS rows that carry tests: {"problem_id", "question", "input_output" (a dict with
     "inputs", "outputs", optional "fn_name"), "starter_code", "difficulty"}. Rows whose
-    input_output is empty (some of the hub's test split) are skipped; `limit` counts kept rows.
+    input_output or test list is empty (some of the hub's test split) are skipped; `limit`
+    counts kept rows.
     """
     file = _existing(Path(data_path)) if data_path else _hub_file(APPS_REPO, f"{split}.jsonl")
     out = []
@@ -92,6 +93,8 @@ def apps(data_path: str | None, split: str = "test", limit: int | None = None) -
             continue
         if not (isinstance(io, dict) and len(io.get("inputs", ())) == len(io.get("outputs", ()))):
             raise ValueError(f"{file} row {k}: input_output needs equally long inputs/outputs")
+        if not io.get("inputs"):  # no test case: nothing could fail it
+            continue
         out.append({**row, "problem_id": row.get("problem_id", k), "input_output": io})
     return _checked(out, ("question",), file, limit)
 

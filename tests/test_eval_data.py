@@ -98,7 +98,7 @@ def test_gsm8k_from_a_folder_or_a_file_with_a_limit() -> None:
 
 def test_apps_rows_parse_their_tests_and_rows_without_tests_are_skipped() -> None:
     rows = eval_data.apps(str(DATA / "apps_test_head.jsonl"))
-    assert [r["problem_id"] for r in rows] == [4000, 4002]  # 4001 has no input_output
+    assert [r["problem_id"] for r in rows] == [4000, 4002]  # 4001, 4003: no test cases
     assert rows[0]["input_output"] == {"inputs": ["2 3\n", "-1 7\n"], "outputs": ["6\n", "-7\n"]}
     assert rows[1]["input_output"]["fn_name"] == "total"
     assert [r["problem_id"] for r in eval_data.apps(str(DATA / "apps_test_head.jsonl"), limit=1)]
