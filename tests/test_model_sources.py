@@ -93,6 +93,16 @@ def test_unknown_models_say_what_was_tried_and_what_to_pass(
         resolve_model_path(str(tmp_path / "x.gguf"))
 
 
+def test_engine_loads_a_hub_id_and_reports_it_as_passed(offline_hub: Path) -> None:
+    engine = Engine(REPO, dtype="float32", max_total_tokens=256, served_model_name="tiny-chat")
+    info = engine.scheduler.model_info
+    assert (info.model_path, info.served_model_name) == (REPO, "tiny-chat")
+    assert info.tokenizer_path.endswith(f"snapshots/{COMMIT}")
+    out = engine.generate("Hello", {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True})
+    assert out["meta_info"]["completion_tokens"] == 3
+
+
+@pytest.mark.slow  # a server start: ~15-40 s here
 def test_server_serves_a_hub_id_offline_under_its_served_name(
     offline_hub: Path, tmp_path: Path
 ) -> None:
