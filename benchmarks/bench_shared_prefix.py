@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,19 +29,19 @@ from typing import Any
 
 import torch
 
-from radixserve.config import ATTENTION_BACKENDS
-from radixserve.isa import resolve_dtype
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
+from benchmarks import eval_data  # noqa: E402
+from radixserve.config import ATTENTION_BACKENDS  # noqa: E402
+from radixserve.isa import resolve_dtype  # noqa: E402
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
 
-
-def prefix_ids(tokenizer: Any, tokens: int) -> list[int]:
-    """A deterministic natural-text prefix of exactly `tokens` tokens."""
-    if GSM8K.exists():
-        rows = [json.loads(line) for line in GSM8K.read_text().splitlines()[:400]]
-        text = "\n\n".join(f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows)
+def prefix_ids(tokenizer: Any, tokens: int, data_path: str | None, synthetic: bool) -> list[int]:
+    """A deterministic prefix of exactly `tokens` tokens: GSM8K's train questions and answers
+    (found by eval_data.gsm8k: --data-path, the cache, or downloaded), or synthetic text."""
+    if synthetic:
+        text = eval_data.synthetic_text(tokens)
     else:
-        text = " ".join(f"Sentence {i} of a long shared system prompt." for i in range(tokens))
+        text = eval_data.gsm8k_text(eval_data.gsm8k(data_path, "train"), tokens)
     ids = tokenizer.encode(text)
     assert len(ids) >= tokens, f"not enough text for a {tokens}-token prefix"
     return ids[:tokens]
@@ -130,7 +131,7 @@ def bench_decode(args: argparse.Namespace, engines: dict[str, Any], hf: Any) -> 
     tok = next(iter(engines.values())).tokenizer if engines else None
     rows = []
     for p in args.prefix:
-        prefix = prefix_ids(tok, p)
+        prefix = prefix_ids(tok, p, args.data_path, args.synthetic_prefix)
         for b in args.batch:
             prompts = [prefix + q for q in pad_questions(question_ids(tok, b))]
             for name in args.backends:
@@ -164,7 +165,7 @@ def bench_samples(args: argparse.Namespace, engines: dict[str, Any], hf: Any) ->
     tok = next(iter(engines.values())).tokenizer
     rows = []
     for p in args.prefix:
-        prompt = prefix_ids(tok, p)
+        prompt = prefix_ids(tok, p, args.data_path, args.synthetic_prefix)
         for b in args.batch:
             params = {
                 "temperature": 0.7,
@@ -230,6 +231,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument("--samples", action="store_true", help="B samples of one prompt, prefill incl.")
     ap.add_argument("--repeats", type=int, default=1, help="decode mode: best of N runs")
+    ap.add_argument("--data-path", default=None, help="GSM8K folder (default: cached/downloaded)")
+    ap.add_argument("--synthetic-prefix", action="store_true", help="synthetic text, no GSM8K")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.samples and args.new_tokens == 16:
@@ -240,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "hf" in args.backends:
         from transformers import AutoModelForCausalLM
 
-        from radixserve.models.loader import resolve_model_path
+        from radixserve.models import resolve_model_path
 
         hf = AutoModelForCausalLM.from_pretrained(
             resolve_model_path(args.model), dtype=resolve_dtype(args.dtype, "cpu")[0]
@@ -251,6 +254,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "mode": "samples" if args.samples else "decode",
         "dtype": args.dtype,
         "new_tokens": args.new_tokens,
+        "prefix_text": "synthetic" if args.synthetic_prefix else "gsm8k",
         "threads": torch.get_num_threads(),
         "rows": rows,
     }

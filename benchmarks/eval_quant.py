@@ -13,21 +13,23 @@ logprobs are taken twice: in one long forward per chunk (prefill-sized: the int1
 `--step` tokens a forward, each request extending the cached prefix (decode-sized: the
 weight-streaming kernels).
 
-    python benchmarks/eval_quant.py --data-path ../shared/data/gsm8k/test.jsonl --json out.json
+    python benchmarks/eval_quant.py --data-path path/to/gsm8k --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-from bench_vs_llamacpp import gsm8k_text, synthetic_text
 
-from radixserve import Engine
-from radixserve.isa import cpu_isa
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
+from benchmarks.eval_data import gsm8k, gsm8k_text, synthetic_text  # noqa: E402
+from radixserve import Engine  # noqa: E402
+from radixserve.isa import cpu_isa  # noqa: E402
 
 MODES = ("none", "auto", "int8")
 
@@ -35,7 +37,11 @@ MODES = ("none", "auto", "int8")
 def texts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
     """`--chunks` token windows of `--chunk-tokens` ids each, from one fixed text."""
     total = args.chunks * args.chunk_tokens
-    text = gsm8k_text(Path(args.data_path), total) if args.data_path else synthetic_text(total)
+    text = (
+        gsm8k_text(gsm8k(args.data_path, "test"), total)
+        if args.data_path
+        else synthetic_text(total)
+    )
     ids = tokenizer.encode(text)
     n = args.chunk_tokens
     assert len(ids) >= total, f"{len(ids)} tokens of text, need {total}"
@@ -79,7 +85,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data-path", default=None, help="GSM8K jsonl; default: synthetic text")
+    ap.add_argument("--data-path", default=None, help="GSM8K folder or jsonl; default: synthetic")
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--greedy-tokens", type=int, default=32)

@@ -26,7 +26,10 @@ from radixserve.config import (
 )
 
 HELP = {
-    "model": "HF checkpoint folder (Llama/Qwen2/Mistral); default: embedded SmolLM2-135M-Instruct",
+    "model": "HF checkpoint folder, .gguf file or hub id (Llama/Qwen2/Mistral); "
+    "default: the embedded SmolLM2-135M-Instruct",
+    "revision": "branch, tag or commit of a hub id (default: main)",
+    "served_model_name": "model name in /v1/models and responses (default: --model as given)",
     "dtype": "compute dtype; auto: bfloat16 where bf16 is fast here, else float32",
     "quantization": "auto: a GGUF model's Q4_0/Q4_1/Q8_0 weights run quantized; none; int8",
     "kv_cache_dtype": "KV cache storage dtype; auto: float16 under quantized weights on a CPU "
@@ -60,6 +63,7 @@ HELP = {
     "web_ui": "serve the web console at / (chat playground, live radix tree, plots)",
     "log_level": "debug, info, warning or error",
 }
+ALIASES = {"model": ("--model-path",)}  # SGLang's name for it
 CHOICES: dict[str, Sequence[str]] = {
     "dtype": DTYPE_CHOICES,
     "kv_cache_dtype": DTYPE_CHOICES,
@@ -76,17 +80,21 @@ CHOICES: dict[str, Sequence[str]] = {
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ("--" + f.name.replace("_", "-"), *ALIASES.get(f.name, ()))
         kind = hints[f.name]
         if kind is bool:
             parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=f.default,
+                *flags, action=argparse.BooleanOptionalAction, default=f.default,
                 help=HELP.get(f.name),
             )  # fmt: skip
             continue
         base = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))
         parser.add_argument(
-            flag, type=base, default=f.default, choices=CHOICES.get(f.name), help=HELP.get(f.name)
+            *flags,
+            type=base,
+            default=f.default,
+            choices=CHOICES.get(f.name),
+            help=HELP.get(f.name),
         )
 
 

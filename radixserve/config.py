@@ -47,7 +47,11 @@ PACKED_LINEAR_DEFAULT = env_default("RADIXSERVE_PACKED_LINEAR", {"0": "off", "1"
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    # As the user passes it: an HF folder, a .gguf file or a hub id (radixserve.models.resolve);
+    # None: the embedded SmolLM2-135M-Instruct
+    model: str | None = None
+    revision: str | None = None  # a hub id's branch, tag or commit (default: main)
+    served_model_name: str | None = None  # the name /v1/models reports (default: `model`)
     dtype: str = "auto"  # "auto": bf16 where the CPU/GPU computes it fast, else float32
     quantization: str = "auto"  # "auto": a GGUF's Q4_0/Q4_1/Q8_0 stay quantized; "none"; "int8"
     kv_cache_dtype: str = "auto"  # "auto": fp16 under quantized weights on CPU, else = dtype

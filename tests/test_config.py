@@ -68,3 +68,13 @@ def test_cli_flags_map_onto_the_fields() -> None:
     assert (got.native_ops, got.attention_kernels, got.packed_linear) == (False, "reference", "off")
     assert got.disable_radix_cache and got.random_seed == 7
     assert parse("--native-ops").native_ops
+
+
+def test_model_flags_and_sglang_alias() -> None:
+    got = parse("--model-path", "Qwen/Qwen2.5-0.5B-Instruct", "--revision", "v1",
+                "--served-model-name", "qwen")  # fmt: skip
+    assert (got.model, got.revision, got.served_model_name) == (
+        "Qwen/Qwen2.5-0.5B-Instruct", "v1", "qwen",
+    )  # fmt: skip
+    assert parse("--model", "m.gguf").model == "m.gguf"
+    assert (parse().revision, parse().served_model_name) == (None, None)

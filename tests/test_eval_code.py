@@ -17,11 +17,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repo root: benchmarks/
 from benchmarks import eval_code as ec  # noqa: E402
+from benchmarks import eval_data  # noqa: E402
 from benchmarks import eval_gsm8k as gsm  # noqa: E402
 from benchmarks.sandbox import Limits  # noqa: E402
 
 FIXTURE = ROOT / "benchmarks" / "data" / "apps_fixture.jsonl"
 LIMITS = Limits(wall_s=5, cpu_s=3, memory_mb=256)
+
+
+def load_apps(limit: int | None = None) -> list[ec.Problem]:
+    return ec.apps_problems(eval_data.apps(str(FIXTURE), limit=limit))
 
 
 # ---------------------------------------------------------------- pass@k
@@ -80,8 +85,7 @@ def humaneval_file(tmp_path: Path) -> Path:
 
 def test_humaneval_loader_and_grader_in_both_formats(tmp_path: Path) -> None:
     path = humaneval_file(tmp_path)
-    assert ec.humaneval_path(str(path)) == path
-    problems = ec.load_humaneval(path, None)
+    problems = ec.humaneval_problems(eval_data.humaneval(str(path)))
     assert [p.task_id for p in problems] == ["Toy/0", "Toy/1"]
     assert problems[0].entry_point == "double" and problems[0].kind == "humaneval"
     double = problems[0]
@@ -105,8 +109,8 @@ def test_humaneval_loader_and_grader_in_both_formats(tmp_path: Path) -> None:
 
 
 def test_prompts_share_the_few_shot_part_and_end_with_the_problem(tmp_path: Path) -> None:
-    problems = ec.load_humaneval(humaneval_file(tmp_path), None)
-    apps = ec.load_apps(FIXTURE, None)
+    problems = ec.humaneval_problems(eval_data.humaneval(str(humaneval_file(tmp_path))))
+    apps = load_apps()
 
     def chat(messages: list[dict[str, str]]) -> str:  # a ChatML-like template
         return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages) + "<a>"
@@ -134,19 +138,19 @@ def test_truncate_stops_at_the_first_stop_string() -> None:
 
 
 def test_apps_fixture_loads_with_its_prompt_format() -> None:
-    problems = ec.load_apps(FIXTURE, None)
+    problems = load_apps()
     assert len(problems) == 6 and all(p.kind == "apps" for p in problems)
     assert problems[0].prompt.startswith("Read two integers")
     assert problems[0].prompt.endswith("Print their sum.\nUse Standard Input format")
     call = problems[5]
     assert call.io is not None and call.io["fn_name"] == "is_palindrome"
     assert call.prompt.endswith("otherwise.\ndef is_palindrome(s):\nUse Call-Based format")
-    assert [p.task_id for p in ec.load_apps(FIXTURE, 2)] == ["0", "1"]
+    assert [p.task_id for p in load_apps(2)] == ["0", "1"]
 
 
 def test_apps_reference_solutions_pass_and_wrong_ones_fail() -> None:
-    rows = ec.read_jsonl(FIXTURE)
-    problems = ec.load_apps(FIXTURE, None)
+    rows = eval_data.read_jsonl(FIXTURE)
+    problems = load_apps()
     for row, problem in zip(rows, problems):
         solution = json.loads(row["solutions"])[0]
         assert ec.grade(problem, solution, "completion", LIMITS), problem.task_id
@@ -193,7 +197,7 @@ def engine(tiny_model_dir: Path):
 
 @pytest.mark.parametrize("fmt", ec.FORMATS)
 def test_eval_end_to_end_in_process_on_the_apps_fixture(engine, fmt: str) -> None:
-    problems = ec.load_apps(FIXTURE, None)
+    problems = load_apps()
     cfg = ec.EvalConfig(k=3, max_new_tokens=12, prompt_format=fmt, limits=LIMITS)
     r = ec.run_eval(ec.engine_generator(engine), problems, cfg, engine.apply_chat_template)
     prompts = [ec.render(p, fmt, engine.apply_chat_template) for p in problems]
@@ -204,7 +208,7 @@ def test_eval_end_to_end_in_process_on_the_apps_fixture(engine, fmt: str) -> Non
 
 def test_compare_mode_runs_tree_then_flat(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "compare.json"
-    argv = ["--dataset", "apps", "--dataset-path", str(FIXTURE), "--num-problems", "2"]
+    argv = ["--dataset", "apps", "--data-path", str(FIXTURE), "--num-problems", "2"]
     argv += ["--model", str(tiny_model_dir), "--dtype", "float32", "-k", "2"]
     argv += ["--max-new-tokens", "4", "--max-total-tokens", "4096"]
     argv += ["--compare", "--output-json", str(out)]
@@ -254,7 +258,7 @@ def test_gsm8k_eval_compare_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> 
         "Question: Tom has 0 apples and buys 1 more. How many?\nAnswer: 0 + 1 = 1\n#### 1\n\n"
         "Question: Tom has 1 apples and buys 2 more. How many?\nAnswer: 1 + 2 = 3\n#### 3\n\n"
     )
-    argv = ["--data-dir", str(tmp_path), "--num-shots", "2", "-n", "3", "--max-tokens", "6"]
+    argv = ["--data-path", str(tmp_path), "--num-shots", "2", "-n", "3", "--max-tokens", "6"]
     argv += ["--model", str(tiny_model_dir), "--dtype", "float32", "--max-total-tokens", "4096"]
     result = gsm.main([*argv, "--compare", "--temperature", "0", "--control-parallel", "1"])
     tree, flat, control = result["runs"]

@@ -21,8 +21,9 @@ from radixserve.config import EngineConfig
 from radixserve.isa import cpu_isa, fast_cpu_bf16, resolve_dtype
 from radixserve.models import load_model, resolve_model_path
 from radixserve.models.gguf_weights import QuantWeight, read_gguf_weights, unpermute_rows
-from radixserve.models.loader import gguf_source, load_config
+from radixserve.models.loader import load_config
 from radixserve.models.quant import BF16_TILED_M, FORMATS, QuantLinear, dequantize, ops, quantize
+from radixserve.models.resolve import gguf_source
 from radixserve.native_build import native_ops_enabled, use_native_ops
 
 GGML = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,

@@ -38,7 +38,7 @@ def chat_ids(tokenizer, messages) -> list[int]:
 
 def test_models(oai, tiny_model_dir):
     models = oai.models.list().data
-    assert [m.id for m in models] == [tiny_model_dir.name]
+    assert [m.id for m in models] == [str(tiny_model_dir)]  # --model as passed
     assert models[0].owned_by == "radixserve"
 
 

@@ -15,7 +15,7 @@ from radixserve import Engine
 
 pytestmark = pytest.mark.slow
 
-GSM8K = Path(__file__).with_name("data") / "gsm8k_train_head.jsonl"  # GSM8K's first 3 rows
+GSM8K = Path(__file__).with_name("data") / "gsm8k" / "train.jsonl"  # GSM8K's first 3 rows
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 SAMPLED = {"temperature": 0.8, "max_new_tokens": 24, "ignore_eos": True, "seed": 1234}
 

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ModelInfo:
-    model_path: str
-    tokenizer_path: str
+    model_path: str  # as the user passed it (hub id, folder, .gguf); else the embedded folder
+    tokenizer_path: str  # the local folder holding the tokenizer, config and weights
+    served_model_name: str  # what /v1/models and OpenAI responses call the model
     context_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]

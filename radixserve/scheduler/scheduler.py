@@ -32,6 +32,7 @@ import itertools
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -93,9 +94,11 @@ class Scheduler:
         self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
         self.computed_tokens_total = 0
         self.last_batch: ForwardBatch | None = None  # the tree view marks what it batched
+        served = config.served_model_name or config.model or Path(parts.model_path).name
         self.model_info = ModelInfo(
-            model_path=parts.model_path,
+            model_path=config.model or parts.model_path,
             tokenizer_path=parts.model_path,
+            served_model_name=served,
             context_len=self.context_len,
             vocab_size=mc.vocab_size,
             eos_token_ids=tuple(sorted(self.eos_ids)),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -36,7 +35,7 @@ ChunkFn = Callable[[SampleResult, int, int, str, list, list, bool], dict]
 
 def _served_name(request: Request) -> str:
     info = request.app.state.manager.model_info
-    return Path(info.model_path).name if info else "unknown"
+    return info.served_model_name if info else "unknown"
 
 
 @router.get("/v1/models")

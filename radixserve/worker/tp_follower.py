@@ -25,7 +25,7 @@ from typing import Any
 
 from radixserve.config import EngineConfig
 from radixserve.distributed.parallel import TPGroup, destroy_tp, init_tp
-from radixserve.models.loader import resolve_model_path
+from radixserve.models.resolve import resolve_model_path
 from radixserve.procutil import child_main
 from radixserve.worker.batch_sync import send_stop
 from radixserve.worker.model_worker import ModelWorker
@@ -53,7 +53,7 @@ def run_follower(
     if started is not None:
         started.set()
     init_tp(rank, config.tp_size, init_method, config.device)
-    worker = ModelWorker(config, str(resolve_model_path(config.model)))
+    worker = ModelWorker(config, str(resolve_model_path(config.model, config.revision)))
     logger.info("tp rank %d ready", rank)
     worker.follow()
     destroy_tp()

