@@ -420,6 +420,7 @@ class Scheduler:
             cached_tokens_total=self.cached_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             computed_tokens_total=self.computed_tokens_total,
+            tiers=self.cache.tier_stats(),
         )
 
     def run_until_idle(self) -> Iterable[SampleOutput]:
