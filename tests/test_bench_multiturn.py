@@ -26,7 +26,7 @@ def test_reads_a_cut_off_dump(tmp_path: Path) -> None:
 def test_host_tier_prefills_less_than_radix(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "multiturn.json"
     args = ["--model", str(tiny_model_dir), "--dataset-path", str(FIXTURE), "--dtype", "float32"]
-    args += ["--conversations", "4", "--max-history", "400", "--fractions", "0.1"]
+    args += ["--conversations", "4", "--max-history", "600", "--fractions", "0.1"]
     args += ["--only", "radix", "+L2", "--out", str(out), "--plot", str(tmp_path / "m.png")]
     report = bm.main(args)
     assert json.loads(out.read_text()) == report and (tmp_path / "m.png").stat().st_size > 0
