@@ -115,6 +115,20 @@ def test_promotion_evicts_other_leaves_but_never_the_matched_path() -> None:
     cache.check_integrity()
 
 
+def test_evict_spares_what_a_queued_request_needs() -> None:
+    pool = make_pool()
+    cache = host_cache(pool)
+    a, b = TOKENS[:32], list(range(7000, 7032))
+    cache.insert(a, computed(pool, a)[0])  # older: LRU would evict it first
+    cache.insert(b, computed(pool, b, seed=1)[0])
+    cache.prefetch([a + [5]])  # a request for `a` is waiting
+    assert cache.evict(32) == 32
+    assert cache.cached_length(a) == 32 and cache.cached_length(b) == 0
+    assert cache.evict(32) == 32  # nothing else left: the queued one's path goes too
+    assert cache.cached_length(a) == 0 and pool.num_free == pool.capacity
+    cache.check_integrity()
+
+
 def test_prefix_cache_factory_builds_the_tiers(tmp_path: Path) -> None:
     pool = make_pool()
     cfg = EngineConfig(hicache_size=0.001, hicache_dir=str(tmp_path))
@@ -218,6 +232,22 @@ def test_damaged_chunk_file_is_a_miss_never_wrong_kv(tmp_path: Path, fault: str)
     assert not path.exists()  # a refused file is removed, not read again
     cache.flush()
     assert pool.num_free == pool.capacity
+    cache.close()
+
+
+def test_prefetch_pulls_a_waiting_prefix_up_from_disk(tmp_path: Path) -> None:
+    _, old, ref = spilled_to_disk(tmp_path)
+    old.close()
+    pool, cache = restarted(tmp_path)
+    cache.prefetch([TOKENS + [1]])  # the scheduler's look-ahead over its waiting queue
+    cache.drain()
+    assert cache.prefetched == 3 and pool.num_free == pool.capacity  # the pool is untouched
+    m = cache.match_prefix(TOKENS + [1])
+    assert m.tier_tokens == {"host": 48}  # from memory now, not from disk
+    assert torch.equal(rows_at(pool, m.indices), ref[:, :, :48])
+    cache.prefetch([TOKENS + [1]])  # in the pool now: nothing to fetch
+    assert not cache._wanted
+    cache.check_integrity()
     cache.close()
 
 

@@ -19,6 +19,12 @@ Demotion on eviction copies the chunks of the evicted leaf that end inside it (c
 before the leaf belong to its ancestors, which are still in the pool when a leaf goes: the
 tree evicts leaves first); the tail of a leaf that does not fill a chunk is not kept.
 
+Prefetch (scheduler-aware): for requests still waiting, `prefetch` hands the chunks a lower
+local tier (disk) holds beyond the pool's match to a reader thread, which reads them; the
+scheduler thread moves what was read into the host tier at its next call, so the request's
+admission finds them in memory. The reader touches only the disk tier (thread-safe) and a
+queue; the tree and the host tier stay the scheduler thread's.
+
 Exactness: a chunk holds the pool's rows bit for bit, so a promoted prefix gives the same
 outputs as the same prefix still in the pool. A record a tier cannot trust is a miss
 (recomputed), never loaded.
@@ -26,6 +32,8 @@ outputs as the same prefix still in the pool. A record a tier cannot trust is a 
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Sequence
 
@@ -68,6 +76,13 @@ class HiCache:
         self.layout = pool_layout(pool)
         self.device = TierStats()
         self._remote_sent: set[str] = set()  # keys this server wrote to (or read from) Redis
+        self.prefetched = 0  # chunks moved up into the host tier ahead of their request
+        self._queued: list[TreeNode] = []  # deepest cached nodes of the queued requests
+        self._wanted: set[str] = set()  # keys handed to the reader, not yet in the host
+        self._to_read: queue.Queue[tuple[str, list[int]]] = queue.Queue()
+        self._read: queue.Queue[tuple[str, list[int], torch.Tensor | None]] = queue.Queue()
+        if len(local) > 1:
+            threading.Thread(target=self._read_loop, name="hicache-prefetch", daemon=True).start()
 
     # -- PrefixCache: sizes, locks and paths are the tree's ---------------------------------
 
@@ -100,11 +115,20 @@ class HiCache:
         return self.tree.path(node)
 
     def evict(self, num_tokens: int) -> int:
-        return self.tree.evict(num_tokens)
+        """Evict least recently used leaves, sparing the queued requests' paths (see
+        `prefetch`) unless nothing else is left."""
+        spared = [n for n in self._queued if n.parent is not None]  # still in the tree
+        for node in spared:
+            self.tree.lock(node)
+        freed = self.tree.evict(num_tokens)
+        for node in spared:
+            self.tree.unlock(node)
+        return freed + self.tree.evict(num_tokens - freed)
 
     # -- promotion -----------------------------------------------------------------------
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        self._land_prefetched()
         tokens = list(token_ids)
         m = self.tree.match_prefix(tokens)
         p = len(m.indices)
@@ -169,7 +193,7 @@ class HiCache:
             return None
         self.tree.lock(keep)
         if self.pool.num_free < n:
-            self.tree.evict(n - self.pool.num_free)
+            self.evict(n - self.pool.num_free)
         self.tree.unlock(keep)
         return self.pool.alloc(min(n, self.pool.num_free))
 
@@ -178,6 +202,52 @@ class HiCache:
             assert self.remote is not None
             return self.remote.counters
         return next(t.counters for t in self.local if t.name == name)
+
+    # -- prefetch ------------------------------------------------------------------------
+
+    def prefetch(self, queued: Sequence[Sequence[int]]) -> None:
+        """The scheduler's look-ahead over its waiting queue (next to be admitted first):
+        their cached paths are what `evict` spares while it can, and the chunks of theirs
+        that only the disk tier holds start moving up into the host tier, in the background."""
+        self._land_prefetched()
+        self._queued = [self.tree.deepest_node(t) for t in queued]
+        if len(self.local) > 1:
+            for token_ids in queued:
+                self._pull_up(list(token_ids))
+
+    def _pull_up(self, tokens: list[int]) -> None:
+        keys = chunk_keys(self.namespace, tokens)
+        host, lower = self.local[0], self.local[1:]
+        for k in range(self.tree.cached_length(tokens) // C, len(keys)):
+            key = keys[k]
+            if key in self._wanted or host.contains(key):
+                continue
+            if not any(t.contains(key) for t in lower):
+                return  # the prefix ends here: nothing below it is reachable
+            self._wanted.add(key)
+            self._to_read.put((key, tokens[k * C : (k + 1) * C]))
+
+    def _read_loop(self) -> None:
+        while True:
+            key, tokens = self._to_read.get()
+            chunk = None
+            for tier in self.local[1:]:
+                chunk = tier.get(key, tokens)
+                if chunk is not None:
+                    break
+            self._read.put((key, tokens, chunk))
+
+    def _land_prefetched(self) -> None:
+        """Move chunks the reader has read into the host tier (scheduler thread)."""
+        while True:
+            try:
+                key, tokens, chunk = self._read.get_nowait()
+            except queue.Empty:
+                return
+            self._wanted.discard(key)
+            if chunk is not None and not self.local[0].contains(key):
+                self.local[0].put(key, tokens, chunk)
+                self.prefetched += 1
 
     # -- demotion and write-through ------------------------------------------------------
 
@@ -216,12 +286,17 @@ class HiCache:
     def flush(self) -> None:
         """Empty the pool part and this server's own tiers (host, disk); the shared remote
         tier is other servers' too and stays."""
+        self._queued = []
         self.tree.flush()
         for tier in self.local:
             tier.clear()
 
     def drain(self) -> None:
-        """Wait until every tier's queued writes are done (tests; before reading a tier)."""
+        """Wait until every tier's queued writes and the prefetch reads are done (tests;
+        before reading a tier), and land what was prefetched."""
+        while self._wanted:
+            time.sleep(0.002)
+            self._land_prefetched()
         for tier in [*self.local, *([self.remote] if self.remote else [])]:
             tier.drain()
 

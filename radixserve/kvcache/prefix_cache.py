@@ -104,6 +104,12 @@ class PrefixCache(Protocol):
         """Counters of each KV tier by name ({} without lower tiers)."""
         ...
 
+    def prefetch(self, queued: Sequence[Sequence[int]]) -> None:
+        """A hint, once per step: the token ids of the waiting requests next to be admitted
+        (first first). A cache with slower tiers may start moving their prefixes closer and
+        spare them in `evict`. Frees and allocates nothing; raises nothing."""
+        ...
+
     def check_integrity(self, in_use_elsewhere: int = 0) -> None:
         """Assert the cache's invariants and the slot accounting above, given the slots the
         caller holds outside the cache. Raises AssertionError with the offending values."""
@@ -169,6 +175,9 @@ class NoPrefixCache:
 
     def tier_stats(self) -> dict[str, TierStats]:
         return {}
+
+    def prefetch(self, queued: Sequence[Sequence[int]]) -> None:
+        """Nothing is kept, so nothing to fetch."""
 
     def check_integrity(self, in_use_elsewhere: int = 0) -> None:
         root = self.root

@@ -209,6 +209,11 @@ class RadixCache:
         (for ranking candidates; `match_prefix` is for the one that is admitted)."""
         return sum(m for _, m in self._edges(list(token_ids)))
 
+    def deepest_node(self, token_ids: Sequence[int]) -> TreeNode:
+        """The deepest node sharing a prefix with `token_ids` (the root if none). Read-only."""
+        edges = list(self._edges(list(token_ids)))
+        return edges[-1][0] if edges else self.root
+
     def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
         """Cache `token_ids` whose K/V sit at `kv_indices`; takes ownership of `kv_indices`.
 
@@ -386,6 +391,9 @@ class RadixCache:
 
     def tier_stats(self) -> dict[str, TierStats]:
         return {}
+
+    def prefetch(self, queued: Sequence[Sequence[int]]) -> None:
+        """Everything this cache holds is in the pool already."""
 
     def _iter_nodes(self) -> Iterator[TreeNode]:
         """Every node of the tree, root included, parents before children."""
