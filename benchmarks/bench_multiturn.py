@@ -105,6 +105,9 @@ class Result:
     turns: int = 0
     prompt_tokens: int = 0
     prefilled_tokens: int = 0
+    # about what a perfect cache prefills: each turn's new tokens (the dataset's reply and the next
+    # user message: the reply is not generated here, so no cache can hold it)
+    ideal_prefilled_tokens: int = 0
     tier_tokens: dict[str, int] = field(default_factory=dict)
     ttft_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
@@ -124,6 +127,7 @@ def run_config(
     name: str, engines: list[Engine], convs: list[list[dict[str, str]]], res: Result
 ) -> None:
     start = time.perf_counter()
+    previous = [0] * len(convs)  # each conversation's previous prompt length
     for turn in range(max(len(c) // 2 for c in convs)):
         for i, conv in enumerate(convs):
             if 2 * turn >= len(conv):
@@ -136,6 +140,8 @@ def run_config(
             meta = out["meta_info"]
             res.turns += 1
             res.prompt_tokens += meta["prompt_tokens"]
+            res.ideal_prefilled_tokens += meta["prompt_tokens"] - previous[i]
+            previous[i] = meta["prompt_tokens"]
             for tier, n in meta["cached_tokens_details"].items():
                 res.tier_tokens[tier] = res.tier_tokens.get(tier, 0) + n
             if res.turns % 20 == 0:

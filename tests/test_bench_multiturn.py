@@ -35,3 +35,4 @@ def test_host_tier_prefills_less_than_radix(tiny_model_dir: Path, tmp_path: Path
     assert radix["turns"] == host["turns"] >= 16 and radix["prompt_tokens"] == host["prompt_tokens"]
     assert host["hit_rate"]["host"] > 0.3, host
     assert host["prefilled_tokens"] < 0.7 * radix["prefilled_tokens"], (host, radix)
+    assert 0 < host["ideal_prefilled_tokens"] < 0.6 * host["prompt_tokens"], host
