@@ -327,3 +327,17 @@ def test_host_tier_gives_identical_outputs_and_prefills_less(tiny_model_dir: Pat
     assert from_host > 0 and host[3]["host"].hit_tokens == from_host
     assert all(sum(m["cached_tokens_details"].values()) == m["cached_tokens"] for m in host[1])
     assert host[2] < radix[2] - from_host // 2, (host[2], radix[2], from_host)
+
+
+@pytest.mark.slow
+def test_embedded_model_gives_identical_outputs_with_the_host_tier() -> None:
+    from radixserve import Engine
+
+    runs = []
+    for extra in ({}, {"hicache_size": 0.05}):
+        engine = Engine(dtype="float32", max_total_tokens=160, **extra)
+        outputs, metas = multiturn(engine, convs=4, turns=3)
+        runs.append((outputs, metas))
+        engine.shutdown()
+    assert runs[1][0] == runs[0][0]
+    assert sum(m["cached_tokens_details"].get("host", 0) for m in runs[1][1]) > 0
