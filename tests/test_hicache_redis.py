@@ -145,6 +145,7 @@ def messages_text(messages: list[dict[str, str]]) -> str:
     return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
 
 
+@pytest.mark.slow  # two server start-ups: ~30 s
 def test_two_servers_share_a_conversation(
     tiny_model_dir: Path, tmp_path: Path, redis_server: RedisServer
 ) -> None:
