@@ -46,6 +46,12 @@ HELP = {
     "(default: max running + max queued + 64)",
     "schedule_policy": "waiting-queue order: lpm (longest prefix match) or fcfs",
     "disable_radix_cache": "do not reuse KV across requests",
+    "hicache_size": "GB of host memory keeping K/V evicted from the pool (0: off)",
+    "hicache_dir": "directory keeping K/V pushed out of the host tier (needs --hicache-size)",
+    "hicache_disk_size": "GB of chunk files kept in --hicache-dir",
+    "hicache_remote": "redis://host:port shared by servers of the same model: K/V is written "
+    "through and read back from it",
+    "hicache_remote_ttl": "seconds a chunk stays in the remote tier (default: until evicted)",
     "attention_backend": "tree (shared-prefix Hydragen attention) or flat (per request)",
     "grammar_backend": "constrained decoding (regex, json_schema, ebnf): llguidance (default), "
     "xgrammar (the radixserve[xgrammar] extra) or outlines (regex and json_schema only)",

@@ -66,6 +66,14 @@ class EngineConfig:
     max_connections: int | None = None  # HTTP connections; None: running + queued + control
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
+    # Hierarchical KV cache (radixserve/kvcache/hicache.py): prefixes evicted from the pool
+    # go to host memory (GB; 0: off), from there to disk (a directory), and are written
+    # through to a shared Redis / Valkey (redis://host:port/db), and come back on a match.
+    hicache_size: float = 0.0
+    hicache_dir: str | None = None
+    hicache_disk_size: float = 16.0  # GB of chunk files kept in hicache_dir
+    hicache_remote: str | None = None
+    hicache_remote_ttl: int | None = None  # seconds a chunk stays in Redis (None: forever)
     attention_backend: str = "tree"
     attention_kernels: str = "auto"  # the ops under the backend; process-wide (see worker)
     grammar_backend: str = "llguidance"  # constrained decoding (radixserve.constrained)
@@ -133,9 +141,32 @@ class EngineConfig:
         check(self.max_running_requests >= 1, "max_running_requests must be >= 1")
         check(self.max_queued_requests >= 1, "max_queued_requests must be >= 1")
         check(self.tp_size >= 1, "tp_size must be >= 1")
+        check(self.hicache_size >= 0, f"hicache_size must be >= 0 GB, got {self.hicache_size}")
+        check(self.hicache_disk_size > 0, "hicache_disk_size must be > 0 GB")
+        check(
+            self.hicache_dir is None or self.hicache_size > 0,
+            "hicache_dir needs hicache_size > 0 (the disk tier is fed from the host tier)",
+        )
+        check(
+            self.hicache_remote is None
+            or self.hicache_remote.startswith(("redis://", "rediss://")),
+            f"hicache_remote must be a redis:// or rediss:// URL, got {self.hicache_remote!r}",
+        )
+        check(
+            not (self.disable_radix_cache and self.hicache_enabled),
+            "the hicache tiers need the radix cache (drop --disable-radix-cache)",
+        )
+        check(
+            self.hicache_remote_ttl is None or self.hicache_remote_ttl >= 1,
+            "hicache_remote_ttl must be >= 1 second",
+        )
         for name in ("max_queued_tokens", "max_connections"):
             value = getattr(self, name)
             check(value is None or value >= 1, f"{name} must be >= 1, got {value}")
+
+    @property
+    def hicache_enabled(self) -> bool:
+        return self.hicache_size > 0 or self.hicache_remote is not None
 
     @property
     def packed_linear_request(self) -> bool | None:

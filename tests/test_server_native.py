@@ -18,6 +18,7 @@ META_KEYS = {
     "prompt_tokens",
     "completion_tokens",
     "cached_tokens",
+    "cached_tokens_details",
     "e2e_latency",
 }
 LOGPROB_KEYS = {

@@ -5,7 +5,7 @@ Both cross the IPC boundary as they are (msgspec encodes these dataclasses).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,18 @@ class ModelInfo:
 
 
 @dataclass
+class TierStats:
+    """One KV tier's counters since start ("device" = the KV pool, "host", "disk",
+    "remote"); `stored_bytes` is what the tier holds now."""
+
+    hit_tokens: int = 0  # prompt tokens served from this tier
+    loads: int = 0  # chunks loaded from it
+    load_seconds: float = 0.0  # time spent loading them
+    faults: int = 0  # records refused (checksum, truncation) or reads/writes that failed
+    stored_bytes: int = 0
+
+
+@dataclass
 class SchedulerStats:
     num_running: int
     num_queued: int
@@ -32,6 +44,7 @@ class SchedulerStats:
     cached_tokens_total: int
     generation_tokens_total: int
     computed_tokens_total: int  # tokens run through the model (prefill + decode)
+    tiers: dict[str, TierStats] = field(default_factory=dict)  # empty without --hicache-*
 
     @property
     def kv_usage(self) -> float:

@@ -53,6 +53,7 @@ class SampleOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_details: dict[str, int] = field(default_factory=dict)  # by KV tier
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     output_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     # Prompt logprobs arrive once, with the first output: entry i is for prompt token
@@ -83,6 +84,7 @@ class SampleChunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_details: dict[str, int] = field(default_factory=dict)  # by KV tier
     text: str = ""
     output_logprobs: list[TextLogprob] = field(default_factory=list)
     output_top_logprobs: list[list[TextLogprob]] = field(default_factory=list)

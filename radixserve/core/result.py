@@ -36,6 +36,7 @@ class SampleResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_details: dict[str, int] = field(default_factory=dict)
     output_logprobs: list[TextLogprob] = field(default_factory=list)
     output_top_logprobs: list[list[TextLogprob]] = field(default_factory=list)
     input_logprobs: list[TextLogprob] = field(default_factory=list)
@@ -50,6 +51,7 @@ class SampleResult:
         self.prompt_tokens = d.prompt_tokens
         self.completion_tokens = d.completion_tokens
         self.cached_tokens = d.cached_tokens
+        self.cached_tokens_details = d.cached_tokens_details
         self.output_logprobs.extend(d.output_logprobs)
         self.output_top_logprobs.extend(d.output_top_logprobs)
         self.input_logprobs.extend(d.input_logprobs)
@@ -70,6 +72,7 @@ def native_result(
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.completion_tokens,
         "cached_tokens": r.cached_tokens,
+        "cached_tokens_details": r.cached_tokens_details,
         "e2e_latency": time.perf_counter() - created,
     }
     if return_logprob:

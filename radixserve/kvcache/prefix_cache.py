@@ -3,11 +3,13 @@
 A prefix cache holds the KV slots of token prefixes that requests computed and hands them to
 later requests starting with the same tokens. Two implementations:
   - `RadixCache` (radix.py): shares every cached prefix (the default);
+  - `HiCache` (hicache.py, `--hicache-size` / `--hicache-remote`): a RadixCache over lower
+    tiers (host, disk, Redis) that evicted prefixes go to and come back from;
   - `NoPrefixCache` (here, `--disable-radix-cache`): a tree that is only a root; it matches
     nothing and keeps nothing, so a request's K/V stays the request's and goes back to the
     pool when the request ends.
-`make_prefix_cache` is the only code that reads `EngineConfig.disable_radix_cache`; callers
-hold a `PrefixCache` and never ask which one it is.
+`make_prefix_cache` is the only code that reads `EngineConfig.disable_radix_cache` and the
+hicache fields; callers hold a `PrefixCache` and never ask which one it is.
 """
 
 from __future__ import annotations
@@ -18,8 +20,13 @@ from typing import Protocol
 import torch
 
 from radixserve.config import EngineConfig
+from radixserve.core.info import TierStats
+from radixserve.kvcache.disk_store import DiskStore
+from radixserve.kvcache.hicache import HiCache, pool_layout
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.radix import MatchResult, RadixCache, TreeNode, check_insert_args
+from radixserve.kvcache.remote_store import RemoteStore
+from radixserve.kvcache.tier_store import HostStore, TierStore
 
 
 class PrefixCache(Protocol):
@@ -96,6 +103,16 @@ class PrefixCache(Protocol):
         """Free every slot the cache holds. Asserts that nothing is locked."""
         ...
 
+    def tier_stats(self) -> dict[str, TierStats]:
+        """Counters of each KV tier by name ({} without lower tiers)."""
+        ...
+
+    def prefetch(self, queued: Sequence[Sequence[int]]) -> None:
+        """A hint, once per step: the token ids of the waiting requests next to be admitted
+        (first first). A cache with slower tiers may start moving their prefixes closer and
+        spare them in `evict`. Frees and allocates nothing; raises nothing."""
+        ...
+
     def check_integrity(self, in_use_elsewhere: int = 0) -> None:
         """Assert the cache's invariants and the slot accounting above, given the slots the
         caller holds outside the cache. Raises AssertionError with the offending values."""
@@ -160,6 +177,12 @@ class NoPrefixCache:
     def flush(self) -> None:
         """Nothing is held, so nothing to free."""
 
+    def tier_stats(self) -> dict[str, TierStats]:
+        return {}
+
+    def prefetch(self, queued: Sequence[Sequence[int]]) -> None:
+        """Nothing is kept, so nothing to fetch."""
+
     def check_integrity(self, in_use_elsewhere: int = 0) -> None:
         root = self.root
         assert root.parent is None and not root.children and root.lock_ref == 0, (
@@ -173,9 +196,29 @@ class NoPrefixCache:
         )
 
 
-def make_prefix_cache(config: EngineConfig, pool: KVPool) -> PrefixCache:
-    """The scheduler's prefix cache: a RadixCache, or a NoPrefixCache under
-    `disable_radix_cache`. The only place that reads that flag."""
+GB = 1 << 30
+
+
+def make_prefix_cache(config: EngineConfig, pool: KVPool, model_name: str = "") -> PrefixCache:
+    """The scheduler's prefix cache: a RadixCache, a HiCache when a lower tier is configured,
+    or a NoPrefixCache under `disable_radix_cache`. The only place that reads those fields.
+    `model_name` and the pool's layout name the K/V in shared tiers (same model, same keys)."""
     if config.disable_radix_cache:
         return NoPrefixCache(pool)
-    return RadixCache(pool)
+    if not config.hicache_enabled:
+        return RadixCache(pool)
+    layout = pool_layout(pool)
+    local: list[TierStore] = []
+    if config.hicache_size > 0:
+        disk = None
+        if config.hicache_dir is not None:
+            disk = DiskStore(config.hicache_dir, int(config.hicache_disk_size * GB), layout)
+        spill = None if disk is None else disk.put
+        local.append(HostStore(int(config.hicache_size * GB), layout, spill))
+        if disk is not None:
+            local.append(disk)
+    remote = None
+    if config.hicache_remote is not None:
+        remote = RemoteStore(config.hicache_remote, layout, config.hicache_remote_ttl)
+    namespace = f"{model_name}|{config.quantization}|{layout}"
+    return HiCache(pool, local, remote, namespace)

@@ -20,11 +20,17 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from radixserve.core.info import TierStats
 from radixserve.kvcache.pool import KVPool
+
+# Called with (token ids of the root-to-leaf path, their KV slots, where the leaf begins)
+# just before `evict` frees a leaf's slots: the leaf's ancestors are still cached then, so
+# the hook may read the K/V of the whole path (a HiCache demotes it to a lower tier).
+EvictHook = Callable[[list[int], torch.Tensor, int], None]
 
 
 class TreeNode:
@@ -77,6 +83,10 @@ class MatchResult:
 
     indices: torch.Tensor  # (matched_len,) int64 KV slots, root-first order
     last_node: TreeNode  # deepest node of the match, ending exactly at its last token; root if none
+    # matched tokens by the tier they came from: "device" (already in the pool), and with a
+    # HiCache "host" / "disk" / "remote" (loaded into freshly allocated slots); sums to
+    # len(indices); empty when nothing matched
+    tier_tokens: dict[str, int] = field(default_factory=dict)
 
 
 def _empty_slots() -> torch.Tensor:
@@ -153,8 +163,14 @@ class RadixCache:
       - Slots of a locked node are never evicted; `lock`/`unlock` on the root are no-ops.
     """
 
-    def __init__(self, pool: KVPool, clock: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        clock: Callable[[], float] | None = None,
+        on_evict: EvictHook | None = None,
+    ) -> None:
         self.pool = pool
+        self._on_evict = on_evict
         self._clock = clock if clock is not None else _counter_clock()
         self._ids = itertools.count()
         self.root = TreeNode(next(self._ids), [], _empty_slots(), None, self._clock())
@@ -186,13 +202,18 @@ class RadixCache:
         """
         if len(token_ids) == 0:
             return MatchResult(_empty_slots(), self.root)
-        node, values, _ = self._descend(list(token_ids), self._clock())
-        return MatchResult(_cat(values), node)
+        node, values, n = self._descend(list(token_ids), self._clock())
+        return MatchResult(_cat(values), node, {"device": n} if n else {})
 
     def cached_length(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens of `token_ids` are cached. Read-only: no split, no LRU touch
         (for ranking candidates; `match_prefix` is for the one that is admitted)."""
         return sum(m for _, m in self._edges(list(token_ids)))
+
+    def deepest_node(self, token_ids: Sequence[int]) -> TreeNode:
+        """The deepest node sharing a prefix with `token_ids` (the root if none). Read-only."""
+        edges = list(self._edges(list(token_ids)))
+        return edges[-1][0] if edges else self.root
 
     def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
         """Cache `token_ids` whose K/V sit at `kv_indices`; takes ownership of `kv_indices`.
@@ -340,12 +361,26 @@ class RadixCache:
     def _remove_leaf(self, leaf: TreeNode) -> TreeNode:
         parent = leaf.parent
         assert parent is not None and leaf.is_leaf and leaf.lock_ref == 0, f"bad evict {leaf}"
+        if self._on_evict is not None:
+            self._on_evict(*self._path_kv(leaf))
         self.pool.free(leaf.value)
         del parent.children[leaf.key[0]]
         self._evictable -= len(leaf.key)
         self.num_nodes -= 1
         leaf.parent = None
         return parent
+
+    def _path_kv(self, node: TreeNode) -> tuple[list[int], torch.Tensor, int]:
+        """(tokens, slots) of the path from the root to `node`, and where `node` begins."""
+        keys: list[list[int]] = []
+        values: list[torch.Tensor] = []
+        while node is not self.root:
+            assert node.parent is not None, f"path of a node not in the tree: {node}"
+            keys.append(node.key)
+            values.append(node.value)
+            node = node.parent
+        tokens = [t for key in reversed(keys) for t in key]
+        return tokens, _cat(values[::-1]), len(tokens) - len(keys[0])
 
     def flush(self) -> None:
         """Free every cached slot and empty the tree. Asserts that nothing is locked."""
@@ -358,6 +393,12 @@ class RadixCache:
         self.root.children = {}
         self._evictable = 0
         self.num_nodes = 1
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        return {}
+
+    def prefetch(self, queued: Sequence[Sequence[int]]) -> None:
+        """Everything this cache holds is in the pool already."""
 
     def _iter_nodes(self) -> Iterator[TreeNode]:
         """Every node of the tree, root included, parents before children."""

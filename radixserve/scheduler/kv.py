@@ -49,6 +49,7 @@ class KVManager:
         req.row, req.last_node, req.tree_len, req.kv_len = row, match.last_node, n, n
         if req.cached_tokens < 0:
             req.cached_tokens = min(n, len(req.prompt_ids))
+            req.cached_tiers = dict(match.tier_tokens)
         return True
 
     def unadmit(self, req: Req) -> None:
@@ -96,6 +97,7 @@ class KVManager:
         child.row, child.last_node = row, parent.last_node
         child.tree_len = child.kv_len = parent.kv_len
         child.cached_tokens = parent.cached_tokens
+        child.cached_tiers = parent.cached_tiers
         return True
 
     def release(self, req: Req) -> None:

@@ -124,6 +124,7 @@ class OutputProcessor:
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.output_ids),
             cached_tokens=max(req.cached_tokens, 0),
+            cached_tokens_details=req.cached_tiers,
             output_logprobs=req.new_logprobs,
             output_top_logprobs=req.new_top_logprobs,
             input_logprobs=req.input_logprobs,

@@ -9,6 +9,7 @@ worker and reads the tokenizer itself, not through the scheduler.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -54,7 +55,7 @@ def build_parts(
 ) -> SchedulerParts:
     """The cache and grammar compiler that go with a worker and tokenizer."""
     mc = worker.model_config
-    cache = make_prefix_cache(config, worker.pool)
+    cache = make_prefix_cache(config, worker.pool, Path(model_path).name)
     grammars = GrammarCompiler(
         tokenizer, mc.eos_token_ids, mc.vocab_size, backend=config.grammar_backend
     )

@@ -35,6 +35,7 @@ class Req:
     tree_len: int = 0
     last_node: TreeNode | None = None  # locked while admitted
     cached_tokens: int = -1  # prompt tokens found in the cache at first admission
+    cached_tiers: dict[str, int] = field(default_factory=dict)  # those tokens by KV tier
     fork_pending: bool = False  # n > 1: fork the other samples once the prompt is done
     finish_reason: FinishReason | None = None
     arrival: int = 0  # admission order key for fcfs

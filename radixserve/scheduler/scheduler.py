@@ -55,6 +55,7 @@ from radixserve.scheduler.req import Req
 logger = logging.getLogger("radixserve.scheduler")
 
 DEFER_SHARED_TOKENS = 32  # see policy.shares_uncached_prefix
+PREFETCH_WINDOW = 8  # waiting samples (in admission order) whose KV the cache may pull up
 DECODE_RESERVE = 16  # slots per admitted sample kept free for its first decode steps
 COMPILE_POLL_S = 0.05  # an otherwise idle step waits this long for a pattern to compile
 PREVIEW_TOKENS = 16  # tokens of each node the tree view shows
@@ -244,7 +245,10 @@ class Scheduler:
 
     def _admit(self, budget: int) -> list[Work]:
         admitted: list[Work] = []
-        for req in order_waiting(self.waiting, self.cache, self.config.schedule_policy):
+        order = order_waiting(self.waiting, self.cache, self.config.schedule_policy)
+        # look ahead: the cache starts moving their KV up its tiers and spares it in evict
+        self.cache.prefetch([r.all_ids[: r.reuse_limit()] for r in order[:PREFETCH_WINDOW]])
+        for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
             if shares_uncached_prefix(req, [w.req for w in admitted], DEFER_SHARED_TOKENS):
@@ -429,6 +433,7 @@ class Scheduler:
             cached_tokens_total=self.cached_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             computed_tokens_total=self.computed_tokens_total,
+            tiers=self.cache.tier_stats(),
         )
 
     def cache_tree(self, max_nodes: int, max_depth: int) -> CacheTreeView:

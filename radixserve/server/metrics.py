@@ -47,6 +47,34 @@ class _SchedulerCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        yield from _tier_metrics(s)
+
+
+def _tier_metrics(s: SchedulerStats) -> Iterator[Metric]:
+    """Per KV tier (label `tier`: device, host, disk, remote), with --hicache-* only."""
+    if not s.tiers:
+        return
+    families = [
+        (CounterMetricFamily, "hicache_hit_tokens", "Prompt tokens served from the tier"),
+        (GaugeMetricFamily, "hicache_hit_rate", "Tier hit tokens / prompt tokens since start"),
+        (CounterMetricFamily, "hicache_loads", "Chunks loaded from the tier"),
+        (CounterMetricFamily, "hicache_load_seconds", "Time spent loading chunks from the tier"),
+        (CounterMetricFamily, "hicache_faults", "Refused records and failed reads/writes"),
+        (GaugeMetricFamily, "hicache_stored_bytes", "Bytes the tier holds (remote: written)"),
+    ]
+    for kind, name, doc in families:
+        family = kind(PREFIX + name, doc, labels=["tier"])
+        for tier, t in s.tiers.items():
+            values = {
+                "hicache_hit_tokens": t.hit_tokens,
+                "hicache_hit_rate": t.hit_tokens / max(s.prompt_tokens_total, 1),
+                "hicache_loads": t.loads,
+                "hicache_load_seconds": t.load_seconds,
+                "hicache_faults": t.faults,
+                "hicache_stored_bytes": t.stored_bytes,
+            }
+            family.add_metric([tier], values[name])
+        yield family
 
 
 class Metrics:

@@ -68,6 +68,7 @@ class SampleAccumulator:
             prompt_tokens=o.prompt_tokens,
             completion_tokens=o.completion_tokens,
             cached_tokens=o.cached_tokens,
+            cached_tokens_details=o.cached_tokens_details,
             text=self.detok.push(o.new_token_ids, o.finish_reason),
             output_logprobs=self._entries(o.output_logprobs),
             output_top_logprobs=[self._entries(top) for top in o.output_top_logprobs],

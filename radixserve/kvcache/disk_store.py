@@ -1,0 +1,156 @@
+"""L3: chunks as checksummed files in a local directory, written by a background thread.
+
+One file per chunk, `<dir>/<key>.kv`, in the codec of tier_store.py (magic, header with the
+payload's sha256, token ids, tensor bytes); written to a temporary name and renamed, so a
+reader never sees half a file from this writer. Files already in the directory at start-up
+are indexed, so a restarted server finds its cache again.
+
+Threads: `put` (scheduler thread) queues the chunk and returns; the writer thread writes it.
+Until written, a queued chunk is served from memory. The index and the queue are shared
+under one lock; a write that fails (disk full, directory gone) drops that chunk, counts a
+fault and logs once: the tier degrades, the server goes on. Over `budget_bytes` the oldest
+files are deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from radixserve.core.info import TierStats
+from radixserve.kvcache.tier_store import ChunkError, ChunkLayout, decode_chunk, encode_chunk
+
+logger = logging.getLogger("radixserve.kvcache")
+
+MAX_PENDING = 256  # chunks queued for the writer; beyond, new chunks are dropped
+
+
+class DiskStore:
+    name = "disk"
+
+    def __init__(self, directory: str, budget_bytes: int, layout: ChunkLayout) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.budget = budget_bytes
+        self.layout = layout
+        self.counters = TierStats()
+        self._lock = threading.Lock()
+        self._files: OrderedDict[str, int] = OrderedDict()  # key -> file size, oldest first
+        self._pending: dict[str, tuple[list[int], torch.Tensor]] = {}
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._warned: set[str] = set()
+        for path in sorted(self.dir.glob("*.kv"), key=lambda p: p.stat().st_mtime):
+            self._files[path.stem] = path.stat().st_size
+        self._writer = threading.Thread(target=self._write_loop, name="hicache-disk", daemon=True)
+        self._writer.start()
+
+    def _path(self, key: str) -> Path:
+        return self.dir / f"{key}.kv"
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._pending or key in self._files
+
+    def get(self, key: str, tokens: Sequence[int]) -> torch.Tensor | None:
+        with self._lock:
+            pending = self._pending.get(key)
+            on_disk = key in self._files
+        if pending is not None:
+            return pending[1]
+        if not on_disk:
+            return None
+        try:
+            data = self._path(key).read_bytes()
+            return decode_chunk(data, tokens, self.layout)
+        except (OSError, ChunkError) as e:
+            self._fault("read", f"{self._path(key)}: {e}")
+            self._forget(key)
+            return None
+
+    def put(self, key: str, tokens: Sequence[int], chunk: torch.Tensor) -> None:
+        with self._lock:
+            if key in self._pending or key in self._files:
+                return
+            if len(self._pending) >= MAX_PENDING:
+                self.counters.faults += 1
+                return
+            self._pending[key] = (list(tokens), chunk)
+        self._queue.put(key)
+
+    def _write_loop(self) -> None:
+        while (key := self._queue.get()) is not None:
+            with self._lock:
+                entry = self._pending.get(key)
+            if entry is not None:
+                self._write(key, *entry)
+            self._queue.task_done()
+        self._queue.task_done()
+
+    def _write(self, key: str, tokens: list[int], chunk: torch.Tensor) -> None:
+        data = encode_chunk(tokens, chunk)
+        path, tmp = self._path(key), self.dir / f".{key}.tmp"
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            self._fault("write", f"{path}: {e}")
+            with self._lock:
+                self._pending.pop(key, None)
+            return
+        with self._lock:
+            self._pending.pop(key, None)
+            self._files[key] = len(data)
+            over = sum(self._files.values()) - self.budget
+            doomed = []
+            while over > 0 and self._files:
+                old, size = self._files.popitem(last=False)
+                doomed.append(old)
+                over -= size
+        for old in doomed:
+            self._path(old).unlink(missing_ok=True)
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            self._files.pop(key, None)
+        self._path(key).unlink(missing_ok=True)
+
+    def _fault(self, kind: str, message: str) -> None:
+        self.counters.faults += 1
+        if kind not in self._warned:  # once per kind: a full disk must not flood the log
+            self._warned.add(kind)
+            logger.warning(
+                "hicache disk %s failed (those chunks will be recomputed): %s", kind, message
+            )
+
+    @property
+    def stored_bytes(self) -> int:
+        with self._lock:
+            return sum(self._files.values())
+
+    def drain(self, timeout_s: float = 30.0) -> None:
+        """Wait until every queued chunk is written or dropped (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def clear(self) -> None:
+        self.drain()
+        with self._lock:
+            keys = list(self._files)
+            self._files.clear()
+        for key in keys:
+            self._path(key).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self.drain()
+        self._queue.put(None)
+        self._writer.join(timeout=5)

@@ -1,0 +1,321 @@
+"""HiCache: the radix cache (L1, the KV pool) over lower KV tiers (host L2, disk L3, Redis L4).
+
+The radix tree holds what is in the pool, as without tiers; the lower tiers hold chunks of
+evicted prefixes by content key (tier_store.py). Flow of a prefix's K/V:
+
+    L1 pool  --evict leaf--> L2 host --over budget--> L3 disk          (demotion)
+       |                                                (writer thread)
+       +--insert (write-through, writer thread)--> L4 Redis (shared by servers)
+
+    match_prefix(tokens):                                                  (promotion)
+      |<---- L1 radix match ---->|<-- chunks from L2 / L3 / L4 -->|<- recomputed ->|
+      0                          p    k0*C <= p < (k0+1)*C        q = k*C
+    the chunks covering [p, q) are looked up tier by tier (host, then disk, then one Redis
+    MGET for the rest), copied into freshly allocated pool slots and inserted into the tree,
+    so the caller gets one MatchResult over slots, as from a plain RadixCache, with
+    `tier_tokens` saying where each part came from.
+
+Demotion on eviction copies the chunks of the evicted leaf that end inside it (chunk rows
+before the leaf belong to its ancestors, which are still in the pool when a leaf goes: the
+tree evicts leaves first); the tail of a leaf that does not fill a chunk is not kept.
+
+Prefetch (scheduler-aware): for requests still waiting, `prefetch` hands the chunks a lower
+local tier (disk) holds beyond the pool's match to a reader thread, which reads them; the
+scheduler thread moves what was read into the host tier at its next call, so the request's
+admission finds them in memory. The reader touches only the disk tier (thread-safe) and a
+queue; the tree and the host tier stay the scheduler thread's.
+
+Exactness: a chunk holds the pool's rows bit for bit, so a promoted prefix gives the same
+outputs as the same prefix still in the pool. A record a tier cannot trust is a miss
+(recomputed), never loaded.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from radixserve.core.info import TierStats
+from radixserve.kvcache.pool import KVPool
+from radixserve.kvcache.radix import MatchResult, RadixCache, TreeNode
+from radixserve.kvcache.remote_store import RemoteStore
+from radixserve.kvcache.tier_store import CHUNK_TOKENS, ChunkLayout, TierStore, chunk_keys
+
+C = CHUNK_TOKENS
+
+
+def pool_layout(pool: KVPool) -> ChunkLayout:
+    k = pool.k[0]
+    return ChunkLayout(len(pool.k), k.shape[1], k.shape[2], k.dtype)
+
+
+class HiCache:
+    """The `PrefixCache` with lower tiers (prefix_cache.py's contract, with one exception):
+    `match_prefix` may allocate pool slots for what it loads from a lower tier, evicting
+    unlocked leaves to make room (never the matched path). Its result's slots belong to the
+    cache, like any match. `local` are the tiers searched in order (host, then disk);
+    `remote` is the shared one, written through on `insert`.
+    """
+
+    def __init__(
+        self,
+        pool: KVPool,
+        local: list[TierStore],
+        remote: RemoteStore | None,
+        namespace: str,
+    ) -> None:
+        self.pool = pool
+        self.tree = RadixCache(pool, on_evict=self._demote)
+        self.local = local
+        self.remote = remote
+        self.namespace = namespace
+        self.layout = pool_layout(pool)
+        self.device = TierStats()
+        self._remote_sent: set[str] = set()  # keys this server wrote to (or read from) Redis
+        self.prefetched = 0  # chunks moved up into the host tier ahead of their request
+        self._queued: list[TreeNode] = []  # deepest cached nodes of the queued requests
+        self._wanted: set[str] = set()  # keys handed to the reader, not yet in the host
+        self._to_read: queue.Queue[tuple[str, list[int]]] = queue.Queue()
+        self._read: queue.Queue[tuple[str, list[int], torch.Tensor | None]] = queue.Queue()
+        if len(local) > 1:
+            threading.Thread(target=self._read_loop, name="hicache-prefetch", daemon=True).start()
+
+    # -- PrefixCache: sizes, locks and paths are the tree's ---------------------------------
+
+    @property
+    def root(self) -> TreeNode:
+        return self.tree.root
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tree.num_nodes
+
+    @property
+    def evictable_size(self) -> int:
+        return self.tree.evictable_size
+
+    @property
+    def locked_size(self) -> int:
+        return self.tree.locked_size
+
+    @property
+    def total_size(self) -> int:
+        return self.tree.total_size
+
+    def cached_length(self, token_ids: Sequence[int]) -> int:
+        return self.tree.cached_length(token_ids)
+
+    def lock(self, node: TreeNode) -> None:
+        self.tree.lock(node)
+
+    def unlock(self, node: TreeNode) -> None:
+        self.tree.unlock(node)
+
+    def path(self, node: TreeNode) -> list[tuple[int, int]]:
+        return self.tree.path(node)
+
+    def evict(self, num_tokens: int) -> int:
+        """Evict least recently used leaves, sparing the queued requests' paths (see
+        `prefetch`) unless nothing else is left."""
+        spared = [n for n in self._queued if n.parent is not None]  # still in the tree
+        for node in spared:
+            self.tree.lock(node)
+        freed = self.tree.evict(num_tokens)
+        for node in spared:
+            self.tree.unlock(node)
+        return freed + self.tree.evict(num_tokens - freed)
+
+    # -- promotion -----------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        self._land_prefetched()
+        tokens = list(token_ids)
+        m = self.tree.match_prefix(tokens)
+        p = len(m.indices)
+        self.device.hit_tokens += p
+        keys = chunk_keys(self.namespace, tokens)
+        k0 = p // C
+        found = self._fetch(tokens, keys, k0)
+        slots = self._alloc(len(found) * C - (p - k0 * C), m.last_node)
+        if slots is None:
+            return m
+        n_chunks = (p - k0 * C + len(slots) + C - 1) // C
+        data = torch.cat([chunk for _, chunk in found[:n_chunks]], dim=2)  # (L, 2, T, H, D)
+        data = data[:, :, p - k0 * C : p - k0 * C + len(slots)]
+        for layer in range(self.layout.num_layers):
+            self.pool.write(layer, slots, data[layer, 0], data[layer, 1])
+        q = p + len(slots)
+        result = self.tree.insert(tokens[:q], torch.cat([m.indices, slots]))
+        tiers = dict(m.tier_tokens)
+        for k, (name, _) in enumerate(found[:n_chunks]):
+            start, end = max((k0 + k) * C, p), min((k0 + k + 1) * C, q)
+            tiers[name] = tiers.get(name, 0) + end - start
+            self._tier(name).hit_tokens += end - start
+        return MatchResult(result.indices, result.last_node, tiers)
+
+    def _fetch(self, tokens: list[int], keys: list[str], k0: int) -> list[tuple[str, torch.Tensor]]:
+        """The leading run of chunks k0, k0+1, ... that some tier holds, with the tier's name."""
+        found: list[tuple[str, torch.Tensor]] = []
+        for k in range(k0, len(keys)):
+            hit = self._fetch_local(keys[k], tokens[k * C : (k + 1) * C])
+            if hit is None:
+                break
+            found.append(hit)
+        k = k0 + len(found)
+        if self.remote is not None and k < len(keys):
+            start = time.perf_counter()
+            chunks = self.remote.get_many(
+                keys[k:], [tokens[i * C : (i + 1) * C] for i in range(k, len(keys))]
+            )
+            self._count_load(self.remote.counters, len(chunks), start)
+            self._remote_sent.update(keys[k : k + len(chunks)])
+            found.extend(("remote", chunk) for chunk in chunks)
+        return found
+
+    def _fetch_local(self, key: str, tokens: list[int]) -> tuple[str, torch.Tensor] | None:
+        for tier in self.local:
+            start = time.perf_counter()
+            chunk = tier.get(key, tokens)
+            if chunk is not None:
+                self._count_load(tier.counters, 1, start)
+                return tier.name, chunk
+        return None
+
+    @staticmethod
+    def _count_load(counters: TierStats, chunks: int, start: float) -> None:
+        if chunks:
+            counters.loads += chunks
+            counters.load_seconds += time.perf_counter() - start
+
+    def _alloc(self, n: int, keep: TreeNode) -> torch.Tensor | None:
+        """Up to `n` free slots (evicting unlocked leaves, never `keep`'s path); None if 0."""
+        if n <= 0:
+            return None
+        self.tree.lock(keep)
+        if self.pool.num_free < n:
+            self.evict(n - self.pool.num_free)
+        self.tree.unlock(keep)
+        return self.pool.alloc(min(n, self.pool.num_free))
+
+    def _tier(self, name: str) -> TierStats:
+        if name == "remote":
+            assert self.remote is not None
+            return self.remote.counters
+        return next(t.counters for t in self.local if t.name == name)
+
+    # -- prefetch ------------------------------------------------------------------------
+
+    def prefetch(self, queued: Sequence[Sequence[int]]) -> None:
+        """The scheduler's look-ahead over its waiting queue (next to be admitted first):
+        their cached paths are what `evict` spares while it can, and the chunks of theirs
+        that only the disk tier holds start moving up into the host tier, in the background."""
+        self._land_prefetched()
+        self._queued = [self.tree.deepest_node(t) for t in queued]
+        if len(self.local) > 1:
+            for token_ids in queued:
+                self._pull_up(list(token_ids))
+
+    def _pull_up(self, tokens: list[int]) -> None:
+        keys = chunk_keys(self.namespace, tokens)
+        host, lower = self.local[0], self.local[1:]
+        for k in range(self.tree.cached_length(tokens) // C, len(keys)):
+            key = keys[k]
+            if key in self._wanted or host.contains(key):
+                continue
+            if not any(t.contains(key) for t in lower):
+                return  # the prefix ends here: nothing below it is reachable
+            self._wanted.add(key)
+            self._to_read.put((key, tokens[k * C : (k + 1) * C]))
+
+    def _read_loop(self) -> None:
+        while True:
+            key, tokens = self._to_read.get()
+            chunk = None
+            for tier in self.local[1:]:
+                chunk = tier.get(key, tokens)
+                if chunk is not None:
+                    break
+            self._read.put((key, tokens, chunk))
+
+    def _land_prefetched(self) -> None:
+        """Move chunks the reader has read into the host tier (scheduler thread)."""
+        while True:
+            try:
+                key, tokens, chunk = self._read.get_nowait()
+            except queue.Empty:
+                return
+            self._wanted.discard(key)
+            if chunk is not None and not self.local[0].contains(key):
+                self.local[0].put(key, tokens, chunk)
+                self.prefetched += 1
+
+    # -- demotion and write-through ------------------------------------------------------
+
+    def _demote(self, tokens: list[int], slots: torch.Tensor, start: int) -> None:
+        """RadixCache's evict hook: keep the leaf's whole chunks in the first local tier."""
+        if not self.local:
+            return
+        keys = chunk_keys(self.namespace, tokens)
+        for k in range(start // C, len(keys)):
+            if any(tier.contains(keys[k]) for tier in self.local):
+                continue
+            self.local[0].put(keys[k], tokens[k * C : (k + 1) * C], self._gather(slots, k))
+
+    def _gather(self, slots: torch.Tensor, k: int) -> torch.Tensor:
+        """Chunk k's rows copied out of the pool: (layers, 2, C, kv_heads, head_dim)."""
+        rows = slots[k * C : (k + 1) * C]
+        pool = self.pool
+        return torch.stack(
+            [torch.stack([pool.k[i][rows], pool.v[i][rows]]) for i in range(len(pool.k))]
+        )
+
+    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
+        result = self.tree.insert(token_ids, kv_indices)
+        if self.remote is not None:
+            tokens = list(token_ids)
+            for k, key in enumerate(chunk_keys(self.namespace, tokens)):
+                if key not in self._remote_sent:
+                    self._remote_sent.add(key)
+                    self.remote.put(
+                        key, tokens[k * C : (k + 1) * C], self._gather(result.indices, k)
+                    )
+        return result
+
+    # -- management ----------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Empty the pool part and this server's own tiers (host, disk); the shared remote
+        tier is other servers' too and stays."""
+        self._queued = []
+        self.tree.flush()
+        for tier in self.local:
+            tier.clear()
+
+    def drain(self) -> None:
+        """Wait until every tier's queued writes and the prefetch reads are done (tests;
+        before reading a tier), and land what was prefetched."""
+        while self._wanted:
+            time.sleep(0.002)
+            self._land_prefetched()
+        for tier in [*self.local, *([self.remote] if self.remote else [])]:
+            tier.drain()
+
+    def close(self) -> None:
+        for tier in [*self.local, *([self.remote] if self.remote else [])]:
+            tier.close()
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        out = {"device": TierStats(hit_tokens=self.device.hit_tokens)}
+        for tier in [*self.local, *([self.remote] if self.remote else [])]:
+            c = tier.counters
+            out[tier.name] = TierStats(
+                c.hit_tokens, c.loads, c.load_seconds, c.faults, tier.stored_bytes
+            )
+        return out
+
+    def check_integrity(self, in_use_elsewhere: int = 0) -> None:
+        self.tree.check_integrity(in_use_elsewhere)

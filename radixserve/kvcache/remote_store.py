@@ -1,0 +1,168 @@
+"""L4: chunks in a shared Redis / Valkey server, so several radixserve servers (and a
+restarted one) reuse each other's K/V.
+
+Values are the self-checking records of tier_store.py under `radixserve:kv:<key>`; the key
+already names the model (the namespace) and the whole prefix, so servers of the same model
+share chunks and servers of different models never collide. Records are data, never code:
+a damaged or foreign record is refused by `decode_chunk` and counts as a miss.
+
+Threads: `put` queues and returns; a writer thread SETs. Reads are synchronous with a short
+socket timeout. Any Redis error (refused, reset, timeout) marks the tier down for
+`RETRY_S` seconds: reads miss and writes are dropped meanwhile, one warning when it goes
+down and one line when it is back. The server never waits on a dead Redis for longer than
+one timeout per `RETRY_S`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from radixserve.core.info import TierStats
+from radixserve.kvcache.tier_store import ChunkError, ChunkLayout, decode_chunk, encode_chunk
+
+logger = logging.getLogger("radixserve.kvcache")
+
+PREFIX = "radixserve:kv:"
+TIMEOUT_S = 0.5
+RETRY_S = 2.0
+MAX_PENDING = 256
+
+
+class RemoteStore:
+    name = "remote"
+
+    def __init__(self, url: str, layout: ChunkLayout, ttl_s: int | None = None) -> None:
+        import redis  # optional dependency: only a server with --hicache-remote needs it
+
+        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        self._client: Any = redis.Redis.from_url(
+            url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S
+        )
+        self.url = url
+        self.layout = layout
+        self.ttl_s = ttl_s
+        self.counters = TierStats()
+        self._written_bytes = 0
+        self._down_until = 0.0  # monotonic time before which the tier counts as down
+        self._down = False
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[str, list[int], torch.Tensor] | None] = queue.Queue(
+            MAX_PENDING
+        )
+        self._writer = threading.Thread(target=self._write_loop, name="hicache-redis", daemon=True)
+        self._writer.start()
+
+    # -- health ------------------------------------------------------------------------
+
+    def _up(self) -> bool:
+        with self._lock:
+            return time.monotonic() >= self._down_until
+
+    def _failed(self, e: BaseException) -> None:
+        with self._lock:
+            self.counters.faults += 1
+            self._down_until = time.monotonic() + RETRY_S
+            first = not self._down
+            self._down = True
+        if first:
+            logger.warning(
+                "hicache remote tier %s unreachable, using the other tiers: %s", self.url, e
+            )
+
+    def _ok(self) -> None:
+        with self._lock:
+            was_down, self._down = self._down, False
+        if was_down:
+            logger.info("hicache remote tier %s is back", self.url)
+
+    # -- reads -------------------------------------------------------------------------
+
+    def get_many(self, keys: Sequence[str], tokens: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """The leading run of `keys` that Redis holds, decoded (a refused record ends it)."""
+        if not keys or not self._up():
+            return []
+        try:
+            values = self._client.mget([PREFIX + k for k in keys])
+        except self._errors as e:
+            self._failed(e)
+            return []
+        self._ok()
+        chunks = []
+        for key, toks, data in zip(keys, tokens, values):
+            if data is None:
+                break
+            try:
+                chunks.append(decode_chunk(data, toks, self.layout))
+            except ChunkError as e:
+                with self._lock:
+                    self.counters.faults += 1
+                logger.warning("hicache remote chunk %s refused: %s", key, e)
+                break
+        return chunks
+
+    def get(self, key: str, tokens: Sequence[int]) -> torch.Tensor | None:
+        found = self.get_many([key], [tokens])
+        return found[0] if found else None
+
+    def contains(self, key: str) -> bool:
+        if not self._up():
+            return False
+        try:
+            return bool(self._client.exists(PREFIX + key))
+        except self._errors as e:
+            self._failed(e)
+            return False
+
+    # -- writes ------------------------------------------------------------------------
+
+    def put(self, key: str, tokens: Sequence[int], chunk: torch.Tensor) -> None:
+        if not self._up():
+            return
+        try:
+            self._queue.put_nowait((key, list(tokens), chunk))
+        except queue.Full:
+            with self._lock:
+                self.counters.faults += 1
+
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            key, tokens, chunk = item
+            if self._up():
+                data = encode_chunk(tokens, chunk)
+                try:
+                    self._client.set(PREFIX + key, data, ex=self.ttl_s)
+                    with self._lock:
+                        self._written_bytes += len(data)
+                    self._ok()
+                except self._errors as e:
+                    self._failed(e)
+            self._queue.task_done()
+        self._queue.task_done()
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes this server wrote (the shared server's total is other servers' too)."""
+        with self._lock:
+            return self._written_bytes
+
+    def drain(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def clear(self) -> None:
+        """The shared tier is not this server's to clear: other servers read it."""
+        self.drain()
+
+    def close(self) -> None:
+        self.drain()
+        self._queue.put(None)
+        self._writer.join(timeout=5)
+        self._client.close()

@@ -1,0 +1,203 @@
+"""The lower KV tiers' shared vocabulary: chunks, their keys, their codec, the host tier.
+
+A lower tier (host memory L2, disk L3, a shared Redis L4) stores the K/V of token prefixes
+in fixed-size **chunks** of `CHUNK_TOKENS` tokens, addressed by content:
+
+    chunk k of a prefix covers positions [k*C, (k+1)*C)      C = CHUNK_TOKENS
+    key_k = sha256(key_{k-1} || tokens of chunk k)           key_{-1} = sha256(namespace)
+
+so a key names the whole prefix up to the chunk's end (two conversations share a chunk only
+when everything before it is equal), and any server with the same model (the namespace)
+finds the chunks another one stored. A chunk's tensor is (layers, 2, C, kv_heads, head_dim)
+in the KV pool's dtype: rows copied from the pool, bit for bit, so a promoted prefix gives
+exactly the outputs it gave before it was evicted.
+
+Records that leave the process (disk files, Redis values) use one codec: a magic line, a
+JSON header (dtype, shape, sha256 of the payload), then the chunk's token ids (int32) and
+the tensor's bytes. `decode_chunk` refuses a record whose magic, header, checksum, tokens or
+shape do not match what the reader expects: a damaged record is a miss, never wrong K/V.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from radixserve.core.info import TierStats
+
+CHUNK_TOKENS = 16
+MAGIC = b"RSKVCHUNK1\n"
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """The shape every chunk of one model's KV pool has."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, CHUNK_TOKENS, self.kv_heads, self.head_dim)
+
+    @property
+    def chunk_bytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+def chunk_keys(namespace: str, tokens: Sequence[int]) -> list[str]:
+    """Keys (hex) of every whole chunk of `tokens`, in order (see the module docstring)."""
+    h = hashlib.sha256(namespace.encode()).digest()
+    keys = []
+    for start in range(0, len(tokens) - CHUNK_TOKENS + 1, CHUNK_TOKENS):
+        chunk = tokens[start : start + CHUNK_TOKENS]
+        h = hashlib.sha256(h + struct.pack(f"<{CHUNK_TOKENS}i", *chunk)).digest()
+        keys.append(h[:16].hex())
+    return keys
+
+
+class ChunkError(ValueError):
+    """A stored record that cannot be trusted (damaged, truncated, another prefix's)."""
+
+
+def encode_chunk(tokens: Sequence[int], chunk: torch.Tensor) -> bytes:
+    """One self-checking record of a chunk (the module docstring gives the layout)."""
+    payload = struct.pack(f"<{len(tokens)}i", *tokens) + _tensor_bytes(chunk)
+    dtype = str(chunk.dtype).removeprefix("torch.")
+    header = {"dtype": dtype, "shape": list(chunk.shape), "sha256": _digest(payload)}
+    head = json.dumps(header).encode()
+    return MAGIC + struct.pack("<I", len(head)) + head + payload
+
+
+def decode_chunk(data: bytes, tokens: Sequence[int], layout: ChunkLayout) -> torch.Tensor:
+    """The chunk in `data`, checked against the tokens and layout the reader expects.
+    Raises ChunkError saying what is wrong."""
+    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 4:
+        raise ChunkError("not a chunk record (bad magic)")
+    at = len(MAGIC) + 4
+    (head_len,) = struct.unpack("<I", data[len(MAGIC) : at])
+    try:
+        header = json.loads(data[at : at + head_len])
+    except ValueError as e:
+        raise ChunkError(f"bad header: {e}") from None
+    payload = data[at + head_len :]
+    token_bytes = 4 * CHUNK_TOKENS
+    if len(payload) != token_bytes + layout.chunk_bytes:
+        raise ChunkError(
+            f"payload of {len(payload)} bytes, expected {token_bytes + layout.chunk_bytes}"
+        )
+    if not isinstance(header, dict) or header.get("sha256") != _digest(payload):
+        raise ChunkError("checksum mismatch")
+    if (
+        header.get("shape") != list(layout.shape)
+        or _DTYPES.get(header.get("dtype", "")) != layout.dtype
+    ):
+        raise ChunkError(f"layout {header.get('shape')} {header.get('dtype')} is not this pool's")
+    if list(struct.unpack(f"<{CHUNK_TOKENS}i", payload[:token_bytes])) != list(tokens):
+        raise ChunkError("the record holds other tokens")
+    raw = torch.frombuffer(bytearray(payload[token_bytes:]), dtype=torch.uint8)
+    return raw.view(layout.dtype).reshape(layout.shape)
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _digest(payload: bytes) -> str:
+    return hashlib.sha256(payload).hexdigest()
+
+
+class TierStore(Protocol):
+    """One lower tier: chunks by key.
+
+    Contract: `put` never blocks on I/O (a slow tier queues the write and may drop it);
+    `get` returns the chunk or None (absent, or a record it refused: counted in
+    `counters.faults` and logged, never raised); neither raises on an I/O failure. Called
+    from the scheduler thread only; a tier's own writer thread touches only its own state.
+    """
+
+    name: str
+    counters: TierStats  # hit_tokens / loads / load_seconds kept by the caller; faults here
+
+    def get(self, key: str, tokens: Sequence[int]) -> torch.Tensor | None: ...
+
+    def contains(self, key: str) -> bool: ...
+
+    def put(self, key: str, tokens: Sequence[int], chunk: torch.Tensor) -> None: ...
+
+    @property
+    def stored_bytes(self) -> int: ...
+
+    def drain(self) -> None:
+        """Wait until queued writes are done or dropped (tests, flush, shutdown)."""
+        ...
+
+    def clear(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+Spill = Callable[[str, list[int], torch.Tensor], None]
+
+
+class HostStore:
+    """L2: chunks in host memory within a byte budget, least recently used spilled first.
+
+    A chunk pushed out by the budget goes to `spill` (the disk tier's `put`) or is dropped.
+    """
+
+    name = "host"
+
+    def __init__(self, budget_bytes: int, layout: ChunkLayout, spill: Spill | None) -> None:
+        self.capacity = budget_bytes // layout.chunk_bytes
+        assert self.capacity >= 1, f"--hicache-size holds no {layout.chunk_bytes}-byte chunk"
+        self.layout = layout
+        self.spill = spill
+        self.counters = TierStats()
+        self._chunks: OrderedDict[str, tuple[list[int], torch.Tensor]] = OrderedDict()
+
+    def get(self, key: str, tokens: Sequence[int]) -> torch.Tensor | None:
+        entry = self._chunks.get(key)
+        if entry is None:
+            return None
+        self._chunks.move_to_end(key)
+        assert entry[0] == list(tokens), f"host chunk {key} holds other tokens"
+        return entry[1]
+
+    def contains(self, key: str) -> bool:
+        return key in self._chunks
+
+    def put(self, key: str, tokens: Sequence[int], chunk: torch.Tensor) -> None:
+        assert tuple(chunk.shape) == self.layout.shape, f"chunk {tuple(chunk.shape)}"
+        self._chunks[key] = (list(tokens), chunk)
+        self._chunks.move_to_end(key)
+        while len(self._chunks) > self.capacity:
+            old, (old_tokens, old_chunk) = self._chunks.popitem(last=False)
+            if self.spill is not None:
+                self.spill(old, old_tokens, old_chunk)
+
+    @property
+    def stored_bytes(self) -> int:
+        return len(self._chunks) * self.layout.chunk_bytes
+
+    def drain(self) -> None:
+        """Nothing is queued: puts are done when they return."""
+
+    def clear(self) -> None:
+        self._chunks.clear()
+
+    def close(self) -> None:
+        self.clear()

@@ -1,0 +1,343 @@
+"""HiCache over a real KVPool, without a model: demotion on eviction, promotion on a match
+(rows bit for bit), per-tier counts, KV accounting back to baseline; the disk tier's files,
+restart, and its faults (corrupt, truncated, missing file, full disk) falling back to a
+shorter match, never to wrong rows."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from radixserve.config import EngineConfig
+from radixserve.kvcache.disk_store import DiskStore
+from radixserve.kvcache.hicache import HiCache, pool_layout
+from radixserve.kvcache.pool import KVPool
+from radixserve.kvcache.prefix_cache import make_prefix_cache
+from radixserve.kvcache.tier_store import (
+    CHUNK_TOKENS,
+    ChunkError,
+    HostStore,
+    chunk_keys,
+    decode_chunk,
+    encode_chunk,
+)
+
+C = CHUNK_TOKENS
+TOKENS = list(range(1000, 1064))  # 4 whole chunks
+
+
+def make_pool(capacity: int = 128, layers: int = 2, heads: int = 1, dim: int = 4) -> KVPool:
+    return KVPool(capacity + 1, layers, heads, dim, torch.float32)
+
+
+def computed(pool: KVPool, tokens: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots holding `tokens`' "K/V" (seeded random rows, a function of the tokens), and
+    those rows (layers, 2, T, H, D) as the reference a promotion must reproduce."""
+    slots = pool.alloc(len(tokens))
+    assert slots is not None
+    g = torch.Generator().manual_seed(seed)
+    shape = (len(tokens), *pool.k[0].shape[1:])
+    rows = []
+    for layer in range(len(pool.k)):
+        k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+        pool.write(layer, slots, k, v)
+        rows.append(torch.stack([k, v]))
+    return slots, torch.stack(rows)
+
+
+def rows_at(pool: KVPool, slots: torch.Tensor) -> torch.Tensor:
+    return torch.stack([torch.stack([k[slots], v[slots]]) for k, v in zip(pool.k, pool.v)])
+
+
+def host_cache(pool: KVPool, chunks: int = 64, disk: DiskStore | None = None) -> HiCache:
+    layout = pool_layout(pool)
+    host = HostStore(chunks * layout.chunk_bytes, layout, None if disk is None else disk.put)
+    return HiCache(pool, [host] if disk is None else [host, disk], None, "test")
+
+
+def test_evicted_prefix_comes_back_from_host_bit_for_bit() -> None:
+    pool = make_pool()
+    cache = host_cache(pool)
+    slots, ref = computed(pool, TOKENS[:40])
+    cache.insert(TOKENS[:40], slots)
+    assert cache.evict(40) == 40
+    assert pool.num_free == pool.capacity  # the pool is empty again; the host kept 2 chunks
+    assert cache.local[0].stored_bytes == 2 * pool_layout(pool).chunk_bytes
+    m = cache.match_prefix(TOKENS[:40] + [7])
+    assert m.tier_tokens == {"host": 32}  # the 8-token tail of the leaf was not a whole chunk
+    assert torch.equal(rows_at(pool, m.indices), ref[:, :, :32])
+    cache.check_integrity()
+    again = cache.match_prefix(TOKENS[:40])
+    assert again.tier_tokens == {"device": 32} and torch.equal(again.indices, m.indices)
+    cache.flush()
+    assert pool.num_free == pool.capacity and cache.local[0].stored_bytes == 0
+    cache.check_integrity()
+
+
+def test_match_mixes_device_and_host_mid_chunk() -> None:
+    pool = make_pool()
+    cache = host_cache(pool)
+    slots, ref = computed(pool, TOKENS)
+    cache.insert(TOKENS, slots)
+    cache.evict(64)
+    m = cache.match_prefix(TOKENS[:20])  # 16 tokens promoted (chunk 0), the rest recomputed
+    cache.lock(m.last_node)
+    assert m.tier_tokens == {"host": 16}
+    extra = pool.alloc(4)
+    assert extra is not None
+    pool.write(0, extra, ref[0, 0, 16:20], ref[0, 1, 16:20])
+    cache.insert(TOKENS[:20], torch.cat([m.indices, extra]))  # now 20 tokens in the pool
+    cache.unlock(m.last_node)
+    full = cache.match_prefix(TOKENS + [1])
+    assert full.tier_tokens == {"device": 20, "host": 44}  # chunk 1 loaded from offset 4
+    assert torch.equal(rows_at(pool, full.indices[20:]), ref[:, :, 20:])
+    cache.check_integrity()
+
+
+def test_promotion_evicts_other_leaves_but_never_the_matched_path() -> None:
+    pool = make_pool(capacity=48)
+    cache = host_cache(pool)
+    slots, ref = computed(pool, TOKENS[:32])
+    cache.insert(TOKENS[:32], slots)
+    cache.evict(32)  # in the host now
+    other, _ = computed(pool, list(range(5000, 5048)), seed=1)
+    cache.insert(list(range(5000, 5048)), other)  # the pool is full of another prefix
+    assert pool.num_free == 0
+    m = cache.match_prefix(TOKENS[:33])
+    assert m.tier_tokens == {"host": 32}
+    assert torch.equal(rows_at(pool, m.indices), ref)
+    cache.check_integrity()
+
+
+def test_evict_spares_what_a_queued_request_needs() -> None:
+    pool = make_pool()
+    cache = host_cache(pool)
+    a, b = TOKENS[:32], list(range(7000, 7032))
+    cache.insert(a, computed(pool, a)[0])  # older: LRU would evict it first
+    cache.insert(b, computed(pool, b, seed=1)[0])
+    cache.prefetch([a + [5]])  # a request for `a` is waiting
+    assert cache.evict(32) == 32
+    assert cache.cached_length(a) == 32 and cache.cached_length(b) == 0
+    assert cache.evict(32) == 32  # nothing else left: the queued one's path goes too
+    assert cache.cached_length(a) == 0 and pool.num_free == pool.capacity
+    cache.check_integrity()
+
+
+def test_prefix_cache_factory_builds_the_tiers(tmp_path: Path) -> None:
+    pool = make_pool()
+    cfg = EngineConfig(hicache_size=0.001, hicache_dir=str(tmp_path))
+    cache = make_prefix_cache(cfg, pool, "m")
+    assert isinstance(cache, HiCache)
+    assert [t.name for t in cache.local] == ["host", "disk"]
+    cache.close()
+    with pytest.raises(ValueError, match="hicache_dir needs hicache_size"):
+        EngineConfig(hicache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="hicache_remote"):
+        EngineConfig(hicache_remote="http://x")
+
+
+# ---------------------------------------------------------------- the codec
+
+
+def test_codec_refuses_what_it_cannot_trust() -> None:
+    layout = pool_layout(make_pool())
+    chunk = torch.randn(layout.shape)
+    toks = TOKENS[:C]
+    data = encode_chunk(toks, chunk)
+    assert torch.equal(decode_chunk(data, toks, layout), chunk)
+    flipped = bytearray(data)
+    flipped[-5] ^= 0x40
+    cases = {
+        "checksum": bytes(flipped),
+        "truncated": data[:-3],
+        "magic": b"X" + data[1:],
+    }
+    for what, bad in cases.items():
+        with pytest.raises(ChunkError):
+            decode_chunk(bad, toks, layout)
+        assert what
+    with pytest.raises(ChunkError, match="other tokens"):
+        decode_chunk(data, TOKENS[C : 2 * C], layout)
+
+
+def test_keys_name_the_whole_prefix() -> None:
+    a = chunk_keys("ns", TOKENS)
+    assert len(a) == 4 and len(set(a)) == 4
+    b = chunk_keys("ns", [0] + TOKENS[1:])
+    assert all(x != y for x, y in zip(a, b))  # one token differs early: every key differs
+    assert chunk_keys("other", TOKENS)[0] != a[0]
+    assert chunk_keys("ns", TOKENS[:40]) == a[:2]
+
+
+# ---------------------------------------------------------------- disk tier
+
+
+def spilled_to_disk(tmp_path: Path) -> tuple[KVPool, HiCache, torch.Tensor]:
+    """4 chunks evicted into a host tier of 1 chunk: chunks 0..2 spill to disk."""
+    pool = make_pool()
+    disk = DiskStore(str(tmp_path), 1 << 30, pool_layout(pool))
+    cache = host_cache(pool, chunks=1, disk=disk)
+    slots, ref = computed(pool, TOKENS)
+    cache.insert(TOKENS, slots)
+    cache.evict(64)
+    cache.drain()
+    assert len(list(tmp_path.glob("*.kv"))) == 3
+    return pool, cache, ref
+
+
+def restarted(tmp_path: Path) -> tuple[KVPool, HiCache]:
+    pool = make_pool()
+    return pool, host_cache(pool, disk=DiskStore(str(tmp_path), 1 << 30, pool_layout(pool)))
+
+
+def test_disk_tier_survives_a_restart(tmp_path: Path) -> None:
+    _, old, ref = spilled_to_disk(tmp_path)
+    old.close()
+    pool, cache = restarted(tmp_path)
+    m = cache.match_prefix(TOKENS + [1])
+    assert m.tier_tokens == {"disk": 48}  # chunk 3 was in the old server's host memory
+    assert torch.equal(rows_at(pool, m.indices), ref[:, :, :48])
+    assert cache.tier_stats()["disk"].loads == 3
+    cache.check_integrity()
+    cache.close()
+
+
+def chunk_file(tmp_path: Path, k: int) -> Path:
+    return tmp_path / f"{chunk_keys('test', TOKENS)[k]}.kv"
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "truncated", "missing"])
+def test_damaged_chunk_file_is_a_miss_never_wrong_kv(tmp_path: Path, fault: str) -> None:
+    _, old, ref = spilled_to_disk(tmp_path)
+    old.close()
+    pool, cache = restarted(tmp_path)
+    path = chunk_file(tmp_path, 1)
+    data = path.read_bytes()
+    if fault == "corrupt":
+        path.write_bytes(data[:-100] + bytes([data[-100] ^ 1]) + data[-99:])
+    elif fault == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    else:
+        path.unlink()
+    m = cache.match_prefix(TOKENS + [1])
+    assert m.tier_tokens == {"disk": 16}  # chunk 0 only: from chunk 1 on it is recomputed
+    assert torch.equal(rows_at(pool, m.indices), ref[:, :, :16])
+    assert cache.tier_stats()["disk"].faults == 1
+    assert not path.exists()  # a refused file is removed, not read again
+    cache.flush()
+    assert pool.num_free == pool.capacity
+    cache.close()
+
+
+def test_prefetch_pulls_a_waiting_prefix_up_from_disk(tmp_path: Path) -> None:
+    _, old, ref = spilled_to_disk(tmp_path)
+    old.close()
+    pool, cache = restarted(tmp_path)
+    cache.prefetch([TOKENS + [1]])  # the scheduler's look-ahead over its waiting queue
+    cache.drain()
+    assert cache.prefetched == 3 and pool.num_free == pool.capacity  # the pool is untouched
+    m = cache.match_prefix(TOKENS + [1])
+    assert m.tier_tokens == {"host": 48}  # from memory now, not from disk
+    assert torch.equal(rows_at(pool, m.indices), ref[:, :, :48])
+    cache.prefetch([TOKENS + [1]])  # in the pool now: nothing to fetch
+    assert not cache._wanted
+    cache.check_integrity()
+    cache.close()
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs: a real full disk (ENOSPC) for the disk tier."""
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)])
+    if r.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root): no full disk to test on")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_full_disk_degrades_to_the_host_tier(
+    tiny_disk: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pool = make_pool(capacity=512, layers=4, heads=4, dim=64)  # 128 KiB chunks
+    disk = DiskStore(str(tiny_disk), 1 << 30, pool_layout(pool))
+    cache = host_cache(pool, chunks=2, disk=disk)
+    tokens = list(range(20000, 20000 + 8 * C))
+    slots, ref = computed(pool, tokens)
+    cache.insert(tokens, slots)
+    with caplog.at_level(logging.WARNING, logger="radixserve.kvcache"):
+        cache.evict(len(tokens))  # 6 chunks spill to a disk that holds at most one
+        cache.drain()
+    stats = cache.tier_stats()["disk"]
+    assert stats.faults >= 4, stats
+    assert sum("hicache disk write failed" in r.getMessage() for r in caplog.records) == 1
+    m = cache.match_prefix(tokens + [1])  # whatever survived, it is exact
+    assert torch.equal(rows_at(pool, m.indices), ref[:, :, : len(m.indices)])
+    cache.flush()
+    assert pool.num_free == pool.capacity
+    cache.check_integrity()
+    cache.close()
+
+
+# ---------------------------------------------------------------- end to end (tiny model)
+
+TURN = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+
+
+def multiturn(engine: Any, convs: int = 6, turns: int = 4) -> tuple[list[list[int]], list[dict]]:
+    """Interleaved conversations: each turn is the whole history plus a new message."""
+    g = torch.Generator().manual_seed(7)
+    history: list[list[int]] = [[] for _ in range(convs)]
+    outputs, metas = [], []
+    for _ in range(turns):
+        for c in range(convs):
+            history[c] += torch.randint(100, 20000, (24,), generator=g).tolist()
+            out = engine.generate(input_ids=history[c], sampling_params=TURN)
+            history[c] += out["output_ids"]
+            outputs.append(out["output_ids"])
+            metas.append(out["meta_info"])
+            engine.check_integrity()
+    return outputs, metas
+
+
+def test_host_tier_gives_identical_outputs_and_prefills_less(tiny_model_dir: Path) -> None:
+    from radixserve import Engine
+
+    runs = {}
+    for name, extra in {"radix": {}, "host": {"hicache_size": 0.01}}.items():
+        engine = Engine(str(tiny_model_dir), dtype="float32", max_total_tokens=192, **extra)
+        outputs, metas = multiturn(engine)
+        computed = engine.scheduler.stats().computed_tokens_total
+        runs[name] = (outputs, metas, computed, engine.scheduler.stats().tiers)
+        assert engine.flush_cache()
+        pool = engine.scheduler.kv.pool
+        assert pool.num_free == pool.capacity  # KV accounting back to baseline
+        engine.check_integrity()
+        engine.shutdown()
+    radix, host = runs["radix"], runs["host"]
+    assert host[0] == radix[0]  # greedy fp32: the same tokens with and without the tier
+    from_host = sum(m["cached_tokens_details"].get("host", 0) for m in host[1])
+    assert from_host > 0 and host[3]["host"].hit_tokens == from_host
+    assert all(sum(m["cached_tokens_details"].values()) == m["cached_tokens"] for m in host[1])
+    assert host[2] < radix[2] - from_host // 2, (host[2], radix[2], from_host)
+
+
+@pytest.mark.slow
+def test_embedded_model_gives_identical_outputs_with_the_host_tier() -> None:
+    from radixserve import Engine
+
+    runs = []
+    for extra in ({}, {"hicache_size": 0.05}):
+        engine = Engine(dtype="float32", max_total_tokens=160, **extra)
+        outputs, metas = multiturn(engine, convs=4, turns=3)
+        runs.append((outputs, metas))
+        engine.shutdown()
+    assert runs[1][0] == runs[0][0]
+    assert sum(m["cached_tokens_details"].get("host", 0) for m in runs[1][1]) > 0
