@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import uvicorn
@@ -22,14 +24,34 @@ logger = logging.getLogger("radixserve.router")
 WORKER_STOP_S = 30.0
 
 
+class _Server(uvicorn.Server):
+    """Stops on SIGINT/SIGTERM and returns (uvicorn's own handler re-raises the signal
+    after serving, which would end the process before the workers are stopped)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.handle_exit, sig, None)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+
 def run_router(config: RouterConfig) -> int:
     """Serve until SIGINT/SIGTERM; the exit status."""
     configure_logging(config.log_level)
-    uvicorn.run(
-        build_app(config), host=config.host, port=config.port,
-        log_level="warning", timeout_graceful_shutdown=5,
+    app = build_app(config)
+    server = _Server(
+        uvicorn.Config(
+            app, host=config.host, port=config.port, log_level="warning",
+            timeout_graceful_shutdown=5,
+        )
     )  # fmt: skip
-    return 0
+    server.run()
+    return 0 if server.started else 1
 
 
 def run_data_parallel(serve_args: Sequence[str], dp_size: int, config: RouterConfig) -> int:

@@ -37,6 +37,7 @@ logger = logging.getLogger("radixserve.router")
 T = TypeVar("T")
 FORWARDED_HEADERS = ("authorization", "content-type")
 ANSWER_HEADERS = ("content-type", "retry-after", "www-authenticate")
+WORKER_HEADER = "X-Radixserve-Worker"  # on every forwarded answer: the worker that gave it
 QUEUE_CHUNKS = 64  # a stream's chunks buffered between its worker and its client
 
 
@@ -102,7 +103,7 @@ class Proxy:
                 except (httpx.TransportError, WorkerDown) as e:
                     self.pool.mark_dead(worker, repr(e))
                     continue
-            return _answer(resp.status_code, resp.headers, resp.content)
+            return _answer(resp.status_code, resp.headers, resp.content, worker)
         raise AssertionError("unreachable: _attempts raises when it runs out")
 
     async def stream(self, fwd: Forward) -> Response:
@@ -115,7 +116,7 @@ class Proxy:
             try:
                 kind, status, headers = await until_down(worker, queue.get())
                 if kind == "head" and status != 200:  # the worker's refusal: pass it on
-                    return _answer(status, headers, await _drain(worker, queue))
+                    return _answer(status, headers, await _drain(worker, queue), worker)
                 if kind == "head":
                     kind, first, _ = await until_down(worker, queue.get())
                     if kind == "data":
@@ -125,7 +126,10 @@ class Proxy:
                         # never starts (the client left before the first chunk was written)
                         cleanup = BackgroundTask(_stop, pump, lease)
                         return StreamingResponse(
-                            relay, media_type="text/event-stream", background=cleanup
+                            relay,
+                            media_type="text/event-stream",
+                            headers={WORKER_HEADER: worker.url},
+                            background=cleanup,
                         )
                     status = first  # the error (or end) that came before any data
                 self.pool.mark_dead(worker, f"stream failed before its first chunk: {status!r}")
@@ -188,8 +192,9 @@ def _stop(pump: asyncio.Task, lease: Lease) -> None:
     lease.release()
 
 
-def _answer(status: int, headers: httpx.Headers, content: bytes) -> Response:
+def _answer(status: int, headers: httpx.Headers, content: bytes, worker: Worker) -> Response:
     kept = {k: v for k, v in headers.items() if k.lower() in ANSWER_HEADERS}
+    kept[WORKER_HEADER] = worker.url
     return Response(content, status_code=status, headers=kept)
 
 

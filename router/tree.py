@@ -2,7 +2,7 @@
 
 It only approximates the worker's real radix cache (which holds token ids and evicts under
 its own KV pressure): the router never sees the worker's cache, only what it sent there.
-Keys are strings (a text prompt, or token ids spelled as `ids_key`); edges are compressed
+Keys are strings (a text prompt, or token ids as `ids_key` spells them); edges are compressed
 (a node's label is a run of characters), children are keyed by their label's first
 character. Every insert stamps the nodes on its path with a tick from a counter, so a parent
 is never older than its children; pruning removes least recently stamped leaves (a node
@@ -19,9 +19,9 @@ from collections.abc import Iterable
 
 
 def ids_key(ids: Iterable[int]) -> str:
-    """Token ids as a tree key: each id closed by a comma, so a shared prefix of ids is a
-    shared prefix of keys (and 1,2 never matches 1,23 past the shared `1,`)."""
-    return "".join(f"{int(i)}," for i in ids)
+    """Token ids as a tree key, one character per id (ids beyond the 0x110000 code points
+    wrap: the tree is approximate anyway), so prefixes of ids are prefixes of keys."""
+    return "".join(chr(int(i) % 0x110000) for i in ids)
 
 
 class _Node:
