@@ -148,3 +148,20 @@ def test_routing_key() -> None:
     assert chat.startswith('[{"role": "user", "content": "hi"')
     assert routing_key("/generate", ["not", "a", "dict"]) == ""
     assert routing_key("/generate", {"text": 5}) == ""
+
+
+def test_dp_workers_get_the_serve_flags() -> None:
+    from radixserve.cli import build_parser, config_from_args, worker_argv
+
+    parser = build_parser()
+    argv = ["serve", "--dp-size", "2", "--port", "31000", "--max-total-tokens", "4096"]
+    argv += ["--disable-radix-cache", "--api-key", "k", "--router-policy", "round_robin"]
+    args = parser.parse_args(argv)
+    assert (args.dp_size, args.router_policy) == (2, "round_robin")
+    config = config_from_args(args, parser)
+    flags = worker_argv(config)
+    assert flags == ["--max-total-tokens", "4096", "--disable-radix-cache", "--api-key", "k"]
+    again = config_from_args(parser.parse_args(["serve", *flags, "--port", "31000"]), parser)
+    assert again == config
+    router = parser.parse_args(["router", "--worker-urls", "http://a:1", "http://b:2"])
+    assert router.worker_urls == ["http://a:1", "http://b:2"]
