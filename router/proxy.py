@@ -124,7 +124,7 @@ class Proxy:
                         relay = self._relay(worker, queue, pump, lease, first)
                         # the relay's own `finally` cleans up; the task covers a relay that
                         # never starts (the client left before the first chunk was written)
-                        cleanup = BackgroundTask(_stop, pump, lease)
+                        cleanup = BackgroundTask(_stop_later, pump, lease)
                         return StreamingResponse(
                             relay,
                             media_type="text/event-stream",
@@ -190,6 +190,12 @@ async def _drain(worker: Worker, queue: asyncio.Queue) -> bytes:
 def _stop(pump: asyncio.Task, lease: Lease) -> None:
     pump.cancel()
     lease.release()
+
+
+async def _stop_later(pump: asyncio.Task, lease: Lease) -> None:
+    """`_stop` as a coroutine: BackgroundTask runs a plain function on a worker thread,
+    and a task must be cancelled from its own event loop."""
+    _stop(pump, lease)
 
 
 def _answer(status: int, headers: httpx.Headers, content: bytes, worker: Worker) -> Response:
