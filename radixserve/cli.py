@@ -1,9 +1,11 @@
-"""Command line: `radixserve serve [flags]` (also `python -m radixserve serve ...`).
+"""Command line: `radixserve serve [flags]` (also `python -m radixserve serve ...`) and
+`radixserve router --worker-urls URL... [flags]`.
 
-The serve flags are generated from `EngineConfig`'s fields, one flag per field
-(`max_total_tokens` -> `--max-total-tokens`; a bool field also gets `--no-...`), so the two
-can never drift apart. Defaults are the fields' (some come from environment variables: see
-radixserve/config.py).
+The serve flags are generated from `EngineConfig`'s fields, and the router's from
+`RouterConfig`'s, one flag per field (`max_total_tokens` -> `--max-total-tokens`; a bool
+field also gets `--no-...`), so the two can never drift apart. Defaults are the fields'
+(some come from environment variables: see radixserve/config.py). `serve --dp-size N`
+starts N workers with the serve flags and a router in front on --host / --port.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import dataclasses
 import sys
 import typing
 from collections.abc import Sequence
+from typing import Any
 
 from radixserve.config import (
     ATTENTION_BACKENDS,
@@ -24,6 +27,7 @@ from radixserve.config import (
     QUANTIZATIONS,
     EngineConfig,
 )
+from radixserve.router.config import ROUTING_POLICIES, RouterConfig
 
 HELP = {
     "model": "HF checkpoint folder, .gguf file or hub id (Llama/Qwen2/Mistral); "
@@ -70,6 +74,28 @@ HELP = {
     "log_level": "debug, info, warning or error",
 }
 ALIASES = {"model": ("--model-path",)}  # SGLang's name for it
+ROUTER_HELP = {
+    "worker_urls": "the workers' base URLs (http://host:port); more join with POST /workers",
+    "policy": "cache_aware (longest cached prefix, balanced by load), round_robin, random "
+    "or least_load",
+    "cache_threshold": "cache_aware: route by prefix when the best match covers more than "
+    "this fraction of the prompt",
+    "balance_abs_threshold": "cache_aware: loads are unbalanced when max - min exceeds this "
+    "(and max exceeds --balance-rel-threshold x min): then the least loaded worker",
+    "balance_rel_threshold": "cache_aware: see --balance-abs-threshold",
+    "tree_budget_chars": "cache_aware: characters of prompts remembered per worker (least "
+    "recently sent pruned)",
+    "health_interval_s": "seconds between health checks (and load refreshes from /metrics)",
+    "health_timeout_s": "seconds a health check (or a connect) may take",
+    "health_failures": "failed checks in a row that take a worker out",
+    "max_attempts": "workers one request is tried on before 503",
+    "api_key": "require 'Authorization: Bearer <key>' on every route but /health, and send "
+    "it to the workers",
+    "sessions": "X-Session-ID values remembered (least recently used forgotten)",
+    "host": "address to listen on",
+    "port": "port to listen on",
+    "log_level": "debug, info, warning or error",
+}
 CHOICES: dict[str, Sequence[str]] = {
     "dtype": DTYPE_CHOICES,
     "kv_cache_dtype": DTYPE_CHOICES,
@@ -83,24 +109,29 @@ CHOICES: dict[str, Sequence[str]] = {
 }
 
 
-def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    hints = typing.get_type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
+def _add_config_flags(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    helps: dict[str, str],
+    choices: dict[str, Sequence[str]],
+) -> None:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
         flags = ("--" + f.name.replace("_", "-"), *ALIASES.get(f.name, ()))
         kind = hints[f.name]
         if kind is bool:
             parser.add_argument(
                 *flags, action=argparse.BooleanOptionalAction, default=f.default,
-                help=HELP.get(f.name),
+                help=helps.get(f.name),
             )  # fmt: skip
+            continue
+        if typing.get_origin(kind) is tuple:  # tuple[str, ...]: a list of values
+            item = typing.get_args(kind)[0]
+            parser.add_argument(*flags, type=item, nargs="*", default=[], help=helps.get(f.name))
             continue
         base = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))
         parser.add_argument(
-            *flags,
-            type=base,
-            default=f.default,
-            choices=CHOICES.get(f.name),
-            help=HELP.get(f.name),
+            *flags, type=base, default=f.default, choices=choices.get(f.name), help=helps.get(f.name)
         )
 
 
@@ -108,23 +139,70 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the HTTP server (SGLang-native and OpenAI APIs)")
-    _add_config_flags(serve)
+    _add_config_flags(serve, EngineConfig, HELP, CHOICES)
+    serve.add_argument(
+        "--dp-size", type=int, default=1,
+        help="data parallel: N workers on this machine (CPU cores split between them) "
+        "behind a router on --host/--port",
+    )  # fmt: skip
+    serve.add_argument(
+        "--router-policy", default="cache_aware", choices=ROUTING_POLICIES,
+        help="with --dp-size > 1: the router's policy",
+    )  # fmt: skip
+    router = sub.add_parser("router", help="route requests across workers (cache-aware)")
+    _add_config_flags(router, RouterConfig, ROUTER_HELP, {"policy": ROUTING_POLICIES})
     return parser
 
 
-def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> EngineConfig:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+def _config(cls: type, args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
     try:
-        config = EngineConfig(**values)
+        return cls(**values)
     except ValueError as e:
         parser.error(str(e))
+
+
+def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> EngineConfig:
+    config: EngineConfig = _config(EngineConfig, args, parser)
     return config
+
+
+def worker_argv(config: EngineConfig) -> list[str]:
+    """`serve` flags that rebuild `config` but its host and port (those differing from the
+    defaults only)."""
+    argv = []
+    for f in dataclasses.fields(EngineConfig):
+        value = getattr(config, f.name)
+        if f.name in ("host", "port") or value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "router":
+        from radixserve.router.launcher import run_router
+
+        return run_router(_config(RouterConfig, args, parser))
+    if args.command == "serve" and args.dp_size > 1:
+        from radixserve.router.launcher import run_data_parallel
+
+        config = config_from_args(args, parser)
+        router = RouterConfig(
+            host=config.host, port=config.port, policy=args.router_policy,
+            api_key=config.api_key, log_level=config.log_level,
+        )  # fmt: skip
+        return run_data_parallel(worker_argv(config), args.dp_size, router)
     if args.command == "serve":
+        if args.dp_size < 1:
+            parser.error(f"--dp-size must be at least 1, not {args.dp_size}")
         config = config_from_args(args, parser)
         from radixserve.server.launcher import launch_server  # heavy imports only when serving
 

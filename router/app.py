@@ -1,0 +1,239 @@
+"""The router's FastAPI app: a worker's HTTP API in front of many workers.
+
+Routed by prompt (the policy picks): POST /generate (single, batch: the batch goes whole to
+the worker its first prompt picks; streamed or not), /v1/completions, /v1/chat/completions.
+Sent to the least-loaded worker: /v1/models, /get_model_info, /health_generate.
+Fanned out to every healthy worker: /flush_cache, /abort_request. The router's own:
+/health (200 while a worker is healthy), /metrics, /get_server_info, and GET / POST /
+DELETE /workers (list, add, remove: `{"url": "http://host:port"}`).
+
+A request carrying an `X-Session-ID` header goes to the worker its session went to last
+(while that worker is up). `n > 1` and batches are one request, so they stay on one worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager, suppress
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from radixserve.router import metrics
+from radixserve.router.config import RouterConfig
+from radixserve.router.policy import make_policy
+from radixserve.router.pool import WorkerPool
+from radixserve.router.proxy import Forward, Proxy
+from radixserve.router.tree import ids_key
+
+from radixserve.server.protocol import MAX_BODY_BYTES, ApiError
+
+logger = logging.getLogger("radixserve.router")
+
+ROUTED = ("/generate", "/v1/completions", "/v1/chat/completions")
+ANY_WORKER = ("/v1/models", "/get_model_info", "/health_generate")
+SESSION_HEADER = "x-session-id"
+MAX_KEY_CHARS = 1 << 16  # a prompt's routing key is cut here (the tree holds prefixes)
+
+
+def routing_key(path: str, body: Any) -> str:
+    """The text the policy matches: the (first) prompt, token ids spelled by `ids_key`, a
+    chat's messages as JSON (shared leading messages give a shared prefix). '' if none."""
+    if not isinstance(body, dict):
+        return ""
+    if path == "/v1/chat/completions":
+        prompt: Any = json.dumps(body.get("messages"), ensure_ascii=False)
+    elif path == "/v1/completions":
+        prompt = body.get("prompt")
+    else:
+        prompt = body.get("text", body.get("input_ids"))
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch: its first prompt
+    if isinstance(prompt, list) and all(isinstance(i, int) for i in prompt):
+        prompt = ids_key(prompt)
+    return prompt[:MAX_KEY_CHARS] if isinstance(prompt, str) else ""
+
+
+def build_app(config: RouterConfig) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        timeout = httpx.Timeout(None, connect=config.health_timeout_s)  # generation is slow
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+            pool = WorkerPool(config, make_policy(config), client)
+            app.state.pool, app.state.proxy = pool, Proxy(pool, client)
+            await pool.check_all()
+            checks = asyncio.create_task(pool.run_health_checks())
+            logger.info(
+                "router on http://%s:%d, policy %s, %d of %d workers healthy",
+                config.host, config.port, config.policy, len(pool.healthy()), len(pool.workers),
+            )  # fmt: skip
+            yield
+            checks.cancel()
+            with suppress(asyncio.CancelledError):
+                await checks
+
+    app = FastAPI(title="radixserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.config = config
+    for path in ROUTED:
+        app.add_api_route(path, _routed, methods=["POST"], include_in_schema=False)
+    for path in ANY_WORKER:
+        app.add_api_route(path, _any_worker, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/flush_cache", _fan_out, methods=["GET", "POST"])
+    app.add_api_route("/abort_request", _fan_out, methods=["POST"])
+    app.add_api_route("/health", _health, methods=["GET"])
+    app.add_api_route("/metrics", _metrics, methods=["GET"])
+    app.add_api_route("/get_server_info", _server_info, methods=["GET"])
+    app.add_api_route("/workers", _workers, methods=["GET", "POST", "DELETE"])
+    app.add_exception_handler(ApiError, _api_error)
+    if config.api_key:
+        app.middleware("http")(_check_api_key)
+    return app
+
+
+# ---------------------------------------------------------------- proxied routes
+
+
+async def _read(request: Request) -> bytes:
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
+    return bytes(body)
+
+
+async def _routed(request: Request) -> Response:
+    body = await _read(request)
+    try:
+        parsed = json.loads(body)
+    except ValueError:  # the worker answers with the 400 that names the problem
+        parsed = None
+    path = request.url.path
+    fwd = Forward(
+        "POST", path, body, dict(request.headers), routing_key(path, parsed),
+        request.headers.get(SESSION_HEADER),
+    )  # fmt: skip
+    proxy: Proxy = request.app.state.proxy
+    if isinstance(parsed, dict) and parsed.get("stream") is True:
+        return await proxy.stream(fwd)
+    return await proxy.forward(fwd)
+
+
+async def _any_worker(request: Request) -> Response:
+    fwd = Forward("GET", request.url.path, b"", dict(request.headers), None)
+    return await request.app.state.proxy.forward(fwd)
+
+
+async def _fan_out(request: Request) -> Response:
+    """The route on every healthy worker; 200 if all answered 200, else the first other
+    status (a busy worker's 400 for /flush_cache), with each worker's answer."""
+    pool: WorkerPool = request.app.state.pool
+    body = await _read(request)
+    headers = {k: v for k, v in request.headers.items() if k in ("authorization", "content-type")}
+
+    async def one(url: str) -> tuple[int, Any]:
+        try:
+            r = await pool.client.request(
+                request.method, url + request.url.path, content=body, headers=headers,
+                timeout=30,
+            )  # fmt: skip
+        except httpx.HTTPError as e:
+            return 502, repr(e)
+        try:
+            return r.status_code, r.json()
+        except ValueError:
+            return r.status_code, r.text
+
+    urls = [w.url for w in pool.healthy()]
+    if not urls:
+        raise ApiError(503, "no healthy worker", headers={"Retry-After": "1"})
+    answers = dict(zip(urls, await asyncio.gather(*(one(u) for u in urls))))
+    status = next((s for s, _ in answers.values() if s != 200), 200)
+    workers = {u: {"status": s, "body": b} for u, (s, b) in answers.items()}
+    return JSONResponse({"success": status == 200, "workers": workers}, status_code=status)
+
+
+# ---------------------------------------------------------------- the router's own
+
+
+async def _health(request: Request) -> Response:
+    pool: WorkerPool = request.app.state.pool
+    if pool.healthy():
+        return Response(status_code=200)
+    return JSONResponse({"status": "no healthy worker"}, status_code=503)
+
+
+async def _metrics(request: Request) -> Response:
+    return Response(await metrics.render(request.app.state.pool), media_type=CONTENT_TYPE_LATEST)
+
+
+def _worker_list(pool: WorkerPool) -> list[dict[str, Any]]:
+    return [
+        {
+            "url": w.url,
+            "healthy": w.healthy,
+            "in_flight": w.in_flight,
+            "load": w.load,
+            "sent": w.sent,
+            **pool.policy.stats(w.url),
+        }
+        for w in pool.workers.values()
+    ]
+
+
+async def _server_info(request: Request) -> Response:
+    pool: WorkerPool = request.app.state.pool
+    config: RouterConfig = request.app.state.config
+    return JSONResponse(
+        {
+            "router": {"policy": config.policy, "retries": pool.retries},
+            "decisions": dict(pool.decisions),
+            "workers": _worker_list(pool),
+        }
+    )
+
+
+async def _workers(request: Request) -> Response:
+    pool: WorkerPool = request.app.state.pool
+    if request.method == "GET":
+        return JSONResponse({"workers": _worker_list(pool)})
+    try:
+        url = json.loads(await _read(request))["url"]
+    except (ValueError, TypeError, KeyError):
+        raise ApiError(400, 'the body must be {"url": "http://host:port"}', "url") from None
+    if not isinstance(url, str):
+        raise ApiError(400, "url must be a string like http://host:port", "url")
+    if request.method == "DELETE":
+        if not pool.remove(url):
+            raise ApiError(404, f"no worker {url!r}", "url")
+        return JSONResponse({"success": True, "workers": _worker_list(pool)})
+    try:
+        worker = pool.add(url)
+    except ValueError as e:
+        raise ApiError(400, str(e), "url") from None
+    await pool.check(worker)
+    return JSONResponse({"success": True, "healthy": worker.healthy, "workers": _worker_list(pool)})
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError), type(exc)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _check_api_key(
+    request: Request, call_next: Callable[[Request], Awaitable[Response]]
+) -> Response:
+    """`Authorization: Bearer <key>` on every route but /health (as on a worker)."""
+    expected = f"Bearer {request.app.state.config.api_key}".encode()
+    given = request.headers.get("authorization", "").encode()
+    if request.url.path == "/health" or hmac.compare_digest(given, expected):
+        return await call_next(request)
+    err = ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
+    return JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})

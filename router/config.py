@@ -1,0 +1,61 @@
+"""The router's one configuration, frozen and validated once; CLI flags map 1:1 onto it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+ROUTING_POLICIES = ("cache_aware", "round_robin", "random", "least_load")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    worker_urls: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 30000
+    policy: str = "cache_aware"
+    # cache_aware: route by prefix only when the best match covers more than this fraction
+    # of the prompt, and only while the load is balanced (not: max - min > abs and
+    # max > rel * min, loads in in-flight requests)
+    cache_threshold: float = 0.5
+    balance_abs_threshold: int = 16
+    balance_rel_threshold: float = 1.5
+    tree_budget_chars: int = 2**24  # per worker; least recently sent prompts pruned past it
+    health_interval_s: float = 2.0  # health checks and load refresh from /metrics
+    health_timeout_s: float = 5.0
+    health_failures: int = 2  # consecutive failed checks that take a worker out
+    max_attempts: int = 3  # workers one request may be tried on before 503
+    api_key: str | None = None  # required of clients (but on /health), sent to workers
+    log_level: str = "info"
+    sessions: int = 65536  # sticky session ids remembered (least recently used forgotten)
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTING_POLICIES:
+            raise ValueError(f"policy must be one of {ROUTING_POLICIES}, not {self.policy!r}")
+        for url in self.worker_urls:
+            check_worker_url(url)
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], not {self.cache_threshold}")
+        positive = {
+            "balance_abs_threshold": self.balance_abs_threshold,
+            "balance_rel_threshold": self.balance_rel_threshold,
+            "tree_budget_chars": self.tree_budget_chars,
+            "health_interval_s": self.health_interval_s,
+            "health_timeout_s": self.health_timeout_s,
+            "health_failures": self.health_failures,
+            "max_attempts": self.max_attempts,
+            "sessions": self.sessions,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, not {value}")
+
+
+def check_worker_url(url: str) -> str:
+    """`url` without a trailing slash if it is http(s)://host[:port]; else ValueError."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+        raise ValueError(f"worker url must look like http://host:port, not {url!r}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"worker url must look like http://host:port, not {url!r}")
+    return url.rstrip("/")

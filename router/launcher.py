@@ -1,0 +1,105 @@
+"""Run the router; or N local workers plus the router (`radixserve serve --dp-size N`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+
+import uvicorn
+from radixserve.router.app import build_app
+from radixserve.router.config import RouterConfig
+
+from radixserve.procutil import configure_logging
+
+logger = logging.getLogger("radixserve.router")
+
+WORKER_STOP_S = 30.0
+
+
+class _Server(uvicorn.Server):
+    """Stops on SIGINT/SIGTERM and returns (uvicorn's own handler re-raises the signal
+    after serving, which would end the process before the workers are stopped)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.handle_exit, sig, None)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+
+def run_router(config: RouterConfig) -> int:
+    """Serve until SIGINT/SIGTERM; the exit status."""
+    configure_logging(config.log_level)
+    app = build_app(config)
+    server = _Server(
+        uvicorn.Config(
+            app, host=config.host, port=config.port, log_level="warning",
+            timeout_graceful_shutdown=5,
+        )
+    )  # fmt: skip
+    server.run()
+    return 0 if server.started else 1
+
+
+def run_data_parallel(serve_args: Sequence[str], dp_size: int, config: RouterConfig) -> int:
+    """Start `dp_size` workers (`radixserve serve <serve_args>` on free loopback ports, the
+    CPU cores split between them) and the router in front; stop the workers after it."""
+    configure_logging(config.log_level)
+    threads = max(1, _usable_cpus() // dp_size)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # torch's intra-op threads
+    ports = [_free_port() for _ in range(dp_size)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "radixserve",
+                "serve",
+                *serve_args,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            env=env,
+        )  # fmt: skip
+        for port in ports
+    ]
+    logger.info("%d workers on ports %s, %d CPU threads each", dp_size, ports, threads)
+    urls = tuple(f"http://127.0.0.1:{p}" for p in ports)
+    try:
+        return run_router(replace(config, worker_urls=urls))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(WORKER_STOP_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,145 @@
+"""The workers behind the router: membership, health, load, and which one a request gets.
+
+Health: every `health_interval_s` each worker's /health is asked (and its /metrics read
+for its load); `health_failures` failures in a row, or one failed request (a refused or
+broken connection), take it out: it gets no new requests and every request still open on
+it stops waiting at once (its `down` event) and is retried elsewhere. A worker that passes
+a check again comes back with an empty tree (it may have restarted with an empty cache).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, OrderedDict
+
+import httpx
+from radixserve.router.config import RouterConfig, check_worker_url
+from radixserve.router.policy import Policy
+from radixserve.router.worker import Worker
+
+from radixserve.server.protocol import ApiError
+
+logger = logging.getLogger("radixserve.router")
+
+LOAD_METRICS = ("radixserve_num_running_reqs", "radixserve_num_queued_reqs")
+
+
+class WorkerPool:
+    def __init__(self, config: RouterConfig, policy: Policy, client: httpx.AsyncClient) -> None:
+        self.config = config
+        self.policy = policy
+        self.client = client  # shared with the proxy; no base URL
+        self.workers: dict[str, Worker] = {}
+        self.sessions: OrderedDict[str, str] = OrderedDict()  # session id -> worker url
+        self.decisions: Counter[str] = Counter()  # why requests went where they went
+        self.retries = 0
+        for url in config.worker_urls:
+            self.add(url)
+
+    # ---------------------------------------------------------------- membership
+    def add(self, url: str) -> Worker:
+        """Add a worker (unhealthy until its first check passes); ValueError on a bad url."""
+        url = check_worker_url(url)
+        if url not in self.workers:
+            self.workers[url] = Worker(url)
+            logger.info("worker %s added", url)
+        return self.workers[url]
+
+    def remove(self, url: str) -> bool:
+        """Route nothing more to `url`; requests open on it finish there."""
+        worker = self.workers.pop(url.rstrip("/"), None)
+        if worker is None:
+            return False
+        self.policy.forget(worker.url)
+        logger.info("worker %s removed", worker.url)
+        return True
+
+    def healthy(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.healthy]
+
+    # ---------------------------------------------------------------- routing
+    def pick(self, key: str | None, session: str | None, exclude: set[str]) -> Worker:
+        """The worker for one attempt: the session's worker if it has one and it is up,
+        else the policy's choice (key None: the least loaded, the policy not asked).
+        ApiError 503 when no healthy worker is left."""
+        candidates = [w for w in self.healthy() if w.url not in exclude]
+        if not candidates:
+            raise ApiError(503, "no healthy worker can take the request", headers=RETRY)
+        sticky = self.workers.get(self.sessions.get(session, "")) if session else None
+        if sticky is not None and sticky in candidates:
+            self.sessions.move_to_end(session)  # type: ignore[arg-type]
+            self.decisions["session"] += 1
+            return sticky
+        if key is None:
+            return min(candidates, key=lambda w: w.load)
+        decision = self.policy.choose(candidates, key)
+        self.decisions[decision.reason] += 1
+        if session:
+            self.sessions[session] = decision.worker.url
+            self.sessions.move_to_end(session)
+            while len(self.sessions) > self.config.sessions:
+                self.sessions.popitem(last=False)
+        return decision.worker
+
+    def mark_dead(self, worker: Worker, why: str) -> None:
+        if worker.healthy:
+            logger.warning("worker %s taken out: %s", worker.url, why)
+        worker.healthy = False
+        worker.down.set()
+        self.policy.forget(worker.url)
+
+    # ---------------------------------------------------------------- health
+    async def check(self, worker: Worker) -> None:
+        """One health check (and load refresh) of `worker`."""
+        try:
+            resp = await self.client.get(worker.url + "/health", timeout=self._timeout)
+            ok, why = resp.status_code == 200, f"/health answered {resp.status_code}"
+        except httpx.HTTPError as e:
+            ok, why = False, f"/health failed: {e!r}"
+        if not ok:
+            worker.failures += 1
+            if worker.failures >= self.config.health_failures:
+                self.mark_dead(worker, why)
+            return
+        worker.failures = 0
+        worker.reported_load = await self._reported_load(worker)
+        if not worker.healthy:
+            worker.down = asyncio.Event()
+            worker.healthy = True
+            logger.info("worker %s is up", worker.url)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in list(self.workers.values())))
+
+    async def run_health_checks(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            await self.check_all()
+
+    async def _reported_load(self, worker: Worker) -> int:
+        """Running + queued samples from the worker's /metrics (0 if it will not say)."""
+        try:
+            resp = await self.client.get(
+                worker.url + "/metrics", headers=self.auth, timeout=self._timeout
+            )
+        except httpx.HTTPError:
+            return 0
+        total = 0.0
+        for line in resp.text.splitlines() if resp.status_code == 200 else []:
+            name, _, value = line.partition(" ")
+            if name in LOAD_METRICS:
+                total += float(value)
+        return int(total)
+
+    @property
+    def auth(self) -> dict[str, str]:
+        key = self.config.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    @property
+    def _timeout(self) -> httpx.Timeout:
+        return httpx.Timeout(self.config.health_timeout_s)
+
+
+RETRY = {"Retry-After": "1"}

@@ -1,0 +1,44 @@
+"""One worker as the router sees it: its URL, whether it is routable, and its load."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class Worker:
+    url: str
+    healthy: bool = False  # routable; set by a passing health check, cleared on failure
+    in_flight: int = 0  # requests this router has open on it
+    reported_load: int = 0  # running + queued samples in its /metrics at the last refresh
+    failures: int = 0  # consecutive failed health checks
+    sent: int = 0  # requests routed to it since it was added
+    # set when the worker is declared dead: every request open on it stops waiting at once
+    down: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def load(self) -> int:
+        """In-flight requests: our own count, or the worker's if other clients add to it."""
+        return max(self.in_flight, self.reported_load)
+
+
+class Lease:
+    """One request in flight on a worker, from acquiring to `release` (idempotent)."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.open = True
+        worker.in_flight += 1
+        worker.sent += 1
+
+    def release(self) -> None:
+        if self.open:
+            self.open = False
+            self.worker.in_flight -= 1
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
