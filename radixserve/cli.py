@@ -131,7 +131,11 @@ def _add_config_flags(
             continue
         base = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))
         parser.add_argument(
-            *flags, type=base, default=f.default, choices=choices.get(f.name), help=helps.get(f.name)
+            *flags,
+            type=base,
+            default=f.default,
+            choices=choices.get(f.name),
+            help=helps.get(f.name),
         )
 
 
