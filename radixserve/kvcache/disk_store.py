@@ -18,7 +18,6 @@ import logging
 import os
 import queue
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +25,13 @@ from pathlib import Path
 import torch
 
 from radixserve.core.info import TierStats
-from radixserve.kvcache.tier_store import ChunkError, ChunkLayout, decode_chunk, encode_chunk
+from radixserve.kvcache.tier_store import (
+    ChunkError,
+    ChunkLayout,
+    decode_chunk,
+    drain,
+    encode_chunk,
+)
 
 logger = logging.getLogger("radixserve.kvcache")
 
@@ -138,9 +143,7 @@ class DiskStore:
 
     def drain(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued chunk is written or dropped (tests, shutdown)."""
-        deadline = time.monotonic() + timeout_s
-        while self._queue.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.005)
+        drain(self._queue, timeout_s)
 
     def clear(self) -> None:
         self.drain()

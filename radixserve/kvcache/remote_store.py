@@ -25,7 +25,13 @@ from typing import Any
 import torch
 
 from radixserve.core.info import TierStats
-from radixserve.kvcache.tier_store import ChunkError, ChunkLayout, decode_chunk, encode_chunk
+from radixserve.kvcache.tier_store import (
+    ChunkError,
+    ChunkLayout,
+    decode_chunk,
+    drain,
+    encode_chunk,
+)
 
 logger = logging.getLogger("radixserve.kvcache")
 
@@ -153,9 +159,7 @@ class RemoteStore:
             return self._written_bytes
 
     def drain(self, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self._queue.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.005)
+        drain(self._queue, timeout_s)
 
     def clear(self) -> None:
         """The shared tier is not this server's to clear: other servers read it."""

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import queue
 import struct
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -110,6 +112,14 @@ def decode_chunk(data: bytes, tokens: Sequence[int], layout: ChunkLayout) -> tor
         raise ChunkError("the record holds other tokens")
     raw = torch.frombuffer(bytearray(payload[token_bytes:]), dtype=torch.uint8)
     return raw.view(layout.dtype).reshape(layout.shape)
+
+
+def drain(q: queue.Queue, timeout_s: float) -> None:
+    """Wait until a writer thread has taken every item of `q` off (done or dropped), at most
+    `timeout_s` (tests, shutdown)."""
+    deadline = time.monotonic() + timeout_s
+    while q.unfinished_tasks and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
