@@ -49,8 +49,15 @@ class PrefixCache(Protocol):
       - Single-threaded: the scheduler calls it between model steps.
     """
 
-    root: TreeNode  # never evicted; a NoPrefixCache's has no children
-    num_nodes: int  # in the tree, root included
+    @property
+    def root(self) -> TreeNode:
+        """Never evicted; a NoPrefixCache's has no children."""
+        ...
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in the tree, root included."""
+        ...
 
     @property
     def evictable_size(self) -> int:
