@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -170,6 +171,7 @@ async def _serve(config: EngineConfig, ipc: IpcPaths, procs: dict[str, BaseProce
             config.host,
             config.port,
         )
+        gc.freeze()  # as in the scheduler process: collections skip the start-up objects
         return await _run_http(server, manager)
     finally:
         manager.send(Shutdown())

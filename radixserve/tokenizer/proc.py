@@ -13,6 +13,7 @@ so the tokenizer path is known), load the tokenizer, send `TokenizerReady` to th
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -192,6 +193,7 @@ def run_tokenizer_process(ipc: IpcPaths) -> None:
             return
         tokenizer = load_tokenizer(ready.model_info.tokenizer_path)
         worker = TokenizerWorker(tokenizer, ready.model_info, to_sched, to_api)
+        gc.freeze()  # as in the scheduler process: collections skip the start-up objects
         to_api.send(TokenizerReady(ready.model_info))
         logger.info("tokenizer ready (%s)", ready.model_info.tokenizer_path)
         _serve(inbox, worker, watch)
