@@ -3,15 +3,15 @@
 
 A step is what the sampler does for B constrained rows (radixserve/sampling/sampler.py,
 _mask_grammar): every row's `allowed_tokens()`, stacked (`masks`: the backend's cost), then
-expanded to a 0 / -inf bias and added to the (B, V) logits (`apply`: the same for every
-backend); advancing each row by its token is timed apart (`advance`). Each row walks a valid
-document of its pattern token by token; the B rows of a batch walk the same document (what n
-samples of one request in lockstep do). outlines caches each automaton state's mask on its
-first visit, so its first walk (`cold`) and later walks over the same states (`warm`, the
-best of --repeats) are reported apart; llguidance and xgrammar compute masks at each step.
-Compile time is the median of fresh compiles of the pattern (xgrammar's own cache is off: the
-server keeps compiled patterns in its LRU); each backend's one-time vocabulary set-up is
-reported apart.
+applied to a copy of the (B, V) logits as 0 / -inf by the sampler's `apply_token_masks`
+(`apply`: the same for every backend); advancing each row by its token is timed apart
+(`advance`). Each row walks a valid document of its pattern token by token; the B rows of a
+batch walk the same document (what n samples of one request in lockstep do). outlines caches
+each automaton state's mask on its first visit, so its first walk (`cold`) and later walks
+over the same states (`warm`, the best of --repeats) are reported apart; llguidance and
+xgrammar compute masks at each step. Compile time is the median of fresh compiles of the
+pattern (xgrammar's own cache is off: the server keeps compiled patterns in its LRU); each
+backend's one-time vocabulary set-up is reported apart.
 
     python benchmarks/bench_grammar.py --json benchmarks/results/grammar.json
 """
@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from radixserve.constrained.backend import BACKENDS, make_grammar_backend
-from radixserve.constrained.mask import token_mask_bias
 from radixserve.isa import cpu_isa
-from radixserve.models.loader import load_tokenizer, resolve_model_path
+from radixserve.models import load_tokenizer, resolve_model_path
+from radixserve.sampling.sampler import apply_token_masks
 
 SCHEMA = {
     "type": "object",
@@ -67,7 +67,7 @@ PATTERNS = [
 
 def walk_ms(grammar: Any, ids: list[int], batch: int, vocab: int) -> dict[str, float]:
     """Mean ms per step over `ids` of: the B masks (`fetch`: allowed_tokens + stack), their
-    expansion into the logits (`apply`: bias + add, what the sampler does), and advancing."""
+    application to a copy of the logits (`apply`: what the sampler does), and advancing."""
     states = [grammar.new_state() for _ in range(batch)]
     logits = torch.randn(batch, vocab)
     total = {"fetch": 0.0, "apply": 0.0, "advance": 0.0}
@@ -80,7 +80,7 @@ def walk_ms(grammar: Any, ids: list[int], batch: int, vocab: int) -> dict[str, f
         packed = torch.stack([s.allowed_tokens() for s in states])  # (B, ceil(V / 8))
         t1 = time.perf_counter()
         work = logits.clone()
-        work.add_(token_mask_bias(packed, vocab, work.dtype))
+        apply_token_masks(work, list(range(batch)), packed)
         t2 = time.perf_counter()
         for s in states:
             s.advance(tok)
@@ -94,9 +94,11 @@ def walk_ms(grammar: Any, ids: list[int], batch: int, vocab: int) -> dict[str, f
 def run(names: list[str], batches: list[int], compiles: int, repeats: int) -> list[dict[str, Any]]:
     tok = load_tokenizer(resolve_model_path(None))
     vocab = len(tok)
-    for b in batches:  # warm torch's kernels and allocator up before anything is timed
-        token_mask_bias(
-            torch.full((b, (vocab + 7) // 8), 255, dtype=torch.uint8), vocab, torch.float32
+    for b in batches:  # warm the kernels and the allocator up before anything is timed
+        apply_token_masks(
+            torch.zeros(b, vocab),
+            list(range(b)),
+            torch.full((b, (vocab + 7) // 8), 255, dtype=torch.uint8),
         )
     rows = []
     for name in names:

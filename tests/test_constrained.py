@@ -38,6 +38,7 @@ from radixserve.constrained.outlines_backend import schema_to_regex
 from radixserve.constrained.vocab import BYTE_LEVEL, SENTENCEPIECE, gpt2_unicode_to_byte
 from radixserve.core.params import InvalidRequest, SamplingParams
 from radixserve.core.request import FinishReason, TokenizedRequest
+from radixserve.sampling import sampler
 from radixserve.sampling.sampler import SamplingInfo, process_logits, sample
 
 INTEGER = r"-?\d{1,8}"
@@ -144,6 +145,28 @@ def test_mask_pack_unpack_exact(vocab: int) -> None:
         assert row.nonzero()[:, 0].tolist() == sorted(set(s))
     bias = token_mask_bias(packed, vocab, torch.float32)  # (3, V): 0 allowed, -inf not
     assert torch.equal(bias, torch.zeros(3, vocab).masked_fill(~flags, float("-inf")))
+
+
+@pytest.mark.parametrize("vocab", [13, 49152])
+def test_native_mask_equals_the_bias_formula(vocab: int) -> None:
+    """sample_cpu.cpp's mask_logits_ (the sampler's CPU path) against token_mask_bias (its
+    torch fallback) on random masks, all-allowed and all-forbidden bytes included, applied
+    to a subset of the rows; the rows not listed and the allowed logits stay bit-exact."""
+    mod = sampler._native()
+    if mod is None:
+        pytest.skip("native sampling kernels cannot be built here")
+    g = torch.Generator().manual_seed(vocab)
+    packed = torch.randint(0, 256, (3, (vocab + 7) // 8), dtype=torch.uint8, generator=g)
+    packed[0, :2], packed[1, :2] = 0xFF, 0
+    packed[:, -1] &= (1 << (vocab - 8 * (packed.shape[1] - 1))) - 1  # no bits past V
+    logits = torch.randn(5, vocab, generator=g)
+    rows = [3, 0, 4]
+    got = logits.clone()
+    mod.mask_logits_(got, torch.tensor(rows), packed)
+    want = logits.clone()
+    want[rows] += token_mask_bias(packed, vocab, torch.float32)
+    assert torch.equal(got, want)
+    assert torch.isinf(got[0, :16]).all() and torch.equal(got[3, :16], logits[3, :16])
 
 
 @pytest.fixture(scope="module")

@@ -263,8 +263,18 @@ def process_logits(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Ten
 def _mask_grammar(work: torch.Tensor, rows: list[int], infos: list[SamplingInfo]) -> None:
     """Step 3b in place: -inf on the tokens each constrained row's grammar forbids."""
     masks = [infos[i].grammar.allowed_tokens() for i in rows]  # type: ignore[union-attr]
-    packed = torch.stack(masks).to(work.device)  # (R, ceil(V / 8)) uint8
-    # Adding 0 / -inf leaves allowed logits bit-exact; cheaper than masked_fill (mask.py).
+    apply_token_masks(work, rows, torch.stack(masks))
+
+
+def apply_token_masks(work: torch.Tensor, rows: list[int], packed: torch.Tensor) -> None:
+    """work[rows[i]] += 0 / -inf as packed[i] (R, ceil(V / 8)) uint8 allows / forbids each
+    token (constrained/mask.py), in place; allowed logits stay bit-exact. On CPU one native
+    pass over the packed bytes (csrc/sample_cpu.cpp), else a (R, V) bias tensor added."""
+    packed = packed.to(work.device)
+    native = _native() if work.device.type == "cpu" and work.dtype == torch.float32 else None
+    if native is not None and work.stride(1) == 1:
+        native.mask_logits_(work, torch.tensor(rows, dtype=torch.int64), packed)
+        return
     bias = token_mask_bias(packed, work.shape[1], work.dtype)  # (R, V)
     if len(rows) == work.shape[0]:
         work.add_(bias)

@@ -2,7 +2,7 @@
 // softmax's exponentials are drawn from by inverse CDF without the (B, V) probability and
 // cumulative-sum tensors of the torch formula, whose passes over a 49152-token vocabulary
 // cost more than the arithmetic. Vectors are ATen's (AVX2 in the AVX2 build, plain C++ in
-// the portable one), exp is its Sleef exp (1 ulp).
+// the portable one), exp is its Sleef exp (1 ulp). Also grammar masks applied in place.
 #if defined(RS_AVX2)
 #define CPU_CAPABILITY_AVX2
 #endif
@@ -98,7 +98,44 @@ torch::Tensor sample_softmax(const torch::Tensor& logits, const torch::Tensor& t
   return out;
 }
 
+// logits (S, V) float32 with unit column stride; row rows[i] gets -inf on every token that
+// packed[i] (R, ceil(V / 8)) uint8 does not allow (bit t % 8 of byte t // 8: constrained/
+// mask.py), by adding 0 / -inf as mask.py's token_mask_bias does (allowed logits stay
+// bit-exact), each mask byte's 8 addends read from a 256-entry table: one 8-float vector
+// add per byte, without the (R, V) bias tensor.
+void mask_logits_(torch::Tensor& logits, const torch::Tensor& rows, const torch::Tensor& packed) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
+                  logits.stride(1) == 1,
+              "logits: float32 (S, V) on CPU with unit column stride expected");
+  const int64_t n = logits.size(1), width = (n + 7) / 8;
+  const torch::Tensor r = rows.to(at::kLong).contiguous(), m = packed.contiguous();
+  TORCH_CHECK(m.scalar_type() == at::kByte && m.dim() == 2 && m.size(0) == r.numel() && m.size(1) == width,
+              "packed: uint8 (R, ceil(V / 8)) expected, one row per entry of rows");
+  const int64_t* rp = r.data_ptr<int64_t>();
+  for (int64_t i = 0; i < r.numel(); ++i)
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < logits.size(0), "row ", rp[i], " outside the logits");
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256 * 8);
+    for (int b = 0; b < 256; ++b)
+      for (int k = 0; k < 8; ++k) t[b * 8 + k] = (b >> k & 1) ? 0.f : -std::numeric_limits<float>::infinity();
+    return t;
+  }();
+  float* lp = logits.data_ptr<float>();
+  const uint8_t* mp = m.data_ptr<uint8_t>();
+  at::parallel_for(0, r.numel(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = lp + rp[i] * logits.stride(0);
+      const uint8_t* bits = mp + i * width;
+      const int64_t whole = n / 8;
+      for (int64_t w = 0; w < whole; ++w) (Vec::loadu(row + 8 * w) + Vec::loadu(&table[bits[w] * 8], 8)).store(row + 8 * w, 8);
+      for (int64_t t = 8 * whole; t < n; ++t) row[t] += table[bits[whole] * 8 + t % 8];
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("mask_logits_", &mask_logits_, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "-inf in place on the tokens each row's packed grammar mask forbids");
   m.def("sample_softmax", &sample_softmax, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "token ids drawn by inverse CDF from softmax(logits / t), one uniform per row");
 }
