@@ -14,7 +14,7 @@ Rows:
   only; the unified KV buffer stores the prompt once), then one B-token batch per step
   (token i in sequence i, logits on), each sequence sampled from its own output row.
 - prefill P: a cold P-token prompt and one sampled token; tok/s = P / wall.
-- decode B=1: tok/s of batch-1 decode after a `--decode-prompt`-token prompt, prefill
+- decode B=1: tok/s of batch-1 decode after each `--decode-prompt`-token prompt, prefill
   excluded: radixserve (N - 1) / (t(N) - t(1)); llama.cpp (N - 1) / (its N - 1 timed steps).
 Nothing is cached between runs: radixserve's radix cache is flushed (`Engine.flush_cache`,
 the same `Scheduler.flush_cache` behind /flush_cache; a run asserts cached_tokens == 0) and
@@ -376,8 +376,9 @@ def run_rows(
     for p in args.prefill:
         rows.append(prefill_row(args, radix, llama, ids[:p]))
         print_row(rows[-1])
-    rows.append(decode_row(args, radix, llama, ids[: args.decode_prompt]))
-    print_row(rows[-1])
+    for p in args.decode_prompt:
+        rows.append(decode_row(args, radix, llama, ids[:p]))
+        print_row(rows[-1])
     return rows
 
 
@@ -423,7 +424,8 @@ def roofline(mode: str) -> Roofline | None:
 def kv_needed(args: argparse.Namespace) -> int:
     """Tokens the largest row holds at once: W(B,P) keeps P once plus B * new tokens."""
     samples = max((p + b * args.new_tokens for p in args.prefix for b in args.batch), default=0)
-    return max(samples, max(args.prefill, default=0) + 1, args.decode_prompt + args.new_tokens)
+    decode = max(args.decode_prompt, default=0) + args.new_tokens
+    return max(samples, max(args.prefill, default=0) + 1, decode)
 
 
 def fmt(v: float | None, unit: str) -> str:
@@ -494,7 +496,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prefix", type=int, nargs="+", default=[1024, 4096], help="W(B,P): P")
     ap.add_argument("--new-tokens", type=int, default=128, help="per sample; decode row N")
     ap.add_argument("--prefill", type=int, nargs="*", default=[1024, 4096], help="prompts")
-    ap.add_argument("--decode-prompt", type=int, default=1024, help="batch-1 decode after it")
+    ap.add_argument(
+        "--decode-prompt", type=int, nargs="*", default=[1024], help="batch-1 decode after each"
+    )
     ap.add_argument("--data-path", default=None, help="GSM8K folder or jsonl; default: synthetic")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp and torch threads")
     ap.add_argument("--repeats", type=int, default=1, help="best of N runs per row and side")
@@ -562,7 +566,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     radix, llama, info = setup(args)
     note = check_capacity(args, radix, llama)
-    longest = max([*args.prefix, *args.prefill, args.decode_prompt])
+    longest = max([*args.prefix, *args.prefill, *args.decode_prompt])
     ids = prompt_ids(radix.tokenizer, longest, args.data_path)
     warm_up(radix, ids)
     print(f"\n{args.new_tokens} new tokens, temperature {TEMPERATURE}, EOS ignored\n{HEADER}")
