@@ -9,9 +9,9 @@
     print(qa.run(question="What is 2 + 2?")["answer"])
 
 Modules: ir (expressions, sampling options), api (the DSL names), interpreter/executor
-(program states, fork/join, running), chat (role markup from the chat template), choices
-(select scoring), backend (the runtime interface), runtime_endpoint (HTTP), engine_backend
-(in-process Engine), tracing (no model).
+(program states, fork/join, running), choices (select scoring), backend (the runtime
+interface), runtime_endpoint (HTTP), engine_backend (in-process Engine), tracing (no model).
+Role markup and prompt modules (`schema`, `module`, ...) come from `radixserve.prompt`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.frontend.chat import RoleTemplate
+from radixserve.prompt.roles import RoleTemplate
 from radixserve.frontend.choices import (
     ChoiceScores,
     ChoicesMethod,

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.frontend.backend import Backend, BackendError, GenRequest, GenResult, TextCallback
-from radixserve.frontend.chat import RoleTemplate, template_for
+from radixserve.prompt.roles import RoleTemplate, template_for
 
 from radixserve.core.params import SamplingParams
 from radixserve.core.request import PromptLogprob, SampleOutput, TokenizedRequest

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 from radixserve.frontend.backend import Backend, BackendError, GenRequest, GenResult, TextCallback
-from radixserve.frontend.chat import RoleTemplate, template_for
+from radixserve.prompt.roles import RoleTemplate, template_for
 
 from radixserve.core.request import PromptLogprob
 

@@ -22,7 +22,7 @@ from radixserve.frontend.backend import (
     SelectResult,
     TextCallback,
 )
-from radixserve.frontend.chat import RoleTemplate
+from radixserve.prompt.roles import RoleTemplate
 from radixserve.frontend.choices import ChoicesMethod
 
 from radixserve.core.request import PromptLogprob

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import radixserve.frontend as rs
-from radixserve.frontend.chat import RoleTemplate, template_for
+from radixserve.prompt.roles import RoleTemplate, template_for
 from radixserve.frontend.choices import ChoiceScores, choose
 from radixserve.frontend.ir import (
     REGEX_INT,
