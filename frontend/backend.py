@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.prompt.roles import RoleTemplate
 from radixserve.frontend.choices import (
     ChoiceScores,
     ChoicesMethod,
@@ -20,6 +19,8 @@ from radixserve.frontend.choices import (
     choose,
     score_choices,
 )
+
+from radixserve.prompt.roles import RoleTemplate
 
 TextCallback = Callable[[str], None]
 

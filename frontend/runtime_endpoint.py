@@ -16,9 +16,9 @@ from typing import Any
 
 import httpx
 from radixserve.frontend.backend import Backend, BackendError, GenRequest, GenResult, TextCallback
-from radixserve.prompt.roles import RoleTemplate, template_for
 
 from radixserve.core.request import PromptLogprob
+from radixserve.prompt.roles import RoleTemplate, template_for
 
 DEFAULT_TIMEOUT_S = 600.0
 MAX_CONNECTIONS = 256  # concurrent requests (one per fork child / batched program)

@@ -129,7 +129,10 @@ def compile_schema(tree: Schema, tokenize: Tokenize, roles: RoleTemplate) -> Lay
     w = _SchemaWalk(tokenize, roles)
     tokens, _ = w.close(_Open("", None, None, 0), tree.children)
     # The schema's own text is scattered between modules: it "ends" after its last token.
-    top = tokens, ModuleSpan("", None, None, 0, tokens.positions[-1] + 1 if tokens.positions else 0, {})
+    top = (
+        tokens,
+        ModuleSpan("", None, None, 0, tokens.positions[-1] + 1 if tokens.positions else 0, {}),
+    )
     order = sorted([top, *w.done.values()], key=lambda ms: ms[1].start)  # schema order
     compiled = CompiledSchema(tree.name, [t for t, _ in order], w.pos)
     return Layout(compiled, {s.name: s for _, s in order})
@@ -177,7 +180,8 @@ def _imports(tree: Prompt, layout: Layout) -> dict[str, Use]:
         span = spans[u.name]
         if span.parent is not None and span.parent not in imported:
             raise ValueError(
-                f"prompt: module {u.name!r} is nested in {span.parent!r}; import {span.parent!r} too"
+                f"prompt: module {u.name!r} is nested in {span.parent!r}; "
+                f"import {span.parent!r} too"
             )
         rivals = [n for n in imported if n != u.name and spans[n].union == span.union]
         if span.union is not None and rivals:

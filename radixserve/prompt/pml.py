@@ -196,11 +196,15 @@ def _schema_node(el: ET.Element) -> Node:
         try:
             n = int(el.attrib["len"])
         except ValueError:
-            raise ValueError(f"PML: <param> len must be an integer, got {el.attrib['len']!r}")
+            raise ValueError(
+                f"PML: <param> len must be an integer, got {el.attrib['len']!r}"
+            ) from None
         return param(el.attrib["name"], n)
     if el.tag == "union":
         _attrs(el, set(), set())
-        members = [_schema_node(x) if isinstance(x, ET.Element) else x for x in _texts_and_children(el)]
+        members = [
+            _schema_node(x) if isinstance(x, ET.Element) else x for x in _texts_and_children(el)
+        ]
         if not all(isinstance(m, Module) for m in members):
             raise ValueError("PML: a <union> holds only <module> elements")
         return union(*[m for m in members if isinstance(m, Module)])
@@ -249,7 +253,7 @@ def _pml_node(n: Node | Use) -> str:
     if isinstance(n, str):
         return escape(n)
     if isinstance(n, Param):
-        return f"<param name={quoteattr(n.name)} len=\"{n.len}\"/>"
+        return f'<param name={quoteattr(n.name)} len="{n.len}"/>'
     if isinstance(n, Module):
         return f"<module name={quoteattr(n.name)}>{_pml_nodes(n.children)}</module>"
     if isinstance(n, Union):

@@ -48,7 +48,9 @@ class SchemaRegistry:
             raise ValueError(f"pml: no schema {tree.schema!r} is registered")
         return compile_prompt(tree, layout, self.tokenize, self.roles)
 
-    def token_ids(self, prompt: str | Prompt, module_reuse: bool) -> tuple[list[int], ModuleUse | None]:
+    def token_ids(
+        self, prompt: str | Prompt, module_reuse: bool
+    ) -> tuple[list[int], ModuleUse | None]:
         """(input_ids, imports) of a request: with module reuse, the modules' tokens then the
         prompt's own; without, the expanded prompt and no imports."""
         compiled = self.prompt(prompt)

@@ -84,7 +84,9 @@ class ModuleStore:
     def slots(self, use: ModuleUse) -> torch.Tensor:
         """The imported modules' slots, in `use.modules` order (the store keeps them)."""
         entry = self.schemas[use.schema]
-        return torch.cat([torch.empty(0, dtype=torch.int64)] + [entry.slots[m] for m in use.modules])
+        return torch.cat(
+            [torch.empty(0, dtype=torch.int64)] + [entry.slots[m] for m in use.modules]
+        )
 
     def path(self, use: ModuleUse) -> list[tuple[int, int]]:
         """(node id, tokens) per imported module: one id per chain of leading modules."""

@@ -25,6 +25,7 @@ Public surface (the in-process Engine and the scheduler process use nothing else
     sched.cache_tree(max_nodes, max_depth) -> CacheTreeView  # the web console's tree view
     sched.register_schema(CompiledSchema)  # prompt modules: encode and pin; ValueError
     sched.remove_schema(name)             # ValueError: unknown, or requests use it
+    sched.schemas() -> list[dict]         # the registered schemas
     sched.model_info -> ModelInfo
 """
 
@@ -461,7 +462,11 @@ class Scheduler:
             )
         cfg = self.config
         slots = encode(
-            self.worker, self.kv.pool, schema.modules, cfg.chunked_prefill_size, cfg.max_prefill_tokens
+            self.worker,
+            self.kv.pool,
+            schema.modules,
+            cfg.chunked_prefill_size,
+            cfg.max_prefill_tokens,
         )
         store.add(schema, slots)
         logger.info("schema %s: %d modules, %d tokens pinned", schema.name, len(slots), need)
@@ -476,6 +481,17 @@ class Scheduler:
         if users:
             raise ValueError(f"schema {name!r} is used by {users} queued or running samples")
         self.kv.pool.free(store.remove(name))
+
+    def schemas(self) -> list[dict[str, object]]:
+        """Every registered schema: name, each module's tokens, positions it spans."""
+        return [
+            {
+                "name": e.compiled.name,
+                "modules": {m.name: len(m.token_ids) for m in e.compiled.modules},
+                "positions": e.compiled.num_positions,
+            }
+            for e in self.kv.modules.schemas.values()
+        ]
 
     def stats(self) -> SchedulerStats:
         pool, modules = self.kv.pool, self.kv.modules.num_slots
