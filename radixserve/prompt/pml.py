@@ -223,10 +223,9 @@ def _prompt_children(el: ET.Element) -> list[Use | Role | str]:
             out.append(x)
         elif x.tag in ROLE_TAGS:
             _attrs(x, set(), set())
-            inner = _prompt_children(x)
-            if not all(isinstance(c, str) for c in inner):
+            if len(x):  # child elements
                 raise ValueError(f"PML: <{x.tag}> in a prompt holds only text")
-            out.append(Role(x.tag, tuple(inner)))
+            out.append(Role(x.tag, tuple(c for c in _texts_and_children(x) if isinstance(c, str))))
         elif x.tag in RESERVED:
             raise ValueError(f"PML: <{x.tag}> is not allowed in a prompt")
         else:

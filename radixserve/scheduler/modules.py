@@ -26,7 +26,7 @@ from radixserve.core.batch import ForwardBatch
 from radixserve.core.modules import CompiledSchema, ModuleTokens, ModuleUse
 from radixserve.core.request import TokenizedRequest
 from radixserve.kvcache.pool import KVPool
-from radixserve.worker.model_worker import ModelWorker
+from radixserve.scheduler.parts import StepWorker
 
 
 @dataclass
@@ -100,7 +100,7 @@ class ModuleStore:
 
 
 def encode(
-    worker: ModelWorker,
+    worker: StepWorker,
     pool: KVPool,
     modules: list[ModuleTokens],
     chunk: int,
