@@ -164,3 +164,36 @@ def test_errors(engine: Engine) -> None:
     with pytest.raises(ValueError, match="no schema 'docs' is registered"):
         engine.remove_schema("docs")
     assert_baseline(engine, 0)
+
+
+def test_dsl_program_imports_modules(engine: Engine) -> None:
+    import radixserve as rs
+
+    backend = rs.EngineBackend(engine)
+    names = rs.register_schema(docs_schema("dsl"), backend=backend)
+    assert names[:2] == ["d0", "d1"]
+
+    @rs.function
+    def ask(s: Any, topic: str) -> None:
+        s += rs.imports("dsl", "d1", rs.use("ask", topic=topic))
+        s += "Tell me."
+        s += rs.gen("answer", max_tokens=8, temperature=0, ignore_eos=True)
+
+    state = ask.run(topic="foxes", backend=backend)
+    direct = engine.generate(
+        pml=pml.prompt("dsl", pml.use("d1"), pml.use("ask", topic="foxes"), "Tell me."),
+        sampling_params=GREEDY,
+    )
+    assert isinstance(direct, dict)
+    assert state["answer"] == direct["text"]
+    assert state.get_meta_info("answer")["cached_tokens"] > 0
+
+    @rs.function
+    def late(s: Any) -> None:
+        s += "text first"
+        s += rs.imports("dsl", "d0")
+
+    with pytest.raises(ValueError, match="must come first"):
+        late.run(backend=backend)
+    backend.call(lambda: engine.remove_schema("dsl"))
+    assert_baseline(engine, 0)

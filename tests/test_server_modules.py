@@ -107,3 +107,27 @@ def test_bad_prompts_against_a_schema_are_400(client: httpx.Client) -> None:
     finally:
         assert client.delete("/schemas/srv").status_code == 200
     assert held(client) == (0, 0)
+
+
+def test_dsl_program_over_http(server, client: httpx.Client) -> None:
+    import radixserve as rs
+
+    backend = rs.RuntimeEndpoint(server.url, api_key=server.api_key)
+    schema = rs.schema("dslsrv", rs.module("doc", rs.role("user", DOC)), rs.module("x", "X"))
+    assert rs.register_schema(schema, backend=backend) == ["doc", "x"]
+    try:
+
+        @rs.function
+        def ask(s) -> None:
+            s += rs.imports("dslsrv", "doc")
+            s += rs.user("Which fact is about 3?") + rs.assistant_begin()
+            s += rs.gen("answer", max_tokens=6, temperature=0, ignore_eos=True)
+
+        state = ask.run(backend=backend)
+        prompt = (
+            '<prompt schema="dslsrv"><doc/><user>Which fact is about 3?</user><assistant/></prompt>'
+        )
+        assert state["answer"] == gen(client, pml=prompt)["text"]
+    finally:
+        assert client.delete("/schemas/dslsrv").status_code == 200
+    assert held(client) == (0, 0)
