@@ -153,3 +153,18 @@ def test_python_api_errors() -> None:
         pml.role("tool", "x")
     with pytest.raises(ValueError, match="module name 'a b'"):
         pml.module("a b")
+
+
+def test_deep_nesting_is_a_value_error() -> None:
+    from radixserve.prompt.registry import SchemaRegistry
+
+    class CharTokenizer:
+        chat_template = None
+
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return tok(text)
+
+    deep = '<schema name="s">' + "".join(f'<module name="m{i}">x' for i in range(5000))
+    deep += "</module>" * 5000 + "</schema>"
+    with pytest.raises(ValueError, match="nested too deeply"):
+        SchemaRegistry(CharTokenizer()).compile(deep)

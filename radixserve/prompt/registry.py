@@ -26,10 +26,13 @@ class SchemaRegistry:
 
     def compile(self, schema: str | Schema) -> Layout:
         """A schema (PML or a `pml.schema(...)` tree) laid out; ValueError names the problem."""
-        tree = parse_schema(schema) if isinstance(schema, str) else schema
-        if not isinstance(tree, Schema):
-            raise ValueError("schema: expected PML text or a radixserve.prompt schema")
-        return compile_schema(tree, self.tokenize, self.roles)
+        try:
+            tree = parse_schema(schema) if isinstance(schema, str) else schema
+            if not isinstance(tree, Schema):
+                raise ValueError("schema: expected PML text or a radixserve.prompt schema")
+            return compile_schema(tree, self.tokenize, self.roles)
+        except RecursionError:
+            raise ValueError("schema: modules are nested too deeply") from None
 
     def add(self, layout: Layout) -> None:
         self.layouts[layout.compiled.name] = layout

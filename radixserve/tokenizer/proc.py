@@ -161,6 +161,10 @@ class TokenizerWorker:
             except ValueError as e:
                 self.to_api.send(SchemaResp(req.seq, 400, str(e)))
                 return
+            except Exception as e:  # a bug on this schema's path: it alone fails
+                logger.exception("schema: layout failed")
+                self.to_api.send(SchemaResp(req.seq, 500, f"schema layout failed: {e!r}"))
+                return
             req.compiled = layout.compiled
             self.schema_ops[req.seq] = layout
         elif req.op == "delete":
