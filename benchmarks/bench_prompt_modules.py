@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script
+import torch  # noqa: E402
+
 from benchmarks import eval_data  # noqa: E402
 from benchmarks.eval_gsm8k import STOP, extract_answer  # noqa: E402
 from radixserve import Engine  # noqa: E402
@@ -184,7 +186,7 @@ def plot(result: dict[str, Any], out: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("prompt tokens (modules + question)")
     ax.set_ylabel("time to first token (s, log)")
-    ax.set_title(f"TTFT, {result['model']} on {result['machine']}")
+    ax.set_title(f"TTFT, SmolLM2-135M, {result['machine']}", fontsize=9)
     ax.legend()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -206,6 +208,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--questions", type=int, default=50)
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--machine", default="this machine", help="label for the plot title")
     ap.add_argument("--json", default=None)
@@ -215,6 +218,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     engine = Engine(args.model, dtype=args.dtype, max_total_tokens=65536)
     plain = Engine(args.model, dtype=args.dtype, max_total_tokens=16384, disable_radix_cache=True)
     for e in (engine, plain):  # first calls pay one-time costs (kernel builds, allocations)
@@ -224,6 +229,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": args.model or "SmolLM2-135M-Instruct (embedded)",
         "machine": args.machine,
         "dtype": str(engine.worker.dtype),
+        "threads": torch.get_num_threads(),
         "args": vars(args),
         "ttft": bench_ttft(engine, plain, args, rows),
     }
