@@ -197,3 +197,23 @@ def test_dsl_program_imports_modules(engine: Engine) -> None:
         late.run(backend=backend)
     backend.call(lambda: engine.remove_schema("dsl"))
     assert_baseline(engine, 0)
+
+
+def test_retraction_recomputes_own_tokens_at_their_positions(
+    engine: Engine, tiny_model_dir: Path
+) -> None:
+    prompts = [pml.prompt("docs", pml.use(f"d{i % 4}"), f"question {i}") for i in range(6)]
+    params = {**GREEDY, "max_new_tokens": 40}
+    engine.register_schema(docs_schema())
+    alone = [out_ids(engine.generate(pml=p, sampling_params=params)) for p in prompts]
+    engine.remove_schema("docs")
+    small = make_engine(tiny_model_dir, max_total_tokens=450)  # ~280 pinned, 6 x 43 needed
+    small.register_schema(docs_schema())
+    pinned = small.scheduler.kv.modules.num_slots
+    own = sum(len(small.schemas.prompt(p).use.positions) for p in prompts)
+    together = small.generate(pml=prompts, sampling_params=params)
+    assert [out_ids(r) for r in together] == alone
+    # without retraction: each prompt's own tokens once, then 39 decode steps each; a
+    # retracted sample computes its own tokens and its outputs so far again
+    assert small.scheduler.stats().computed_tokens_total > own + 6 * 39
+    assert_baseline(small, pinned)
