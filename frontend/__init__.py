@@ -9,9 +9,9 @@
     print(qa.run(question="What is 2 + 2?")["answer"])
 
 Modules: ir (expressions, sampling options), api (the DSL names), interpreter/executor
-(program states, fork/join, running), chat (role markup from the chat template), choices
-(select scoring), backend (the runtime interface), runtime_endpoint (HTTP), engine_backend
-(in-process Engine), tracing (no model).
+(program states, fork/join, running), choices (select scoring), backend (the runtime
+interface), runtime_endpoint (HTTP), engine_backend (in-process Engine), tracing (no model).
+Role markup and prompt modules (`schema`, `module`, ...) come from `radixserve.prompt`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from radixserve.frontend.api import (
     gen_int,
     gen_string,
     get_default_backend,
+    imports,
+    register_schema,
     select,
     set_default_backend,
     system,
@@ -43,6 +45,8 @@ from radixserve.frontend.choices import greedy_token_selection, token_length_nor
 from radixserve.frontend.interpreter import ProgramState, ProgramStateGroup
 from radixserve.frontend.runtime_endpoint import RuntimeEndpoint
 from radixserve.frontend.tracing import Trace, TracingBackend
+
+from radixserve.prompt.pml import module, param, role, schema, union, use
 
 if TYPE_CHECKING:
     from radixserve.frontend.engine_backend import EngineBackend
@@ -67,12 +71,20 @@ __all__ = [
     "gen_string",
     "get_default_backend",
     "greedy_token_selection",
+    "imports",
+    "module",
+    "param",
+    "register_schema",
+    "role",
+    "schema",
     "select",
     "set_default_backend",
     "system",
     "system_begin",
     "system_end",
     "token_length_normalized",
+    "union",
+    "use",
     "user",
     "user_begin",
     "user_end",

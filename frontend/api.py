@@ -1,6 +1,6 @@
 """The public DSL, with SGLang's names and defaults (an SGLang program ports by changing its
 import): `function`, `gen`, `gen_int`, `gen_string`, `select`, `system`/`user`/`assistant`,
-`set_default_backend`, `flush_cache`."""
+`set_default_backend`, `flush_cache`; prompt modules: `register_schema`, `imports`."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from radixserve.frontend.ir import (
     ExprLike,
     ExprList,
     Gen,
+    Imports,
     RoleBegin,
     RoleEnd,
     SamplingOptions,
@@ -29,6 +30,8 @@ from radixserve.frontend.ir import (
     normalize_stop,
     to_expr,
 )
+
+from radixserve.prompt.pml import Schema, Use, use
 
 # run()/run_batch() keywords that set sampling defaults (everything else goes to the
 # program function). regex/json_schema are per-gen only, and so is seed: one seed for every
@@ -85,6 +88,18 @@ def _backend(backend: Any) -> Backend:
 
 def flush_cache(backend: Any = None) -> bool:
     return _backend(backend).flush_cache()
+
+
+def register_schema(schema: Schema, backend: Any = None) -> list[str]:
+    """Register a prompt-module schema (`schema(...)`) on the backend; its module names."""
+    return _backend(backend).register_schema(schema)
+
+
+def imports(schema_name: str, *uses: Use | str) -> Imports:
+    """Start a program from prompt modules of a registered schema: `s += imports("docs",
+    "intro", use("ask", topic="x"))` (a name imports a module without arguments). It must
+    come first; every later gen sends the imports plus the program's text."""
+    return Imports(schema_name, tuple(use(u) if isinstance(u, str) else u for u in uses))
 
 
 class SglFunction:

@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.frontend.chat import RoleTemplate
 from radixserve.frontend.choices import (
     ChoiceScores,
     ChoicesMethod,
@@ -20,6 +19,9 @@ from radixserve.frontend.choices import (
     choose,
     score_choices,
 )
+
+from radixserve.prompt.pml import Prompt, Schema
+from radixserve.prompt.roles import RoleTemplate
 
 TextCallback = Callable[[str], None]
 
@@ -40,6 +42,14 @@ class GenRequest:
     return_text_in_logprobs: bool = False
     name: str | None = None  # the variable it fills (informational)
     dtype: str | None = None  # informational: the typed gen it serves
+    # Prompt modules: the imports the program began with (no text); `prompt` is the text
+    # after them. None: `prompt` is the whole prompt.
+    modules: Prompt | None = None
+
+    def pml(self) -> Prompt:
+        """The imports followed by the text: what a backend sends as a PML prompt."""
+        assert self.modules is not None, "not a prompt-modules request"
+        return Prompt(self.modules.schema, (*self.modules.children, self.prompt))
 
 
 @dataclass
@@ -91,6 +101,11 @@ class Backend(ABC):
     def flush_cache(self) -> bool:
         """Empty the runtime's prefix cache; False if it is busy (nothing done)."""
         return False
+
+    def register_schema(self, schema: Schema) -> list[str]:
+        """Register a prompt-module schema (its modules' K/V encoded once); returns the module
+        names. BackendError if the runtime refuses it or has no prompt modules."""
+        raise BackendError(f"{type(self).__name__} has no prompt modules")
 
     def select(
         self,

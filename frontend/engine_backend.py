@@ -29,12 +29,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.frontend.backend import Backend, BackendError, GenRequest, GenResult, TextCallback
-from radixserve.frontend.chat import RoleTemplate, template_for
 
 from radixserve.core.params import SamplingParams
 from radixserve.core.request import PromptLogprob, SampleOutput, TokenizedRequest
 from radixserve.core.result import native_result
 from radixserve.engine.engine import Engine
+from radixserve.prompt.pml import Schema
+from radixserve.prompt.roles import RoleTemplate, template_for
 from radixserve.scheduler.loop import StepLoop
 from radixserve.tokenizer.accumulate import SampleAccumulator
 
@@ -97,14 +98,23 @@ class EngineBackend(Backend):
 
     # ---------------------------------------------------------------- Backend API
     def generate(self, req: GenRequest, on_text: TextCallback | None = None) -> GenResult:
+        ids, use = self.encode(req.prompt), None
+        if req.modules is not None:
+            with self._tok_lock:
+                try:
+                    ids, use = self.engine.schemas.token_ids(req.pml(), module_reuse=True)
+                except ValueError as e:
+                    raise BackendError(str(e)) from e
+        request = self._request(
+            ids,
+            req.sampling,
+            req.return_logprob,
+            req.logprob_start_len if req.return_logprob else -1,
+            req.top_logprobs_num if req.return_logprob else 0,
+        )
+        request.modules = use
         out = self._run(
-            self._request(
-                self.encode(req.prompt),
-                req.sampling,
-                req.return_logprob,
-                req.logprob_start_len if req.return_logprob else -1,
-                req.top_logprobs_num if req.return_logprob else 0,
-            ),
+            request,
             on_text,
             req.return_text_in_logprobs,
         )
@@ -136,6 +146,12 @@ class EngineBackend(Backend):
 
     def flush_cache(self) -> bool:
         return bool(self.call(self.engine.scheduler.flush_cache))
+
+    def register_schema(self, schema: Schema) -> list[str]:
+        try:  # on the dispatcher thread: encoding runs the model between steps
+            return list(self.call(lambda: self.engine.register_schema(schema)))
+        except ValueError as e:
+            raise BackendError(str(e)) from e
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the dispatcher thread (between steps) and return its result."""

@@ -30,6 +30,7 @@ from radixserve.frontend.ir import (
     Expr,
     ExprList,
     Gen,
+    Imports,
     RoleBegin,
     RoleEnd,
     SamplingOptions,
@@ -38,6 +39,8 @@ from radixserve.frontend.ir import (
     convert_value,
     sampling_dict,
 )
+
+from radixserve.prompt.pml import Prompt
 
 
 class Executor:
@@ -54,6 +57,7 @@ class Executor:
         self.stream = stream  # gens deliver text piece by piece (for text_iter)
         self.rng = rng or random.Random()
         self.text = ""
+        self.modules: Prompt | None = None  # imports(...) the program began with
         self.variables: dict[str, Any] = {}
         self.meta_info: dict[str, Any] = {}
         self.messages: list[dict[str, str]] = []
@@ -103,7 +107,8 @@ class Executor:
         once, so the children's requests find the shared prefix cached."""
         assert n >= 1, f"fork size must be >= 1, got {n}"
         self.sync()
-        self.backend.commit(self.text)
+        if self.modules is None:  # prompts importing modules are not prefix-cached
+            self.backend.commit(self.text)
         return [self._copy() for _ in range(n)]
 
     def _copy(self) -> Executor:
@@ -114,6 +119,7 @@ class Executor:
             family=self.family,
         )
         child.text = self.text
+        child.modules = self.modules
         child.fork_len = len(self.text)
         child.variables = dict(self.variables)
         child.meta_info = dict(self.meta_info)
@@ -171,6 +177,11 @@ class Executor:
             self._gen(expr)
         elif isinstance(expr, Select):
             self._select(expr)
+        elif isinstance(expr, Imports):
+            if self.text or self.modules is not None:
+                raise ValueError("imports(...) must come first in a program, and only once")
+            self.modules = Prompt(expr.schema, expr.uses)
+            self._roles_seen = True  # the modules open the conversation (as in PML prompts)
         else:
             raise TypeError(f"cannot execute {expr!r}")
 
@@ -201,6 +212,7 @@ class Executor:
             return_text_in_logprobs=bool(opts.return_text_in_logprobs),
             name=expr.name,
             dtype=expr.dtype,
+            modules=self.modules,
         )
         if self.stream:
             result = self.backend.generate(req, lambda piece: self._append(piece, expr.name))
@@ -212,6 +224,8 @@ class Executor:
             self.meta_info[expr.name] = result.meta_info
 
     def _select(self, expr: Select) -> None:
+        if self.modules is not None:
+            raise ValueError("select after imports(...): choices are scored on a full prompt")
         res = self.backend.select(self.text, expr.choices, expr.method, expr.temperature, self.rng)
         choice = expr.choices[res.index]
         self._append(choice, expr.name)

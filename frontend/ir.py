@@ -20,6 +20,8 @@ from typing import Any
 
 from radixserve.frontend.choices import ChoicesMethod
 
+from radixserve.prompt.pml import Use
+
 # Regexes of the typed gens (SGLang's). A runtime without constrained decoding ignores
 # them; the value is still converted (and a text that does not parse is an error).
 REGEX_INT = r"[-+]?[0-9]+[ \n]*"
@@ -51,6 +53,15 @@ class ExprList(Expr):
 @dataclass(frozen=True, eq=False)
 class Text(Expr):
     value: str
+
+
+@dataclass(frozen=True, eq=False)
+class Imports(Expr):
+    """Prompt modules of a registered schema that a program starts from (`imports(...)`);
+    the program's text after it is the prompt's own text."""
+
+    schema: str
+    uses: tuple[Use, ...]
 
 
 @dataclass(frozen=True, eq=False)

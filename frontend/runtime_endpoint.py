@@ -16,9 +16,10 @@ from typing import Any
 
 import httpx
 from radixserve.frontend.backend import Backend, BackendError, GenRequest, GenResult, TextCallback
-from radixserve.frontend.chat import RoleTemplate, template_for
 
 from radixserve.core.request import PromptLogprob
+from radixserve.prompt.pml import Schema, to_pml
+from radixserve.prompt.roles import RoleTemplate, template_for
 
 DEFAULT_TIMEOUT_S = 600.0
 MAX_CONNECTIONS = 256  # concurrent requests (one per fork child / batched program)
@@ -103,6 +104,11 @@ class RuntimeEndpoint(Backend):
         meta = last["meta_info"]
         return GenResult(text, {**meta, **logprobs} if "output_token_logprobs" in meta else meta)
 
+    def register_schema(self, schema: Schema) -> list[str]:
+        out = self._json("POST", "/schemas", {"pml": to_pml(schema)})
+        (mine,) = [s for s in out["schemas"] if s["name"] == schema.name]
+        return [name for name in mine["modules"] if name]
+
     def commit(self, prompt: str) -> None:
         if prompt:
             self._json(
@@ -152,6 +158,9 @@ class RuntimeEndpoint(Backend):
 
 def _generate_body(req: GenRequest) -> dict[str, Any]:
     body: dict[str, Any] = {"text": req.prompt, "sampling_params": req.sampling}
+    if req.modules is not None:
+        del body["text"]
+        body["pml"] = to_pml(req.pml())
     if req.return_logprob:
         body.update(
             return_logprob=True,

@@ -22,10 +22,10 @@ from radixserve.frontend.backend import (
     SelectResult,
     TextCallback,
 )
-from radixserve.frontend.chat import RoleTemplate
 from radixserve.frontend.choices import ChoicesMethod
 
 from radixserve.core.request import PromptLogprob
+from radixserve.prompt.roles import RoleTemplate
 
 TYPED_PLACEHOLDER = {"int": "0", "float": "0.0", "bool": "True", "str": '""'}
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import radixserve.frontend as rs
-from radixserve.frontend.chat import RoleTemplate, template_for
 from radixserve.frontend.choices import ChoiceScores, choose
 from radixserve.frontend.ir import (
     REGEX_INT,
@@ -27,6 +26,8 @@ from radixserve.frontend.ir import (
     Text,
     convert_value,
 )
+
+from radixserve.prompt.roles import RoleTemplate, template_for
 
 PLAIN_DEFAULTS = {
     "max_new_tokens": 128,

@@ -44,6 +44,7 @@ class SchedulerStats:
     cached_tokens_total: int
     generation_tokens_total: int
     computed_tokens_total: int  # tokens run through the model (prefill + decode)
+    kv_module_tokens: int = 0  # slots pinned by registered prompt-module schemas
     tiers: dict[str, TierStats] = field(default_factory=dict)  # empty without --hicache-*
 
     @property

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from radixserve.core.modules import ModuleUse
 from radixserve.core.params import SamplingParams
 
 
@@ -19,6 +20,19 @@ class TokenizedRequest:
     return_logprob: bool = False
     logprob_start_len: int = -1  # -1: no prompt logprobs; k >= 0: prompt positions k.. onward
     top_logprobs_num: int = 0
+    # Prompt modules: input_ids open with these modules' tokens, whose K/V is registered
+    # (see core/modules.py); None: an ordinary prompt at positions 0 .. len - 1.
+    modules: ModuleUse | None = None
+
+    @property
+    def module_tokens(self) -> int:
+        """Leading input_ids whose K/V comes from registered modules."""
+        return 0 if self.modules is None else len(self.input_ids) - len(self.modules.positions)
+
+    @property
+    def num_positions(self) -> int:
+        """Positions the prompt spans: its last token's position + 1."""
+        return len(self.input_ids) if self.modules is None else self.modules.positions[-1] + 1
 
 
 @dataclass

@@ -15,9 +15,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from radixserve.config import EngineConfig
+from radixserve.core.modules import ModuleUse
 from radixserve.core.params import SamplingParams
 from radixserve.core.request import FinishReason, SampleOutput, TokenizedRequest
 from radixserve.core.result import native_result
+from radixserve.prompt.pml import Prompt as PmlPrompt
+from radixserve.prompt.pml import Schema
+from radixserve.prompt.registry import SchemaRegistry
 from radixserve.scheduler.loop import StepLoop
 from radixserve.scheduler.parts import load_parts
 from radixserve.scheduler.scheduler import Scheduler
@@ -26,6 +30,7 @@ from radixserve.tokenizer.accumulate import SampleAccumulator
 logger = logging.getLogger("radixserve.engine")
 
 Prompt = str | Sequence[str] | None
+Pml = str | PmlPrompt | Sequence[str | PmlPrompt] | None
 Params = dict[str, Any] | Sequence[dict[str, Any]] | None
 
 
@@ -37,6 +42,7 @@ class Engine:
         parts = load_parts(self.config)
         self.tokenizer, self.worker = parts.tokenizer, parts.worker
         self.scheduler = Scheduler(self.config, parts)
+        self.schemas = SchemaRegistry(self.tokenizer)
         self._ids = itertools.count()
 
     def generate(
@@ -47,13 +53,24 @@ class Engine:
         return_logprob: bool = False,
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
+        pml: Pml = None,
+        module_reuse: bool = True,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Generate for one prompt (a dict back, or a list of n dicts when n > 1) or a batch
         of prompts (a flat list: n results per prompt, prompt-major).
 
+        `pml`: prompts importing prompt modules of a registered schema (PML text or
+        `radixserve.prompt.prompt(...)` trees), instead of `prompt` / `input_ids`;
+        `module_reuse=False` prefills their expanded text instead (the exact fallback).
         Raises ValueError naming the offending field for invalid input.
         """
-        single, prompts = self._prompts(prompt, input_ids)
+        if pml is not None:
+            if prompt is not None or input_ids is not None:
+                raise ValueError("give exactly one of prompt, input_ids or pml")
+            single, prompts = self._pml_prompts(pml, module_reuse)
+        else:
+            single, ids = self._prompts(prompt, input_ids)
+            prompts = [(x, None) for x in ids]
         params = self._params(sampling_params, len(prompts))
         reqs = [
             TokenizedRequest(
@@ -63,8 +80,9 @@ class Engine:
                 return_logprob=return_logprob,
                 logprob_start_len=logprob_start_len if return_logprob else -1,
                 top_logprobs_num=top_logprobs_num,
+                modules=use,
             )
-            for ids, sp in zip(prompts, params)
+            for (ids, use), sp in zip(prompts, params)
         ]
         results = self._run(reqs, return_logprob)
         return results[0] if single and len(results) == 1 else results
@@ -90,6 +108,27 @@ class Engine:
         if not all(isinstance(x, list) and all(isinstance(t, int) for t in x) for x in batch):
             raise ValueError("input_ids: must be a list of ints or a list of lists of ints")
         return single, batch
+
+    def _pml_prompts(
+        self, pml: Pml, module_reuse: bool
+    ) -> tuple[bool, list[tuple[list[int], ModuleUse | None]]]:
+        single = isinstance(pml, str | PmlPrompt)
+        batch = [pml] if isinstance(pml, str | PmlPrompt) else list(pml or [])
+        return single, [self.schemas.token_ids(p, module_reuse) for p in batch]
+
+    def register_schema(self, schema: str | Schema) -> list[str]:
+        """Lay out `schema` (PML text or a `radixserve.prompt.schema(...)` tree), encode its
+        modules' K/V once at their positions and pin it; returns the module names.
+        ValueError: malformed, a duplicate name, or it does not fit the context / pool."""
+        layout = self.schemas.compile(schema)
+        self.scheduler.register_schema(layout.compiled)
+        self.schemas.add(layout)
+        return [n for n in layout.spans if n]
+
+    def remove_schema(self, name: str) -> None:
+        """Free a schema's pinned K/V. ValueError: unknown name."""
+        self.scheduler.remove_schema(name)
+        self.schemas.remove(name)
 
     @staticmethod
     def _params(sampling_params: Params, n: int) -> list[SamplingParams]:

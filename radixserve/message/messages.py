@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 
 from radixserve.core.info import CacheTreeView, ModelInfo, SchedulerStats
+from radixserve.core.modules import CompiledSchema
 from radixserve.core.params import SamplingParams
 from radixserve.core.request import SampleChunk, SampleOutput, TokenizedRequest
 
@@ -58,7 +59,8 @@ class Shutdown(Message):
 
 
 class GenerateReq(Message):
-    """Api server -> tokenizer: one prompt (exactly one of text / input_ids / messages).
+    """Api server -> tokenizer: one prompt (exactly one of text / input_ids / messages /
+    pml, a PML prompt importing modules; `module_reuse` False prefills its expanded text).
 
     `sampling` was parsed (and checked) once, by the api server; later processes only add
     what they alone know. `max_new_tokens_auto`: the client gave no limit, so the tokenizer
@@ -77,6 +79,8 @@ class GenerateReq(Message):
     stream: bool = False
     max_new_tokens_auto: bool = False
     tools: list[dict[str, Any]] | None = None  # chat: OpenAI tool definitions to render
+    pml: str | None = None
+    module_reuse: bool = True
 
 
 class TokenizedReq(Message):
@@ -155,8 +159,29 @@ class CacheTreeResp(Message):
     view: CacheTreeView  # the tokenizer fills in each node's text on the way
 
 
-ControlReq = FlushCacheReq | ServerInfoReq | CacheTreeReq
-ControlResp = FlushCacheResp | ServerInfoResp | CacheTreeResp
+class SchemaReq(Message):
+    """Prompt-module schemas: op "register" (`pml`; the tokenizer lays it out into
+    `compiled`), "delete" (`name`) or "list"."""
+
+    seq: int
+    op: str
+    pml: str = ""
+    name: str = ""
+    compiled: CompiledSchema | None = None
+
+
+class SchemaResp(Message):
+    """`status` 200, or 400 with `message`; `schemas`: every registered schema after the
+    op, as {"name", "modules": {name: tokens}, "positions"}."""
+
+    seq: int
+    status: int
+    message: str = ""
+    schemas: list[dict[str, Any]] = msgspec.field(default_factory=list)
+
+
+ControlReq = FlushCacheReq | ServerInfoReq | CacheTreeReq | SchemaReq
+ControlResp = FlushCacheResp | ServerInfoResp | CacheTreeResp | SchemaResp
 
 AnyMessage = (
     SchedulerReady
@@ -174,4 +199,6 @@ AnyMessage = (
     | ServerInfoResp
     | CacheTreeReq
     | CacheTreeResp
+    | SchemaReq
+    | SchemaResp
 )

@@ -4,7 +4,9 @@ Slot ownership (see req.py's region table): positions < tree_len belong to the p
 (kept alive by the lock on last_node); positions tree_len..kv_len-1 belong to the request.
 Every slot is always owned by exactly one of: the pool's free list, the prefix cache, or one
 admitted request — `check_integrity` counts them. With a NoPrefixCache tree_len stays 0: the
-request owns all its K/V and frees it when it ends.
+request owns all its K/V and frees it when it ends. A sample importing prompt modules starts
+with tree_len = kv_len = its module tokens, whose slots the ModuleStore owns (pinned, counted
+as in use elsewhere); its own K/V is never offered to the prefix cache.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 from radixserve.kvcache.pool import KVPool, ReqToTokenPool
 from radixserve.kvcache.prefix_cache import PrefixCache
+from radixserve.scheduler.modules import ModuleStore
 from radixserve.scheduler.req import Req
 
 
@@ -21,6 +24,7 @@ class KVManager:
         self.pool = pool
         self.req_pool = req_pool
         self.cache = cache
+        self.modules = ModuleStore()
 
     @property
     def available(self) -> int:
@@ -42,6 +46,9 @@ class KVManager:
         row = self.req_pool.alloc()
         if row is None:
             return False
+        if req.request.modules is not None:
+            self._admit_modules(req, row)
+            return True
         match = self.cache.match_prefix(req.all_ids[: req.reuse_limit()])
         self.cache.lock(match.last_node)
         n = len(match.indices)
@@ -51,6 +58,15 @@ class KVManager:
             req.cached_tokens = min(n, len(req.prompt_ids))
             req.cached_tiers = dict(match.tier_tokens)
         return True
+
+    def _admit_modules(self, req: Req, row: int) -> None:
+        assert req.request.modules is not None
+        slots = self.modules.slots(req.request.modules)
+        n = slots.numel()
+        self.req_pool.table[row, :n] = slots
+        req.row, req.last_node, req.tree_len, req.kv_len = row, self.cache.root, n, n
+        if req.cached_tokens < 0:
+            req.cached_tokens = n
 
     def unadmit(self, req: Req) -> None:
         """Undo `admit` before any K/V was computed (the prefix stays cached)."""
@@ -73,6 +89,8 @@ class KVManager:
         new last_node; the rest stays the request's.
         """
         assert req.row is not None and req.last_node is not None
+        if req.request.modules is not None:
+            return  # module K/V sits at other positions than its tokens' index: not a prefix
         match = self.cache.insert(req.all_ids[: req.kv_len], self.slots(req).clone())
         n = len(match.indices)
         assert req.tree_len <= n <= req.kv_len, (
@@ -119,4 +137,5 @@ class KVManager:
         return sum(r.kv_len - r.tree_len for r in reqs if r.row is not None)
 
     def check_integrity(self, reqs: list[Req]) -> None:
-        self.cache.check_integrity(in_use_elsewhere=self.owned_by_requests(reqs))
+        held = self.owned_by_requests(reqs) + self.modules.num_slots
+        self.cache.check_integrity(in_use_elsewhere=held)

@@ -36,6 +36,8 @@ from radixserve.message.messages import (
     RequestError,
     SampleBatch,
     SchedulerReady,
+    SchemaReq,
+    SchemaResp,
     ServerInfoReq,
     ServerInfoResp,
     Shutdown,
@@ -63,6 +65,7 @@ class SchedulerLoop:
             FlushCacheReq: self.on_flush,
             ServerInfoReq: self.on_info,
             CacheTreeReq: self.on_cache_tree,
+            SchemaReq: self.on_schema,
             Shutdown: self.on_shutdown,
         }
 
@@ -120,6 +123,19 @@ class SchedulerLoop:
 
     def on_cache_tree(self, msg: CacheTreeReq) -> None:
         self.out.send(CacheTreeResp(msg.seq, self.sched.cache_tree(msg.max_nodes, msg.max_depth)))
+
+    def on_schema(self, msg: SchemaReq) -> None:
+        """Register / delete / list prompt-module schemas (400 with the reason)."""
+        try:
+            if msg.op == "register":
+                assert msg.compiled is not None, "register without a compiled schema"
+                self.sched.register_schema(msg.compiled)
+            elif msg.op == "delete":
+                self.sched.remove_schema(msg.name)
+        except ValueError as e:
+            self.out.send(SchemaResp(msg.seq, 400, str(e), self.sched.schemas()))
+            return
+        self.out.send(SchemaResp(msg.seq, 200, "", self.sched.schemas()))
 
     def on_shutdown(self, msg: Shutdown) -> None:
         self.stopping = True

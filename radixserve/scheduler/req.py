@@ -9,6 +9,11 @@ Region table for a running sample (positions into all_ids = prompt_ids + output_
     |  last_node (locked)    |  allocated itself     |  is not computed    |
     req_to_token[row, 0:kv_len] holds the slot of every position < kv_len.
 
+With prompt modules (request.modules) positions 0 .. module_tokens-1 hold the imported
+modules' slots, owned by the ModuleStore: tree_len = module_tokens, last_node = the root,
+and nothing of the request goes into the prefix cache. Such a sample's token i sits at
+`positions(i, i + 1)`, not at position i.
+
 Invariants: tree_len <= kv_len < len(all_ids) while running (the last token's K/V is
 computed by the step that consumes it); a waiting sample has row None and kv_len 0.
 """
@@ -76,6 +81,18 @@ class Req:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.request.return_logprob and self.request.logprob_start_len >= 0
+
+    def positions(self, start: int, end: int) -> list[int]:
+        """The positions of tokens start .. end-1 of all_ids (computed ones only: with
+        modules, start >= module_tokens)."""
+        use = self.request.modules
+        if use is None:
+            return list(range(start, end))
+        head = self.request.module_tokens
+        assert start >= head, f"{self.rid}: token {start} is a module's, not computed here"
+        own, n = use.positions, len(self.request.input_ids)
+        outputs = [own[-1] + 1 + i - n for i in range(max(start, n), end)]  # after the prompt
+        return own[start - head : end - head] + outputs
 
     def reuse_limit(self) -> int:
         """How many leading tokens may come from the cache: all but the last token (its

@@ -23,6 +23,9 @@ Public surface (the in-process Engine and the scheduler process use nothing else
     sched.has_work() -> bool
     sched.stats() -> SchedulerStats
     sched.cache_tree(max_nodes, max_depth) -> CacheTreeView  # the web console's tree view
+    sched.register_schema(CompiledSchema)  # prompt modules: encode and pin; ValueError
+    sched.remove_schema(name)             # ValueError: unknown, or requests use it
+    sched.schemas() -> list[dict]         # the registered schemas
     sched.model_info -> ModelInfo
 """
 
@@ -41,12 +44,14 @@ from radixserve.config import EngineConfig
 from radixserve.constrained.backend import CompiledGrammar
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.info import CacheTreeView, ModelInfo, SchedulerStats
+from radixserve.core.modules import CompiledSchema
 from radixserve.core.request import FinishReason, SampleOutput, TokenizedRequest
 from radixserve.kvcache.pool import ReqToTokenPool
 from radixserve.kvcache.tree_view import running_counts, view_tree
 from radixserve.sampling.stop import StopChecker
 from radixserve.scheduler.compiling import PendingCompiles
 from radixserve.scheduler.kv import KVManager
+from radixserve.scheduler.modules import encode
 from radixserve.scheduler.outputs import OutputProcessor
 from radixserve.scheduler.parts import SchedulerParts
 from radixserve.scheduler.policy import order_waiting, shares_uncached_prefix
@@ -151,15 +156,20 @@ class Scheduler:
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"input_ids: token ids must be in [0, {vocab})")
         sp.validate(vocab)
-        if len(ids) + sp.max_new_tokens > self.context_len:
+        if request.modules is not None:
+            self._validate_modules(request)
+        span = request.num_positions
+        if span + sp.max_new_tokens > self.context_len:
             raise ValueError(
-                f"max_new_tokens: prompt ({len(ids)} tokens) + max_new_tokens "
+                f"max_new_tokens: prompt ({span} positions) + max_new_tokens "
                 f"({sp.max_new_tokens}) exceeds the context length {self.context_len}"
             )
-        if len(ids) + sp.max_new_tokens > self.kv.pool.capacity:
+        own = len(ids) - request.module_tokens  # slots of its own
+        if own + sp.max_new_tokens > self.kv.pool.capacity - self.kv.modules.num_slots:
             raise ValueError(
-                f"prompt + max_new_tokens ({len(ids) + sp.max_new_tokens}) exceeds the KV "
-                f"pool ({self.kv.pool.capacity} tokens); raise --max-total-tokens"
+                f"prompt + max_new_tokens ({own + sp.max_new_tokens}) exceeds the KV "
+                f"pool ({self.kv.pool.capacity} tokens, {self.kv.modules.num_slots} pinned by "
+                "prompt modules); raise --max-total-tokens"
             )
         if request.logprob_start_len >= len(ids):
             raise ValueError(f"logprob_start_len must be < prompt length {len(ids)}")
@@ -173,6 +183,11 @@ class Scheduler:
                 f"input_ids: the prompt ({len(ids)} tokens) can never queue "
                 f"(--max-queued-tokens {self.max_queued_tokens})"
             )
+
+    def _validate_modules(self, request: TokenizedRequest) -> None:
+        self.kv.modules.check(request)
+        if request.logprob_start_len >= 0:
+            raise ValueError("logprob_start_len: no prompt logprobs with prompt modules")
 
     def _new_req(
         self, request: TokenizedRequest, index: int, grammar: CompiledGrammar | None
@@ -247,17 +262,21 @@ class Scheduler:
         admitted: list[Work] = []
         order = order_waiting(self.waiting, self.cache, self.config.schedule_policy)
         # look ahead: the cache starts moving their KV up its tiers and spares it in evict
-        self.cache.prefetch([r.all_ids[: r.reuse_limit()] for r in order[:PREFETCH_WINDOW]])
+        prefixed = [r for r in order if r.request.modules is None]
+        self.cache.prefetch([r.all_ids[: r.reuse_limit()] for r in prefixed[:PREFETCH_WINDOW]])
+        pinned = self.cache.locked_size + self.kv.modules.num_slots
         for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
-            if shares_uncached_prefix(req, [w.req for w in admitted], DEFER_SHARED_TOKENS):
+            if req.request.modules is None and shares_uncached_prefix(
+                req, [w.req for w in admitted], DEFER_SHARED_TOKENS
+            ):
                 continue
             if not self.kv.admit(req):
                 break
             n = min(req.seq_len - req.kv_len, self.config.chunked_prefill_size, budget)
             reserve = n + DECODE_RESERVE * req.sampling.n
-            if not self.kv.reserve(min(reserve, self.kv.pool.capacity - self.cache.locked_size)):
+            if not self.kv.reserve(min(reserve, self.kv.pool.capacity - pinned)):
                 self.kv.unadmit(req)
                 break
             self.kv.extend(req, n)
@@ -282,13 +301,14 @@ class Scheduler:
         for w in work:
             r, start, end = w.req, w.req.kv_len, w.req.kv_len + w.n
             ids.extend(r.all_ids[start:end])
-            pos.extend(range(start, end))
+            pos.extend(r.positions(start, end))
             slots = self.kv.slots(r, end)
             locs.append(slots[start:end])
             seq_lens.append(end)
             kv_idx.append(slots)
             assert r.last_node is not None, f"{r.rid} runs without a cache node"
-            paths.append(self.cache.path(r.last_node))
+            use = r.request.modules
+            paths.append(self.cache.path(r.last_node) if use is None else self.kv.modules.path(use))
             first_row.append(len(rows))
             rows.extend(range(t, t + w.n) if self._wants_all_logits(w) else [t + w.n - 1])
             t += w.n
@@ -421,14 +441,67 @@ class Scheduler:
     def check_integrity(self) -> None:
         self.kv.check_integrity(self.running)
 
+    # ---- prompt modules --------------------------------------------------------------
+    def register_schema(self, schema: CompiledSchema) -> None:
+        """Encode every module of `schema` at its positions and pin its K/V (evicting
+        unlocked cache entries for room). ValueError: the name is taken, the schema does
+        not fit the context, or the pool cannot hold it."""
+        store = self.kv.modules
+        if schema.name in store.schemas:
+            raise ValueError(f"schema {schema.name!r} is already registered; delete it first")
+        if schema.num_positions >= self.context_len:
+            raise ValueError(
+                f"schema {schema.name!r}: {schema.num_positions} positions, the context holds "
+                f"{self.context_len} (and a prompt needs one more)"
+            )
+        need = sum(len(m.token_ids) for m in schema.modules)
+        if not self.kv.reserve(need):
+            raise ValueError(
+                f"schema {schema.name!r}: {need} tokens of K/V, {self.kv.available} KV slots "
+                "free or evictable; raise --max-total-tokens or delete a schema"
+            )
+        cfg = self.config
+        slots = encode(
+            self.worker,
+            self.kv.pool,
+            schema.modules,
+            cfg.chunked_prefill_size,
+            cfg.max_prefill_tokens,
+        )
+        store.add(schema, slots)
+        logger.info("schema %s: %d modules, %d tokens pinned", schema.name, len(slots), need)
+
+    def remove_schema(self, name: str) -> None:
+        """Free schema `name`'s K/V. ValueError: unknown, or a request still imports it."""
+        store = self.kv.modules
+        if name not in store.schemas:
+            raise ValueError(f"schema: no schema {name!r} is registered")
+        queued = [r.request for r in itertools.chain(self.waiting, self.running)]
+        users = store.in_use(name, queued + self.compiling.requests)
+        if users:
+            raise ValueError(f"schema {name!r} is used by {users} queued or running samples")
+        self.kv.pool.free(store.remove(name))
+
+    def schemas(self) -> list[dict[str, object]]:
+        """Every registered schema: name, each module's tokens, positions it spans."""
+        return [
+            {
+                "name": e.compiled.name,
+                "modules": {m.name: len(m.token_ids) for m in e.compiled.modules},
+                "positions": e.compiled.num_positions,
+            }
+            for e in self.kv.modules.schemas.values()
+        ]
+
     def stats(self) -> SchedulerStats:
-        pool = self.kv.pool
+        pool, modules = self.kv.pool, self.kv.modules.num_slots
         return SchedulerStats(
             num_running=len(self.running),
             num_queued=len(self.waiting) + len(self.compiling),
             kv_used_tokens=pool.capacity - pool.num_free,
             kv_capacity_tokens=pool.capacity,
-            kv_held_tokens=pool.capacity - pool.num_free - self.cache.evictable_size,
+            kv_held_tokens=pool.capacity - pool.num_free - self.cache.evictable_size - modules,
+            kv_module_tokens=modules,
             prompt_tokens_total=self.prompt_tokens_total,
             cached_tokens_total=self.cached_tokens_total,
             generation_tokens_total=self.generation_tokens_total,

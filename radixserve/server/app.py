@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.config import EngineConfig
 from radixserve.message.messages import ServerInfoReq, ServerInfoResp
-from radixserve.server import console, openai_api, sglang_api
+from radixserve.server import console, openai_api, schemas_api, sglang_api
 from radixserve.server.manager import RequestManager
 from radixserve.server.metrics import Metrics
 from radixserve.server.protocol import ApiError
@@ -48,7 +48,6 @@ class ApiKeyMiddleware:
         err = ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
         response = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
-
 
     def _page_key_ok(self, scope: Scope) -> bool:
         if scope["path"] != "/":
@@ -85,6 +84,7 @@ def build_app(manager: RequestManager, config: EngineConfig, metrics_: Metrics) 
     app.state.started = time.time()
     app.include_router(sglang_api.router)
     app.include_router(openai_api.router)
+    app.include_router(schemas_api.router)
     app.include_router(console.api)
     if config.web_ui:
         app.include_router(console.page)

@@ -45,6 +45,7 @@ from radixserve.message.messages import (
     GenerateReq,
     Message,
     RequestError,
+    SchemaResp,
     ServerInfoResp,
     TokenizerReady,
 )
@@ -105,6 +106,7 @@ class RequestManager:
             FlushCacheResp: self._on_control,
             ServerInfoResp: self._on_control,
             CacheTreeResp: self._on_control,
+            SchemaResp: self._on_control,
         }
 
     # ---------------------------------------------------------------- start-up
@@ -262,7 +264,9 @@ class RequestManager:
         for rid in list(self.pending):
             self._on_error(RequestError(rid, status, message))
 
-    async def call(self, make: Callable[[int], ControlReq]) -> ControlResp:
+    async def call(
+        self, make: Callable[[int], ControlReq], timeout_s: float = CONTROL_TIMEOUT_S
+    ) -> ControlResp:
         """Send a control request built with a fresh seq; await its response."""
         if self.failure is not None:
             raise ApiError(503, f"the server failed: {self.failure}")
@@ -271,7 +275,7 @@ class RequestManager:
         self._control[seq] = fut
         self.send(make(seq))
         try:
-            return await asyncio.wait_for(fut, CONTROL_TIMEOUT_S)
+            return await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError as e:
             raise ApiError(503, "the scheduler did not answer in time") from e
         finally:

@@ -122,7 +122,7 @@ TOKEN_IDS = {"type": "array", "items": {**INT64, "minimum": 0}, "minItems": 1}
 GENERATE = {
     "type": "object",
     "additionalProperties": False,
-    "oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}],
+    "oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}, {"required": ["pml"]}],
     "properties": {
         **EMPTY_EXTRAS,
         "text": {
@@ -153,6 +153,19 @@ GENERATE = {
             _int(0, "", MAX_TOP_LOGPROBS), "top logprobs per token (with return_logprob)"
         ),
         "return_text_in_logprobs": _bool("logprob entries carry the token text"),
+        "pml": {
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {
+                    "type": "array",
+                    "items": {"type": "string", "minLength": 1},
+                    "minItems": 1,
+                    "maxItems": MAX_PROMPTS,
+                },
+            ],
+            "description": "a PML <prompt> importing modules of a registered schema, or a batch",
+        },
+        "module_reuse": _bool("pml: reuse the modules' K/V (false: prefill the expanded text)"),
     },
 }
 

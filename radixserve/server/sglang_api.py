@@ -43,6 +43,8 @@ GENERATE_FIELDS = frozenset(
         "logprob_start_len",
         "top_logprobs_num",
         "return_text_in_logprobs",
+        "pml",
+        "module_reuse",
     }
 )
 HEALTH_GENERATE_TIMEOUT_S = 60.0
@@ -63,19 +65,22 @@ def _manager(request: Request) -> RequestManager:
 
 
 def _prompts(body: dict[str, Any]) -> tuple[str, list[Any], bool]:
-    """('text' | 'input_ids', one entry per prompt, whether a single prompt was given)."""
-    text, ids = body.get("text"), body.get("input_ids")
+    """('text' | 'input_ids' | 'pml', one entry per prompt, whether a single prompt was
+    given)."""
+    given = [k for k in ("text", "input_ids", "pml") if body.get(k) is not None]
     prompts: list[Any]
-    if (text is None) == (ids is None):
-        raise bad("give exactly one of text or input_ids", "text")
-    if text is not None:
-        if isinstance(text, str):
-            prompts, single = [text], True
+    if len(given) != 1:
+        raise bad("give exactly one of text, input_ids or pml", "text")
+    if given[0] != "input_ids":
+        key = given[0]
+        if isinstance(body[key], str):
+            prompts, single = [body[key]], True
         else:
-            prompts, single = get(body, "text", "str_list"), False
+            prompts, single = get(body, key, "str_list"), False
         if any(t == "" for t in prompts):
-            raise bad("text must not be empty", "text")
-        return "text", prompts, single
+            raise bad(f"{key} must not be empty", key)
+        return key, prompts, single
+    ids = body["input_ids"]
     if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
         prompts, single = ids, False
     else:
@@ -135,6 +140,7 @@ def parse_generate(body: dict[str, Any]) -> NativeBatch:
         get_int({"logprob_start_len": s}, "logprob_start_len", -1, -1, None)
         get_int({"top_logprobs_num": k}, "top_logprobs_num", 0, 0, MAX_TOP_LOGPROBS)
     texts = get(body, "return_text_in_logprobs", "bool", False)
+    module_reuse = get(body, "module_reuse", "bool", True)
     stream = get(body, "stream", "bool", False)
     reqs = [
         GenerateReq(
@@ -145,6 +151,7 @@ def parse_generate(body: dict[str, Any]) -> NativeBatch:
             top_logprobs_num=top[i] if want_lp[i] else 0,
             return_text_in_logprobs=texts,
             stream=stream,
+            module_reuse=module_reuse,
             **{key: prompts[i]},
         )
         for i in range(count)

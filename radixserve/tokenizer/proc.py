@@ -35,6 +35,8 @@ from radixserve.message.messages import (
     RequestError,
     SampleBatch,
     SchedulerReady,
+    SchemaReq,
+    SchemaResp,
     ServerInfoReq,
     ServerInfoResp,
     Shutdown,
@@ -43,6 +45,8 @@ from radixserve.message.messages import (
 )
 from radixserve.models.loader import load_tokenizer
 from radixserve.procutil import PARENT_POLL_MS, ParentWatch
+from radixserve.prompt.layout import Layout
+from radixserve.prompt.registry import SchemaRegistry
 from radixserve.tokenizer.accumulate import SampleAccumulator
 from radixserve.tokenizer.chat import render_chat
 
@@ -69,6 +73,9 @@ class TokenizerWorker:
         self.to_sched = to_sched
         self.to_api = to_api
         self.reqs: dict[str, _ReqState] = {}
+        self.schemas = SchemaRegistry(tokenizer)
+        # Schema ops on their way to the scheduler: seq -> what to do here once it agrees.
+        self.schema_ops: dict[int, Layout | str] = {}
         self.dispatch = {
             GenerateReq: self.on_generate,
             AbortReq: to_sched.send,
@@ -80,6 +87,8 @@ class TokenizerWorker:
             FlushCacheResp: to_api.send,
             ServerInfoResp: self.on_info,
             CacheTreeResp: self.on_cache_tree,
+            SchemaReq: self.on_schema,
+            SchemaResp: self.on_schema_resp,
         }
 
     def handle(self, msg: AnyMessage) -> None:
@@ -108,8 +117,11 @@ class TokenizerWorker:
     def _tokenized(self, req: GenerateReq) -> TokenizedRequest:
         """The request with its token ids, and max_new_tokens filled in when the client gave
         none: what only this process knows. ValueError names the bad field."""
+        use = None
         if req.messages is not None:
             ids = render_chat(self.tok, req.messages, req.tools)
+        elif req.pml is not None:
+            ids, use = self.schemas.token_ids(req.pml, req.module_reuse)
         elif req.text is not None:
             ids = list(self.tok.encode(req.text))
         else:
@@ -117,18 +129,55 @@ class TokenizerWorker:
         if not ids:
             raise ValueError("text: the prompt is empty")
         sampling = req.sampling
+        request = TokenizedRequest(
+            req.rid,
+            ids,
+            sampling,
+            req.return_logprob,
+            req.logprob_start_len,
+            req.top_logprobs_num,
+            use,
+        )
         if req.max_new_tokens_auto:
-            room = min(self.info.context_len, self.info.kv_capacity_tokens) - len(ids)
+            span = request.num_positions
+            own = len(ids) - request.module_tokens
+            room = min(self.info.context_len - span, self.info.kv_capacity_tokens - own)
             if room < 1:
                 raise ValueError(
-                    f"messages: the prompt ({len(ids)} tokens) leaves no room for output "
+                    f"messages: the prompt ({span} positions) leaves no room for output "
                     f"(context {self.info.context_len}, KV pool "
                     f"{self.info.kv_capacity_tokens} tokens)"
                 )
-            sampling = dataclasses.replace(sampling, max_new_tokens=room)  # checks min_new_tokens
-        return TokenizedRequest(
-            req.rid, ids, sampling, req.return_logprob, req.logprob_start_len, req.top_logprobs_num
-        )
+            # replace checks min_new_tokens
+            request.sampling = dataclasses.replace(sampling, max_new_tokens=room)
+        return request
+
+    def on_schema(self, req: SchemaReq) -> None:
+        """Lay a schema out here (400 at once if it is malformed), then let the scheduler
+        encode it; this registry follows the scheduler's answer (`on_schema_resp`)."""
+        if req.op == "register":
+            try:
+                layout = self.schemas.compile(req.pml)
+            except ValueError as e:
+                self.to_api.send(SchemaResp(req.seq, 400, str(e)))
+                return
+            except Exception as e:  # a bug on this schema's path: it alone fails
+                logger.exception("schema: layout failed")
+                self.to_api.send(SchemaResp(req.seq, 500, f"schema layout failed: {e!r}"))
+                return
+            req.compiled = layout.compiled
+            self.schema_ops[req.seq] = layout
+        elif req.op == "delete":
+            self.schema_ops[req.seq] = req.name
+        self.to_sched.send(req)
+
+    def on_schema_resp(self, resp: SchemaResp) -> None:
+        op = self.schema_ops.pop(resp.seq, None)
+        if resp.status == 200 and isinstance(op, Layout):
+            self.schemas.add(op)
+        elif resp.status == 200 and isinstance(op, str):
+            self.schemas.remove(op)
+        self.to_api.send(resp)
 
     def on_info(self, resp: ServerInfoResp) -> None:
         resp.tokenizer_requests = len(self.reqs)

@@ -1,4 +1,4 @@
-"""Role markup (`user(...)`, `with s.assistant():`) derived from the model's chat template.
+"""Role markup (the DSL's `user(...)`, PML's `<user>`) derived from the model's chat template.
 
 A program appends text incrementally, while an HF chat template renders a whole message
 list. We recover each role's prefix and suffix by rendering probe conversations and

@@ -1,0 +1,248 @@
+"""Prompt modules (Prompt Cache) vs full prefill vs the radix cache, and what reuse costs in
+quality. In-process Engine (the embedded SmolLM2-135M unless --model), one request at a time
+for the timings.
+
+(a) TTFT on long prompts: `--docs` documents (GSM8K train problems concatenated to
+    `--doc-tokens` tokens each) are the modules of one schema; each of `--prompts` prompts
+    imports a random subset of `--min-docs`..`--max-docs` of them in a random order, plus a
+    question. Per prompt, time to the first token (max_new_tokens=1) with
+      - module reuse: the modules' K/V is registered once; only the question is computed;
+      - full prefill: the expanded prompt (module_reuse=False) on an empty radix cache;
+      - radix cache: the expanded prompt with every earlier prompt left in the radix cache
+        (it only helps when a prompt starts with the same documents in the same order).
+(b) Quality: GSM8K few-shot where each of `--shots` train examples is a module and each of
+    `--questions` test questions imports a different random subset of `--shots-per-question`;
+    greedy answers with and without module reuse, in one run: accuracy of each, agreement
+    (same text, same extracted answer), and the KL divergence of the first token's
+    distribution, full prefill || reuse, over the full prefill's top-20 tokens (a token
+    missing from reuse's top 20 gets reuse's 20th logprob: an under-estimate).
+
+    python benchmarks/bench_prompt_modules.py --data-path /path/to/gsm8k --json out.json \\
+        --plot docs/img/prompt_modules.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script
+import torch  # noqa: E402
+
+from benchmarks import eval_data  # noqa: E402
+from benchmarks.eval_gsm8k import STOP, extract_answer  # noqa: E402
+from radixserve import Engine  # noqa: E402
+from radixserve.prompt import pml  # noqa: E402
+
+FIRST_TOKEN = {"temperature": 0, "max_new_tokens": 1}
+
+
+def documents(engine: Engine, rows: list[dict[str, Any]], n: int, tokens: int) -> list[str]:
+    """n texts of about `tokens` tokens, each made of whole GSM8K problems."""
+    docs, i = [], 0
+    for _ in range(n):
+        parts: list[str] = []
+        while len(engine.tokenizer.encode("\n\n".join(parts))) < tokens:
+            parts.append(f"Question: {rows[i]['question']}\nAnswer: {rows[i]['answer']}")
+            i += 1
+        docs.append("\n\n".join(parts) + "\n\n")
+    return docs
+
+
+def ttft(engine: Engine, **kw: Any) -> tuple[float, dict[str, Any]]:
+    start = time.perf_counter()
+    out = engine.generate(sampling_params=FIRST_TOKEN, **kw)
+    assert isinstance(out, dict)
+    return time.perf_counter() - start, out["meta_info"]
+
+
+def bench_ttft(
+    engine: Engine, plain: Engine, args: argparse.Namespace, rows: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """(a): `engine` keeps its radix cache across prompts; `plain` has none (full prefill)."""
+    docs = documents(engine, rows, args.docs, args.doc_tokens)
+    schema = pml.schema("docs", *(pml.module(f"doc{i}", d) for i, d in enumerate(docs)))
+    start = time.perf_counter()
+    engine.register_schema(schema)
+    register_s = time.perf_counter() - start
+    rng = random.Random(args.seed)
+    out = []
+    for p in range(args.prompts):
+        picked = rng.sample(range(args.docs), rng.randint(args.min_docs, args.max_docs))
+        text = f"Question: {rows[-1 - p]['question']}\nAnswer:"
+        prompt = pml.prompt("docs", *(pml.use(f"doc{i}") for i in picked), text)
+        expanded = engine.schemas.prompt(prompt).expanded
+        full_s, full = ttft(plain, input_ids=expanded)
+        radix_s, radix = ttft(engine, pml=prompt, module_reuse=False)  # earlier prompts cached
+        reuse_s, reuse = ttft(engine, pml=prompt)
+        row = {
+            "docs": picked,
+            "prompt_tokens": full["prompt_tokens"],
+            "full_s": full_s,
+            "radix_s": radix_s,
+            "radix_cached_tokens": radix["cached_tokens"],
+            "reuse_s": reuse_s,
+            "reuse_computed_tokens": reuse["prompt_tokens"] - reuse["cached_tokens"],
+        }
+        out.append(row)
+        print(
+            f"prompt {p}: {row['prompt_tokens']} tokens, docs {picked}: full {full_s:.2f} s, "
+            f"radix {radix_s:.2f} s ({radix['cached_tokens']} cached), reuse "
+            f"{reuse_s * 1e3:.0f} ms ({row['reuse_computed_tokens']} computed)",
+            flush=True,
+        )
+    engine.remove_schema("docs")
+    summary = {k: statistics.median(r[k] for r in out) for k in ("full_s", "radix_s", "reuse_s")}
+    summary["speedup_vs_full"] = summary["full_s"] / summary["reuse_s"]
+    summary["speedup_vs_radix"] = summary["radix_s"] / summary["reuse_s"]
+    return {"register_s": register_s, "median": summary, "rows": out}
+
+
+def first_token_kl(full: dict[str, Any], reuse: dict[str, Any]) -> float:
+    """KL(full || reuse) of the first output token over the full prefill's top-20 tokens."""
+    p = {tok: lp for lp, tok, _ in full["meta_info"]["output_top_logprobs"][0]}
+    q = {tok: lp for lp, tok, _ in reuse["meta_info"]["output_top_logprobs"][0]}
+    floor = min(q.values())
+    return sum(math.exp(lp) * (lp - q.get(tok, floor)) for tok, lp in p.items())
+
+
+def bench_quality(engine: Engine, args: argparse.Namespace, data: str | None) -> dict[str, Any]:
+    """(b): every question imports its own subset of the shots; greedy, both ways at once."""
+    train = eval_data.gsm8k(data, "train", args.shots)
+    test = eval_data.gsm8k(data, "test", args.questions)
+    shots = [
+        pml.module(f"shot{i}", f"Question: {r['question']}\nAnswer: {r['answer']}\n\n")
+        for i, r in enumerate(train)
+    ]
+    engine.register_schema(pml.schema("gsm8k", *shots))
+    rng = random.Random(args.seed)
+    prompts = [
+        pml.prompt(
+            "gsm8k",
+            *(pml.use(f"shot{i}") for i in rng.sample(range(args.shots), args.shots_per_question)),
+            f"Question: {row['question']}\nAnswer:",
+        )
+        for row in test
+    ]
+    params = {"temperature": 0, "max_new_tokens": args.max_tokens, "stop": STOP}
+    runs = {}
+    for reuse in (True, False):
+        start = time.perf_counter()
+        out = engine.generate(
+            pml=prompts,
+            sampling_params=params,
+            module_reuse=reuse,
+            return_logprob=True,
+            top_logprobs_num=20,
+        )
+        assert isinstance(out, list)
+        runs[reuse] = (out, time.perf_counter() - start)
+        engine.flush_cache()
+    engine.remove_schema("gsm8k")
+    gold = [extract_answer(r["answer"]) for r in test]
+    answers = {k: [extract_answer(o["text"]) for o in v[0]] for k, v in runs.items()}
+    n = len(test)
+    pairs = list(zip(runs[True][0], runs[False][0]))
+    kls = [first_token_kl(full, reuse) for reuse, full in pairs]
+    return {
+        "questions": n,
+        "accuracy_reuse": sum(a == g for a, g in zip(answers[True], gold)) / n,
+        "accuracy_full": sum(a == g for a, g in zip(answers[False], gold)) / n,
+        "same_text": sum(a["text"] == b["text"] for a, b in pairs) / n,
+        "same_answer": sum(a == b for a, b in zip(answers[True], answers[False])) / n,
+        "same_first_token": sum(a["output_ids"][:1] == b["output_ids"][:1] for a, b in pairs) / n,
+        "kl_first_token_top20_mean": statistics.mean(kls),
+        "kl_first_token_top20_median": statistics.median(kls),
+        "wall_s_reuse": runs[True][1],
+        "wall_s_full": runs[False][1],
+        "prompt_tokens_mean": statistics.mean(
+            o["meta_info"]["prompt_tokens"] for o in runs[False][0]
+        ),
+    }
+
+
+def plot(result: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(result["ttft"]["rows"], key=lambda r: r["prompt_tokens"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = [r["prompt_tokens"] for r in rows]
+    for key, label, marker in (
+        ("full_s", "full prefill", "s"),
+        ("radix_s", "radix cache", "^"),
+        ("reuse_s", "prompt modules", "o"),
+    ):
+        ax.plot(x, [r[key] for r in rows], marker=marker, linestyle="", label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens (modules + question)")
+    ax.set_ylabel("time to first token (s, log)")
+    ax.set_title(f"TTFT, SmolLM2-135M, {result['machine']}", fontsize=9)
+    ax.legend()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data-path", default=None, help="GSM8K folder (train/test.jsonl)")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--docs", type=int, default=8)
+    ap.add_argument("--doc-tokens", type=int, default=800)
+    ap.add_argument("--min-docs", type=int, default=5)
+    ap.add_argument("--max-docs", type=int, default=7)
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--shots", type=int, default=32)
+    ap.add_argument("--shots-per-question", type=int, default=8)
+    ap.add_argument("--questions", type=int, default=50)
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--machine", default="this machine", help="label for the plot title")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = Engine(args.model, dtype=args.dtype, max_total_tokens=65536)
+    plain = Engine(args.model, dtype=args.dtype, max_total_tokens=16384, disable_radix_cache=True)
+    for e in (engine, plain):  # first calls pay one-time costs (kernel builds, allocations)
+        e.generate(" ".join(["warm up"] * 300), FIRST_TOKEN)
+    rows = eval_data.gsm8k(args.data_path, "train")
+    result: dict[str, Any] = {
+        "model": args.model or "SmolLM2-135M-Instruct (embedded)",
+        "machine": args.machine,
+        "dtype": str(engine.worker.dtype),
+        "threads": torch.get_num_threads(),
+        "args": vars(args),
+        "ttft": bench_ttft(engine, plain, args, rows),
+    }
+    print(json.dumps(result["ttft"]["median"], indent=1), flush=True)
+    if not args.skip_quality:
+        result["quality"] = bench_quality(engine, args, args.data_path)
+        print(json.dumps(result["quality"], indent=1), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot(result, Path(args.plot))
+    return result
+
+
+if __name__ == "__main__":
+    main()
