@@ -226,8 +226,7 @@ def configs(
     }
     if redis_url is not None:
         out["+Redis x2"] = [
-            {"hicache_size": host_part, "hicache_dir": d, "hicache_remote": redis_url}
-            for d in disk
+            {"hicache_size": host_part, "hicache_dir": d, "hicache_remote": redis_url} for d in disk
         ]
     for cfgs in out.values():
         for c in cfgs:

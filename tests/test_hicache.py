@@ -251,6 +251,69 @@ def test_prefetch_pulls_a_waiting_prefix_up_from_disk(tmp_path: Path) -> None:
     cache.close()
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_host_chunks_expire_ttl_after_their_last_use() -> None:
+    pool = make_pool()
+    layout = pool_layout(pool)
+    clock = Clock()
+    host = HostStore(64 * layout.chunk_bytes, layout, None, ttl_s=10, clock=clock)
+    cache = HiCache(pool, [host], None, "test")
+    a, b = TOKENS[:32], list(range(7000, 7032))
+    cache.insert(a, computed(pool, a)[0])
+    cache.insert(b, computed(pool, b, seed=1)[0])
+    cache.evict(64)  # both conversations in the host tier, at t = 1000
+    clock.now = 1008
+    assert cache.match_prefix(a + [1]).tier_tokens == {"host": 32}  # a's turn: used again
+    cache.evict(32)  # a back in the host tier, used at 1008
+    clock.now = 1012  # b unused for 12 s > ttl: gone; a for 4 s: kept
+    assert cache.match_prefix(b + [1]).tier_tokens == {}
+    assert host.stored_bytes == 2 * layout.chunk_bytes
+    clock.now = 1018.5
+    assert cache.match_prefix(a + [1]).tier_tokens == {}
+    assert host.stored_bytes == 0
+    cache.flush()
+    assert pool.num_free == pool.capacity
+    cache.check_integrity()
+
+
+def test_disk_chunks_expire_ttl_after_their_last_use(tmp_path: Path) -> None:
+    _, old, ref = spilled_to_disk(tmp_path)  # 3 chunk files
+    old.close()
+    clock = Clock()
+    clock.now = max(p.stat().st_mtime for p in tmp_path.glob("*.kv"))
+    pool = make_pool()
+    disk = DiskStore(str(tmp_path), 1 << 30, pool_layout(pool), ttl_s=60, clock=clock)
+    cache = host_cache(pool, chunks=1, disk=disk)
+    clock.now += 30
+    assert disk.get(chunk_keys("test", TOKENS)[0], TOKENS[:C]) is not None  # chunk 0 used
+    clock.now += 45  # chunks 1, 2: unused for 75 s > 60 s
+    m = cache.match_prefix(TOKENS + [1])
+    assert m.tier_tokens == {"disk": 16}
+    assert torch.equal(rows_at(pool, m.indices), ref[:, :, :16])
+    assert sorted(tmp_path.glob("*.kv")) == [chunk_file(tmp_path, 0)]  # the files are deleted
+    cache.flush()
+    cache.close()
+
+
+def test_ttl_is_configured_for_host_and_disk(tmp_path: Path) -> None:
+    cfg = EngineConfig(hicache_size=0.001, hicache_dir=str(tmp_path), hicache_ttl=600)
+    cache = make_prefix_cache(cfg, make_pool(), "m")
+    assert isinstance(cache, HiCache)
+    assert [getattr(t, "ttl_s", None) for t in cache.local] == [600, 600]
+    cache.close()
+    with pytest.raises(ValueError, match="hicache_ttl must be > 0"):
+        EngineConfig(hicache_size=1, hicache_ttl=0)
+    with pytest.raises(ValueError, match="hicache_prefetch_window must be >= 0"):
+        EngineConfig(hicache_prefetch_window=-1)
+
+
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Iterator[Path]:
     """A 256 KiB tmpfs: a real full disk (ENOSPC) for the disk tier."""

@@ -246,7 +246,8 @@ class Scheduler:
         admitted: list[Work] = []
         order = order_waiting(self.waiting, self.cache, self.config.schedule_policy)
         # look ahead: the cache starts moving their KV up its tiers and spares it in evict
-        self.cache.prefetch([r.all_ids[: r.reuse_limit()] for r in order[: self.config.hicache_prefetch_window]])
+        ahead = order[: self.config.hicache_prefetch_window]
+        self.cache.prefetch([r.all_ids[: r.reuse_limit()] for r in ahead])
         for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
