@@ -76,6 +76,7 @@ class EngineConfig:
     hicache_remote_ttl: int | None = None  # seconds a chunk stays in Redis (None: forever)
     hicache_ttl: float | None = None  # seconds a chunk stays in the host/disk tiers (None: forever)
     hicache_prefetch_window: int = 8  # waiting samples whose KV is pulled up early (0: off)
+    hicache_layerwise: bool = True  # load a hit layer by layer during the step (False: before)
     attention_backend: str = "tree"
     attention_kernels: str = "auto"  # the ops under the backend; process-wide (see worker)
     grammar_backend: str = "llguidance"  # constrained decoding (radixserve.constrained)

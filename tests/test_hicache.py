@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ def computed(pool: KVPool, tokens: list[int], seed: int = 0) -> tuple[torch.Tens
 
 
 def rows_at(pool: KVPool, slots: torch.Tensor) -> torch.Tensor:
+    pool.wait_loads()  # promoted rows are written layer by layer by the loader thread
     return torch.stack([torch.stack([k[slots], v[slots]]) for k, v in zip(pool.k, pool.v)])
 
 
@@ -77,6 +79,47 @@ def test_evicted_prefix_comes_back_from_host_bit_for_bit() -> None:
     assert again.tier_tokens == {"device": 32} and torch.equal(again.indices, m.indices)
     cache.flush()
     assert pool.num_free == pool.capacity and cache.local[0].stored_bytes == 0
+    cache.check_integrity()
+
+
+def test_layerwise_load_has_written_a_layer_once_its_write_returns() -> None:
+    """What an attention backend relies on: `pool.write(layer, ...)` (its first touch of a
+    layer in a step) returns only once the promoted rows of that layer are there."""
+    pool = make_pool(capacity=256, layers=6, heads=2, dim=8)
+    cache = host_cache(pool)
+    tokens = list(range(30000, 30000 + 8 * C))
+    slots, ref = computed(pool, tokens)
+    cache.insert(tokens, slots)
+    cache.evict(len(tokens))
+    spare = pool.alloc(1)
+    assert spare is not None
+    new = torch.zeros(1, 2, 8)
+    with pool._loaded:  # the loader stops after its first layer, at its notify
+        m = cache.match_prefix(tokens + [1])
+        assert m.tier_tokens == {"host": len(tokens)}
+        step = threading.Thread(target=pool.write, args=(4, spare, new, new))
+        step.start()
+        step.join(timeout=0.3)
+        assert step.is_alive()  # layer 4 is not loaded yet: the step waits
+    step.join(timeout=10)
+    assert not step.is_alive()
+    assert torch.equal(pool.k[4][m.indices], ref[4, 0])
+    assert torch.equal(pool.v[4][m.indices], ref[4, 1])
+    pool.free(spare)
+    cache.check_integrity()
+
+
+def test_reference_path_loads_every_layer_before_match_returns() -> None:
+    pool = make_pool()
+    layout = pool_layout(pool)
+    cache = HiCache(pool, [HostStore(64 * layout.chunk_bytes, layout, None)], None, "test", False)
+    slots, ref = computed(pool, TOKENS)
+    cache.insert(TOKENS, slots)
+    cache.evict(64)
+    m = cache.match_prefix(TOKENS + [1])
+    assert pool._load_queue is None  # no loader thread: written here
+    got = torch.stack([torch.stack([k[m.indices], v[m.indices]]) for k, v in zip(pool.k, pool.v)])
+    assert torch.equal(got, ref)
     cache.check_integrity()
 
 

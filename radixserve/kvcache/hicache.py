@@ -62,7 +62,9 @@ class HiCache:
     `match_prefix` may allocate pool slots for what it loads from a lower tier, evicting
     unlocked leaves to make room (never the matched path). Its result's slots belong to the
     cache, like any match. `local` are the tiers searched in order (host, then disk);
-    `remote` is the shared one, written through on `insert`.
+    `remote` is the shared one, written through on `insert`. `layerwise`: a hit's rows are
+    written into the pool layer by layer by the pool's loader thread while the step runs
+    (KVPool.load), else all of them before `match_prefix` returns (the reference path).
     """
 
     def __init__(
@@ -71,8 +73,10 @@ class HiCache:
         local: list[TierStore],
         remote: RemoteStore | None,
         namespace: str,
+        layerwise: bool = True,
     ) -> None:
         self.pool = pool
+        self.layerwise = layerwise  # load hits layer by layer while the step computes
         self.tree = RadixCache(pool, on_evict=self._demote)
         self.local = local
         self.remote = remote
@@ -151,11 +155,13 @@ class HiCache:
         if slots is None:
             return m
         n_chunks = (p - k0 * C + len(slots) + C - 1) // C
-        data = torch.cat([chunk for _, chunk in found[:n_chunks]], dim=2)  # (L, 2, T, H, D)
-        data = data[:, :, p - k0 * C : p - k0 * C + len(slots)]
-        for layer in range(self.layout.num_layers):
-            self.pool.write(layer, slots, data[layer, 0], data[layer, 1])
         q = p + len(slots)
+        # chunk k0 + k covers [(k0 + k) * C, (k0 + k + 1) * C); the slots take [p, q)
+        parts = [
+            chunk[:, :, max(p - (k0 + k) * C, 0) : q - (k0 + k) * C]
+            for k, (_, chunk) in enumerate(found[:n_chunks])
+        ]
+        self.pool.load(slots, parts, background=self.layerwise)
         result = self.tree.insert(tokens[:q], torch.cat([m.indices, slots]))
         tiers = dict(m.tier_tokens)
         for k, (name, _) in enumerate(found[:n_chunks]):
@@ -308,6 +314,7 @@ class HiCache:
         """The pool's rows at `slots`, copied into one new buffer with one index_select per
         layer and K/V: (layers, 2, len(slots), kv_heads, head_dim)."""
         lay, pool = self.layout, self.pool
+        pool.wait_loads()  # rows still being loaded are not there yet
         out = torch.empty(
             (lay.num_layers, 2, len(slots), lay.kv_heads, lay.head_dim), dtype=lay.dtype
         )

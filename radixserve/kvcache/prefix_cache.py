@@ -230,4 +230,4 @@ def make_prefix_cache(config: EngineConfig, pool: KVPool, model_name: str = "") 
     if config.hicache_remote is not None:
         remote = RemoteStore(config.hicache_remote, layout, config.hicache_remote_ttl)
     namespace = f"{model_name}|{config.quantization}|{layout}"
-    return HiCache(pool, local, remote, namespace)
+    return HiCache(pool, local, remote, namespace, config.hicache_layerwise)
