@@ -128,6 +128,7 @@ class Result:
         del out["ttft_s"], out["outputs"]
         out["hit_rate"] = {k: v / max(self.prompt_tokens, 1) for k, v in self.tier_tokens.items()}
         out["mean_ttft_s"] = sum(t) / len(t)
+        out["p50_ttft_s"] = t[len(t) // 2]
         out["p99_ttft_s"] = t[min(len(t) - 1, int(0.99 * len(t)))]
         out["prompt_tok_s"] = self.prompt_tokens / self.wall_s
         return out
