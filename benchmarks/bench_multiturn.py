@@ -217,17 +217,21 @@ def configs(
     working set's K/V bytes."""
     host_all = 2 * host_bytes / GB  # +L2: the host tier holds everything
     host_part = host_bytes / 4 / GB  # +L2+L3: a quarter in memory, the rest on disk
-    disk = [str(workdir / "l3-a"), str(workdir / "l3-b")]
+
+    def disk(name: str) -> str:  # a fresh directory per engine: no files of an earlier run
+        return str(workdir / name)
+
     off = {"hicache_prefetch_window": 0}
     out: dict[str, list[dict[str, Any]]] = {
         "radix": [{}],
         "+L2": [{"hicache_size": host_all, **off}],
-        "+L2+L3": [{"hicache_size": host_part, "hicache_dir": disk[0], **off}],
-        "+prefetch": [{"hicache_size": host_part, "hicache_dir": disk[0]}],
+        "+L2+L3": [{"hicache_size": host_part, "hicache_dir": disk("l2l3"), **off}],
+        "+prefetch": [{"hicache_size": host_part, "hicache_dir": disk("prefetch")}],
     }
     if redis_url is not None:
         out["+Redis x2"] = [
-            {"hicache_size": host_part, "hicache_dir": d, "hicache_remote": redis_url} for d in disk
+            {"hicache_size": host_part, "hicache_dir": disk(d), "hicache_remote": redis_url}
+            for d in ("redis-a", "redis-b")
         ]
     for cfgs in out.values():
         for c in cfgs:
@@ -303,6 +307,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for name, cfgs in named.items():
                     if args.only and name not in args.only:
                         continue
+                    if redis is not None:  # empty: nothing left by an earlier configuration
+                        import redis as redis_client
+
+                        redis_client.Redis.from_url(redis[1]).flushall()
                     res = Result(name, fraction, pool)
                     run(cfgs, args, convs, res)
                     res.output_mismatches = sum(a != b for a, b in zip(res.outputs, ref.outputs))
