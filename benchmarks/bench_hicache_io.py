@@ -78,6 +78,7 @@ def load_ttft(tokens: int, repeat: int) -> dict[str, Any]:
             engine.generate(input_ids=filler, sampling_params=one)  # `prompt` -> host tier
             asked = prompt + torch.randint(1000, 40000, (16,), generator=g).tolist()
             out = engine.generate(input_ids=asked, sampling_params=one)
+            assert isinstance(out, dict)
             meta = out["meta_info"]
             if r > 0:
                 assert meta["cached_tokens_details"].get("host", 0) >= tokens - 16, meta

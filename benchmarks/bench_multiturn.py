@@ -89,7 +89,7 @@ def read_conversations(path: Path) -> list[dict[str, Any]]:
     text = path.read_text(encoding="utf-8")
     decoder = json.JSONDecoder()
     at = text.index("[") + 1
-    out = []
+    out: list[dict[str, Any]] = []
     while True:
         while at < len(text) and text[at] in " \n\r\t,":
             at += 1
