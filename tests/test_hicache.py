@@ -294,6 +294,21 @@ def test_prefetch_pulls_a_waiting_prefix_up_from_disk(tmp_path: Path) -> None:
     cache.close()
 
 
+def test_admission_waits_for_the_prefetch_reader_instead_of_reading_twice(
+    tmp_path: Path,
+) -> None:
+    _, old, ref = spilled_to_disk(tmp_path)
+    old.close()
+    pool, cache = restarted(tmp_path)
+    cache.prefetch([TOKENS + [1]])
+    m = cache.match_prefix(TOKENS + [1])  # at once: the reader may still be reading
+    assert m.tier_tokens == {"host": 48}
+    assert cache.tier_stats()["disk"].loads == 0  # read once, by the reader
+    assert torch.equal(rows_at(pool, m.indices), ref[:, :, :48])
+    cache.check_integrity()
+    cache.close()
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 1000.0

@@ -25,7 +25,8 @@ Redis are the writer threads'.
 Prefetch (scheduler-aware): for requests still waiting, `prefetch` hands the chunks beyond
 the pool's match that the host tier lacks to a reader thread, which reads them from the disk
 tier, and the rest of the run with one Redis MGET; the scheduler thread moves what was read
-into the host tier at its next call, so the request's admission finds them in memory. The
+into the host tier at its next call, so the request's admission finds them in memory (a
+match that needs a chunk still being read waits for the reader instead of reading it too). The
 reader touches only the disk and Redis tiers (thread-safe) and queues; the tree and the host
 tier stay the scheduler thread's.
 
@@ -50,6 +51,7 @@ from radixserve.kvcache.remote_store import RemoteStore
 from radixserve.kvcache.tier_store import CHUNK_TOKENS, ChunkLayout, TierStore, chunk_keys
 
 C = CHUNK_TOKENS
+READ_WAIT_S = 5.0  # a match waits at most this long for a chunk the prefetch reader is reading
 
 
 def pool_layout(pool: KVPool) -> ChunkLayout:
@@ -190,6 +192,7 @@ class HiCache:
         return found
 
     def _fetch_local(self, key: str, tokens: list[int]) -> tuple[str, torch.Tensor] | None:
+        self._await_read(key)
         for tier in self.local:
             start = time.perf_counter()
             chunk = tier.get(key, tokens)
@@ -279,15 +282,27 @@ class HiCache:
         """Move chunks the reader has read into the host tier (scheduler thread)."""
         while True:
             try:
-                key, tokens, hit = self._read.get_nowait()
+                item = self._read.get_nowait()
             except queue.Empty:
                 return
-            self._wanted.discard(key)
-            if hit is not None and not self.local[0].contains(key):
-                if hit[0] == "remote":
-                    self._remote_sent.add(key)  # Redis has it: never written back
-                self.local[0].put(key, tokens, hit[1])
-                self.prefetched += 1
+            self._land(*item)
+
+    def _await_read(self, key: str) -> None:
+        """A chunk the reader is reading: wait for it (landing what comes before it) rather
+        than read it a second time; after READ_WAIT_S without news, read it here."""
+        while key in self._wanted:
+            try:
+                self._land(*self._read.get(timeout=READ_WAIT_S))
+            except queue.Empty:
+                self._wanted.discard(key)
+
+    def _land(self, key: str, tokens: list[int], hit: tuple[str, torch.Tensor] | None) -> None:
+        self._wanted.discard(key)
+        if hit is not None and not self.local[0].contains(key):
+            if hit[0] == "remote":
+                self._remote_sent.add(key)  # Redis has it: never written back
+            self.local[0].put(key, tokens, hit[1])
+            self.prefetched += 1
 
     # -- demotion and write-through ------------------------------------------------------
 
