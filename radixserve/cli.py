@@ -56,6 +56,12 @@ HELP = {
     "hicache_remote": "redis://host:port shared by servers of the same model: K/V is written "
     "through and read back from it",
     "hicache_remote_ttl": "seconds a chunk stays in the remote tier (default: until evicted)",
+    "hicache_ttl": "seconds a conversation's K/V stays in the host and disk tiers after it was "
+    "last used (default: until evicted)",
+    "hicache_layerwise": "load a lower-tier hit into the pool layer by layer on a loader "
+    "thread while the step computes (off: all layers before the step starts)",
+    "hicache_prefetch_window": "waiting samples (next to be admitted) whose K/V is pulled up "
+    "the tiers before admission and spared by eviction (0: off)",
     "attention_backend": "tree (shared-prefix Hydragen attention) or flat (per request)",
     "grammar_backend": "constrained decoding (regex, json_schema, ebnf): llguidance (default), "
     "xgrammar (the radixserve[xgrammar] extra) or outlines (regex and json_schema only)",

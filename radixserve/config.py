@@ -74,6 +74,9 @@ class EngineConfig:
     hicache_disk_size: float = 16.0  # GB of chunk files kept in hicache_dir
     hicache_remote: str | None = None
     hicache_remote_ttl: int | None = None  # seconds a chunk stays in Redis (None: forever)
+    hicache_ttl: float | None = None  # seconds a chunk stays in the host/disk tiers (None: forever)
+    hicache_prefetch_window: int = 8  # waiting samples whose KV is pulled up early (0: off)
+    hicache_layerwise: bool = True  # load a hit layer by layer during the step (False: before)
     attention_backend: str = "tree"
     attention_kernels: str = "auto"  # the ops under the backend; process-wide (see worker)
     grammar_backend: str = "llguidance"  # constrained decoding (radixserve.constrained)
@@ -159,6 +162,14 @@ class EngineConfig:
         check(
             self.hicache_remote_ttl is None or self.hicache_remote_ttl >= 1,
             "hicache_remote_ttl must be >= 1 second",
+        )
+        check(
+            self.hicache_ttl is None or self.hicache_ttl > 0,
+            f"hicache_ttl must be > 0 seconds, got {self.hicache_ttl}",
+        )
+        check(
+            self.hicache_prefetch_window >= 0,
+            f"hicache_prefetch_window must be >= 0, got {self.hicache_prefetch_window}",
         )
         for name in ("max_queued_tokens", "max_connections"):
             value = getattr(self, name)

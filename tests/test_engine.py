@@ -228,8 +228,11 @@ def test_max_new_tokens_zero_caches_prompt(engine: Engine) -> None:
     out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0})
     assert out["output_ids"] == [] and out["text"] == ""
     assert out["meta_info"]["finish_reason"]["type"] == "length"
+    assert out["meta_info"]["first_token_latency"] is None  # no token: no time to it
     hit = engine.generate(input_ids=ids, sampling_params=GREEDY)
     assert hit["meta_info"]["cached_tokens"] == len(ids) - 1
+    meta = hit["meta_info"]
+    assert 0 < meta["first_token_latency"] < meta["e2e_latency"], meta
     assert_all_free(engine)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ def computed(pool: KVPool, tokens: list[int], seed: int = 0) -> tuple[torch.Tens
 
 
 def rows_at(pool: KVPool, slots: torch.Tensor) -> torch.Tensor:
+    pool.wait_loads()  # promoted rows are written layer by layer by the loader thread
     return torch.stack([torch.stack([k[slots], v[slots]]) for k, v in zip(pool.k, pool.v)])
 
 
@@ -77,6 +79,47 @@ def test_evicted_prefix_comes_back_from_host_bit_for_bit() -> None:
     assert again.tier_tokens == {"device": 32} and torch.equal(again.indices, m.indices)
     cache.flush()
     assert pool.num_free == pool.capacity and cache.local[0].stored_bytes == 0
+    cache.check_integrity()
+
+
+def test_layerwise_load_has_written_a_layer_once_its_write_returns() -> None:
+    """What an attention backend relies on: `pool.write(layer, ...)` (its first touch of a
+    layer in a step) returns only once the promoted rows of that layer are there."""
+    pool = make_pool(capacity=256, layers=6, heads=2, dim=8)
+    cache = host_cache(pool)
+    tokens = list(range(30000, 30000 + 8 * C))
+    slots, ref = computed(pool, tokens)
+    cache.insert(tokens, slots)
+    cache.evict(len(tokens))
+    spare = pool.alloc(1)
+    assert spare is not None
+    new = torch.zeros(1, 2, 8)
+    with pool._loaded:  # the loader stops after its first layer, at its notify
+        m = cache.match_prefix(tokens + [1])
+        assert m.tier_tokens == {"host": len(tokens)}
+        step = threading.Thread(target=pool.write, args=(4, spare, new, new))
+        step.start()
+        step.join(timeout=0.3)
+        assert step.is_alive()  # layer 4 is not loaded yet: the step waits
+    step.join(timeout=10)
+    assert not step.is_alive()
+    assert torch.equal(pool.k[4][m.indices], ref[4, 0])
+    assert torch.equal(pool.v[4][m.indices], ref[4, 1])
+    pool.free(spare)
+    cache.check_integrity()
+
+
+def test_reference_path_loads_every_layer_before_match_returns() -> None:
+    pool = make_pool()
+    layout = pool_layout(pool)
+    cache = HiCache(pool, [HostStore(64 * layout.chunk_bytes, layout, None)], None, "test", False)
+    slots, ref = computed(pool, TOKENS)
+    cache.insert(TOKENS, slots)
+    cache.evict(64)
+    m = cache.match_prefix(TOKENS + [1])
+    assert pool._load_queue is None  # no loader thread: written here
+    got = torch.stack([torch.stack([k[m.indices], v[m.indices]]) for k, v in zip(pool.k, pool.v)])
+    assert torch.equal(got, ref)
     cache.check_integrity()
 
 
@@ -249,6 +292,84 @@ def test_prefetch_pulls_a_waiting_prefix_up_from_disk(tmp_path: Path) -> None:
     assert not cache._wanted
     cache.check_integrity()
     cache.close()
+
+
+def test_admission_waits_for_the_prefetch_reader_instead_of_reading_twice(
+    tmp_path: Path,
+) -> None:
+    _, old, ref = spilled_to_disk(tmp_path)
+    old.close()
+    pool, cache = restarted(tmp_path)
+    cache.prefetch([TOKENS + [1]])
+    m = cache.match_prefix(TOKENS + [1])  # at once: the reader may still be reading
+    assert m.tier_tokens == {"host": 48}
+    assert cache.tier_stats()["disk"].loads == 0  # read once, by the reader
+    assert torch.equal(rows_at(pool, m.indices), ref[:, :, :48])
+    cache.check_integrity()
+    cache.close()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_host_chunks_expire_ttl_after_their_last_use() -> None:
+    pool = make_pool()
+    layout = pool_layout(pool)
+    clock = Clock()
+    host = HostStore(64 * layout.chunk_bytes, layout, None, ttl_s=10, clock=clock)
+    cache = HiCache(pool, [host], None, "test")
+    a, b = TOKENS[:32], list(range(7000, 7032))
+    cache.insert(a, computed(pool, a)[0])
+    cache.insert(b, computed(pool, b, seed=1)[0])
+    cache.evict(64)  # both conversations in the host tier, at t = 1000
+    clock.now = 1008
+    assert cache.match_prefix(a + [1]).tier_tokens == {"host": 32}  # a's turn: used again
+    cache.evict(32)  # a back in the host tier, used at 1008
+    clock.now = 1012  # b unused for 12 s > ttl: gone; a for 4 s: kept
+    assert cache.match_prefix(b + [1]).tier_tokens == {}
+    assert host.stored_bytes == 2 * layout.chunk_bytes
+    clock.now = 1018.5
+    assert cache.match_prefix(a + [1]).tier_tokens == {}
+    assert host.stored_bytes == 0
+    cache.flush()
+    assert pool.num_free == pool.capacity
+    cache.check_integrity()
+
+
+def test_disk_chunks_expire_ttl_after_their_last_use(tmp_path: Path) -> None:
+    _, old, ref = spilled_to_disk(tmp_path)  # 3 chunk files
+    old.close()
+    clock = Clock()
+    clock.now = max(p.stat().st_mtime for p in tmp_path.glob("*.kv"))
+    pool = make_pool()
+    disk = DiskStore(str(tmp_path), 1 << 30, pool_layout(pool), ttl_s=60, clock=clock)
+    cache = host_cache(pool, chunks=1, disk=disk)
+    clock.now += 30
+    assert disk.get(chunk_keys("test", TOKENS)[0], TOKENS[:C]) is not None  # chunk 0 used
+    clock.now += 45  # chunks 1, 2: unused for 75 s > 60 s
+    m = cache.match_prefix(TOKENS + [1])
+    assert m.tier_tokens == {"disk": 16}
+    assert torch.equal(rows_at(pool, m.indices), ref[:, :, :16])
+    assert sorted(tmp_path.glob("*.kv")) == [chunk_file(tmp_path, 0)]  # the files are deleted
+    cache.flush()
+    cache.close()
+
+
+def test_ttl_is_configured_for_host_and_disk(tmp_path: Path) -> None:
+    cfg = EngineConfig(hicache_size=0.001, hicache_dir=str(tmp_path), hicache_ttl=600)
+    cache = make_prefix_cache(cfg, make_pool(), "m")
+    assert isinstance(cache, HiCache)
+    assert [getattr(t, "ttl_s", None) for t in cache.local] == [600, 600]
+    cache.close()
+    with pytest.raises(ValueError, match="hicache_ttl must be > 0"):
+        EngineConfig(hicache_size=1, hicache_ttl=0)
+    with pytest.raises(ValueError, match="hicache_prefetch_window must be >= 0"):
+        EngineConfig(hicache_prefetch_window=-1)
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from test_hicache import TOKENS, computed, make_pool, rows_at
 from radixserve.kvcache.hicache import HiCache, pool_layout
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.remote_store import PREFIX, RemoteStore
-from radixserve.kvcache.tier_store import chunk_keys
+from radixserve.kvcache.tier_store import HostStore, chunk_keys
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None,
@@ -79,6 +79,27 @@ def test_second_server_reuses_the_first_ones_kv(redis_server: RedisServer) -> No
     b.check_integrity()
     b.flush()
     assert pool_b.num_free == pool_b.capacity
+    a.close()
+    b.close()
+
+
+def test_prefetch_pulls_a_waiting_prefix_up_from_redis(redis_server: RedisServer) -> None:
+    a, pool_a = remote_cache(redis_server.url)
+    slots, ref = computed(pool_a, TOKENS)
+    a.insert(TOKENS, slots)
+    a.drain()
+    pool = make_pool()
+    layout = pool_layout(pool)
+    host = HostStore(64 * layout.chunk_bytes, layout, None)
+    b = HiCache(pool, [host], RemoteStore(redis_server.url, layout), "test")
+    b.prefetch([TOKENS[:40] + [1]])  # waiting: chunks 0 and 1 (chunk 2 ends past the prompt)
+    b.drain()
+    assert b.prefetched == 2 and pool.num_free == pool.capacity  # the pool is untouched
+    assert b.tier_stats()["remote"].loads == 0  # read ahead by the reader, not by a match
+    m = b.match_prefix(TOKENS + [1])
+    assert m.tier_tokens == {"host": 32, "remote": 32}  # the rest: one MGET at admission
+    assert torch.equal(rows_at(pool, m.indices), ref)
+    b.check_integrity()
     a.close()
     b.close()
 

@@ -24,7 +24,8 @@ class KVStore(Protocol):
     """The per-layer K/V storage a step reads and writes (radixserve.kvcache.pool.KVPool).
 
     k[layer], v[layer]: (num_slots, kv_heads, head_dim); `write` stores one layer's new K/V
-    (each (T, kv_heads, head_dim)) at `slots` (T,) int64.
+    (each (T, kv_heads, head_dim)) at `slots` (T,) int64, after waiting for rows still
+    being loaded into that layer: a backend reads a layer's rows only after its `write`.
     """
 
     k: list[torch.Tensor]

@@ -59,9 +59,15 @@ class Engine:
         """Generate for one prompt (a dict back, or a list of n dicts when n > 1) or a batch
         of prompts (a flat list: n results per prompt, prompt-major).
 
+<<<<<<< HEAD
         `pml`: prompts importing prompt modules of a registered schema (PML text or
         `radixserve.prompt.prompt(...)` trees), instead of `prompt` / `input_ids`;
         `module_reuse=False` prefills their expanded text instead (the exact fallback).
+=======
+        meta_info["first_token_latency"]: seconds from the call to the sample's first token
+        (its time to first token; None if it produced none).
+
+>>>>>>> hicache14
         Raises ValueError naming the offending field for invalid input.
         """
         if pml is not None:
@@ -147,11 +153,15 @@ class Engine:
             for i in range(r.sampling.n)
         }
         unfinished = len(samples)
+        first_token: dict[tuple[str, int], float] = {}  # seconds from the call to the first token
 
         def sink(outputs: list[SampleOutput]) -> None:
             nonlocal unfinished
             for out in outputs:
-                samples[(out.rid, out.index)].push(out)
+                key = (out.rid, out.index)
+                if out.new_token_ids and key not in first_token:
+                    first_token[key] = time.perf_counter() - start
+                samples[key].push(out)
                 unfinished -= out.finished
                 _raise_if_failed(out.finish_reason)
 
@@ -167,7 +177,12 @@ class Engine:
             loop.sink = _discard
             loop.step()  # the aborted samples' last outputs
             raise
-        return [native_result(acc.kept, start, return_logprob) for acc in samples.values()]
+        results = []
+        for key, acc in samples.items():
+            result = native_result(acc.kept, start, return_logprob)
+            result["meta_info"]["first_token_latency"] = first_token.get(key)
+            results.append(result)
+        return results
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         """The model's chat template applied, ending with the assistant's turn opener."""

@@ -8,8 +8,9 @@ are indexed, so a restarted server finds its cache again.
 Threads: `put` (scheduler thread) queues the chunk and returns; the writer thread writes it.
 Until written, a queued chunk is served from memory. The index and the queue are shared
 under one lock; a write that fails (disk full, directory gone) drops that chunk, counts a
-fault and logs once: the tier degrades, the server goes on. Over `budget_bytes` the oldest
-files are deleted.
+fault and logs once: the tier degrades, the server goes on. Over `budget_bytes` the least
+recently used files are deleted; with `ttl_s`, so are files unused for that long (a file
+found at start-up counts as used at its mtime).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -41,19 +43,30 @@ MAX_PENDING = 256  # chunks queued for the writer; beyond, new chunks are droppe
 class DiskStore:
     name = "disk"
 
-    def __init__(self, directory: str, budget_bytes: int, layout: ChunkLayout) -> None:
+    def __init__(
+        self,
+        directory: str,
+        budget_bytes: int,
+        layout: ChunkLayout,
+        ttl_s: float | None = None,
+        clock: Callable[[], float] = time.time,  # wall time: file mtimes outlive the process
+    ) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.budget = budget_bytes
         self.layout = layout
+        self.ttl_s = ttl_s
+        self.clock = clock
         self.counters = TierStats()
         self._lock = threading.Lock()
-        self._files: OrderedDict[str, int] = OrderedDict()  # key -> file size, oldest first
+        # key -> (file size, when last used), least recently used first
+        self._files: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self._pending: dict[str, tuple[list[int], torch.Tensor]] = {}
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._warned: set[str] = set()
         for path in sorted(self.dir.glob("*.kv"), key=lambda p: p.stat().st_mtime):
-            self._files[path.stem] = path.stat().st_size
+            stat = path.stat()
+            self._files[path.stem] = (stat.st_size, stat.st_mtime)
         self._writer = threading.Thread(target=self._write_loop, name="hicache-disk", daemon=True)
         self._writer.start()
 
@@ -61,13 +74,18 @@ class DiskStore:
         return self.dir / f"{key}.kv"
 
     def contains(self, key: str) -> bool:
+        self._expire()
         with self._lock:
             return key in self._pending or key in self._files
 
     def get(self, key: str, tokens: Sequence[int]) -> torch.Tensor | None:
+        self._expire()
         with self._lock:
             pending = self._pending.get(key)
             on_disk = key in self._files
+            if on_disk:
+                self._files[key] = (self._files[key][0], self.clock())
+                self._files.move_to_end(key)
         if pending is not None:
             return pending[1]
         if not on_disk:
@@ -113,15 +131,27 @@ class DiskStore:
             return
         with self._lock:
             self._pending.pop(key, None)
-            self._files[key] = len(data)
-            over = sum(self._files.values()) - self.budget
+            self._files[key] = (len(data), self.clock())
+            over = sum(size for size, _ in self._files.values()) - self.budget
             doomed = []
             while over > 0 and self._files:
-                old, size = self._files.popitem(last=False)
+                old, (size, _) = self._files.popitem(last=False)
                 doomed.append(old)
                 over -= size
         for old in doomed:
             self._path(old).unlink(missing_ok=True)
+
+    def _expire(self) -> None:
+        """Delete files unused for ttl_s: the least recently used, at the front."""
+        if self.ttl_s is None:
+            return
+        cutoff = self.clock() - self.ttl_s
+        doomed = []
+        with self._lock:
+            while self._files and next(iter(self._files.values()))[1] <= cutoff:
+                doomed.append(self._files.popitem(last=False)[0])
+        for key in doomed:
+            self._path(key).unlink(missing_ok=True)
 
     def _forget(self, key: str) -> None:
         with self._lock:
@@ -139,7 +169,7 @@ class DiskStore:
     @property
     def stored_bytes(self) -> int:
         with self._lock:
-            return sum(self._files.values())
+            return sum(size for size, _ in self._files.values())
 
     def drain(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued chunk is written or dropped (tests, shutdown)."""

@@ -17,13 +17,18 @@ evicted prefixes by content key (tier_store.py). Flow of a prefix's K/V:
 
 Demotion on eviction copies the chunks of the evicted leaf that end inside it (chunk rows
 before the leaf belong to its ancestors, which are still in the pool when a leaf goes: the
-tree evicts leaves first); the tail of a leaf that does not fill a chunk is not kept.
+tree evicts leaves first); the tail of a leaf that does not fill a chunk is not kept. The
+copy is the only part of saving that runs in the step (the slots are reused right after):
+one index_select per layer and K/V into a fresh buffer; encoding and writing to disk and
+Redis are the writer threads'.
 
-Prefetch (scheduler-aware): for requests still waiting, `prefetch` hands the chunks a lower
-local tier (disk) holds beyond the pool's match to a reader thread, which reads them; the
-scheduler thread moves what was read into the host tier at its next call, so the request's
-admission finds them in memory. The reader touches only the disk tier (thread-safe) and a
-queue; the tree and the host tier stay the scheduler thread's.
+Prefetch (scheduler-aware): for requests still waiting, `prefetch` hands the chunks beyond
+the pool's match that the host tier lacks to a reader thread, which reads them from the disk
+tier, and the rest of the run with one Redis MGET; the scheduler thread moves what was read
+into the host tier at its next call, so the request's admission finds them in memory (a
+match that needs a chunk still being read waits for the reader instead of reading it too). The
+reader touches only the disk and Redis tiers (thread-safe) and queues; the tree and the host
+tier stay the scheduler thread's.
 
 Exactness: a chunk holds the pool's rows bit for bit, so a promoted prefix gives the same
 outputs as the same prefix still in the pool. A record a tier cannot trust is a miss
@@ -46,6 +51,7 @@ from radixserve.kvcache.remote_store import RemoteStore
 from radixserve.kvcache.tier_store import CHUNK_TOKENS, ChunkLayout, TierStore, chunk_keys
 
 C = CHUNK_TOKENS
+READ_WAIT_S = 5.0  # a match waits at most this long for a chunk the prefetch reader is reading
 
 
 def pool_layout(pool: KVPool) -> ChunkLayout:
@@ -58,7 +64,9 @@ class HiCache:
     `match_prefix` may allocate pool slots for what it loads from a lower tier, evicting
     unlocked leaves to make room (never the matched path). Its result's slots belong to the
     cache, like any match. `local` are the tiers searched in order (host, then disk);
-    `remote` is the shared one, written through on `insert`.
+    `remote` is the shared one, written through on `insert`. `layerwise`: a hit's rows are
+    written into the pool layer by layer by the pool's loader thread while the step runs
+    (KVPool.load), else all of them before `match_prefix` returns (the reference path).
     """
 
     def __init__(
@@ -67,8 +75,10 @@ class HiCache:
         local: list[TierStore],
         remote: RemoteStore | None,
         namespace: str,
+        layerwise: bool = True,
     ) -> None:
         self.pool = pool
+        self.layerwise = layerwise  # load hits layer by layer while the step computes
         self.tree = RadixCache(pool, on_evict=self._demote)
         self.local = local
         self.remote = remote
@@ -79,9 +89,12 @@ class HiCache:
         self.prefetched = 0  # chunks moved up into the host tier ahead of their request
         self._queued: list[TreeNode] = []  # deepest cached nodes of the queued requests
         self._wanted: set[str] = set()  # keys handed to the reader, not yet in the host
-        self._to_read: queue.Queue[tuple[str, list[int]]] = queue.Queue()
-        self._read: queue.Queue[tuple[str, list[int], torch.Tensor | None]] = queue.Queue()
-        if len(local) > 1:
+        self._to_read: queue.Queue[list[tuple[str, list[int]]]] = queue.Queue()
+        self._read: queue.Queue[tuple[str, list[int], tuple[str, torch.Tensor] | None]]
+        self._read = queue.Queue()
+        # prefetch lands chunks in the host tier, from the disk tier or Redis below it
+        self._prefetches = bool(local) and (len(local) > 1 or remote is not None)
+        if self._prefetches:
             threading.Thread(target=self._read_loop, name="hicache-prefetch", daemon=True).start()
 
     # -- PrefixCache: sizes, locks and paths are the tree's ---------------------------------
@@ -144,11 +157,13 @@ class HiCache:
         if slots is None:
             return m
         n_chunks = (p - k0 * C + len(slots) + C - 1) // C
-        data = torch.cat([chunk for _, chunk in found[:n_chunks]], dim=2)  # (L, 2, T, H, D)
-        data = data[:, :, p - k0 * C : p - k0 * C + len(slots)]
-        for layer in range(self.layout.num_layers):
-            self.pool.write(layer, slots, data[layer, 0], data[layer, 1])
         q = p + len(slots)
+        # chunk k0 + k covers [(k0 + k) * C, (k0 + k + 1) * C); the slots take [p, q)
+        parts = [
+            chunk[:, :, max(p - (k0 + k) * C, 0) : q - (k0 + k) * C]
+            for k, (_, chunk) in enumerate(found[:n_chunks])
+        ]
+        self.pool.load(slots, parts, background=self.layerwise)
         result = self.tree.insert(tokens[:q], torch.cat([m.indices, slots]))
         tiers = dict(m.tier_tokens)
         for k, (name, _) in enumerate(found[:n_chunks]):
@@ -177,6 +192,7 @@ class HiCache:
         return found
 
     def _fetch_local(self, key: str, tokens: list[int]) -> tuple[str, torch.Tensor] | None:
+        self._await_read(key)
         for tier in self.local:
             start = time.perf_counter()
             chunk = tier.get(key, tokens)
@@ -212,77 +228,129 @@ class HiCache:
     def prefetch(self, queued: Sequence[Sequence[int]]) -> None:
         """The scheduler's look-ahead over its waiting queue (next to be admitted first):
         their cached paths are what `evict` spares while it can, and the chunks of theirs
-        that only the disk tier holds start moving up into the host tier, in the background."""
+        that only the disk tier or Redis holds start moving up into the host tier, in the
+        background (the reader thread)."""
         self._land_prefetched()
         self._queued = [self.tree.deepest_node(t) for t in queued]
-        if len(self.local) > 1:
+        if self._prefetches:
             for token_ids in queued:
                 self._pull_up(list(token_ids))
 
     def _pull_up(self, tokens: list[int]) -> None:
+        """Hand the reader the chunks of `tokens` beyond the pool's match that the host tier
+        lacks, in order (it reads them from disk, then the rest with one Redis MGET)."""
         keys = chunk_keys(self.namespace, tokens)
         host, lower = self.local[0], self.local[1:]
+        todo: list[tuple[str, list[int]]] = []
         for k in range(self.tree.cached_length(tokens) // C, len(keys)):
             key = keys[k]
             if key in self._wanted or host.contains(key):
                 continue
-            if not any(t.contains(key) for t in lower):
-                return  # the prefix ends here: nothing below it is reachable
-            self._wanted.add(key)
-            self._to_read.put((key, tokens[k * C : (k + 1) * C]))
+            if self.remote is None and not any(t.contains(key) for t in lower):
+                break  # the prefix ends here: nothing below it is reachable
+            todo.append((key, tokens[k * C : (k + 1) * C]))
+        if todo:
+            self._wanted.update(key for key, _ in todo)
+            self._to_read.put(todo)
 
     def _read_loop(self) -> None:
+        """The reader thread: a run of chunks from disk while it has them, the rest from
+        Redis; every chunk of the run comes back (None: not found)."""
         while True:
-            key, tokens = self._to_read.get()
-            chunk = None
-            for tier in self.local[1:]:
-                chunk = tier.get(key, tokens)
-                if chunk is not None:
-                    break
-            self._read.put((key, tokens, chunk))
+            todo = self._to_read.get()
+            n = 0
+            while n < len(todo) and (hit := self._read_local(*todo[n])) is not None:
+                self._read.put((*todo[n], hit))
+                n += 1
+            rest = todo[n:]
+            if self.remote is not None and rest:
+                chunks = self.remote.get_many([k for k, _ in rest], [t for _, t in rest])
+                for item, chunk in zip(rest, chunks):
+                    self._read.put((*item, ("remote", chunk)))
+                rest = rest[len(chunks) :]
+            for item in rest:
+                self._read.put((*item, None))
+
+    def _read_local(self, key: str, tokens: list[int]) -> tuple[str, torch.Tensor] | None:
+        for tier in self.local[1:]:
+            chunk = tier.get(key, tokens)
+            if chunk is not None:
+                return tier.name, chunk
+        return None
 
     def _land_prefetched(self) -> None:
         """Move chunks the reader has read into the host tier (scheduler thread)."""
         while True:
             try:
-                key, tokens, chunk = self._read.get_nowait()
+                item = self._read.get_nowait()
             except queue.Empty:
                 return
-            self._wanted.discard(key)
-            if chunk is not None and not self.local[0].contains(key):
-                self.local[0].put(key, tokens, chunk)
-                self.prefetched += 1
+            self._land(*item)
+
+    def _await_read(self, key: str) -> None:
+        """A chunk the reader is reading: wait for it (landing what comes before it) rather
+        than read it a second time; after READ_WAIT_S without news, read it here."""
+        while key in self._wanted:
+            try:
+                self._land(*self._read.get(timeout=READ_WAIT_S))
+            except queue.Empty:
+                self._wanted.discard(key)
+
+    def _land(self, key: str, tokens: list[int], hit: tuple[str, torch.Tensor] | None) -> None:
+        self._wanted.discard(key)
+        if hit is not None and not self.local[0].contains(key):
+            if hit[0] == "remote":
+                self._remote_sent.add(key)  # Redis has it: never written back
+            self.local[0].put(key, tokens, hit[1])
+            self.prefetched += 1
 
     # -- demotion and write-through ------------------------------------------------------
 
     def _demote(self, tokens: list[int], slots: torch.Tensor, start: int) -> None:
-        """RadixCache's evict hook: keep the leaf's whole chunks in the first local tier."""
+        """RadixCache's evict hook: keep the leaf's whole chunks in the first local tier.
+
+        Runs in the step (the slots are freed right after): one gather of the new chunks'
+        rows; the host tier keeps views of it, and the disk writer encodes them later."""
         if not self.local:
             return
         keys = chunk_keys(self.namespace, tokens)
-        for k in range(start // C, len(keys)):
-            if any(tier.contains(keys[k]) for tier in self.local):
-                continue
-            self.local[0].put(keys[k], tokens[k * C : (k + 1) * C], self._gather(slots, k))
+        todo = [
+            k
+            for k in range(start // C, len(keys))
+            if not any(tier.contains(keys[k]) for tier in self.local)
+        ]
+        if not todo:
+            return
+        rows = self._gather(torch.cat([slots[k * C : (k + 1) * C] for k in todo]))
+        for j, k in enumerate(todo):
+            self.local[0].put(keys[k], tokens[k * C : (k + 1) * C], rows[:, :, j * C : (j + 1) * C])
 
-    def _gather(self, slots: torch.Tensor, k: int) -> torch.Tensor:
-        """Chunk k's rows copied out of the pool: (layers, 2, C, kv_heads, head_dim)."""
-        rows = slots[k * C : (k + 1) * C]
-        pool = self.pool
-        return torch.stack(
-            [torch.stack([pool.k[i][rows], pool.v[i][rows]]) for i in range(len(pool.k))]
+    def _gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """The pool's rows at `slots`, copied into one new buffer with one index_select per
+        layer and K/V: (layers, 2, len(slots), kv_heads, head_dim)."""
+        lay, pool = self.layout, self.pool
+        pool.wait_loads()  # rows still being loaded are not there yet
+        out = torch.empty(
+            (lay.num_layers, 2, len(slots), lay.kv_heads, lay.head_dim), dtype=lay.dtype
         )
+        for i in range(lay.num_layers):
+            torch.index_select(pool.k[i], 0, slots, out=out[i, 0])
+            torch.index_select(pool.v[i], 0, slots, out=out[i, 1])
+        return out
 
     def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
         result = self.tree.insert(token_ids, kv_indices)
         if self.remote is not None:
             tokens = list(token_ids)
-            for k, key in enumerate(chunk_keys(self.namespace, tokens)):
-                if key not in self._remote_sent:
-                    self._remote_sent.add(key)
-                    self.remote.put(
-                        key, tokens[k * C : (k + 1) * C], self._gather(result.indices, k)
-                    )
+            keys = chunk_keys(self.namespace, tokens)
+            todo = [k for k, key in enumerate(keys) if key not in self._remote_sent]
+            if todo:
+                slots = result.indices
+                rows = self._gather(torch.cat([slots[k * C : (k + 1) * C] for k in todo]))
+                for j, k in enumerate(todo):
+                    self._remote_sent.add(keys[k])
+                    chunk = rows[:, :, j * C : (j + 1) * C]
+                    self.remote.put(keys[k], tokens[k * C : (k + 1) * C], chunk)
         return result
 
     # -- management ----------------------------------------------------------------------

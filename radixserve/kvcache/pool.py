@@ -11,6 +11,9 @@ business of the radix cache and the scheduler (`check_integrity` there counts th
 
 from __future__ import annotations
 
+import queue
+import threading
+
 import torch
 
 
@@ -19,6 +22,13 @@ class KVPool:
 
     Contract: `alloc(n)` returns `n` distinct free slots or None (never a partial result);
     `free(slots)` returns slots to the free list and asserts none was already free.
+
+    Layer-wise loading (`load(..., background=True)`): rows from a lower KV tier are written
+    by a loader thread, layer 0 first, while the step computes; `write(layer, ...)` (each
+    attention backend's first touch of a layer in a step) waits only until every load so
+    far has written that layer, and `wait_loads()` until they are all done (before reading
+    rows anywhere else). Loads run in order, so "layer l written by load j" means written
+    by every load before j too.
     """
 
     def __init__(
@@ -40,6 +50,11 @@ class KVPool:
         self._is_free[0] = False
         # Free slots kept sorted-ish: a fresh pool hands out contiguous ranges.
         self._free: list[int] = list(range(num_slots - 1, 0, -1))
+        self._loads_started = 0  # background loads handed to the loader (scheduler thread)
+        self._layer_loaded = [0] * num_layers  # per layer: loads that have written it
+        self._loaded = threading.Condition()
+        self._load_queue: queue.Queue[tuple[int, torch.Tensor, list[torch.Tensor]]] | None = None
+        self._load_error: BaseException | None = None
 
     @property
     def num_free(self) -> int:
@@ -67,10 +82,64 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V rows (T, kv_heads, head_dim) of `layer` at `slots` (T,), rounded to the
-        pool's dtype when it is narrower (see EngineConfig.kv_cache_dtype)."""
+        pool's dtype when it is narrower (see EngineConfig.kv_cache_dtype); first waits
+        until the background loads have written `layer`."""
+        self._wait_layer(layer)
+        self._write(layer, slots, k, v)
+
+    def _write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         kc, vc = self.k[layer], self.v[layer]
         kc.index_copy_(0, slots, k.to(kc.dtype))  # ~2x faster than kc[slots] = k
         vc.index_copy_(0, slots, v.to(vc.dtype))
+
+    # -- loading rows from a lower tier ----------------------------------------------------
+
+    def load(self, slots: torch.Tensor, parts: list[torch.Tensor], background: bool) -> None:
+        """Store rows of every layer at `slots` (T,): `parts` are (layers, 2, n_i, kv_heads,
+        head_dim) tensors whose concatenation along dim 2 has T rows. In the background:
+        returns at once and the loader thread writes them layer by layer (see the class
+        docstring); else written here, all layers, before returning."""
+        if not background:
+            self.wait_loads()
+            for layer in range(len(self.k)):
+                self._write(layer, slots, *self._rows(parts, layer))
+            return
+        if self._load_queue is None:
+            self._load_queue = queue.Queue()
+            threading.Thread(target=self._load_loop, name="kv-loader", daemon=True).start()
+        self._loads_started += 1
+        self._load_queue.put((self._loads_started, slots, parts))
+
+    @staticmethod
+    def _rows(parts: list[torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k = torch.cat([p[layer, 0] for p in parts])  # (T, kv_heads, head_dim)
+        v = torch.cat([p[layer, 1] for p in parts])
+        return k, v
+
+    def _load_loop(self) -> None:
+        assert self._load_queue is not None
+        while True:
+            job, slots, parts = self._load_queue.get()
+            for layer in range(len(self.k)):
+                try:
+                    self._write(layer, slots, *self._rows(parts, layer))
+                except BaseException as e:  # noqa: BLE001 - handed to the waiting step
+                    self._load_error = e
+                with self._loaded:
+                    self._layer_loaded[layer] = job
+                    self._loaded.notify_all()
+
+    def _wait_layer(self, layer: int) -> None:
+        if self._layer_loaded[layer] < self._loads_started:  # int reads: no lock needed
+            with self._loaded:
+                started = self._loads_started
+                self._loaded.wait_for(lambda: self._layer_loaded[layer] >= started)
+        if self._load_error is not None:
+            raise RuntimeError("loading K/V rows from a lower tier failed") from self._load_error
+
+    def wait_loads(self) -> None:
+        """Wait until every background load has written every layer."""
+        self._wait_layer(len(self.k) - 1)  # loads write layers in order: the last is last
 
     def bytes_per_token(self) -> int:
         k = self.k[0]

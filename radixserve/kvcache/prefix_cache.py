@@ -219,13 +219,15 @@ def make_prefix_cache(config: EngineConfig, pool: KVPool, model_name: str = "") 
     if config.hicache_size > 0:
         disk = None
         if config.hicache_dir is not None:
-            disk = DiskStore(config.hicache_dir, int(config.hicache_disk_size * GB), layout)
+            disk_bytes = int(config.hicache_disk_size * GB)
+            disk = DiskStore(config.hicache_dir, disk_bytes, layout, config.hicache_ttl)
         spill = None if disk is None else disk.put
-        local.append(HostStore(int(config.hicache_size * GB), layout, spill))
+        host_bytes = int(config.hicache_size * GB)
+        local.append(HostStore(host_bytes, layout, spill, config.hicache_ttl))
         if disk is not None:
             local.append(disk)
     remote = None
     if config.hicache_remote is not None:
         remote = RemoteStore(config.hicache_remote, layout, config.hicache_remote_ttl)
     namespace = f"{model_name}|{config.quantization}|{layout}"
-    return HiCache(pool, local, remote, namespace)
+    return HiCache(pool, local, remote, namespace, config.hicache_layerwise)

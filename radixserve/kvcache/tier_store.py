@@ -167,37 +167,61 @@ class HostStore:
     """L2: chunks in host memory within a byte budget, least recently used spilled first.
 
     A chunk pushed out by the budget goes to `spill` (the disk tier's `put`) or is dropped.
+    With `ttl_s`, a chunk not used (put or read) for that long is gone (dropped, not
+    spilled): a conversation's K/V expires that long after its last turn.
     """
 
     name = "host"
 
-    def __init__(self, budget_bytes: int, layout: ChunkLayout, spill: Spill | None) -> None:
+    def __init__(
+        self,
+        budget_bytes: int,
+        layout: ChunkLayout,
+        spill: Spill | None,
+        ttl_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.capacity = budget_bytes // layout.chunk_bytes
         assert self.capacity >= 1, f"--hicache-size holds no {layout.chunk_bytes}-byte chunk"
         self.layout = layout
         self.spill = spill
+        self.ttl_s = ttl_s
+        self.clock = clock
         self.counters = TierStats()
-        self._chunks: OrderedDict[str, tuple[list[int], torch.Tensor]] = OrderedDict()
+        # least recently used first: (tokens, chunk, when last used)
+        self._chunks: OrderedDict[str, tuple[list[int], torch.Tensor, float]] = OrderedDict()
 
     def get(self, key: str, tokens: Sequence[int]) -> torch.Tensor | None:
+        self._expire()
         entry = self._chunks.get(key)
         if entry is None:
             return None
-        self._chunks.move_to_end(key)
         assert entry[0] == list(tokens), f"host chunk {key} holds other tokens"
+        self._chunks[key] = (entry[0], entry[1], self.clock())
+        self._chunks.move_to_end(key)
         return entry[1]
 
     def contains(self, key: str) -> bool:
+        self._expire()
         return key in self._chunks
 
     def put(self, key: str, tokens: Sequence[int], chunk: torch.Tensor) -> None:
         assert tuple(chunk.shape) == self.layout.shape, f"chunk {tuple(chunk.shape)}"
-        self._chunks[key] = (list(tokens), chunk)
+        self._expire()
+        self._chunks[key] = (list(tokens), chunk, self.clock())
         self._chunks.move_to_end(key)
         while len(self._chunks) > self.capacity:
-            old, (old_tokens, old_chunk) = self._chunks.popitem(last=False)
+            old, (old_tokens, old_chunk, _) = self._chunks.popitem(last=False)
             if self.spill is not None:
                 self.spill(old, old_tokens, old_chunk)
+
+    def _expire(self) -> None:
+        """Drop chunks unused for ttl_s: they are the least recently used, at the front."""
+        if self.ttl_s is None:
+            return
+        cutoff = self.clock() - self.ttl_s
+        while self._chunks and next(iter(self._chunks.values()))[2] <= cutoff:
+            self._chunks.popitem(last=False)
 
     @property
     def stored_bytes(self) -> int:

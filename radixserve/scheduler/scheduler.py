@@ -60,7 +60,6 @@ from radixserve.scheduler.req import Req
 logger = logging.getLogger("radixserve.scheduler")
 
 DEFER_SHARED_TOKENS = 32  # see policy.shares_uncached_prefix
-PREFETCH_WINDOW = 8  # waiting samples (in admission order) whose KV the cache may pull up
 DECODE_RESERVE = 16  # slots per admitted sample kept free for its first decode steps
 COMPILE_POLL_S = 0.05  # an otherwise idle step waits this long for a pattern to compile
 PREVIEW_TOKENS = 16  # tokens of each node the tree view shows
@@ -263,7 +262,8 @@ class Scheduler:
         order = order_waiting(self.waiting, self.cache, self.config.schedule_policy)
         # look ahead: the cache starts moving their KV up its tiers and spares it in evict
         prefixed = [r for r in order if r.request.modules is None]
-        self.cache.prefetch([r.all_ids[: r.reuse_limit()] for r in prefixed[:PREFETCH_WINDOW]])
+        ahead = prefixed[: self.config.hicache_prefetch_window]
+        self.cache.prefetch([r.all_ids[: r.reuse_limit()] for r in ahead])
         pinned = self.cache.locked_size + self.kv.modules.num_slots
         for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
