@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.kvcache.pool import KVPool, ReqToTokenPool
+from radixserve.kvcache.pool import SORTED_ALLOC, KVPool, ReqToTokenPool
 
 
 def make_pool(num_slots: int = 9) -> KVPool:
@@ -112,3 +112,22 @@ def test_req_to_token_double_free_asserts() -> None:
         rtp.free(row)
     with pytest.raises(AssertionError, match="double free"):
         rtp.free(1)  # never allocated
+
+
+def test_large_allocation_gets_ascending_runs_after_interleaved_frees() -> None:
+    """Decode slots of a batch interleave (one per sample per step); freed, they must not
+    scatter a long prompt allocated afterwards over the pool."""
+    pool = KVPool(num_slots=2049, num_layers=1, kv_heads=1, head_dim=8, dtype=torch.float32)
+    samples: list[list[torch.Tensor]] = [[] for _ in range(4)]
+    for _ in range(512):  # 4 samples decoding 512 steps: slots 1, 2, 3, 4, 5, ... interleave
+        for s in samples:
+            s.append(pool.alloc(1))
+    for s in samples:
+        pool.free(torch.cat(s))
+    small = pool.alloc(3)  # below SORTED_ALLOC: the stack as it is (sample 3's slots)
+    assert small is not None and small.tolist() == [4, 8, 12]
+    big = pool.alloc(SORTED_ALLOC)  # in address order again
+    rest = [i for i in range(1, 2049) if i not in (4, 8, 12)]
+    assert big is not None and big.tolist() == rest[:SORTED_ALLOC]
+    pool.free(torch.cat([small, big]))
+    assert sorted(pool.alloc(pool.capacity).tolist()) == list(range(1, 2049))  # none lost

@@ -16,6 +16,8 @@ import threading
 
 import torch
 
+SORTED_ALLOC = 256  # allocations this large (prompt chunks) first put free slots in order
+
 
 class KVPool:
     """Per-layer K/V storage and a free list of token slots.
@@ -48,8 +50,9 @@ class KVPool:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._is_free = torch.ones(num_slots, dtype=torch.bool)
         self._is_free[0] = False
-        # Free slots kept sorted-ish: a fresh pool hands out contiguous ranges.
+        # A stack of free slots, descending when sorted: pops hand out ascending runs.
         self._free: list[int] = list(range(num_slots - 1, 0, -1))
+        self._sorted = True  # no free() since the stack was last sorted
         self._loads_started = 0  # background loads handed to the loader (scheduler thread)
         self._layer_loaded = [0] * num_layers  # per layer: loads that have written it
         self._loaded = threading.Condition()
@@ -67,6 +70,8 @@ class KVPool:
         """Take `n` free slots, or return None when fewer than `n` are free."""
         if n > len(self._free):
             return None
+        if n >= SORTED_ALLOC and not self._sorted:
+            self._sort_free()
         taken = [self._free.pop() for _ in range(n)]
         slots = torch.tensor(taken, dtype=torch.int64)
         self._is_free[slots] = False
@@ -79,6 +84,16 @@ class KVPool:
         assert int(slots.min()) > 0, "slot 0 is scratch and never allocated"
         self._is_free[slots] = True
         self._free.extend(slots.flip(0).tolist())
+        self._sorted = False
+
+    def _sort_free(self) -> None:
+        """Free slots in address order again. Freed decode slots of a batch interleave (one
+        per sample per step), so without this a long prompt allocated later is scattered
+        over the pool, and every decode step then reads its K/V rows at random: at 4096
+        tokens the batch-1 attention read 5.9 GB/s scattered against 13.6 contiguous (AVX2
+        EPYC). A few ms for 300k slots, paid only by allocations of SORTED_ALLOC+ slots."""
+        self._free = self._is_free.nonzero().flatten().flip(0).tolist()
+        self._sorted = True
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V rows (T, kv_heads, head_dim) of `layer` at `slots` (T,), rounded to the
