@@ -119,6 +119,11 @@ def _one_or_list(item: dict[str, Any], description: str) -> dict[str, Any]:
 
 
 TOKEN_IDS = {"type": "array", "items": {**INT64, "minimum": 0}, "minItems": 1}
+NONEMPTY = {"type": "string", "minLength": 1}
+TEXT_OR_BATCH = [
+    NONEMPTY,
+    {"type": "array", "items": NONEMPTY, "minItems": 1, "maxItems": MAX_PROMPTS},
+]
 GENERATE = {
     "type": "object",
     "additionalProperties": False,
@@ -126,15 +131,7 @@ GENERATE = {
     "properties": {
         **EMPTY_EXTRAS,
         "text": {
-            "anyOf": [
-                {"type": "string", "minLength": 1},
-                {
-                    "type": "array",
-                    "items": {"type": "string", "minLength": 1},
-                    "minItems": 1,
-                    "maxItems": MAX_PROMPTS,
-                },
-            ],
+            "anyOf": TEXT_OR_BATCH,
             "description": "the prompt, or a batch of prompts",
         },
         "input_ids": {
@@ -154,15 +151,7 @@ GENERATE = {
         ),
         "return_text_in_logprobs": _bool("logprob entries carry the token text"),
         "pml": {
-            "anyOf": [
-                {"type": "string", "minLength": 1},
-                {
-                    "type": "array",
-                    "items": {"type": "string", "minLength": 1},
-                    "minItems": 1,
-                    "maxItems": MAX_PROMPTS,
-                },
-            ],
+            "anyOf": TEXT_OR_BATCH,
             "description": "a PML <prompt> importing modules of a registered schema, or a batch",
         },
         "module_reuse": _bool("pml: reuse the modules' K/V (false: prefill the expanded text)"),
