@@ -78,6 +78,7 @@ def make_case(
     head_dim: int = 16,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    num_layers: int = 1,
 ) -> Case:
     gen = torch.Generator().manual_seed(seed)
     kv_indices = [
@@ -85,7 +86,7 @@ def make_case(
         for p, t, n in zip(paths, tails, news, strict=True)
     ]
     num_slots = 1 + max(int(x.max()) for x in kv_indices)
-    pool = KVPool(num_slots, 1, kv_heads, head_dim, dtype)
+    pool = KVPool(num_slots, num_layers, kv_heads, head_dim, dtype)
     new_slots = torch.tensor([s for n in news for s in n], dtype=torch.int64)
     shape = (num_slots, kv_heads, head_dim)
     for buf in (pool.k[0], pool.v[0]):
@@ -331,10 +332,13 @@ def test_extend_queries_see_their_own_new_keys(backend: TreeBackend | FlatBacken
 def test_one_plan_serves_every_layer(backend: AttentionBackend) -> None:
     """plan() once, forward on layer 0 then layer 1 (other K/V, other q): both exact, and the
     first output is not clobbered by the second forward (the plan's scratch is reused)."""
-    case = make_case(HAND_PATHS, NODE_SLOTS, HAND_TAILS, HAND_NEWS, kv_heads=1, group=3)
+    case = make_case(
+        HAND_PATHS, NODE_SLOTS, HAND_TAILS, HAND_NEWS, kv_heads=1, group=3, num_layers=2
+    )
     pool, gen = case.batch.kv_pool, torch.Generator().manual_seed(1)
-    pool.k.append(torch.randn(pool.k[0].shape, generator=gen))  # layer 1
-    pool.v.append(torch.randn(pool.v[0].shape, generator=gen))
+    assert isinstance(pool, KVPool)
+    pool.k[1].copy_(torch.randn(pool.k[0].shape, generator=gen))  # layer 1: other K/V
+    pool.v[1].copy_(torch.randn(pool.v[0].shape, generator=gen))
     layer1 = Case(
         case.batch, case.q.flip(0), case.k.flip(0), case.v.flip(0),
         pool.k[1].clone(), pool.v[1].clone(), pool.k[1].clone(), pool.v[1].clone(),
