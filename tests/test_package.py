@@ -116,3 +116,20 @@ def test_no_two_packages_import_each_other() -> None:
         )
         for layer in leaves:
             del remaining[layer]
+
+
+def test_no_merge_conflict_markers() -> None:
+    """A conflict left in a docstring or a doc still imports and builds: look for it."""
+    repo = Path(__file__).resolve().parents[1]
+    files = subprocess.run(
+        ["git", "ls-files", "*.py", "*.md", "*.cpp", "*.toml", "*.html", "*.sh", ".ci/run"],
+        cwd=repo, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    assert len(files) > 50, files
+    marked = [
+        f"{name}:{i}"
+        for name in files
+        for i, line in enumerate((repo / name).read_text(encoding="utf-8").splitlines(), 1)
+        if line.startswith(("<<<<<<< ", ">>>>>>> ")) or line == "======="
+    ]
+    assert not marked, marked

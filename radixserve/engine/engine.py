@@ -59,15 +59,13 @@ class Engine:
         """Generate for one prompt (a dict back, or a list of n dicts when n > 1) or a batch
         of prompts (a flat list: n results per prompt, prompt-major).
 
-<<<<<<< HEAD
         `pml`: prompts importing prompt modules of a registered schema (PML text or
         `radixserve.prompt.prompt(...)` trees), instead of `prompt` / `input_ids`;
         `module_reuse=False` prefills their expanded text instead (the exact fallback).
-=======
+
         meta_info["first_token_latency"]: seconds from the call to the sample's first token
         (its time to first token; None if it produced none).
 
->>>>>>> hicache14
         Raises ValueError naming the offending field for invalid input.
         """
         if pml is not None:
