@@ -261,8 +261,8 @@ class Scheduler:
         admitted: list[Work] = []
         order = order_waiting(self.waiting, self.cache, self.config.schedule_policy)
         # look ahead: the cache starts moving their KV up its tiers and spares it in evict
-        prefixed = [r for r in order if r.request.modules is None]
-        ahead = prefixed[: self.config.hicache_prefetch_window]
+        prefixed = (r for r in order if r.request.modules is None)  # stops at the window
+        ahead = itertools.islice(prefixed, self.config.hicache_prefetch_window)
         self.cache.prefetch([r.all_ids[: r.reuse_limit()] for r in ahead])
         pinned = self.cache.locked_size + self.kv.modules.num_slots
         for req in order:
