@@ -235,17 +235,18 @@ inline void block_scales(const uint8_t* b, float& d, float& m) {
 }
 
 #ifdef RS_AVX2
-// The weight block's 32 quants as int16: w0 = weights 0-15, w1 = weights 16-31.
+// The weight block's 32 quants as int16: w0 = weights 0-15, w1 = weights 16-31 (for the 4-bit
+// formats the 16 bytes widened once; low nibble and high nibble are then one op each).
 template <int64_t fmt>
 inline void widen_block(const uint8_t* blk, __m256i& w0, __m256i& w1) {
   if (fmt == kQ8_0) {
     w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
     w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
   } else {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (fmt == kQ4_1 ? 4 : 2)));
-    const __m128i low4 = _mm_set1_epi8(15);
-    w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4));
-    w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+    const __m256i bytes =
+        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (fmt == kQ4_1 ? 4 : 2))));
+    w0 = _mm256_and_si256(bytes, _mm256_set1_epi16(15));
+    w1 = _mm256_srli_epi16(bytes, 4);
   }
 }
 #endif
@@ -302,6 +303,14 @@ void dot_rows(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, float
 }
 
 #ifdef RS_AVX2
+// Lane r = the sum of the 8 int32 lanes of s[r], r < 8 (exact integers).
+inline __m256i reduce8(const __m256i s[8]) {
+  // hadd twice: 128-bit lane halves hold rows 0-3 (and 4-7) summed over their 4 columns
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+  const __m256i c = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31));
+}
+
 // dot_rows for a whole group of kRows = 8 rows of x (xr a multiple of 8). Per block the 8
 // rows' int32 sums are reduced into one vector (lane r = row r: exact integers), then scaled
 // and accumulated for all 8 rows at once, instead of a scale broadcast and FMA per row.
@@ -324,10 +333,7 @@ void dot_rows8(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, floa
       sums[r] = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xq)),
                                  _mm256_madd_epi16(w1, _mm256_loadu_si256(xq + 1)));
     }
-    // hadd twice: 128-bit lane halves hold rows 0-3 (and 4-7) summed over their 4 columns
-    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[0], sums[1]), _mm256_hadd_epi32(sums[2], sums[3]));
-    const __m256i c = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[4], sums[5]), _mm256_hadd_epi32(sums[6], sums[7]));
-    const __m256i dots = _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31));
+    const __m256i dots = reduce8(sums);
     const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(dw), _mm256_loadu_ps(d8 + b * 8));
     acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dots), acc);
     if (fmt != kQ8_0) off = _mm256_fmadd_ps(_mm256_set1_ps(mw), _mm256_loadu_ps(s8 + b * 8), off);
@@ -335,6 +341,69 @@ void dot_rows8(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, floa
   alignas(32) float res[8];
   _mm256_store_ps(res, _mm256_add_ps(acc, off));
   for (int r = 0; r < 8; ++r) out[r * ldo] = res[r];
+}
+#endif
+
+#ifdef RS_AVX2
+// The fp16 scale d (and Q4_1's offset m) of block `off` of 8 weight rows, as 8 float lanes.
+template <int64_t fmt>
+inline void block_scales8(const uint8_t* const* rows, int64_t off, __m256& d, __m256& m) {
+  auto half2 = [&](int i) {  // (d, m) of row i: 4 bytes (Q8_0/Q4_0: d and 2 bytes of quants)
+    int32_t v;
+    std::memcpy(&v, rows[i] + off, 4);
+    return v;
+  };
+  const __m128i lo = _mm_setr_epi32(half2(0), half2(1), half2(2), half2(3));
+  const __m128i hi = _mm_setr_epi32(half2(4), half2(5), half2(6), half2(7));
+  // per 32-bit lane (d, m) as two halves: gather the d halves into the low 8 bytes, m high
+  const __m128i split = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  const __m128i l = _mm_shuffle_epi8(lo, split), h = _mm_shuffle_epi8(hi, split);
+  d = _mm256_cvtph_ps(_mm_unpacklo_epi64(l, h));
+  if (fmt == kQ4_1) m = _mm256_cvtph_ps(_mm_unpackhi_epi64(l, h));
+  else if (fmt == kQ4_0) m = _mm256_mul_ps(_mm256_set1_ps(-8.f), d);
+  else m = _mm256_setzero_ps();
+}
+
+// out[0..8) = x row 0 . weight rows n..n+8 (one row of x: the batch-1 decode case). Per block
+// the 8 rows' int32 dot products are reduced into one vector (lane i = row i) and scaled by
+// the 8 rows' d times x's d in one FMA: no per-block scalar work and no horizontal sums at
+// the end; the x block is loaded once for the 8 rows. Same exact integer block sums as
+// dot_rows, scaled and summed per row in block order.
+template <int64_t fmt>
+void dot_wrows8(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRows& x, float* out) {
+  const int64_t bb = block_bytes(fmt);
+  const uint8_t* rows[8];
+  for (int i = 0; i < 8; ++i) rows[i] = w + i * row_bytes;
+  // The 8 rows are one contiguous run of bytes, but read 8 blocks apart they make 8 streams
+  // the hardware prefetchers follow badly (~2x slower than reading one row at a time from
+  // DRAM): ask for the next group's bytes in order instead, a share per block.
+  const char* next = reinterpret_cast<const char*>(w + 8 * row_bytes);
+  const int64_t share = (8 * row_bytes + nb - 1) / nb;
+  __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t p = b * share; p < (b + 1) * share; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
+    const __m256i* xq = reinterpret_cast<const __m256i*>(x.q.data() + b * kBlock);
+    const __m256i x0 = _mm256_loadu_si256(xq), x1 = _mm256_loadu_si256(xq + 1);
+    __m256i sums[8];
+    for (int i = 0; i < 8; ++i) {
+      __m256i w0, w1;
+      widen_block<fmt>(rows[i] + b * bb, w0, w1);
+      sums[i] = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+    }
+    __m256 d, m;
+    block_scales8<fmt>(rows, b * bb, d, m);
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d[b])), _mm256_cvtepi32_ps(reduce8(sums)), acc);
+    if (fmt != kQ8_0) off = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[b]), off);
+  }
+  _mm256_storeu_ps(out, _mm256_add_ps(acc, off));
+}
+
+void dot_wrows8(const uint8_t* w, int64_t fmt, int64_t row_bytes, int64_t nb, const QRows& x, float* out) {
+  switch (fmt) {
+    case kQ4_0: return dot_wrows8<kQ4_0>(w, row_bytes, nb, x, out);
+    case kQ4_1: return dot_wrows8<kQ4_1>(w, row_bytes, nb, x, out);
+    default: return dot_wrows8<kQ8_0>(w, row_bytes, nb, x, out);
+  }
 }
 #endif
 
@@ -556,6 +625,15 @@ at::Tensor qmatmul_small(const at::Tensor& x, const at::Tensor& w, int64_t fmt, 
   quantize_rows(x.data_ptr<float>(), M, K, xq);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
+#ifdef RS_AVX2
+  if (M == 1) {  // 8 weight rows a pass (the rows past the last multiple of 8 below)
+    at::parallel_for(0, N / 8, 8, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) dot_wrows8(wp + 8 * g * row_bytes, fmt, row_bytes, nb, xq, op + 8 * g);
+    });
+    for (int64_t n = N / 8 * 8; n < N; ++n) dot_rows(wp + n * row_bytes, fmt, nb, xq, 0, 1, op + n, N);
+    return out;
+  }
+#endif
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       for (int64_t r0 = 0; r0 < M; r0 += kRows) {
