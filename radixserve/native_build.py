@@ -59,7 +59,10 @@ def build(name: str, source: Path, isa: str | None) -> ModuleType | None:
     None, logged, when the build fails."""
     from torch.utils.cpp_extension import load
 
-    flags = ["-O3", "-fopenmp", *(VECTOR_FLAGS[isa] if isa else [])]
+    # No FMA contraction: the kernels write their FMAs as intrinsics, and scalar expressions
+    # then round as written, like the torch formulas they mirror (the native decoder layer
+    # gives the module path's logits bit for bit).
+    flags = ["-O3", "-ffp-contract=off", "-fopenmp", *(VECTOR_FLAGS[isa] if isa else [])]
     module_name = f"{name}_{isa}" if isa else name
     try:
         module = load(module_name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"])

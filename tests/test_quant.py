@@ -14,6 +14,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from helpers import alloc_slots, extend, greedy_generate, make_pool
+from test_model_sources import tiny_qwen2
 
 from radixserve import Engine, kernels
 from radixserve.attention.flat import FlatBackend
@@ -357,3 +358,41 @@ def test_kv_cache_dtype_auto_is_fp16_under_quantized_weights(tiny_model_dir: Pat
             e.shutdown()
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_native_layers_compute_the_module_path(
+    arch: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A quantized float32 model runs each decoder layer as two native calls around
+    attention (quant_cpu.cpp pre/post_attention): the module path's math and roundings, so
+    the logits of a 20-token extend and of a following decode step (the one-row kernel) are
+    identical, for Llama and for Qwen2's qkv bias."""
+    folder = tiny_model_dir if arch == "llama" else tiny_qwen2(tmp_path / "qwen2", tiny_model_dir)
+    model, _ = load_model(folder, torch.float32, quantization="int8")
+    layers = list(model.model.layers)
+    natives = [layer.native for layer in layers]
+    assert all(n is not None for n in natives), "int8 float32 model should run native layers"
+    if arch == "qwen2":
+        assert all(n is not None and n.qkv[3] is not None for n in natives)  # the bias goes in
+
+    def run() -> torch.Tensor:
+        ids = list(range(100, 120))
+        pool, slots = _pool(model, [*ids, 7])
+        prefill = extend(model, FlatBackend(), pool, slots, ids, 0)
+        decode = extend(model, FlatBackend(), pool, slots, [7], len(ids))
+        return torch.cat([prefill, decode])
+
+    got = run()
+    for layer in layers:
+        layer.native = None
+    want = run()
+    assert torch.equal(got, want), (got - want).abs().max()
+
+
+def test_native_layers_stay_off_where_they_do_not_apply(tiny_model_dir: Path) -> None:
+    """Plain (not quantized) and bf16 models keep the module path."""
+    plain, _ = load_model(tiny_model_dir, torch.float32, quantization="none")
+    bf16, _ = load_model(tiny_model_dir, torch.bfloat16, quantization="int8")
+    for model in (plain, bf16):
+        assert all(layer.native is None for layer in model.model.layers)

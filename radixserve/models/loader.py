@@ -106,11 +106,13 @@ def load_model(
     if dtype in (torch.bfloat16, torch.float32) and on_cpu:
         native.ops()  # build (or load the cached build of) the fused ops now, not mid-request
     formats = sorted({m.fmt for m in model.modules() if isinstance(m, QuantLinear)})
+    native_layers = model.use_native_layers()
     logger.info(
-        "loaded %s (%s, %d layers) as %s on %s; weights: %s; linear: %s",
+        "loaded %s (%s, %d layers) as %s on %s; weights: %s; linear: %s%s",
         gguf or path, config.architecture, config.num_layers, dtype, device,
         "quantized " + "/".join(formats) if formats else f"{dtype} (not quantized)",
         "oneDNN packed weights" if packed else "F.linear",
+        "; layers: native (2 calls each)" if native_layers else "",
     )  # fmt: skip
     return model, config
 

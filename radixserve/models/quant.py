@@ -38,6 +38,9 @@ BLOCK = 32
 # benchmarks/bench_quant.py) bf16 tiles take 1.2-1.6x the int16 GEMM's time at 48-64 rows, about
 # the same at 96, 0.6-0.95x at 128, 0.6x at 1024.
 BF16_TILED_M = 96
+# A quantized projection as the native decoder-layer halves take it: (blocks, format code,
+# small_m, bias).
+NativeLinear = tuple[Tensor, int, int, Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,10 @@ class QuantLinear(nn.Module):
         if x.dtype != torch.float32:
             y = y.to(x.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def native_arg(self) -> NativeLinear:
+        """This projection as the native decoder-layer calls take it (see llama.NativeLayer)."""
+        return self.blocks, self.code, self.small_m, self.bias
 
     def rows(self, ids: Tensor) -> Tensor:
         """Rows `ids` (int64) of the dequantized weight -> (len(ids), K) float32 (token

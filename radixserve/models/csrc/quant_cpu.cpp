@@ -31,6 +31,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -714,6 +716,117 @@ at::Tensor dequant(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tensor
   return out;
 }
 
+// ------------------------------------------------------------------ decoder-layer halves
+//
+// A Llama decoder layer whose projections are all quantized, float32 activations, in two
+// calls around attention (radixserve/models/llama.py, LlamaDecoderLayer.forward): the same
+// math as the module path (the kernels QuantLinear picks, HF RMSNorm, rotate-half RoPE,
+// torch's SwiGLU), without the ~25 small torch ops and Python calls a layer otherwise makes
+// (a batch-1 decode step is short enough for them to be a third of it).
+
+namespace {
+
+// One quantized projection: the weight's bytes, format, the rows up to which the
+// weight-streaming kernel runs (QuantLinear.small_m), and an optional bias.
+struct QLinear {
+  at::Tensor w;
+  int64_t fmt, small_m;
+  std::optional<at::Tensor> bias;
+};
+
+QLinear qlinear_arg(const std::tuple<at::Tensor, int64_t, int64_t, std::optional<at::Tensor>>& t) {
+  return {std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t)};
+}
+
+// x (M, K) float32 -> (M, N) float32, as QuantLinear.forward for float32 x.
+at::Tensor apply(const QLinear& l, const at::Tensor& x) {
+  const int64_t K = x.size(1);
+#ifdef RS_AVX2
+  at::Tensor y = x.size(0) <= l.small_m ? qmatmul_small(x, l.w, l.fmt, K) : qmatmul_gemm(x, l.w, l.fmt, K);
+#else
+  at::Tensor y = x.size(0) <= l.small_m ? qmatmul_small(x, l.w, l.fmt, K) : qmatmul_tiled(x, l.w, l.fmt, K);
+#endif
+  if (l.bias) y.add_(*l.bias);
+  return y;
+}
+
+// HF LlamaRMSNorm on float32 rows: w * (x * rsqrt(mean(x^2) + eps)).
+at::Tensor rms_norm_f32(const at::Tensor& x, const at::Tensor& w, double eps) {
+  const int64_t rows = x.size(0), h = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * h;
+      float sum = 0.f;
+      for (int64_t i = 0; i < h; ++i) sum += xr[i] * xr[i];
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(h) + static_cast<float>(eps));
+      for (int64_t i = 0; i < h; ++i) op[r * h + i] = wp[i] * (xr[i] * inv);
+    }
+  });
+  return out;
+}
+
+void check_f32(const at::Tensor& t, int64_t dim, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == dim, name,
+              ": contiguous float32 CPU tensor of ", dim, " dims expected, got ", t.sizes(), " ", t.scalar_type());
+}
+
+}  // namespace
+
+using LinearArg = std::tuple<at::Tensor, int64_t, int64_t, std::optional<at::Tensor>>;
+
+// h (T, H) float32 -> [q (T, Hq, D) float32, k, v (T, Hkv, D) in kv_like's dtype]: RMSNorm,
+// the fused qkv projection, RoPE of q and k from `table` rows (T, 2, D) ([cos | cos],
+// [-sin | sin]); k and v rounded to the KV pool's dtype once, here.
+std::vector<at::Tensor> pre_attention(const at::Tensor& h, const at::Tensor& norm_w, double eps,
+                                      const LinearArg& qkv_arg, const at::Tensor& table, int64_t q_heads,
+                                      int64_t kv_heads, const at::Tensor& kv_like) {
+  check_f32(h, 2, "h");
+  check_f32(table, 3, "table");
+  const int64_t t = h.size(0), d = table.size(2), half = d / 2;
+  TORCH_CHECK(table.size(0) == t && table.size(1) == 2 && d % 2 == 0, "table: (T, 2, D) expected");
+  const at::Tensor qkv = apply(qlinear_arg(qkv_arg), rms_norm_f32(h, norm_w, eps));  // (T, (Hq + 2 Hkv) D)
+  TORCH_CHECK(qkv.size(1) == (q_heads + 2 * kv_heads) * d, "qkv width ", qkv.size(1), " != (Hq + 2 Hkv) * D");
+  at::Tensor q = at::empty({t, q_heads, d}, h.options());
+  at::Tensor k = at::empty({t, kv_heads, d}, h.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* tab = table.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  const int64_t width = qkv.size(1);
+  at::parallel_for(0, t, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* cos = tab + r * 2 * d;
+      const float* sin = cos + d;
+      for (int64_t hd = 0; hd < q_heads + kv_heads; ++hd) {
+        const float* x = src + r * width + hd * d;
+        float* o = hd < q_heads ? qp + (r * q_heads + hd) * d : kp + (r * kv_heads + hd - q_heads) * d;
+        for (int64_t j = 0; j < d; ++j) o[j] = x[j] * cos[j] + x[j < half ? j + half : j - half] * sin[j];
+      }
+    }
+  });
+  const at::Tensor v = qkv.narrow(1, (q_heads + kv_heads) * d, kv_heads * d).view({t, kv_heads, d});
+  const auto kv_dtype = kv_like.scalar_type();
+  return {q, k.to(kv_dtype), v.to(kv_dtype)};
+}
+
+// h (T, H) float32, attn (T, Hq * D) float32 (the attention output) -> the layer's output
+// h + o + mlp(norm(h + o)), o = o_proj(attn), mlp = down(silu(gate) * up).
+at::Tensor post_attention(const at::Tensor& h, const at::Tensor& attn, const LinearArg& o_arg,
+                          const at::Tensor& norm_w, double eps, const LinearArg& gate_up_arg,
+                          const LinearArg& down_arg) {
+  check_f32(h, 2, "h");
+  TORCH_CHECK(attn.scalar_type() == at::kFloat && attn.dim() == 2, "attn: (T, Hq * D) float32 expected");
+  at::Tensor h1 = apply(qlinear_arg(o_arg), attn.contiguous()).add_(h);
+  const at::Tensor gu = apply(qlinear_arg(gate_up_arg), rms_norm_f32(h1, norm_w, eps));
+  const int64_t inter = gu.size(1) / 2;
+  const at::Tensor act = at::silu(gu.narrow(1, 0, inter)).mul_(gu.narrow(1, inter, inter));
+  return apply(qlinear_arg(down_arg), act).add_(h1);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul_small", &qmatmul_small, "x @ dequant(w).T, decode-sized M");
   m.def("qmatmul_tiled", &qmatmul_tiled, "x @ dequant(w).T, tiles dequantized into sgemm");
@@ -724,4 +837,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("int_gemm") = false;
 #endif
   m.def("dequant", &dequant, "rows of a block-quantized weight as float32");
+  m.def("pre_attention", &pre_attention, "RMSNorm, quantized qkv projection and RoPE of a decoder layer");
+  m.def("post_attention", &post_attention, "o_proj, residual, RMSNorm, quantized SwiGLU MLP, residual");
 }
