@@ -233,7 +233,12 @@ class LlamaDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def _native_forward(
-        self, n: NativeLayer, h: Tensor, cos_sin: Tensor, batch: ForwardBatch, attn: AttentionBackend
+        self,
+        n: NativeLayer,
+        h: Tensor,
+        cos_sin: Tensor,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
     ) -> Tensor:
         """The same layer in two native calls around attention (the module path's math)."""
         a = self.self_attn
@@ -318,9 +323,9 @@ class LlamaForCausalLM(nn.Module):
         quantized kernels built. A batch-1 decode step makes ~25 small torch ops and Python
         calls a layer otherwise (measured ~1/3 of the step at 1K context on the AVX2 EPYC).
         Returns whether it applies."""
-        ops = quant.ops()
-        norm = self.model.norm.weight
-        if ops is None or self.tp_size > 1 or norm.device.type != "cpu" or norm.dtype != torch.float32:
+        ops, norm = quant.ops(), self.model.norm.weight
+        on_cpu_f32 = norm.device.type == "cpu" and norm.dtype == torch.float32
+        if ops is None or self.tp_size > 1 or not on_cpu_f32:
             return False
         layers = list(self.model.layers)
         projections = [
