@@ -232,6 +232,24 @@ class LlamaDecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos_sin, batch, attn)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def native_layer(self, ops: ModuleType) -> NativeLayer | None:
+        """This layer's weights for the native calls, or None where a projection is not
+        quantized."""
+        a, m = self.self_attn, self.mlp
+        qkv, o, gate_up, down = a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj
+        if not (
+            isinstance(qkv, QuantLinear)
+            and isinstance(o, QuantLinear)
+            and isinstance(gate_up, QuantLinear)
+            and isinstance(down, QuantLinear)
+        ):
+            return None
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        return NativeLayer(
+            ops, norm1.eps, norm1.weight, qkv.native_arg(), o.native_arg(), norm2.weight,
+            gate_up.native_arg(), down.native_arg(),
+        )  # fmt: skip
+
     def _native_forward(
         self,
         n: NativeLayer,
@@ -327,21 +345,12 @@ class LlamaForCausalLM(nn.Module):
         on_cpu_f32 = norm.device.type == "cpu" and norm.dtype == torch.float32
         if ops is None or self.tp_size > 1 or not on_cpu_f32:
             return False
-        layers = list(self.model.layers)
-        projections = [
-            (ly.self_attn.qkv_proj, ly.self_attn.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj)
-            for ly in layers
-        ]
-        if not all(isinstance(p, QuantLinear) for ps in projections for p in ps):
+        layers = [ly for ly in self.model.layers if isinstance(ly, LlamaDecoderLayer)]
+        natives = [layer.native_layer(ops) for layer in layers]
+        if any(n is None for n in natives):
             return False
-        for layer, (qkv, o, gate_up, down) in zip(layers, projections, strict=True):
-            assert isinstance(qkv, QuantLinear) and isinstance(o, QuantLinear)
-            assert isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear)
-            layer.native = NativeLayer(
-                ops, layer.input_layernorm.eps, layer.input_layernorm.weight, qkv.native_arg(),
-                o.native_arg(), layer.post_attention_layernorm.weight, gate_up.native_arg(),
-                down.native_arg(),
-            )  # fmt: skip
+        for layer, n in zip(layers, natives, strict=True):
+            layer.native = n
         return True
 
     def pack_linear_weights(self) -> None:
