@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from radixserve import Engine
-from radixserve.attention.tree import batched_nodes
+from radixserve.attention.tree import TreePlan, batched_nodes
 from radixserve.core.params import SamplingParams
 from radixserve.core.request import TokenizedRequest
 from radixserve.prompt import pml
@@ -114,17 +114,26 @@ def test_modules_any_order_subset_with_argument(engine: Engine) -> None:
 
 
 def test_concurrent_requests_share_module_segment(engine: Engine) -> None:
-    engine.register_schema(docs_schema("big", words=200))
-    prompts = [pml.prompt("big", pml.use("d0"), pml.use("d1"), f"question {i}") for i in range(6)]
+    """Nine requests import d3 after none, one or two other documents: d3 sits at three
+    offsets in them, and
+    is still ONE segment attended once for all nine (with the system text; 9 x ~240 tokens
+    pass the default TreeBackend.keeps)."""
+    engine.register_schema(docs_schema("big", words=230))
+    imports = [[pml.use(f"d{j}") for j in range(i % 3)] + [pml.use("d3")] for i in range(9)]
+    prompts = [pml.prompt("big", *uses, f"question {i}") for i, uses in enumerate(imports)]
     alone = [out_ids(engine.generate(pml=p, sampling_params=GREEDY)) for p in prompts]
     together = engine.generate(pml=prompts, sampling_params=GREEDY)
     assert [out_ids(r) for r in together] == alone
-    batch = engine.scheduler.last_batch  # the last decode step: all six ran together
-    assert batch is not None and batch.num_requests == 6
-    module_nodes = {node for path in batch.paths for node, _ in path}
-    # chains ("",), ("", "d0"), ("", "d0", "d1"): the system text, then the documents
-    assert len(module_nodes) == 3 and all(n < 0 for n in module_nodes)
-    assert module_nodes <= batched_nodes(batch)  # attended once for the six requests
+    batch = engine.scheduler.last_batch  # the last decode step: all nine ran together
+    assert batch is not None and batch.num_requests == 9
+    system, d3 = batch.paths[0]  # one node per module: the system text (""), then d3
+    assert all(p[0] == system and p[-1] == d3 for p in batch.paths)
+    assert len({sum(n for _, n in p[:-1]) for p in batch.paths}) == 3  # d3's offsets
+    plan = batch.attn_plan
+    assert isinstance(plan, TreePlan)
+    [seg] = [s for s in plan.segments if d3[0] in s.nodes]
+    assert seg.requests == tuple(range(9)) and seg.nodes == (system[0], d3[0])
+    assert {system[0], d3[0]} <= batched_nodes(batch)
     assert_baseline(engine, engine.scheduler.kv.modules.num_slots)
     engine.remove_schema("big")
     assert_baseline(engine, 0)

@@ -9,10 +9,10 @@ request owns them and the prefix cache never sees them, so they are neither evic
 freed by a request (KVManager counts `num_slots` as in use elsewhere). A request importing
 modules lists their slots first in its kv_indices (see core/modules.py).
 
-Tree attention: a request's modules are presented as path nodes with ids of their own
-(negative: radix node ids are >= 0), one per chain of leading modules ("a", then "a, c"),
-so requests that import the same leading modules share those segments, and the paths of a
-batch still form a tree.
+Tree attention: each registered module is a path node with an id of its own (negative:
+radix node ids are >= 0), listed by every request importing it wherever it sits in that
+request's imports; the tree backend attends a module shared by several requests of a step
+once for all of them (attention/tree.py, plan step 1).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class _Schema:
 class ModuleStore:
     def __init__(self) -> None:
         self.schemas: dict[str, _Schema] = {}
-        self._chain_ids: dict[tuple[str, tuple[str, ...]], int] = {}
+        self._node_ids: dict[tuple[str, str], int] = {}  # (schema, module) -> path node id
         self._next_id = itertools.count(-1, -1)
 
     @property
@@ -52,7 +52,7 @@ class ModuleStore:
     def remove(self, name: str) -> torch.Tensor:
         """Forget schema `name`; returns its slots for the caller to free."""
         entry = self.schemas.pop(name)
-        self._chain_ids = {k: v for k, v in self._chain_ids.items() if k[0] != name}
+        self._node_ids = {k: v for k, v in self._node_ids.items() if k[0] != name}
         return torch.cat([torch.empty(0, dtype=torch.int64), *entry.slots.values()])
 
     def check(self, request: TokenizedRequest) -> None:
@@ -89,14 +89,15 @@ class ModuleStore:
         )
 
     def path(self, use: ModuleUse) -> list[tuple[int, int]]:
-        """(node id, tokens) per imported module: one id per chain of leading modules."""
+        """(node id, tokens) per imported module: one id per module of a registered schema."""
         entry = self.schemas[use.schema]
-        out = []
-        for i, name in enumerate(use.modules):
-            key = (use.schema, tuple(use.modules[: i + 1]))
-            node = self._chain_ids.setdefault(key, next(self._next_id))
-            out.append((node, entry.slots[name].numel()))
-        return out
+        return [
+            (
+                self._node_ids.setdefault((use.schema, m), next(self._next_id)),
+                entry.slots[m].numel(),
+            )
+            for m in use.modules
+        ]
 
 
 def encode(
