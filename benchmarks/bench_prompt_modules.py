@@ -17,8 +17,17 @@ for the timings.
     distribution, full prefill || reuse, over the full prefill's top-20 tokens (a token
     missing from reuse's top 20 gets reuse's 20th logprob: an under-estimate).
 
+(c) `--decode` (instead of (a) and (b)): one decode step of `--batch` requests, each
+    importing a random `--min-docs`..`--max-docs` of the `--docs` modules in a random order
+    (so a module sits at other offsets in different requests), with the tree attention
+    backend (a module shared by several requests is one segment, read once per step) and
+    the flat one (every request reads all its keys). Per backend: the median of
+    `--steps` decode steps' wall time (scheduler steps, after every prompt is prefilled),
+    and the K/V rows one layer's attention reads in the last step.
+
     python benchmarks/bench_prompt_modules.py --data-path /path/to/gsm8k --json out.json \\
         --plot docs/img/prompt_modules.png
+    python benchmarks/bench_prompt_modules.py --data-path /path/to/gsm8k --decode --json d.json
 """
 
 from __future__ import annotations
@@ -39,6 +48,10 @@ import torch  # noqa: E402
 from benchmarks import eval_data  # noqa: E402
 from benchmarks.eval_gsm8k import STOP, extract_answer  # noqa: E402
 from radixserve import Engine  # noqa: E402
+from radixserve.attention.tree import TreePlan  # noqa: E402
+from radixserve.core.batch import ForwardBatch  # noqa: E402
+from radixserve.core.params import SamplingParams  # noqa: E402
+from radixserve.core.request import TokenizedRequest  # noqa: E402
 from radixserve.prompt import pml  # noqa: E402
 
 FIRST_TOKEN = {"temperature": 0, "max_new_tokens": 1}
@@ -168,6 +181,78 @@ def bench_quality(engine: Engine, args: argparse.Namespace, data: str | None) ->
     }
 
 
+def rows_read(batch: ForwardBatch) -> int:
+    """K/V rows one layer's attention reads in `batch`: every request's keys (flat), or each
+    kept segment once plus every private part (tree)."""
+    plan = batch.attn_plan
+    if not isinstance(plan, TreePlan):
+        return sum(batch.seq_lens)
+    shared = sum(s.num_tokens for s in plan.segments)
+    return shared + sum(batch.seq_lens) - sum(s.num_tokens * len(s.requests) for s in plan.segments)
+
+
+def decode_steps(engine: Engine, prompts: list[Any], steps: int) -> dict[str, Any]:
+    """Prefill `prompts` on `engine`'s scheduler, then time `steps` decode steps."""
+    sched = engine.scheduler
+    params = SamplingParams(temperature=0, max_new_tokens=steps + 2, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        ids, use = engine.schemas.token_ids(prompt, module_reuse=True)
+        sched.add_request(TokenizedRequest(f"decode-{i}", ids, params, modules=use))
+    while len(sched.running) < len(prompts) or any(not r.output_ids for r in sched.running):
+        sched.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        sched.step()
+        times.append(time.perf_counter() - start)
+    batch = sched.last_batch
+    assert batch is not None and batch.is_decode and batch.num_requests == len(prompts)
+    plan = batch.attn_plan
+    segments = plan.segments if isinstance(plan, TreePlan) else []
+    out = {
+        "step_s_median": statistics.median(times),
+        "step_s": times,
+        "kv_rows_read": rows_read(batch),
+        "kv_rows": sum(batch.seq_lens),
+        "segments": [[len(s.requests), s.num_tokens] for s in segments],
+    }
+    list(sched.run_until_idle())
+    return out
+
+
+def bench_decode(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """(c): the same prompts, one decode batch, tree vs flat attention."""
+    rng = random.Random(args.seed)
+    picks = [
+        rng.sample(range(args.docs), rng.randint(args.min_docs, args.max_docs))
+        for _ in range(args.batch)
+    ]
+    prompts = [
+        pml.prompt("docs", *(pml.use(f"doc{i}") for i in picked), f"Question {b}:")
+        for b, picked in enumerate(picks)
+    ]
+    out: dict[str, Any] = {"batch": args.batch, "imports": picks}
+    for backend in ("tree", "flat"):
+        engine = Engine(args.model, dtype=args.dtype, max_total_tokens=65536,
+                        attention_backend=backend)  # fmt: skip
+        docs = documents(engine, rows, args.docs, args.doc_tokens)
+        engine.register_schema(
+            pml.schema("docs", *(pml.module(f"doc{i}", d) for i, d in enumerate(docs)))
+        )
+        decode_steps(engine, prompts, 2)  # warm up: first steps pay one-time costs
+        out[backend] = run = decode_steps(engine, prompts, args.steps)
+        engine.check_integrity()
+        print(
+            f"{backend}: decode step {run['step_s_median'] * 1e3:.1f} ms (median of "
+            f"{args.steps}), K/V rows read per layer {run['kv_rows_read']} of "
+            f"{run['kv_rows']}, segments (requests, tokens) {run['segments']}",
+            flush=True,
+        )
+    out["speedup"] = out["flat"]["step_s_median"] / out["tree"]["step_s_median"]
+    print(f"tree vs flat decode step: {out['speedup']:.2f}x", flush=True)
+    return out
+
+
 def plot(result: dict[str, Any], out: Path) -> None:
     import matplotlib
 
@@ -210,6 +295,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--decode", action="store_true", help="(c) only: tree vs flat decode")
+    ap.add_argument("--batch", type=int, default=16, help="(c): requests in the decode batch")
+    ap.add_argument("--steps", type=int, default=10, help="(c): decode steps timed")
     ap.add_argument("--machine", default="this machine", help="label for the plot title")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
@@ -220,11 +308,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    rows = eval_data.gsm8k(args.data_path, "train")
+    if args.decode:
+        result = {"machine": args.machine, "threads": torch.get_num_threads(), "args": vars(args)}
+        result["decode"] = bench_decode(args, rows)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        return result
     engine = Engine(args.model, dtype=args.dtype, max_total_tokens=65536)
     plain = Engine(args.model, dtype=args.dtype, max_total_tokens=16384, disable_radix_cache=True)
     for e in (engine, plain):  # first calls pay one-time costs (kernel builds, allocations)
         e.generate(" ".join(["warm up"] * 300), FIRST_TOKEN)
-    rows = eval_data.gsm8k(args.data_path, "train")
     result: dict[str, Any] = {
         "model": args.model or "SmolLM2-135M-Instruct (embedded)",
         "machine": args.machine,

@@ -226,3 +226,55 @@ def test_retraction_recomputes_own_tokens_at_their_positions(
     # retracted sample computes its own tokens and its outputs so far again
     assert small.scheduler.stats().computed_tokens_total > own + 6 * 39
     assert_baseline(small, pinned)
+
+
+def test_schema_encodes_over_steps_while_a_request_decodes(tiny_model_dir: Path) -> None:
+    """Registering encodes one prefill batch per step beside the running requests: a
+    generating request gets a token every step of the encoding; a prompt importing the
+    schema meanwhile is refused as still being encoded; KV accounting stays exact."""
+    small = make_engine(tiny_model_dir, chunked_prefill_size=32, max_prefill_tokens=64)
+    sched = small.scheduler
+    params = SamplingParams(temperature=0, max_new_tokens=400, ignore_eos=True)
+    sched.add_request(TokenizedRequest("running", small.tokenizer.encode("Count: 1 2 3"), params))
+    got: list[int] = []
+    while not got:
+        got += [t for o in sched.step() for t in o.new_token_ids]
+    done: list[str | None] = []
+    names = small.begin_schema(docs_schema(), done.append)
+    need = sum(len(m.token_ids) for m in sched.kv.modules.encoding["docs"].compiled.modules)
+    assert names[:2] == ["d0", "d1"] and need > 4 * 32
+    use = pml.prompt("docs", pml.use("d0"), "x")
+    with pytest.raises(ValueError, match="'docs' is still being encoded"):
+        small.generate(pml=use)
+    steps = 0
+    while not done:
+        before = len(got)
+        got += [t for o in sched.step() for t in o.new_token_ids]
+        assert len(got) == before + 1  # the running request advanced in this step too
+        sched.check_integrity()  # the schema's slots count as pinned from the start
+        steps += 1
+    assert done == [None] and steps >= need // 32  # one chunk (<= 32 tokens) a step
+    sched.abort_request("running")
+    list(sched.run_until_idle())
+    want = out_ids(small.generate(pml=use, sampling_params=GREEDY))
+    fresh = make_engine(tiny_model_dir)
+    fresh.register_schema(docs_schema())  # encoded with nothing else running, other chunks
+    assert out_ids(fresh.generate(pml=use, sampling_params=GREEDY)) == want
+    assert_baseline(small, sched.kv.modules.num_slots)
+
+
+def test_schema_removed_while_encoding(tiny_model_dir: Path) -> None:
+    small = make_engine(tiny_model_dir, chunked_prefill_size=16, max_prefill_tokens=16)
+    done: list[str | None] = []
+    small.begin_schema(docs_schema("late"), done.append)
+    with pytest.raises(ValueError, match="already registered"):
+        small.register_schema(docs_schema("late"))
+    small.scheduler.step()
+    assert not done and small.scheduler.schemas()[0]["status"] == "encoding"
+    small.remove_schema("late")
+    assert done == ["schema 'late' was deleted while it was being encoded"]
+    assert not small.scheduler.has_work()
+    with pytest.raises(ValueError, match="no schema 'late' is registered"):
+        small.generate(pml=pml.prompt("late", pml.use("d0"), "x"))
+    assert_baseline(small, 0)
+    assert small.register_schema(docs_schema("late"))[:1] == ["d0"]  # the name is free again
