@@ -228,19 +228,19 @@ def test_retraction_recomputes_own_tokens_at_their_positions(
     assert_baseline(small, pinned)
 
 
-def test_schema_encodes_over_steps_while_a_request_decodes(tiny_model_dir: Path) -> None:
-    """Registering encodes one prefill batch per step beside the running requests: a
-    generating request gets a token every step of the encoding; a prompt importing the
-    schema meanwhile is refused as still being encoded; KV accounting stays exact."""
-    small = make_engine(tiny_model_dir, chunked_prefill_size=32, max_prefill_tokens=64)
+def check_encoding_goes_beside_decoding(model_dir: Path | None, words: int) -> None:
+    """Registering encodes one chunk per step beside the running requests: a generating
+    request gets a token every step of the encoding; a prompt importing the schema
+    meanwhile is refused as still being encoded; KV accounting stays exact."""
+    small = make_engine(model_dir, chunked_prefill_size=32, max_prefill_tokens=64)
     sched = small.scheduler
-    params = SamplingParams(temperature=0, max_new_tokens=400, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_new_tokens=1000, ignore_eos=True)
     sched.add_request(TokenizedRequest("running", small.tokenizer.encode("Count: 1 2 3"), params))
     got: list[int] = []
     while not got:
         got += [t for o in sched.step() for t in o.new_token_ids]
     done: list[str | None] = []
-    names = small.begin_schema(docs_schema(), done.append)
+    names = small.begin_schema(docs_schema(words=words), done.append)
     need = sum(len(m.token_ids) for m in sched.kv.modules.encoding["docs"].compiled.modules)
     assert names[:2] == ["d0", "d1"] and need > 4 * 32
     use = pml.prompt("docs", pml.use("d0"), "x")
@@ -257,10 +257,19 @@ def test_schema_encodes_over_steps_while_a_request_decodes(tiny_model_dir: Path)
     sched.abort_request("running")
     list(sched.run_until_idle())
     want = out_ids(small.generate(pml=use, sampling_params=GREEDY))
-    fresh = make_engine(tiny_model_dir)
-    fresh.register_schema(docs_schema())  # encoded with nothing else running, other chunks
+    fresh = make_engine(model_dir)
+    fresh.register_schema(docs_schema(words=words))  # encoded alone, in other chunks
     assert out_ids(fresh.generate(pml=use, sampling_params=GREEDY)) == want
     assert_baseline(small, sched.kv.modules.num_slots)
+
+
+def test_schema_encodes_over_steps_while_a_request_decodes(tiny_model_dir: Path) -> None:
+    check_encoding_goes_beside_decoding(tiny_model_dir, 60)
+
+
+@pytest.mark.slow
+def test_schema_encodes_over_steps_while_a_request_decodes_smollm2() -> None:
+    check_encoding_goes_beside_decoding(None, 300)
 
 
 def test_schema_removed_while_encoding(tiny_model_dir: Path) -> None:
