@@ -135,6 +135,32 @@ def test_dsl_program_over_http(server, client: httpx.Client) -> None:
     assert held(client) == (0, 0)
 
 
+def test_openai_chat_with_pml(client: httpx.Client) -> None:
+    """/v1/chat/completions takes `pml` instead of `messages`: the same tokens as /generate."""
+    assert client.post("/schemas", json={"pml": SCHEMA}).status_code == 200
+    try:
+        body = {"pml": PROMPT, "temperature": 0, "max_tokens": 6}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        want = gen(client, pml=PROMPT)
+        assert r.json()["choices"][0]["message"]["content"] == want["text"]
+        assert r.json()["usage"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
+        full = client.post("/v1/chat/completions", json={**body, "module_reuse": False})
+        assert full.status_code == 200 and full.json()["choices"][0]["message"]["content"]
+        bad = {
+            "both": ({**body, "messages": [{"role": "user", "content": "x"}]}, "either messages"),
+            "tools": ({**body, "tools": []}, "either messages (and tools) or pml"),
+            "neither": ({"max_tokens": 2}, "messages must be a non-empty list (or give pml"),
+            "unknown": ({"pml": '<prompt schema="zz">x</prompt>'}, "no schema 'zz'"),
+        }
+        for name, (b, message) in bad.items():
+            r = client.post("/v1/chat/completions", json=b)
+            assert r.status_code == 400 and message in r.text, (name, r.text)
+    finally:
+        assert client.delete("/schemas/srv").status_code == 200
+    assert held(client) == (0, 0)
+
+
 BIG_DOC = " ".join(f"item {i} weighs {i * 13 % 17} grams." for i in range(90))
 BIG_SCHEMA = '<schema name="big"><module name="doc">' + BIG_DOC + "</module></schema>"
 
