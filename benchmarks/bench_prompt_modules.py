@@ -22,9 +22,10 @@ for the timings.
     (so a module sits at other offsets in different requests), with the tree attention
     backend (a module shared by several requests is one segment, read once per step) and
     the flat one (every request reads all its keys). Per backend: the median of
-    `--steps` decode steps' wall time (scheduler steps, after every prompt is prefilled),
-    best of `--repeats` rounds that interleave the backends, and the K/V rows one layer's
-    attention reads in the last step.
+    `--steps` decode steps' wall time (scheduler steps, after every prompt is prefilled)
+    and of the backend's plan and of one layer's attention over the last step's batch, best of
+    `--repeats` rounds that interleave the backends, and the K/V rows one layer's
+    attention reads in that step.
 
     python benchmarks/bench_prompt_modules.py --data-path /path/to/gsm8k --json out.json \\
         --plot docs/img/prompt_modules.png
@@ -218,7 +219,26 @@ def decode_steps(engine: Engine, prompts: list[Any], steps: int) -> dict[str, An
         "segments": [[len(s.requests), s.num_tokens] for s in segments],
     }
     list(sched.run_until_idle())
+    out.update(attention_s(engine, batch, steps))
     return out
+
+
+def attention_s(engine: Engine, batch: ForwardBatch, repeats: int) -> dict[str, float]:
+    """Median times of the backend's plan and of one layer's attention over `batch` (random
+    q/k/v, layer 0). Its requests have finished: the slots it writes are free ones."""
+    mc, backend = engine.worker.model_config, engine.worker.backend
+    t, dtype = batch.input_ids.numel(), engine.worker.dtype
+    q = torch.randn(t, mc.num_heads, mc.head_dim, dtype=dtype)
+    k = torch.randn(t, mc.num_kv_heads, mc.head_dim, dtype=dtype)
+    plans, layers = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        backend.plan(batch)
+        plans.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        backend.forward(q, k, k.clone(), 0, batch, mc.head_dim**-0.5)
+        layers.append(time.perf_counter() - start)
+    return {"plan_s": statistics.median(plans), "layer_s": statistics.median(layers)}
 
 
 def bench_decode(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -248,18 +268,25 @@ def bench_decode(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[s
         out["rounds"].append(runs)
         for name, run in runs.items():
             print(
-                f"round {r} {name}: decode step {run['step_s_median'] * 1e3:.1f} ms (median "
-                f"of {args.steps}), K/V rows read per layer {run['kv_rows_read']} of "
+                f"round {r} {name}: decode step {run['step_s_median'] * 1e3:.1f} ms, plan "
+                f"{run['plan_s'] * 1e3:.2f} ms, one layer's attention "
+                f"{run['layer_s'] * 1e3:.2f} ms (medians of {args.steps}), "
+                f"K/V rows read per layer {run['kv_rows_read']} of "
                 f"{run['kv_rows']}, segments (requests, tokens) {run['segments']}",
                 flush=True,
             )
     for name, engine in engines.items():
         engine.check_integrity()
-        out[f"{name}_step_s"] = min(r[name]["step_s_median"] for r in out["rounds"])
-    out["speedup"] = out["flat_step_s"] / out["tree_step_s"]
+        for key in ("step_s_median", "plan_s", "layer_s"):
+            out[f"{name}_{key}"] = min(r[name][key] for r in out["rounds"])
+    out["speedup"] = out["flat_step_s_median"] / out["tree_step_s_median"]
+    out["layer_speedup"] = out["flat_layer_s"] / out["tree_layer_s"]
     print(
-        f"best of {args.repeats}: tree {out['tree_step_s'] * 1e3:.1f} ms, flat "
-        f"{out['flat_step_s'] * 1e3:.1f} ms per decode step: tree {out['speedup']:.2f}x",
+        f"best of {args.repeats}: decode step tree {out['tree_step_s_median'] * 1e3:.1f} ms, "
+        f"flat {out['flat_step_s_median'] * 1e3:.1f} ms (tree {out['speedup']:.2f}x); one "
+        f"layer's attention tree {out['tree_layer_s'] * 1e3:.2f} ms, flat "
+        f"{out['flat_layer_s'] * 1e3:.2f} ms (tree {out['layer_speedup']:.2f}x); plan tree "
+        f"{out['tree_plan_s'] * 1e3:.2f} ms, flat {out['flat_plan_s'] * 1e3:.2f} ms",
         flush=True,
     )
     return out

@@ -152,6 +152,8 @@ def test_openai_chat_with_pml(client: httpx.Client) -> None:
             "tools": ({**body, "tools": []}, "either messages (and tools) or pml"),
             "neither": ({"max_tokens": 2}, "messages must be a non-empty list (or give pml"),
             "unknown": ({"pml": '<prompt schema="zz">x</prompt>'}, "no schema 'zz'"),
+            "stream": ({"pml": "0", "stream": True}, "PML: malformed markup"),
+            "module_reuse": ({**body, "module_reuse": "no"}, "module_reuse must be"),
         }
         for name, (b, message) in bad.items():
             r = client.post("/v1/chat/completions", json=b)

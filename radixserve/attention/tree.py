@@ -150,8 +150,8 @@ class TreeBackend(AttentionBackend):
 
     `plan(batch)` sets `batch.attn_plan` to a TreePlan and touches no K/V. `forward` writes the
     new K/V at `batch.out_cache_loc` of `layer` (mutates the pool), then reads only slots of
-    the batch's kv_indices. Raises AssertionError when the paths are not a tree consistent
-    with kv_indices (a node with two lengths or two sets of slots, a path past prefix_len).
+    the batch's kv_indices. Raises AssertionError when the paths are not consistent with
+    kv_indices (a node with two lengths or two sets of slots, a path past prefix_len).
     """
 
     name = "tree"
