@@ -17,8 +17,19 @@ for the timings.
     distribution, full prefill || reuse, over the full prefill's top-20 tokens (a token
     missing from reuse's top 20 gets reuse's 20th logprob: an under-estimate).
 
+(c) `--decode` (instead of (a) and (b)): one decode step of `--batch` requests, each
+    importing a random `--min-docs`..`--max-docs` of the `--docs` modules in a random order
+    (so a module sits at other offsets in different requests), with the tree attention
+    backend (a module shared by several requests is one segment, read once per step) and
+    the flat one (every request reads all its keys). Per backend: the median of
+    `--steps` decode steps' wall time (scheduler steps, after every prompt is prefilled)
+    and of the backend's plan and of one layer's attention over the last step's batch, best of
+    `--repeats` rounds that interleave the backends, and the K/V rows one layer's
+    attention reads in that step.
+
     python benchmarks/bench_prompt_modules.py --data-path /path/to/gsm8k --json out.json \\
         --plot docs/img/prompt_modules.png
+    python benchmarks/bench_prompt_modules.py --data-path /path/to/gsm8k --decode --json d.json
 """
 
 from __future__ import annotations
@@ -39,6 +50,10 @@ import torch  # noqa: E402
 from benchmarks import eval_data  # noqa: E402
 from benchmarks.eval_gsm8k import STOP, extract_answer  # noqa: E402
 from radixserve import Engine  # noqa: E402
+from radixserve.attention.tree import TreePlan  # noqa: E402
+from radixserve.core.batch import ForwardBatch  # noqa: E402
+from radixserve.core.params import SamplingParams  # noqa: E402
+from radixserve.core.request import TokenizedRequest  # noqa: E402
 from radixserve.prompt import pml  # noqa: E402
 
 FIRST_TOKEN = {"temperature": 0, "max_new_tokens": 1}
@@ -168,6 +183,115 @@ def bench_quality(engine: Engine, args: argparse.Namespace, data: str | None) ->
     }
 
 
+def rows_read(batch: ForwardBatch) -> int:
+    """K/V rows one layer's attention reads in `batch`: every request's keys (flat), or each
+    kept segment once plus every private part (tree)."""
+    plan = batch.attn_plan
+    if not isinstance(plan, TreePlan):
+        return sum(batch.seq_lens)
+    shared = sum(s.num_tokens for s in plan.segments)
+    return shared + sum(batch.seq_lens) - sum(s.num_tokens * len(s.requests) for s in plan.segments)
+
+
+def decode_steps(engine: Engine, prompts: list[Any], steps: int) -> dict[str, Any]:
+    """Prefill `prompts` on `engine`'s scheduler, then time `steps` decode steps."""
+    sched = engine.scheduler
+    params = SamplingParams(temperature=0, max_new_tokens=steps + 2, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        ids, use = engine.schemas.token_ids(prompt, module_reuse=True)
+        sched.add_request(TokenizedRequest(f"decode-{i}", ids, params, modules=use))
+    while len(sched.running) < len(prompts) or any(not r.output_ids for r in sched.running):
+        sched.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        sched.step()
+        times.append(time.perf_counter() - start)
+    batch = sched.last_batch
+    assert batch is not None and batch.is_decode and batch.num_requests == len(prompts)
+    plan = batch.attn_plan
+    segments = plan.segments if isinstance(plan, TreePlan) else []
+    out = {
+        "step_s_median": statistics.median(times),
+        "step_s": times,
+        "kv_rows_read": rows_read(batch),
+        "kv_rows": sum(batch.seq_lens),
+        "segments": [[len(s.requests), s.num_tokens] for s in segments],
+    }
+    list(sched.run_until_idle())
+    out.update(attention_s(engine, batch, steps))
+    return out
+
+
+def attention_s(engine: Engine, batch: ForwardBatch, repeats: int) -> dict[str, float]:
+    """Median times of the backend's plan and of one layer's attention over `batch` (random
+    q/k/v, layer 0). Its requests have finished: the slots it writes are free ones."""
+    mc, backend = engine.worker.model_config, engine.worker.backend
+    t, dtype = batch.input_ids.numel(), engine.worker.dtype
+    q = torch.randn(t, mc.num_heads, mc.head_dim, dtype=dtype)
+    k = torch.randn(t, mc.num_kv_heads, mc.head_dim, dtype=dtype)
+    plans, layers = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        backend.plan(batch)
+        plans.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        backend.forward(q, k, k.clone(), 0, batch, mc.head_dim**-0.5)
+        layers.append(time.perf_counter() - start)
+    return {"plan_s": statistics.median(plans), "layer_s": statistics.median(layers)}
+
+
+def bench_decode(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """(c): the same prompts, one decode batch, tree vs flat attention; `--repeats` rounds,
+    the two backends interleaved in each, the best round's median kept per backend."""
+    rng = random.Random(args.seed)
+    picks = [
+        rng.sample(range(args.docs), rng.randint(args.min_docs, args.max_docs))
+        for _ in range(args.batch)
+    ]
+    prompts = [
+        pml.prompt("docs", *(pml.use(f"doc{i}") for i in picked), f"Question {b}:")
+        for b, picked in enumerate(picks)
+    ]
+    engines = {}
+    for backend in ("tree", "flat"):
+        engine = Engine(args.model, dtype=args.dtype, max_total_tokens=65536,
+                        attention_backend=backend)  # fmt: skip
+        docs = documents(engine, rows, args.docs, args.doc_tokens)
+        schema = pml.schema("docs", *(pml.module(f"doc{i}", d) for i, d in enumerate(docs)))
+        engine.register_schema(schema)
+        decode_steps(engine, prompts, 2)  # warm up: first steps pay one-time costs
+        engines[backend] = engine
+    out: dict[str, Any] = {"batch": args.batch, "imports": picks, "rounds": []}
+    for r in range(args.repeats):
+        runs = {name: decode_steps(e, prompts, args.steps) for name, e in engines.items()}
+        out["rounds"].append(runs)
+        for name, run in runs.items():
+            print(
+                f"round {r} {name}: decode step {run['step_s_median'] * 1e3:.1f} ms, plan "
+                f"{run['plan_s'] * 1e3:.2f} ms, one layer's attention "
+                f"{run['layer_s'] * 1e3:.2f} ms (medians of {args.steps}), "
+                f"K/V rows read per layer {run['kv_rows_read']} of "
+                f"{run['kv_rows']}, segments (requests, tokens) {run['segments']}",
+                flush=True,
+            )
+    for name, engine in engines.items():
+        engine.check_integrity()
+        for key in ("step_s_median", "plan_s", "layer_s"):
+            out[f"{name}_{key}"] = min(r[name][key] for r in out["rounds"])
+    out["speedup"] = out["flat_step_s_median"] / out["tree_step_s_median"]
+    out["layer_speedup"] = out["flat_layer_s"] / out["tree_layer_s"]
+    print(
+        f"best of {args.repeats}: decode step tree {out['tree_step_s_median'] * 1e3:.1f} ms, "
+        f"flat {out['flat_step_s_median'] * 1e3:.1f} ms (tree {out['speedup']:.2f}x); one "
+        f"layer's attention tree {out['tree_layer_s'] * 1e3:.2f} ms, flat "
+        f"{out['flat_layer_s'] * 1e3:.2f} ms (tree {out['layer_speedup']:.2f}x); plan tree "
+        f"{out['tree_plan_s'] * 1e3:.2f} ms, flat {out['flat_plan_s'] * 1e3:.2f} ms",
+        flush=True,
+    )
+    return out
+
+
 def plot(result: dict[str, Any], out: Path) -> None:
     import matplotlib
 
@@ -210,6 +334,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--decode", action="store_true", help="(c) only: tree vs flat decode")
+    ap.add_argument("--batch", type=int, default=16, help="(c): requests in the decode batch")
+    ap.add_argument("--steps", type=int, default=10, help="(c): decode steps timed")
+    ap.add_argument("--repeats", type=int, default=3, help="(c): interleaved rounds")
     ap.add_argument("--machine", default="this machine", help="label for the plot title")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
@@ -220,11 +348,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    rows = eval_data.gsm8k(args.data_path, "train")
+    if args.decode:
+        result = {"machine": args.machine, "threads": torch.get_num_threads(), "args": vars(args)}
+        result["decode"] = bench_decode(args, rows)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        return result
     engine = Engine(args.model, dtype=args.dtype, max_total_tokens=65536)
     plain = Engine(args.model, dtype=args.dtype, max_total_tokens=16384, disable_radix_cache=True)
     for e in (engine, plain):  # first calls pay one-time costs (kernel builds, allocations)
         e.generate(" ".join(["warm up"] * 300), FIRST_TOKEN)
-    rows = eval_data.gsm8k(args.data_path, "train")
     result: dict[str, Any] = {
         "model": args.model or "SmolLM2-135M-Instruct (embedded)",
         "machine": args.machine,

@@ -148,10 +148,23 @@ class EngineBackend(Backend):
         return bool(self.call(self.engine.scheduler.flush_cache))
 
     def register_schema(self, schema: Schema) -> list[str]:
-        try:  # on the dispatcher thread: encoding runs the model between steps
-            return list(self.call(lambda: self.engine.register_schema(schema)))
+        """Start the encoding on the dispatcher thread; its steps then encode the schema
+        beside the running jobs, and this returns once it is usable."""
+        done = threading.Event()
+        errors: list[str | None] = []
+
+        def finished(error: str | None) -> None:
+            errors.append(error)
+            done.set()
+
+        try:
+            names = list(self.call(lambda: self.engine.begin_schema(schema, finished)))
         except ValueError as e:
             raise BackendError(str(e)) from e
+        done.wait()
+        if errors[0] is not None:
+            raise BackendError(errors[0])
+        return names
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the dispatcher thread (between steps) and return its result."""
@@ -231,9 +244,9 @@ class EngineBackend(Backend):
     # ---------------------------------------------------------------- dispatcher thread
     def _loop_thread(self) -> None:
         closing = False
-        try:
-            while not (closing and not self._jobs):
-                closing = self._take(block=not self._jobs and not closing) or closing
+        try:  # busy: jobs, or a schema being encoded (`begin_schema`)
+            while not (closing and not self._busy()):
+                closing = self._take(block=not self._busy() and not closing) or closing
                 self._step()
         except BaseException as e:  # a bug here must not leave program threads waiting
             for job in self._jobs.values():
@@ -265,6 +278,9 @@ class EngineBackend(Backend):
                 self._jobs[item.request.rid] = item
                 self._loop.add(item.request)
         return None in items
+
+    def _busy(self) -> bool:
+        return bool(self._jobs) or self._loop.has_work()
 
     @staticmethod
     def _do_call(c: _Call) -> None:

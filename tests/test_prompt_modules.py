@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from radixserve import Engine
-from radixserve.attention.tree import batched_nodes
+from radixserve.attention.tree import TreePlan, batched_nodes
 from radixserve.core.params import SamplingParams
 from radixserve.core.request import TokenizedRequest
 from radixserve.prompt import pml
@@ -114,17 +114,26 @@ def test_modules_any_order_subset_with_argument(engine: Engine) -> None:
 
 
 def test_concurrent_requests_share_module_segment(engine: Engine) -> None:
-    engine.register_schema(docs_schema("big", words=200))
-    prompts = [pml.prompt("big", pml.use("d0"), pml.use("d1"), f"question {i}") for i in range(6)]
+    """Nine requests import d3 after none, one or two other documents: d3 sits at three
+    offsets in them, and
+    is still ONE segment attended once for all nine (with the system text; 9 x ~240 tokens
+    pass the default TreeBackend.keeps)."""
+    engine.register_schema(docs_schema("big", words=230))
+    imports = [[pml.use(f"d{j}") for j in range(i % 3)] + [pml.use("d3")] for i in range(9)]
+    prompts = [pml.prompt("big", *uses, f"question {i}") for i, uses in enumerate(imports)]
     alone = [out_ids(engine.generate(pml=p, sampling_params=GREEDY)) for p in prompts]
     together = engine.generate(pml=prompts, sampling_params=GREEDY)
     assert [out_ids(r) for r in together] == alone
-    batch = engine.scheduler.last_batch  # the last decode step: all six ran together
-    assert batch is not None and batch.num_requests == 6
-    module_nodes = {node for path in batch.paths for node, _ in path}
-    # chains ("",), ("", "d0"), ("", "d0", "d1"): the system text, then the documents
-    assert len(module_nodes) == 3 and all(n < 0 for n in module_nodes)
-    assert module_nodes <= batched_nodes(batch)  # attended once for the six requests
+    batch = engine.scheduler.last_batch  # the last decode step: all nine ran together
+    assert batch is not None and batch.num_requests == 9
+    system, d3 = batch.paths[0]  # one node per module: the system text (""), then d3
+    assert all(p[0] == system and p[-1] == d3 for p in batch.paths)
+    assert len({sum(n for _, n in p[:-1]) for p in batch.paths}) == 3  # d3's offsets
+    plan = batch.attn_plan
+    assert isinstance(plan, TreePlan)
+    [seg] = [s for s in plan.segments if d3[0] in s.nodes]
+    assert seg.requests == tuple(range(9)) and seg.nodes == (system[0], d3[0])
+    assert {system[0], d3[0]} <= batched_nodes(batch)
     assert_baseline(engine, engine.scheduler.kv.modules.num_slots)
     engine.remove_schema("big")
     assert_baseline(engine, 0)
@@ -217,3 +226,64 @@ def test_retraction_recomputes_own_tokens_at_their_positions(
     # retracted sample computes its own tokens and its outputs so far again
     assert small.scheduler.stats().computed_tokens_total > own + 6 * 39
     assert_baseline(small, pinned)
+
+
+def check_encoding_goes_beside_decoding(model_dir: Path | None, words: int) -> None:
+    """Registering encodes one chunk per step beside the running requests: a generating
+    request gets a token every step of the encoding; a prompt importing the schema
+    meanwhile is refused as still being encoded; KV accounting stays exact."""
+    small = make_engine(model_dir, chunked_prefill_size=32, max_prefill_tokens=64)
+    sched = small.scheduler
+    params = SamplingParams(temperature=0, max_new_tokens=1000, ignore_eos=True)
+    sched.add_request(TokenizedRequest("running", small.tokenizer.encode("Count: 1 2 3"), params))
+    got: list[int] = []
+    while not got:
+        got += [t for o in sched.step() for t in o.new_token_ids]
+    done: list[str | None] = []
+    names = small.begin_schema(docs_schema(words=words), done.append)
+    need = sum(len(m.token_ids) for m in sched.kv.modules.encoding["docs"].compiled.modules)
+    assert names[:2] == ["d0", "d1"] and need > 4 * 32
+    use = pml.prompt("docs", pml.use("d0"), "x")
+    with pytest.raises(ValueError, match="'docs' is still being encoded"):
+        small.generate(pml=use)
+    steps = 0
+    while not done:
+        before = len(got)
+        got += [t for o in sched.step() for t in o.new_token_ids]
+        assert len(got) == before + 1  # the running request advanced in this step too
+        sched.check_integrity()  # the schema's slots count as pinned from the start
+        steps += 1
+    assert done == [None] and steps >= need // 32  # one chunk (<= 32 tokens) a step
+    sched.abort_request("running")
+    list(sched.run_until_idle())
+    want = out_ids(small.generate(pml=use, sampling_params=GREEDY))
+    fresh = make_engine(model_dir)
+    fresh.register_schema(docs_schema(words=words))  # encoded alone, in other chunks
+    assert out_ids(fresh.generate(pml=use, sampling_params=GREEDY)) == want
+    assert_baseline(small, sched.kv.modules.num_slots)
+
+
+def test_schema_encodes_over_steps_while_a_request_decodes(tiny_model_dir: Path) -> None:
+    check_encoding_goes_beside_decoding(tiny_model_dir, 60)
+
+
+@pytest.mark.slow
+def test_schema_encodes_over_steps_while_a_request_decodes_smollm2() -> None:
+    check_encoding_goes_beside_decoding(None, 300)
+
+
+def test_schema_removed_while_encoding(tiny_model_dir: Path) -> None:
+    small = make_engine(tiny_model_dir, chunked_prefill_size=16, max_prefill_tokens=16)
+    done: list[str | None] = []
+    small.begin_schema(docs_schema("late"), done.append)
+    with pytest.raises(ValueError, match="already registered"):
+        small.register_schema(docs_schema("late"))
+    small.scheduler.step()
+    assert not done and small.scheduler.schemas()[0]["status"] == "encoding"
+    small.remove_schema("late")
+    assert done == ["schema 'late' was deleted while it was being encoded"]
+    assert not small.scheduler.has_work()
+    with pytest.raises(ValueError, match="no schema 'late' is registered"):
+        small.generate(pml=pml.prompt("late", pml.use("d0"), "x"))
+    assert_baseline(small, 0)
+    assert small.register_schema(docs_schema("late"))[:1] == ["d0"]  # the name is free again

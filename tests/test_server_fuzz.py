@@ -163,6 +163,19 @@ def _bound_lengths(node: Any) -> None:
             _bound_lengths(value)
 
 
+def _without_pml(document: dict[str, Any]) -> None:
+    """Valid bodies only: a `pml` prompt needs a registered schema, which random text never
+    names (always a 400; test_server_modules covers it), so drop that branch of each body."""
+    for path in document["paths"].values():
+        content = path.get("post", {}).get("requestBody", {}).get("content", {})
+        for media in content.values():
+            body = media["schema"]
+            body["properties"].pop("pml", None)
+            body["properties"].pop("module_reuse", None)
+            if "oneOf" in body:
+                body["oneOf"] = [b for b in body["oneOf"] if b["required"] != ["pml"]]
+
+
 def _idle(client: httpx.Client, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -181,6 +194,8 @@ def test_schemathesis_finds_no_5xx(server, mode: GenerationMode) -> None:
         document = client.get("/openapi.json").json()
         reference = client.post("/generate", json=REFERENCE).json()["output_ids"]
         _bound_lengths(document)
+        if mode == GenerationMode.POSITIVE:
+            _without_pml(document)
         schema = schemathesis.openapi.from_dict(document).include(
             path_regex=r"^/(generate|v1/completions|v1/chat/completions)$"
         )

@@ -5,9 +5,11 @@ problem, concurrent requests sharing module K/V, KV accounting back to zero."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
+from conftest import launch_server
 
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 DOC = " ".join(f"fact {i} is that the number {i} is {i * 7 % 11}." for i in range(30))
@@ -130,4 +132,105 @@ def test_dsl_program_over_http(server, client: httpx.Client) -> None:
         assert state["answer"] == gen(client, pml=prompt)["text"]
     finally:
         assert client.delete("/schemas/dslsrv").status_code == 200
+    assert held(client) == (0, 0)
+
+
+def test_openai_chat_with_pml(client: httpx.Client) -> None:
+    """/v1/chat/completions takes `pml` instead of `messages`: the same tokens as /generate."""
+    assert client.post("/schemas", json={"pml": SCHEMA}).status_code == 200
+    try:
+        body = {"pml": PROMPT, "temperature": 0, "max_tokens": 6}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        want = gen(client, pml=PROMPT)
+        assert r.json()["choices"][0]["message"]["content"] == want["text"]
+        assert r.json()["usage"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
+        full = client.post("/v1/chat/completions", json={**body, "module_reuse": False})
+        assert full.status_code == 200 and full.json()["choices"][0]["message"]["content"]
+        bad = {
+            "both": ({**body, "messages": [{"role": "user", "content": "x"}]}, "either messages"),
+            "tools": ({**body, "tools": []}, "either messages (and tools) or pml"),
+            "neither": ({"max_tokens": 2}, "messages must be a non-empty list (or give pml"),
+            "unknown": ({"pml": '<prompt schema="zz">x</prompt>'}, "no schema 'zz'"),
+            "stream": ({"pml": "0", "stream": True}, "PML: malformed markup"),
+            "module_reuse": ({**body, "module_reuse": "no"}, "module_reuse must be"),
+        }
+        for name, (b, message) in bad.items():
+            r = client.post("/v1/chat/completions", json=b)
+            assert r.status_code == 400 and message in r.text, (name, r.text)
+    finally:
+        assert client.delete("/schemas/srv").status_code == 200
+    assert held(client) == (0, 0)
+
+
+BIG_DOC = " ".join(f"item {i} weighs {i * 13 % 17} grams." for i in range(90))
+BIG_SCHEMA = '<schema name="big"><module name="doc">' + BIG_DOC + "</module></schema>"
+
+
+@pytest.fixture(scope="module")
+def slow_encoding(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A server encoding 16 tokens a step (and admitting up to 48 beside them): BIG_SCHEMA
+    (~800 tokens) takes ~50 steps."""
+    h = launch_server(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("slow-encoding"),
+        "--max-total-tokens", "4096", "--chunked-prefill-size", "16", "--max-prefill-tokens", "64",
+    )  # fmt: skip
+    with h.client() as c:
+        yield c
+    assert h.stop() == 0, h.log_text()[-4000:]
+
+
+def wait_encoding(client: httpx.Client, name: str) -> None:
+    """Poll GET /schemas until `name` is listed as being encoded."""
+    for _ in range(2000):
+        listed = {s["name"]: s["status"] for s in client.get("/schemas").json()["schemas"]}
+        if listed.get(name) == "encoding":
+            return
+    raise AssertionError(f"{name} never listed as encoding")
+
+
+def test_generate_goes_on_while_a_schema_encodes(slow_encoding: httpx.Client) -> None:
+    """A request sent while a schema encodes is admitted, decodes and finishes before the
+    registration returns (the encoding takes one chunk a step); meanwhile a prompt
+    importing the schema is refused as still being encoded."""
+    client, order = slow_encoding, []
+    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    with ThreadPoolExecutor(2) as pool:
+        schema = {"pml": BIG_SCHEMA}
+        register = pool.submit(
+            lambda: order.append(("register", client.post("/schemas", json=schema)))
+        )
+        wait_encoding(client, "big")
+        r = client.post("/generate", json={"pml": '<prompt schema="big"><doc/>x</prompt>'})
+        assert r.status_code == 400 and "'big' is still being encoded" in r.text, r.text
+        order.append(
+            (
+                "generate",
+                client.post("/generate", json={"text": "1 2 3", "sampling_params": params}),
+            )
+        )
+        register.result()
+    assert [what for what, _ in order] == ["generate", "register"]
+    (_, generated), (_, registered) = order
+    assert generated.status_code == 200 and generated.json()["meta_info"]["completion_tokens"] == 16
+    assert registered.status_code == 200, registered.text
+    assert [s["status"] for s in registered.json()["schemas"]] == ["ready"]
+    assert (
+        gen(client, pml='<prompt schema="big"><doc/>x</prompt>')["meta_info"]["cached_tokens"] > 600
+    )
+    assert client.delete("/schemas/big").status_code == 200
+    assert held(client) == (0, 0)
+
+
+def test_delete_while_encoding(slow_encoding: httpx.Client) -> None:
+    client = slow_encoding
+    with ThreadPoolExecutor(1) as pool:
+        register = pool.submit(client.post, "/schemas", json={"pml": BIG_SCHEMA})
+        wait_encoding(client, "big")
+        assert client.delete("/schemas/big").status_code == 200
+        r = register.result()
+    assert r.status_code == 400 and "deleted while it was being encoded" in r.text, r.text
+    r = client.post("/generate", json={"pml": '<prompt schema="big"><doc/>x</prompt>'})
+    assert r.status_code == 400 and "no schema 'big' is registered" in r.text, r.text
     assert held(client) == (0, 0)

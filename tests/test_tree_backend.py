@@ -26,7 +26,7 @@ from radixserve.kernels import native, reference
 from radixserve import kernels
 from radixserve.attention import AttentionBackend, FlatBackend, TreeBackend, make_backend
 from radixserve.attention.flat import GatherPlan, PaddedPlan, SlotPlan
-from radixserve.attention.tree import TreePlan
+from radixserve.attention.tree import TreePlan, batched_nodes
 from radixserve.core.batch import ForwardBatch
 from radixserve.kvcache.pool import KVPool
 
@@ -186,7 +186,7 @@ def seg_summary(plan: TreePlan) -> list[tuple]:
     return [
         (
             s.requests,
-            s.start,
+            s.nodes,
             s.slots.tolist(),
             s.kv_range,
             s.level,
@@ -217,8 +217,8 @@ def private_per_request(plan: TreePlan) -> list[list[int]]:
 def test_plan_no_folding_merges_chain_and_keeps_both_levels() -> None:
     plan, _ = hand_plan(2, 1)
     assert seg_summary(plan) == [
-        ((0, 1, 2), 0, CHAIN, None, 0, [0, 1, 2, 3], (0, 4), [0, 1, 2, 3], (0, 4)),
-        ((0, 2), 7, list(range(40, 49)), (40, 49), 1, [0, 2, 3], None, [0, 2, 3], None),
+        ((0, 1, 2), (1, 2), CHAIN, None, 0, [0, 1, 2, 3], (0, 4), [0, 1, 2, 3], (0, 4)),
+        ((0, 2), (3,), list(range(40, 49)), (40, 49), 1, [0, 2, 3], None, [0, 2, 3], None),
     ]
     assert private_per_request(plan) == [
         [50, 51, 70, 80],
@@ -239,7 +239,7 @@ def test_plan_no_folding_merges_chain_and_keeps_both_levels() -> None:
 def test_plan_min_tokens_folds_root_chain_private_part_non_contiguous() -> None:
     plan, _ = hand_plan(2, 8)  # A+A2 (7 tokens) folds, B (9) stays
     assert seg_summary(plan) == [
-        ((0, 2), 7, list(range(40, 49)), (40, 49), 0, [0, 2, 3], None, [0, 1, 2], (0, 3)),
+        ((0, 2), (3,), list(range(40, 49)), (40, 49), 0, [0, 2, 3], None, [0, 1, 2], (0, 3)),
     ]
     assert private_per_request(plan) == [
         [*CHAIN, 50, 51, 70, 80],
@@ -254,7 +254,7 @@ def test_plan_min_tokens_folds_root_chain_private_part_non_contiguous() -> None:
 def test_plan_min_requests_folds_pair_segment() -> None:
     plan, _ = hand_plan(3, 1)
     assert seg_summary(plan) == [
-        ((0, 1, 2), 0, CHAIN, None, 0, [0, 1, 2, 3], (0, 4), [0, 1, 2, 3], (0, 4)),
+        ((0, 1, 2), (1, 2), CHAIN, None, 0, [0, 1, 2, 3], (0, 4), [0, 1, 2, 3], (0, 4)),
     ]
     assert private_per_request(plan)[0] == [*range(40, 49), 50, 51, 70, 80]
     assert private_per_request(plan)[2] == [*range(40, 49), 82, 83]
@@ -266,7 +266,7 @@ def test_plan_min_reads_folds_small_product() -> None:
     TreeBackend(2, 1, min_reads=20, min_tokens_extend=1).plan(case.batch)
     plan = case.batch.attn_plan
     assert isinstance(plan, TreePlan)
-    assert [(s.requests, s.start, s.num_tokens) for s in plan.segments] == [((0, 1, 2), 0, 7)]
+    assert [(s.requests, s.nodes, s.num_tokens) for s in plan.segments] == [((0, 1, 2), (1, 2), 7)]
 
 
 def test_default_thresholds_rule() -> None:
@@ -521,6 +521,101 @@ def test_decode_private_plans(lens: list[int], plan_type: type, dtype: torch.dty
             assert max_err(got, want) <= FP32_ATOL, backend
         else:
             assert bf16_ratio(got, want) <= 1.0, backend
+
+
+# --------------------------------------------- prompt modules: shared at any offset
+#
+#   modules (negative ids, as the ModuleStore names them): M1 5 tokens, M2 3, M3 4
+#   r0 = M1 M2 M3 + new 80        M1, M3: shared by {r0, r1} at other offsets in each
+#   r1 = M3 M1    + new 81        -> ONE segment of both (9 tokens); M2: {r0, r2}
+#   r2 = M2       + tail 70 + new 82 83
+MOD_SLOTS = {-1: [1, 2, 3, 4, 5], -2: [20, 22, 21], -3: [30, 31, 32, 33]}
+M1, M2, M3 = (-1, 5), (-2, 3), (-3, 4)
+
+
+def test_plan_modules_shared_at_different_offsets_are_one_segment() -> None:
+    case = make_case(
+        [[M1, M2, M3], [M3, M1], [M2]], MOD_SLOTS, [[], [], [70]], [[80], [81], [82, 83]], 1, 2
+    )
+    tree(2, 1).plan(case.batch)
+    plan = case.batch.attn_plan
+    assert isinstance(plan, TreePlan)
+    assert seg_summary(plan) == [
+        (
+            (0, 1),
+            (-1, -3),
+            [1, 2, 3, 4, 5, 30, 31, 32, 33],
+            None,
+            0,
+            [0, 1],
+            (0, 2),
+            [0, 1],
+            (0, 2),
+        ),
+        ((0, 2), (-2,), [20, 22, 21], None, 1, [0, 2, 3], None, [0, 2, 3], None),
+    ]
+    assert private_per_request(plan) == [[80], [81], [70, 82, 83]]
+    assert plan.num_levels == 2 and plan.merge_rows is None
+    assert batched_nodes(case.batch) == {-1, -2, -3}
+    assert max_err(run_backend(tree(2, 1), case, 0.25), oracle(case, 0.25)) <= FP32_ATOL
+
+
+def module_case(seed: int, extend: bool, dtype: torch.dtype) -> Case:
+    """2..8 requests, each importing a random subset of 6 modules in a random order (then a
+    private tail and new tokens); some requests instead follow a small radix tree."""
+    rng = random.Random(seed)
+    cursor, slots = 1, {}
+    for m in range(1, 7):
+        n = rng.randint(1, 200)
+        if rng.random() < 0.5:
+            slots[-m] = list(range(cursor, cursor + n))
+        else:
+            slots[-m] = rng.sample(range(cursor, cursor + 3 * n), n)
+        cursor += 3 * n
+    radix = {1: list(range(cursor, cursor + 40)), 2: list(range(cursor + 40, cursor + 50))}
+    cursor += 50
+    paths: list[list[tuple[int, int]]] = []
+    for _ in range(rng.randint(2, 8)):
+        if rng.random() < 0.2:
+            paths.append([(1, 40), (2, 10)][: rng.randint(1, 2)])
+            continue
+        mods = rng.sample(range(1, 7), rng.randint(0, 6))
+        paths.append([(-m, len(slots[-m])) for m in mods])
+    tails, news = [], []
+    for _ in paths:
+        n_tail, n_new = rng.choice([0, rng.randint(1, 20)]), rng.randint(1, 12) if extend else 1
+        tails.append(list(range(cursor, cursor + n_tail)))
+        news.append(list(range(cursor + n_tail, cursor + n_tail + n_new)))
+        cursor += n_tail + n_new
+    return make_case(
+        paths, {**slots, **radix}, tails, news, rng.choice([1, 2]), rng.choice([1, 3]), dtype=dtype
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    extend=st.booleans(),
+    thresholds=st.sampled_from([(2, 1), (2, 16), (3, 1), None]),
+)
+def test_random_module_imports_fp32(
+    seed: int, extend: bool, thresholds: tuple[int, int] | None
+) -> None:
+    case = module_case(seed, extend, torch.float32)
+    want = oracle(case, 0.25)
+    backend = TreeBackend() if thresholds is None else tree(*thresholds)
+    assert max_err(run_backend(backend, case, 0.25), want) <= FP32_ATOL
+    plan = case.batch.attn_plan
+    assert isinstance(plan, TreePlan)
+    # every node kept is in ONE segment, whose requests are exactly those listing it
+    for seg in plan.segments:
+        for node in seg.nodes:
+            importers = tuple(r for r, p in enumerate(case.batch.paths) if node in dict(p))
+            assert importers == seg.requests, (node, importers, seg.requests)
+    if thresholds == (2, 1):  # nothing folds: every node of >= 2 requests is batched
+        listed = [node for p in case.batch.paths for node, _ in p]
+        assert batched_nodes(case.batch) == {x for x in listed if listed.count(x) >= 2}
+    assert max_err(run_backend(FlatBackend(), case, 0.25), want) <= FP32_ATOL
 
 
 # ------------------------------------------------------------------------ registry

@@ -1,4 +1,4 @@
-"""Tree attention: shared radix segments are attended once for all requests under them.
+"""Tree attention: K/V shared by several requests of a step is attended once for all of them.
 
 Plan (host side, once per step; see DESIGN.md "Tree attention"):
 
@@ -7,26 +7,33 @@ Plan (host side, once per step; see DESIGN.md "Tree attention"):
                  shared by      shared but   shared by       only r's; the last
                  {r, s, u}      too small    {r, s}          extend_lens[r] are queries
 
-1. Every radix node on the paths of >= 2 requests is a candidate. A node shared by k
-   requests has ancestors shared by >= k, so along a path the request sets only shrink and
-   candidates form a prefix of the path; consecutive nodes with the SAME request set merge
-   into one segment (one slot tensor).
+A path node (`batch.paths`) names a fixed run of slots: a radix node, or a prompt module
+(negative ids), which may sit at a different offset in each request that lists it. Every
+path node lies in its requests' cached prefix, so ALL query rows of a request see all of it,
+and attention over a key set is order-free (softmax over the set, merged by LSE): a shared
+node can be attended once for all its requests' rows, wherever it sits in each.
+
+1. Every node on the paths of >= 2 requests is a candidate; nodes with the SAME request set
+   form one segment (their slots concatenated, in the first member's order). On a radix
+   path request sets only shrink, so those nodes are consecutive (one chain); prompt modules
+   imported by the same requests merge into one segment wherever each request has them.
 2. A segment folds back into its requests' private parts unless `TreeBackend.keeps` it:
    the extra segment call and merge cost a roughly fixed time per segment plus a time per
    query row, which only the saved re-reads of its K/V ((k - 1) * L rows) can pay back.
 3. A request's private part is every position of kv_indices[r] not in a kept segment, in
-   position order. Folding can make it non-contiguous, but all of it precedes or is the
-   query block, and the queries are its last extend_lens[r] entries, so the bottom-right
-   causal alignment of `private_attention` stays exact.
-4. Each kept segment gets a `level`: its index among the kept segments on a member's path.
-   All members agree (they share every ancestor node), so level + 1 is the segment's slot in
-   the merge buffer and slot 0 holds the private part.
+   position order. It can be non-contiguous, but all of it precedes or is the query block,
+   and the queries are its last extend_lens[r] entries, so the bottom-right causal
+   alignment of `private_attention` stays exact.
+4. Each kept segment gets a `level`, its part in the merge buffer (slot 0 holds the private
+   part): the smallest level no other kept segment of any of its members has. Segments are
+   taken by the start of their first node on their first member (ancestors first), so on
+   a radix tree the level is the segment's depth among the kept ones.
 
 Per layer: write the new K/V, ONE private_attention call for the whole batch, one
 segment_attention per kept segment (queries of all its requests stacked, K/V read once), then
 one merge_states over the rows that have any shared part. With kernels that read the pool in
 place (`kernels.reads_pool_in_place`) segments and private parts are passed as slot lists
-into the pool and the merge is fused: segments run ancestors first, each starting from its
+into the pool and the merge is fused: segments run in plan order, each starting from its
 rows' running (out, lse) state (the pool ops' `prior`), and the private part last, from the
 state of all of them; no merge buffer, no merge pass. Otherwise a segment whose slots are
 not one range is gathered first.
@@ -34,6 +41,7 @@ not one range is gathered first.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -51,13 +59,13 @@ class SharedSegment:
     """One kept shared segment of a step's plan."""
 
     requests: tuple[int, ...]  # batch indices of its requests, ascending, len >= 2
-    start: int  # first position it covers on every member's sequence
+    nodes: tuple[int, ...]  # the path nodes it covers, in its first member's order
     num_tokens: int
     slots: torch.Tensor  # (num_tokens,) int64 KV slots
     kv_range: Range | None  # set when slots == arange(*kv_range): read a slice view, no gather
     q_rows: torch.Tensor  # (n,) int64 rows of the members' queries in the flat (T,) layout
     q_range: Range | None  # set when q_rows is one ascending run
-    level: int  # index among the kept segments on each member's path (0 = nearest the root)
+    level: int  # its part in the merge buffer (plan step 4), unique on each member's path
     merge_rows: torch.Tensor  # (n,) int64 rows of these queries in the merge buffer
     merge_range: Range | None
 
@@ -85,49 +93,52 @@ def _as_range(idx: torch.Tensor) -> Range | None:
     return a, a + n
 
 
-def _node_members(batch: ForwardBatch) -> dict[int, list[int]]:
-    """node_id -> requests whose path lists it; checks that the paths form a tree."""
-    members: dict[int, list[int]] = {}
-    where: dict[int, tuple[int, int]] = {}  # node_id -> (start position, num_tokens)
+@dataclass(frozen=True)
+class _Candidate:
+    """Shared nodes with one request set (plan step 1), before `keeps` decides."""
+
+    requests: tuple[int, ...]
+    nodes: tuple[int, ...]  # in the first member's path order
+    num_tokens: int
+    first_start: int  # where its first node starts on its first member
+
+
+def _node_starts(batch: ForwardBatch) -> tuple[dict[int, dict[int, int]], dict[int, int]]:
+    """(node_id -> {request: where the node starts in its kv_indices}, node_id -> tokens);
+    checks that a node has one length and that paths stay within the cached prefixes."""
+    starts: dict[int, dict[int, int]] = {}
+    lengths: dict[int, int] = {}
     prefix_lens = batch.prefix_lens
     for r, path in enumerate(batch.paths):
         pos = 0
         for node, n in path:
             assert n >= 1, f"request {r}: node {node} has {n} tokens"
-            seen = where.setdefault(node, (pos, n))
-            assert seen == (pos, n), f"node {node} at (start, len) {seen} and {(pos, n)}"
-            lst = members.setdefault(node, [])
-            assert not lst or lst[-1] != r, f"request {r} lists node {node} twice"
-            lst.append(r)
+            seen = lengths.setdefault(node, n)
+            assert seen == n, f"node {node} has {seen} and {n} tokens"
+            where = starts.setdefault(node, {})
+            assert r not in where, f"request {r} lists node {node} twice"
+            where[r] = pos
             pos += n
         assert pos <= prefix_lens[r], (
-            f"request {r}: radix path covers {pos} tokens > prefix_len {prefix_lens[r]}"
+            f"request {r}: path covers {pos} tokens > prefix_len {prefix_lens[r]}"
         )
-    return members
+    return starts, lengths
 
 
 def _candidate_segments(
-    batch: ForwardBatch, members: dict[int, list[int]]
-) -> list[tuple[tuple[int, ...], int, int]]:
-    """(requests, start, num_tokens) of every chain of shared nodes with one request set."""
-    found: dict[tuple[tuple[int, ...], int], int] = {}  # (requests, start) -> num_tokens
-    for r, path in enumerate(batch.paths):
-        chains: list[list] = []  # [requests, start, num_tokens] along this path
-        pos = 0
-        for node, n in path:
-            reqs = tuple(members[node])
-            if len(reqs) < 2:
-                break  # request sets only shrink along a path: nothing shared below
-            if chains and chains[-1][0] == reqs:
-                chains[-1][2] += n
-            else:
-                chains.append([reqs, pos, n])
-            pos += n
-        # Every member walks the same chain and must find the same length.
-        for reqs, start, n in chains:
-            seen = found.setdefault((reqs, start), n)
-            assert seen == n, f"request {r}: segment {reqs}@{start} has {n} tokens, not {seen}"
-    return [(reqs, start, n) for (reqs, start), n in found.items()]
+    starts: dict[int, dict[int, int]], lengths: dict[int, int]
+) -> list[_Candidate]:
+    """Every set of >= 2 requests sharing nodes, with those nodes (plan step 1)."""
+    by_set: dict[tuple[int, ...], list[int]] = {}
+    # `starts` is in order of first sight: a node shared by requests S is first seen on the
+    # path of min(S), so each set's nodes come in its first member's path order.
+    for node, where in starts.items():
+        if len(where) >= 2:
+            by_set.setdefault(tuple(where), []).append(node)
+    return [
+        _Candidate(reqs, tuple(xs), sum(lengths[x] for x in xs), starts[xs[0]][reqs[0]])
+        for reqs, xs in by_set.items()
+    ]
 
 
 def _rows(starts: list[int], lens: list[int], reqs: tuple[int, ...]) -> torch.Tensor:
@@ -139,8 +150,8 @@ class TreeBackend(AttentionBackend):
 
     `plan(batch)` sets `batch.attn_plan` to a TreePlan and touches no K/V. `forward` writes the
     new K/V at `batch.out_cache_loc` of `layer` (mutates the pool), then reads only slots of
-    the batch's kv_indices. Raises AssertionError when the paths are not a tree consistent
-    with kv_indices (a node with two lengths or two sets of slots, a path past prefix_len).
+    the batch's kv_indices. Raises AssertionError when the paths are not consistent with
+    kv_indices (a node with two lengths or two sets of slots, a path past prefix_len).
     """
 
     name = "tree"
@@ -191,13 +202,14 @@ class TreeBackend(AttentionBackend):
 
     def plan(self, batch: ForwardBatch) -> None:
         q_lens = batch.extend_lens
+        starts, lengths = _node_starts(batch)
         kept = [
-            (reqs, start, n)
-            for reqs, start, n in _candidate_segments(batch, _node_members(batch))
-            if self.keeps(len(reqs), n, max(q_lens[r] for r in reqs))
+            c
+            for c in _candidate_segments(starts, lengths)
+            if self.keeps(len(c.requests), c.num_tokens, max(q_lens[r] for r in c.requests))
         ]
-        kept.sort(key=lambda c: (c[1], c[0]))  # by start: ancestors before descendants
-        batch.attn_plan = _build_plan(batch, kept)
+        kept.sort(key=lambda c: (c.first_start, c.requests))  # ancestors before descendants
+        batch.attn_plan = _build_plan(batch, kept, starts, lengths)
 
     def forward(
         self,
@@ -223,42 +235,53 @@ class TreeBackend(AttentionBackend):
 
 
 def batched_nodes(batch: ForwardBatch) -> set[int]:
-    """Ids of the radix nodes that this batch's tree plan attended once for several requests
-    (empty for a batch planned by another backend, or not planned)."""
+    """Ids of the path nodes (radix nodes, prompt modules) that this batch's tree plan
+    attended once for several requests (empty for a batch planned by another backend, or
+    not planned)."""
     plan = batch.attn_plan
     if not isinstance(plan, TreePlan):
         return set()
-    found: set[int] = set()
-    for seg in plan.segments:
-        pos = 0
-        for node, n in batch.paths[seg.requests[0]]:
-            if seg.start <= pos and pos + n <= seg.start + seg.num_tokens:
-                found.add(node)
-            pos += n
-    return found
+    return {node for seg in plan.segments for node in seg.nodes}
 
 
-def _build_plan(batch: ForwardBatch, kept: list[tuple[tuple[int, ...], int, int]]) -> TreePlan:
+def _levels(kept: list[_Candidate]) -> list[int]:
+    """Plan step 4: per kept segment, the smallest level none of its members uses yet."""
+    used: dict[int, set[int]] = {}  # request -> levels of its kept segments so far
+    levels = []
+    for c in kept:
+        taken = set().union(*(used.get(r, set()) for r in c.requests))
+        level = next(lv for lv in itertools.count() if lv not in taken)
+        for r in c.requests:
+            used.setdefault(r, set()).add(level)
+        levels.append(level)
+    return levels
+
+
+def _build_plan(
+    batch: ForwardBatch,
+    kept: list[_Candidate],
+    starts: dict[int, dict[int, int]],
+    lengths: dict[int, int],
+) -> TreePlan:
     q_lens = list(batch.extend_lens)
     q_starts = [0]
     for n in q_lens[:-1]:
         q_starts.append(q_starts[-1] + n)
-    per_req: list[list[Range]] = [[] for _ in q_lens]  # kept ranges on each path, by start
-    levels: list[int] = []
-    for reqs, start, n in kept:
-        depth = {len(per_req[r]) for r in reqs}
-        assert len(depth) == 1, f"segment {reqs}@{start} at different levels {depth}"
-        levels.append(depth.pop())
-        for r in reqs:
-            per_req[r].append((start, start + n))
+    per_req: list[list[Range]] = [[] for _ in q_lens]  # kept ranges of each request
+    for c in kept:
+        for node in c.nodes:
+            for r in c.requests:
+                a = starts[node][r]
+                per_req[r].append((a, a + lengths[node]))
+    levels = _levels(kept)
     # Merge buffer rows: the query rows of requests with >= 1 kept segment, request-major.
     merge_starts, m = [0] * len(q_lens), 0
     for r, ranges in enumerate(per_req):
         merge_starts[r], m = m, m + (q_lens[r] if ranges else 0)
     all_rows = m == sum(q_lens)
     segments = [
-        _make_segment(batch, reqs, start, n, level, q_starts, q_lens, merge_starts)
-        for (reqs, start, n), level in zip(kept, levels, strict=True)
+        _make_segment(batch, c, starts, lengths, level, q_starts, q_lens, merge_starts)
+        for c, level in zip(kept, levels, strict=True)
     ]
     dev = batch.kv_pool.k[0].device
     with_shared = tuple(r for r, ranges in enumerate(per_req) if ranges)
@@ -276,25 +299,31 @@ def _build_plan(batch: ForwardBatch, kept: list[tuple[tuple[int, ...], int, int]
 
 def _make_segment(
     batch: ForwardBatch,
-    reqs: tuple[int, ...],
-    start: int,
-    n: int,
+    c: _Candidate,
+    starts: dict[int, dict[int, int]],
+    lengths: dict[int, int],
     level: int,
     q_starts: list[int],
     q_lens: list[int],
     merge_starts: list[int],
 ) -> SharedSegment:
-    slots = batch.kv_indices[reqs[0]][start : start + n]
-    for r in reqs[1:]:
-        other = batch.kv_indices[r][start : start + n]
-        assert torch.equal(slots, other), f"segment {reqs}@{start}: request {r} has other slots"
-    q_rows = _rows(q_starts, q_lens, reqs)
-    merge_rows = _rows(merge_starts, q_lens, reqs)
+    parts = []
+    for node in c.nodes:
+        mine, *others = (
+            batch.kv_indices[r][starts[node][r] : starts[node][r] + lengths[node]]
+            for r in c.requests
+        )
+        for r, other in zip(c.requests[1:], others, strict=True):
+            assert torch.equal(mine, other), f"node {node}: request {r} has other slots"
+        parts.append(mine)
+    slots = parts[0] if len(parts) == 1 else torch.cat(parts)
+    q_rows = _rows(q_starts, q_lens, c.requests)
+    merge_rows = _rows(merge_starts, q_lens, c.requests)
     dev = batch.kv_pool.k[0].device  # index tensors live where the tensors they index do
     return SharedSegment(
-        requests=reqs,
-        start=start,
-        num_tokens=n,
+        requests=c.requests,
+        nodes=c.nodes,
+        num_tokens=c.num_tokens,
         slots=slots.to(dev),
         kv_range=_as_range(slots),
         q_rows=q_rows.to(dev),
@@ -311,7 +340,7 @@ def _private_slots(batch: ForwardBatch, per_req: list[list[Range]]) -> list[torc
     for r, kept in enumerate(per_req):
         idx, pos, parts = batch.kv_indices[r], 0, []
         assert idx.numel() == batch.seq_lens[r], f"request {r}: kv_indices vs seq_len"
-        for a, b in [*kept, (batch.seq_lens[r], batch.seq_lens[r])]:
+        for a, b in [*sorted(kept), (batch.seq_lens[r], batch.seq_lens[r])]:
             if a > pos:
                 parts.append(idx[pos:a])
             pos = b
@@ -326,8 +355,8 @@ def _fused_in_place(
     vc: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Segments by start (a request's ancestors first), each merged into its rows' running
-    state by the kernel, then the private part from the full state -> (T, Hq, D)."""
+    """Segments in plan order, each merged into its rows' running state by the kernel, then
+    the private part from the full state -> (T, Hq, D)."""
     assert isinstance(plan.private, SlotPlan), f"in-place plan with {type(plan.private)}"
     state: tuple[torch.Tensor, torch.Tensor] | None = None  # (T, Hq, D), (T, Hq) float32
     for seg in plan.segments:

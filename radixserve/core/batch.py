@@ -4,9 +4,9 @@ Region table for request r of a batch (lengths in tokens, positions 0-based):
 
     |<------------------------- seq_lens[r] ------------------------->|
     |<------------- prefix_lens[r] ------------->|<- extend_lens[r] ->|
-    |<- radix path: sum of path[r] lengths ->|    |   new tokens: their K/V are written
-    |   (nodes of the radix tree, locked)    |    |   this step at out_cache_loc, and they
-    |                                        |    |   are the queries of this step
+    |<-- path: sum of path[r] lengths --->|      |   new tokens: their K/V are written
+    |   (radix nodes, or prompt modules)  |      |   this step at out_cache_loc, and they
+    |                                     |      |   are the queries of this step
     kv_indices[r] holds the KV slot of every position 0 .. seq_lens[r]-1.
 
 Decode is the case extend_lens[r] == 1 for every r.
@@ -42,8 +42,9 @@ class ForwardBatch:
     seq_lens: list[int]  # per request: cached + new tokens
     extend_lens: list[int]  # per request: new tokens (queries) this step, >= 1
     kv_indices: list[torch.Tensor]  # per request: (seq_lens[r],) int64 KV slots
-    # Per request: the radix nodes covering the start of its sequence, root first, as
-    # (node_id, num_tokens). Requests listing the same node_id share those KV slots.
+    # Per request: the path nodes covering the start of its sequence, as (node_id,
+    # num_tokens): its radix nodes, root first, or its prompt modules (negative ids). A
+    # node_id names one run of KV slots: requests listing it share them (at any offset).
     paths: list[list[tuple[int, int]]]
     kv_pool: KVStore
     # Backend-specific per-step plan, set by AttentionBackend.plan() and read by every layer.

@@ -23,6 +23,7 @@ from radixserve.prompt.pml import Prompt as PmlPrompt
 from radixserve.prompt.pml import Schema
 from radixserve.prompt.registry import SchemaRegistry
 from radixserve.scheduler.loop import StepLoop
+from radixserve.scheduler.modules import SchemaDone
 from radixserve.scheduler.parts import load_parts
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.tokenizer.accumulate import SampleAccumulator
@@ -122,11 +123,35 @@ class Engine:
 
     def register_schema(self, schema: str | Schema) -> list[str]:
         """Lay out `schema` (PML text or a `radixserve.prompt.schema(...)` tree), encode its
-        modules' K/V once at their positions and pin it; returns the module names.
-        ValueError: malformed, a duplicate name, or it does not fit the context / pool."""
+        modules' K/V once at their positions and pin it; returns the module names once it
+        is usable. ValueError: malformed, a duplicate name, or it does not fit the context /
+        pool. Drives the scheduler until the encoding is done (`begin_schema` does not)."""
+        done: list[str | None] = []
+        names = self.begin_schema(schema, done.append)
+        while not done:
+            self.scheduler.step()  # nothing else runs on this engine meanwhile
+        if done[0] is not None:
+            raise ValueError(done[0])
+        return names
+
+    def begin_schema(self, schema: str | Schema, on_done: SchemaDone) -> list[str]:
+        """Start registering `schema`; returns its module names. The scheduler encodes it
+        over its next steps, beside whatever else runs; then the schema is known here and
+        `on_done(None)` runs (or `on_done(reason)` if it was removed first). Until then a
+        prompt importing it is refused as "still being encoded". ValueError as
+        `register_schema`, at once."""
         layout = self.schemas.compile(schema)
-        self.scheduler.register_schema(layout.compiled)
-        self.schemas.add(layout)
+        self.schemas.begin(layout)
+
+        def finished(error: str | None) -> None:
+            (self.schemas.cancel if error else self.schemas.add)(layout)
+            on_done(error)
+
+        try:
+            self.scheduler.register_schema(layout.compiled, finished)
+        except ValueError:
+            self.schemas.cancel(layout)
+            raise
         return [n for n in layout.spans if n]
 
     def remove_schema(self, name: str) -> None:

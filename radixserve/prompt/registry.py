@@ -1,8 +1,9 @@
 """The schemas a front end knows, and prompts compiled against them.
 
 The tokenizer process and the offline Engine each keep one `SchemaRegistry`, next to the
-scheduler's ModuleStore that holds the encoded K/V: a schema is `compile`d here, encoded
-by the scheduler, and `add`ed here only once the scheduler took it.
+scheduler's ModuleStore that holds the encoded K/V: a schema is `compile`d here, marked as
+being encoded (`begin`) while the scheduler encodes it, and `add`ed once the scheduler has
+it (or `cancel`led if it refused or dropped it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class SchemaRegistry:
         self.tokenizer = tokenizer
         self.roles = template_for(tokenizer)
         self.layouts: dict[str, Layout] = {}
+        self.encoding: dict[str, Layout] = {}  # sent to the scheduler, not encoded yet
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -34,7 +36,17 @@ class SchemaRegistry:
         except RecursionError:
             raise ValueError("schema: modules are nested too deeply") from None
 
+    def begin(self, layout: Layout) -> None:
+        self.encoding.setdefault(layout.compiled.name, layout)
+
+    def cancel(self, layout: Layout) -> None:
+        """Forget `layout` as being encoded (only that one: a schema of the same name that
+        is registered or being encoded stays)."""
+        if self.encoding.get(layout.compiled.name) is layout:
+            del self.encoding[layout.compiled.name]
+
     def add(self, layout: Layout) -> None:
+        self.cancel(layout)
         self.layouts[layout.compiled.name] = layout
 
     def remove(self, name: str) -> None:
@@ -47,6 +59,11 @@ class SchemaRegistry:
         if not isinstance(tree, Prompt):
             raise ValueError("pml: expected PML text or a radixserve.prompt prompt")
         layout = self.layouts.get(tree.schema)
+        if layout is None and tree.schema in self.encoding:
+            raise ValueError(
+                f"pml: schema {tree.schema!r} is still being encoded; retry once its "
+                "registration has returned"
+            )
         if layout is None:
             raise ValueError(f"pml: no schema {tree.schema!r} is registered")
         return compile_prompt(tree, layout, self.tokenize, self.roles)

@@ -1,58 +1,135 @@
 """Registered prompt-module schemas: each module's K/V, encoded once and pinned in the pool.
 
-Encoding (`encode`): every module is prefilled as its own sequence at its schema positions
-(module-local attention: a module's tokens attend only to its own earlier tokens), in
-batches of at most `max_prefill_tokens` new tokens, chunks of `chunked_prefill_size`.
+Encoding is incremental: `begin` takes a schema with its slots allocated, and each
+scheduler step computes `next_chunks` of it (every module prefilled as its own sequence at
+its schema positions: module-local attention, a module's tokens attend only to its own
+earlier tokens) beside the step's other work, like one more request prefilling a chunk: at
+most `chunked_prefill_size` tokens a step, within the step's `max_prefill_tokens`, the rest
+of which still admits new requests; `encoded` records them. Running
+requests keep decoding meanwhile. Once every module is computed the schema is usable and
+its `SchemaDone` callback hears None; one removed before that hears why it never will be.
+Schemas are encoded one at a time, oldest first; a request may not import one still being
+encoded (`check` says so).
 
-Ownership: a registered module's slots belong to this store until the schema is removed; no
+Ownership: a schema's slots belong to this store from `begin` until it is removed; no
 request owns them and the prefix cache never sees them, so they are neither evicted nor
 freed by a request (KVManager counts `num_slots` as in use elsewhere). A request importing
 modules lists their slots first in its kv_indices (see core/modules.py).
 
-Tree attention: a request's modules are presented as path nodes with ids of their own
-(negative: radix node ids are >= 0), one per chain of leading modules ("a", then "a, c"),
-so requests that import the same leading modules share those segments, and the paths of a
-batch still form a tree.
+Tree attention: each registered module is a path node with an id of its own (negative:
+radix node ids are >= 0), listed by every request importing it wherever it sits in that
+request's imports; the tree backend attends a module shared by several requests of a step
+once for all of them (attention/tree.py, plan step 1).
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-from radixserve.core.batch import ForwardBatch
 from radixserve.core.modules import CompiledSchema, ModuleTokens, ModuleUse
 from radixserve.core.request import TokenizedRequest
-from radixserve.kvcache.pool import KVPool
-from radixserve.scheduler.parts import StepWorker
+
+# Called once per registration: None when the schema is encoded and usable, else the reason
+# it never will be (it was removed while being encoded).
+SchemaDone = Callable[[str | None], None]
 
 
 @dataclass
 class _Schema:
     compiled: CompiledSchema
     slots: dict[str, torch.Tensor]  # module name -> (its tokens,) int64 slots
+    # While being encoded: tokens computed per module, and who waits for the end.
+    encoded: dict[str, int] = field(default_factory=dict)
+    on_done: SchemaDone | None = None
+
+
+@dataclass(frozen=True)
+class EncodeChunk:
+    """Tokens [start, start + n) of one module of a schema being encoded."""
+
+    schema: str
+    module: ModuleTokens
+    start: int
+    n: int
 
 
 class ModuleStore:
     def __init__(self) -> None:
-        self.schemas: dict[str, _Schema] = {}
-        self._chain_ids: dict[tuple[str, tuple[str, ...]], int] = {}
+        self.schemas: dict[str, _Schema] = {}  # encoded: requests may import them
+        self.encoding: dict[str, _Schema] = {}  # being encoded, oldest first
+        self._node_ids: dict[tuple[str, str], int] = {}  # (schema, module) -> path node id
         self._next_id = itertools.count(-1, -1)
 
     @property
     def num_slots(self) -> int:
-        return sum(s.numel() for e in self.schemas.values() for s in e.slots.values())
+        entries = itertools.chain(self.schemas.values(), self.encoding.values())
+        return sum(s.numel() for e in entries for s in e.slots.values())
 
-    def add(self, compiled: CompiledSchema, slots: dict[str, torch.Tensor]) -> None:
-        assert compiled.name not in self.schemas, f"schema {compiled.name!r} is registered"
-        self.schemas[compiled.name] = _Schema(compiled, slots)
+    def begin(
+        self, compiled: CompiledSchema, slots: dict[str, torch.Tensor], on_done: SchemaDone
+    ) -> None:
+        """Start encoding `compiled` into `slots` (name -> one slot per module token)."""
+        name = compiled.name
+        assert name not in self.schemas and name not in self.encoding, f"{name!r} is taken"
+        entry = _Schema(compiled, slots, dict.fromkeys(slots, 0), on_done)
+        self.encoding[name] = entry
+        self._finish_if_done(entry)
+
+    def next_chunks(self, budget: int) -> list[EncodeChunk]:
+        """The next step's share of the oldest schema being encoded: its modules' next
+        tokens, `budget` in all (none when budget <= 0)."""
+        if not self.encoding or budget <= 0:
+            return []
+        entry = next(iter(self.encoding.values()))
+        out, left = [], budget
+        for m in entry.compiled.modules:
+            start = entry.encoded.get(m.name, 0)
+            n = min(len(m.token_ids) - start, left)
+            if n > 0:
+                out.append(EncodeChunk(entry.compiled.name, m, start, n))
+                left -= n
+        return out
+
+    def chunk_inputs(self, c: EncodeChunk) -> tuple[list[int], list[int], torch.Tensor]:
+        """(token ids, positions) of chunk c's new tokens, and the slots of its module's
+        tokens 0 .. c.start + c.n - 1 (the last c.n are the new ones)."""
+        end = c.start + c.n
+        slots = self.encoding[c.schema].slots[c.module.name][:end]
+        return c.module.token_ids[c.start : end], c.module.positions[c.start : end], slots
+
+    def encoded(self, chunks: list[EncodeChunk]) -> None:
+        """Record that `chunks` were computed; a schema now complete becomes usable and its
+        registration hears None."""
+        for c in chunks:
+            entry = self.encoding[c.schema]
+            assert entry.encoded[c.module.name] == c.start, f"{c} out of order"
+            entry.encoded[c.module.name] = c.start + c.n
+        for name in dict.fromkeys(c.schema for c in chunks):
+            self._finish_if_done(self.encoding[name])
+
+    def _finish_if_done(self, entry: _Schema) -> None:
+        if any(n < entry.slots[m].numel() for m, n in entry.encoded.items()):
+            return
+        name, on_done = entry.compiled.name, entry.on_done
+        assert on_done is not None
+        del self.encoding[name]
+        entry.encoded, entry.on_done = {}, None
+        self.schemas[name] = entry
+        on_done(None)
 
     def remove(self, name: str) -> torch.Tensor:
-        """Forget schema `name`; returns its slots for the caller to free."""
-        entry = self.schemas.pop(name)
-        self._chain_ids = {k: v for k, v in self._chain_ids.items() if k[0] != name}
+        """Forget schema `name` (encoded or not: its registration then hears why); returns
+        its slots for the caller to free."""
+        entry = self.schemas.pop(name, None)
+        if entry is None:
+            entry = self.encoding.pop(name)
+            assert entry.on_done is not None
+            entry.on_done(f"schema {name!r} was deleted while it was being encoded")
+        self._node_ids = {k: v for k, v in self._node_ids.items() if k[0] != name}
         return torch.cat([torch.empty(0, dtype=torch.int64), *entry.slots.values()])
 
     def check(self, request: TokenizedRequest) -> None:
@@ -60,6 +137,11 @@ class ModuleStore:
         input_ids, with one ascending position per own token."""
         use = request.modules
         assert use is not None
+        if use.schema in self.encoding:
+            raise ValueError(
+                f"schema: {use.schema!r} is still being encoded; import it once its "
+                "registration has returned"
+            )
         entry = self.schemas.get(use.schema)
         if entry is None:
             raise ValueError(f"schema: no schema {use.schema!r} is registered")
@@ -89,63 +171,12 @@ class ModuleStore:
         )
 
     def path(self, use: ModuleUse) -> list[tuple[int, int]]:
-        """(node id, tokens) per imported module: one id per chain of leading modules."""
+        """(node id, tokens) per imported module: one id per module of a registered schema."""
         entry = self.schemas[use.schema]
-        out = []
-        for i, name in enumerate(use.modules):
-            key = (use.schema, tuple(use.modules[: i + 1]))
-            node = self._chain_ids.setdefault(key, next(self._next_id))
-            out.append((node, entry.slots[name].numel()))
-        return out
-
-
-def encode(
-    worker: StepWorker,
-    pool: KVPool,
-    modules: list[ModuleTokens],
-    chunk: int,
-    budget: int,
-) -> dict[str, torch.Tensor]:
-    """Allocate slots for each module's tokens (the caller reserved them) and compute their
-    K/V at the modules' positions, each module on its own. Returns name -> slots."""
-    todo = [m for m in modules if m.token_ids]
-    slots = {}
-    for m in todo:
-        got = pool.alloc(len(m.token_ids))
-        assert got is not None, f"module {m.name!r}: no slots reserved"
-        slots[m.name] = got
-    done = dict.fromkeys(slots, 0)
-    while any(done[m.name] < len(m.token_ids) for m in todo):
-        step, left = [], budget
-        for m in todo:
-            n = min(len(m.token_ids) - done[m.name], chunk, left)
-            if n > 0:
-                step.append((m, done[m.name], n))
-                left -= n
-        worker.forward(*_batch(step, slots, pool))
-        for m, start, n in step:
-            done[m.name] = start + n
-    return slots
-
-
-def _batch(
-    step: list[tuple[ModuleTokens, int, int]], slots: dict[str, torch.Tensor], pool: KVPool
-) -> tuple[ForwardBatch, torch.Tensor]:
-    """One extend of tokens [start, start + n) of each module, and the rows of its last
-    tokens (the logits are not used, but the worker computes some)."""
-    ids, pos, kv = [], [], []
-    for m, start, n in step:
-        ids += m.token_ids[start : start + n]
-        pos += m.positions[start : start + n]
-        kv.append(slots[m.name][: start + n])
-    batch = ForwardBatch(
-        input_ids=torch.tensor(ids, dtype=torch.int64),
-        positions=torch.tensor(pos, dtype=torch.int64),
-        out_cache_loc=torch.cat([s[start : start + n] for s, (_, start, n) in zip(kv, step)]),
-        seq_lens=[start + n for _, start, n in step],
-        extend_lens=[n for _, _, n in step],
-        kv_indices=kv,
-        paths=[[] for _ in step],
-        kv_pool=pool,
-    )
-    return batch, batch.last_token_rows()
+        return [
+            (
+                self._node_ids.setdefault((use.schema, m), next(self._next_id)),
+                entry.slots[m].numel(),
+            )
+            for m in use.modules
+        ]

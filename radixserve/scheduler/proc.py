@@ -125,17 +125,24 @@ class SchedulerLoop:
         self.out.send(CacheTreeResp(msg.seq, self.sched.cache_tree(msg.max_nodes, msg.max_depth)))
 
     def on_schema(self, msg: SchemaReq) -> None:
-        """Register / delete / list prompt-module schemas (400 with the reason)."""
+        """Register / delete / list prompt-module schemas (400 with the reason). A register
+        is answered once the schema is encoded, over the next steps (running requests go on
+        meanwhile), or deleted first (400)."""
         try:
             if msg.op == "register":
                 assert msg.compiled is not None, "register without a compiled schema"
-                self.sched.register_schema(msg.compiled)
-            elif msg.op == "delete":
+                self.sched.register_schema(msg.compiled, lambda e: self.schema_done(msg.seq, e))
+                return
+            if msg.op == "delete":
                 self.sched.remove_schema(msg.name)
         except ValueError as e:
-            self.out.send(SchemaResp(msg.seq, 400, str(e), self.sched.schemas()))
+            self.schema_done(msg.seq, str(e))
             return
-        self.out.send(SchemaResp(msg.seq, 200, "", self.sched.schemas()))
+        self.schema_done(msg.seq, None)
+
+    def schema_done(self, seq: int, error: str | None) -> None:
+        status = 200 if error is None else 400
+        self.out.send(SchemaResp(seq, status, error or "", self.sched.schemas()))
 
     def on_shutdown(self, msg: Shutdown) -> None:
         self.stopping = True

@@ -23,7 +23,8 @@ Public surface (the in-process Engine and the scheduler process use nothing else
     sched.has_work() -> bool
     sched.stats() -> SchedulerStats
     sched.cache_tree(max_nodes, max_depth) -> CacheTreeView  # the web console's tree view
-    sched.register_schema(CompiledSchema)  # prompt modules: encode and pin; ValueError
+    sched.register_schema(CompiledSchema, on_done)  # prompt modules: pin, encode over the
+                                          # next steps, then on_done(None); ValueError
     sched.remove_schema(name)             # ValueError: unknown, or requests use it
     sched.schemas() -> list[dict]         # the registered schemas
     sched.model_info -> ModelInfo
@@ -51,7 +52,7 @@ from radixserve.kvcache.tree_view import running_counts, view_tree
 from radixserve.sampling.stop import StopChecker
 from radixserve.scheduler.compiling import PendingCompiles
 from radixserve.scheduler.kv import KVManager
-from radixserve.scheduler.modules import encode
+from radixserve.scheduler.modules import EncodeChunk, SchemaDone
 from radixserve.scheduler.outputs import OutputProcessor
 from radixserve.scheduler.parts import SchedulerParts
 from radixserve.scheduler.policy import order_waiting, shares_uncached_prefix
@@ -231,15 +232,18 @@ class Scheduler:
             self._end_unqueued(request, FinishReason("error", message, 400))
 
     # ---- schedule ------------------------------------------------------------------
-    def _schedule(self) -> list[Work]:
+    def _schedule(self) -> tuple[list[Work], list[EncodeChunk]]:
+        """The running samples' next inputs, a chunk of a schema being encoded (its slots
+        are pinned already), then admissions, within the step's prefill budget."""
         retracted = self._make_room()
         work = [Work(r, self._next_len(r)) for r in self.running]
         for w in work:
             self.kv.extend(w.req, w.n)
-        if retracted:  # admitting now would undo the retraction at once
-            return work
         budget = self.config.max_prefill_tokens - sum(w.n for w in work if w.n > 1)
-        return work + self._admit(budget)
+        chunks = self.kv.modules.next_chunks(min(self.config.chunked_prefill_size, budget))
+        if retracted:  # admitting now would undo the retraction at once
+            return work, chunks
+        return work + self._admit(budget - sum(c.n for c in chunks)), chunks
 
     def _next_len(self, req: Req) -> int:
         return min(req.seq_len - req.kv_len, self.config.chunked_prefill_size)
@@ -287,8 +291,11 @@ class Scheduler:
         return admitted
 
     # ---- forward -------------------------------------------------------------------
-    def _build_batch(self, work: list[Work]) -> tuple[ForwardBatch, torch.Tensor, list[int]]:
-        """The step's batch, the token rows needing logits, and each work's first such row."""
+    def _build_batch(
+        self, work: list[Work], chunks: list[EncodeChunk]
+    ) -> tuple[ForwardBatch, torch.Tensor, list[int]]:
+        """The step's batch (the work, then the encode chunks: their logits are not used),
+        the token rows needing logits, and each work's first such row."""
         ids: list[int] = []
         pos: list[int] = []
         locs: list[torch.Tensor] = []
@@ -312,12 +319,22 @@ class Scheduler:
             first_row.append(len(rows))
             rows.extend(range(t, t + w.n) if self._wants_all_logits(w) else [t + w.n - 1])
             t += w.n
+        for c in chunks:  # a module is its own sequence: no path, nothing shared
+            chunk_ids, chunk_pos, slots = self.kv.modules.chunk_inputs(c)
+            ids.extend(chunk_ids)
+            pos.extend(chunk_pos)
+            locs.append(slots[c.start :])
+            seq_lens.append(c.start + c.n)
+            kv_idx.append(slots)
+            paths.append([])
+        if not rows:  # only encoding: the worker computes some logits, never used
+            rows.append(len(ids) - 1)
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(pos, dtype=torch.int64),
             out_cache_loc=torch.cat(locs),
             seq_lens=seq_lens,
-            extend_lens=[w.n for w in work],
+            extend_lens=[w.n for w in work] + [c.n for c in chunks],
             kv_indices=kv_idx,
             paths=paths,
             kv_pool=self.kv.pool,
@@ -332,15 +349,16 @@ class Scheduler:
     def step(self) -> list[SampleOutput]:
         """Run one scheduling step; return the deltas of every sample that progressed."""
         self._poll_compiles()
-        if not (self.waiting or self.running or self.finished_outputs):
+        if not (self.waiting or self.running or self.finished_outputs or self.kv.modules.encoding):
             self.compiling.wait(COMPILE_POLL_S)  # only compiles pending: do not spin
-        work = self._schedule()
-        if work:
-            batch, rows, first_row = self._build_batch(work)
+        work, chunks = self._schedule()
+        if work or chunks:
+            batch, rows, first_row = self._build_batch(work, chunks)
             logits = self.worker.forward(batch, rows)
             self.last_batch = batch
             self.computed_tokens_total += batch.input_ids.numel()
             self._process(work, logits, first_row)
+            self.kv.modules.encoded(chunks)
         outputs, self.finished_outputs = self.finished_outputs, []
         outputs.extend(self.out.collect(r) for r in self.running if r.new_ids)
         return outputs
@@ -430,7 +448,13 @@ class Scheduler:
 
     # ---- management ----------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.finished_outputs or self.compiling)
+        return bool(
+            self.waiting
+            or self.running
+            or self.finished_outputs
+            or self.compiling
+            or self.kv.modules.encoding
+        )
 
     def flush_cache(self) -> bool:
         if self.waiting or self.running:
@@ -442,12 +466,13 @@ class Scheduler:
         self.kv.check_integrity(self.running)
 
     # ---- prompt modules --------------------------------------------------------------
-    def register_schema(self, schema: CompiledSchema) -> None:
-        """Encode every module of `schema` at its positions and pin its K/V (evicting
-        unlocked cache entries for room). ValueError: the name is taken, the schema does
-        not fit the context, or the pool cannot hold it."""
+    def register_schema(self, schema: CompiledSchema, on_done: SchemaDone) -> None:
+        """Pin slots for every module of `schema` (evicting unlocked cache entries for room)
+        and start encoding it: the next steps compute it beside their other work, and
+        `on_done(None)` runs once it is usable (see ModuleStore). ValueError, at once: the
+        name is taken, the schema does not fit the context, or the pool cannot hold it."""
         store = self.kv.modules
-        if schema.name in store.schemas:
+        if schema.name in store.schemas or schema.name in store.encoding:
             raise ValueError(f"schema {schema.name!r} is already registered; delete it first")
         if schema.num_positions >= self.context_len:
             raise ValueError(
@@ -460,21 +485,20 @@ class Scheduler:
                 f"schema {schema.name!r}: {need} tokens of K/V, {self.kv.available} KV slots "
                 "free or evictable; raise --max-total-tokens or delete a schema"
             )
-        cfg = self.config
-        slots = encode(
-            self.worker,
-            self.kv.pool,
-            schema.modules,
-            cfg.chunked_prefill_size,
-            cfg.max_prefill_tokens,
-        )
-        store.add(schema, slots)
-        logger.info("schema %s: %d modules, %d tokens pinned", schema.name, len(slots), need)
+        slots = {}
+        for m in schema.modules:
+            if m.token_ids:
+                got = self.kv.pool.alloc(len(m.token_ids))
+                assert got is not None, f"module {m.name!r}: no slots though reserved"
+                slots[m.name] = got
+        logger.info("schema %s: %d modules, %d tokens to encode", schema.name, len(slots), need)
+        store.begin(schema, slots, on_done)
 
     def remove_schema(self, name: str) -> None:
-        """Free schema `name`'s K/V. ValueError: unknown, or a request still imports it."""
+        """Free schema `name`'s K/V (one still being encoded stops: its registration hears
+        why). ValueError: unknown, or a request still imports it."""
         store = self.kv.modules
-        if name not in store.schemas:
+        if name not in store.schemas and name not in store.encoding:
             raise ValueError(f"schema: no schema {name!r} is registered")
         queued = [r.request for r in itertools.chain(self.waiting, self.running)]
         users = store.in_use(name, queued + self.compiling.requests)
@@ -483,14 +507,18 @@ class Scheduler:
         self.kv.pool.free(store.remove(name))
 
     def schemas(self) -> list[dict[str, object]]:
-        """Every registered schema: name, each module's tokens, positions it spans."""
+        """Every registered schema: name, each module's tokens, positions it spans, and
+        whether it is "ready" or still "encoding"."""
+        store = self.kv.modules
         return [
             {
                 "name": e.compiled.name,
                 "modules": {m.name: len(m.token_ids) for m in e.compiled.modules},
                 "positions": e.compiled.num_positions,
+                "status": status,
             }
-            for e in self.kv.modules.schemas.values()
+            for entries, status in ((store.schemas, "ready"), (store.encoding, "encoding"))
+            for e in entries.values()
         ]
 
     def stats(self) -> SchedulerStats:

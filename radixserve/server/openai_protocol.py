@@ -50,6 +50,8 @@ COMPLETION_FIELDS = COMMON_FIELDS | {
 }
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages",
+    "pml",  # instead of messages: a PML <prompt> importing a registered schema's modules
+    "module_reuse",
     "max_completion_tokens",
     "logprobs",
     "top_logprobs",
@@ -289,6 +291,17 @@ def _past_call(call: Any, where: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise bad("messages must be a non-empty list (or give pml instead)", "messages")
+    if len(raw) > MAX_MESSAGES:
+        raise bad(
+            f"messages has {len(raw)} entries, at most {MAX_MESSAGES} are allowed", "messages"
+        )
+    return [_message(m, i) for i, m in enumerate(raw)]
+
+
 def parse_chat(body: dict[str, Any]) -> OpenAIBatch:
     check_fields(body, CHAT_FIELDS)
     extra, renames = _constraints(body)
@@ -303,14 +316,11 @@ def parse_chat(body: dict[str, Any]) -> OpenAIBatch:
         extra, renames = tools.constraint()
     model = get(body, "model", "str")
     get(body, "user", "str")
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise bad("messages must be a non-empty list", "messages")
-    if len(raw) > MAX_MESSAGES:
-        raise bad(
-            f"messages has {len(raw)} entries, at most {MAX_MESSAGES} are allowed", "messages"
-        )
-    messages = [_message(m, i) for i, m in enumerate(raw)]
+    pml = get(body, "pml", "str")
+    module_reuse = get(body, "module_reuse", "bool", True)
+    if pml is not None and (body.get("messages") is not None or body.get("tools") is not None):
+        raise bad("pml: give either messages (and tools) or pml, a PML <prompt>", "pml")
+    messages = None if pml is not None else _messages(body)
     limit = get(body, "max_completion_tokens", "int")
     if limit is not None and body.get("max_tokens") is None:
         body = {**body, "max_tokens": limit}
@@ -325,6 +335,8 @@ def parse_chat(body: dict[str, Any]) -> OpenAIBatch:
         rid=get(body, "rid", "rid") or f"chatcmpl-{uuid.uuid4().hex}",
         sampling=sampling,
         messages=messages,
+        pml=pml,
+        module_reuse=module_reuse,
         return_logprob=logprobs,
         top_logprobs_num=top,
         return_text_in_logprobs=logprobs,

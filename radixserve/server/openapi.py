@@ -282,9 +282,15 @@ MESSAGE = {
 CHAT = {
     "type": "object",
     "additionalProperties": False,
-    "required": ["messages"],
+    "oneOf": [{"required": ["messages"]}, {"required": ["pml"], "not": {"required": ["tools"]}}],
     "properties": {
         **OPENAI_COMMON,
+        "pml": {
+            **NONEMPTY,
+            "description": "instead of messages: a PML <prompt> importing a registered schema's "
+            "modules (its role tags use the chat template)",
+        },
+        "module_reuse": _bool("pml: reuse the modules' K/V (false: prefill the expanded text)"),
         "messages": {
             "type": "array",
             "items": MESSAGE,

@@ -166,6 +166,7 @@ class TokenizerWorker:
                 self.to_api.send(SchemaResp(req.seq, 500, f"schema layout failed: {e!r}"))
                 return
             req.compiled = layout.compiled
+            self.schemas.begin(layout)
             self.schema_ops[req.seq] = layout
         elif req.op == "delete":
             self.schema_ops[req.seq] = req.name
@@ -173,8 +174,8 @@ class TokenizerWorker:
 
     def on_schema_resp(self, resp: SchemaResp) -> None:
         op = self.schema_ops.pop(resp.seq, None)
-        if resp.status == 200 and isinstance(op, Layout):
-            self.schemas.add(op)
+        if isinstance(op, Layout):
+            (self.schemas.add if resp.status == 200 else self.schemas.cancel)(op)
         elif resp.status == 200 and isinstance(op, str):
             self.schemas.remove(op)
         self.to_api.send(resp)
