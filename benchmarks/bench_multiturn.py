@@ -137,7 +137,11 @@ class Result:
 
 
 def run_config(
-    engines: list[Engine], convs: list[list[tuple[str, str]]], concurrency: int, max_new: int, res: Result
+    engines: list[Engine],
+    convs: list[list[tuple[str, str]]],
+    concurrency: int,
+    max_new: int,
+    res: Result,
 ) -> tuple[int, int]:
     """Run every conversation on `engines`; returns the working set (final prompt + reply
     tokens, summed over the conversations) and the longest conversation's part of it."""

@@ -92,7 +92,9 @@ def chat(user: str, reply: str | None = None) -> list[dict[str, str]]:
     return out if reply is None else [*out, {"role": "assistant", "content": reply}]
 
 
-def reply_ids(engine: Engine, msgs: list[dict[str, str]], reply: str, prompt: list[int]) -> list[int]:
+def reply_ids(
+    engine: Engine, msgs: list[dict[str, str]], reply: str, prompt: list[int]
+) -> list[int]:
     """The reference reply's tokens as the template renders them after `prompt` ([] when
     that rendering does not start with the prompt's tokens)."""
     text = engine.tokenizer.apply_chat_template(
@@ -102,40 +104,52 @@ def reply_ids(engine: Engine, msgs: list[dict[str, str]], reply: str, prompt: li
     return full[len(prompt) :] if full[: len(prompt)] == prompt else []
 
 
-def run(engine: Engine, convs: list[list[tuple[str, str]]], args: argparse.Namespace, res: Run) -> None:
-    answer = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
-    score = {"temperature": 0, "max_new_tokens": 0}
+def answer(engine: Engine, prompt: list[int], max_new: int, res: Run) -> list[int]:
+    """Step 1 of a turn: the greedy answer, counted into `res`."""
+    before = engine.scheduler.stats().computed_tokens_total
+    params = {"temperature": 0, "max_new_tokens": max_new}
+    out = engine.generate(input_ids=prompt, sampling_params=params)
+    assert isinstance(out, dict)
+    meta = out["meta_info"]
+    computed = engine.scheduler.stats().computed_tokens_total - before
+    res.prefilled_tokens += computed - (meta["completion_tokens"] - 1)  # less decode steps
+    res.prompt_tokens += len(prompt)
+    res.moved_tokens += meta["cached_tokens_details"].get("moved", 0)
+    res.ttft_s.append(meta["first_token_latency"])
+    return out["output_ids"]
+
+
+def score(engine: Engine, prompt: list[int], ref: list[int]) -> tuple[float, int]:
+    """Step 2: the reference reply's NLL after the prompt (sum, tokens)."""
+    out = engine.generate(
+        input_ids=prompt + ref, sampling_params={"temperature": 0, "max_new_tokens": 0},
+        return_logprob=True, logprob_start_len=len(prompt),
+    )  # fmt: skip
+    assert isinstance(out, dict)
+    lps = [e[0] for e in out["meta_info"]["input_token_logprobs"] if e[0] is not None]
+    return -sum(lps), len(lps)
+
+
+def run(
+    engine: Engine, convs: list[list[tuple[str, str]]], args: argparse.Namespace, res: Run
+) -> None:
+    """Every conversation's turns, interleaved (turn t of each, then t + 1)."""
     first = [0] * len(convs)
     per_turn: dict[tuple[int, int], tuple[bool, tuple[float, int], list[int]]] = {}
     budget = args.context_budget - args.max_new_tokens
     for turn in range(max(map(len, convs))):
         for i in [i for i, c in enumerate(convs) if turn < len(c)]:
             user, reply = convs[i][turn]
-            first[i], msgs, prompt = truncated_history(engine, convs[i][:turn], first[i], user, budget)
-            stats = engine.scheduler.stats
-            before = stats().computed_tokens_total
-            out = engine.generate(input_ids=prompt, sampling_params=answer)
-            assert isinstance(out, dict)
-            meta = out["meta_info"]
-            res.prefilled_tokens += stats().computed_tokens_total - before - (meta["completion_tokens"] - 1)
-            res.prompt_tokens += len(prompt)
-            res.moved_tokens += meta["cached_tokens_details"].get("moved", 0)
-            res.ttft_s.append(meta["first_token_latency"])
+            first[i], msgs, prompt = truncated_history(
+                engine, convs[i][:turn], first[i], user, budget
+            )
+            output = answer(engine, prompt, args.max_new_tokens, res)
             res.turns += 1
             res.truncated_turns += first[i] > 0
-            nll = (0.0, 0)
             ref = reply_ids(engine, msgs, reply, prompt)
-            if ref:
-                scored = engine.generate(
-                    input_ids=prompt + ref, sampling_params=score, return_logprob=True,
-                    logprob_start_len=len(prompt),
-                )  # fmt: skip
-                assert isinstance(scored, dict)
-                lps = [e[0] for e in scored["meta_info"]["input_token_logprobs"] if e[0] is not None]
-                nll = (-sum(lps), len(lps))
-            else:
-                res.skipped_scores += 1
-            per_turn[(i, turn)] = (first[i] > 0, nll, out["output_ids"])
+            res.skipped_scores += not ref
+            nll = score(engine, prompt, ref) if ref else (0.0, 0)
+            per_turn[(i, turn)] = (first[i] > 0, nll, output)
             mt.drain([engine])
     for key in sorted(per_turn):
         cut, nll, ids = per_turn[key]
@@ -172,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-turns", type=int, default=6)
     ap.add_argument("--max-user-tokens", type=int, default=96, help="per message and reply")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="per answer")
-    ap.add_argument("--context-budget", type=int, default=512, help="tokens a prompt + answer may use")
+    ap.add_argument("--context-budget", type=int, default=512, help="prompt + answer tokens")
     ap.add_argument("--pool-tokens", type=int, default=2048)
     ap.add_argument("--host-gb", type=float, default=2.0)
     ap.add_argument("--dtype", default="float32")

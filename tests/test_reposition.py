@@ -47,7 +47,7 @@ def test_index_stops_at_an_edit_and_refuses_short_or_unknown_runs() -> None:
     index.add(OLD)
     edited = SYSTEM + TURNS[2][:20] + [1] + TURNS[2][21:] + TURNS[3] + NEW_MSG
     assert index.find(edited, len(SYSTEM)) == Run(OLD, A0, 20)
-    assert index.find(SYSTEM + TURNS[2][:W - 1] + NEW_MSG, len(SYSTEM)) is None  # < WINDOW
+    assert index.find(SYSTEM + TURNS[2][: W - 1] + NEW_MSG, len(SYSTEM)) is None  # < WINDOW
     assert index.find(SYSTEM + list(range(7, 70)), len(SYSTEM)) is None
 
 
