@@ -10,12 +10,13 @@ stays) until prompt + `--max-new-tokens` fits, and a dropped pair stays dropped.
   2. the turn's reference reply is scored after the prompt (`max_new_tokens` 0, prompt
      logprobs of the reply tokens): its mean NLL per token given the context the cache gave,
      and the scored sequence is the cached history the next turn continues.
-Two runs, each on a fresh Engine (the embedded model, fp32; a host tier holding everything,
-no prefetch): "recompute" (the flag off: after a truncation everything past the system
-prompt is prefilled again) and "reposition" (the kept turns' K/V moved to their new
-positions). Reported: tokens prefilled, mean / p99 TTFT, and on the turns whose history was
-truncated: mean NLL (and perplexity) of the reference reply and how often the greedy reply
-is the same as the recompute run's.
+Two runs on two engines at once, every turn on one and then the other, so both see the
+machine's load alike (the embedded model, fp32; a host tier holding everything, no
+prefetch): "recompute" (the flag off: after a truncation everything past the system prompt
+is prefilled again) and "reposition" (the kept turns' K/V moved to their new positions).
+Reported: tokens prefilled, mean / p99 TTFT, and on the turns whose history was truncated:
+mean NLL (and perplexity) of the reference reply and how often the greedy answer is the
+same as the recompute run's.
 
     python benchmarks/bench_reposition.py --conversations 8 --context-budget 512 \\
         --out benchmarks/results/reposition.json
@@ -131,32 +132,37 @@ def score(engine: Engine, prompt: list[int], ref: list[int]) -> tuple[float, int
 
 
 def run(
-    engine: Engine, convs: list[list[tuple[str, str]]], args: argparse.Namespace, res: Run
-) -> None:
-    """Every conversation's turns, interleaved (turn t of each, then t + 1)."""
+    engines: dict[str, Engine], convs: list[list[tuple[str, str]]], args: argparse.Namespace
+) -> dict[str, Run]:
+    """Every conversation's turns, interleaved (turn t of each, then t + 1); each turn on
+    every engine in turn, so both runs share the machine's load alike."""
+    runs = {name: Run(name) for name in engines}
     first = [0] * len(convs)
-    per_turn: dict[tuple[int, int], tuple[bool, tuple[float, int], list[int]]] = {}
+    per_turn: dict[tuple[str, int, int], tuple[bool, tuple[float, int], list[int]]] = {}
     budget = args.context_budget - args.max_new_tokens
+    tok = next(iter(engines.values()))
     for turn in range(max(map(len, convs))):
         for i in [i for i, c in enumerate(convs) if turn < len(c)]:
             user, reply = convs[i][turn]
-            first[i], msgs, prompt = truncated_history(
-                engine, convs[i][:turn], first[i], user, budget
-            )
-            output = answer(engine, prompt, args.max_new_tokens, res)
-            res.turns += 1
-            res.truncated_turns += first[i] > 0
-            ref = reply_ids(engine, msgs, reply, prompt)
-            res.skipped_scores += not ref
-            nll = score(engine, prompt, ref) if ref else (0.0, 0)
-            per_turn[(i, turn)] = (first[i] > 0, nll, output)
-            mt.drain([engine])
-    for key in sorted(per_turn):
-        cut, nll, ids = per_turn[key]
-        res.truncated.append(cut)
-        res.nll.append(nll)
-        res.answers.append(ids)
-    engine.check_integrity()
+            first[i], msgs, prompt = truncated_history(tok, convs[i][:turn], first[i], user, budget)
+            ref = reply_ids(tok, msgs, reply, prompt)
+            for name, engine in engines.items():
+                res = runs[name]
+                output = answer(engine, prompt, args.max_new_tokens, res)
+                res.turns += 1
+                res.truncated_turns += first[i] > 0
+                res.skipped_scores += not ref
+                nll = score(engine, prompt, ref) if ref else (0.0, 0)
+                per_turn[(name, i, turn)] = (first[i] > 0, nll, output)
+                mt.drain([engine])
+    for name, i, turn in sorted(per_turn):
+        cut, nll, ids = per_turn[(name, i, turn)]
+        runs[name].truncated.append(cut)
+        runs[name].nll.append(nll)
+        runs[name].answers.append(ids)
+    for engine in engines.values():
+        engine.check_integrity()
+    return runs
 
 
 def agreement(a: Run, b: Run) -> dict[str, float]:
@@ -202,24 +208,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         probe.tokenizer, args.seed,
     )  # fmt: skip
     probe.shutdown()
-    runs = {}
-    for name, on in (("recompute", False), ("reposition", True)):
-        engine = Engine(
-            args.model, dtype=args.dtype, max_total_tokens=args.pool_tokens,
-            hicache_size=args.host_gb, hicache_prefetch_window=0, hicache_reposition=on,
+    engines = {
+        name: Engine(
+            args.model,
+            dtype=args.dtype,
+            max_total_tokens=args.pool_tokens,
+            hicache_size=args.host_gb,
+            hicache_prefetch_window=0,
+            hicache_reposition=on,
         )  # fmt: skip
-        res = Run(name)
-        start = time.perf_counter()
-        try:
-            run(engine, convs, args, res)
-        finally:
+        for name, on in (("recompute", False), ("reposition", True))
+    }
+    start = time.perf_counter()
+    try:
+        runs = run(engines, convs, args)
+    finally:
+        for engine in engines.values():
             engine.shutdown()
-        runs[name] = res
-        row = {**res.summary(), "wall_s": time.perf_counter() - start}
-        print(json.dumps(row), flush=True)
+    for res in runs.values():
+        print(json.dumps(res.summary()), flush=True)
     report = {
         "command": " ".join(sys.argv),
         "conversations": len(convs),
+        "wall_s": time.perf_counter() - start,
         "rows": [r.summary() for r in runs.values()],
         "agreement": agreement(runs["recompute"], runs["reposition"]),
     }
