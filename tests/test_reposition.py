@@ -134,7 +134,7 @@ def check_moved(pool: KVPool, cache: HiCache, ref: torch.Tensor) -> None:
     # the moved run is now NEW's own prefix: matched in place next time
     assert cache.match_prefix(NEW).tier_tokens == {"device": q + 60}
     cache.flush()
-    assert pool.num_free == pool.capacity
+    assert pool.num_free == pool.capacity and len(cache.mover.index) == 0
     cache.check_integrity()
 
 
@@ -207,16 +207,19 @@ def kv_at(engine: Any, tokens: list[int], start: int) -> torch.Tensor:
     return rows
 
 
-def check_moved_keys(engine: Any) -> None:
+def check_moved_keys(engine: Any, tol: float) -> None:
     """No dropped context (the run attends only itself in both places): moving K/V from
-    positions 0.. to 37.. gives what the model computes there, up to float rounding."""
+    positions 0.. to 37.. gives what the model computes there, up to float rounding:
+    layer 0 (keys from the embeddings alone) within 1e-6 of the scale, values exactly; the
+    later layers within `tol` of the scale (rounding differences grow layer by layer)."""
     tokens = list(range(300, 340))
     at0, at37 = kv_at(engine, tokens, 0), kv_at(engine, tokens, 37)
     moved = Mover(RunIndex(64), rope_freqs(engine)).move(at0, 37)
-    # float32 rounding differences of layer 0 grow through the later layers
     scale = at37.abs().max().item()
-    assert (moved - at37).abs().max().item() <= 1e-5 * scale, (moved - at37).abs().max()
-    assert not torch.allclose(at0[:, 0], at37[:, 0], atol=1e-2)  # keys do depend on position
+    err = (moved - at37).abs().amax(dim=(2, 3, 4))  # (layers, K/V)
+    assert err[0, 0] <= 1e-6 * scale and err[0, 1] == 0, err[0]
+    assert err.max() <= tol * scale, err
+    assert (at0[:, 0] - at37[:, 0]).abs().max() > 0.1 * scale  # keys do depend on position
     engine.check_integrity()
     assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.pool.capacity
     assert isinstance(engine.scheduler.cache, RadixCache)  # the default: nothing is moved
@@ -228,7 +231,7 @@ def test_moved_model_keys_equal_the_keys_computed_at_the_new_position(
     from radixserve import Engine
 
     engine = Engine(str(tiny_model_dir), dtype="float32", max_total_tokens=256)
-    check_moved_keys(engine)
+    check_moved_keys(engine, tol=1e-5)
     engine.shutdown()
 
 
@@ -236,8 +239,12 @@ def test_moved_model_keys_equal_the_keys_computed_at_the_new_position(
 def test_embedded_model_moved_keys_equal_the_keys_at_the_new_position() -> None:
     from radixserve import Engine
 
-    engine = Engine(dtype="float32", max_total_tokens=256)  # SmolLM2-135M, 30 layers
-    check_moved_keys(engine)
+    # SmolLM2-135M, 30 layers; a float32 pool (its default is fp16 under the Q4_1 weights,
+    # whose rounding alone is ~1e-3 of the scale). The quantized matmuls round activations
+    # to int16 per block, so a rounding difference can move an input by a whole int16 step:
+    # measured 1.1e-4 of the scale at worst (layer 0: 6e-7)
+    engine = Engine(dtype="float32", kv_cache_dtype="float32", max_total_tokens=256)
+    check_moved_keys(engine, tol=3e-4)
     engine.shutdown()
 
 

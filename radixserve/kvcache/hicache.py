@@ -415,6 +415,8 @@ class HiCache:
         self.tree.flush()
         for tier in self.local:
             tier.clear()
+        if self.mover is not None:
+            self.mover.index.clear()
 
     def drain(self) -> None:
         """Wait until every tier's queued writes and the prefetch reads are done (tests;

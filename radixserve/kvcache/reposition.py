@@ -84,6 +84,9 @@ class RunIndex:
     def __len__(self) -> int:
         return len(self._windows)
 
+    def clear(self) -> None:
+        self._windows.clear()
+
     def add(self, tokens: Sequence[int]) -> None:
         seq = list(tokens)
         for a in range(0, len(seq) - WINDOW + 1, WINDOW):
