@@ -48,9 +48,9 @@ class Run:
     prompt_tokens: int = 0
     prefilled_tokens: int = 0  # prompt tokens the model computed for the answers
     moved_tokens: int = 0
-    ttft_s: list[float] = field(default_factory=list)
-    # per turn, (conversation, turn) order: truncated?, reply NLL sum and tokens, answer
+    # per turn, (conversation, turn) order: truncated?, TTFT, reply NLL sum and tokens, answer
     truncated: list[bool] = field(default_factory=list)
+    ttft_s: list[float] = field(default_factory=list)
     nll: list[tuple[float, int]] = field(default_factory=list)
     answers: list[list[int]] = field(default_factory=list)
     skipped_scores: int = 0  # replies whose tokens did not continue the prompt's
@@ -61,10 +61,13 @@ class Run:
         out["mean_ttft_s"] = sum(t) / len(t)
         out["p99_ttft_s"] = t[min(len(t) - 1, int(0.99 * len(t)))]
         cut = [i for i, c in enumerate(self.truncated) if c]
+        kept = [i for i, c in enumerate(self.truncated) if not c]
         out["mean_ttft_truncated_s"] = sum(self.ttft_s[i] for i in cut) / max(len(cut), 1)
+        out["mean_ttft_untruncated_s"] = sum(self.ttft_s[i] for i in kept) / max(len(kept), 1)
         out["nll_truncated"] = mean_nll([self.nll[i] for i in cut])
         out["nll_all"] = mean_nll(self.nll)
         out["ppl_truncated"] = math.exp(out["nll_truncated"])
+        out["ttft_per_turn_s"] = self.ttft_s  # (conversation, turn) order
         return out
 
 
@@ -105,8 +108,8 @@ def reply_ids(
     return full[len(prompt) :] if full[: len(prompt)] == prompt else []
 
 
-def answer(engine: Engine, prompt: list[int], max_new: int, res: Run) -> list[int]:
-    """Step 1 of a turn: the greedy answer, counted into `res`."""
+def answer(engine: Engine, prompt: list[int], max_new: int, res: Run) -> tuple[list[int], float]:
+    """Step 1 of a turn: the greedy answer and its TTFT, counted into `res`."""
     before = engine.scheduler.stats().computed_tokens_total
     params = {"temperature": 0, "max_new_tokens": max_new}
     out = engine.generate(input_ids=prompt, sampling_params=params)
@@ -116,8 +119,7 @@ def answer(engine: Engine, prompt: list[int], max_new: int, res: Run) -> list[in
     res.prefilled_tokens += computed - (meta["completion_tokens"] - 1)  # less decode steps
     res.prompt_tokens += len(prompt)
     res.moved_tokens += meta["cached_tokens_details"].get("moved", 0)
-    res.ttft_s.append(meta["first_token_latency"])
-    return out["output_ids"]
+    return out["output_ids"], meta["first_token_latency"]
 
 
 def score(engine: Engine, prompt: list[int], ref: list[int]) -> tuple[float, int]:
@@ -135,10 +137,11 @@ def run(
     engines: dict[str, Engine], convs: list[list[tuple[str, str]]], args: argparse.Namespace
 ) -> dict[str, Run]:
     """Every conversation's turns, interleaved (turn t of each, then t + 1); each turn on
-    every engine in turn, so both runs share the machine's load alike."""
+    every engine in turn, which one first alternating (one process: what the first warms,
+    such as a new matmul shape, the second finds warm), so both share the load alike."""
     runs = {name: Run(name) for name in engines}
     first = [0] * len(convs)
-    per_turn: dict[tuple[str, int, int], tuple[bool, tuple[float, int], list[int]]] = {}
+    per_turn: dict[tuple[str, int, int], tuple[bool, float, tuple[float, int], list[int]]] = {}
     budget = args.context_budget - args.max_new_tokens
     tok = next(iter(engines.values()))
     for turn in range(max(map(len, convs))):
@@ -146,18 +149,20 @@ def run(
             user, reply = convs[i][turn]
             first[i], msgs, prompt = truncated_history(tok, convs[i][:turn], first[i], user, budget)
             ref = reply_ids(tok, msgs, reply, prompt)
-            for name, engine in engines.items():
+            order = list(engines.items())
+            for name, engine in order if (i + turn) % 2 == 0 else order[::-1]:
                 res = runs[name]
-                output = answer(engine, prompt, args.max_new_tokens, res)
+                output, ttft = answer(engine, prompt, args.max_new_tokens, res)
                 res.turns += 1
                 res.truncated_turns += first[i] > 0
                 res.skipped_scores += not ref
                 nll = score(engine, prompt, ref) if ref else (0.0, 0)
-                per_turn[(name, i, turn)] = (first[i] > 0, nll, output)
+                per_turn[(name, i, turn)] = (first[i] > 0, ttft, nll, output)
                 mt.drain([engine])
     for name, i, turn in sorted(per_turn):
-        cut, nll, ids = per_turn[(name, i, turn)]
+        cut, ttft, nll, ids = per_turn[(name, i, turn)]
         runs[name].truncated.append(cut)
+        runs[name].ttft_s.append(ttft)
         runs[name].nll.append(nll)
         runs[name].answers.append(ids)
     for engine in engines.values():
@@ -229,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for engine in engines.values():
             engine.shutdown()
     for res in runs.values():
-        print(json.dumps(res.summary()), flush=True)
+        print(json.dumps({k: v for k, v in res.summary().items() if k != "ttft_per_turn_s"}))
     report = {
         "command": " ".join(sys.argv),
         "conversations": len(convs),
