@@ -30,6 +30,13 @@ match that needs a chunk still being read waits for the reader instead of readin
 reader touches only the disk and Redis tiers (thread-safe) and queues; the tree and the host
 tier stay the scheduler thread's.
 
+Positional decoupling (`mover`, --hicache-reposition, opt-in and approximate; see
+reposition.py): where the in-place match above ends at q, a run of the prompt that the
+cache holds at another position (a truncated conversation's kept turns) continues it: its
+rows are copied out of the pool (the old sequence's radix path) and the tiers (the old
+sequence's chunk keys), its keys rotated to [q, ...), and it is loaded and inserted like a
+tier hit (`tier_tokens["moved"]`).
+
 Exactness: a chunk holds the pool's rows bit for bit, so a promoted prefix gives the same
 outputs as the same prefix still in the pool. A record a tier cannot trust is a miss
 (recomputed), never loaded.
