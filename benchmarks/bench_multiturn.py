@@ -58,10 +58,10 @@ def sharegpt_path() -> Path:
 
 def load_conversations(
     path: Path, num: int, min_turns: int, max_turns: int, max_user_tokens: int, tok: Any, seed: int
-) -> list[list[str]]:
-    """`num` conversations as their user messages (each cut to `max_user_tokens` tokens, at
-    most `max_turns`); only those with at least `min_turns` user turns, each answered in the
-    dataset (so a turn's message follows a reply)."""
+) -> list[list[tuple[str, str]]]:
+    """`num` conversations as their (user message, the dataset's reply) turns (each text cut
+    to `max_user_tokens` tokens, at most `max_turns`); only those with at least `min_turns`
+    user turns, each answered in the dataset (so a turn's message follows a reply)."""
     data = read_conversations(path)
     random.Random(seed).shuffle(data)
     out = []
@@ -71,10 +71,12 @@ def load_conversations(
         for i in range(0, len(turns) - 1, 2):
             if [t.get("from") for t in turns[i : i + 2]] != ["human", "gpt"]:
                 break
-            ids = tok.encode(turns[i].get("value", ""), add_special_tokens=False)
-            if not ids:
+            user, reply = (
+                tok.encode(t.get("value", ""), add_special_tokens=False) for t in turns[i : i + 2]
+            )
+            if not user:
                 break
-            users.append(tok.decode(ids[:max_user_tokens]))
+            users.append((tok.decode(user[:max_user_tokens]), tok.decode(reply[:max_user_tokens])))
         if len(users) >= min_turns:
             out.append(users[:max_turns])
         if len(out) == num:
@@ -135,7 +137,11 @@ class Result:
 
 
 def run_config(
-    engines: list[Engine], convs: list[list[str]], concurrency: int, max_new: int, res: Result
+    engines: list[Engine],
+    convs: list[list[tuple[str, str]]],
+    concurrency: int,
+    max_new: int,
+    res: Result,
 ) -> tuple[int, int]:
     """Run every conversation on `engines`; returns the working set (final prompt + reply
     tokens, summed over the conversations) and the longest conversation's part of it."""
@@ -151,7 +157,7 @@ def run_config(
             group = active[g : g + concurrency]
             engine = engines[(g // concurrency + turn) % len(engines)]  # two: alternate
             for i in group:
-                history[i].append({"role": "user", "content": convs[i][turn]})
+                history[i].append({"role": "user", "content": convs[i][turn][0]})
             prompts = [engine.apply_chat_template(history[i]) for i in group]
             outs = engine.generate(prompts, params)
             assert isinstance(outs, list)
@@ -242,7 +248,7 @@ def configs(
 def run(
     cfgs: list[dict[str, Any]],
     args: argparse.Namespace,
-    convs: list[list[str]],
+    convs: list[list[tuple[str, str]]],
     res: Result,
 ) -> tuple[int, int, int]:
     """One configuration on fresh engines: (working set tokens, the longest conversation's

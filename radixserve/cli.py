@@ -60,6 +60,9 @@ HELP = {
     "last used (default: until evicted)",
     "hicache_layerwise": "load a lower-tier hit into the pool layer by layer on a loader "
     "thread while the step computes (off: all layers before the step starts)",
+    "hicache_reposition": "approximate, off by default: reuse a prompt's run of 16+ tokens "
+    "cached at another position (a truncated conversation's kept turns), its keys rotated "
+    "to the new position, instead of recomputing it",
     "hicache_prefetch_window": "waiting samples (next to be admitted) whose K/V is pulled up "
     "the tiers before admission and spared by eviction (0: off)",
     "attention_backend": "tree (shared-prefix Hydragen attention) or flat (per request)",

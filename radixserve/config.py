@@ -77,6 +77,10 @@ class EngineConfig:
     hicache_ttl: float | None = None  # seconds a chunk stays in the host/disk tiers (None: forever)
     hicache_prefetch_window: int = 8  # waiting samples whose KV is pulled up early (0: off)
     hicache_layerwise: bool = True  # load a hit layer by layer during the step (False: before)
+    # positional decoupling (kvcache/reposition.py), an approximation: a run of 16+ prompt
+    # tokens cached at another position (a truncated conversation's kept turns) is reused
+    # there with its keys turned to the new position, instead of recomputed
+    hicache_reposition: bool = False
     attention_backend: str = "tree"
     attention_kernels: str = "auto"  # the ops under the backend; process-wide (see worker)
     grammar_backend: str = "llguidance"  # constrained decoding (radixserve.constrained)
@@ -177,7 +181,7 @@ class EngineConfig:
 
     @property
     def hicache_enabled(self) -> bool:
-        return self.hicache_size > 0 or self.hicache_remote is not None
+        return self.hicache_size > 0 or self.hicache_remote is not None or self.hicache_reposition
 
     @property
     def packed_linear_request(self) -> bool | None:

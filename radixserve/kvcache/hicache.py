@@ -30,6 +30,13 @@ match that needs a chunk still being read waits for the reader instead of readin
 reader touches only the disk and Redis tiers (thread-safe) and queues; the tree and the host
 tier stay the scheduler thread's.
 
+Positional decoupling (`mover`, --hicache-reposition, opt-in and approximate; see
+reposition.py): where the in-place match above ends at q, a run of the prompt that the
+cache holds at another position (a truncated conversation's kept turns) continues it: its
+rows are copied out of the pool (the old sequence's radix path) and the tiers (the old
+sequence's chunk keys), its keys rotated to [q, ...), and it is loaded and inserted like a
+tier hit (`tier_tokens["moved"]`).
+
 Exactness: a chunk holds the pool's rows bit for bit, so a promoted prefix gives the same
 outputs as the same prefix still in the pool. A record a tier cannot trust is a miss
 (recomputed), never loaded.
@@ -48,6 +55,7 @@ from radixserve.core.info import TierStats
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.radix import MatchResult, RadixCache, TreeNode
 from radixserve.kvcache.remote_store import RemoteStore
+from radixserve.kvcache.reposition import WINDOW, Mover
 from radixserve.kvcache.tier_store import CHUNK_TOKENS, ChunkLayout, TierStore, chunk_keys
 
 C = CHUNK_TOKENS
@@ -76,8 +84,10 @@ class HiCache:
         remote: RemoteStore | None,
         namespace: str,
         layerwise: bool = True,
+        mover: Mover | None = None,
     ) -> None:
         self.pool = pool
+        self.mover = mover  # positional decoupling (--hicache-reposition): None is off
         self.layerwise = layerwise  # load hits layer by layer while the step computes
         self.tree = RadixCache(pool, on_evict=self._demote)
         self.local = local
@@ -147,6 +157,13 @@ class HiCache:
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
         self._land_prefetched()
         tokens = list(token_ids)
+        m = self._match_in_place(tokens)
+        if self.mover is None or len(m.indices) + WINDOW > len(tokens):
+            return m
+        return self._match_moved(tokens, m)
+
+    def _match_in_place(self, tokens: list[int]) -> MatchResult:
+        """The pool's match, then the chunks of the lower tiers that continue it."""
         m = self.tree.match_prefix(tokens)
         p = len(m.indices)
         self.device.hit_tokens += p
@@ -171,6 +188,47 @@ class HiCache:
             tiers[name] = tiers.get(name, 0) + end - start
             self._tier(name).hit_tokens += end - start
         return MatchResult(result.indices, result.last_node, tiers)
+
+    def _match_moved(self, tokens: list[int], m: MatchResult) -> MatchResult:
+        """Positional decoupling (reposition.py): continue `m` at q with a run of tokens
+        cached at another position, its keys turned to the new one. `m` unchanged if no run
+        of WINDOW+ tokens is found with its K/V still in the pool or a tier."""
+        assert self.mover is not None
+        q = len(m.indices)
+        run = self.mover.index.find(tokens, q)
+        if run is None:
+            return m
+        rows = self._rows_of(run.old, run.start, run.start + run.length)
+        if rows.shape[2] < WINDOW:
+            return m
+        slots = self._alloc(rows.shape[2], m.last_node)
+        if slots is None:
+            return m
+        moved = self.mover.move(rows[:, :, : len(slots)], q - run.start)
+        self.pool.load(slots, [moved], background=self.layerwise)
+        q_end = q + len(slots)
+        result = self.tree.insert(tokens[:q_end], torch.cat([m.indices, slots]))
+        self.mover.moved_tokens += len(slots)
+        return MatchResult(result.indices, result.last_node, {**m.tier_tokens, "moved": len(slots)})
+
+    def _rows_of(self, old: list[int], start: int, end: int) -> torch.Tensor:
+        """A copy of the K/V of old[start:end) (layers, 2, n, kv_heads, head_dim), n <= end -
+        start: the leading rows that the pool (old's radix path) and then the tiers' chunks
+        (old's keys) still hold."""
+        m = self.tree.match_prefix(old[:end])
+        p = len(m.indices)
+        parts = [self._gather(m.indices[start:])] if p > start else []
+        at = max(p, start)  # rows of old[start:at) are in parts
+        keys = chunk_keys(self.namespace, old[:end])
+        k0 = at // C
+        for k, (_, chunk) in enumerate(self._fetch(old, keys, k0) if at < end else []):
+            lo, hi = (k0 + k) * C, min((k0 + k + 1) * C, end)
+            parts.append(chunk[:, :, at - lo : hi - lo])
+            at = hi
+        if not parts:
+            lay = self.layout
+            return torch.empty((lay.num_layers, 2, 0, lay.kv_heads, lay.head_dim), dtype=lay.dtype)
+        return torch.cat(parts, dim=2)
 
     def _fetch(self, tokens: list[int], keys: list[str], k0: int) -> list[tuple[str, torch.Tensor]]:
         """The leading run of chunks k0, k0+1, ... that some tier holds, with the tier's name."""
@@ -340,6 +398,8 @@ class HiCache:
 
     def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
         result = self.tree.insert(token_ids, kv_indices)
+        if self.mover is not None:
+            self.mover.index.add(token_ids)
         if self.remote is not None:
             tokens = list(token_ids)
             keys = chunk_keys(self.namespace, tokens)
@@ -362,6 +422,8 @@ class HiCache:
         self.tree.flush()
         for tier in self.local:
             tier.clear()
+        if self.mover is not None:
+            self.mover.index.clear()
 
     def drain(self) -> None:
         """Wait until every tier's queued writes and the prefetch reads are done (tests;
@@ -383,6 +445,8 @@ class HiCache:
             out[tier.name] = TierStats(
                 c.hit_tokens, c.loads, c.load_seconds, c.faults, tier.stored_bytes
             )
+        if self.mover is not None:  # hits moved from another position (any tier below)
+            out["moved"] = TierStats(hit_tokens=self.mover.moved_tokens)
         return out
 
     def check_integrity(self, in_use_elsewhere: int = 0) -> None:

@@ -4,7 +4,8 @@ A prefix cache holds the KV slots of token prefixes that requests computed and h
 later requests starting with the same tokens. Two implementations:
   - `RadixCache` (radix.py): shares every cached prefix (the default);
   - `HiCache` (hicache.py, `--hicache-size` / `--hicache-remote`): a RadixCache over lower
-    tiers (host, disk, Redis) that evicted prefixes go to and come back from;
+    tiers (host, disk, Redis) that evicted prefixes go to and come back from, and with
+    `--hicache-reposition` (reposition.py) runs cached at other positions, moved;
   - `NoPrefixCache` (here, `--disable-radix-cache`): a tree that is only a root; it matches
     nothing and keeps nothing, so a request's K/V stays the request's and goes back to the
     pool when the request ends.
@@ -26,7 +27,8 @@ from radixserve.kvcache.hicache import HiCache, pool_layout
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.radix import MatchResult, RadixCache, TreeNode, check_insert_args
 from radixserve.kvcache.remote_store import RemoteStore
-from radixserve.kvcache.tier_store import HostStore, TierStore
+from radixserve.kvcache.reposition import Mover, RunIndex
+from radixserve.kvcache.tier_store import CHUNK_TOKENS, HostStore, TierStore
 
 
 class PrefixCache(Protocol):
@@ -206,28 +208,44 @@ class NoPrefixCache:
 GB = 1 << 30
 
 
-def make_prefix_cache(config: EngineConfig, pool: KVPool, model_name: str = "") -> PrefixCache:
-    """The scheduler's prefix cache: a RadixCache, a HiCache when a lower tier is configured,
-    or a NoPrefixCache under `disable_radix_cache`. The only place that reads those fields.
-    `model_name` and the pool's layout name the K/V in shared tiers (same model, same keys)."""
+def make_prefix_cache(
+    config: EngineConfig,
+    pool: KVPool,
+    model_name: str = "",
+    rope_inv_freq: torch.Tensor | None = None,
+) -> PrefixCache:
+    """The scheduler's prefix cache: a RadixCache, a HiCache when a lower tier or
+    `hicache_reposition` is configured, or a NoPrefixCache under `disable_radix_cache`. The
+    only place that reads those fields. `model_name` and the pool's layout name the K/V in
+    shared tiers (same model, same keys); `rope_inv_freq` (head_dim / 2,) float32, the
+    model's RoPE frequencies, is needed by `hicache_reposition` to move keys."""
     if config.disable_radix_cache:
         return NoPrefixCache(pool)
     if not config.hicache_enabled:
         return RadixCache(pool)
     layout = pool_layout(pool)
     local: list[TierStore] = []
+    tier_bytes = 0  # what the local tiers hold, for the reposition index's bound
     if config.hicache_size > 0:
         disk = None
         if config.hicache_dir is not None:
             disk_bytes = int(config.hicache_disk_size * GB)
             disk = DiskStore(config.hicache_dir, disk_bytes, layout, config.hicache_ttl)
+            tier_bytes += disk_bytes
         spill = None if disk is None else disk.put
         host_bytes = int(config.hicache_size * GB)
         local.append(HostStore(host_bytes, layout, spill, config.hicache_ttl))
+        tier_bytes += host_bytes
         if disk is not None:
             local.append(disk)
     remote = None
     if config.hicache_remote is not None:
         remote = RemoteStore(config.hicache_remote, layout, config.hicache_remote_ttl)
     namespace = f"{model_name}|{config.quantization}|{layout}"
-    return HiCache(pool, local, remote, namespace, config.hicache_layerwise)
+    mover = None
+    if config.hicache_reposition:
+        assert rope_inv_freq is not None, "hicache_reposition needs the model's rope_inv_freq"
+        index_tokens = pool.capacity + tier_bytes // layout.chunk_bytes * CHUNK_TOKENS
+        mover = Mover(RunIndex(index_tokens), rope_inv_freq)
+        namespace += "|moved"  # moved (approximate) K/V never reaches an exact server
+    return HiCache(pool, local, remote, namespace, config.hicache_layerwise, mover)

@@ -84,8 +84,9 @@ class MatchResult:
     indices: torch.Tensor  # (matched_len,) int64 KV slots, root-first order
     last_node: TreeNode  # deepest node of the match, ending exactly at its last token; root if none
     # matched tokens by the tier they came from: "device" (already in the pool), and with a
-    # HiCache "host" / "disk" / "remote" (loaded into freshly allocated slots); sums to
-    # len(indices); empty when nothing matched
+    # HiCache "host" / "disk" / "remote" (loaded into freshly allocated slots) and "moved"
+    # (a run cached at another position, --hicache-reposition); sums to len(indices); empty
+    # when nothing matched
     tier_tokens: dict[str, int] = field(default_factory=dict)
 
 

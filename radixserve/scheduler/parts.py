@@ -20,6 +20,7 @@ from radixserve.core.batch import ForwardBatch
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.prefix_cache import PrefixCache, make_prefix_cache
 from radixserve.models.config import ModelConfig
+from radixserve.models.llama import rope_inv_freq
 from radixserve.models.loader import load_tokenizer
 from radixserve.models.resolve import resolve_model_path
 from radixserve.worker.model_worker import ModelWorker
@@ -55,7 +56,7 @@ def build_parts(
 ) -> SchedulerParts:
     """The cache and grammar compiler that go with a worker and tokenizer."""
     mc = worker.model_config
-    cache = make_prefix_cache(config, worker.pool, Path(model_path).name)
+    cache = make_prefix_cache(config, worker.pool, Path(model_path).name, rope_inv_freq(mc))
     grammars = GrammarCompiler(
         tokenizer, mc.eos_token_ids, mc.vocab_size, backend=config.grammar_backend
     )

@@ -51,7 +51,8 @@ class _SchedulerCollector(Collector):
 
 
 def _tier_metrics(s: SchedulerStats) -> Iterator[Metric]:
-    """Per KV tier (label `tier`: device, host, disk, remote), with --hicache-* only."""
+    """Per KV tier (label `tier`: device, host, disk, remote; moved: hits moved from another
+    position by --hicache-reposition), with --hicache-* only."""
     if not s.tiers:
         return
     families = [
