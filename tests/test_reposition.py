@@ -12,14 +12,13 @@ import pytest
 import torch
 
 from radixserve.config import EngineConfig
-from radixserve.core.modules import ModuleTokens
+from radixserve.core.batch import ForwardBatch
 from radixserve.kvcache.hicache import HiCache, pool_layout
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.prefix_cache import make_prefix_cache
 from radixserve.kvcache.radix import RadixCache
 from radixserve.kvcache.reposition import WINDOW, Mover, Run, RunIndex, rotate_keys
 from radixserve.kvcache.tier_store import HostStore
-from radixserve.scheduler.modules import encode
 
 W = WINDOW
 SYSTEM = list(range(5000, 5020))  # 20 tokens every prompt starts with
@@ -197,13 +196,26 @@ def test_off_by_default() -> None:
 
 
 def kv_at(engine: Any, tokens: list[int], start: int) -> torch.Tensor:
-    """K/V (layers, 2, T, H, D) of `tokens` computed alone at positions start.. (the
-    prompt-module encoder: one segment attending only itself), slots freed after."""
-    pool = engine.scheduler.kv.pool
-    positions = list(range(start, start + len(tokens)))
-    slots = encode(engine.scheduler.worker, pool, [ModuleTokens("x", tokens, positions)], 64, 64)
-    rows = rows_at(pool, slots["x"])
-    pool.free(slots["x"])
+    """K/V (layers, 2, T, H, D) of `tokens` computed alone at positions start.. (one
+    sequence attending only itself, as a prompt module is encoded), slots freed after."""
+    pool, worker = engine.scheduler.kv.pool, engine.scheduler.worker
+    n = len(tokens)
+    slots = pool.alloc(n)
+    assert slots is not None
+    batch = ForwardBatch(
+        input_ids=torch.tensor(tokens, dtype=torch.int64),
+        positions=torch.arange(start, start + n, dtype=torch.int64),
+        out_cache_loc=slots,
+        seq_lens=[n],
+        extend_lens=[n],
+        kv_indices=[slots],
+        paths=[[]],
+        kv_pool=pool,
+    )
+    worker.backend.plan(batch)
+    worker.model.forward(batch, worker.backend)
+    rows = rows_at(pool, slots)
+    pool.free(slots)
     return rows
 
 
