@@ -58,6 +58,19 @@ def build_tiny_model(folder: Path) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_kernels_built() -> None:
+    """Compile every native CPU module once, before any test starts a server. On a fresh
+    machine each build takes a minute or more; a server child compiling them itself would
+    spend its whole start-up timeout on it. The children find them in the build cache."""
+    from radixserve.kernels import native as attention
+    from radixserve.models import native, quant
+    from radixserve.sampling import sampler
+
+    for get in (quant.ops, native.ops, attention.ops, sampler._native):
+        get()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
