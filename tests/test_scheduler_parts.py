@@ -16,7 +16,10 @@ from radixserve.core.params import SamplingParams
 from radixserve.core.request import SampleOutput, TokenizedRequest
 from radixserve.kvcache.pool import KVPool
 from radixserve.models.config import ModelConfig
+from radixserve.sampling.stop import StopChecker
 from radixserve.scheduler.parts import build_parts
+from radixserve.scheduler.policy import shares_uncached_prefix
+from radixserve.scheduler.req import Req
 from radixserve.scheduler.scheduler import Scheduler
 
 VOCAB = 1000  # the fake's logits; token ids stay below every real special token
@@ -104,3 +107,22 @@ def test_eos_from_the_worker_ends_the_sample(tokenizer: Any) -> None:
     reason = outs["e", 0][-1].finish_reason
     assert reason is not None and (reason.type, reason.matched) == ("stop", VOCAB - 1)
     assert _tokens(outs["e", 0]) == [VOCAB - 3, VOCAB - 2, VOCAB - 1]  # the text hides eos
+
+
+def _queued(ids: list[int], kv_len: int = 0) -> Req:
+    params = SamplingParams(max_new_tokens=4)
+    return Req(TokenizedRequest("r", ids, params), 0, StopChecker(params, [], None), kv_len=kv_len)
+
+
+def test_a_sample_defers_only_behind_enough_shared_uncached_tokens() -> None:
+    prefix = list(range(100, 164))  # 64 tokens
+    first = _queued(prefix + [1, 2, 3])
+    assert shares_uncached_prefix(_queued(prefix + [9]), [first], 32)
+    assert shares_uncached_prefix(_queued(prefix[:32]), [first], 32)  # exactly 32 shared
+    assert not shares_uncached_prefix(_queued(prefix[:31]), [first], 32)
+    assert not shares_uncached_prefix(_queued([7] + prefix), [first], 32)  # differs at once
+    # What the admitted sample already has cached does not count: 64 shared, 40 cached.
+    cached = _queued(prefix + [1], kv_len=40)
+    assert not shares_uncached_prefix(_queued(prefix + [5]), [cached], 32)
+    assert shares_uncached_prefix(_queued(prefix + [5]), [cached], 24)
+    assert not shares_uncached_prefix(_queued(prefix), [], 32)
