@@ -1,8 +1,11 @@
 """Attention-only time of ONE decode step of ONE layer: tree (Hydragen) vs flat, per kernel
 implementation, with roofline.
 
-Shapes default to SmolLM2-135M (Hq 9, Hkv 3, D 64), in the model's dtype on this CPU
-(`--dtype auto`: float32 unless the CPU has fast bf16). Every request r has the path
+Shapes default to SmolLM2-135M (Hq 9, Hkv 3, D 64); dtypes default to what the engine picks
+for the embedded (quantized) model on this CPU: queries in the compute dtype (`--dtype auto`:
+float32 unless the CPU has fast bf16), K/V in its `--kv-cache-dtype auto` (`--kv-dtype auto`:
+float16 rows under float32 compute where the native kernels read the pool in place, else the
+compute dtype). Every request r has the path
 
     |<------ P1: shared by all B ------>|<-- P2: shared by its group of G -->|<-- R: own -->|
 
@@ -28,12 +31,14 @@ Roofline, one bound per side for all implementations (what any kernel must do):
 bound = max(bytes / read bandwidth, FLOPs / fp32 matmul peak), with bytes = K/V read once
 (flat: B * path rows; tree: the P1 + P2 segments once + B * R private rows) + the queries
 read per part + the merge traffic, and FLOPs = 4 * rows * L * D per query head (QK^T and
-PV). The compute peak is the best measured over float32 and the storage dtype (a kernel can
-always compute in fp32). Bandwidth and peaks are measured in the same run
-(benchmarks/roofline.py), before and after the cases, keeping the best of each figure: on a
-shared machine one probe can land in a busy moment, and a low probe would flatter every
-fraction. A gathering implementation moves 3x the K/V bytes (read, write,
-read again): that is counted against it, not in its bound (`gather_bytes` in the JSON).
+PV). The compute peak is the best measured over float32 and the storage dtype when the
+queries have it too (a kernel can always compute in fp32; a narrower pool under float32
+queries is converted to float32 on load, so float32 is its peak). Bandwidth and peaks are
+measured in the same run (benchmarks/roofline.py), before and after the cases, keeping the
+best of each figure: on a shared machine one probe can land in a busy moment, and a low
+probe would flatter every fraction. A gathering implementation moves 3x the K/V bytes
+(read, write, read again): that is counted against it, not in its bound
+(`gather_bytes` in the JSON).
 Flat reads each shared segment once per request; this DRAM roofline prices every re-read at
 DRAM bandwidth, but a segment small enough for the last-level cache (a P = 4096 prefix is
 3 MB of fp16 K/V a layer) is re-read from there. So a second, cache-aware flat bound is
@@ -42,7 +47,7 @@ once at DRAM bandwidth, the re-reads at the read bandwidth measured over a buffe
 the case's shared segments (`cache_read_GBps`; a segment larger than the cache measures
 DRAM again), and the same FLOP bound.
 
-    python benchmarks/bench_tree_attention.py [--quick] [--dtype fp32|bf16|auto]
+    python benchmarks/bench_tree_attention.py [--quick] [--dtype fp32|bf16|auto] [--kv-dtype ...]
         [--impls native cpu] [--only headline] [--json P] [--plot P]
 """
 
@@ -65,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from benchmarks.roofline import Roofline, measure_read_bandwidth, measure_roofline  # noqa: E402
 from radixserve import kernels  # noqa: E402
 from radixserve.isa import resolve_dtype  # noqa: E402
+from radixserve.worker.model_worker import kv_cache_dtype  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IMPLS = ("native", "cpu", "reference")
@@ -97,9 +103,14 @@ class Case:
 
 @dataclass(frozen=True)
 class Shapes:
+    q_dtype: torch.dtype  # queries and outputs
+    kv_dtype: torch.dtype  # the pool's rows
     q_heads: int = 9
     kv_heads: int = 3
     head_dim: int = 64
+
+    def kv_row_bytes(self) -> int:  # K and V of one token
+        return 2 * self.kv_heads * self.head_dim * self.kv_dtype.itemsize
 
 
 def sweep(quick: bool) -> list[Case]:
@@ -138,12 +149,13 @@ class Layout:
     flat_offsets: torch.Tensor  # (B+1,)
 
 
-def build_layout(case: Case, shapes: Shapes, dtype: torch.dtype, gen: torch.Generator) -> Layout:
+def build_layout(case: Case, shapes: Shapes, gen: torch.Generator) -> Layout:
     n_slots = 1 + case.prefix + case.n_groups * case.prefix2 + case.batch * case.private
     row = (shapes.kv_heads, shapes.head_dim)
-    k_pool = torch.randn(n_slots, *row, generator=gen).to(dtype)  # slot 0: scratch
-    v_pool = torch.randn(n_slots, *row, generator=gen).to(dtype)
-    q = torch.randn(case.batch, shapes.q_heads, shapes.head_dim, generator=gen).to(dtype)
+    k_pool = torch.randn(n_slots, *row, generator=gen).to(shapes.kv_dtype)  # slot 0: scratch
+    v_pool = torch.randn(n_slots, *row, generator=gen).to(shapes.kv_dtype)
+    q = torch.randn(case.batch, shapes.q_heads, shapes.head_dim, generator=gen)
+    q = q.to(shapes.q_dtype)
     cursor = 1  # slots handed out in order, as a fresh pool does; slot 0 is scratch
 
     def take(n: int) -> torch.Tensor:
@@ -170,10 +182,13 @@ class Gatherer:
     for the implementations that do not read the pool in place.
 
     Fresh output per call by default; with `prealloc`, into a persistent workspace per `key`
-    (as the attention backends' plans do), which removes page faults from the time."""
+    (as the attention backends' plans do), which removes page faults from the time. Rows
+    stored narrower than the queries are converted to the queries' dtype after the gather
+    (the torch kernels compute in one dtype), and that conversion is timed with it."""
 
-    def __init__(self, prealloc: bool) -> None:
+    def __init__(self, prealloc: bool, dtype: torch.dtype) -> None:
         self.prealloc = prealloc
+        self.dtype = dtype
         self.bufs: dict[str, torch.Tensor] = {}
 
     def __call__(self, key: str, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -185,7 +200,7 @@ class Gatherer:
             if buf is None:
                 buf = self.bufs[key] = rows.new_empty(slots.numel(), rows.shape[1])
             out = torch.index_select(rows, 0, slots, out=buf)
-        return out.view(slots.numel(), *pool.shape[1:])  # (n, Hkv, D)
+        return out.to(self.dtype).view(slots.numel(), *pool.shape[1:])  # (n, Hkv, D)
 
 
 def run_flat(lay: Layout, case: Case, gather: Gatherer | None, scale: float) -> torch.Tensor:
@@ -269,10 +284,10 @@ def time_round_robin(fns: dict[str, Callable[[], object]], repeats: int) -> dict
     return times
 
 
-def traffic(case: Case, shapes: Shapes, elt: int) -> dict[str, float]:
+def traffic(case: Case, shapes: Shapes) -> dict[str, float]:
     """Bytes and FLOPs per side (see the module docstring)."""
-    kv_row = 2 * shapes.kv_heads * shapes.head_dim * elt  # K and V of one token
-    q_rows = case.batch * shapes.q_heads * shapes.head_dim * elt  # all queries (or outputs)
+    kv_row = shapes.kv_row_bytes()
+    q_rows = case.batch * shapes.q_heads * shapes.head_dim * shapes.q_dtype.itemsize  # or outs
     flat_rows = case.batch * case.path_len
     tree_rows = case.prefix + case.n_groups * case.prefix2 + case.batch * case.private
     n_parts = 3 if case.prefix2 else 2
@@ -287,11 +302,9 @@ def traffic(case: Case, shapes: Shapes, elt: int) -> dict[str, float]:
     }
 
 
-def bounds_ms(
-    case: Case, shapes: Shapes, dtype: torch.dtype, roof: Roofline, cache_bw: float
-) -> dict[str, float]:
-    tr = traffic(case, shapes, torch.finfo(dtype).bits // 8)
-    peak = max(roof.peak_flops(torch.float32), roof.peak_flops(dtype))  # fp32 compute always ok
+def bounds_ms(case: Case, shapes: Shapes, roof: Roofline, cache_bw: float) -> dict[str, float]:
+    tr = traffic(case, shapes)
+    peak = max(roof.peak_flops(dt) for dt in compute_dtypes(shapes))
     side = {
         k: max(tr[f"{k}_bytes"] / roof.read_bw, tr["flops"] / peak) * 1e3 for k in ("tree", "flat")
     }
@@ -307,24 +320,33 @@ def bounds_ms(
     }
 
 
-def shared_read_bw(case: Case, shapes: Shapes, dtype: torch.dtype) -> float:
+def compute_dtypes(shapes: Shapes) -> tuple[torch.dtype, ...]:
+    """What a kernel may compute in: float32 always; the storage dtype where the queries have
+    it too (a narrower pool under float32 queries is converted to float32 on load)."""
+    if shapes.q_dtype == shapes.kv_dtype != torch.float32:
+        return torch.float32, shapes.q_dtype
+    return (torch.float32,)
+
+
+def shared_read_bw(case: Case, shapes: Shapes) -> float:
     """Read bandwidth over a working set the size of the case's shared segments (what flat
     re-reads): the last-level cache's when they fit in it."""
-    kv_row = 2 * shapes.kv_heads * shapes.head_dim * (torch.finfo(dtype).bits // 8)
-    nbytes = max((case.prefix + case.n_groups * case.prefix2) * kv_row, 1 << 16)
+    shared_rows = case.prefix + case.n_groups * case.prefix2
+    nbytes = max(shared_rows * shapes.kv_row_bytes(), 1 << 16)
     return measure_read_bandwidth(nbytes, repeats=max(5, (64 << 20) // nbytes))
 
 
 def run_case(
-    case: Case, shapes: Shapes, dtype: torch.dtype, roof: Roofline, args: argparse.Namespace
+    case: Case, shapes: Shapes, roof: Roofline, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
     """One result row per implementation."""
-    lay = build_layout(case, shapes, dtype, torch.Generator().manual_seed(0))
+    lay = build_layout(case, shapes, torch.Generator().manual_seed(0))
     scale = shapes.head_dim**-0.5
     fns: dict[str, Callable[[], torch.Tensor]] = {}
     for impl in args.impls:
         kernels.set_impl(impl)
-        gather = None if kernels.reads_pool_in_place(lay.q) else Gatherer(args.prealloc)
+        in_place = kernels.reads_pool_in_place(lay.q)
+        gather = None if in_place else Gatherer(args.prealloc, shapes.q_dtype)
         for side, run in (("tree", run_tree), ("flat", run_flat)):
             fns[f"{impl}/{side}"] = _with_impl(impl, run, lay, case, gather, scale)
     diffs = {impl: _max_diff(fns[f"{impl}/tree"](), fns[f"{impl}/flat"]()) for impl in args.impls}
@@ -332,7 +354,7 @@ def run_case(
     for impl in args.impls:  # sides of one impl interleaved; impls one after the other
         sides = {k: fn for k, fn in fns.items() if k.startswith(f"{impl}/")}
         times.update(time_round_robin(sides, args.repeats))
-    bounds = bounds_ms(case, shapes, dtype, roof, shared_read_bw(case, shapes, dtype))
+    bounds = bounds_ms(case, shapes, roof, shared_read_bw(case, shapes))
     return [_row(case, impl, times, bounds, diffs[impl]) for impl in args.impls]
 
 
@@ -342,10 +364,10 @@ def best_of(a: Roofline, b: Roofline) -> Roofline:
     return Roofline(max(a.read_bw, b.read_bw), max(a.copy_bw, b.copy_bw), flops)
 
 
-def rebound(case: Case, row: dict[str, Any], dtype: torch.dtype, roof: Roofline) -> dict[str, Any]:
+def rebound(case: Case, row: dict[str, Any], shapes: Shapes, roof: Roofline) -> dict[str, Any]:
     """The row's bounds and fractions recomputed against the final roofline."""
     times = {f"{row['impl']}/tree": [row["tree_ms"]], f"{row['impl']}/flat": [row["flat_ms"]]}
-    bounds = bounds_ms(case, Shapes(), dtype, roof, row["cache_read_GBps"] * 1e9)
+    bounds = bounds_ms(case, shapes, roof, row["cache_read_GBps"] * 1e9)
     new = _row(case, row["impl"], times, bounds, 0.0)
     keep = ("tree_median_ms", "flat_median_ms", "max_abs_diff_tree_vs_flat")
     return {**new, **{k: row[k] for k in keep}}
@@ -449,7 +471,10 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
-                   help="K/V and query dtype; auto: the model's dtype on this CPU")  # fmt: skip
+                   help="query dtype; auto: the model's compute dtype on this CPU")  # fmt: skip
+    p.add_argument("--kv-dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="K/V pool dtype; auto: the engine's --kv-cache-dtype auto for "
+                        "quantized weights")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny preset for tests")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (best and median)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
@@ -467,34 +492,44 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def pick_dtypes(q: str, kv: str) -> Shapes:
+    """The queries' and the pool's dtypes ("auto": what the engine picks, see --help)."""
+    q_dtype = resolve_dtype("auto", "cpu")[0] if q == "auto" else DTYPES[q]
+    if kv != "auto":
+        return Shapes(q_dtype, DTYPES[kv])
+    return Shapes(q_dtype, kv_cache_dtype("auto", q_dtype, quantized=True, device="cpu")[0])
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = resolve_dtype("auto", "cpu")[0] if args.dtype == "auto" else DTYPES[args.dtype]
-    name = next(k for k, v in DTYPES.items() if v == dtype)
+    shapes = pick_dtypes(args.dtype, args.kv_dtype)
+    names = {v: k for k, v in DTYPES.items()}
     before = kernels.get_impl()
-    probe_dtypes = tuple(dict.fromkeys([torch.float32, dtype]))
+    probe_dtypes = compute_dtypes(shapes)
     roof = measure_roofline(probe_dtypes, quick=args.quick)
     print(f"roofline ({torch.get_num_threads()} threads, first probe): {roof.describe()}")
     cases = [c for c in sweep(args.quick) if not args.only or c.sweep in args.only]
     timed: list[tuple[Case, dict[str, Any]]] = []
     try:
         for case in cases:
-            for row in run_case(case, Shapes(), dtype, roof, args):
+            for row in run_case(case, shapes, roof, args):
                 timed.append((case, row))
                 print(f"  measured {case.label()} ({row['impl']})", file=sys.stderr, flush=True)
     finally:
         kernels.set_impl(before)
     roof = best_of(roof, measure_roofline(probe_dtypes, quick=args.quick))
     print(f"roofline (best of the probes before and after): {roof.describe()}")
-    print(f"K/V {name}, best of {args.repeats} interleaved rounds")
+    dt = f"queries {names[shapes.q_dtype]}, K/V {names[shapes.kv_dtype]}"
+    print(f"{dt}, best of {args.repeats} interleaved rounds")
     print(HEADER)
-    results = [rebound(case, row, dtype, roof) for case, row in timed]
+    results = [rebound(case, row, shapes, roof) for case, row in timed]
     for row in results:
         print(format_row(row), flush=True)
     report = {
-        "dtype": name,
+        "dtype": names[shapes.q_dtype],
+        "kv_dtype": names[shapes.kv_dtype],
         "threads": torch.get_num_threads(),
         "impls": args.impls,
         "repeats": args.repeats,

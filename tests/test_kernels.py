@@ -443,6 +443,8 @@ def test_bench_tree_attention_quick(tmp_path: Path) -> None:
     impls = ["native", "cpu"] if native.auto_ok() else ["cpu"]
     assert report["impls"] == impls and len(report["results"]) == 3 * len(impls)
     assert report["dtype"] in ("fp32", "bf16")  # the model's dtype on this CPU
+    narrow_kv = report["dtype"] == "fp32" and native.auto_ok()  # the engine's kv dtype "auto"
+    assert report["kv_dtype"] == ("fp16" if narrow_kv else report["dtype"])
     assert all(
         report["roofline"][k] > 0 for k in ("read_GBps", "copy_GBps", "matmul_GFLOPs_float32")
     )

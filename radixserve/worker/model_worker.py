@@ -104,7 +104,9 @@ class ModelWorker:
             tp_rank=rank, tp_size=size, quantization=config.quantization,
         )  # fmt: skip
         self.backend = make_backend(config.attention_backend)
-        self.kv_dtype, why = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.model, device)
+        self.kv_dtype, why = kv_cache_dtype(
+            config.kv_cache_dtype, self.dtype, is_quantized(self.model), device
+        )
         logger.info("KV cache dtype %s (%s: %s)", self.kv_dtype, config.kv_cache_dtype, why)
         mc = self.model_config
         kv_heads = mc.num_kv_heads // size  # this rank's shard of the KV heads
@@ -171,8 +173,12 @@ def select_fast_paths(config: EngineConfig) -> None:
     )  # fmt: skip
 
 
+def is_quantized(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, QuantLinear) for m in model.modules())
+
+
 def kv_cache_dtype(
-    choice: str, compute: torch.dtype, model: torch.nn.Module, device: str
+    choice: str, compute: torch.dtype, quantized: bool, device: str
 ) -> tuple[torch.dtype, str]:
     """The KV pool's storage dtype and why. "auto": float16 under quantized weights on a CPU
     whose native attention kernels read the pool in place (they convert rows to float32 on
@@ -182,7 +188,6 @@ def kv_cache_dtype(
     probe = torch.empty(0, 1, 8, dtype=torch.float16)
     in_place = device == "cpu" and kernels.reads_pool_in_place(probe)
     if choice == "auto":
-        quantized = any(isinstance(m, QuantLinear) for m in model.modules())
         if in_place and quantized and compute == torch.float32:
             return torch.float16, "quantized weights, native CPU attention: fp16 rows, fp32 math"
         return compute, "the compute dtype"
