@@ -16,7 +16,13 @@ Configurations, each on a fresh in-process Engine (the embedded model, fp32 by d
 Time to first token (TTFT) is the engine's `first_token_latency` (from the batch's call to
 the sample's first token); tokens prefilled = prompt tokens the model computed (tokens it
 ran minus decode steps). Every configuration must give the no-reuse run's outputs, token
-for token: the script exits 1 after writing its report if one does not.
+for token: the script exits 1 after writing its report if one does not. With the default
+quantized weights that check can fail without any tier at fault: the batch-1 decode kernels
+and the prefill GEMM round activations differently, so the K/V of a reply token computed
+while decoding differs in its last bits from the same token's K/V recomputed by a later
+prefill, and a configuration whose hits mix the two (a tier keeps whole chunks only, the
+tail past the last one is recomputed) can flip a greedy near-tie. `--quantization none`
+(float32 weights) is the exact-output run.
 
     python benchmarks/bench_multiturn.py --conversations 12 --fractions 0.10 0.25 \\
         --out benchmarks/results/multiturn.json --plot benchmarks/results/multiturn.png
@@ -253,7 +259,8 @@ def run(
 ) -> tuple[int, int, int]:
     """One configuration on fresh engines: (working set tokens, the longest conversation's
     tokens, K/V bytes per token)."""
-    engines = [Engine(args.model, dtype=args.dtype, **c) for c in cfgs]
+    kw = {"dtype": args.dtype, "quantization": args.quantization}
+    engines = [Engine(args.model, **kw, **c) for c in cfgs]
     try:
         sizes = run_config(engines, convs, args.concurrency, args.max_new_tokens, res)
         layout = pool_layout(engines[0].scheduler.kv.pool)
@@ -275,6 +282,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--concurrency", type=int, default=1, help="conversations per batch")
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.10, 0.25])
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", default="auto",
+                    help="none: float weights (the exact-output runs)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", nargs="*", default=None, help="configuration names to run")
     ap.add_argument("--seed", type=int, default=0)
