@@ -194,13 +194,20 @@ class Gatherer:
     def __call__(self, key: str, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         rows = pool.view(pool.shape[0], -1)  # (num_slots, Hkv*D)
         if not self.prealloc:
-            out = rows.index_select(0, slots)  # (n, Hkv*D) copy: the gather traffic
+            out = rows.index_select(0, slots).to(self.dtype)  # (n, Hkv*D): the gather traffic
         else:
-            buf = self.bufs.get(key)
-            if buf is None:
-                buf = self.bufs[key] = rows.new_empty(slots.numel(), rows.shape[1])
-            out = torch.index_select(rows, 0, slots, out=buf)
-        return out.to(self.dtype).view(slots.numel(), *pool.shape[1:])  # (n, Hkv, D)
+            out = torch.index_select(rows, 0, slots, out=self._buf(key, rows, rows.dtype, slots))
+            if out.dtype != self.dtype:  # converted into a workspace too
+                out = self._buf(key + "/cast", rows, self.dtype, slots).copy_(out)
+        return out.view(slots.numel(), *pool.shape[1:])  # (n, Hkv, D)
+
+    def _buf(
+        self, key: str, rows: torch.Tensor, dtype: torch.dtype, slots: torch.Tensor
+    ) -> torch.Tensor:
+        buf = self.bufs.get(key)
+        if buf is None:
+            buf = self.bufs[key] = rows.new_empty(slots.numel(), rows.shape[1], dtype=dtype)
+        return buf
 
 
 def run_flat(lay: Layout, case: Case, gather: Gatherer | None, scale: float) -> torch.Tensor:
