@@ -42,7 +42,8 @@
 namespace {
 
 constexpr int64_t kBlock = 64;          // keys per block (K+V of a block: 32 KiB fp32 at D=64)
-constexpr int kRows = 3;                // query rows per tile (3 rows x 4 keys = 12 accumulators)
+constexpr int kRows = 6;                // query rows per tile of a transposed block (6 rows x 16 keys)
+constexpr int kRowsMicro = 3;           // ... of key rows read in place (3 rows x 4 keys)
 constexpr int kRowsBf16 = 6;            // ... on the vdpbf16ps path (6 rows x 64 keys = 24 zmm)
 constexpr int64_t kMaxRows = 1024;      // rows per item: O accumulators stay in L2
 constexpr int64_t kMinChunkKeys = 256;  // never split keys finer than this
@@ -348,23 +349,45 @@ inline void qk_micro(const float* q, int64_t d, const T* const* k, float* s, int
   for (int r = 0; r < MR; ++r) hsum4(acc[r], s + r * lds);
 }
 
-// Same scores from the block transposed, kt (d, kBlock): s[r][0..32) for keys kt[:, 0..32).
-// No horizontal sums: 4 vector FMAs per query row and dimension.
-template <int MR>
-inline void qk_packed(const float* q, int64_t d, const float* kt, float* s, int64_t lds) {
-  V8 acc[MR][4];
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = vset1(0.f);
-  for (int64_t i = 0; i < d; ++i) {
-    V8 qb[MR];
-    for (int r = 0; r < MR; ++r) qb[r] = vset1(q[r * d + i]);
-    for (int c = 0; c < 4; ++c) {
-      const V8 kv = vload(kt + i * kBlock + 8 * c);
-      for (int r = 0; r < MR; ++r) acc[r][c] = vfma(qb[r], kv, acc[r][c]);
+// acc[r][c] += a[r * lda] * b(c) for MR scalars a (broadcast) and NC vectors b(c), in the
+// order that fits the 16 vector registers: MR * NC accumulators, then the NC vectors and one
+// broadcast at a time (NC <= 2), else the MR broadcasts and one vector at a time.
+template <int MR, int NC, typename B>
+inline void outer_fma(V8 (&acc)[MR][NC], const float* a, int64_t lda, const B& b) {
+  if constexpr (NC <= 2) {
+    V8 bv[NC];
+    for (int c = 0; c < NC; ++c) bv[c] = b(c);
+    for (int r = 0; r < MR; ++r) {
+      const V8 ab = vset1(a[r * lda]);
+      for (int c = 0; c < NC; ++c) acc[r][c] = vfma(ab, bv[c], acc[r][c]);
+    }
+  } else {
+    V8 ab[MR];
+    for (int r = 0; r < MR; ++r) ab[r] = vset1(a[r * lda]);
+    for (int c = 0; c < NC; ++c) {
+      const V8 bv = b(c);
+      for (int r = 0; r < MR; ++r) acc[r][c] = vfma(ab[r], bv, acc[r][c]);
     }
   }
+}
+
+// Keys per qk_packed call for MR rows: 12 accumulators at most.
+template <int MR>
+constexpr int64_t kPackedKeys = MR <= 3 ? 32 : 16;
+
+// Same scores from the block transposed, kt (d, kBlock): s[r][0..K) for keys kt[:, 0..K),
+// K = kPackedKeys. No horizontal sums: K / 8 vector FMAs per query row and dimension.
+template <int MR>
+inline void qk_packed(const float* q, int64_t d, const float* kt, float* s, int64_t lds) {
+  constexpr int NC = kPackedKeys<MR> / 8;
+  V8 acc[MR][NC];
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < 4; ++c) vstore(s + r * lds + 8 * c, acc[r][c]);
+    for (int c = 0; c < NC; ++c) acc[r][c] = vset1(0.f);
+  for (int64_t i = 0; i < d; ++i) {
+    outer_fma<MR, NC>(acc, q + i, d, [&](int c) { return vload(kt + i * kBlock + 8 * c); });
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) vstore(s + r * lds + 8 * c, acc[r][c]);
 }
 
 // kt (d, kBlock) = the kBlock key rows (padded by the caller), transposed.
@@ -383,12 +406,7 @@ inline void pv_slice(float* o, int64_t d, int64_t i0, const float* alpha, const 
     for (int c = 0; c < NV; ++c) acc[r][c] = vmul(vload(o + r * d + i0 + 8 * c), a);
   }
   for (int64_t j = 0; j < n; ++j) {
-    V8 pb[MR];
-    for (int r = 0; r < MR; ++r) pb[r] = vset1(p[r * ldp + j]);
-    for (int c = 0; c < NV; ++c) {
-      const V8 vv = vload8(v[j] + i0 + 8 * c);
-      for (int r = 0; r < MR; ++r) acc[r][c] = vfma(pb[r], vv, acc[r][c]);
-    }
+    outer_fma<MR, NV>(acc, p + j, ldp, [&](int c) { return vload8(v[j] + i0 + 8 * c); });
   }
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NV; ++c) vstore(o + r * d + i0 + 8 * c, acc[r][c]);
@@ -397,35 +415,44 @@ inline void pv_slice(float* o, int64_t d, int64_t i0, const float* alpha, const 
 template <int MR, typename T>
 void pv_tile(float* o, int64_t d, const float* alpha, const float* p, int64_t ldp,
              const T* const* v, int64_t n) {
-  constexpr int NV = MR == 1 ? 8 : 4;  // accumulators: MR * NV <= 12
+  constexpr int NV = MR == 1 ? 8 : MR <= 3 ? 4 : 2;  // accumulators: MR * NV <= 12
   int64_t i0 = 0;
   for (; i0 + 8 * NV <= d; i0 += 8 * NV) pv_slice<MR, NV, T>(o, d, i0, alpha, p, ldp, v, n);
   for (; i0 < d; i0 += 8) pv_slice<MR, 1, T>(o, d, i0, alpha, p, ldp, v, n);
 }
 
-// Online-softmax step of one row over the block's scores s[0..n8) (n8 = n rounded up to 8),
-// in base 2 (the queries carry scale * log2(e)): keys at vis.. are masked; s becomes the
-// weights 2^(s - m_new); returns the factor alpha that rescales the row's earlier O and l.
-float softmax_row(float* s, int64_t vis, int64_t n8, float& m, float& l) {
-  for (int64_t j = std::max<int64_t>(vis, 0); j < n8; ++j) s[j] = kNegInf;
-  V8 mx = vset1(kNegInf);
-  for (int64_t j = 0; j < n8; j += 8) mx = vmax(mx, vload(s + j));
-  const float m_new = std::max(m, hmax(mx));
-  if (m_new == kNegInf) {  // nothing visible yet: weights 0, state unchanged
-    std::fill(s, s + n8, 0.f);
-    return 1.f;
+// Online-softmax step of MR rows (stride kBlock) over the block's scores s[r][0..n8) (n8 = n
+// rounded up to 8), in base 2 (the queries carry scale * log2(e)): row r's keys at lim[r] - kb..
+// are masked; s becomes the weights 2^(s - m_new); alpha[r] = the factor that rescales the
+// row's earlier O and l. The rows go through each pass together: their max, exp and sum
+// chains are independent, so they overlap instead of waiting on each other's latency.
+template <int MR>
+void softmax_tile(float* s, const int64_t* lim, int64_t kb, int64_t n8, float* m, float* l, float* alpha) {
+  V8 mx[MR], neg[MR], sum[MR];
+  for (int r = 0; r < MR; ++r) {
+    for (int64_t j = std::max<int64_t>(lim[r] - kb, 0); j < n8; ++j) s[r * kBlock + j] = kNegInf;
+    mx[r] = vset1(kNegInf), sum[r] = vset1(0.f);
   }
-  const V8 neg = vset1(-m_new);
-  V8 sum = vset1(0.f);
+  for (int64_t j = 0; j < n8; j += 8)
+    for (int r = 0; r < MR; ++r) mx[r] = vmax(mx[r], vload(s + r * kBlock + j));
+  float m_new[MR];
+  for (int r = 0; r < MR; ++r) {
+    m_new[r] = std::max(m[r], hmax(mx[r]));
+    // nothing visible yet (m_new -inf): -inf - 0 gives weights 0, and l, O stay 0
+    neg[r] = vset1(m_new[r] == kNegInf ? 0.f : -m_new[r]);
+  }
   for (int64_t j = 0; j < n8; j += 8) {
-    const V8 p = vexp2(vadd(vload(s + j), neg));
-    vstore(s + j, p);
-    sum = vadd(sum, p);
+    for (int r = 0; r < MR; ++r) {
+      const V8 p = vexp2(vadd(vload(s + r * kBlock + j), neg[r]));
+      vstore(s + r * kBlock + j, p);
+      sum[r] = vadd(sum[r], p);
+    }
   }
-  const float alpha = m == kNegInf ? 0.f : std::exp2(m - m_new);
-  l = l * alpha + hsum(sum);
-  m = m_new;
-  return alpha;
+  for (int r = 0; r < MR; ++r) {
+    alpha[r] = m[r] == kNegInf ? 0.f : std::exp2(m[r] - m_new[r]);
+    l[r] = l[r] * alpha[r] + hsum(sum[r]);
+    m[r] = m_new[r];
+  }
 }
 
 // One query tile (MR rows of the item, from `row`) against the first n keys of the block
@@ -437,14 +464,13 @@ void tile_block(Scratch& sc, int64_t row, int64_t d, const float* kt, const T* c
   float* s = sc.s.data();
   const float* q = sc.q.data() + row * d;
   if (kt != nullptr) {
-    for (int64_t j = 0; j < n; j += 32) qk_packed<MR>(q, d, kt + j, s + j, kBlock);
+    for (int64_t j = 0; j < n; j += kPackedKeys<MR>) qk_packed<MR>(q, d, kt + j, s + j, kBlock);
   } else {
     for (int64_t j = 0; j < n; j += 4) qk_micro<MR, T>(q, d, k + j, s + j, kBlock);
   }
   const int64_t n8 = (n + 7) & ~int64_t{7};
   float alpha[MR];
-  for (int r = 0; r < MR; ++r)
-    alpha[r] = softmax_row(s + r * kBlock, sc.lim[row + r] - kb, n8, sc.m[row + r], sc.l[row + r]);
+  softmax_tile<MR>(s, sc.lim.data() + row, kb, n8, sc.m.data() + row, sc.l.data() + row, alpha);
   pv_tile<MR, T>(sc.o.data() + row * d, d, alpha, s, kBlock, v, n);
 }
 
@@ -517,15 +543,21 @@ void head_block(Problem& P, const Unit& u, int64_t head, int64_t base, int64_t r
   if constexpr (std::is_same_v<T, float>) {
     if (rows >= kPackRows) pack_kt(br.k, d, sc.kt.data()), kt = sc.kt.data();
   }
-  const int64_t tiles = (rows + kRows - 1) / kRows, per = (ahead + tiles - 1) / tiles;
-  for (int64_t t = base, j = 0; t < base + rows; t += kRows, j += per) {
+  const int64_t step = kt != nullptr ? kRows : kRowsMicro;
+  const int64_t tiles = (rows + step - 1) / step, per = (ahead + tiles - 1) / tiles;
+  for (int64_t t = base, j = 0; t < base + rows; t += step, j += per) {
     prefetch_rows(P, u.slots + kb + n + j, std::min(per, ahead - j), head, 1);
-    const int mr = static_cast<int>(std::min<int64_t>(kRows, base + rows - t));
+    const int mr = static_cast<int>(std::min<int64_t>(step, base + rows - t));
     const int64_t seen = std::min(n, sc.lim[t + mr - 1] - kb);  // keys any tile row sees
     if (seen <= 0) continue;
-    if (mr == 3) tile_block<3, T>(sc, t, d, kt, br.k, br.v, seen, kb);
-    else if (mr == 2) tile_block<2, T>(sc, t, d, kt, br.k, br.v, seen, kb);
-    else tile_block<1, T>(sc, t, d, kt, br.k, br.v, seen, kb);
+    switch (mr) {
+      case 6: tile_block<6, T>(sc, t, d, kt, br.k, br.v, seen, kb); break;
+      case 5: tile_block<5, T>(sc, t, d, kt, br.k, br.v, seen, kb); break;
+      case 4: tile_block<4, T>(sc, t, d, kt, br.k, br.v, seen, kb); break;
+      case 3: tile_block<3, T>(sc, t, d, kt, br.k, br.v, seen, kb); break;
+      case 2: tile_block<2, T>(sc, t, d, kt, br.k, br.v, seen, kb); break;
+      default: tile_block<1, T>(sc, t, d, kt, br.k, br.v, seen, kb);
+    }
   }
 }
 
@@ -600,9 +632,9 @@ RS_BF16_TARGET void tile_bf16(Scratch& sc, int64_t row, int64_t d, const uint32_
   const int64_t n8 = (n + 7) & ~int64_t{7}, n2 = (n + 1) / 2;
   float alpha[MR];
   uint32_t pw[MR][kBlock / 2];
+  softmax_tile<MR>(s, sc.lim.data() + row, kb, n8, sc.m.data() + row, sc.l.data() + row, alpha);
   for (int r = 0; r < MR; ++r) {
     float* p = s + r * kBlock;
-    alpha[r] = softmax_row(p, sc.lim[row + r] - kb, n8, sc.m[row + r], sc.l[row + r]);
     for (int64_t j = 0; j < n8; j += 32)  // n8 <= kBlock; weights past n8 are never read
       _mm512_storeu_si512(pw[r] + j / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + j + 16), _mm512_loadu_ps(p + j)));
   }
