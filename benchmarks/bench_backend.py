@@ -12,6 +12,7 @@ The sweep (`--sweep`) times, for small shared segments, the tree backend keeping
 
     python benchmarks/bench_backend.py --threads 1                  # SmolLM2-like heads, bf16
     python benchmarks/bench_backend.py --sweep --threads 1 [--q-len 8] [--dtype float32]
+        [--kv-dtype float16]    # the pool's dtype (default: --dtype); the queries are --dtype
 
 `--pad-sweep` times decode steps of B=`--batch` requests whose lengths are uniform in a range,
 read through the padded pool-to-grid plan against the concatenated gather (FlatBackend with
@@ -74,7 +75,12 @@ def make_batch(
 
 
 def time_forward(
-    backends: list[AttentionBackend], batch: ForwardBatch, hq: int, repeat: int, layers: int = 4
+    backends: list[AttentionBackend],
+    batch: ForwardBatch,
+    hq: int,
+    repeat: int,
+    q_dtype: torch.dtype,
+    layers: int = 4,
 ) -> list[tuple[float, float]]:
     """Per backend: (min plan seconds, min per-layer forward seconds) over `repeat` steps.
 
@@ -83,9 +89,9 @@ def time_forward(
     step and the MIN is kept: on a shared machine other processes only ever add time."""
     pool_k = batch.kv_pool.k[0]
     t, hkv, d = batch.out_cache_loc.numel(), pool_k.shape[1], pool_k.shape[2]
-    q = torch.randn(t, hq, d).to(pool_k.dtype)  # (T, Hq, D)
-    k = torch.randn(t, hkv, d).to(pool_k.dtype)  # (T, Hkv, D)
-    v = torch.randn(t, hkv, d).to(pool_k.dtype)
+    q = torch.randn(t, hq, d).to(q_dtype)  # (T, Hq, D)
+    k = torch.randn(t, hkv, d).to(q_dtype)  # (T, Hkv, D): new K/V come in the compute dtype
+    v = torch.randn(t, hkv, d).to(q_dtype)
     best = [(float("inf"), float("inf")) for _ in backends]
     for i in range(repeat + 1):  # step 0 warms up allocator and caches
         for j, backend in enumerate(backends):
@@ -100,10 +106,10 @@ def time_forward(
     return best
 
 
-def bench_realistic(args: argparse.Namespace, dtype: torch.dtype) -> None:
+def bench_realistic(args: argparse.Namespace, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
     print(
         f"# per-layer forward, Hq={args.q_heads} Hkv={args.kv_heads} D={args.head_dim} "
-        f"{args.dtype}, {torch.get_num_threads()} threads, kernels={kernels.__name__}"
+        f"{args.dtype} q, {args.kv_dtype or args.dtype} K/V, {torch.get_num_threads()} threads, kernels={kernels.__name__}"
     )
     print(
         f"{'B':>4} {'P':>6} {'R':>5} {'q':>3} | {'flat ms':>9} {'tree ms':>9} {'none ms':>9} "
@@ -111,10 +117,10 @@ def bench_realistic(args: argparse.Namespace, dtype: torch.dtype) -> None:
     )
     for b in args.batch:
         for p in args.shared:
-            batch = make_batch(b, p, args.private, args.q_len, args.kv_heads, args.head_dim, dtype)
+            batch = make_batch(b, p, args.private, args.q_len, args.kv_heads, args.head_dim, kv_dtype)
             backends = [FlatBackend(), TreeBackend(), NoAttentionBackend()]
             (_, flat), (plan, tree), (_, none) = time_forward(
-                backends, batch, args.q_heads, args.repeat
+                backends, batch, args.q_heads, args.repeat, dtype
             )
             print(
                 f"{b:>4} {p:>6} {args.private:>5} {args.q_len:>3} | {flat * 1e3:>9.3f} "
@@ -123,28 +129,28 @@ def bench_realistic(args: argparse.Namespace, dtype: torch.dtype) -> None:
             )
 
 
-def bench_sweep(args: argparse.Namespace, dtype: torch.dtype) -> None:
+def bench_sweep(args: argparse.Namespace, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
     print(
         f"# threshold sweep: kept/folded time of one shared segment, R={args.private}, "
-        f"q={args.q_len}, {args.dtype}  (< 1: keeping the segment pays)"
+        f"q={args.q_len}, {args.dtype} q, {args.kv_dtype or args.dtype} K/V  (< 1: keeping the segment pays)"
     )
-    lengths = [8, 16, 32, 64, 128, 256, 512, 1024]
+    lengths = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
     print(f"{'k/L':>6} " + " ".join(f"{n:>6}" for n in lengths))
     kept = TreeBackend(2, 1, min_reads=1, min_tokens_extend=1)  # every segment kept
     folded = TreeBackend(10**9)  # every segment folded
-    for b in [2, 3, 4, 8, 16, 32]:
+    for b in [2, 4, 8, 16, 32, 64]:
         row = []
         for p in lengths:
-            batch = make_batch(b, p, args.private, args.q_len, args.kv_heads, args.head_dim, dtype)
+            batch = make_batch(b, p, args.private, args.q_len, args.kv_heads, args.head_dim, kv_dtype)
             (_, t_kept), (_, t_fold) = time_forward(
-                [kept, folded], batch, args.q_heads, args.repeat
+                [kept, folded], batch, args.q_heads, args.repeat, dtype
             )
             row.append(t_kept / t_fold)
         print(f"{b:>6} " + " ".join(f"{x:>6.2f}" for x in row))
 
 
-def bench_pad_sweep(args: argparse.Namespace, dtype: torch.dtype) -> None:
-    print(f"# decode, padded grid vs concatenated gather, {args.dtype}, "
+def bench_pad_sweep(args: argparse.Namespace, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    print(f"# decode, padded grid vs concatenated gather, {args.dtype} q, {args.kv_dtype or args.dtype} K/V, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
     print(f"{'B':>4} {'kv range':>12} {'waste':>6} | {'padded ms':>9} {'gather ms':>9} | ratio")
     gen = torch.Generator().manual_seed(0)
@@ -152,9 +158,9 @@ def bench_pad_sweep(args: argparse.Namespace, dtype: torch.dtype) -> None:
     for lo, hi in [(30, 100), (150, 250), (400, 600), (900, 1100), (50, 400), (10, 1000)]:
         for b in args.batch:
             lens = torch.randint(lo, hi, (b,), generator=gen).tolist()
-            batch = make_batch(b, 0, lens, 1, args.kv_heads, args.head_dim, dtype)
+            batch = make_batch(b, 0, lens, 1, args.kv_heads, args.head_dim, kv_dtype)
             (_, t_pad), (_, t_gather) = time_forward(
-                [padded, gathered], batch, args.q_heads, args.repeat
+                [padded, gathered], batch, args.q_heads, args.repeat, dtype
             )
             assert isinstance(batch.attn_plan, GatherPlan)  # the last plan built: gathered's
             padded.plan(batch)
@@ -175,6 +181,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    ap.add_argument("--kv-dtype", choices=list(DTYPES), default=None, help="pool (default: --dtype)")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--sweep", action="store_true", help="threshold sweep instead")
@@ -184,10 +191,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dtype = DTYPES[args.dtype]
-    if args.pad_sweep:
-        bench_pad_sweep(args, dtype)
-    else:
-        (bench_sweep if args.sweep else bench_realistic)(args, dtype)
+    kv_dtype = DTYPES[args.kv_dtype or args.dtype]
+    run = bench_pad_sweep if args.pad_sweep else bench_sweep if args.sweep else bench_realistic
+    run(args, dtype, kv_dtype)
 
 
 if __name__ == "__main__":

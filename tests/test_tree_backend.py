@@ -271,13 +271,13 @@ def test_plan_min_reads_folds_small_product() -> None:
 
 def test_default_thresholds_rule() -> None:
     t = TreeBackend()
-    assert (t.min_requests, t.min_tokens, t.min_reads, t.min_tokens_extend) == (2, 64, 2048, 512)
-    decode = [(2, 1024), (4, 512), (8, 256), (32, 64), (256, 64)]
+    assert (t.min_requests, t.min_tokens, t.min_reads, t.min_tokens_extend) == (2, 1024, 8192, 4096)
+    decode = [(2, 4096), (4, 2048), (8, 1024), (256, 1024)]
     assert all(t.keeps(k, n, 1) for k, n in decode)
-    folded = [(2, 1023), (8, 255), (32, 63), (256, 63), (1, 10**6)]
+    folded = [(2, 4095), (4, 2047), (8, 1023), (256, 1023), (1, 10**6)]
     assert not any(t.keeps(k, n, 1) for k, n in folded)
-    assert t.keeps(4, 512, 8) and t.keeps(2, 1024, 32)
-    assert not t.keeps(8, 511, 8) and not t.keeps(3, 600, 2)  # extend: L >= 512, k*L >= 2048
+    assert t.keeps(2, 4096, 8) and t.keeps(64, 4096, 32)
+    assert not t.keeps(64, 4095, 8) and not t.keeps(1, 10**6, 2)  # extend: L >= 4096, k*L >= 8192
 
 
 def test_plan_everything_folded_is_flat() -> None:

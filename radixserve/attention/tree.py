@@ -159,9 +159,9 @@ class TreeBackend(AttentionBackend):
     def __init__(
         self,
         min_requests: int = 2,
-        min_tokens: int = 64,
-        min_reads: int = 2048,
-        min_tokens_extend: int = 512,
+        min_tokens: int = 1024,
+        min_reads: int = 8192,
+        min_tokens_extend: int = 4096,
     ) -> None:
         assert min_requests >= 2, f"a shared segment needs >= 2 requests, got {min_requests}"
         assert min(min_tokens, min_reads, min_tokens_extend) >= 1, (
@@ -182,16 +182,17 @@ class TreeBackend(AttentionBackend):
         """Whether a shared segment of `num_tokens` tokens under `num_requests` requests whose
         longest query block is `max_q_len` rows is attended on its own (else it folds).
 
-        Defaults from `benchmarks/bench_backend.py --sweep --threads 1` (bf16, SmolLM2 heads,
-        R = 128 private tokens; kept/folded per-layer time, < 1 pays). Decode: keeping pays
-        once k * L >= ~2048 (k=2: L 1024 -> 0.86, 512 -> 1.23; k=4: 512 -> 0.83, 256 -> 1.24;
-        k=8: 256 -> 0.89, 128 -> 1.17; k=16: 128 -> 0.96, 64 -> 1.15); at k = 64..128 segments
-        under L = 64 were at best break-even. Extends (q_len 8): merge work grows with the
-        query rows and nothing under L = 512 paid (k=8: 512 -> 0.78, 256 -> 1.10).
-        These are CPU numbers for the "cpu" kernels; a GPU wants its own measurement.
-        The native kernels (same sweep, float32, AVX2 EPYC) keep the k * L >= ~2048 rule (k=2:
-        1024 -> 0.99; k=4: 512 -> 0.92; k=8: 256 -> 0.92; k=16: 128 -> 0.97) but L = 64 now
-        loses (k=16 and 32: 1.08): min_tokens=128 would fit them better (not the default yet).
+        Defaults from `benchmarks/bench_backend.py --sweep --dtype float32 --kv-dtype float16`
+        (the CPU engine's default dtypes; native kernels, session 13, 2 threads, AVX2 EPYC
+        Zen 3, SmolLM2 heads, R = 128 private tokens; kept/folded per-layer time, < 1 pays).
+        Folding a segment reads it once per request, but those re-reads come from the
+        last-level cache, and the flat decode kernel runs near the read bandwidth, so keeping
+        pays only for long segments. Decode: L >= 1024 and k * L >= 8192 (k=2: L 4096 ->
+        0.99-1.03, 2048 -> 1.04-1.08; k=4: 2048 -> 0.93-0.94, 1024 -> 0.95-1.00; k=8: 1024 ->
+        0.92-0.95, 512 -> 1.37-1.39; k=32 and 64: 512 -> 0.92-0.97, 256 -> 1.07-1.15).
+        Extends (q_len 8): only L = 4096 paid across k (0.90-0.98; k=2: 1.02; L = 2048:
+        0.96-1.09). The earlier kernels kept segments from k * L >= 2048 and L >= 64 (decode)
+        or 512 (extend). A GPU wants its own measurement.
         """
         floor = self.min_tokens_extend if max_q_len > 1 else self.min_tokens
         return (
