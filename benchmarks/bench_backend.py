@@ -74,6 +74,10 @@ def make_batch(
     )
 
 
+def dtypes(args: argparse.Namespace) -> str:
+    return f"{args.dtype} q, {args.kv_dtype or args.dtype} K/V"
+
+
 def time_forward(
     backends: list[AttentionBackend],
     batch: ForwardBatch,
@@ -109,7 +113,7 @@ def time_forward(
 def bench_realistic(args: argparse.Namespace, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
     print(
         f"# per-layer forward, Hq={args.q_heads} Hkv={args.kv_heads} D={args.head_dim} "
-        f"{args.dtype} q, {args.kv_dtype or args.dtype} K/V, {torch.get_num_threads()} threads, kernels={kernels.__name__}"
+        f"{dtypes(args)}, {torch.get_num_threads()} threads, kernels={kernels.__name__}"
     )
     print(
         f"{'B':>4} {'P':>6} {'R':>5} {'q':>3} | {'flat ms':>9} {'tree ms':>9} {'none ms':>9} "
@@ -117,7 +121,9 @@ def bench_realistic(args: argparse.Namespace, dtype: torch.dtype, kv_dtype: torc
     )
     for b in args.batch:
         for p in args.shared:
-            batch = make_batch(b, p, args.private, args.q_len, args.kv_heads, args.head_dim, kv_dtype)
+            batch = make_batch(
+                b, p, args.private, args.q_len, args.kv_heads, args.head_dim, kv_dtype
+            )
             backends = [FlatBackend(), TreeBackend(), NoAttentionBackend()]
             (_, flat), (plan, tree), (_, none) = time_forward(
                 backends, batch, args.q_heads, args.repeat, dtype
@@ -132,7 +138,7 @@ def bench_realistic(args: argparse.Namespace, dtype: torch.dtype, kv_dtype: torc
 def bench_sweep(args: argparse.Namespace, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
     print(
         f"# threshold sweep: kept/folded time of one shared segment, R={args.private}, "
-        f"q={args.q_len}, {args.dtype} q, {args.kv_dtype or args.dtype} K/V  (< 1: keeping the segment pays)"
+        f"q={args.q_len}, {dtypes(args)}  (< 1: keeping the segment pays)"
     )
     lengths = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
     print(f"{'k/L':>6} " + " ".join(f"{n:>6}" for n in lengths))
@@ -141,7 +147,9 @@ def bench_sweep(args: argparse.Namespace, dtype: torch.dtype, kv_dtype: torch.dt
     for b in [2, 4, 8, 16, 32, 64]:
         row = []
         for p in lengths:
-            batch = make_batch(b, p, args.private, args.q_len, args.kv_heads, args.head_dim, kv_dtype)
+            batch = make_batch(
+                b, p, args.private, args.q_len, args.kv_heads, args.head_dim, kv_dtype
+            )
             (_, t_kept), (_, t_fold) = time_forward(
                 [kept, folded], batch, args.q_heads, args.repeat, dtype
             )
@@ -150,7 +158,7 @@ def bench_sweep(args: argparse.Namespace, dtype: torch.dtype, kv_dtype: torch.dt
 
 
 def bench_pad_sweep(args: argparse.Namespace, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
-    print(f"# decode, padded grid vs concatenated gather, {args.dtype} q, {args.kv_dtype or args.dtype} K/V, "
+    print(f"# decode, padded grid vs concatenated gather, {dtypes(args)}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
     print(f"{'B':>4} {'kv range':>12} {'waste':>6} | {'padded ms':>9} {'gather ms':>9} | ratio")
     gen = torch.Generator().manual_seed(0)
@@ -181,7 +189,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
-    ap.add_argument("--kv-dtype", choices=list(DTYPES), default=None, help="pool (default: --dtype)")
+    ap.add_argument("--kv-dtype", choices=list(DTYPES), help="the pool's (default: --dtype)")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--sweep", action="store_true", help="threshold sweep instead")
