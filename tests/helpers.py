@@ -7,8 +7,12 @@ default rootdir-relative import mode puts tests/ on sys.path).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
+from radixserve.attention import TreeBackend
 from radixserve.attention.base import AttentionBackend
 from radixserve.core.batch import ForwardBatch
 from radixserve.kvcache.pool import KVPool
@@ -80,3 +84,15 @@ def greedy_generate(
         if len(out) == max_new_tokens or token in eos_ids:
             return out
         logits = extend(model, backend, pool, slots, [token], len(prompt_ids) + len(out) - 1)
+
+
+@contextmanager
+def keep_every_segment(backend: TreeBackend) -> Iterator[None]:
+    """Within the block, `backend` keeps every shared segment (thresholds at 1): for tests of
+    the tree path on segments shorter than what its defaults keep."""
+    saved = (backend.min_tokens, backend.min_reads, backend.min_tokens_extend)
+    backend.min_tokens = backend.min_reads = backend.min_tokens_extend = 1
+    try:
+        yield
+    finally:
+        backend.min_tokens, backend.min_reads, backend.min_tokens_extend = saved

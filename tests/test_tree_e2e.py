@@ -6,10 +6,12 @@ samples each); the tree runs really attended shared segments (one and two levels
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import keep_every_segment
 
 from radixserve import Engine
 
@@ -95,10 +97,8 @@ def sampled(engine: Engine, prompt: str, params: dict[str, Any]) -> list[tuple[l
 def test_two_level_tree_identical(engines: dict[str, Engine], thresholds: str) -> None:
     tree_engine = engines["tree"]
     backend = tree_engine.worker.backend
-    saved = (backend.min_tokens, backend.min_reads, backend.min_tokens_extend)
-    if thresholds == "off":  # keep every shared segment: both tree levels are attended
-        backend.min_tokens = backend.min_reads = backend.min_tokens_extend = 1
-    try:
+    # "off": keep every shared segment, so that both tree levels are attended
+    with keep_every_segment(backend) if thresholds == "off" else nullcontext():
         prefix = few_shot_prefix(tree_engine)
         problems = [
             f"Question: Tom has {i + 3} apples and eats {i}. How many are left?\nAnswer:"
@@ -109,8 +109,6 @@ def test_two_level_tree_identical(engines: dict[str, Engine], thresholds: str) -
         stats = PlanStats(tree_engine)
         tree = run(tree_engine, prompts, params)
         flat = run(engines["flat"], prompts, params)
-    finally:
-        backend.min_tokens, backend.min_reads, backend.min_tokens_extend = saved
     assert len(tree) == 32 and tree == flat
     assert stats.steps_with_segments > 0
     if thresholds == "off":
