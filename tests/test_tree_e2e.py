@@ -52,8 +52,10 @@ def engines() -> dict[str, Engine]:
 
 
 def few_shot_prefix(engine: Engine) -> str:
+    """The fixture's 3 GSM8K rows three times over: 1143 tokens, a shared prefix long enough
+    for the default TreeBackend.keeps (L >= 1024) under the tests' 16 and 32 samples."""
     rows = [json.loads(line) for line in GSM8K.read_text().splitlines()[:3]]
-    return "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in rows)
+    return "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in rows) * 3
 
 
 def run(engine: Engine, prompts: list[str], params: dict[str, Any]) -> list[list[int]]:
