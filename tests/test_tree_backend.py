@@ -277,7 +277,8 @@ def test_default_thresholds_rule() -> None:
     folded = [(2, 4095), (4, 2047), (8, 1023), (256, 1023), (1, 10**6)]
     assert not any(t.keeps(k, n, 1) for k, n in folded)
     assert t.keeps(2, 4096, 8) and t.keeps(64, 4096, 32)
-    assert not t.keeps(64, 4095, 8) and not t.keeps(1, 10**6, 2)  # extend: L >= 4096, k*L >= 8192
+    # extend: L >= 4096, a floor of its own (8 x 2048 keeps as decode, folds as extend)
+    assert not t.keeps(64, 4095, 8) and not t.keeps(8, 2048, 2) and t.keeps(8, 2048, 1)
 
 
 def test_plan_everything_folded_is_flat() -> None:
