@@ -2,11 +2,15 @@
 vs HF transformers `generate`, on the same model and dtype, side by side in one run.
 
 Decode mode (default): B requests = one P-token shared prefix + a distinct short question
-each. Decode throughput = B * (N - 1) / (time for N new tokens - time for 1 new token): the
-prefill is the same in both runs and cancels. radixserve runs from an empty radix cache each
+each; the decode step is timed step by step: radixserve's scheduler steps whose batch is one
+new token for each of the B requests (prefill steps and steps where some requests still
+prefill are left out), HF `generate`'s steps between the streamer's tokens 1..N. A round's
+step is the median of its N-1 or so steps. radixserve runs from an empty radix cache each
 time (it computes the prefix once and shares it). HF gets the same favour: the prefix is
 prefilled once and its KV cache repeated B times (`DynamicCache.batch_repeat_interleave`),
-then `generate` runs over it; HF still stores and reads the prefix B times.
+then `generate` runs over it; HF still stores and reads the prefix B times. With
+`--repeats R` the backends take turns in each of R rounds; the printed tree ratios are the
+median over rounds of per-round ratios, robust to a machine whose speed drifts (a shared VM).
 
 Samples mode (`--samples`): "B samples of 128 tokens from one P-token prompt", prefill
 included: radixserve `generate(prompt, n=B)` (prompt prefilled once, forked) vs HF
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -54,27 +59,75 @@ def question_ids(tokenizer: Any, batch: int) -> list[list[int]]:
     ]
 
 
-def decode_time(run: Callable[[int], float], n: int, repeats: int) -> dict[str, float]:
-    """Best of `repeats` runs of 1 and of n new tokens (robust to a busy machine)."""
-    t1 = min(run(1) for _ in range(repeats))
-    tn = min(run(n) for _ in range(repeats))
-    return {"t_1": t1, "t_n": tn, "decode_s": tn - t1}
+StepsRun = Callable[[int], list[float]]  # n new tokens -> seconds of each full-batch decode step
 
 
-def engine_runner(engine: Any, prompts: list[list[int]]) -> Callable[[int], float]:
-    def run(n: int) -> float:
-        engine.flush_cache()
+def decode_times(runs: dict[str, StepsRun], n: int, repeats: int) -> list[dict]:
+    """Per round, every backend in turn decodes n new tokens, so a machine whose speed drifts
+    between rounds slows all backends of a round alike. Returns one row per backend: its
+    decode step (the median full-batch step of a round) in every round, and the best round."""
+    steps: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            timed = run(n)
+            assert timed, f"{name}: no full-batch decode step in {n} new tokens"
+            steps[name].append(statistics.median(timed))
+    return [
+        {"backend": name, "step_s": min(steps[name]), "round_steps_s": steps[name]} for name in runs
+    ]
+
+
+def round_ratio(rows: list[dict], num: str, den: str) -> float:
+    """Median over rounds of num's decode rate / den's (both from the same round)."""
+    steps = {r["backend"]: r["round_steps_s"] for r in rows}
+    return statistics.median(d / t for t, d in zip(steps[num], steps[den], strict=True))
+
+
+def engine_runner(engine: Any, prompts: list[list[int]]) -> StepsRun:
+    """Times every scheduler step whose batch is one decode token for each of the prompts
+    (the prefill steps, and the steps where part of the batch still prefills, are left out)."""
+    sched = engine.scheduler
+    step = sched.step
+    timed: list[float] = []
+
+    def timed_step() -> Any:
         t = time.perf_counter()
+        out = step()
+        batch = sched.last_batch
+        if batch is not None and batch.input_ids.numel() == len(batch.extend_lens) == len(prompts):
+            timed.append(time.perf_counter() - t)
+        return out
+
+    sched.step = timed_step  # an instance attribute shadows the method for this engine only
+
+    def run(n: int) -> list[float]:
+        engine.flush_cache()
+        sched.last_batch = None
+        timed.clear()
         engine.generate(
             input_ids=prompts,
             sampling_params={"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
         )
-        return time.perf_counter() - t
+        return list(timed)
 
     return run
 
 
-def hf_runner(model: Any, prefix: list[int], prompts: list[list[int]]) -> Callable[[int], float]:
+class _StepClock:
+    """A `generate` streamer that keeps the time of each put: the prompt, then every token."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_runner(model: Any, prefix: list[int], prompts: list[list[int]]) -> StepsRun:
+    """Times each decode step of `generate` (between the streamer's puts of tokens 1..n)."""
     from transformers import DynamicCache
 
     with torch.inference_mode():
@@ -85,9 +138,9 @@ def hf_runner(model: Any, prefix: list[int], prompts: list[list[int]]) -> Callab
     assert all(len(p) == width for p in prompts), "HF side needs equal-length prompts"
     ids = torch.tensor(prompts)
 
-    def run(n: int) -> float:
+    def run(n: int) -> list[float]:
         kv = copy.deepcopy(cache)  # generate extends it in place
-        t = time.perf_counter()
+        clock = _StepClock()
         with torch.inference_mode():
             out = model.generate(
                 ids,
@@ -96,9 +149,10 @@ def hf_runner(model: Any, prefix: list[int], prompts: list[list[int]]) -> Callab
                 min_new_tokens=n,
                 do_sample=False,
                 attention_mask=torch.ones_like(ids),
+                streamer=clock,
             )
-        assert out.shape[1] == width + n
-        return time.perf_counter() - t
+        assert out.shape[1] == width + n and len(clock.times) == n + 1
+        return [b - a for a, b in zip(clock.times[1:], clock.times[2:])]
 
     return run
 
@@ -128,36 +182,35 @@ def pad_questions(qs: list[list[int]]) -> list[list[int]]:
 
 
 def bench_decode(args: argparse.Namespace, engines: dict[str, Any], hf: Any) -> list[dict]:
-    tok = next(iter(engines.values())).tokenizer if engines else None
+    tok = next(iter(engines.values())).tokenizer
     rows = []
     for p in args.prefix:
         prefix = prefix_ids(tok, p, args.data_path, args.synthetic_prefix)
         for b in args.batch:
             prompts = [prefix + q for q in pad_questions(question_ids(tok, b))]
-            for name in args.backends:
-                run = (
-                    hf_runner(hf, prefix, prompts)
-                    if name == "hf"
-                    else engine_runner(engines[name], prompts)
-                )
-                r = decode_time(run, args.new_tokens, args.repeats)
-                r.update(
-                    backend=name,
-                    batch=b,
-                    prefix=p,
-                    decode_tok_s=b * (args.new_tokens - 1) / max(r["decode_s"], 1e-9),
-                )
-                rows.append(r)
+            runs = {
+                name: hf_runner(hf, prefix, prompts)
+                if name == "hf"
+                else engine_runner(engines[name], prompts)
+                for name in args.backends
+            }
+            group = decode_times(runs, args.new_tokens, args.repeats)
+            for r in group:
+                r.update(batch=b, prefix=p, decode_tok_s=b / r["step_s"])
                 print(
-                    f"B={b:4d} P={p:6d} {name:5s} decode {r['decode_tok_s']:9.1f} tok/s "
-                    f"(step {r['decode_s'] / (args.new_tokens - 1) * 1e3:8.1f} ms)",
+                    f"B={b:4d} P={p:6d} {r['backend']:5s} decode {r['decode_tok_s']:9.1f} tok/s "
+                    f"(step {r['step_s'] * 1e3:8.1f} ms, best round)",
                     flush=True,
                 )
-            base = {r["backend"]: r["decode_tok_s"] for r in rows[-len(args.backends) :]}
-            ratios = {
-                f"{k}/{j}": base[k] / base[j] for k in base for j in base if k != j and k == "tree"
-            }
-            print("   ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+            if "tree" in runs:
+                ratios = {j: round_ratio(group, "tree", j) for j in runs if j != "tree"}
+                for r in group:
+                    r["tree_rate_ratio"] = ratios.get(r["backend"])
+                print(
+                    f"   tree rate / other, median of {args.repeats} rounds: "
+                    + ", ".join(f"/{k} {v:.2f}x" for k, v in ratios.items())
+                )
+            rows.extend(group)
     return rows
 
 
@@ -230,11 +283,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         choices=[*ATTENTION_BACKENDS, "hf"],
     )
     ap.add_argument("--samples", action="store_true", help="B samples of one prompt, prefill incl.")
-    ap.add_argument("--repeats", type=int, default=1, help="decode mode: best of N runs")
+    ap.add_argument("--repeats", type=int, default=1, help="decode: rounds, backends in turn")
     ap.add_argument("--data-path", default=None, help="GSM8K folder (default: cached/downloaded)")
     ap.add_argument("--synthetic-prefix", action="store_true", help="synthetic text, no GSM8K")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if not set(args.backends) & set(ATTENTION_BACKENDS):
+        ap.error("--backends needs a radixserve backend too (its engine tokenizes the prompts)")
     if args.samples and args.new_tokens == 16:
         args.new_tokens = 128
     capacity = max(args.prefix) * 2 + max(args.batch) * (args.new_tokens + 64) + 1024
