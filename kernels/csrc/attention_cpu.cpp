@@ -519,19 +519,21 @@ void load_query_pairs(const Problem& P, const Unit& u, const Item& it, Scratch& 
 void finish_item(Problem& P, const Unit& u, const Item& it, Scratch& sc) {
   const int64_t d = P.d;
   char* out = static_cast<char*>(P.out.data_ptr());
+  float* lse_out = P.lse.data_ptr<float>();
+  float* part_o = it.partial >= 0 ? P.part_o.data_ptr<float>() + it.partial * d : nullptr;
+  float* part_lse = it.partial >= 0 ? P.part_lse.data_ptr<float>() + it.partial : nullptr;
   for (int64_t i = 0; i < (it.r1 - it.r0) * u.heads; ++i) {
     const float l = sc.l[i];
     const float lse = l > 0.f ? (sc.m[i] + std::log2(l)) * kLn2 : kNegInf;  // natural log
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    if (it.partial >= 0) {
-      float* dst = P.part_o.data_ptr<float>() + (it.partial + i) * d;
-      for (int64_t c = 0; c < d; ++c) dst[c] = sc.o[i * d + c] * inv;
-      P.part_lse.data_ptr<float>()[it.partial + i] = lse;
+    if (part_o != nullptr) {
+      for (int64_t c = 0; c < d; ++c) part_o[i * d + c] = sc.o[i * d + c] * inv;
+      part_lse[i] = lse;
       continue;
     }
     const RowRef at = locate(P, u, it, i);
     row_from_float(sc.o.data() + i * d, inv, out + at.in(P.out) * P.out.element_size(), P.out.scalar_type(), d);
-    P.lse.data_ptr<float>()[at.in(P.lse)] = lse;
+    lse_out[at.in(P.lse)] = lse;
   }
 }
 
@@ -750,9 +752,10 @@ void init_state(const Problem& P, const Unit& u, const Item& it, Scratch& sc) {
   std::fill(sc.l.begin(), sc.l.begin() + rows, 0.f);
   if (!P.prior_o.defined() || it.k0 != 0) return;
   const char* base = static_cast<const char*>(P.prior_o.data_ptr());
+  const float* prior_lse = P.prior_lse.data_ptr<float>();
   for (int64_t i = 0; i < rows; ++i) {
     const RowRef at = locate(P, u, it, i);
-    const float lse = P.prior_lse.data_ptr<float>()[at.in(P.prior_lse)];
+    const float lse = prior_lse[at.in(P.prior_lse)];
     if (lse == kNegInf) continue;
     row_to_float(base + at.in(P.prior_o) * P.prior_o.element_size(), P.prior_o.scalar_type(), sc.o.data() + i * d, d);
     sc.m[i] = lse * kLog2e, sc.l[i] = 1.f;
@@ -879,11 +882,13 @@ void merge_chunks(Problem& P, int64_t threads) {
     const int64_t rows = (it.r1 - it.r0) * u.heads, d = P.d;  // scratch rows of one chunk
     std::vector<float> acc(d);
     char* out = static_cast<char*>(P.out.data_ptr());
+    const float* part_o = P.part_o.data_ptr<float>() + it.partial * d;
+    const float* part_lse = P.part_lse.data_ptr<float>() + it.partial;
+    float* lse = P.lse.data_ptr<float>();
     for (int64_t i = 0; i < rows; ++i) {
       const RowRef at = locate(P, u, it, i);
-      merge_rows(P.part_o.data_ptr<float>() + (it.partial + i) * d, P.part_lse.data_ptr<float>() + it.partial + i,
-                 groups[g].second, rows, d, acc.data(), out + at.in(P.out) * P.out.element_size(),
-                 P.out.scalar_type(), P.lse.data_ptr<float>() + at.in(P.lse));
+      merge_rows(part_o + i * d, part_lse + i, groups[g].second, rows, d, acc.data(),
+                 out + at.in(P.out) * P.out.element_size(), P.out.scalar_type(), lse + at.in(P.lse));
     }
   });
 }
