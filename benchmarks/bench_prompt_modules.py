@@ -50,7 +50,7 @@ import torch  # noqa: E402
 from benchmarks import eval_data  # noqa: E402
 from benchmarks.eval_gsm8k import STOP, extract_answer  # noqa: E402
 from radixserve import Engine  # noqa: E402
-from radixserve.attention.tree import TreePlan  # noqa: E402
+from radixserve.attention.tree_plan import TreePlan  # noqa: E402
 from radixserve.core.batch import ForwardBatch  # noqa: E402
 from radixserve.core.params import SamplingParams  # noqa: E402
 from radixserve.core.request import TokenizedRequest  # noqa: E402

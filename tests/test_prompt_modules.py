@@ -11,7 +11,7 @@ import pytest
 from helpers import keep_every_segment
 
 from radixserve import Engine
-from radixserve.attention.tree import TreePlan, batched_nodes
+from radixserve.attention.tree_plan import TreePlan, batched_nodes
 from radixserve.core.params import SamplingParams
 from radixserve.core.request import TokenizedRequest
 from radixserve.prompt import pml

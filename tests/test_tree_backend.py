@@ -26,7 +26,7 @@ from radixserve.kernels import native, reference
 from radixserve import kernels
 from radixserve.attention import AttentionBackend, FlatBackend, TreeBackend, make_backend
 from radixserve.attention.flat import GatherPlan, PaddedPlan, SlotPlan
-from radixserve.attention.tree import TreePlan, batched_nodes
+from radixserve.attention.tree_plan import TreePlan, batched_nodes
 from radixserve.core.batch import ForwardBatch
 from radixserve.kvcache.pool import KVPool
 

@@ -19,7 +19,7 @@ modules lists their slots first in its kv_indices (see core/modules.py).
 Tree attention: each registered module is a path node with an id of its own (negative:
 radix node ids are >= 0), listed by every request importing it wherever it sits in that
 request's imports; the tree backend attends a module shared by several requests of a step
-once for all of them (attention/tree.py, plan step 1).
+once for all of them (attention/tree_plan.py, plan step 1).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from radixserve.attention.tree import batched_nodes
+from radixserve.attention.tree_plan import batched_nodes
 from radixserve.config import EngineConfig
 from radixserve.constrained.backend import CompiledGrammar
 from radixserve.core.batch import ForwardBatch
