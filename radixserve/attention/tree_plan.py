@@ -135,7 +135,12 @@ def _candidate_segments(
 
 
 def _rows(starts: list[int], lens: list[int], reqs: tuple[int, ...]) -> torch.Tensor:
-    return torch.cat([torch.arange(starts[r], starts[r] + lens[r]) for r in reqs])
+    """Rows [starts[r], starts[r] + lens[r]) of every r in `reqs` (non-empty), concatenated:
+    a few tensor ops for any batch, not an `arange` per request."""
+    first = torch.tensor([starts[r] for r in reqs], dtype=torch.int64)
+    n = torch.tensor([lens[r] for r in reqs], dtype=torch.int64)
+    ends = n.cumsum(0)
+    return torch.arange(int(ends[-1])) + torch.repeat_interleave(first - (ends - n), n)
 
 
 def build_plan(batch: ForwardBatch, keeps: Keeps) -> TreePlan:
@@ -227,13 +232,13 @@ def _make_segment(
 ) -> SharedSegment:
     parts = []
     for node in c.nodes:
-        mine, *others = (
-            batch.kv_indices[r][starts[node][r] : starts[node][r] + lengths[node]]
-            for r in c.requests
+        at, n = starts[node], lengths[node]
+        runs = torch.stack([batch.kv_indices[r][at[r] : at[r] + n] for r in c.requests])
+        same = (runs == runs[0]).all(1)
+        assert bool(same.all()), (
+            f"node {node}: request {c.requests[int((~same).nonzero()[0])]} has other slots"
         )
-        for r, other in zip(c.requests[1:], others, strict=True):
-            assert torch.equal(mine, other), f"node {node}: request {r} has other slots"
-        parts.append(mine)
+        parts.append(runs[0])
     slots = parts[0] if len(parts) == 1 else torch.cat(parts)
     q_rows = _rows(q_starts, q_lens, c.requests)
     merge_rows = _rows(merge_starts, q_lens, c.requests)
