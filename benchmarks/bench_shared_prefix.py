@@ -85,30 +85,33 @@ def round_ratio(rows: list[dict], num: str, den: str) -> float:
 
 def engine_runner(engine: Any, prompts: list[list[int]]) -> StepsRun:
     """Times every scheduler step whose batch is one decode token for each of the prompts
-    (the prefill steps, and the steps where part of the batch still prefills, are left out)."""
-    sched = engine.scheduler
-    step = sched.step
-    timed: list[float] = []
-
-    def timed_step() -> Any:
-        t = time.perf_counter()
-        out = step()
-        batch = sched.last_batch
-        if batch is not None and batch.input_ids.numel() == len(batch.extend_lens) == len(prompts):
-            timed.append(time.perf_counter() - t)
-        return out
-
-    sched.step = timed_step  # an instance attribute shadows the method for this engine only
+    (the prefill steps, and the steps where part of the batch still prefills, are left out).
+    The timer wraps the scheduler's `step` only while a run generates."""
+    sched, width = engine.scheduler, len(prompts)  # a full decode batch: one token each
 
     def run(n: int) -> list[float]:
         engine.flush_cache()
         sched.last_batch = None
-        timed.clear()
-        engine.generate(
-            input_ids=prompts,
-            sampling_params={"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
-        )
-        return list(timed)
+        timed: list[float] = []
+        step = sched.step
+
+        def timed_step() -> Any:
+            t = time.perf_counter()
+            out = step()
+            batch = sched.last_batch
+            if batch is not None and batch.input_ids.numel() == len(batch.extend_lens) == width:
+                timed.append(time.perf_counter() - t)
+            return out
+
+        sched.step = timed_step  # an instance attribute shadows the method for this engine
+        try:
+            engine.generate(
+                input_ids=prompts,
+                sampling_params={"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
+            )
+        finally:
+            sched.step = step
+        return timed
 
     return run
 
