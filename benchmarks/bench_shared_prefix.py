@@ -8,9 +8,13 @@ prefill are left out), HF `generate`'s steps between the streamer's tokens 1..N.
 step is the median of its N-1 or so steps. radixserve runs from an empty radix cache each
 time (it computes the prefix once and shares it). HF gets the same favour: the prefix is
 prefilled once and its KV cache repeated B times (`DynamicCache.batch_repeat_interleave`),
-then `generate` runs over it; HF still stores and reads the prefix B times. With
-`--repeats R` the backends take turns in each of R rounds; the printed tree ratios are the
-median over rounds of per-round ratios, robust to a machine whose speed drifts (a shared VM).
+then `generate` runs over it; HF still stores and reads the prefix B times. Within a round
+the backends run side by side and take turns ONE STEP each (each drives its `generate` from
+its own thread, a `Baton` lets one step run at a time, and every step's compute runs on the
+main thread, so all of them use one OpenMP thread team as a user's process does), so the
+k-th steps of all backends run within a second of each other and a machine whose speed
+drifts (a shared VM) slows them alike; with `--repeats R` the printed tree ratios are the
+median over the R rounds of per-round ratios.
 
 Samples mode (`--samples`): "B samples of 128 tokens from one P-token prompt", prefill
 included: radixserve `generate(prompt, n=B)` (prompt prefilled once, forked) vs HF
@@ -24,11 +28,15 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
+import queue
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -59,17 +67,98 @@ def question_ids(tokenizer: Any, batch: int) -> list[list[int]]:
     ]
 
 
-StepsRun = Callable[[int], list[float]]  # n new tokens -> seconds of each full-batch decode step
+class Baton:
+    """Runners in threads take turns one step at a time, in a fixed round-robin order: each
+    wraps every step in `take(name)` ... `give(name)`, and calls `leave(name)` when done (the
+    others go on without it)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self._order = list(names)
+        self._at = 0  # index in _order of the runner whose turn it is
+        self._cv = threading.Condition()
+
+    def take(self, name: str) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: self._order[self._at] == name)
+
+    def give(self, name: str) -> None:
+        with self._cv:
+            assert self._order[self._at] == name, f"{name} gives a turn it does not hold"
+            self._at = (self._at + 1) % len(self._order)
+            self._cv.notify_all()
+
+    def leave(self, name: str) -> None:
+        with self._cv:
+            i = self._order.index(name)
+            del self._order[i]
+            if i < self._at:
+                self._at -= 1
+            if self._at >= len(self._order):  # it held the last turn of the order
+                self._at = 0
+            self._cv.notify_all()
+
+
+class MainThread:
+    """Runs what runner threads hand it (`call`) on the thread that `serve`s: torch gives each
+    thread its own OpenMP team, and a team left spinning after its turn slowed the next
+    runner's matmuls 1.15-1.4x on this 2-core VM."""
+
+    def __init__(self) -> None:
+        self._calls: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        done: Future = Future()
+        self._calls.put((functools.partial(fn, *args, **kwargs), done))
+        return done.result()
+
+    def serve(self, until: list[Future]) -> None:
+        while not all(f.done() for f in until):
+            try:
+                fn, done = self._calls.get(timeout=0.01)
+            except queue.Empty:
+                continue
+            try:
+                with torch.inference_mode():  # (a thread's grad mode is its own)
+                    done.set_result(fn())
+            except BaseException as e:  # handed back to the runner that called
+                done.set_exception(e)
+
+
+class Turn:
+    """What a runner gets for one round: the baton, its name, and the main thread to compute on."""
+
+    def __init__(self, baton: Baton, name: str, main: MainThread) -> None:
+        self.baton, self.name, self.main = baton, name, main
+
+
+# (n new tokens, its turn) -> seconds of each full-batch decode step
+StepsRun = Callable[[int, Turn], list[float]]
+
+
+def side_by_side(runs: dict[str, StepsRun], n: int) -> dict[str, list[float]]:
+    """Every runner decodes n new tokens from its own thread, the runners taking turns one step
+    at a time, each step computed on this thread -> each runner's timed steps."""
+    baton, main = Baton(list(runs)), MainThread()
+
+    def one(name: str) -> list[float]:
+        try:
+            return runs[name](n, Turn(baton, name, main))
+        finally:
+            baton.leave(name)
+
+    with ThreadPoolExecutor(len(runs)) as pool:
+        futures = {name: pool.submit(one, name) for name in runs}
+        main.serve(list(futures.values()))
+    return {name: fut.result() for name, fut in futures.items()}
 
 
 def decode_times(runs: dict[str, StepsRun], n: int, repeats: int) -> list[dict]:
-    """Per round, every backend in turn decodes n new tokens, so a machine whose speed drifts
-    between rounds slows all backends of a round alike. Returns one row per backend: its
-    decode step (the median full-batch step of a round) in every round, and the best round."""
+    """Per round, every backend decodes n new tokens side by side (`side_by_side`). Returns one
+    row per backend: its decode step (the median full-batch step of a round) in every round,
+    and the best round."""
     steps: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(repeats):
-        for name, run in runs.items():
-            timed = run(n)
+        for name, timed in side_by_side(runs, n).items():
             assert timed, f"{name}: no full-batch decode step in {n} new tokens"
             steps[name].append(statistics.median(timed))
     return [
@@ -86,21 +175,27 @@ def round_ratio(rows: list[dict], num: str, den: str) -> float:
 def engine_runner(engine: Any, prompts: list[list[int]]) -> StepsRun:
     """Times every scheduler step whose batch is one decode token for each of the prompts
     (the prefill steps, and the steps where part of the batch still prefills, are left out).
-    The timer wraps the scheduler's `step` only while a run generates."""
+    The timer wraps the scheduler's `step` only while a run generates; each step is one turn
+    of the baton."""
     sched, width = engine.scheduler, len(prompts)  # a full decode batch: one token each
 
-    def run(n: int) -> list[float]:
+    def run(n: int, turn: Turn) -> list[float]:
         engine.flush_cache()
         sched.last_batch = None
         timed: list[float] = []
         step = sched.step
 
         def timed_step() -> Any:
-            t = time.perf_counter()
-            out = step()
+            turn.baton.take(turn.name)
+            try:
+                t = time.perf_counter()
+                out = turn.main.call(step)
+                dt = time.perf_counter() - t
+            finally:
+                turn.baton.give(turn.name)
             batch = sched.last_batch
             if batch is not None and batch.input_ids.numel() == len(batch.extend_lens) == width:
-                timed.append(time.perf_counter() - t)
+                timed.append(dt)
             return out
 
         sched.step = timed_step  # an instance attribute shadows the method for this engine
@@ -117,20 +212,27 @@ def engine_runner(engine: Any, prompts: list[list[int]]) -> StepsRun:
 
 
 class _StepClock:
-    """A `generate` streamer that keeps the time of each put: the prompt, then every token."""
+    """A `generate` streamer: each put (the prompt, then every token) ends a step and is a
+    turn of the baton; it keeps when each step ended and when the next one began."""
 
-    def __init__(self) -> None:
-        self.times: list[float] = []
+    def __init__(self, turn: Turn) -> None:
+        self.turn = turn
+        self.ends: list[float] = []
+        self.starts: list[float] = []
 
     def put(self, value: torch.Tensor) -> None:
-        self.times.append(time.perf_counter())
+        self.ends.append(time.perf_counter())
+        self.turn.baton.give(self.turn.name)
+        self.turn.baton.take(self.turn.name)
+        self.starts.append(time.perf_counter())
 
     def end(self) -> None:
         pass
 
 
 def hf_runner(model: Any, prefix: list[int], prompts: list[list[int]]) -> StepsRun:
-    """Times each decode step of `generate` (between the streamer's puts of tokens 1..n)."""
+    """Times each decode step of `generate` (from the turn after the streamer's put of token
+    i-1 to the put of token i, i = 2..n)."""
     from transformers import DynamicCache
 
     with torch.inference_mode():
@@ -141,21 +243,29 @@ def hf_runner(model: Any, prefix: list[int], prompts: list[list[int]]) -> StepsR
     assert all(len(p) == width for p in prompts), "HF side needs equal-length prompts"
     ids = torch.tensor(prompts)
 
-    def run(n: int) -> list[float]:
+    def run(n: int, turn: Turn) -> list[float]:
         kv = copy.deepcopy(cache)  # generate extends it in place
-        clock = _StepClock()
-        with torch.inference_mode():
-            out = model.generate(
-                ids,
-                past_key_values=kv,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                attention_mask=torch.ones_like(ids),
-                streamer=clock,
-            )
-        assert out.shape[1] == width + n and len(clock.times) == n + 1
-        return [b - a for a, b in zip(clock.times[1:], clock.times[2:])]
+        clock = _StepClock(turn)
+        forward = model.forward
+        model.forward = functools.partial(turn.main.call, forward)  # compute on the main thread
+        turn.baton.take(turn.name)
+        try:
+            with torch.inference_mode():
+                out = model.generate(
+                    ids,
+                    past_key_values=kv,
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    attention_mask=torch.ones_like(ids),
+                    streamer=clock,
+                )
+        finally:
+            turn.baton.give(turn.name)
+            del model.forward  # the class's method again
+        assert out.shape[1] == width + n and len(clock.ends) == n + 1
+        # step i (tokens 2..n) ran from the turn after token i-1's put to token i's put
+        return [e - b for b, e in zip(clock.starts[1:], clock.ends[2:])]
 
     return run
 
@@ -286,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         choices=[*ATTENTION_BACKENDS, "hf"],
     )
     ap.add_argument("--samples", action="store_true", help="B samples of one prompt, prefill incl.")
-    ap.add_argument("--repeats", type=int, default=1, help="decode: rounds, backends in turn")
+    ap.add_argument("--repeats", type=int, default=1, help="decode: rounds of side-by-side runs")
     ap.add_argument("--data-path", default=None, help="GSM8K folder (default: cached/downloaded)")
     ap.add_argument("--synthetic-prefix", action="store_true", help="synthetic text, no GSM8K")
     ap.add_argument("--json", default=None)

@@ -1,9 +1,11 @@
 """bench_shared_prefix's decode timing: only full-batch decode steps are timed (radixserve's
-scheduler steps, HF generate's steps), and the printed ratios are medians of per-round ones."""
+scheduler steps, HF generate's steps), the backends of a round run side by side one step at a
+time, and the printed ratios are medians of per-round ones."""
 
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -37,9 +39,11 @@ def test_engine_runner_times_only_full_batch_decode_steps(tiny_model_dir: Path) 
     with Engine(str(tiny_model_dir), dtype="float32", max_total_tokens=2048) as engine:
         _, prompts = _prompts()
         run = bsp.engine_runner(engine, prompts)
-        assert run(1) == []  # one new token: prefill steps only, nothing timed
+        assert (
+            bsp.side_by_side({"e": run}, 1)["e"] == []
+        )  # one new token: prefill only, nothing timed
         n = 8
-        steps = run(n)
+        steps = bsp.side_by_side({"e": run}, n)["e"]
         # the B requests prefill over at most a few steps, then decode together to the end;
         # at most n - 1 steps are pure decode steps of all B
         assert 1 <= len(steps) <= n - 1
@@ -53,22 +57,54 @@ def test_hf_runner_times_the_n_minus_1_decode_steps(tiny_model_dir: Path) -> Non
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     prefix, prompts = _prompts()
-    steps = bsp.hf_runner(hf, prefix, prompts)(6)
+    steps = bsp.side_by_side({"hf": bsp.hf_runner(hf, prefix, prompts)}, 6)["hf"]
     assert len(steps) == 5 and all(s > 0 for s in steps)
 
 
-def test_decode_times_alternates_backends_and_keeps_every_round() -> None:
-    calls: list[str] = []
+def _stepper(name: str, steps: int, step_s: float, log: list[str]) -> bsp.StepsRun:
+    """A runner of `steps` steps of step_s seconds each, logging each step it runs."""
 
-    def fake(name: str, step: float) -> bsp.StepsRun:
-        def run(n: int) -> list[float]:
-            calls.append(name)
-            return [step] * (n - 1)
+    def run(n: int, turn: bsp.Turn) -> list[float]:
+        assert turn.name == name
+        for _ in range(steps):
+            turn.baton.take(name)
+            assert turn.main.call(threading.current_thread) is threading.main_thread()
+            assert threading.current_thread() is not threading.main_thread()
+            log.append(name)
+            turn.baton.give(name)
+        return [step_s] * steps
 
-        return run
+    return run
 
-    rows = bsp.decode_times({"tree": fake("tree", 0.2), "none": fake("none", 0.1)}, 4, 3)
-    assert calls == ["tree", "none"] * 3
+
+def test_side_by_side_runs_one_step_each_in_turn_until_each_is_done() -> None:
+    log: list[str] = []
+    runs = {"a": _stepper("a", 3, 0.1, log), "b": _stepper("b", 1, 0.1, log)}
+    runs["c"] = _stepper("c", 2, 0.1, log)
+    out = bsp.side_by_side(runs, 4)
+    assert log == ["a", "b", "c", "a", "c", "a"]  # b leaves after its step, the rest go on
+    assert out == {"a": [0.1] * 3, "b": [0.1], "c": [0.1] * 2}
+
+
+def test_side_by_side_raises_a_runner_error_without_blocking_the_others() -> None:
+    log: list[str] = []
+
+    def broken(n: int, turn: bsp.Turn) -> list[float]:
+        turn.baton.take(turn.name)
+        turn.main.call(lambda: 1 / 0)  # a step that fails: its error reaches its runner
+        raise AssertionError("unreachable")
+
+    runs = {"bad": broken, "ok": _stepper("ok", 3, 0.1, log)}
+    with pytest.raises(ZeroDivisionError):
+        bsp.side_by_side(runs, 4)
+    assert log == ["ok"] * 3
+
+
+def test_decode_times_keeps_every_round() -> None:
+    log: list[str] = []
+    runs = {"tree": _stepper("tree", 3, 0.2, log), "none": _stepper("none", 3, 0.1, log)}
+    rows = bsp.decode_times(runs, 4, 2)
+    assert log == ["tree", "none"] * 6
     by = {r["backend"]: r for r in rows}
-    assert by["tree"]["round_steps_s"] == [0.2] * 3 and by["tree"]["step_s"] == 0.2
+    assert by["tree"]["round_steps_s"] == [0.2] * 2 and by["tree"]["step_s"] == 0.2
     assert bsp.round_ratio(rows, "tree", "none") == pytest.approx(0.5)
