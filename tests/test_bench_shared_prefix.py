@@ -39,9 +39,8 @@ def test_engine_runner_times_only_full_batch_decode_steps(tiny_model_dir: Path) 
     with Engine(str(tiny_model_dir), dtype="float32", max_total_tokens=2048) as engine:
         _, prompts = _prompts()
         run = bsp.engine_runner(engine, prompts)
-        assert (
-            bsp.side_by_side({"e": run}, 1)["e"] == []
-        )  # one new token: prefill only, nothing timed
+        # one new token: prefill steps only, nothing timed
+        assert bsp.side_by_side({"e": run}, 1)["e"] == []
         n = 8
         steps = bsp.side_by_side({"e": run}, n)["e"]
         # the B requests prefill over at most a few steps, then decode together to the end;
