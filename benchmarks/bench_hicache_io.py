@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -27,7 +28,7 @@ import torch
 from radixserve.kvcache.hicache import HiCache, pool_layout
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.remote_store import RemoteStore
-from radixserve.kvcache.tier_store import HostStore
+from radixserve.kvcache.tier_store import ChunkCodec, HostStore
 
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 
@@ -39,7 +40,8 @@ def one_round(leaves: int, tokens: int, redis: str | None, seed: int) -> dict[st
         v.normal_()
     layout = pool_layout(pool)
     host = HostStore(2 * leaves * tokens * layout.chunk_bytes, layout, None)
-    remote = RemoteStore(redis, layout, ttl_s=60) if redis else None
+    codec = ChunkCodec(layout, os.urandom(32))
+    remote = RemoteStore(redis, codec, ttl_s=60) if redis else None
     cache = HiCache(pool, [host], remote, f"bench-{seed}-{time.time()}")
     g = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(100, 30000, (tokens,), generator=g).tolist() for _ in range(leaves)]

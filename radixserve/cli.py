@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import typing
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from radixserve.config import (
     ATTENTION_KERNELS,
     DTYPE_CHOICES,
     GRAMMAR_BACKENDS,
+    HICACHE_SECRET_ENV,
     PACKED_LINEAR,
     POLICIES,
     QUANTIZATIONS,
@@ -55,6 +57,9 @@ HELP = {
     "hicache_disk_size": "GB of chunk files kept in --hicache-dir",
     "hicache_remote": "redis://host:port shared by servers of the same model: K/V is written "
     "through and read back from it",
+    "hicache_secret": "key of the MAC on every K/V record in the disk and Redis tiers: servers "
+    "share K/V only with the same key (default: $RADIXSERVE_HICACHE_SECRET, else random per "
+    "process: nothing shared across servers or restarts); prefer the variable to the flag",
     "hicache_remote_ttl": "seconds a chunk stays in the remote tier (default: until evicted)",
     "hicache_ttl": "seconds a conversation's K/V stays in the host and disk tiers after it was "
     "last used (default: until evicted)",
@@ -182,12 +187,12 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 
 
 def worker_argv(config: EngineConfig) -> list[str]:
-    """`serve` flags that rebuild `config` but its host and port (those differing from the
-    defaults only)."""
+    """`serve` flags that rebuild `config` but its host, port and the tiers' secret (those
+    differing from the defaults only; the secret goes by environment, `main`)."""
     argv = []
     for f in dataclasses.fields(EngineConfig):
         value = getattr(config, f.name)
-        if f.name in ("host", "port") or value == f.default:
+        if f.name in ("host", "port", "hicache_secret") or value == f.default:
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
@@ -208,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from radixserve.router.launcher import run_data_parallel
 
         config = config_from_args(args, parser)
+        if config.hicache_secret is not None:  # the workers inherit it, off their command lines
+            os.environ[HICACHE_SECRET_ENV] = config.hicache_secret
         router = RouterConfig(
             host=config.host, port=config.port, policy=args.router_policy,
             api_key=config.api_key, log_level=config.log_level,

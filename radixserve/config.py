@@ -24,6 +24,9 @@ POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("tree", "flat", "none")  # "none": benchmark-only no-attention ceiling
 GRAMMAR_BACKENDS = ("llguidance", "outlines", "xgrammar")  # radixserve.constrained.BACKENDS
 CONTROL_CONNECTIONS = 64  # connections kept for /health, /get_server_info, aborts, ...
+# Fields never shown (/get_server_info, logs) nor put on a command line the server builds.
+SECRET_FIELDS = ("api_key", "hicache_secret")
+HICACHE_SECRET_ENV = "RADIXSERVE_HICACHE_SECRET"
 PACKED_LINEAR = ("auto", "on", "off")
 # Attention op implementations (radixserve.kernels, which documents each): "auto" picks
 # triton on CUDA, the native C++ kernels on an AVX2 CPU where they build, else "cpu".
@@ -81,6 +84,10 @@ class EngineConfig:
     # tokens cached at another position (a truncated conversation's kept turns) is reused
     # there with its keys turned to the new position, instead of recomputed
     hicache_reposition: bool = False
+    # Key of the MAC on every K/V record in the disk and Redis tiers: servers share K/V only
+    # when they share it. None: $RADIXSERVE_HICACHE_SECRET, else a random key per process
+    # (nothing shared across servers or restarts). Never shown (SECRET_FIELDS).
+    hicache_secret: str | None = None
     attention_backend: str = "tree"
     attention_kernels: str = "auto"  # the ops under the backend; process-wide (see worker)
     grammar_backend: str = "llguidance"  # constrained decoding (radixserve.constrained)
@@ -172,6 +179,15 @@ class EngineConfig:
             f"hicache_ttl must be > 0 seconds, got {self.hicache_ttl}",
         )
         check(
+            self.tp_size == 1 or not self.hicache_enabled,
+            "the hicache tiers (--hicache-size, --hicache-remote, --hicache-reposition) work "
+            "with --tp-size 1 only: each TP rank holds a shard of the K/V heads",
+        )
+        check(
+            self.hicache_secret is None or len(self.hicache_secret) >= 16,
+            "hicache_secret must be at least 16 characters",
+        )
+        check(
             self.hicache_prefetch_window >= 0,
             f"hicache_prefetch_window must be >= 0, got {self.hicache_prefetch_window}",
         )
@@ -182,6 +198,13 @@ class EngineConfig:
     @property
     def hicache_enabled(self) -> bool:
         return self.hicache_size > 0 or self.hicache_remote is not None or self.hicache_reposition
+
+    @property
+    def hicache_key(self) -> bytes:
+        """The tiers' MAC key (see `hicache_secret`); a random one when none is set, so call
+        it once per process."""
+        secret = self.hicache_secret or os.environ.get(HICACHE_SECRET_ENV)
+        return secret.encode() if secret else os.urandom(32)
 
     @property
     def packed_linear_request(self) -> bool | None:

@@ -29,7 +29,7 @@ TINY_CONTEXT = 1024
 STARTUP_TIMEOUT_S = 180.0
 
 
-def build_tiny_model(folder: Path) -> Path:
+def build_tiny_model(folder: Path, seed: int = 0) -> Path:
     """A seeded random tiny Llama checkpoint + the SmolLM2 tokenizer, saved HF-style."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -39,7 +39,7 @@ def build_tiny_model(folder: Path) -> Path:
     tok = AutoTokenizer.from_pretrained(
         Path(spec.origin).parent, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=64,
@@ -142,6 +142,7 @@ def launch_server(
     api_key: str | None = None,
     wait: bool = True,
     dtype: str = "float32",
+    env: dict[str, str] | None = None,
 ) -> ServerHandle:
     """Start `python -m radixserve serve` on a free port (model None: the embedded one);
     wait for /health unless told not to."""
@@ -154,7 +155,9 @@ def launch_server(
         cmd += ["--api-key", api_key]
     log = log_dir / f"server-{port}.log"
     with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
     handle = ServerHandle(f"http://127.0.0.1:{port}", proc, log, api_key)
     if wait:
         wait_healthy(handle)

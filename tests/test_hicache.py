@@ -5,6 +5,8 @@ shorter match, never to wrong rows."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import subprocess
 import threading
@@ -22,15 +24,17 @@ from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.prefix_cache import make_prefix_cache
 from radixserve.kvcache.tier_store import (
     CHUNK_TOKENS,
+    MAC_BYTES,
+    MAGIC,
+    ChunkCodec,
     ChunkError,
     HostStore,
     chunk_keys,
-    decode_chunk,
-    encode_chunk,
 )
 
 C = CHUNK_TOKENS
 TOKENS = list(range(1000, 1064))  # 4 whole chunks
+SECRET = b"a secret shared by the test servers"
 
 
 def make_pool(capacity: int = 128, layers: int = 2, heads: int = 1, dim: int = 4) -> KVPool:
@@ -55,6 +59,10 @@ def computed(pool: KVPool, tokens: list[int], seed: int = 0) -> tuple[torch.Tens
 def rows_at(pool: KVPool, slots: torch.Tensor) -> torch.Tensor:
     pool.wait_loads()  # promoted rows are written layer by layer by the loader thread
     return torch.stack([torch.stack([k[slots], v[slots]]) for k, v in zip(pool.k, pool.v)])
+
+
+def codec(pool: KVPool, secret: bytes = SECRET) -> ChunkCodec:
+    return ChunkCodec(pool_layout(pool), secret)
 
 
 def host_cache(pool: KVPool, chunks: int = 64, disk: DiskStore | None = None) -> HiCache:
@@ -188,25 +196,66 @@ def test_prefix_cache_factory_builds_the_tiers(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- the codec
 
 
-def test_codec_refuses_what_it_cannot_trust() -> None:
-    layout = pool_layout(make_pool())
-    chunk = torch.randn(layout.shape)
-    toks = TOKENS[:C]
-    data = encode_chunk(toks, chunk)
-    assert torch.equal(decode_chunk(data, toks, layout), chunk)
+def forge(
+    data: bytes, key: str, secret: bytes, head: bytes | None = None, payload: bytes | None = None
+) -> bytes:
+    """A record built around `data`'s parts, with a new header and/or payload, MAC'd with
+    `secret` under `key`: what a writer holding that secret could plant."""
+    at = len(MAGIC) + MAC_BYTES
+    head_len = int.from_bytes(data[at : at + 4], "little")
+    old_head, old_payload = data[at + 4 : at + 4 + head_len], data[at + 4 + head_len :]
+    head = old_head if head is None else head
+    body = len(head).to_bytes(4, "little") + head + (old_payload if payload is None else payload)
+    return MAGIC + hmac.new(secret, key.encode() + body, hashlib.sha256).digest() + body
+
+
+POISONS = [
+    "bit flipped", "truncated", "empty", "magic", "oversize", "foreign MAC",
+    "moved from another key", "deep header", "deep header, in the cap", "dtype a list",
+    "header a list", "header not UTF-8", "shape of another pool", "short payload",
+]  # fmt: skip
+
+
+def poisoned_records(data: bytes, key: str, secret: bytes) -> dict[str, bytes]:
+    """Every kind of record a tier must refuse, built from the good record `data` of `key`."""
     flipped = bytearray(data)
     flipped[-5] ^= 0x40
-    cases = {
-        "checksum": bytes(flipped),
+    return {
+        "bit flipped": bytes(flipped),
         "truncated": data[:-3],
+        "empty": b"",
         "magic": b"X" + data[1:],
+        "oversize": data + bytes(1 << 20),
+        "foreign MAC": forge(data, key, b"another server's secret"),
+        "moved from another key": forge(data, "another key", secret),
+        "deep header": forge(data, key, secret, head=b"[" * 100_000),
+        "deep header, in the cap": forge(data, key, secret, head=b"[" * 200),
+        "dtype a list": forge(data, key, secret, head=b'{"dtype": ["float32"], "shape": 1}'),
+        "header a list": forge(data, key, secret, head=b'["float32"]'),
+        "header not UTF-8": forge(data, key, secret, head=b'{"dtype": "\xff\xfe"}'),
+        "shape of another pool": forge(
+            data, key, secret, head=b'{"dtype": "float32", "shape": [1, 2, 3]}'
+        ),
+        "short payload": forge(data, key, secret, payload=b"\0" * 64),
     }
-    for what, bad in cases.items():
-        with pytest.raises(ChunkError):
-            decode_chunk(bad, toks, layout)
-        assert what
+
+
+def test_codec_refuses_what_it_cannot_trust() -> None:
+    pool = make_pool()
+    c = codec(pool)
+    chunk = torch.randn(c.layout.shape)
+    toks, key = TOKENS[:C], "k0"
+    data = c.encode(key, toks, chunk)
+    assert torch.equal(c.decode(key, data, toks), chunk)
+    poisons = poisoned_records(data, key, SECRET)
+    assert list(poisons) == POISONS
+    for bad in poisons.values():
+        with pytest.raises(ChunkError):  # never RecursionError, TypeError, ...
+            c.decode(key, bad, toks)
     with pytest.raises(ChunkError, match="other tokens"):
-        decode_chunk(data, TOKENS[C : 2 * C], layout)
+        c.decode(key, data, TOKENS[C : 2 * C])
+    with pytest.raises(ChunkError, match="MAC"):  # a server without the secret reads nothing
+        codec(pool, b"another server's secret").decode(key, data, toks)
 
 
 def test_keys_name_the_whole_prefix() -> None:
@@ -224,7 +273,7 @@ def test_keys_name_the_whole_prefix() -> None:
 def spilled_to_disk(tmp_path: Path) -> tuple[KVPool, HiCache, torch.Tensor]:
     """4 chunks evicted into a host tier of 1 chunk: chunks 0..2 spill to disk."""
     pool = make_pool()
-    disk = DiskStore(str(tmp_path), 1 << 30, pool_layout(pool))
+    disk = DiskStore(str(tmp_path), 1 << 30, codec(pool))
     cache = host_cache(pool, chunks=1, disk=disk)
     slots, ref = computed(pool, TOKENS)
     cache.insert(TOKENS, slots)
@@ -236,7 +285,7 @@ def spilled_to_disk(tmp_path: Path) -> tuple[KVPool, HiCache, torch.Tensor]:
 
 def restarted(tmp_path: Path) -> tuple[KVPool, HiCache]:
     pool = make_pool()
-    return pool, host_cache(pool, disk=DiskStore(str(tmp_path), 1 << 30, pool_layout(pool)))
+    return pool, host_cache(pool, disk=DiskStore(str(tmp_path), 1 << 30, codec(pool)))
 
 
 def test_disk_tier_survives_a_restart(tmp_path: Path) -> None:
@@ -275,6 +324,25 @@ def test_damaged_chunk_file_is_a_miss_never_wrong_kv(tmp_path: Path, fault: str)
     assert not path.exists()  # a refused file is removed, not read again
     cache.flush()
     assert pool.num_free == pool.capacity
+    cache.close()
+
+
+@pytest.mark.parametrize("poison", POISONS)
+def test_poisoned_chunk_file_is_a_miss(tmp_path: Path, poison: str) -> None:
+    """A file another local process wrote over chunk 1 (each kind of poison): a counted miss,
+    deleted; never an exception, never its rows."""
+    _, old, ref = spilled_to_disk(tmp_path)
+    old.close()
+    path = chunk_file(tmp_path, 1)
+    key = chunk_keys("test", TOKENS)[1]
+    path.write_bytes(poisoned_records(path.read_bytes(), key, SECRET)[poison])
+    pool, cache = restarted(tmp_path)
+    m = cache.match_prefix(TOKENS + [1])
+    assert m.tier_tokens == {"disk": 16}
+    assert torch.equal(rows_at(pool, m.indices), ref[:, :, :16])
+    assert cache.tier_stats()["disk"].faults == 1
+    assert not path.exists()
+    cache.flush()
     cache.close()
 
 
@@ -347,7 +415,7 @@ def test_disk_chunks_expire_ttl_after_their_last_use(tmp_path: Path) -> None:
     clock = Clock()
     clock.now = max(p.stat().st_mtime for p in tmp_path.glob("*.kv"))
     pool = make_pool()
-    disk = DiskStore(str(tmp_path), 1 << 30, pool_layout(pool), ttl_s=60, clock=clock)
+    disk = DiskStore(str(tmp_path), 1 << 30, codec(pool), ttl_s=60, clock=clock)
     cache = host_cache(pool, chunks=1, disk=disk)
     clock.now += 30
     assert disk.get(chunk_keys("test", TOKENS)[0], TOKENS[:C]) is not None  # chunk 0 used
@@ -388,7 +456,7 @@ def test_full_disk_degrades_to_the_host_tier(
     tiny_disk: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     pool = make_pool(capacity=512, layers=4, heads=4, dim=64)  # 128 KiB chunks
-    disk = DiskStore(str(tiny_disk), 1 << 30, pool_layout(pool))
+    disk = DiskStore(str(tiny_disk), 1 << 30, codec(pool))
     cache = host_cache(pool, chunks=2, disk=disk)
     tokens = list(range(20000, 20000 + 8 * C))
     slots, ref = computed(pool, tokens)

@@ -11,13 +11,24 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import torch
-from conftest import free_port, launch_server
-from test_hicache import TOKENS, computed, make_pool, rows_at
+from conftest import build_tiny_model, free_port, launch_server
+from test_hicache import (
+    POISONS,
+    SECRET,
+    TOKENS,
+    codec,
+    computed,
+    make_pool,
+    poisoned_records,
+    rows_at,
+)
 
+from radixserve.config import HICACHE_SECRET_ENV
 from radixserve.kvcache.hicache import HiCache, pool_layout
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.remote_store import PREFIX, RemoteStore
@@ -61,9 +72,9 @@ def redis_server() -> Iterator[RedisServer]:
     server.stop()
 
 
-def remote_cache(url: str) -> tuple[HiCache, KVPool]:
+def remote_cache(url: str, secret: bytes = SECRET) -> tuple[HiCache, KVPool]:
     pool = make_pool()
-    return HiCache(pool, [], RemoteStore(url, pool_layout(pool)), "test"), pool
+    return HiCache(pool, [], RemoteStore(url, codec(pool, secret)), "test"), pool
 
 
 def test_second_server_reuses_the_first_ones_kv(redis_server: RedisServer) -> None:
@@ -91,7 +102,7 @@ def test_prefetch_pulls_a_waiting_prefix_up_from_redis(redis_server: RedisServer
     pool = make_pool()
     layout = pool_layout(pool)
     host = HostStore(64 * layout.chunk_bytes, layout, None)
-    b = HiCache(pool, [host], RemoteStore(redis_server.url, layout), "test")
+    b = HiCache(pool, [host], RemoteStore(redis_server.url, codec(pool)), "test")
     b.prefetch([TOKENS[:40] + [1]])  # waiting: chunks 0 and 1 (chunk 2 ends past the prompt)
     b.drain()
     assert b.prefetched == 2 and pool.num_free == pool.capacity  # the pool is untouched
@@ -104,25 +115,32 @@ def test_prefetch_pulls_a_waiting_prefix_up_from_redis(redis_server: RedisServer
     b.close()
 
 
-def test_damaged_remote_record_is_a_miss(redis_server: RedisServer) -> None:
+def test_poisoned_remote_records_are_misses(redis_server: RedisServer) -> None:
+    """Whoever can write to Redis overwrites chunk 2 with each kind of poison in turn: each
+    is a counted miss (chunks 0 and 1 still load), never an exception nor its rows."""
     a, pool_a = remote_cache(redis_server.url)
     slots, ref = computed(pool_a, TOKENS)
     a.insert(TOKENS, slots)
     a.drain()
     import redis
 
-    key = PREFIX + chunk_keys("test", TOKENS)[2]
+    key = chunk_keys("test", TOKENS)[2]
     client = redis.Redis(port=redis_server.port)
-    data = client.get(key)
+    data = client.get(PREFIX + key)
     assert data is not None
-    client.set(key, data[:-1] + bytes([data[-1] ^ 1]))
-    b, pool_b = remote_cache(redis_server.url)
-    m = b.match_prefix(TOKENS + [1])
-    assert m.tier_tokens == {"remote": 32}  # chunks 0, 1; chunk 2 refused: recomputed
-    assert torch.equal(rows_at(pool_b, m.indices), ref[:, :, :32])
-    assert b.tier_stats()["remote"].faults == 1
+    for poison in POISONS:
+        client.set(PREFIX + key, poisoned_records(data, key, SECRET)[poison])
+        b, pool_b = remote_cache(redis_server.url)
+        m = b.match_prefix(TOKENS + [1])
+        assert m.tier_tokens == {"remote": 32}, poison
+        assert torch.equal(rows_at(pool_b, m.indices), ref[:, :, :32]), poison
+        assert b.tier_stats()["remote"].faults == 1, poison
+        b.close()
+    other, _ = remote_cache(redis_server.url, secret=b"not the servers' shared secret")
+    assert other.match_prefix(TOKENS + [1]).tier_tokens == {}  # reads no record of theirs
+    assert other.tier_stats()["remote"].faults == 1  # (the leading one refused)
+    other.close()
     a.close()
-    b.close()
 
 
 def test_redis_killed_mid_run_degrades_to_recompute(
@@ -152,6 +170,46 @@ def test_redis_killed_mid_run_degrades_to_recompute(
     b.close()
 
 
+# ---------------------------------------------------------------- which servers share
+
+
+def engine_on(model: Path, url: str, secret: str) -> Any:
+    from radixserve import Engine
+
+    return Engine(
+        str(model), dtype="float32", max_total_tokens=256, hicache_remote=url, hicache_secret=secret
+    )
+
+
+def remote_cached(engine: Any, prompt: list[int]) -> int:
+    out = engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 4})
+    return int(out["meta_info"]["cached_tokens_details"].get("remote", 0))
+
+
+def test_only_servers_of_the_same_model_and_secret_share_kv(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Models in folders of one name (a/model, b/model), one Redis: the other model's server
+    reads none of the first one's K/V; a copy of the same model at a third path reads it;
+    so does a server of the same model with another secret not."""
+    a = build_tiny_model(tmp_path / "a" / "model", seed=0)
+    b = build_tiny_model(tmp_path / "b" / "model", seed=1)
+    copy = shutil.copytree(a, tmp_path / "c" / "model")
+    secret = "the servers' shared tier secret"
+    prompt = list(range(500, 600))  # 6 whole chunks
+    first = engine_on(a, redis_server.url, secret)
+    assert remote_cached(first, prompt) == 0
+    first.scheduler.cache.drain()  # the write-through is asynchronous
+    first.shutdown()
+    for model, key, expected in [(b, secret, 0), (copy, "another secret, sixteen+", 0)]:
+        other = engine_on(model, redis_server.url, key)
+        assert remote_cached(other, prompt) == expected, (model, key)
+        other.shutdown()
+    same = engine_on(copy, redis_server.url, secret)
+    assert remote_cached(same, prompt) == 96
+    same.shutdown()
+
+
 # ---------------------------------------------------------------- two real servers
 
 
@@ -171,7 +229,8 @@ def test_two_servers_share_a_conversation(
     tiny_model_dir: Path, tmp_path: Path, redis_server: RedisServer
 ) -> None:
     flags = ["--max-total-tokens", "1024", "--hicache-remote", redis_server.url]
-    servers = [launch_server(tiny_model_dir, tmp_path, *flags) for _ in range(2)]
+    env = {HICACHE_SECRET_ENV: "the servers' shared tier secret"}
+    servers = [launch_server(tiny_model_dir, tmp_path, *flags, env=env) for _ in range(2)]
     try:
         history = [{"role": "user", "content": "Tell me about the rivers of Europe. " * 12}]
         with servers[0].client() as c0, servers[1].client() as c1:
@@ -193,3 +252,47 @@ def test_two_servers_share_a_conversation(
     finally:
         for s in servers:
             assert s.stop() == 0, s.log_text()[-3000:]
+
+
+def hicache_faults(url: str) -> float:
+    metrics = httpx.get(url + "/metrics").text
+    line = 'radixserve_hicache_faults_total{tier="remote"}'
+    return sum(float(x.split()[-1]) for x in metrics.splitlines() if x.startswith(line))
+
+
+def test_a_poisoned_shared_record_never_stops_the_server(
+    tiny_model_dir: Path, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A live server whose Redis records are overwritten with each kind of poison in turn
+    (a writer that knows the secret, or not): every request that meets them gets 200 and
+    the same greedy output, recomputed; the server stays up; the fault counter moves."""
+    import redis
+
+    secret = "the servers' shared tier secret"
+    flags = ["--max-total-tokens", "1024", "--hicache-remote", redis_server.url]
+    server = launch_server(tiny_model_dir, tmp_path, *flags, env={HICACHE_SECRET_ENV: secret})
+    client = redis.Redis(port=redis_server.port)
+    body = {
+        "input_ids": list(range(700, 800)),
+        "sampling_params": {"temperature": 0, "max_new_tokens": 8},
+    }
+    try:
+        with server.client() as c:
+            expected = c.post("/generate", json=body).json()["output_ids"]
+            time.sleep(0.5)  # the write-through is asynchronous
+            good = {k: client.get(k) for k in client.keys(PREFIX + "*")}
+            assert len(good) == 6  # 100 prompt tokens: 6 whole chunks
+            for poison in POISONS:
+                for k, data in good.items():
+                    key = k.decode().removeprefix(PREFIX)
+                    client.set(k, poisoned_records(data, key, secret.encode())[poison])
+                faults = hicache_faults(server.url)
+                assert c.post("/flush_cache").status_code == 200
+                r = c.post("/generate", json=body)
+                assert r.status_code == 200, (poison, r.text)
+                assert r.json()["output_ids"] == expected, poison
+                assert r.json()["meta_info"]["cached_tokens"] == 0, poison
+                assert hicache_faults(server.url) > faults, poison
+            assert c.get("/health").status_code == 200
+    finally:
+        assert server.stop() == 0, server.log_text()[-3000:]

@@ -1,7 +1,8 @@
 """L3: chunks as checksummed files in a local directory, written by a background thread.
 
-One file per chunk, `<dir>/<key>.kv`, in the codec of tier_store.py (magic, header with the
-payload's sha256, token ids, tensor bytes); written to a temporary name and renamed, so a
+One file per chunk, `<dir>/<key>.kv`, in the codec of tier_store.py (magic, MAC, header,
+token ids, tensor bytes): files are untrusted (another local process may write them), a
+file the codec refuses is a miss and is deleted. Written to a temporary name and renamed, so a
 reader never sees half a file from this writer. Files already in the directory at start-up
 are indexed, so a restarted server finds its cache again.
 
@@ -28,11 +29,9 @@ import torch
 
 from radixserve.core.info import TierStats
 from radixserve.kvcache.tier_store import (
+    ChunkCodec,
     ChunkError,
-    ChunkLayout,
-    decode_chunk,
     drain,
-    encode_chunk,
 )
 
 logger = logging.getLogger("radixserve.kvcache")
@@ -47,14 +46,14 @@ class DiskStore:
         self,
         directory: str,
         budget_bytes: int,
-        layout: ChunkLayout,
+        codec: ChunkCodec,
         ttl_s: float | None = None,
         clock: Callable[[], float] = time.time,  # wall time: file mtimes outlive the process
     ) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.budget = budget_bytes
-        self.layout = layout
+        self.codec = codec
         self.ttl_s = ttl_s
         self.clock = clock
         self.counters = TierStats()
@@ -91,8 +90,8 @@ class DiskStore:
         if not on_disk:
             return None
         try:
-            data = self._path(key).read_bytes()
-            return decode_chunk(data, tokens, self.layout)
+            data = _read_at_most(self._path(key), self.codec.max_record_bytes)
+            return self.codec.decode(key, data, tokens)
         except (OSError, ChunkError) as e:
             self._fault("read", f"{self._path(key)}: {e}")
             self._forget(key)
@@ -118,7 +117,7 @@ class DiskStore:
         self._queue.task_done()
 
     def _write(self, key: str, tokens: list[int], chunk: torch.Tensor) -> None:
-        data = encode_chunk(tokens, chunk)
+        data = self.codec.encode(key, tokens, chunk)
         path, tmp = self._path(key), self.dir / f".{key}.tmp"
         try:
             tmp.write_bytes(data)
@@ -187,3 +186,12 @@ class DiskStore:
         self.drain()
         self._queue.put(None)
         self._writer.join(timeout=5)
+
+
+def _read_at_most(path: Path, limit: int) -> bytes:
+    """The file's bytes; ChunkError, unread, if it is longer than `limit`."""
+    with path.open("rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ChunkError(f"file longer than a record's {limit} bytes")
+    return data

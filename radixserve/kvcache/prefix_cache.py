@@ -15,6 +15,8 @@ hicache fields; callers hold a `PrefixCache` and never ask which one it is.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -28,7 +30,7 @@ from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.radix import MatchResult, RadixCache, TreeNode, check_insert_args
 from radixserve.kvcache.remote_store import RemoteStore
 from radixserve.kvcache.reposition import Mover, RunIndex
-from radixserve.kvcache.tier_store import CHUNK_TOKENS, HostStore, TierStore
+from radixserve.kvcache.tier_store import CHUNK_TOKENS, ChunkCodec, HostStore, TierStore
 
 
 class PrefixCache(Protocol):
@@ -211,26 +213,28 @@ GB = 1 << 30
 def make_prefix_cache(
     config: EngineConfig,
     pool: KVPool,
-    model_name: str = "",
+    model_identity: str = "",
     rope_inv_freq: torch.Tensor | None = None,
 ) -> PrefixCache:
     """The scheduler's prefix cache: a RadixCache, a HiCache when a lower tier or
     `hicache_reposition` is configured, or a NoPrefixCache under `disable_radix_cache`. The
-    only place that reads those fields. `model_name` and the pool's layout name the K/V in
-    shared tiers (same model, same keys); `rope_inv_freq` (head_dim / 2,) float32, the
-    model's RoPE frequencies, is needed by `hicache_reposition` to move keys."""
+    only place that reads those fields. `model_identity` (models/identity.py) names the K/V
+    in the tiers: servers of the same model and `hicache_secret` share it. `rope_inv_freq`
+    (head_dim / 2,) float32, the model's RoPE frequencies, is needed by
+    `hicache_reposition` to move keys."""
     if config.disable_radix_cache:
         return NoPrefixCache(pool)
     if not config.hicache_enabled:
         return RadixCache(pool)
     layout = pool_layout(pool)
+    codec = ChunkCodec(layout, config.hicache_key)
     local: list[TierStore] = []
     tier_bytes = 0  # what the local tiers hold, for the reposition index's bound
     if config.hicache_size > 0:
         disk = None
         if config.hicache_dir is not None:
             disk_bytes = int(config.hicache_disk_size * GB)
-            disk = DiskStore(config.hicache_dir, disk_bytes, layout, config.hicache_ttl)
+            disk = DiskStore(config.hicache_dir, disk_bytes, codec, config.hicache_ttl)
             tier_bytes += disk_bytes
         spill = None if disk is None else disk.put
         host_bytes = int(config.hicache_size * GB)
@@ -240,8 +244,10 @@ def make_prefix_cache(
             local.append(disk)
     remote = None
     if config.hicache_remote is not None:
-        remote = RemoteStore(config.hicache_remote, layout, config.hicache_remote_ttl)
-    namespace = f"{model_name}|{config.quantization}|{layout}"
+        remote = RemoteStore(config.hicache_remote, codec, config.hicache_remote_ttl)
+    # Keyed by the secret too: servers with other secrets never overwrite each other's
+    # records, and keys cannot be computed (a popular prompt's chunk targeted) without it.
+    namespace = hmac.new(codec.secret, model_identity.encode(), hashlib.sha256).hexdigest()
     mover = None
     if config.hicache_reposition:
         assert rope_inv_freq is not None, "hicache_reposition needs the model's rope_inv_freq"

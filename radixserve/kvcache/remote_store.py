@@ -1,10 +1,11 @@
 """L4: chunks in a shared Redis / Valkey server, so several radixserve servers (and a
 restarted one) reuse each other's K/V.
 
-Values are the self-checking records of tier_store.py under `radixserve:kv:<key>`; the key
-already names the model (the namespace) and the whole prefix, so servers of the same model
-share chunks and servers of different models never collide. Records are data, never code:
-a damaged or foreign record is refused by `decode_chunk` and counts as a miss.
+Values are the MAC'd records of tier_store.py under `radixserve:kv:<key>`; the key already
+names the model exactly (the namespace) and the whole prefix, so servers of the same model
+and secret share chunks and servers of different models never collide. Whoever can write to
+Redis is untrusted: records are data, never code, and a damaged, planted or foreign record
+is refused by the codec and counts as a miss.
 
 Threads: `put` queues and returns; a writer thread SETs. Reads are synchronous with a short
 socket timeout. Any Redis error (refused, reset, timeout) marks the tier down for
@@ -26,11 +27,9 @@ import torch
 
 from radixserve.core.info import TierStats
 from radixserve.kvcache.tier_store import (
+    ChunkCodec,
     ChunkError,
-    ChunkLayout,
-    decode_chunk,
     drain,
-    encode_chunk,
 )
 
 logger = logging.getLogger("radixserve.kvcache")
@@ -44,7 +43,7 @@ MAX_PENDING = 256
 class RemoteStore:
     name = "remote"
 
-    def __init__(self, url: str, layout: ChunkLayout, ttl_s: int | None = None) -> None:
+    def __init__(self, url: str, codec: ChunkCodec, ttl_s: int | None = None) -> None:
         import redis  # optional dependency: only a server with --hicache-remote needs it
 
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
@@ -52,7 +51,7 @@ class RemoteStore:
             url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S
         )
         self.url = url
-        self.layout = layout
+        self.codec = codec
         self.ttl_s = ttl_s
         self.counters = TierStats()
         self._written_bytes = 0
@@ -105,7 +104,7 @@ class RemoteStore:
             if data is None:
                 break
             try:
-                chunks.append(decode_chunk(data, toks, self.layout))
+                chunks.append(self.codec.decode(key, data, toks))
             except ChunkError as e:
                 with self._lock:
                     self.counters.faults += 1
@@ -141,7 +140,7 @@ class RemoteStore:
         while (item := self._queue.get()) is not None:
             key, tokens, chunk = item
             if self._up():
-                data = encode_chunk(tokens, chunk)
+                data = self.codec.encode(key, tokens, chunk)
                 try:
                     self._client.set(PREFIX + key, data, ex=self.ttl_s)
                     with self._lock:

@@ -7,20 +7,31 @@ in fixed-size **chunks** of `CHUNK_TOKENS` tokens, addressed by content:
     key_k = sha256(key_{k-1} || tokens of chunk k)           key_{-1} = sha256(namespace)
 
 so a key names the whole prefix up to the chunk's end (two conversations share a chunk only
-when everything before it is equal), and any server with the same model (the namespace)
-finds the chunks another one stored. A chunk's tensor is (layers, 2, C, kv_heads, head_dim)
-in the KV pool's dtype: rows copied from the pool, bit for bit, so a promoted prefix gives
-exactly the outputs it gave before it was evicted.
+when everything before it is equal), and any server with the same model and secret (the
+namespace: models/identity.py, keyed by the secret in prefix_cache.py) finds the chunks
+another one stored. A chunk's
+tensor is (layers, 2, C, kv_heads, head_dim) in the KV pool's dtype: rows copied from the
+pool, bit for bit, so a promoted prefix gives exactly the outputs it gave before it was
+evicted.
 
-Records that leave the process (disk files, Redis values) use one codec: a magic line, a
-JSON header (dtype, shape, sha256 of the payload), then the chunk's token ids (int32) and
-the tensor's bytes. `decode_chunk` refuses a record whose magic, header, checksum, tokens or
-shape do not match what the reader expects: a damaged record is a miss, never wrong K/V.
+Records that leave the process (disk files, Redis values) are untrusted input: another
+process may have written them. One codec, `ChunkCodec`, writes and checks them:
+
+    MAGIC | mac (32 B) | header length (u32) | header (JSON: dtype, shape) | payload
+    payload = the chunk's token ids (int32) | the tensor's bytes
+    mac     = HMAC-SHA256(secret, key || everything after the mac)
+
+The MAC is checked before anything else is parsed, so only a holder of the secret can plant
+a record, and a record moved to another key (another prefix) fails too. The header is then
+parsed within a size cap and its types checked; the token ids and the shape must be the
+ones the reader expects. Any failure is a `ChunkError`, which the tiers count and log as a
+miss: a damaged or planted record is recomputed, never loaded and never raised.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import queue
 import struct
@@ -35,7 +46,9 @@ import torch
 from radixserve.core.info import TierStats
 
 CHUNK_TOKENS = 16
-MAGIC = b"RSKVCHUNK1\n"
+MAGIC = b"RSKVCHUNK2\n"
+MAC_BYTES = 32
+MAX_HEADER_BYTES = 256  # a real header is ~70 bytes
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -72,46 +85,75 @@ def chunk_keys(namespace: str, tokens: Sequence[int]) -> list[str]:
 
 
 class ChunkError(ValueError):
-    """A stored record that cannot be trusted (damaged, truncated, another prefix's)."""
+    """A stored record that cannot be trusted (damaged, truncated, planted, another
+    prefix's)."""
 
 
-def encode_chunk(tokens: Sequence[int], chunk: torch.Tensor) -> bytes:
-    """One self-checking record of a chunk (the module docstring gives the layout)."""
-    payload = struct.pack(f"<{len(tokens)}i", *tokens) + _tensor_bytes(chunk)
-    dtype = str(chunk.dtype).removeprefix("torch.")
-    header = {"dtype": dtype, "shape": list(chunk.shape), "sha256": _digest(payload)}
-    head = json.dumps(header).encode()
-    return MAGIC + struct.pack("<I", len(head)) + head + payload
+@dataclass(frozen=True)
+class ChunkCodec:
+    """Writes and checks the records of one model's chunks (the module docstring gives the
+    layout). Servers share K/V exactly when they share the namespace (chunk_keys) and the
+    secret."""
 
+    layout: ChunkLayout
+    secret: bytes
 
-def decode_chunk(data: bytes, tokens: Sequence[int], layout: ChunkLayout) -> torch.Tensor:
-    """The chunk in `data`, checked against the tokens and layout the reader expects.
-    Raises ChunkError saying what is wrong."""
-    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 4:
-        raise ChunkError("not a chunk record (bad magic)")
-    at = len(MAGIC) + 4
-    (head_len,) = struct.unpack("<I", data[len(MAGIC) : at])
-    try:
-        header = json.loads(data[at : at + head_len])
-    except ValueError as e:
-        raise ChunkError(f"bad header: {e}") from None
-    payload = data[at + head_len :]
-    token_bytes = 4 * CHUNK_TOKENS
-    if len(payload) != token_bytes + layout.chunk_bytes:
-        raise ChunkError(
-            f"payload of {len(payload)} bytes, expected {token_bytes + layout.chunk_bytes}"
-        )
-    if not isinstance(header, dict) or header.get("sha256") != _digest(payload):
-        raise ChunkError("checksum mismatch")
-    if (
-        header.get("shape") != list(layout.shape)
-        or _DTYPES.get(header.get("dtype", "")) != layout.dtype
-    ):
-        raise ChunkError(f"layout {header.get('shape')} {header.get('dtype')} is not this pool's")
-    if list(struct.unpack(f"<{CHUNK_TOKENS}i", payload[:token_bytes])) != list(tokens):
-        raise ChunkError("the record holds other tokens")
-    raw = torch.frombuffer(bytearray(payload[token_bytes:]), dtype=torch.uint8)
-    return raw.view(layout.dtype).reshape(layout.shape)
+    @property
+    def max_record_bytes(self) -> int:
+        """No valid record is longer (a reader may refuse a longer file unread)."""
+        fixed = len(MAGIC) + MAC_BYTES + 4 + MAX_HEADER_BYTES
+        return fixed + 4 * CHUNK_TOKENS + self.layout.chunk_bytes
+
+    def encode(self, key: str, tokens: Sequence[int], chunk: torch.Tensor) -> bytes:
+        payload = struct.pack(f"<{len(tokens)}i", *tokens) + _tensor_bytes(chunk)
+        dtype = str(chunk.dtype).removeprefix("torch.")
+        head = json.dumps({"dtype": dtype, "shape": list(chunk.shape)}).encode()
+        body = struct.pack("<I", len(head)) + head + payload
+        return MAGIC + self._mac(key, body) + body
+
+    def decode(self, key: str, data: bytes, tokens: Sequence[int]) -> torch.Tensor:
+        """The chunk stored under `key` in `data`, checked against the tokens and layout the
+        reader expects. Raises ChunkError (only) saying what is wrong."""
+        try:
+            return self._decode(key, data, tokens)
+        except ChunkError:
+            raise
+        except Exception as e:  # noqa: BLE001 - untrusted bytes: any failure is a refusal
+            raise ChunkError(f"unreadable record ({type(e).__name__})") from None
+
+    def _decode(self, key: str, data: bytes, tokens: Sequence[int]) -> torch.Tensor:
+        if len(data) > self.max_record_bytes:
+            raise ChunkError(f"record of {len(data)} bytes, at most {self.max_record_bytes}")
+        at = len(MAGIC) + MAC_BYTES
+        if not data.startswith(MAGIC) or len(data) < at + 4:
+            raise ChunkError("not a chunk record (bad magic)")
+        body = data[at:]
+        if not hmac.compare_digest(data[len(MAGIC) : at], self._mac(key, body)):
+            raise ChunkError("MAC mismatch (damaged, or written without this server's secret)")
+        (head_len,) = struct.unpack("<I", body[:4])
+        if head_len > MAX_HEADER_BYTES:
+            raise ChunkError(f"header of {head_len} bytes, at most {MAX_HEADER_BYTES}")
+        header = json.loads(body[4 : 4 + head_len])
+        if not isinstance(header, dict) or not isinstance(header.get("dtype"), str):
+            raise ChunkError("header is not {dtype: str, shape: list}")
+        layout = self.layout
+        if header.get("shape") != list(layout.shape) or _DTYPES.get(header["dtype"]) != (
+            layout.dtype
+        ):
+            raise ChunkError(f"layout {header.get('shape')} {header['dtype']} is not this pool's")
+        payload = body[4 + head_len :]
+        token_bytes = 4 * CHUNK_TOKENS
+        if len(payload) != token_bytes + layout.chunk_bytes:
+            raise ChunkError(
+                f"payload of {len(payload)} bytes, expected {token_bytes + layout.chunk_bytes}"
+            )
+        if list(struct.unpack(f"<{CHUNK_TOKENS}i", payload[:token_bytes])) != list(tokens):
+            raise ChunkError("the record holds other tokens")
+        raw = torch.frombuffer(bytearray(payload[token_bytes:]), dtype=torch.uint8)
+        return raw.view(layout.dtype).reshape(layout.shape)
+
+    def _mac(self, key: str, body: bytes) -> bytes:
+        return hmac.new(self.secret, key.encode() + body, hashlib.sha256).digest()
 
 
 def drain(q: queue.Queue, timeout_s: float) -> None:
@@ -124,10 +166,6 @@ def drain(q: queue.Queue, timeout_s: float) -> None:
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def _digest(payload: bytes) -> str:
-    return hashlib.sha256(payload).hexdigest()
 
 
 class TierStore(Protocol):

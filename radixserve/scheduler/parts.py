@@ -9,7 +9,6 @@ worker and reads the tokenizer itself, not through the scheduler.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -17,9 +16,11 @@ import torch
 from radixserve.config import EngineConfig
 from radixserve.constrained.grammar import GrammarCompiler
 from radixserve.core.batch import ForwardBatch
+from radixserve.kvcache.hicache import pool_layout
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.prefix_cache import PrefixCache, make_prefix_cache
 from radixserve.models.config import ModelConfig
+from radixserve.models.identity import model_identity
 from radixserve.models.llama import rope_inv_freq
 from radixserve.models.loader import load_tokenizer
 from radixserve.models.resolve import resolve_model_path
@@ -56,11 +57,25 @@ def build_parts(
 ) -> SchedulerParts:
     """The cache and grammar compiler that go with a worker and tokenizer."""
     mc = worker.model_config
-    cache = make_prefix_cache(config, worker.pool, Path(model_path).name, rope_inv_freq(mc))
+    identity = tier_identity(config, model_path, worker) if config.hicache_enabled else ""
+    cache = make_prefix_cache(config, worker.pool, identity, rope_inv_freq(mc))
     grammars = GrammarCompiler(
         tokenizer, mc.eos_token_ids, mc.vocab_size, backend=config.grammar_backend
     )
     return SchedulerParts(model_path, tokenizer, worker, cache, grammars)
+
+
+def tier_identity(config: EngineConfig, model_path: str, worker: StepWorker) -> str:
+    """The namespace of this server's K/V in the shared tiers: the model's files and how this
+    server runs them (models/identity.py)."""
+    runtime = {
+        "quantization": config.quantization,
+        "native_ops": config.native_ops,
+        "dtype": str(worker.dtype),
+        "kv_layout": str(pool_layout(worker.pool)),
+        "tp_size": config.tp_size,
+    }
+    return model_identity(model_path, runtime)
 
 
 def load_parts(config: EngineConfig) -> SchedulerParts:

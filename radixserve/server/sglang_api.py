@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from radixserve.config import EngineConfig
+from radixserve.config import SECRET_FIELDS, EngineConfig
 from radixserve.core.limits import MAX_PROMPTS, MAX_TOP_LOGPROBS
 from radixserve.core.params import SamplingParams
 from radixserve.core.result import SampleResult, native_result
@@ -254,7 +254,7 @@ async def get_server_info(request: Request) -> Response:
     resp = await manager.call(ServerInfoReq)
     assert isinstance(resp, ServerInfoResp)
     config: EngineConfig = request.app.state.config
-    args = {k: v for k, v in dataclasses.asdict(config).items() if k != "api_key"}
+    args = {k: v for k, v in dataclasses.asdict(config).items() if k not in SECRET_FIELDS}
     stats = resp.stats
     scheduler = {
         **dataclasses.asdict(stats),
