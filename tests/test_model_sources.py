@@ -250,13 +250,20 @@ def tiny_llama3(folder: Path, tiny_model_dir: Path) -> Path:
 
 
 def hf_greedy_and_logprobs(
-    model_dir: Path, prompts: list[list[int]], n: int
+    model: Path, prompts: list[list[int]], n: int, config: Path | None = None
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """HF's greedy continuations of `prompts`, and the logprob of every token after the first
-    of each prompt + continuation."""
-    from transformers import AutoModelForCausalLM
+    of each prompt + continuation; `model` an HF folder, or a GGUF file (transformers
+    dequantizes it) with the config of its converted folder `config` (transformers drops a
+    Llama 3.1+ file's RoPE scaling: resolve.py puts it back there)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    where: dict = {}
+    if model.suffix == ".gguf":
+        assert config is not None, "a GGUF needs its converted config"
+        where = {"gguf_file": model.name, "config": AutoConfig.from_pretrained(config)}
+    folder = model.parent if where else model
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **where).eval()
     outs, logprobs = [], []
     for ids in prompts:
         gen = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
@@ -298,15 +305,16 @@ def test_gguf_file_loads_and_matches_hf_greedy(
     assert chat.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     quantized = [m for m in engine.worker.model.modules() if isinstance(m, QuantLinear)]
     assert len(quantized) == (8 if quant == Q8_0 else 0)  # 4 a layer
-    # The same weights in HF: the original folder (F32 is lossless), or the converted one
-    # (the Q8_0 blocks dequantized), whose RoPE must be the original's.
+    # The same weights in HF: the original folder (F32 is lossless), or transformers' reading
+    # of the file (the Q8_0 blocks dequantized); the converted config's RoPE is the original's.
     converted = resolve_model_path(str(file))
     rope = [
         json.loads((d / "config.json").read_text())["rope_parameters"] for d in (hf_dir, converted)
     ]
     assert rope[1] == rope[0]
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
-    want, want_logprobs = hf_greedy_and_logprobs(hf_dir if quant == F32 else converted, prompts, 12)
+    oracle = hf_dir if quant == F32 else file
+    want, want_logprobs = hf_greedy_and_logprobs(oracle, prompts, 12, config=converted)
     assert len({tuple(x) for x in want}) == len(PROMPTS)  # the prompts lead apart
     got_logprobs = our_logprobs(engine, [p + w for p, w in zip(prompts, want)])
     # Q8_0: the native kernels round activations to int16 per 32 values (README, "Speed")

@@ -21,32 +21,65 @@ from radixserve.attention.flat import FlatBackend
 from radixserve.config import EngineConfig
 from radixserve.isa import cpu_isa, fast_cpu_bf16, resolve_dtype
 from radixserve.models import load_model, resolve_model_path
-from radixserve.models.gguf_weights import QuantWeight, read_gguf_weights, unpermute_rows
+from radixserve.models.gguf_weights import read_gguf_weights, unpermute_rows
 from radixserve.models.loader import load_config
-from radixserve.models.quant import BF16_TILED_M, FORMATS, QuantLinear, dequantize, ops, quantize
+from radixserve.models.quant import (
+    BF16_TILED_M,
+    FORMATS,
+    K_QUANTS,
+    QuantLinear,
+    QuantWeight,
+    dequantize,
+    ops,
+    quantize,
+)
 from radixserve.models.resolve import gguf_source
 from radixserve.native_build import native_ops_enabled, use_native_ops
 
 GGML = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,
-        "q8_0": GGMLQuantizationType.Q8_0}  # fmt: skip
+        "q8_0": GGMLQuantizationType.Q8_0, **K_QUANTS}  # fmt: skip
+LEGACY = ["q4_0", "q4_1", "q8_0"]  # the formats radixserve can quantize to itself
 # float32 matmul of the same dequantized weights, summed in another order: relative to the
 # size of |x| @ |w|.T (the sum of absolute products), errors stay ~K * 2^-24.
 REL_TOL = 1e-5
 
 
+def kquant_blocks(n: int, k: int, fmt: str, seed: int) -> torch.Tensor:
+    """(N, K) weights in a K-quant format: random bytes (every pattern of scales and quants
+    is a valid block) with finite fp16 super-block scales of a realistic size."""
+    f = FORMATS[fmt]
+    g = np.random.default_rng(seed)
+    b = g.integers(0, 256, size=(n, k // f.block, f.block_bytes), dtype=np.uint8)
+    scales = (g.uniform(0.5, 1.5, size=(n, k // f.block, 2)) * 0.05 / 64).astype(np.float16)
+    if fmt == "q6_k":  # d is the last field
+        b[..., 208:210] = scales[..., :1].view(np.uint8)
+    else:  # d and dmin are the first
+        b[..., 0:4] = scales.view(np.uint8)
+    return torch.from_numpy(b.reshape(n, -1).copy())
+
+
 def _weights(n: int, k: int, fmt: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    blocks = quantize(torch.randn(n, k, generator=g) * 0.05, fmt)
+    if fmt in K_QUANTS:
+        blocks = kquant_blocks(n, k, fmt, seed)
+    else:
+        g = torch.Generator().manual_seed(seed)
+        blocks = quantize(torch.randn(n, k, generator=g) * 0.05, fmt)
     return blocks, dequantize(blocks, fmt, k)
 
 
-def q16_rows(x: torch.Tensor) -> torch.Tensor:
-    """x (M, K) as the small kernel sees it: each 32-block rounded to int16 steps of
-    amax / 32767, returned dequantized."""
+def widths(fmt: str) -> list[int]:
+    """Two row widths K for the format: one block (or super-block), and several."""
+    return [256, 768] if fmt in K_QUANTS else [32, 576]
+
+
+def q16_rows(x: torch.Tensor, fmt: str = "q4_1") -> torch.Tensor:
+    """x (M, K) as the integer kernels see it: each 32-block rounded to int16 steps of
+    amax / Q (Q = 32767; 8191 for Q6_K, whose quants are wider), returned dequantized."""
+    qmax = 8191 if fmt == "q6_k" else 32767
     b = x.view(x.shape[0], -1, 32)
     amax = b.abs().amax(-1, keepdim=True)
-    q = torch.round(b * torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax)))
-    return (q * (amax / 32767)).view_as(x)
+    q = torch.round(b * torch.where(amax > 0, qmax / amax, torch.zeros_like(amax)))
+    return (q * (amax / qmax)).view_as(x)
 
 
 def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -57,13 +90,23 @@ def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_reference_dequantize_matches_the_gguf_package(fmt: str) -> None:
-    blocks, ours = _weights(8, 96, fmt, seed=1)
+def test_reference_and_native_dequantize_match_the_gguf_package(fmt: str) -> None:
+    """Bit for bit: the reference (quant.dequantize), the native row dequantization and the
+    float32 tiles of qmatmul_tiled (a product with the identity) all give the `gguf`
+    package's weights."""
+    k = widths(fmt)[1]
+    blocks, ours = _weights(24, k, fmt, seed=1)
     theirs = gguf_dequantize(blocks.numpy(), GGML[fmt])
-    np.testing.assert_array_equal(ours.numpy(), theirs)  # bit for bit
+    np.testing.assert_array_equal(ours.numpy(), theirs)
+    native = ops()
+    assert native is not None
+    rows = native.dequant(blocks, FORMATS[fmt].code, k, torch.arange(24))
+    np.testing.assert_array_equal(rows.numpy(), theirs)
+    tiles = native.qmatmul_tiled(torch.eye(k), blocks, FORMATS[fmt].code, k)  # (K, N) = w.T
+    np.testing.assert_array_equal(tiles.T.numpy(), theirs)
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", LEGACY)
 def test_quantize_error_is_within_half_a_step(fmt: str) -> None:
     w = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
     back = dequantize(quantize(w, fmt), fmt, 64).view(16, 2, 32)
@@ -80,15 +123,16 @@ def test_quantize_error_is_within_half_a_step(fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 67, 130])
-@pytest.mark.parametrize("k", [32, 576])
-def test_native_kernels_match_reference(fmt: str, m: int, k: int) -> None:
+@pytest.mark.parametrize("wide", [False, True])
+def test_native_kernels_match_reference(fmt: str, m: int, wide: bool) -> None:
     native = ops()
     assert native is not None, "the quantized kernels must build on the test machines"
+    k = widths(fmt)[wide]
     blocks, w = _weights(75, k, fmt, seed=m)  # 75 rows: not a multiple of any tile or panel
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m))
     code = FORMATS[fmt].code
-    _close(native.qmatmul_small(x, blocks, code, k), q16_rows(x), w)  # int16 activations
-    _close(native.qmatmul_gemm(x, blocks, code, k), q16_rows(x), w)  # (130: > one row pass)
+    _close(native.qmatmul_small(x, blocks, code, k), q16_rows(x, fmt), w)  # int16 activations
+    _close(native.qmatmul_gemm(x, blocks, code, k), q16_rows(x, fmt), w)  # (130: > a pass)
     _close(native.qmatmul_tiled(x, blocks, code, k), x, w)  # exact float32 activations
 
 
@@ -106,14 +150,15 @@ def test_bf16_tiles_are_the_bf16_rounded_weights(fmt: str) -> None:
     BF16_TILED_M rows where bf16 matmuls are fast, else the float32 path."""
     native = ops()
     assert native is not None
-    blocks, w = _weights(75, 576, fmt, seed=5)
-    x = torch.randn(BF16_TILED_M, 576, generator=torch.Generator().manual_seed(5)).bfloat16()
-    got = native.qmatmul_tiled(x, blocks, FORMATS[fmt].code, 576)
+    k = widths(fmt)[1]
+    blocks, w = _weights(75, k, fmt, seed=5)
+    x = torch.randn(BF16_TILED_M, k, generator=torch.Generator().manual_seed(5)).bfloat16()
+    got = native.qmatmul_tiled(x, blocks, FORMATS[fmt].code, k)
     assert got.dtype == torch.bfloat16
     wb = w.bfloat16().double()
     err = (got.double() - x.double() @ wb.T).abs() / (x.double().abs() @ wb.abs().T)
     assert err.max().item() <= 2**-8  # the output's bf16 rounding and float32 sums only
-    layer = QuantLinear(blocks, fmt, 576, None)
+    layer = QuantLinear([QuantWeight(blocks, fmt, k)], None)
     expected = got if fast_cpu_bf16() else layer(x.float()).bfloat16()
     assert torch.equal(layer(x), expected)
 
@@ -142,7 +187,7 @@ def test_quant_linear_bias_dtype_and_leading_dims() -> None:
     blocks, w = _weights(40, 64, "q4_1", seed=3)
     gen = torch.Generator().manual_seed(3)
     bias = torch.randn(40, generator=gen)
-    layer = QuantLinear(blocks, "q4_1", 64, bias)
+    layer = QuantLinear([QuantWeight(blocks, "q4_1", 64)], bias)
     small_m = FORMATS["q4_1"].small_m
     native = ops()
     assert native is not None
@@ -164,7 +209,7 @@ def test_quant_linear_bias_dtype_and_leading_dims() -> None:
 
 def test_rows_are_dequantized_rows_and_bad_ids_raise() -> None:
     blocks, w = _weights(50, 64, "q8_0", seed=4)
-    layer = QuantLinear(blocks, "q8_0", 64, None)
+    layer = QuantLinear([QuantWeight(blocks, "q8_0", 64)], None)
     ids = torch.tensor([0, 49, 7, 7])
     torch.testing.assert_close(layer.rows(ids), w[ids], rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="out of range"):
@@ -178,7 +223,7 @@ def test_shape_mismatch_is_refused() -> None:
     with pytest.raises(RuntimeError, match="multiple of 32|do not match"):
         native.qmatmul_small(torch.randn(1, 96), blocks, FORMATS["q4_0"].code, 96)
     with pytest.raises(AssertionError):
-        QuantLinear(blocks, "q4_1", 64, None)  # q4_0 bytes declared as q4_1
+        QuantWeight(blocks, "q4_1", 64)  # q4_0 bytes declared as q4_1
 
 
 def test_portable_build_matches_reference() -> None:
@@ -186,20 +231,22 @@ def test_portable_build_matches_reference() -> None:
     code = """
 import torch
 from radixserve.isa import cpu_isa
-from radixserve.models.quant import FORMATS, ops, quantize, dequantize
-from test_quant import _close, q16_rows
+from radixserve.models.quant import FORMATS, ops
+from test_quant import _close, _weights, q16_rows
 assert cpu_isa() == "scalar", cpu_isa()
 m = ops()
 assert m is not None and m.__name__ == "radixserve_quant_scalar", m
 assert not m.int_gemm  # QuantLinear uses the tiles there; qmatmul_gemm still computes
 for fmt, f in FORMATS.items():
-    b = quantize(torch.randn(33, 64) * 0.1, fmt); w = dequantize(b, fmt, 64)
+    k = 2 * f.block
+    b, w = _weights(33, k, fmt, seed=0)
+    assert torch.equal(m.dequant(b, f.code, k, torch.arange(33)), w)
     for rows in (1, 5, 20):
-        x = torch.randn(rows, 64)
-        _close(m.qmatmul_small(x, b, f.code, 64), q16_rows(x), w)
-        _close(m.qmatmul_gemm(x, b, f.code, 64), q16_rows(x), w)
-        _close(m.qmatmul_tiled(x, b, f.code, 64), x, w)
-    got = m.qmatmul_tiled(x.bfloat16(), b, f.code, 64)
+        x = torch.randn(rows, k)
+        _close(m.qmatmul_small(x, b, f.code, k), q16_rows(x, fmt), w)
+        _close(m.qmatmul_gemm(x, b, f.code, k), q16_rows(x, fmt), w)
+        _close(m.qmatmul_tiled(x, b, f.code, k), x, w)
+    got = m.qmatmul_tiled(x.bfloat16(), b, f.code, k)
     want = x.bfloat16().double() @ w.bfloat16().double().T
     assert got.dtype == torch.bfloat16
     assert (got.double() - want).abs().max() <= 2**-7 * want.abs().max()
@@ -227,23 +274,27 @@ def smollm2_path() -> Path:
     return resolve_model_path(None)
 
 
-def test_gguf_weights_equal_the_converted_checkpoint(smollm2_path: Path) -> None:
-    """Read natively (names mapped, q/k rows un-permuted), every tensor dequantizes to exactly
-    what transformers' GGUF conversion wrote."""
-    from safetensors.torch import load_file
+def test_gguf_weights_equal_transformers_reading_of_the_file(smollm2_path: Path) -> None:
+    """Read natively (names mapped, q/k rows un-permuted, blocks in place in the file's
+    memory map), every tensor dequantizes to exactly what transformers' own GGUF loader
+    makes of the file, and so does the dequantized reading (--quantization none)."""
+    from transformers import AutoModelForCausalLM
 
     gguf = gguf_source(smollm2_path)
     assert gguf is not None and gguf.suffix == ".gguf"
-    ours = read_gguf_weights(gguf, load_config(smollm2_path), torch.float32)
-    hf: dict[str, torch.Tensor] = {}
-    for f in smollm2_path.glob("*.safetensors"):
-        hf.update(load_file(f))
-    assert set(ours) == set(hf)
+    config = load_config(smollm2_path)
+    ours, dequantized = read_gguf_weights(gguf, config, torch.float32)
+    plain, _ = read_gguf_weights(gguf, config, torch.float32, quantized=False)
+    assert dequantized == {}  # every quantized tensor of the file has native kernels
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+    assert set(ours) == set(hf) == set(plain)
     formats = {w.fmt for w in ours.values() if isinstance(w, QuantWeight)}
     assert formats == {"q4_1", "q8_0"}
     for name, w in ours.items():
         got = dequantize(w.blocks, w.fmt, w.in_features) if isinstance(w, QuantWeight) else w
         assert torch.equal(got, hf[name].float()), name
+        assert torch.equal(plain[name], hf[name].float()), name
 
 
 @pytest.fixture(scope="module")
@@ -286,7 +337,8 @@ def test_int8_quantization_of_an_hf_checkpoint(tiny_model_dir: Path) -> None:
     q8, _ = load_model(tiny_model_dir, torch.float32, quantization="int8")
     ref, _ = load_model(tiny_model_dir, torch.float32, quantization="none")
     layers = [m for m in q8.modules() if isinstance(m, QuantLinear)]
-    assert len(layers) == 2 * 4 and {m.fmt for m in layers} == {"q8_0"}  # 2 layers x 4 linears
+    assert len(layers) == 2 * 4  # 2 layers x 4 linears
+    assert {f.name for m in layers for f in m.formats} == {"q8_0"}
     ids = list(range(100, 120))
     got = extend(q8, FlatBackend(), *_pool(q8, ids), ids, 0)
     want = extend(ref, FlatBackend(), *_pool(ref, ids), ids, 0)
@@ -297,7 +349,8 @@ def test_int8_quantization_of_an_hf_checkpoint(tiny_model_dir: Path) -> None:
     assert 0 < rel < 0.1 and agree >= 0.9, f"relative logit error {rel:.2e}, agreement {agree}"
     qkv = q8.model.layers[0].self_attn.qkv_proj
     w = torch.cat([ref.model.layers[0].self_attn.qkv_proj.weight])
-    assert torch.equal(qkv.blocks, quantize(w, "q8_0"))  # the documented scheme, nothing else
+    (part,) = qkv.parts
+    assert torch.equal(part.blocks, quantize(w, "q8_0"))  # the documented scheme, nothing else
 
 
 def test_bad_quantization_and_missing_gguf_are_refused(tiny_model_dir: Path) -> None:

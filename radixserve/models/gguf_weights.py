@@ -1,13 +1,16 @@
-"""Read a GGUF file's weights under HF tensor names, keeping Q4_0 / Q4_1 / Q8_0 tensors in
-their block layout (radixserve/models/quant.py) instead of dequantizing them.
+"""Read a GGUF file's weights under HF tensor names, keeping Q4_0 / Q4_1 / Q8_0 / Q4_K /
+Q5_K / Q6_K tensors in their block layout (radixserve/models/quant.py) instead of
+dequantizing them, used in place from the file's memory map (no copy: a model takes about
+its file's size in memory, shared with the page cache).
 
 Two things differ from an HF checkpoint, and are undone here:
 - names: `blk.{i}.attn_q.weight` is `model.layers.{i}.self_attn.q_proj.weight`, and so on;
 - llama.cpp's converter reorders the rows of q_proj / k_proj of "llama"-architecture files
   (HF's rotate-half RoPE layout -> GGML's interleaved one). Rows are independent in every
-  block format, so the inverse row permutation applies to quantized bytes as well.
-Other GGUF tensor types (F16, BF16, K-quants, ...) are dequantized to float32 by the `gguf`
-package, as transformers does.
+  block format, so the inverse row permutation applies to quantized bytes as well (those
+  two tensors are the only copies).
+Other GGUF tensor types (F16, BF16, Q2_K, Q3_K, IQ*, ...) are dequantized to `dtype` by the
+`gguf` package, as transformers does; `dequantized` lists them (the loader warns).
 
 Llama 3.1+ files carry `rope_freqs.weight`: not a weight but the per-frequency divisors of
 Llama-3 RoPE scaling, which llama.cpp's converter writes instead of the scaling parameters.
@@ -18,7 +21,7 @@ the weight reader skips the tensor.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +31,12 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 from radixserve.models.config import ModelConfig
+from radixserve.models.quant import QuantWeight
 
 NATIVE = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1",
-          GGMLQuantizationType.Q8_0: "q8_0"}  # fmt: skip
+          GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.Q4_K: "q4_k",
+          GGMLQuantizationType.Q5_K: "q5_k", GGMLQuantizationType.Q6_K: "q6_k"}  # fmt: skip
+PLAIN = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -51,16 +57,8 @@ TOP_NAMES = {
 }
 
 
-@dataclass(frozen=True)
-class QuantWeight:
-    """A block-quantized (N, K) weight: `blocks` (N, K/32 * block_bytes) uint8 in `fmt`."""
-
-    blocks: torch.Tensor
-    fmt: str
-    in_features: int
-
-
-Weight = torch.Tensor | QuantWeight
+# A fused projection of quantized parts (q/k/v, gate/up) stays a tuple of them (QuantLinear).
+Weight = torch.Tensor | QuantWeight | tuple[QuantWeight, ...]
 
 
 def hf_name(gguf_name: str) -> str:
@@ -78,12 +76,17 @@ def architecture(reader: GGUFReader) -> str:
     return bytes(field.parts[field.data[0]]).decode()
 
 
-def read_gguf_weights(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, Weight]:
-    """HF name -> weight. Q4_0/Q4_1/Q8_0 matrices stay quantized (QuantWeight); everything
-    else is a tensor in `dtype`. Raises KeyError naming a tensor we do not know."""
+def read_gguf_weights(
+    path: Path, config: ModelConfig, dtype: torch.dtype, quantized: bool = True
+) -> tuple[dict[str, Weight], dict[str, int]]:
+    """HF name -> weight, and the quantized types dequantized here -> their count. With
+    `quantized`, matrices in a NATIVE format stay quantized (QuantWeight, a view of the
+    file's memory map); everything else is a tensor in `dtype`. Raises KeyError naming a
+    tensor we do not know."""
     reader = GGUFReader(path)
     permuted = architecture(reader) == "llama"  # only llama.cpp's "llama" files reorder q/k
     out: dict[str, Weight] = {}
+    dequantized: dict[str, int] = {}
     for t in reader.tensors:
         if t.name == ROPE_FREQS:  # RoPE scaling, in the config (llama3_rope_parameters)
             continue
@@ -91,17 +94,28 @@ def read_gguf_weights(path: Path, config: ModelConfig, dtype: torch.dtype) -> di
         heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(
             name.split(".")[-2] if permuted else "", 0
         )
-        if t.tensor_type in NATIVE and len(t.shape) == 2:
-            blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # (N, bytes), a copy
+        if quantized and t.tensor_type in NATIVE and len(t.shape) == 2:
+            blocks = mapped(t.data)  # (N, bytes)
             if heads:
-                blocks = unpermute_rows(blocks, heads)
+                blocks = unpermute_rows(blocks, heads)  # a copy, in the kernels' row order
             out[name] = QuantWeight(blocks, NATIVE[t.tensor_type], int(t.shape[0]))
             continue
+        if t.tensor_type not in PLAIN:
+            kind = t.tensor_type.name
+            dequantized[kind] = dequantized.get(kind, 0) + 1
         shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims innermost first
         values = gguf_dequantize(t.data, t.tensor_type).reshape(shape)
         w = torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy
         out[name] = (unpermute_rows(w, heads) if heads else w).to(dtype)
-    return out
+    return out, dequantized
+
+
+def mapped(data: np.ndarray) -> torch.Tensor:
+    """A tensor over a read-only view of the file's memory map, without copying (torch warns
+    that it cannot protect a read-only array: the weights are never written)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(data.view(np.uint8))
 
 
 def llama3_rope_parameters(path: Path, theta: float, head_dim: int) -> dict[str, Any] | None:

@@ -20,9 +20,9 @@ from safetensors import safe_open
 from radixserve.config import QUANTIZATIONS
 from radixserve.models import native, quant
 from radixserve.models.config import ModelConfig
-from radixserve.models.gguf_weights import QuantWeight, Weight, read_gguf_weights
+from radixserve.models.gguf_weights import Weight, read_gguf_weights
 from radixserve.models.llama import LlamaForCausalLM, packed_linear_supported
-from radixserve.models.quant import QuantLinear, dequantize, quantize
+from radixserve.models.quant import QuantLinear, QuantWeight, dequantize, quantize
 from radixserve.models.resolve import gguf_source
 from radixserve.models.sharding import shard_hf_weights
 
@@ -53,8 +53,10 @@ def load_model(
     """Build our model from an HF checkpoint folder, weights cast to `dtype` on `device`.
 
     `quantization` (the one place weights' storage is chosen, logged):
-    - "auto": a folder converted from a GGUF keeps the file's Q4_0 / Q4_1 / Q8_0 tensors
-      quantized (QuantLinear; float32 compute); an HF folder loads as `dtype`. Tensor
+    - "auto": a folder converted from a GGUF keeps the file's Q4_0 / Q4_1 / Q8_0 / Q4_K /
+      Q5_K / Q6_K tensors quantized, in place in the file's memory map (QuantLinear;
+      float32 compute), and dequantizes other types with a warning naming them and their
+      memory; an HF folder loads as `dtype`. Tensor
       parallelism (tp_size > 1), non-CPU devices and CPUs where the native kernels do not
       build (or native ops are off: EngineConfig.native_ops) load dequantized.
     - "none": every weight dequantized to `dtype` (the reference).
@@ -80,10 +82,14 @@ def load_model(
     if quantization == "int8" and (tp_size > 1 or not on_cpu):
         raise ValueError("quantization int8 needs tp_size 1 on CPU")
     native_kernels = on_cpu and quant.ops() is not None
-    gguf = gguf_source(path) if quantization == "auto" and tp_size == 1 and native_kernels else None
+    gguf = gguf_source(path)
     weights: dict[str, Weight] = {}
     if gguf is not None:
-        weights.update(read_gguf_weights(gguf, config, dtype))
+        keep = quantization == "auto" and tp_size == 1 and native_kernels
+        found, dequantized = read_gguf_weights(gguf, config, dtype, quantized=keep)
+        weights.update(found)
+        if keep and dequantized:
+            _warn_dequantized(gguf, dequantized, weights, dtype)
     else:
         weights.update(_read_safetensors(path, dtype))
     _check_names(set(weights), hf_weight_names(config), path)
@@ -105,7 +111,9 @@ def load_model(
         model.pack_linear_weights()
     if dtype in (torch.bfloat16, torch.float32) and on_cpu:
         native.ops()  # build (or load the cached build of) the fused ops now, not mid-request
-    formats = sorted({m.fmt for m in model.modules() if isinstance(m, QuantLinear)})
+    formats = sorted(
+        {f.name for m in model.modules() if isinstance(m, QuantLinear) for f in m.formats}
+    )
     native_layers = model.use_native_layers()
     logger.info(
         "loaded %s (%s, %d layers) as %s on %s; weights: %s; linear: %s%s",
@@ -124,16 +132,34 @@ def _plain(weights: dict[str, Weight]) -> dict[str, torch.Tensor]:
     return {k: w for k, w in weights.items() if isinstance(w, torch.Tensor)}
 
 
+def _warn_dequantized(
+    gguf: Path, kinds: dict[str, int], weights: dict[str, Weight], dtype: torch.dtype
+) -> None:
+    plain = sum(w.numel() for w in weights.values() if isinstance(w, torch.Tensor))
+    logger.warning(
+        "%s: %s tensors have no native kernels and were dequantized to %s (%.2f GB with the "
+        "other plain tensors, several times their size in the file)",
+        gguf.name, ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())), dtype,
+        plain * dtype.itemsize / 1e9,
+    )  # fmt: skip
+
+
 def _int8(name: str, w: Weight) -> Weight:
     """Projections and an untied head as Q8_0; embeddings, norms and biases unchanged."""
     is_linear = name.endswith("_proj.weight") or name == "lm_head.weight"
     if not is_linear:
         return w
-    if isinstance(w, QuantWeight):
-        if w.fmt == "q8_0":
-            return w
-        w = dequantize(w.blocks, w.fmt, w.in_features)
-    return QuantWeight(quantize(w, "q8_0"), "q8_0", w.shape[1])
+    parts = w if isinstance(w, tuple) else (w,)
+    if all(isinstance(p, QuantWeight) and p.fmt == "q8_0" for p in parts):
+        return w
+    plain = torch.cat([_dequantized(p) for p in parts])
+    return QuantWeight(quantize(plain, "q8_0"), "q8_0", plain.shape[1])
+
+
+def _dequantized(w: Weight) -> torch.Tensor:
+    if isinstance(w, tuple):
+        return torch.cat([_dequantized(p) for p in w])
+    return dequantize(w.blocks, w.fmt, w.in_features) if isinstance(w, QuantWeight) else w
 
 
 def _install_quantized(
@@ -143,14 +169,16 @@ def _install_quantized(
     embedding becomes one too: token lookups dequantize rows); return the plain tensors."""
     tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
     for name, w in state.items():
-        if not isinstance(w, QuantWeight):
+        if isinstance(w, torch.Tensor):
             continue
+        parts = w if isinstance(w, tuple) else (w,)
         prefix = name.removesuffix(".weight")
         parent, _, child = prefix.rpartition(".")
         bias = tensors.pop(prefix + ".bias", None)
-        module = QuantLinear(w.blocks, w.fmt, w.in_features, bias)
+        module = QuantLinear(parts, bias)
         setattr(model.get_submodule(parent) if parent else model, child, module)
-        tensors[prefix + ".blocks"] = w.blocks
+        for i, part in enumerate(parts):
+            tensors[f"{prefix}.blocks{i}"] = part.blocks
         if bias is not None:
             tensors[prefix + ".bias"] = bias
     return tensors
@@ -241,8 +269,9 @@ def fuse_weights(
 ) -> dict[str, Weight]:
     """HF names -> our names: q/k/v -> qkv_proj, gate/up -> gate_up_proj (concat on dim 0).
 
-    Quantized parts of one format concatenate as blocks (rows are independent); parts in
-    mixed formats are dequantized to `dtype` first."""
+    Quantized parts stay as they are, a tuple (QuantLinear runs them part by part: no copy
+    of a memory-mapped file, and parts may differ in format); a mix of quantized and plain
+    parts is dequantized to `dtype` and concatenated."""
     out = {k: v for k, v in hf.items() if k != "lm_head.weight" or not config.tie_word_embeddings}
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
@@ -257,12 +286,7 @@ def fuse_weights(
 
 
 def _concat_rows(parts: list[Weight], dtype: torch.dtype) -> Weight:
-    if all(isinstance(w, QuantWeight) for w in parts):
-        qs = [w for w in parts if isinstance(w, QuantWeight)]
-        if len({(w.fmt, w.in_features) for w in qs}) == 1:
-            return QuantWeight(torch.cat([w.blocks for w in qs]), qs[0].fmt, qs[0].in_features)
-    plain = [
-        dequantize(w.blocks, w.fmt, w.in_features).to(dtype) if isinstance(w, QuantWeight) else w
-        for w in parts
-    ]
-    return torch.cat(plain, dim=0)
+    quantized = [w for w in parts if isinstance(w, QuantWeight)]
+    if len(quantized) == len(parts):
+        return tuple(quantized)
+    return torch.cat([_dequantized(w).to(dtype) for w in parts], dim=0)

@@ -1,5 +1,6 @@
-"""Block-quantized weights (GGUF Q4_0, Q4_1, Q8_0) kept in their file layout, and the linear
-layer that multiplies by them (csrc/quant_cpu.cpp, built per CPU ISA on first use).
+"""Block-quantized weights (GGUF Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K) kept in
+their file layout, and the linear layer that multiplies by them (csrc/quant_cpu.cpp, built
+per CPU ISA on first use; the C++ file documents every block format).
 
 Why: a decode step at small batch reads every weight once, so its time is the weight bytes
 over the memory bandwidth. Q4_1 stores 32 weights in 20 bytes (5 bits a weight) against
@@ -14,17 +15,24 @@ model with BF16_TILED_M rows or more, on a CPU with fast bf16 matmuls, gets bf16
 the bf16 GEMM instead (as if it held the dequantized weights in bf16); a build without AVX2
 dequantizes float32 tiles into sgemm above `small_m`.
 
-Layout of a weight (N, K): a uint8 tensor (N, K / 32 * block_bytes), row n holding the
-K / 32 blocks of output row n (see the C++ file for the block formats).
+Layout of a weight (N, K): a uint8 tensor (N, K / block * block_bytes), row n holding the
+blocks of output row n (32 weights a block; 256 a super-block for the K-quants). The
+K-quants' x is rounded like the others' (Q6_K to 14 bits, to keep its integer sums in
+range: error <= amax / 16382).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
 from torch import Tensor, nn
 
 from radixserve.isa import cpu_isa, fast_cpu_bf16
@@ -32,21 +40,23 @@ from radixserve.native_build import build, native_module
 
 SOURCE = Path(__file__).with_name("csrc") / "quant_cpu.cpp"
 BLOCK = 32
+SUPER_BLOCK = 256
 # Rows from which a bf16 model's quantized linears run as bf16 tiles into the bf16 GEMM
 # (weights rounded to bf16, as in a bf16 model holding the dequantized weights) instead of
 # the int16 GEMM, where bf16 matmuls are fast (AVX512-BF16 / AMX). On a Zen 4 EPYC (AVX512-BF16,
 # benchmarks/bench_quant.py) bf16 tiles take 1.2-1.6x the int16 GEMM's time at 48-64 rows, about
 # the same at 96, 0.6-0.95x at 128, 0.6x at 1024.
 BF16_TILED_M = 96
-# A quantized projection as the native decoder-layer halves take it: (blocks, format code,
-# small_m, bias).
-NativeLinear = tuple[Tensor, int, int, Tensor | None]
+# A quantized projection as the native calls take it: per part its blocks, format code and
+# small_m, then the bias.
+NativeLinear = tuple[list[Tensor], list[int], list[int], Tensor | None]
 
 
 @dataclass(frozen=True)
 class Format:
     name: str
     code: int  # the C++ enum
+    block: int  # weights per block (K-quants: per super-block)
     block_bytes: int
     # Rows of x up to which the weight-streaming kernel beats the int16 GEMM, which widens
     # each weight once per call into a buffer: Q4 to 7 rows (the GEMM 1.1-1.2x at 8), Q8_0
@@ -54,11 +64,23 @@ class Format:
     # 24; benchmarks/bench_quant.py, Zen 4 EPYC, native and AVX2 settings).
     small_m: int
 
+    def row_bytes(self, k: int) -> int:
+        return k // self.block * self.block_bytes
+
 
 FORMATS = {
     f.name: f
-    for f in (Format("q4_0", 0, 18, 7), Format("q4_1", 1, 20, 7), Format("q8_0", 2, 34, 20))
+    for f in (
+        Format("q4_0", 0, BLOCK, 18, 7),
+        Format("q4_1", 1, BLOCK, 20, 7),
+        Format("q8_0", 2, BLOCK, 34, 20),
+        Format("q4_k", 3, SUPER_BLOCK, 144, 7),
+        Format("q5_k", 4, SUPER_BLOCK, 176, 7),
+        Format("q6_k", 5, SUPER_BLOCK, 210, 7),
+    )
 }
+K_QUANTS = {"q4_k": GGMLQuantizationType.Q4_K, "q5_k": GGMLQuantizationType.Q5_K,
+            "q6_k": GGMLQuantizationType.Q6_K}  # fmt: skip
 
 
 @native_module
@@ -69,9 +91,13 @@ def ops() -> ModuleType | None:
 
 
 def dequantize(blocks: Tensor, fmt: str, k: int) -> Tensor:
-    """Reference dequantization: blocks (N, K/32 * block_bytes) uint8 -> (N, K) float32."""
+    """Reference dequantization: blocks (N, row bytes) uint8 -> (N, K) float32 (the K-quants
+    by the `gguf` package's numpy reference)."""
     f = FORMATS[fmt]
     n = blocks.shape[0]
+    if fmt in K_QUANTS:
+        values = gguf_dequantize(blocks.numpy(), K_QUANTS[fmt])  # (N, K) float32
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(n, k)
     b = blocks.view(n, k // BLOCK, f.block_bytes)  # (N, K/32, bytes)
     d = b[..., :2].contiguous().view(torch.float16).float()  # (N, K/32, 1)
     if fmt == "q8_0":
@@ -87,6 +113,7 @@ def quantize(w: Tensor, fmt: str) -> Tensor:
     """(N, K) float weights -> blocks in `fmt` (round to nearest; GGUF's reference scheme:
     Q8_0 / Q4_0 scale by the block's max magnitude, Q4_1 spans the block's [min, max])."""
     n, k = w.shape
+    assert fmt not in K_QUANTS, "K-quant files are made by llama.cpp's quantizer, not here"
     assert k % BLOCK == 0, f"K={k} is not a multiple of {BLOCK}"
     x = w.float().reshape(n, k // BLOCK, BLOCK)  # (N, K/32, 32)
     if fmt == "q8_0":
@@ -113,60 +140,101 @@ def _pack(n: int, parts: list[Tensor]) -> Tensor:
     return torch.cat(parts, dim=-1).reshape(n, -1).contiguous()
 
 
-class QuantLinear(nn.Module):
-    """y = x @ dequantize(blocks).T + bias; x (..., K) in any float dtype, y in x's dtype.
+@dataclass(frozen=True)
+class QuantWeight:
+    """A block-quantized (N, K) weight: `blocks` (N, row bytes) uint8 in `fmt`, K =
+    `in_features` (see the module doc)."""
 
-    Runs the kernel the module doc picks for x's rows and dtype. Holds `blocks` (uint8, see
-    module doc) as a buffer, so `state_dict` carries the quantized bytes.
+    blocks: Tensor
+    fmt: str
+    in_features: int
+
+    def __post_init__(self) -> None:
+        f = FORMATS[self.fmt]
+        k, blocks = self.in_features, self.blocks
+        assert k % f.block == 0, f"in_features {k} not a multiple of {f.block}"
+        want = (blocks.shape[0], f.row_bytes(k))
+        assert blocks.dtype == torch.uint8 and tuple(blocks.shape) == want, (blocks.shape, want)
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W.T + bias, W the quantized `parts` stacked by rows (a fused projection whose
+    parts may differ in format, e.g. Q4_K q/k with a Q6_K v); x (..., K) in any float dtype,
+    y in x's dtype.
+
+    Runs the kernel the module doc picks for x's rows and dtype, part by part. Holds each
+    part's bytes as a buffer (`blocks0`, `blocks1`, ...), used in place: a part may be a
+    read-only view of a memory-mapped file, and is never written.
     """
 
-    def __init__(self, blocks: Tensor, fmt: str, in_features: int, bias: Tensor | None) -> None:
+    def __init__(self, parts: Sequence[QuantWeight], bias: Tensor | None) -> None:
         super().__init__()
-        f = FORMATS[fmt]
-        assert in_features % BLOCK == 0, f"in_features {in_features} not a multiple of {BLOCK}"
-        want = (blocks.shape[0], in_features // BLOCK * f.block_bytes)
-        assert blocks.dtype == torch.uint8 and tuple(blocks.shape) == want, (blocks.shape, want)
-        self.fmt, self.code, self.small_m = fmt, f.code, f.small_m
-        self.blocks: Tensor
-        self.in_features, self.out_features = in_features, blocks.shape[0]
-        self.register_buffer("blocks", blocks.contiguous())
+        assert parts and len({p.in_features for p in parts}) == 1, "parts of one K"
+        self.formats = [FORMATS[p.fmt] for p in parts]
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.blocks.shape[0] for p in parts)
+        self._names = [f"blocks{i}" for i in range(len(parts))]
+        for name, part in zip(self._names, parts):
+            self.register_buffer(name, part.blocks)
         self.bias: Tensor | None
         self.register_buffer("bias", bias)
+        self._native_arg: NativeLinear | None = None
+
+    @property
+    def parts(self) -> list[QuantWeight]:
+        return [
+            QuantWeight(b, f.name, self.in_features) for b, f in zip(self._blocks(), self.formats)
+        ]
+
+    def _blocks(self) -> list[Tensor]:
+        blocks = [self._buffers[n] for n in self._names]
+        return [b for b in blocks if b is not None]  # (all set: registered in __init__)
 
     def forward(self, x: Tensor) -> Tensor:
         # (Lean on purpose: a batch-1 decode step makes ~120 of these calls.)
         x2 = x.reshape(-1, self.in_features)
-        blocks, bias, native = self._buffers["blocks"], self._buffers["bias"], ops()
-        assert blocks is not None
+        native = ops()
         bf16_tiles = x2.dtype == torch.bfloat16 and x2.shape[0] >= BF16_TILED_M
         if native is not None and bf16_tiles and fast_cpu_bf16():
-            y = native.qmatmul_tiled(x2.contiguous(), blocks, self.code, self.in_features)
-            y = y if bias is None else y.add_(bias)
+            x2 = x2.contiguous()
+            y = torch.cat(
+                [native.qmatmul_tiled(x2, p.blocks, FORMATS[p.fmt].code, p.in_features)
+                 for p in self.parts], dim=1,
+            )  # fmt: skip
+            y = y if self.bias is None else y.add_(self.bias)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()  # (M, K)
         if native is None:
-            y = x2 @ dequantize(blocks, self.fmt, self.in_features).T
-        elif x2.shape[0] <= self.small_m:
-            y = native.qmatmul_small(x2, blocks, self.code, self.in_features)
-        elif native.int_gemm:
-            y = native.qmatmul_gemm(x2, blocks, self.code, self.in_features)
-        else:
-            y = native.qmatmul_tiled(x2, blocks, self.code, self.in_features)
-        if bias is not None:
-            y = y + bias  # still float32: one rounding to x's dtype, after the bias
+            w = torch.cat([dequantize(p.blocks, p.fmt, p.in_features) for p in self.parts])
+            y = x2 @ w.T if self.bias is None else x2 @ w.T + self.bias
+        else:  # float32 throughout; one rounding to x's dtype, after the bias
+            y = native.qlinear(x2, self._native_arg or self.native_arg())
         if x.dtype != torch.float32:
             y = y.to(x.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def native_arg(self) -> NativeLinear:
-        """This projection as the native decoder-layer calls take it (see llama.NativeLayer)."""
-        return self.blocks, self.code, self.small_m, self.bias
+        """This projection as the native calls take it (`qlinear`, llama.NativeLayer): made
+        once, and again after the buffers are replaced (`_apply`, `_load_from_state_dict`)."""
+        if self._native_arg is None:
+            codes, small = [f.code for f in self.formats], [f.small_m for f in self.formats]
+            self._native_arg = (self._blocks(), codes, small, self._buffers["bias"])
+        return self._native_arg
+
+    def _apply(self, fn: Any, recurse: bool = True) -> QuantLinear:
+        self._native_arg = None
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._native_arg = None
+        super()._load_from_state_dict(*args, **kwargs)
 
     def rows(self, ids: Tensor) -> Tensor:
         """Rows `ids` (int64) of the dequantized weight -> (len(ids), K) float32 (token
-        embeddings from a quantized table)."""
+        embeddings from a quantized table, a single part)."""
+        (part,) = self.parts
         native = ops()
         if native is None:
-            return dequantize(self.blocks[ids], self.fmt, self.in_features)
-        return native.dequant(self.blocks, self.code, self.in_features, ids)
+            return dequantize(part.blocks[ids], part.fmt, self.in_features)
+        return native.dequant(part.blocks, FORMATS[part.fmt].code, self.in_features, ids)

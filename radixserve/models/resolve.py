@@ -12,10 +12,11 @@ go through `resolve_model_path`), tried in this order:
    main): from the hub cache (`HF_HUB_CACHE`) when it has them, and only from there under
    `HF_HUB_OFFLINE=1`; downloaded otherwise, with the token from `HF_TOKEN` for gated repos.
 
-A GGUF is converted once into a cached folder (`cache_dir`: config, tokenizer and a
-dequantized copy of the weights for `--quantization none`; atomic: built in a temp dir, then
-renamed into place). The folder remembers its GGUF (`gguf_source`), so `load_model` reads the
-quantized tensors natively from the file itself.
+A GGUF is converted once into a cached folder (`cache_dir`: its config, generation config
+and tokenizer, no weights; atomic: built in a temp dir, then renamed into place). The folder
+remembers its GGUF (`gguf_source`), so `load_model` reads the weights from the file itself:
+quantized tensors in place, the rest (and everything under `--quantization none`)
+dequantized.
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-
-import torch
 
 from radixserve.models.gguf_weights import llama3_rope_parameters
 
@@ -152,34 +151,30 @@ def _add_llama3_rope(gguf: Path, config_file: Path) -> None:
 
 
 def _is_converted(folder: Path) -> bool:
-    return (
-        (folder / "config.json").is_file()
-        and any(folder.glob("*.safetensors"))
-        and (folder / SOURCE_FILE).is_file()
-    )
+    return (folder / "config.json").is_file() and (folder / SOURCE_FILE).is_file()
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantize `gguf` into an HF safetensors folder at `target`, atomically.
+    """Write `gguf`'s config, generation config and tokenizer as an HF folder at `target`,
+    atomically (the weights stay in the GGUF).
 
     Two processes may race: each builds in its own temp dir next to `target` and renames it
     into place; the loser (rename fails because `target` exists) drops its copy.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # slow import, used once
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig  # slow, used once
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    logger.info("converting %s to %s (one-time, ~20 s)", gguf.name, target)
+    logger.info("reading %s's config and tokenizer into %s (once)", gguf.name, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-        )
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if hasattr(config, "quantization_config"):  # the weights are read by radixserve
+            del config.quantization_config
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+        config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        # The weights are dequantized on load: drop the GGUF quantizer so they save as plain.
-        model.hf_quantizer = None  # type: ignore[assignment]  # (HF's annotation is too narrow)
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         _add_llama3_rope(gguf, tmp / "config.json")
         (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve())}))

@@ -6,6 +6,21 @@
 //   Q4_1 (20 B): fp16 d, fp16 m, uint8 qs[16]   w_j = d * q_j + m
 //   Q8_0 (34 B): fp16 d, int8 qs[32]            w_j = d * q_j
 // where, for the 4-bit formats, q_j = qs[j] & 15 for j < 16 and qs[j - 16] >> 4 otherwise.
+// The K-quants store a row as super-blocks of 256 weights, 8 sub-blocks of 32; block b of a
+// row is sub-block b % 8 of super-block b / 8:
+//   Q4_K (144 B): fp16 d, fp16 dmin, scales[12] (6-bit sc_j and m_j, j < 8), qs[128]
+//                 w = (d * sc_j) * q - dmin * m_j; sub-block j's 4-bit q are the low (even j)
+//                 or high (odd j) nibbles of qs[32 * (j / 2) + l], l < 32
+//   Q5_K (176 B): fp16 d, fp16 dmin, scales[12], qh[32], qs[128]: as Q4_K, plus bit j of
+//                 qh[l] as q's fifth bit (16)
+//   Q6_K (210 B): ql[128], qh[64], int8 sc[16], fp16 d; w = d * sc * (q - 32), one scale per
+//                 16 weights; in half h = j / 4, k = j % 4: the low (k < 2) or high nibbles
+//                 of ql[64 h + 32 (k % 2) + l] and bits 2k, 2k + 1 of qh[32 h + l]
+// Every kernel sees a block as w = d * q + m (d, m float32, q integer): for the K-quants
+// d = d * sc_j and m = -dmin * m_j, and for Q6_K q = sc * (q6 - 32) (|q| <= 4096) with the
+// super-block's d, so that one d covers the 32-block. Every d * q is exact in float32 (at
+// most 24 significant bits), so each path's dequantized weight equals the reference's
+// (gguf.quants.dequantize) bit for bit.
 //
 // Three ways to multiply x (M, K) float32 by such a weight, picked by the caller per call:
 // - `qmatmul_small` (M small: decode): x is rounded per 32-block to int16 (error <= amax /
@@ -33,6 +48,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -42,14 +58,42 @@
 
 namespace {
 
-enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5 };
 constexpr int64_t kBlock = 32;
+constexpr int64_t kSuper = 256;  // weights of a K-quant super-block
 constexpr int64_t kRows = 8;    // rows of x per pass over the weights in qmatmul_small
 constexpr int64_t kTile = 64;   // weight rows dequantized per sgemm in qmatmul_tiled
 
-int64_t block_bytes(int64_t fmt) {
-  TORCH_CHECK(fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ8_0, "unknown quant format ", fmt);
-  return fmt == kQ4_0 ? 18 : fmt == kQ4_1 ? 20 : 34;
+constexpr bool is_kquant(int64_t fmt) { return fmt >= kQ4_K; }
+constexpr bool has_offset(int64_t fmt) { return fmt != kQ8_0 && fmt != kQ6_K; }
+// Bytes of a block (legacy formats: 32 weights) or super-block (K-quants: 256 weights).
+constexpr int64_t unit_bytes(int64_t fmt) {
+  return fmt == kQ4_0 ? 18 : fmt == kQ4_1 ? 20 : fmt == kQ8_0 ? 34 : fmt == kQ4_K ? 144 : fmt == kQ5_K ? 176 : 210;
+}
+
+void check_format(int64_t fmt) { TORCH_CHECK(fmt >= kQ4_0 && fmt <= kQ6_K, "unknown quant format ", fmt); }
+
+int64_t row_bytes_of(int64_t fmt, int64_t K) {
+  check_format(fmt);
+  return K / (is_kquant(fmt) ? kSuper : kBlock) * unit_bytes(fmt);
+}
+
+// x is rounded per 32-block to int16 with this largest magnitude: 32767, or 8191 for Q6_K,
+// whose int16 q reach 4096 (a block's sum 32 * 4096 * 8191 stays within int32).
+float qmax_of(int64_t fmt) { return fmt == kQ6_K ? 8191.f : 32767.f; }
+
+// Calls f(std::integral_constant<int64_t, fmt>) for the runtime format: one switch for all.
+template <typename F>
+decltype(auto) with_format(int64_t fmt, F&& f) {
+  switch (fmt) {
+    case kQ4_0: return f(std::integral_constant<int64_t, kQ4_0>{});
+    case kQ4_1: return f(std::integral_constant<int64_t, kQ4_1>{});
+    case kQ8_0: return f(std::integral_constant<int64_t, kQ8_0>{});
+    case kQ4_K: return f(std::integral_constant<int64_t, kQ4_K>{});
+    case kQ5_K: return f(std::integral_constant<int64_t, kQ5_K>{});
+    case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
+  }
+  TORCH_CHECK(false, "unknown quant format ", fmt);
 }
 
 float half_to_float(const uint8_t* p) {
@@ -62,38 +106,159 @@ float half_to_float(const uint8_t* p) {
 #endif
 }
 
-// 32 weights of one block -> out[0..31] float32 (the reference semantics of every path).
-void dequant_block_scalar(const uint8_t* b, int64_t fmt, float* out) {
-  const float d = half_to_float(b);
-  if (fmt == kQ8_0) {
-    const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
-    for (int j = 0; j < 32; ++j) out[j] = d * qs[j];
-    return;
-  }
-  const float m = fmt == kQ4_1 ? half_to_float(b + 2) : -8.0f * d;
-  const uint8_t* qs = b + (fmt == kQ4_1 ? 4 : 2);
-  for (int j = 0; j < 16; ++j) {
-    out[j] = d * (qs[j] & 15) + m;
-    out[j + 16] = d * (qs[j] >> 4) + m;
+// Sub-block j's 6-bit scale and min of a Q4_K / Q5_K super-block's scales[12]: bytes 0-3
+// hold sc_0..3 (low 6 bits), 4-7 m_0..3, 8-11 the low 4 bits of sc_4..7 and m_4..7 (low and
+// high nibble), whose top 2 bits are the top bits of bytes 0-3 (sc) and 4-7 (m).
+inline void scale_min(const uint8_t* s, int64_t j, int32_t& sc, int32_t& m) {
+  if (j < 4) {
+    sc = s[j] & 63, m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
   }
 }
 
-#ifdef RS_AVX2
-// One block -> w[0..3], 8 weights each (elements 0-7, 8-15, 16-23, 24-31). `fmt` is a
-// template constant in the hot loops, so the format branches compile away.
+// Block b of a row: its scale d and offset m (w = d * q + m; m = 0 without an offset).
 template <int64_t fmt>
-inline void dequant_block_avx2(const uint8_t* b, __m256 w[4]) {
-  const __m256 d = _mm256_set1_ps(half_to_float(b));
+inline void block_scales(const uint8_t* row, int64_t b, float& d, float& m) {
+  if constexpr (!is_kquant(fmt)) {
+    const uint8_t* blk = row + b * unit_bytes(fmt);
+    d = half_to_float(blk);
+    m = fmt == kQ4_1 ? half_to_float(blk + 2) : fmt == kQ4_0 ? -8.f * d : 0.f;
+  } else if constexpr (fmt == kQ6_K) {
+    d = half_to_float(row + (b >> 3) * unit_bytes(fmt) + 208), m = 0.f;
+  } else {
+    const uint8_t* sb = row + (b >> 3) * unit_bytes(fmt);
+    int32_t sc, mn;
+    scale_min(sb + 4, b & 7, sc, mn);
+    d = half_to_float(sb) * static_cast<float>(sc);
+    m = -(half_to_float(sb + 2) * static_cast<float>(mn));
+  }
+}
+
+// Block b of a row: its 32 integer quants q (w = d * q + m; Q6_K's include their scale).
+template <int64_t fmt>
+inline void block_quants(const uint8_t* row, int64_t b, int32_t* q) {
+  if constexpr (!is_kquant(fmt)) {
+    const uint8_t* qs = row + b * unit_bytes(fmt) + (fmt == kQ4_1 ? 4 : 2);
+    for (int j = 0; j < kBlock; ++j) {
+      q[j] = fmt == kQ8_0 ? static_cast<int8_t>(qs[j]) : j < 16 ? qs[j] & 15 : qs[j - 16] >> 4;
+    }
+  } else if constexpr (fmt == kQ6_K) {
+    const uint8_t* sb = row + (b >> 3) * unit_bytes(fmt);
+    const int64_t h = (b & 7) >> 2, k = b & 3;
+    const uint8_t* ql = sb + 64 * h + 32 * (k & 1);
+    const uint8_t* qh = sb + 128 + 32 * h;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(sb + 192 + 8 * h + 2 * k);
+    for (int l = 0; l < kBlock; ++l) {
+      const int32_t low = k < 2 ? ql[l] & 15 : ql[l] >> 4;
+      q[l] = sc[l / 16] * ((low | (((qh[l] >> (2 * k)) & 3) << 4)) - 32);
+    }
+  } else {
+    const uint8_t* sb = row + (b >> 3) * unit_bytes(fmt);
+    const int64_t j = b & 7;
+    const uint8_t* qs = sb + (fmt == kQ5_K ? 48 : 16) + 32 * (j >> 1);
+    for (int l = 0; l < kBlock; ++l) {
+      q[l] = (j & 1) ? qs[l] >> 4 : qs[l] & 15;
+      if (fmt == kQ5_K) q[l] |= ((sb[16 + l] >> j) & 1) << 4;
+    }
+  }
+}
+
+// Block b of a row -> out[0..31] float32 (the reference semantics of every path).
+template <int64_t fmt>
+void dequant_block_scalar(const uint8_t* row, int64_t b, float* out) {
+  float d, m;
+  block_scales<fmt>(row, b, d, m);
+  int32_t q[kBlock];
+  block_quants<fmt>(row, b, q);
+  for (int j = 0; j < kBlock; ++j) out[j] = has_offset(fmt) ? d * q[j] + m : d * q[j];
+}
+
+#ifdef RS_AVX2
+inline __m256i widen16(const uint8_t* p) {  // 16 bytes -> 16 uint16 lanes
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Block b of a row: its 32 quants as int16, w0 = weights 0-15, w1 = weights 16-31 (the
+// legacy 4-bit formats' 16 bytes widened once; low nibble and high nibble are then one op
+// each). `fmt` is a template constant in the hot loops: the format branches compile away.
+template <int64_t fmt>
+inline void widen_block(const uint8_t* row, int64_t b, __m256i& w0, __m256i& w1) {
+  const __m256i low4 = _mm256_set1_epi16(15);
+  if constexpr (fmt == kQ8_0) {
+    const uint8_t* blk = row + b * unit_bytes(fmt);
+    w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
+    w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
+  } else if constexpr (!is_kquant(fmt)) {
+    const __m256i bytes = widen16(row + b * unit_bytes(fmt) + (fmt == kQ4_1 ? 4 : 2));
+    w0 = _mm256_and_si256(bytes, low4);
+    w1 = _mm256_srli_epi16(bytes, 4);
+  } else if constexpr (fmt == kQ6_K) {
+    const uint8_t* sb = row + (b >> 3) * unit_bytes(fmt);
+    const int64_t h = (b & 7) >> 2, k = b & 3;
+    const uint8_t* ql = sb + 64 * h + 32 * (k & 1);
+    const uint8_t* qh = sb + 128 + 32 * h;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(sb + 192 + 8 * h + 2 * k);
+    const __m128i hshift = _mm_cvtsi32_si128(static_cast<int>(2 * k));
+    const __m256i three = _mm256_set1_epi16(3), bias = _mm256_set1_epi16(32);
+    __m256i q[2];
+    for (int i = 0; i < 2; ++i) {
+      __m256i low = widen16(ql + 16 * i);
+      low = k < 2 ? _mm256_and_si256(low, low4) : _mm256_srli_epi16(low, 4);
+      const __m256i high = _mm256_and_si256(_mm256_srl_epi16(widen16(qh + 16 * i), hshift), three);
+      q[i] = _mm256_sub_epi16(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), bias);
+    }
+    w0 = _mm256_mullo_epi16(q[0], _mm256_set1_epi16(sc[0]));
+    w1 = _mm256_mullo_epi16(q[1], _mm256_set1_epi16(sc[1]));
+  } else {
+    const uint8_t* sb = row + (b >> 3) * unit_bytes(fmt);
+    const int64_t j = b & 7;
+    const uint8_t* qs = sb + (fmt == kQ5_K ? 48 : 16) + 32 * (j >> 1);
+    w0 = widen16(qs), w1 = widen16(qs + 16);
+    if (j & 1) {
+      w0 = _mm256_srli_epi16(w0, 4), w1 = _mm256_srli_epi16(w1, 4);
+    } else {
+      w0 = _mm256_and_si256(w0, low4), w1 = _mm256_and_si256(w1, low4);
+    }
+    if constexpr (fmt == kQ5_K) {
+      const __m128i shift = _mm_cvtsi32_si128(static_cast<int>(j));
+      const __m256i one = _mm256_set1_epi16(1);
+      const __m256i h0 = _mm256_and_si256(_mm256_srl_epi16(widen16(sb + 16), shift), one);
+      const __m256i h1 = _mm256_and_si256(_mm256_srl_epi16(widen16(sb + 32), shift), one);
+      w0 = _mm256_or_si256(w0, _mm256_slli_epi16(h0, 4)), w1 = _mm256_or_si256(w1, _mm256_slli_epi16(h1, 4));
+    }
+  }
+}
+
+// Block b of a row -> w[0..3], 8 weights each (elements 0-7, 8-15, 16-23, 24-31).
+template <int64_t fmt>
+inline void dequant_block_avx2(const uint8_t* row, int64_t b, __m256 w[4]) {
+  if constexpr (is_kquant(fmt)) {
+    float d, m;
+    block_scales<fmt>(row, b, d, m);
+    __m256i q0, q1;
+    widen_block<fmt>(row, b, q0, q1);
+    const __m128i parts[4] = {_mm256_castsi256_si128(q0), _mm256_extracti128_si256(q0, 1),
+                              _mm256_castsi256_si128(q1), _mm256_extracti128_si256(q1, 1)};
+    for (int i = 0; i < 4; ++i) {
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(parts[i]));
+      w[i] = has_offset(fmt) ? _mm256_fmadd_ps(q, _mm256_set1_ps(d), _mm256_set1_ps(m))
+                             : _mm256_mul_ps(q, _mm256_set1_ps(d));
+    }
+    return;
+  }
+  const uint8_t* blk = row + b * unit_bytes(fmt);
+  const __m256 d = _mm256_set1_ps(half_to_float(blk));
   if (fmt == kQ8_0) {
     for (int i = 0; i < 4; ++i) {
-      __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
+      __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * i));
       w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
     }
     return;
   }
-  const __m256 m = fmt == kQ4_1 ? _mm256_set1_ps(half_to_float(b + 2))
+  const __m256 m = fmt == kQ4_1 ? _mm256_set1_ps(half_to_float(blk + 2))
                                 : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (fmt == kQ4_1 ? 4 : 2)));
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (fmt == kQ4_1 ? 4 : 2)));
   const __m128i mask = _mm_set1_epi8(15);
   const __m128i lo = _mm_and_si128(raw, mask);                     // q_0 .. q_15
   const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);  // q_16 .. q_31
@@ -126,43 +291,43 @@ inline void store8(at::BFloat16* dst, __m256 v) {
 
 // Rows [n0, n1) of the weight, all of it dequantized into dst (n1 - n0, K) of T (float32,
 // or bfloat16 for the bf16 GEMM).
-template <typename T>
-void dequant_rows(const uint8_t* w, int64_t fmt, int64_t K, int64_t n0, int64_t n1, T* dst) {
-  const int64_t bb = block_bytes(fmt), nb = K / kBlock;
+template <int64_t fmt, typename T>
+void dequant_rows(const uint8_t* w, int64_t K, int64_t n0, int64_t n1, T* dst) {
+  const int64_t nb = K / kBlock, bytes = row_bytes_of(fmt, K);
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * nb * bb;
+    const uint8_t* row = w + n * bytes;
     T* out = dst + (n - n0) * K;
     for (int64_t b = 0; b < nb; ++b) {
 #ifdef RS_AVX2
       __m256 v[4];
-      switch (fmt) {
-        case kQ4_0: dequant_block_avx2<kQ4_0>(row + b * bb, v); break;
-        case kQ4_1: dequant_block_avx2<kQ4_1>(row + b * bb, v); break;
-        default: dequant_block_avx2<kQ8_0>(row + b * bb, v);
-      }
+      dequant_block_avx2<fmt>(row, b, v);
       for (int i = 0; i < 4; ++i) store8(out + b * kBlock + 8 * i, v[i]);
 #else
       float v[kBlock];
-      dequant_block_scalar(row + b * bb, fmt, v);
+      dequant_block_scalar<fmt>(row, b, v);
       for (int i = 0; i < kBlock; ++i) out[b * kBlock + i] = static_cast<T>(v[i]);
 #endif
     }
   }
 }
 
-// x rows quantized per 32-block to int16: q = round(x * 32767 / amax), d = amax / 32767,
-// plus s = d * sum(q) (the weight formats' offset term multiplies it). The rounding moves x
-// by at most amax / 65534: ~256x finer than the int8 activations of llama.cpp's kernels.
-// A block holding inf or NaN gets d = s = NaN, so the bad value still reaches the output.
-constexpr float kQMax = 32767.f;
+template <typename T>
+void dequant_rows(const uint8_t* w, int64_t fmt, int64_t K, int64_t n0, int64_t n1, T* dst) {
+  with_format(fmt, [&](auto f) { dequant_rows<decltype(f)::value>(w, K, n0, n1, dst); });
+}
 
+// x rows quantized per 32-block to int16: q = round(x * Q / amax), d = amax / Q (Q =
+// qmax_of(fmt): 32767, or 8191 for Q6_K), plus s = d * sum(q) (the weight formats' offset
+// term multiplies it). The rounding moves x by at most amax / 65534 (Q6_K: amax / 16382):
+// 64-256x finer than the int8 activations of llama.cpp's kernels.
+// A block holding inf or NaN gets d = s = NaN, so the bad value still reaches the output.
 struct QRows {
   std::vector<int16_t> q;  // (M, K)
   std::vector<float> d, s;  // (M, K / 32)
   std::vector<float> d8, s8;  // the same per group of kRows rows, row-minor: (M / kRows, K / 32, kRows)
 };
 
-void quantize_block(const float* x, int16_t* q, float* d, float* s) {
+void quantize_block(const float* x, float qmax, int16_t* q, float* d, float* s) {
 #ifdef RS_AVX2
   const __m256 zero = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
   __m256 v[4], amax = zero, bad = zero;
@@ -179,7 +344,7 @@ void quantize_block(const float* x, int16_t* q, float* d, float* s) {
     *d = *s = std::numeric_limits<float>::quiet_NaN();
     return;
   }
-  const __m256 id = _mm256_set1_ps(m > 0.f ? kQMax / m : 0.f);
+  const __m256 id = _mm256_set1_ps(m > 0.f ? qmax / m : 0.f);
   __m256i i32[4];
   for (int i = 0; i < 4; ++i) {
     i32[i] = _mm256_cvtps_epi32(
@@ -203,19 +368,19 @@ void quantize_block(const float* x, int16_t* q, float* d, float* s) {
     *d = *s = std::numeric_limits<float>::quiet_NaN();
     return;
   }
-  const float id = m > 0.f ? kQMax / m : 0.f;
+  const float id = m > 0.f ? qmax / m : 0.f;
   int32_t total = 0;
   for (int j = 0; j < kBlock; ++j) q[j] = static_cast<int16_t>(std::nearbyint(x[j] * id)), total += q[j];
 #endif
-  *d = m / kQMax;
+  *d = m / qmax;
   *s = *d * static_cast<float>(total);
 }
 
-void quantize_rows(const float* x, int64_t M, int64_t K, QRows& out) {
+void quantize_rows(const float* x, int64_t M, int64_t K, float qmax, QRows& out) {
   const int64_t nb = K / kBlock;
   out.q.resize(M * K), out.d.resize(M * nb), out.s.resize(M * nb);
   for (int64_t i = 0; i < M * nb; ++i) {
-    quantize_block(x + i * kBlock, out.q.data() + i * kBlock, out.d.data() + i, out.s.data() + i);
+    quantize_block(x + i * kBlock, qmax, out.q.data() + i * kBlock, out.d.data() + i, out.s.data() + i);
   }
   const int64_t groups = M / kRows;
   out.d8.resize(groups * nb * kRows), out.s8.resize(groups * nb * kRows);
@@ -229,54 +394,29 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QRows& out) {
   }
 }
 
-// The weight block's scale d and offset m (w = d * q + m; 0 for Q8_0, -8 d for Q4_0).
-template <int64_t fmt>
-inline void block_scales(const uint8_t* b, float& d, float& m) {
-  d = half_to_float(b);
-  m = fmt == kQ4_1 ? half_to_float(b + 2) : fmt == kQ4_0 ? -8.f * d : 0.f;
-}
-
-#ifdef RS_AVX2
-// The weight block's 32 quants as int16: w0 = weights 0-15, w1 = weights 16-31 (for the 4-bit
-// formats the 16 bytes widened once; low nibble and high nibble are then one op each).
-template <int64_t fmt>
-inline void widen_block(const uint8_t* blk, __m256i& w0, __m256i& w1) {
-  if (fmt == kQ8_0) {
-    w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
-    w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
-  } else {
-    const __m256i bytes =
-        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (fmt == kQ4_1 ? 4 : 2))));
-    w0 = _mm256_and_si256(bytes, _mm256_set1_epi16(15));
-    w1 = _mm256_srli_epi16(bytes, 4);
-  }
-}
-#endif
-
 // out[r * ldo] = dot(x[r], weight row) for r < R, with x quantized (QRows at row offset
-// `xr`): per block d_w * d_x * sum(q_w * q_x) in exact int32 (|sum| <= 32 * 128 * 32767),
+// `xr`): per block d_w * d_x * sum(q_w * q_x) in exact int32 (|sum| <= 32 * 128 * 32767,
+// Q6_K 32 * 4096 * 8191),
 // plus m_w * s_x. The weight block is widened to int16 once for R rows; R is a template
 // constant (registers).
 template <int64_t fmt, int R>
 void dot_rows(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, float* out, int64_t ldo) {
-  const int64_t bb = block_bytes(fmt);
   float offset[R] = {};
 #ifdef RS_AVX2
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = wrow + b * bb;
     float dw, mw;
-    block_scales<fmt>(blk, dw, mw);
+    block_scales<fmt>(wrow, b, dw, mw);
     __m256i w0, w1;
-    widen_block<fmt>(blk, w0, w1);
+    widen_block<fmt>(wrow, b, w0, w1);
     for (int r = 0; r < R; ++r) {
       const int64_t xb = (xr + r) * nb + b;
       const __m256i* xq = reinterpret_cast<const __m256i*>(x.q.data() + xb * kBlock);
       const __m256i dots = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xq)),
                                             _mm256_madd_epi16(w1, _mm256_loadu_si256(xq + 1)));
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d[xb]), _mm256_cvtepi32_ps(dots), acc[r]);
-      if (fmt != kQ8_0) offset[r] += mw * x.s[xb];
+      if (has_offset(fmt)) offset[r] += mw * x.s[xb];
     }
   }
   for (int r = 0; r < R; ++r) out[r * ldo] = hsum(acc[r]) + offset[r];
@@ -284,13 +424,9 @@ void dot_rows(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, float
   float acc[R] = {};  // (scalar build)
   int32_t wq[kBlock];
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = wrow + b * bb;
     float dw, mw;
-    block_scales<fmt>(blk, dw, mw);
-    const uint8_t* qs = blk + (fmt == kQ4_1 ? 4 : 2);
-    for (int j = 0; j < kBlock; ++j) {
-      wq[j] = fmt == kQ8_0 ? static_cast<int8_t>(qs[j]) : j < 16 ? qs[j] & 15 : qs[j - 16] >> 4;
-    }
+    block_scales<fmt>(wrow, b, dw, mw);
+    block_quants<fmt>(wrow, b, wq);
     for (int r = 0; r < R; ++r) {
       const int64_t xb = (xr + r) * nb + b;
       const int16_t* xq = x.q.data() + xb * kBlock;
@@ -319,16 +455,14 @@ inline __m256i reduce8(const __m256i s[8]) {
 template <int64_t fmt>
 void dot_rows8(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, float* out, int64_t ldo) {
   static_assert(kRows == 8, "one AVX2 lane per row");
-  const int64_t bb = block_bytes(fmt);
   const float* d8 = x.d8.data() + xr * nb;  // group xr / 8: (nb, 8)
   const float* s8 = x.s8.data() + xr * nb;
   __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = wrow + b * bb;
     float dw, mw;
-    block_scales<fmt>(blk, dw, mw);
+    block_scales<fmt>(wrow, b, dw, mw);
     __m256i w0, w1;
-    widen_block<fmt>(blk, w0, w1);
+    widen_block<fmt>(wrow, b, w0, w1);
     __m256i sums[8];
     for (int r = 0; r < 8; ++r) {
       const __m256i* xq = reinterpret_cast<const __m256i*>(x.q.data() + ((xr + r) * nb + b) * kBlock);
@@ -338,7 +472,7 @@ void dot_rows8(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, floa
     const __m256i dots = reduce8(sums);
     const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(dw), _mm256_loadu_ps(d8 + b * 8));
     acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dots), acc);
-    if (fmt != kQ8_0) off = _mm256_fmadd_ps(_mm256_set1_ps(mw), _mm256_loadu_ps(s8 + b * 8), off);
+    if (has_offset(fmt)) off = _mm256_fmadd_ps(_mm256_set1_ps(mw), _mm256_loadu_ps(s8 + b * 8), off);
   }
   alignas(32) float res[8];
   _mm256_store_ps(res, _mm256_add_ps(acc, off));
@@ -347,6 +481,24 @@ void dot_rows8(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, floa
 #endif
 
 #ifdef RS_AVX2
+inline void transpose8(__m256i r[8]) {  // 8x8 int32: r[i] lane j <- r[j] lane i
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+  }
+}
+
 // The fp16 scale d (and Q4_1's offset m) of block `off` of 8 weight rows, as 8 float lanes.
 template <int64_t fmt>
 inline void block_scales8(const uint8_t* const* rows, int64_t off, __m256& d, __m256& m) {
@@ -366,6 +518,33 @@ inline void block_scales8(const uint8_t* const* rows, int64_t off, __m256& d, __
   else m = _mm256_setzero_ps();
 }
 
+// K-quants: super-block `sb` of 8 weight rows -> d[j], m[j] = sub-block j's scale and offset
+// of the 8 rows (lane i = row i), decoded once for the super-block's 8 blocks.
+template <int64_t fmt>
+inline void super_scales8(const uint8_t* const* rows, int64_t sb, __m256 d[8], __m256 m[8]) {
+  alignas(32) float dh[8];
+  for (int i = 0; i < 8; ++i) dh[i] = half_to_float(rows[i] + sb * unit_bytes(fmt) + (fmt == kQ6_K ? 208 : 0));
+  if constexpr (fmt == kQ6_K) {
+    for (int j = 0; j < 8; ++j) d[j] = _mm256_load_ps(dh), m[j] = _mm256_setzero_ps();
+    return;
+  }
+  for (int i = 0; i < 8; ++i) {  // the scales[12] bit layout of scale_min, 4 sub-blocks a word
+    const uint8_t* p = rows[i] + sb * unit_bytes(fmt);
+    uint32_t a, b, c;
+    std::memcpy(&a, p + 4, 4), std::memcpy(&b, p + 8, 4), std::memcpy(&c, p + 12, 4);
+    const uint64_t sc = (a & 0x3f3f3f3fu) | uint64_t((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
+    const uint64_t mn = (b & 0x3f3f3f3fu) | uint64_t(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
+    const auto lanes = [](uint64_t v) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(v))));
+    };
+    d[i] = _mm256_mul_ps(lanes(sc), _mm256_set1_ps(dh[i]));
+    m[i] = _mm256_mul_ps(lanes(mn), _mm256_set1_ps(-half_to_float(p + 2)));
+  }
+  __m256i* di = reinterpret_cast<__m256i*>(d);  // rows x sub-blocks -> sub-blocks x rows
+  __m256i* mi = reinterpret_cast<__m256i*>(m);
+  transpose8(di), transpose8(mi);
+}
+
 // out[0..8) = x row 0 . weight rows n..n+8 (one row of x: the batch-1 decode case). Per block
 // the 8 rows' int32 dot products are reduced into one vector (lane i = row i) and scaled by
 // the 8 rows' d times x's d in one FMA: no per-block scalar work and no horizontal sums at
@@ -373,7 +552,6 @@ inline void block_scales8(const uint8_t* const* rows, int64_t off, __m256& d, __
 // dot_rows, scaled and summed per row in block order.
 template <int64_t fmt>
 void dot_wrows8(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRows& x, float* out) {
-  const int64_t bb = block_bytes(fmt);
   const uint8_t* rows[8];
   for (int i = 0; i < 8; ++i) rows[i] = w + i * row_bytes;
   // The 8 rows are one contiguous run of bytes, but read 8 blocks apart they make 8 streams
@@ -382,58 +560,45 @@ void dot_wrows8(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRows& x,
   const char* next = reinterpret_cast<const char*>(w + 8 * row_bytes);
   const int64_t share = (8 * row_bytes + nb - 1) / nb;
   __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+  __m256 dsub[8], msub[8];  // K-quants: the current super-block's scales (super_scales8)
   for (int64_t b = 0; b < nb; ++b) {
+    if constexpr (is_kquant(fmt)) {
+      if ((b & 7) == 0) super_scales8<fmt>(rows, b >> 3, dsub, msub);
+    }
     for (int64_t p = b * share; p < (b + 1) * share; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
     const __m256i* xq = reinterpret_cast<const __m256i*>(x.q.data() + b * kBlock);
     const __m256i x0 = _mm256_loadu_si256(xq), x1 = _mm256_loadu_si256(xq + 1);
     __m256i sums[8];
     for (int i = 0; i < 8; ++i) {
       __m256i w0, w1;
-      widen_block<fmt>(rows[i] + b * bb, w0, w1);
+      widen_block<fmt>(rows[i], b, w0, w1);
       sums[i] = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
     }
     __m256 d, m;
-    block_scales8<fmt>(rows, b * bb, d, m);
+    if constexpr (is_kquant(fmt)) {
+      d = dsub[b & 7], m = msub[b & 7];
+    } else {
+      block_scales8<fmt>(rows, b * unit_bytes(fmt), d, m);
+    }
     acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d[b])), _mm256_cvtepi32_ps(reduce8(sums)), acc);
-    if (fmt != kQ8_0) off = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[b]), off);
+    if (has_offset(fmt)) off = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[b]), off);
   }
   _mm256_storeu_ps(out, _mm256_add_ps(acc, off));
 }
 
 void dot_wrows8(const uint8_t* w, int64_t fmt, int64_t row_bytes, int64_t nb, const QRows& x, float* out) {
-  switch (fmt) {
-    case kQ4_0: return dot_wrows8<kQ4_0>(w, row_bytes, nb, x, out);
-    case kQ4_1: return dot_wrows8<kQ4_1>(w, row_bytes, nb, x, out);
-    default: return dot_wrows8<kQ8_0>(w, row_bytes, nb, x, out);
-  }
+  with_format(fmt, [&](auto f) { dot_wrows8<decltype(f)::value>(w, row_bytes, nb, x, out); });
 }
 #endif
 
 #ifdef RS_AVX2
 // qmatmul_gemm: x's int16 quants transposed so that a vector holds one int16 pair (x[2j],
-// x[2j + 1]) of each of 8 rows: a madd with a broadcast pair of weights then gives the block
-// sums of 8 rows for one column in one int32 vector, with no horizontal reduction, and the
-// block is scaled per lane (d_x of each row times d_w), as in dot_rows8. madd does 16
-// multiply-adds per instruction against 8 for a float32 FMA, so this outruns dequantize +
-// sgemm; the weights are only widened (kBlockCols columns at a time), never transposed.
-inline void transpose8(__m256i r[8]) {  // 8x8 int32: r[i] lane j <- r[j] lane i
-  __m256i t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
-    r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
-  }
-}
-
+// x[2j + 1]) of each of 8 rows (transpose8): a madd with a broadcast pair of weights then
+// gives the block sums of 8 rows for one column in one int32 vector, with no horizontal
+// reduction, and the block is scaled per lane (d_x of each row times d_w), as in dot_rows8.
+// madd does 16 multiply-adds per instruction against 8 for a float32 FMA, so this outruns
+// dequantize + sgemm; the weights are only widened (kBlockCols columns at a time), never
+// transposed.
 constexpr int64_t kCols = 4;         // weight columns per register block
 constexpr int64_t kRowGroups = 2;    // groups of 8 rows of x per register block
 constexpr int64_t kChunkGroups = 16; // groups of x per pass over the widened columns (L2)
@@ -460,15 +625,15 @@ std::vector<__m256i> transpose_groups(const QRows& x, int64_t groups, int64_t nb
 // Columns [n0, n0 + C) widened: w (nb, C, 16) int32 pairs, d / m (nb, C).
 template <int64_t fmt, int C>
 void widen_cols(const uint8_t* w, int64_t nb, int64_t n0, int32_t* wq, float* d, float* m) {
-  const int64_t bb = block_bytes(fmt);
+  const int64_t bytes = row_bytes_of(fmt, nb * kBlock);
   for (int64_t b = 0; b < nb; ++b) {
     for (int c = 0; c < C; ++c) {
-      const uint8_t* blk = w + (n0 + c) * nb * bb + b * bb;
+      const uint8_t* row = w + (n0 + c) * bytes;
       __m256i w0, w1;
-      widen_block<fmt>(blk, w0, w1);
+      widen_block<fmt>(row, b, w0, w1);
       __m256i* dst = reinterpret_cast<__m256i*>(wq + (b * C + c) * 16);
       _mm256_store_si256(dst, w0), _mm256_store_si256(dst + 1, w1);
-      block_scales<fmt>(blk, d[b * C + c], m[b * C + c]);
+      block_scales<fmt>(row, b, d[b * C + c], m[b * C + c]);
     }
   }
 }
@@ -504,7 +669,7 @@ void gemm_block(const int32_t* wq, const float* wd, const float* wm, const __m25
       for (int c = 0; c < C; ++c) {
         const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(wd[b * C + c]), dx);
         acc[c][g] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sum[c][g]), acc[c][g]);
-        if (fmt != kQ8_0) off[c][g] = _mm256_fmadd_ps(_mm256_set1_ps(wm[b * C + c]), sx, off[c][g]);
+        if (has_offset(fmt)) off[c][g] = _mm256_fmadd_ps(_mm256_set1_ps(wm[b * C + c]), sx, off[c][g]);
       }
     }
   }
@@ -596,11 +761,7 @@ void dot_rows(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, int64
 
 void dot_rows(const uint8_t* wrow, int64_t fmt, int64_t nb, const QRows& x, int64_t xr, int64_t rows,
               float* out, int64_t ldo) {
-  switch (fmt) {
-    case kQ4_0: return dot_rows<kQ4_0>(wrow, nb, x, xr, rows, out, ldo);
-    case kQ4_1: return dot_rows<kQ4_1>(wrow, nb, x, xr, rows, out, ldo);
-    default: return dot_rows<kQ8_0>(wrow, nb, x, xr, rows, out, ldo);
-  }
+  with_format(fmt, [&](auto f) { dot_rows<decltype(f)::value>(wrow, nb, x, xr, rows, out, ldo); });
 }
 
 void check_args(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K, bool bf16_ok = false) {
@@ -610,10 +771,57 @@ void check_args(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K
               x.scalar_type());
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "w must be a contiguous (N, bytes) uint8 tensor, got ", w.sizes());
-  TORCH_CHECK(K % kBlock == 0 && x.size(1) == K, "K must be a multiple of 32 and equal x.size(1): K=", K,
+  check_format(fmt);
+  const int64_t unit = is_kquant(fmt) ? kSuper : kBlock;
+  TORCH_CHECK(K % unit == 0 && x.size(1) == K, "K must be a multiple of ", unit, " and equal x.size(1): K=", K,
               " x ", x.sizes());
-  TORCH_CHECK(w.size(1) == K / kBlock * block_bytes(fmt), "w row bytes ", w.size(1),
-              " do not match K=", K, " in format ", fmt);
+  TORCH_CHECK(w.size(1) == row_bytes_of(fmt, K), "w row bytes ", w.size(1), " do not match K=", K, " in format ",
+              fmt);
+}
+
+// A weight of the small kernels' loop: its bytes, format, x quantized for its format, and
+// the output column where its rows start.
+struct SmallPart {
+  const uint8_t* w;
+  int64_t fmt, rows, row_bytes, col;
+  const QRows* x;
+};
+
+// out (M, ldo) columns [col, col + rows) of every part = x @ part.T, in ONE parallel loop
+// over all parts' rows (a fused projection of several parts costs one loop, as one part):
+// with M == 1 (AVX2) 8 weight rows a task (dot_wrows8), else one row for all M rows.
+void run_small(const std::vector<SmallPart>& parts, int64_t M, int64_t nb, float* out, int64_t ldo) {
+  struct Task {
+    int32_t part, rows;
+    int64_t n;
+  };
+  std::vector<Task> tasks;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    int64_t n = 0;
+#ifdef RS_AVX2
+    if (M == 1) {
+      for (; n + 8 <= parts[p].rows; n += 8) tasks.push_back({static_cast<int32_t>(p), 8, n});
+    }
+#endif
+    for (; n < parts[p].rows; ++n) tasks.push_back({static_cast<int32_t>(p), 1, n});
+  }
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), M == 1 ? 8 : 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const Task& task = tasks[t];
+      const SmallPart& part = parts[task.part];
+      const uint8_t* row = part.w + task.n * part.row_bytes;
+      float* o = out + part.col + task.n;
+#ifdef RS_AVX2
+      if (task.rows == 8) {
+        dot_wrows8(row, part.fmt, part.row_bytes, nb, *part.x, o);
+        continue;
+      }
+#endif
+      for (int64_t r0 = 0; r0 < M; r0 += kRows) {
+        dot_rows(row, part.fmt, nb, *part.x, r0, std::min(kRows, M - r0), o + r0 * ldo, ldo);
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -621,29 +829,11 @@ void check_args(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K
 // x (M, K) float32 @ w(N, K).T -> (M, N) float32; decode-sized M, x rounded to int16.
 at::Tensor qmatmul_small(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K) {
   check_args(x, w, fmt, K);
-  const int64_t M = x.size(0), N = w.size(0), nb = K / kBlock, row_bytes = w.size(1);
+  const int64_t M = x.size(0), N = w.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   QRows xq;
-  quantize_rows(x.data_ptr<float>(), M, K, xq);
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-#ifdef RS_AVX2
-  if (M == 1) {  // 8 weight rows a pass (the rows past the last multiple of 8 below)
-    at::parallel_for(0, N / 8, 8, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) dot_wrows8(wp + 8 * g * row_bytes, fmt, row_bytes, nb, xq, op + 8 * g);
-    });
-    for (int64_t n = N / 8 * 8; n < N; ++n) dot_rows(wp + n * row_bytes, fmt, nb, xq, 0, 1, op + n, N);
-    return out;
-  }
-#endif
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      for (int64_t r0 = 0; r0 < M; r0 += kRows) {
-        const int64_t rows = std::min(kRows, M - r0);
-        dot_rows(wp + n * row_bytes, fmt, nb, xq, r0, rows, op + r0 * N + n, N);
-      }
-    }
-  });
+  quantize_rows(x.data_ptr<float>(), M, K, qmax_of(fmt), xq);
+  run_small({{w.data_ptr<uint8_t>(), fmt, N, w.size(1), 0, &xq}}, M, K / kBlock, out.data_ptr<float>(), N);
   return out;
 }
 
@@ -658,14 +848,10 @@ at::Tensor qmatmul_gemm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, i
   const int64_t padded = (M + 7) / 8 * 8;  // whole groups of 8 rows; zero rows have d = s = 0
   const at::Tensor xp = padded == M ? x : at::constant_pad_nd(x, {0, 0, 0, padded - M});
   QRows xq;
-  quantize_rows(xp.data_ptr<float>(), padded, K, xq);
+  quantize_rows(xp.data_ptr<float>(), padded, K, qmax_of(fmt), xq);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  switch (fmt) {
-    case kQ4_0: gemm<kQ4_0>(wp, N, nb, xq, M, op); break;
-    case kQ4_1: gemm<kQ4_1>(wp, N, nb, xq, M, op); break;
-    default: gemm<kQ8_0>(wp, N, nb, xq, M, op);
-  }
+  with_format(fmt, [&](auto f) { gemm<decltype(f)::value>(wp, N, nb, xq, M, op); });
   return out;
 #else
   return qmatmul_small(x, w, fmt, K);
@@ -701,7 +887,7 @@ at::Tensor qmatmul_tiled(const at::Tensor& x, const at::Tensor& w, int64_t fmt, 
 // Rows `ids` of the weight (e.g. token embeddings) -> (len(ids), K) float32.
 at::Tensor dequant(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tensor& ids) {
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be 1-D int64");
-  TORCH_CHECK(w.size(1) == K / kBlock * block_bytes(fmt), "w row bytes do not match K=", K);
+  TORCH_CHECK(w.size(1) == row_bytes_of(fmt, K), "w row bytes do not match K=", K);
   const int64_t n = ids.size(0), rows = w.size(0);
   at::Tensor out = at::empty({n, K}, at::kFloat);
   const int64_t* idp = ids.data_ptr<int64_t>();
@@ -726,26 +912,72 @@ at::Tensor dequant(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tensor
 
 namespace {
 
-// One quantized projection: the weight's bytes, format, the rows up to which the
-// weight-streaming kernel runs (QuantLinear.small_m), and an optional bias.
+// One quantized projection (QuantLinear): its parts stacked by rows, each part's bytes,
+// format and the rows up to which the weight-streaming kernel runs (Format.small_m), and an
+// optional bias.
 struct QLinear {
-  at::Tensor w;
-  int64_t fmt, small_m;
+  std::vector<at::Tensor> w;
+  std::vector<int64_t> fmt, small_m;
   std::optional<at::Tensor> bias;
 };
 
-QLinear qlinear_arg(const std::tuple<at::Tensor, int64_t, int64_t, std::optional<at::Tensor>>& t) {
-  return {std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t)};
+using LinearArg = std::tuple<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                             std::optional<at::Tensor>>;
+
+QLinear qlinear_arg(const LinearArg& t) {
+  QLinear l{std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t)};
+  TORCH_CHECK(!l.w.empty() && l.fmt.size() == l.w.size() && l.small_m.size() == l.w.size(),
+              "a quantized linear needs blocks, a format and small_m per part");
+  return l;
 }
 
-// x (M, K) float32 -> (M, N) float32, as QuantLinear.forward for float32 x.
-at::Tensor apply(const QLinear& l, const at::Tensor& x) {
+// x (M, K) float32 times one part -> (M, rows of the part) float32: the kernel for M rows.
+at::Tensor apply_part(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t small_m) {
   const int64_t K = x.size(1);
+  if (x.size(0) <= small_m) return qmatmul_small(x, w, fmt, K);
 #ifdef RS_AVX2
-  at::Tensor y = x.size(0) <= l.small_m ? qmatmul_small(x, l.w, l.fmt, K) : qmatmul_gemm(x, l.w, l.fmt, K);
+  return qmatmul_gemm(x, w, fmt, K);
 #else
-  at::Tensor y = x.size(0) <= l.small_m ? qmatmul_small(x, l.w, l.fmt, K) : qmatmul_tiled(x, l.w, l.fmt, K);
+  return qmatmul_tiled(x, w, fmt, K);
 #endif
+}
+
+// x (M, K) float32 times every part, all in the small kernels' loop (M <= each small_m).
+at::Tensor small_parts(const QLinear& l, const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  QRows xq[2];  // x for qmax 32767 and for 8191, each quantized once if a part needs it
+  bool quantized[2] = {false, false};
+  std::vector<SmallPart> parts;
+  int64_t n = 0;
+  for (size_t i = 0; i < l.w.size(); ++i) {
+    check_args(x, l.w[i], l.fmt[i], K);
+    const int q = l.fmt[i] == kQ6_K;
+    if (!quantized[q]) quantize_rows(x.data_ptr<float>(), M, K, qmax_of(l.fmt[i]), xq[q]), quantized[q] = true;
+    parts.push_back({l.w[i].data_ptr<uint8_t>(), l.fmt[i], l.w[i].size(0), l.w[i].size(1), n, &xq[q]});
+    n += l.w[i].size(0);
+  }
+  at::Tensor y = at::empty({M, n}, x.options());
+  run_small(parts, M, K / kBlock, y.data_ptr<float>(), n);
+  return y;
+}
+
+// x (M, K) float32 -> (M, N) float32 = x @ W.T + bias (QuantLinear.forward for float32 x).
+at::Tensor apply(const QLinear& l, const at::Tensor& x) {
+  at::Tensor y;
+  bool small = true;
+  for (int64_t m : l.small_m) small = small && x.size(0) <= m;
+  if (small) {
+    y = small_parts(l, x);
+  } else if (l.w.size() == 1) {
+    y = apply_part(x, l.w[0], l.fmt[0], l.small_m[0]);
+  } else {
+    int64_t n = 0;
+    for (const at::Tensor& w : l.w) n += w.size(0);
+    y = at::empty({x.size(0), n}, x.options());
+    for (size_t i = 0, col = 0; i < l.w.size(); col += l.w[i].size(0), ++i) {
+      y.narrow(1, col, l.w[i].size(0)).copy_(apply_part(x, l.w[i], l.fmt[i], l.small_m[i]));
+    }
+  }
   if (l.bias) y.add_(*l.bias);
   return y;
 }
@@ -776,7 +1008,11 @@ void check_f32(const at::Tensor& t, int64_t dim, const char* name) {
 
 }  // namespace
 
-using LinearArg = std::tuple<at::Tensor, int64_t, int64_t, std::optional<at::Tensor>>;
+// x (M, K) float32 -> (M, N) float32 for a QuantLinear (its native_arg).
+at::Tensor qlinear(const at::Tensor& x, const LinearArg& arg) {
+  check_f32(x, 2, "x");
+  return apply(qlinear_arg(arg), x);
+}
 
 // h (T, H) float32 -> [q (T, Hq, D) float32, k, v (T, Hkv, D) in kv_like's dtype]: RMSNorm,
 // the fused qkv projection, RoPE of q and k from `table` rows (T, 2, D) ([cos | cos],
@@ -837,6 +1073,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("int_gemm") = false;
 #endif
   m.def("dequant", &dequant, "rows of a block-quantized weight as float32");
+  m.def("qlinear", &qlinear, "x @ W.T + bias for a quantized linear of one or more parts");
   m.def("pre_attention", &pre_attention, "RMSNorm, quantized qkv projection and RoPE of a decoder layer");
   m.def("post_attention", &post_attention, "o_proj, residual, RMSNorm, quantized SwiGLU MLP, residual");
 }
