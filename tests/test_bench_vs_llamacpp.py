@@ -29,7 +29,7 @@ def expected_tokens(row: dict[str, Any]) -> list[int]:
 
 
 def check_radixserve(res: dict[str, Any]) -> None:
-    rows = res["rows"]
+    rows = res["rows"]  # one model's result
     assert [r["name"] for r in rows] == ROW_NAMES
     assert [(r["batch"], r["prompt"], r["new_tokens"]) for r in rows] == [
         (B, P, N),
@@ -45,27 +45,35 @@ def check_radixserve(res: dict[str, Any]) -> None:
 
 def test_radixserve_side(tmp_path: Path) -> None:
     out = tmp_path / "res.json"
-    res = bench.main([*TINY, "--skip-llamacpp", "--json", str(out)])
-    check_radixserve(res)
-    assert json.loads(out.read_text())["rows"] == res["rows"]
-    assert res["llamacpp"] is None
-    assert all(r["speedup"] is None and r["llamacpp_best"] is None for r in res["rows"])
+    res = bench.main([*TINY, "--skip-llamacpp", "--no-memory", "--json", str(out)])
+    (model,) = res["models"]  # the embedded GGUF by default
+    check_radixserve(model)
+    assert json.loads(out.read_text())["models"][0]["rows"] == model["rows"]
+    assert model["llamacpp"] is None and model["memory"] is None
+    assert all(r["speedup"] is None and r["llamacpp_best"] is None for r in model["rows"])
 
 
 def test_both_sides(tmp_path: Path) -> None:
     pytest.importorskip("llama_cpp")
     out, png = tmp_path / "res.json", tmp_path / "res.png"
     res = bench.main([*TINY, "--json", str(out), "--plot", str(png)])
-    check_radixserve(res)
-    for r in res["rows"]:
+    (model,) = res["models"]
+    check_radixserve(model)
+    for r in model["rows"]:
         assert r["llamacpp_tokens_per_seq"] == {
             "off": expected_tokens(r),
             "on": expected_tokens(r),
         }, r["name"]
         best = (min if r["unit"] == "s" else max)(r["llamacpp_off"], r["llamacpp_on"])
         assert r["llamacpp_best"] == best
-    assert res["llamacpp"]["kv_unified"] is True
+    assert model["llamacpp"]["kv_unified"] is True
     assert png.read_bytes()[:8] == PNG_MAGIC
+    memory = model["memory"]  # each side loaded and ran alone in a child process
+    for side in ("radixserve", "llamacpp"):
+        assert memory[side]["load_s"] > 0 and memory[side]["peak_rss_bytes"] > 50e6, memory
+    assert memory["rss_ratio"] == (
+        memory["radixserve"]["peak_rss_bytes"] / memory["llamacpp"]["peak_rss_bytes"]
+    )
 
 
 def test_speedup_direction() -> None:

@@ -26,7 +26,7 @@ from radixserve.models.loader import load_config
 from radixserve.models.quant import (
     BF16_TILED_M,
     FORMATS,
-    K_QUANTS,
+    LLAMA_CPP_ONLY,
     QuantLinear,
     QuantWeight,
     dequantize,
@@ -37,30 +37,31 @@ from radixserve.models.resolve import gguf_source
 from radixserve.native_build import native_ops_enabled, use_native_ops
 
 GGML = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,
-        "q8_0": GGMLQuantizationType.Q8_0, **K_QUANTS}  # fmt: skip
+        "q8_0": GGMLQuantizationType.Q8_0, **LLAMA_CPP_ONLY}  # fmt: skip
 LEGACY = ["q4_0", "q4_1", "q8_0"]  # the formats radixserve can quantize to itself
 # float32 matmul of the same dequantized weights, summed in another order: relative to the
 # size of |x| @ |w|.T (the sum of absolute products), errors stay ~K * 2^-24.
 REL_TOL = 1e-5
 
 
-def kquant_blocks(n: int, k: int, fmt: str, seed: int) -> torch.Tensor:
-    """(N, K) weights in a K-quant format: random bytes (every pattern of scales and quants
-    is a valid block) with finite fp16 super-block scales of a realistic size."""
+def llama_cpp_blocks(n: int, k: int, fmt: str, seed: int) -> torch.Tensor:
+    """(N, K) weights in a format only llama.cpp makes: random bytes (every pattern of
+    scales and quants is a valid block) with finite fp16 scales of a realistic size."""
     f = FORMATS[fmt]
     g = np.random.default_rng(seed)
     b = g.integers(0, 256, size=(n, k // f.block, f.block_bytes), dtype=np.uint8)
-    scales = (g.uniform(0.5, 1.5, size=(n, k // f.block, 2)) * 0.05 / 64).astype(np.float16)
-    if fmt == "q6_k":  # d is the last field
-        b[..., 208:210] = scales[..., :1].view(np.uint8)
-    else:  # d and dmin are the first
-        b[..., 0:4] = scales.view(np.uint8)
+    step = 0.05 / (64 if f.block == 256 else 16)  # a sub-scale up to 63 multiplies K-quants'
+    scales = (g.uniform(0.5, 1.5, size=(n, k // f.block, 2)) * step).astype(np.float16)
+    scales[..., 1] *= -1 if fmt == "q5_1" else 1  # Q5_1's second field is an offset m
+    fields = {"q6_k": (208, 1), "q5_0": (0, 1)}.get(fmt, (0, 2))  # (offset, fp16 fields)
+    at, count = fields
+    b[..., at : at + 2 * count] = scales[..., :count].view(np.uint8)
     return torch.from_numpy(b.reshape(n, -1).copy())
 
 
 def _weights(n: int, k: int, fmt: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if fmt in K_QUANTS:
-        blocks = kquant_blocks(n, k, fmt, seed)
+    if fmt in LLAMA_CPP_ONLY:
+        blocks = llama_cpp_blocks(n, k, fmt, seed)
     else:
         g = torch.Generator().manual_seed(seed)
         blocks = quantize(torch.randn(n, k, generator=g) * 0.05, fmt)
@@ -69,7 +70,7 @@ def _weights(n: int, k: int, fmt: str, seed: int) -> tuple[torch.Tensor, torch.T
 
 def widths(fmt: str) -> list[int]:
     """Two row widths K for the format: one block (or super-block), and several."""
-    return [256, 768] if fmt in K_QUANTS else [32, 576]
+    return [256, 768] if FORMATS[fmt].block == 256 else [32, 576]
 
 
 def q16_rows(x: torch.Tensor, fmt: str = "q4_1") -> torch.Tensor:

@@ -46,8 +46,12 @@ class KVPool:
         self.num_slots = num_slots
         self.capacity = num_slots - 1  # slot 0 is scratch
         shape = (num_slots, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # On a CPU the pool's pages are taken from the OS as slots are first written, not at
+        # start (a fresh mapping reads as zeros until then): an idle server holds only what
+        # it used. A GPU pool is zeroed up front.
+        new = torch.empty if torch.device(device).type == "cpu" else torch.zeros
+        self.k = [new(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [new(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._is_free = torch.ones(num_slots, dtype=torch.bool)
         self._is_free[0] = False
         # A stack of free slots, descending when sorted: pops hand out ascending runs.

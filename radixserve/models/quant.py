@@ -1,6 +1,7 @@
-"""Block-quantized weights (GGUF Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K) kept in
-their file layout, and the linear layer that multiplies by them (csrc/quant_cpu.cpp, built
-per CPU ISA on first use; the C++ file documents every block format).
+"""Block-quantized weights (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K,
+Q6_K) kept in their file layout, and the linear layer that multiplies by them
+(csrc/quant_cpu.cpp, built per CPU ISA on first use; the C++ file documents every block
+format).
 
 Why: a decode step at small batch reads every weight once, so its time is the weight bytes
 over the memory bandwidth. Q4_1 stores 32 weights in 20 bytes (5 bits a weight) against
@@ -77,10 +78,17 @@ FORMATS = {
         Format("q4_k", 3, SUPER_BLOCK, 144, 7),
         Format("q5_k", 4, SUPER_BLOCK, 176, 7),
         Format("q6_k", 5, SUPER_BLOCK, 210, 7),
+        Format("q5_0", 6, BLOCK, 22, 7),
+        Format("q5_1", 7, BLOCK, 24, 7),
     )
 }
-K_QUANTS = {"q4_k": GGMLQuantizationType.Q4_K, "q5_k": GGMLQuantizationType.Q5_K,
-            "q6_k": GGMLQuantizationType.Q6_K}  # fmt: skip
+# Formats made only by llama.cpp's quantizer: the `gguf` package's dequantization is their
+# reference (the others' reference is `dequantize` below, and `quantize` makes them).
+LLAMA_CPP_ONLY = {
+    "q4_k": GGMLQuantizationType.Q4_K, "q5_k": GGMLQuantizationType.Q5_K,
+    "q6_k": GGMLQuantizationType.Q6_K, "q5_0": GGMLQuantizationType.Q5_0,
+    "q5_1": GGMLQuantizationType.Q5_1,
+}  # fmt: skip
 
 
 @native_module
@@ -91,12 +99,12 @@ def ops() -> ModuleType | None:
 
 
 def dequantize(blocks: Tensor, fmt: str, k: int) -> Tensor:
-    """Reference dequantization: blocks (N, row bytes) uint8 -> (N, K) float32 (the K-quants
-    by the `gguf` package's numpy reference)."""
+    """Reference dequantization: blocks (N, row bytes) uint8 -> (N, K) float32 (the formats
+    of LLAMA_CPP_ONLY by the `gguf` package's numpy reference)."""
     f = FORMATS[fmt]
     n = blocks.shape[0]
-    if fmt in K_QUANTS:
-        values = gguf_dequantize(blocks.numpy(), K_QUANTS[fmt])  # (N, K) float32
+    if fmt in LLAMA_CPP_ONLY:
+        values = gguf_dequantize(blocks.numpy(), LLAMA_CPP_ONLY[fmt])  # (N, K) float32
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(n, k)
     b = blocks.view(n, k // BLOCK, f.block_bytes)  # (N, K/32, bytes)
     d = b[..., :2].contiguous().view(torch.float16).float()  # (N, K/32, 1)
@@ -113,7 +121,7 @@ def quantize(w: Tensor, fmt: str) -> Tensor:
     """(N, K) float weights -> blocks in `fmt` (round to nearest; GGUF's reference scheme:
     Q8_0 / Q4_0 scale by the block's max magnitude, Q4_1 spans the block's [min, max])."""
     n, k = w.shape
-    assert fmt not in K_QUANTS, "K-quant files are made by llama.cpp's quantizer, not here"
+    assert fmt not in LLAMA_CPP_ONLY, f"{fmt} files are made by llama.cpp's quantizer, not here"
     assert k % BLOCK == 0, f"K={k} is not a multiple of {BLOCK}"
     x = w.float().reshape(n, k // BLOCK, BLOCK)  # (N, K/32, 32)
     if fmt == "q8_0":

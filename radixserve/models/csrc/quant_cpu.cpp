@@ -5,7 +5,10 @@
 //   Q4_0 (18 B): fp16 d, uint8 qs[16]           w_j = d * (q_j - 8)
 //   Q4_1 (20 B): fp16 d, fp16 m, uint8 qs[16]   w_j = d * q_j + m
 //   Q8_0 (34 B): fp16 d, int8 qs[32]            w_j = d * q_j
-// where, for the 4-bit formats, q_j = qs[j] & 15 for j < 16 and qs[j - 16] >> 4 otherwise.
+//   Q5_0 (22 B): fp16 d, qh[4], qs[16]          w_j = d * (q_j - 16)
+//   Q5_1 (24 B): fp16 d, fp16 m, qh[4], qs[16]  w_j = d * q_j + m
+// where, for the 4- and 5-bit formats, q_j = qs[j] & 15 for j < 16 and qs[j - 16] >> 4
+// otherwise, plus 16 where bit j of the little-endian uint32 qh is set (5-bit).
 // The K-quants store a row as super-blocks of 256 weights, 8 sub-blocks of 32; block b of a
 // row is sub-block b % 8 of super-block b / 8:
 //   Q4_K (144 B): fp16 d, fp16 dmin, scales[12] (6-bit sc_j and m_j, j < 8), qs[128]
@@ -58,20 +61,22 @@
 
 namespace {
 
-enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5 };
+enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5, kQ5_0 = 6, kQ5_1 = 7 };
 constexpr int64_t kBlock = 32;
 constexpr int64_t kSuper = 256;  // weights of a K-quant super-block
 constexpr int64_t kRows = 8;    // rows of x per pass over the weights in qmatmul_small
 constexpr int64_t kTile = 64;   // weight rows dequantized per sgemm in qmatmul_tiled
 
-constexpr bool is_kquant(int64_t fmt) { return fmt >= kQ4_K; }
+constexpr bool is_kquant(int64_t fmt) { return fmt == kQ4_K || fmt == kQ5_K || fmt == kQ6_K; }
+constexpr bool is_q5(int64_t fmt) { return fmt == kQ5_0 || fmt == kQ5_1; }
 constexpr bool has_offset(int64_t fmt) { return fmt != kQ8_0 && fmt != kQ6_K; }
 // Bytes of a block (legacy formats: 32 weights) or super-block (K-quants: 256 weights).
 constexpr int64_t unit_bytes(int64_t fmt) {
-  return fmt == kQ4_0 ? 18 : fmt == kQ4_1 ? 20 : fmt == kQ8_0 ? 34 : fmt == kQ4_K ? 144 : fmt == kQ5_K ? 176 : 210;
+  constexpr int64_t bytes[] = {18, 20, 34, 144, 176, 210, 22, 24};
+  return bytes[fmt];
 }
 
-void check_format(int64_t fmt) { TORCH_CHECK(fmt >= kQ4_0 && fmt <= kQ6_K, "unknown quant format ", fmt); }
+void check_format(int64_t fmt) { TORCH_CHECK(fmt >= kQ4_0 && fmt <= kQ5_1, "unknown quant format ", fmt); }
 
 int64_t row_bytes_of(int64_t fmt, int64_t K) {
   check_format(fmt);
@@ -92,6 +97,8 @@ decltype(auto) with_format(int64_t fmt, F&& f) {
     case kQ4_K: return f(std::integral_constant<int64_t, kQ4_K>{});
     case kQ5_K: return f(std::integral_constant<int64_t, kQ5_K>{});
     case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
+    case kQ5_0: return f(std::integral_constant<int64_t, kQ5_0>{});
+    case kQ5_1: return f(std::integral_constant<int64_t, kQ5_1>{});
   }
   TORCH_CHECK(false, "unknown quant format ", fmt);
 }
@@ -123,7 +130,10 @@ inline void block_scales(const uint8_t* row, int64_t b, float& d, float& m) {
   if constexpr (!is_kquant(fmt)) {
     const uint8_t* blk = row + b * unit_bytes(fmt);
     d = half_to_float(blk);
-    m = fmt == kQ4_1 ? half_to_float(blk + 2) : fmt == kQ4_0 ? -8.f * d : 0.f;
+    m = fmt == kQ4_1 || fmt == kQ5_1 ? half_to_float(blk + 2)
+        : fmt == kQ4_0               ? -8.f * d
+        : fmt == kQ5_0               ? -16.f * d
+                                     : 0.f;
   } else if constexpr (fmt == kQ6_K) {
     d = half_to_float(row + (b >> 3) * unit_bytes(fmt) + 208), m = 0.f;
   } else {
@@ -135,23 +145,41 @@ inline void block_scales(const uint8_t* row, int64_t b, float& d, float& m) {
   }
 }
 
+// Block b of a Q6_K row: its low-nibble bytes, high-bit bytes, two 16-weight scales, and k
+// (block b is the k-th 32-block of its half of the super-block; module comment above).
+struct Q6Block {
+  const uint8_t *ql, *qh;
+  const int8_t* sc;
+  int64_t k;
+};
+
+inline Q6Block q6_block(const uint8_t* row, int64_t b) {
+  const uint8_t* sb = row + (b >> 3) * unit_bytes(kQ6_K);
+  const int64_t h = (b & 7) >> 2, k = b & 3;
+  return {sb + 64 * h + 32 * (k & 1), sb + 128 + 32 * h,
+          reinterpret_cast<const int8_t*>(sb + 192 + 8 * h + 2 * k), k};
+}
+
 // Block b of a row: its 32 integer quants q (w = d * q + m; Q6_K's include their scale).
 template <int64_t fmt>
 inline void block_quants(const uint8_t* row, int64_t b, int32_t* q) {
-  if constexpr (!is_kquant(fmt)) {
+  if constexpr (is_q5(fmt)) {
+    const uint8_t* blk = row + b * unit_bytes(fmt) + (fmt == kQ5_1 ? 4 : 2);
+    uint32_t qh;
+    std::memcpy(&qh, blk, 4);
+    for (int j = 0; j < kBlock; ++j) {
+      q[j] = (j < 16 ? blk[4 + j] & 15 : blk[4 + j - 16] >> 4) | (((qh >> j) & 1) << 4);
+    }
+  } else if constexpr (!is_kquant(fmt)) {
     const uint8_t* qs = row + b * unit_bytes(fmt) + (fmt == kQ4_1 ? 4 : 2);
     for (int j = 0; j < kBlock; ++j) {
       q[j] = fmt == kQ8_0 ? static_cast<int8_t>(qs[j]) : j < 16 ? qs[j] & 15 : qs[j - 16] >> 4;
     }
   } else if constexpr (fmt == kQ6_K) {
-    const uint8_t* sb = row + (b >> 3) * unit_bytes(fmt);
-    const int64_t h = (b & 7) >> 2, k = b & 3;
-    const uint8_t* ql = sb + 64 * h + 32 * (k & 1);
-    const uint8_t* qh = sb + 128 + 32 * h;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(sb + 192 + 8 * h + 2 * k);
+    const Q6Block q6 = q6_block(row, b);
     for (int l = 0; l < kBlock; ++l) {
-      const int32_t low = k < 2 ? ql[l] & 15 : ql[l] >> 4;
-      q[l] = sc[l / 16] * ((low | (((qh[l] >> (2 * k)) & 3) << 4)) - 32);
+      const int32_t low = q6.k < 2 ? q6.ql[l] & 15 : q6.ql[l] >> 4;
+      q[l] = q6.sc[l / 16] * ((low | (((q6.qh[l] >> (2 * q6.k)) & 3) << 4)) - 32);
     }
   } else {
     const uint8_t* sb = row + (b >> 3) * unit_bytes(fmt);
@@ -189,27 +217,38 @@ inline void widen_block(const uint8_t* row, int64_t b, __m256i& w0, __m256i& w1)
     const uint8_t* blk = row + b * unit_bytes(fmt);
     w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
     w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
+  } else if constexpr (is_q5(fmt)) {
+    const uint8_t* blk = row + b * unit_bytes(fmt) + (fmt == kQ5_1 ? 4 : 2);
+    uint32_t qh;
+    std::memcpy(&qh, blk, 4);
+    const __m256i bytes = widen16(blk + 4);
+    // lane j of the first half holds bit j of qh, of the second bit j + 16: as 16 or 0
+    const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
+                                          16384, static_cast<int16_t>(-32768));
+    const __m256i sixteen = _mm256_set1_epi16(16);
+    const auto high = [&](uint32_t bits) {
+      const __m256i set = _mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(bits)), bit);
+      return _mm256_and_si256(_mm256_cmpeq_epi16(set, bit), sixteen);
+    };
+    w0 = _mm256_or_si256(_mm256_and_si256(bytes, low4), high(qh & 0xffff));
+    w1 = _mm256_or_si256(_mm256_srli_epi16(bytes, 4), high(qh >> 16));
   } else if constexpr (!is_kquant(fmt)) {
     const __m256i bytes = widen16(row + b * unit_bytes(fmt) + (fmt == kQ4_1 ? 4 : 2));
     w0 = _mm256_and_si256(bytes, low4);
     w1 = _mm256_srli_epi16(bytes, 4);
   } else if constexpr (fmt == kQ6_K) {
-    const uint8_t* sb = row + (b >> 3) * unit_bytes(fmt);
-    const int64_t h = (b & 7) >> 2, k = b & 3;
-    const uint8_t* ql = sb + 64 * h + 32 * (k & 1);
-    const uint8_t* qh = sb + 128 + 32 * h;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(sb + 192 + 8 * h + 2 * k);
-    const __m128i hshift = _mm_cvtsi32_si128(static_cast<int>(2 * k));
+    const Q6Block q6 = q6_block(row, b);
+    const __m128i hshift = _mm_cvtsi32_si128(static_cast<int>(2 * q6.k));
     const __m256i three = _mm256_set1_epi16(3), bias = _mm256_set1_epi16(32);
     __m256i q[2];
     for (int i = 0; i < 2; ++i) {
-      __m256i low = widen16(ql + 16 * i);
-      low = k < 2 ? _mm256_and_si256(low, low4) : _mm256_srli_epi16(low, 4);
-      const __m256i high = _mm256_and_si256(_mm256_srl_epi16(widen16(qh + 16 * i), hshift), three);
+      __m256i low = widen16(q6.ql + 16 * i);
+      low = q6.k < 2 ? _mm256_and_si256(low, low4) : _mm256_srli_epi16(low, 4);
+      const __m256i high = _mm256_and_si256(_mm256_srl_epi16(widen16(q6.qh + 16 * i), hshift), three);
       q[i] = _mm256_sub_epi16(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), bias);
     }
-    w0 = _mm256_mullo_epi16(q[0], _mm256_set1_epi16(sc[0]));
-    w1 = _mm256_mullo_epi16(q[1], _mm256_set1_epi16(sc[1]));
+    w0 = _mm256_mullo_epi16(q[0], _mm256_set1_epi16(q6.sc[0]));
+    w1 = _mm256_mullo_epi16(q[1], _mm256_set1_epi16(q6.sc[1]));
   } else {
     const uint8_t* sb = row + (b >> 3) * unit_bytes(fmt);
     const int64_t j = b & 7;
@@ -233,7 +272,7 @@ inline void widen_block(const uint8_t* row, int64_t b, __m256i& w0, __m256i& w1)
 // Block b of a row -> w[0..3], 8 weights each (elements 0-7, 8-15, 16-23, 24-31).
 template <int64_t fmt>
 inline void dequant_block_avx2(const uint8_t* row, int64_t b, __m256 w[4]) {
-  if constexpr (is_kquant(fmt)) {
+  if constexpr (fmt != kQ4_0 && fmt != kQ4_1 && fmt != kQ8_0) {  // through the int16 quants
     float d, m;
     block_scales<fmt>(row, b, d, m);
     __m256i q0, q1;
@@ -499,7 +538,8 @@ inline void transpose8(__m256i r[8]) {  // 8x8 int32: r[i] lane j <- r[j] lane i
   }
 }
 
-// The fp16 scale d (and Q4_1's offset m) of block `off` of 8 weight rows, as 8 float lanes.
+// The fp16 scale d (and Q4_1's / Q5_1's offset m) of block `off` of 8 weight rows, as 8
+// float lanes.
 template <int64_t fmt>
 inline void block_scales8(const uint8_t* const* rows, int64_t off, __m256& d, __m256& m) {
   auto half2 = [&](int i) {  // (d, m) of row i: 4 bytes (Q8_0/Q4_0: d and 2 bytes of quants)
@@ -513,8 +553,9 @@ inline void block_scales8(const uint8_t* const* rows, int64_t off, __m256& d, __
   const __m128i split = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
   const __m128i l = _mm_shuffle_epi8(lo, split), h = _mm_shuffle_epi8(hi, split);
   d = _mm256_cvtph_ps(_mm_unpacklo_epi64(l, h));
-  if (fmt == kQ4_1) m = _mm256_cvtph_ps(_mm_unpackhi_epi64(l, h));
+  if (fmt == kQ4_1 || fmt == kQ5_1) m = _mm256_cvtph_ps(_mm_unpackhi_epi64(l, h));
   else if (fmt == kQ4_0) m = _mm256_mul_ps(_mm256_set1_ps(-8.f), d);
+  else if (fmt == kQ5_0) m = _mm256_mul_ps(_mm256_set1_ps(-16.f), d);
   else m = _mm256_setzero_ps();
 }
 
