@@ -13,7 +13,15 @@ logprobs are taken twice: in one long forward per chunk (prefill-sized: the int1
 `--step` tokens a forward, each request extending the cached prefix (decode-sized: the
 weight-streaming kernels).
 
+With `--model FILE` (a GGUF; default the embedded model) and `--llamacpp`, llama.cpp
+(llama-cpp-python, the bench extra) reads the same file and text: its perplexity and greedy
+continuations (the same token ids fed, argmax of its logits) are a row of their own, and
+`vs_llamacpp` compares radixserve's default mode (`auto`) with it: the perplexity ratio and
+the greedy continuations identical to llama.cpp's.
+
     python benchmarks/eval_quant.py --data-path path/to/gsm8k --json out.json
+    python benchmarks/eval_quant.py --model models/smollm2-135m-Q4_K_M.gguf --modes auto \\
+        --llamacpp --data-path path/to/gsm8k
 """
 
 from __future__ import annotations
@@ -79,6 +87,39 @@ def greedy(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
     return [r["output_ids"] for r in (res if isinstance(res, list) else [res])]
 
 
+class LlamaCppRef:
+    """llama.cpp on the same GGUF: teacher-forced logprobs and greedy continuations."""
+
+    def __init__(self, model: Path, n_ctx: int, threads: int) -> None:
+        import llama_cpp  # the bench extra
+
+        self.llm = llama_cpp.Llama(
+            str(model), n_ctx=n_ctx, logits_all=True, n_threads=threads, verbose=False
+        )
+
+    def logprobs(self, chunks: list[list[int]]) -> torch.Tensor:
+        rows = []
+        for ids in chunks:
+            self.llm.reset()
+            self.llm.eval(ids)
+            logits = torch.from_numpy(self.llm.scores[: len(ids) - 1]).double()  # (T - 1, V)
+            lp = logits.log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+            rows.append(lp)
+        return torch.stack(rows)
+
+    def greedy(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        outs = []
+        for ids in prompts:
+            self.llm.reset()
+            self.llm.eval(ids)
+            out: list[int] = []
+            for _ in range(n):
+                out.append(int(self.llm.scores[self.llm.n_tokens - 1].argmax()))
+                self.llm.eval([out[-1]])
+            outs.append(out)
+        return outs
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -91,19 +132,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--greedy-tokens", type=int, default=32)
     ap.add_argument("--step", type=int, default=8, help="tokens a forward, decode-sized pass")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--model", type=Path, default=None, help="a GGUF (default: the embedded)")
+    ap.add_argument("--llamacpp", action="store_true", help="llama.cpp on the same file too")
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    model = str(args.model) if args.model else None
     results: dict[str, dict[str, Any]] = {}
     ref_lp: torch.Tensor | None = None
     ref_steps: torch.Tensor | None = None
     ref_out: list[list[int]] | None = None
-    for mode in ("none", *[m for m in args.modes if m != "none"]):
-        engine = Engine(quantization=mode, dtype="float32")
-        chunks = texts(args, engine.tokenizer)
-        lp = logprobs(engine, chunks)
-        steps = stepped_logprobs(engine, chunks, args.step)
-        out = greedy(engine, [c[:64] for c in chunks], args.greedy_tokens)
-        engine.shutdown()
+    outputs: dict[str, tuple[torch.Tensor, list[list[int]]]] = {}
+    chunks: list[list[int]] = []  # the text, tokenized by the first engine
+    runs = ("none", *[m for m in args.modes if m != "none"], *(["llama.cpp"] * args.llamacpp))
+    for mode in runs:
+        if mode == "llama.cpp":
+            assert args.model is not None, "--llamacpp needs --model FILE.gguf"
+            ref = LlamaCppRef(args.model, args.chunk_tokens + args.greedy_tokens, args.threads)
+            lp = ref.logprobs(chunks)
+            assert ref_steps is not None  # (`none` ran first)
+            steps = lp[:, : ref_steps.shape[1]]  # one way of running it: a chunk a forward
+            out = ref.greedy([c[:64] for c in chunks], args.greedy_tokens)
+        else:
+            engine = Engine(model, quantization=mode, dtype="float32")
+            chunks = texts(args, engine.tokenizer)
+            lp = logprobs(engine, chunks)
+            steps = stepped_logprobs(engine, chunks, args.step)
+            out = greedy(engine, [c[:64] for c in chunks], args.greedy_tokens)
+            engine.shutdown()
+        outputs[mode] = (lp, out)
         ref_lp = lp if ref_lp is None else ref_lp
         ref_steps = lp[:, : steps.shape[1]] if ref_steps is None else ref_steps  # none, one pass
         ref_out = out if ref_out is None else ref_out
@@ -131,8 +188,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"greedy identical {r['greedy_identical']}/{r['greedy_prompts']},",
             f"common prefix {r['mean_common_prefix']:.1f}/{args.greedy_tokens}",
         )
-    res = {"isa": cpu_isa(), "tokens": int(ref_lp.numel()) if ref_lp is not None else 0,
-           "modes": results}  # fmt: skip
+    res: dict[str, Any] = {"isa": cpu_isa(), "model": model or "embedded",
+                           "tokens": int(ref_lp.numel()) if ref_lp is not None else 0,
+                           "modes": results}  # fmt: skip
+    if "llama.cpp" in outputs and "auto" in outputs:
+        (ours, our_out), (theirs, their_out) = outputs["auto"], outputs["llama.cpp"]
+        res["vs_llamacpp"] = {
+            "perplexity_ratio": float(torch.exp(-ours.mean()) / torch.exp(-theirs.mean())),
+            "mean_abs_logprob_delta": float((ours - theirs).abs().mean()),
+            "greedy_identical": sum(a == b for a, b in zip(our_out, their_out)),
+            "greedy_prompts": len(our_out),
+        }
+        print(f"auto vs llama.cpp: {res['vs_llamacpp']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

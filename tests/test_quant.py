@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -450,3 +451,97 @@ def test_native_layers_stay_off_where_they_do_not_apply(tiny_model_dir: Path) ->
     bf16, _ = load_model(tiny_model_dir, torch.bfloat16, quantization="int8")
     for model in (plain, bf16):
         assert all(layer.native is None for layer in model.model.layers)
+
+
+# ---- a GGUF laid out as llama.cpp's Q4_K_M --------------------------------------------
+
+
+def write_q4_k_m_layout(path: Path) -> Path:
+    """A tiny Llama GGUF with Q4_K_M's mix of types: q/k/o/gate/up Q4_K, v and down Q6_K, a
+    tied Q6_K embedding, Q5_0 in one layer's gate (llama.cpp's fallback for narrow rows),
+    F32 norms; random blocks, the embedded tokenizer."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.make_gguf import copy_tokenizer, embedded_gguf
+
+    reader = gguf.GGUFReader(embedded_gguf())
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
+    hidden, layers, heads, kv_heads, ffn = 256, 2, 4, 2, 512
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(1024)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    copy_tokenizer(reader, w)
+    seed = iter(range(100))
+
+    def add(name: str, rows: int, cols: int, fmt: str) -> None:
+        blocks = llama_cpp_blocks(rows, cols, fmt, next(seed)).numpy()
+        w.add_tensor(name, blocks, raw_dtype=GGML[fmt])
+
+    add("token_embd.weight", vocab, hidden, "q6_k")
+    w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    kv = kv_heads * hidden // heads
+    for i in range(layers):
+        b = f"blk.{i}."
+        w.add_tensor(b + "attn_norm.weight", np.ones(hidden, dtype=np.float32))
+        w.add_tensor(b + "ffn_norm.weight", np.ones(hidden, dtype=np.float32))
+        add(b + "attn_q.weight", hidden, hidden, "q4_k")
+        add(b + "attn_k.weight", kv, hidden, "q4_k")
+        add(b + "attn_v.weight", kv, hidden, "q6_k")
+        add(b + "attn_output.weight", hidden, hidden, "q4_k")
+        add(b + "ffn_gate.weight", ffn, hidden, "q5_0" if i == 1 else "q4_k")
+        add(b + "ffn_up.weight", ffn, hidden, "q4_k")
+        add(b + "ffn_down.weight", hidden, ffn, "q6_k")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def mapped_path(ptr: int) -> str | None:
+    """The file this process has mapped at address `ptr` (/proc/self/maps), or None."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= ptr < end:
+            return rest[4] if len(rest) == 5 else None
+    return None
+
+
+def test_q4_k_m_layout_loads_every_projection_native_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every tensor of the file stays quantized (fused q/k/v and gate/up keep their parts of
+    different formats), in place in the file's memory map but for the un-permuted q/k
+    copies; the logits match the file dequantized to float32 (--quantization none) within
+    the int16 rounding of activations."""
+    monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path / "cache"))
+    file = write_q4_k_m_layout(tmp_path / "tiny-q4_k_m.gguf")
+    folder = resolve_model_path(str(file))
+    assert not list(folder.glob("*.safetensors"))  # the converted folder holds no weights
+    quantized, _ = load_model(folder, torch.float32)
+    plain, _ = load_model(folder, torch.float32, quantization="none")
+    layer = quantized.model.layers[1]
+    qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
+    assert [f.name for f in qkv.formats] == ["q4_k", "q4_k", "q6_k"]
+    assert [f.name for f in gate_up.formats] == ["q5_0", "q4_k"]
+    assert isinstance(quantized.model.embed_tokens, QuantLinear)  # tied: the head too
+    in_file = [
+        mapped_path(part.blocks.data_ptr()) == str(file)
+        for m in (qkv, layer.self_attn.o_proj, gate_up, layer.mlp.down_proj)
+        for part in m.parts
+    ]
+    assert in_file == [False, False, True, True, True, True, True]  # q, k un-permuted copies
+    ids = list(range(300, 340))
+    got = extend(quantized, FlatBackend(), *_pool(quantized, ids), ids, 0)
+    want = extend(plain, FlatBackend(), *_pool(plain, ids), ids, 0)
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 1e-3, rel
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9

@@ -11,12 +11,26 @@ business of the radix cache and the scheduler (`check_integrity` there counts th
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 
+import numpy as np
 import torch
 
 SORTED_ALLOC = 256  # allocations this large (prompt chunks) first put free slots in order
+
+
+def _zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, on_cpu: bool
+) -> torch.Tensor:
+    """Zeros. On a CPU from calloc (numpy's zeros): a large pool's pages come from the OS
+    zeroed as slots are first written, not all at start, so an idle server holds only what it
+    used; torch.zeros would write every byte up front."""
+    if not on_cpu:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class KVPool:
@@ -46,12 +60,9 @@ class KVPool:
         self.num_slots = num_slots
         self.capacity = num_slots - 1  # slot 0 is scratch
         shape = (num_slots, kv_heads, head_dim)
-        # On a CPU the pool's pages are taken from the OS as slots are first written, not at
-        # start (a fresh mapping reads as zeros until then): an idle server holds only what
-        # it used. A GPU pool is zeroed up front.
-        new = torch.empty if torch.device(device).type == "cpu" else torch.zeros
-        self.k = [new(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [new(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        on_cpu = torch.device(device).type == "cpu"
+        self.k = [_zeros(shape, dtype, device, on_cpu) for _ in range(num_layers)]
+        self.v = [_zeros(shape, dtype, device, on_cpu) for _ in range(num_layers)]
         self._is_free = torch.ones(num_slots, dtype=torch.bool)
         self._is_free[0] = False
         # A stack of free slots, descending when sorted: pops hand out ascending runs.

@@ -560,30 +560,37 @@ inline void block_scales8(const uint8_t* const* rows, int64_t off, __m256& d, __
 }
 
 // K-quants: super-block `sb` of 8 weight rows -> d[j], m[j] = sub-block j's scale and offset
-// of the 8 rows (lane i = row i), decoded once for the super-block's 8 blocks.
+// of the 8 rows (lane i = row i), decoded once for the super-block's 8 blocks: the scales[12]
+// bit layout of scale_min, for 8 rows a vector (a lane holds one row's 4 bytes of a word).
 template <int64_t fmt>
 inline void super_scales8(const uint8_t* const* rows, int64_t sb, __m256 d[8], __m256 m[8]) {
-  alignas(32) float dh[8];
-  for (int i = 0; i < 8; ++i) dh[i] = half_to_float(rows[i] + sb * unit_bytes(fmt) + (fmt == kQ6_K ? 208 : 0));
+  const int64_t at = sb * unit_bytes(fmt);
+  alignas(32) float dh[8], mh[8];
+  for (int i = 0; i < 8; ++i) dh[i] = half_to_float(rows[i] + at + (fmt == kQ6_K ? 208 : 0));
   if constexpr (fmt == kQ6_K) {
     for (int j = 0; j < 8; ++j) d[j] = _mm256_load_ps(dh), m[j] = _mm256_setzero_ps();
     return;
   }
-  for (int i = 0; i < 8; ++i) {  // the scales[12] bit layout of scale_min, 4 sub-blocks a word
-    const uint8_t* p = rows[i] + sb * unit_bytes(fmt);
-    uint32_t a, b, c;
-    std::memcpy(&a, p + 4, 4), std::memcpy(&b, p + 8, 4), std::memcpy(&c, p + 12, 4);
-    const uint64_t sc = (a & 0x3f3f3f3fu) | uint64_t((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
-    const uint64_t mn = (b & 0x3f3f3f3fu) | uint64_t(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
-    const auto lanes = [](uint64_t v) {
-      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(v))));
-    };
-    d[i] = _mm256_mul_ps(lanes(sc), _mm256_set1_ps(dh[i]));
-    m[i] = _mm256_mul_ps(lanes(mn), _mm256_set1_ps(-half_to_float(p + 2)));
+  for (int i = 0; i < 8; ++i) mh[i] = -half_to_float(rows[i] + at + 2);
+  const auto word = [&](int64_t off) {  // bytes [off, off + 4) of each row's super-block
+    alignas(32) int32_t v[8];
+    for (int i = 0; i < 8; ++i) std::memcpy(&v[i], rows[i] + at + off, 4);
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(v));
+  };
+  const __m256i a = word(4), b = word(8), c = word(12);
+  const __m256i low6 = _mm256_set1_epi32(0x3f3f3f3f), low4 = _mm256_set1_epi32(0x0f0f0f0f);
+  const __m256i top2 = _mm256_set1_epi32(0x30303030), byte = _mm256_set1_epi32(0xff);
+  const __m256i sc[2] = {_mm256_and_si256(a, low6),
+                         _mm256_or_si256(_mm256_and_si256(c, low4), _mm256_and_si256(_mm256_srli_epi32(a, 2), top2))};
+  const __m256i mn[2] = {_mm256_and_si256(b, low6),
+                         _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(c, 4), low4),
+                                         _mm256_and_si256(_mm256_srli_epi32(b, 2), top2))};
+  const __m256 dv = _mm256_load_ps(dh), mv = _mm256_load_ps(mh);
+  for (int j = 0; j < 8; ++j) {  // sub-block j: byte j % 4 of the word for j < 4 or j >= 4
+    const __m256i shift = _mm256_set1_epi32(8 * (j % 4));
+    d[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(sc[j / 4], shift), byte)), dv);
+    m[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(mn[j / 4], shift), byte)), mv);
   }
-  __m256i* di = reinterpret_cast<__m256i*>(d);  // rows x sub-blocks -> sub-blocks x rows
-  __m256i* mi = reinterpret_cast<__m256i*>(m);
-  transpose8(di), transpose8(mi);
 }
 
 // out[0..8) = x row 0 . weight rows n..n+8 (one row of x: the batch-1 decode case). Per block
