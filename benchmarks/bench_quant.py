@@ -1,13 +1,16 @@
-"""Quantized linears vs float32 F.linear, side by side in one run, on SmolLM2's shapes.
+"""Quantized linears vs float32 F.linear, side by side in one run, on SmolLM2's and the
+Llama-3.2-1B shapes.
 
 For each weight shape (N, K) and rows M: float32 `F.linear` on the dequantized weight, and
-the native kernels of radixserve/models/quant.py on the same weight in Q4_1 / Q8_0: `small`
+the native kernels of radixserve/models/quant.py on the same weight (the embedded model's
+Q4_1 / Q8_0, or each of `--formats`, K-quants included): `small`
 (int16 activations, weights streamed: the decode kernel), `gemm` (int16 activations, the
 int16 GEMM), `tiled` (dequantize tiles into sgemm) and `bf16` (bf16 x, bf16 tiles into the
 bf16 GEMM). Prints ms per call and the weight-read bound (bytes / measured bandwidth): the
 measurements behind Format.small_m (small vs gemm) and BF16_TILED_M (gemm vs bf16).
 
     python benchmarks/bench_quant.py --json benchmarks/results/quant.json
+    python benchmarks/bench_quant.py --shapes 1b_gate_up --formats q4_0 q4_k q6_k --rows 1 16
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from make_gguf import random_blocks
 from roofline import measure_read_bandwidth
 
 from radixserve.isa import cpu_isa
 from radixserve.models import quant
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
-          "lm_head": (49152, 576)}  # fmt: skip
+          "lm_head": (49152, 576), "1b_qkv": (3072, 2048), "1b_gate_up": (16384, 2048),
+          "1b_down": (2048, 8192)}  # fmt: skip
 
 
 def best_ms(fn: Callable[[int], Any], copies: int, repeats: int) -> float:
@@ -46,7 +51,12 @@ def bench_shape(name: str, n: int, k: int, fmt: str, rows: list[int], repeats: i
     native = quant.ops()
     assert native is not None, "the quantized kernels did not build"
     copies = max(1, (192 << 20) // (n * k * 4))  # > any L3 here, in float32
-    blocks = [quant.quantize(torch.randn(n, k) * 0.05, fmt) for _ in range(copies)]
+    blocks = [
+        torch.from_numpy(random_blocks(n, k, fmt, seed))
+        if fmt in quant.LLAMA_CPP_ONLY
+        else quant.quantize(torch.randn(n, k) * 0.05, fmt)
+        for seed in range(copies)
+    ]
     ws = [quant.dequantize(b, fmt, k) for b in blocks]  # (N, K) float32, the same weights
     code = quant.FORMATS[fmt].code
     out = []
@@ -74,6 +84,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 256, 1024])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--formats", nargs="+", default=None, choices=list(quant.FORMATS),
+                    help="each shape in each format (default: the embedded model's)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -81,8 +93,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"CPU ISA {cpu_isa()}, {torch.get_num_threads()} threads, read {bw / 1e9:.1f} GB/s")
     rows: list[dict[str, Any]] = []
     for name in args.shapes:
-        fmt = "q8_0" if name == "lm_head" else "q4_1"  # as in the embedded GGUF
-        rows += bench_shape(name, *SHAPES[name], fmt, args.rows, args.repeats, bw)
+        embedded = "q8_0" if name == "lm_head" else "q4_1"  # as in the embedded GGUF
+        for fmt in args.formats or [embedded]:
+            rows += bench_shape(name, *SHAPES[name], fmt, args.rows, args.repeats, bw)
     res = {"isa": cpu_isa(), "threads": torch.get_num_threads(), "read_bw": bw, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:

@@ -30,6 +30,8 @@ import numpy as np
 from gguf import GGUFReader, GGUFWriter, ReaderTensor
 from gguf.quants import dequantize
 
+from radixserve.models.quant import FORMATS as FORMATS_BY_NAME
+
 # llama.cpp's llama_ftype values (include/llama.h)
 FTYPES = {"F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
 EMBEDDED = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -205,6 +207,21 @@ def make(shape_name: str, types: list[str], out_dir: Path, seed: int, threads: i
     if "F16" not in types:
         f16.unlink()
     return made
+
+
+def random_blocks(n: int, k: int, fmt: str, seed: int) -> np.ndarray:
+    """(N, K) weights in one of the formats only llama.cpp makes (quant.LLAMA_CPP_ONLY), as
+    (N, row bytes) uint8: random bytes (every pattern of scales and quants is a valid block)
+    with finite fp16 scales of a realistic size. For kernel tests and benchmarks."""
+    f = FORMATS_BY_NAME[fmt]
+    g = np.random.default_rng(seed)
+    b = g.integers(0, 256, size=(n, k // f.block, f.block_bytes), dtype=np.uint8)
+    step = 0.05 / (64 if f.block == 256 else 16)  # a K-quant's sub-scale multiplies up to 63
+    scales = (g.uniform(0.5, 1.5, size=(n, k // f.block, 2)) * step).astype(np.float16)
+    scales[..., 1] *= -1 if fmt == "q5_1" else 1  # Q5_1's second field is an offset m
+    at, count = {"q6_k": (208, 1), "q5_0": (0, 1)}.get(fmt, (0, 2))  # fp16 fields: where, how many
+    b[..., at : at + 2 * count] = scales[..., :count].view(np.uint8)
+    return b.reshape(n, -1)
 
 
 def main() -> None:

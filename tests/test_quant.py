@@ -17,7 +17,9 @@ from gguf.quants import dequantize as gguf_dequantize
 from helpers import alloc_slots, extend, greedy_generate, make_pool
 from test_model_sources import tiny_qwen2
 
-from radixserve import Engine, kernels
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: benchmarks/
+from benchmarks.make_gguf import copy_tokenizer, embedded_gguf, random_blocks  # noqa: E402
+from radixserve import Engine, kernels  # noqa: E402
 from radixserve.attention.flat import FlatBackend
 from radixserve.config import EngineConfig
 from radixserve.isa import cpu_isa, fast_cpu_bf16, resolve_dtype
@@ -45,24 +47,9 @@ LEGACY = ["q4_0", "q4_1", "q8_0"]  # the formats radixserve can quantize to itse
 REL_TOL = 1e-5
 
 
-def llama_cpp_blocks(n: int, k: int, fmt: str, seed: int) -> torch.Tensor:
-    """(N, K) weights in a format only llama.cpp makes: random bytes (every pattern of
-    scales and quants is a valid block) with finite fp16 scales of a realistic size."""
-    f = FORMATS[fmt]
-    g = np.random.default_rng(seed)
-    b = g.integers(0, 256, size=(n, k // f.block, f.block_bytes), dtype=np.uint8)
-    step = 0.05 / (64 if f.block == 256 else 16)  # a sub-scale up to 63 multiplies K-quants'
-    scales = (g.uniform(0.5, 1.5, size=(n, k // f.block, 2)) * step).astype(np.float16)
-    scales[..., 1] *= -1 if fmt == "q5_1" else 1  # Q5_1's second field is an offset m
-    fields = {"q6_k": (208, 1), "q5_0": (0, 1)}.get(fmt, (0, 2))  # (offset, fp16 fields)
-    at, count = fields
-    b[..., at : at + 2 * count] = scales[..., :count].view(np.uint8)
-    return torch.from_numpy(b.reshape(n, -1).copy())
-
-
 def _weights(n: int, k: int, fmt: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     if fmt in LLAMA_CPP_ONLY:
-        blocks = llama_cpp_blocks(n, k, fmt, seed)
+        blocks = torch.from_numpy(random_blocks(n, k, fmt, seed))
     else:
         g = torch.Generator().manual_seed(seed)
         blocks = quantize(torch.randn(n, k, generator=g) * 0.05, fmt)
@@ -460,9 +447,6 @@ def write_q4_k_m_layout(path: Path) -> Path:
     """A tiny Llama GGUF with Q4_K_M's mix of types: q/k/o/gate/up Q4_K, v and down Q6_K, a
     tied Q6_K embedding, Q5_0 in one layer's gate (llama.cpp's fallback for narrow rows),
     F32 norms; random blocks, the embedded tokenizer."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks.make_gguf import copy_tokenizer, embedded_gguf
-
     reader = gguf.GGUFReader(embedded_gguf())
     vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
     hidden, layers, heads, kv_heads, ffn = 256, 2, 4, 2, 512
@@ -481,7 +465,7 @@ def write_q4_k_m_layout(path: Path) -> Path:
     seed = iter(range(100))
 
     def add(name: str, rows: int, cols: int, fmt: str) -> None:
-        blocks = llama_cpp_blocks(rows, cols, fmt, next(seed)).numpy()
+        blocks = random_blocks(rows, cols, fmt, next(seed))
         w.add_tensor(name, blocks, raw_dtype=GGML[fmt])
 
     add("token_embd.weight", vocab, hidden, "q6_k")
