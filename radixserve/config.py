@@ -199,7 +199,6 @@ class EngineConfig:
     def hicache_enabled(self) -> bool:
         return self.hicache_size > 0 or self.hicache_remote is not None or self.hicache_reposition
 
-    @property
     def hicache_key(self) -> bytes:
         """The tiers' MAC key (see `hicache_secret`); a random one when none is set, so call
         it once per process."""

@@ -227,7 +227,7 @@ def make_prefix_cache(
     if not config.hicache_enabled:
         return RadixCache(pool)
     layout = pool_layout(pool)
-    codec = ChunkCodec(layout, config.hicache_key)
+    codec = ChunkCodec(layout, config.hicache_key())
     local: list[TierStore] = []
     tier_bytes = 0  # what the local tiers hold, for the reposition index's bound
     if config.hicache_size > 0:

@@ -53,8 +53,8 @@ def load_model(
     """Build our model from an HF checkpoint folder, weights cast to `dtype` on `device`.
 
     `quantization` (the one place weights' storage is chosen, logged):
-    - "auto": a folder converted from a GGUF keeps the file's Q4_0 / Q4_1 / Q8_0 / Q4_K /
-      Q5_K / Q6_K tensors quantized, in place in the file's memory map (QuantLinear;
+    - "auto": a folder converted from a GGUF keeps the file's Q4_0 / Q4_1 / Q5_0 / Q5_1 /
+      Q8_0 / Q4_K / Q5_K / Q6_K tensors quantized, in place in the file's memory map (QuantLinear;
       float32 compute), and dequantizes other types with a warning naming them and their
       memory; an HF folder loads as `dtype`. Tensor
       parallelism (tp_size > 1), non-CPU devices and CPUs where the native kernels do not

@@ -206,15 +206,20 @@ class QuantLinear(nn.Module):
         if native is not None and bf16_tiles and fast_cpu_bf16():
             x2 = x2.contiguous()
             y = torch.cat(
-                [native.qmatmul_tiled(x2, p.blocks, FORMATS[p.fmt].code, p.in_features)
-                 for p in self.parts], dim=1,
+                [native.qmatmul_tiled(x2, b, f.code, self.in_features)
+                 for b, f in zip(self._blocks(), self.formats)], dim=1,
             )  # fmt: skip
             y = y if self.bias is None else y.add_(self.bias)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()  # (M, K)
         if native is None:
-            w = torch.cat([dequantize(p.blocks, p.fmt, p.in_features) for p in self.parts])
+            w = torch.cat(
+                [
+                    dequantize(b, f.name, self.in_features)
+                    for b, f in zip(self._blocks(), self.formats)
+                ]
+            )
             y = x2 @ w.T if self.bias is None else x2 @ w.T + self.bias
         else:  # float32 throughout; one rounding to x's dtype, after the bias
             y = native.qlinear(x2, self._native_arg or self.native_arg())

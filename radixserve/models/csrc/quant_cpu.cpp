@@ -520,24 +520,6 @@ void dot_rows8(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, floa
 #endif
 
 #ifdef RS_AVX2
-inline void transpose8(__m256i r[8]) {  // 8x8 int32: r[i] lane j <- r[j] lane i
-  __m256i t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
-    r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
-  }
-}
-
 // The fp16 scale d (and Q4_1's / Q5_1's offset m) of block `off` of 8 weight rows, as 8
 // float lanes.
 template <int64_t fmt>
@@ -641,12 +623,29 @@ void dot_wrows8(const uint8_t* w, int64_t fmt, int64_t row_bytes, int64_t nb, co
 
 #ifdef RS_AVX2
 // qmatmul_gemm: x's int16 quants transposed so that a vector holds one int16 pair (x[2j],
-// x[2j + 1]) of each of 8 rows (transpose8): a madd with a broadcast pair of weights then
-// gives the block sums of 8 rows for one column in one int32 vector, with no horizontal
-// reduction, and the block is scaled per lane (d_x of each row times d_w), as in dot_rows8.
-// madd does 16 multiply-adds per instruction against 8 for a float32 FMA, so this outruns
-// dequantize + sgemm; the weights are only widened (kBlockCols columns at a time), never
-// transposed.
+// x[2j + 1]) of each of 8 rows: a madd with a broadcast pair of weights then gives the block
+// sums of 8 rows for one column in one int32 vector, with no horizontal reduction, and the
+// block is scaled per lane (d_x of each row times d_w), as in dot_rows8. madd does 16
+// multiply-adds per instruction against 8 for a float32 FMA, so this outruns dequantize +
+// sgemm; the weights are only widened (kBlockCols columns at a time), never transposed.
+inline void transpose8(__m256i r[8]) {  // 8x8 int32: r[i] lane j <- r[j] lane i
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+  }
+}
+
 constexpr int64_t kCols = 4;         // weight columns per register block
 constexpr int64_t kRowGroups = 2;    // groups of 8 rows of x per register block
 constexpr int64_t kChunkGroups = 16; // groups of x per pass over the widened columns (L2)
