@@ -37,16 +37,13 @@ speedup = radixserve vs the faster llama.cpp setting of the row (> 1: radixserve
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import json
-import logging
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +52,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
 from benchmarks import eval_data  # noqa: E402
+from benchmarks.llamacpp_side import (  # noqa: E402
+    FLASH,
+    TEMPERATURE,
+    LlamaCpp,
+    LlamaRun,
+    peak_rss_bytes,
+)
 from benchmarks.roofline import (  # noqa: E402
     Roofline,
     measure_copy_bandwidth,
@@ -65,10 +69,7 @@ from benchmarks.roofline import (  # noqa: E402
 from radixserve.isa import fast_cpu_bf16  # noqa: E402
 from radixserve.models.resolve import embedded_gguf  # noqa: E402
 
-TEMPERATURE = 0.7
 THRESHOLDS = {3.0: "tab:green", 2.0: "tab:olive", 0.8: "tab:red"}  # speedup bars on the plot
-FLASH = {"off": 0, "on": 1}  # LLAMA_FLASH_ATTN_TYPE_DISABLED / _ENABLED
-I32 = ctypes.c_int32  # llama_token, llama_pos and llama_seq_id are all int32
 
 
 # ---------------------------------------------------------------- prompt
@@ -86,151 +87,6 @@ def prompt_ids(tokenizer: Any, tokens: int, data_path: str | None) -> list[int]:
     ids = tokenizer.encode(text)
     assert len(ids) >= tokens, f"{len(ids)} tokens of text for a {tokens}-token prompt"
     return ids[:tokens]
-
-
-# ---------------------------------------------------------------- llama.cpp
-
-
-@dataclass
-class LlamaRun:
-    prefill_s: float  # prompt decode + the first sampled token of every sequence
-    decode_s: float  # the remaining new_tokens - 1 steps
-    outputs: list[list[int]]  # sampled tokens per sequence
-
-    @property
-    def wall_s(self) -> float:
-        return self.prefill_s + self.decode_s
-
-
-class Batch:
-    """A llama_batch over ctypes arrays that Python owns (no llama_batch_init / _free), so
-    all P prompt tokens can point at ONE shared array of the B sequence ids instead of P
-    copies. `c` stays valid while this object lives; llama_decode only reads it.
-
-    seq_rows[i]: the sequence ids of token i (the same array object may serve many tokens).
-    """
-
-    def __init__(self, ll: Any, seq_rows: Sequence[ctypes.Array], logits: Sequence[int]) -> None:
-        n = len(seq_rows)
-        ptr = ctypes.POINTER(I32)
-        self.token, self.pos = (I32 * n)(), (I32 * n)()
-        self.n_seq_id = (I32 * n)(*(len(r) for r in seq_rows))
-        self.seq_id = (ptr * n)(*(ctypes.cast(r, ptr) for r in seq_rows))
-        self.logits = (ctypes.c_int8 * n)(*logits)
-        self.seq_rows = seq_rows  # the seq_id pointers point into these
-        self.c = ll.llama_batch(
-            n, self.token, None, self.pos, self.n_seq_id, self.seq_id, self.logits
-        )
-
-    def fill(self, tokens: Sequence[int], pos: Sequence[int]) -> Any:
-        self.token[:] = list(tokens)
-        self.pos[:] = list(pos)
-        return self.c
-
-
-def prompt_batch(ll: Any, prompt: list[int], n_seq: int) -> Batch:
-    """Every prompt token in sequences 0..n_seq-1, logits on the last token only."""
-    shared = (I32 * n_seq)(*range(n_seq))
-    batch = Batch(ll, [shared] * len(prompt), [0] * (len(prompt) - 1) + [1])
-    batch.fill(prompt, range(len(prompt)))
-    return batch
-
-
-def step_batch(ll: Any, n_seq: int) -> Batch:
-    """One decode step: token i in sequence i only, logits on for every token (row i)."""
-    return Batch(ll, [(I32 * 1)(i) for i in range(n_seq)], [1] * n_seq)
-
-
-class LlamaCpp:
-    """llama.cpp through llama-cpp-python's C API: one model; per row a fresh context sized
-    for it (n_ctx = P + B * new tokens, n_seq_max = B, n_batch >= P so the prompt is one
-    llama_decode; n_ubatch stays llama.cpp's default unless `ubatch` is given)."""
-
-    def __init__(self, path: Path, threads: int, ubatch: int | None) -> None:
-        import llama_cpp as ll  # optional dependency (the `bench` extra)
-
-        # its log hook prints everything while this logger is at NOTSET
-        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
-        ll.llama_backend_init()
-        self.ll, self.threads, self.ubatch = ll, threads, ubatch
-        self.model = ll.llama_model_load_from_file(
-            str(path).encode(), ll.llama_model_default_params()
-        )
-        assert self.model, f"llama.cpp could not load {path}"
-        self.n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.model))
-        self.system_info = ll.llama_print_system_info().decode().strip()
-        self.version = ll.__version__
-
-    @contextmanager
-    def context(self, n_ctx: int, n_seq: int, n_batch: int, flash: str) -> Iterator[Any]:
-        ll = self.ll
-        p = ll.llama_context_default_params()
-        p.n_ctx, p.n_batch, p.n_seq_max = n_ctx, n_batch, n_seq
-        if self.ubatch:
-            p.n_ubatch = self.ubatch
-        p.kv_unified = True  # one KV buffer for all sequences: the shared prompt stored once
-        p.n_threads = p.n_threads_batch = self.threads
-        p.flash_attn_type = FLASH[flash]
-        ctx = ll.llama_init_from_model(self.model, p)
-        assert ctx, f"llama.cpp context failed: n_ctx {n_ctx}, n_seq {n_seq}, flash {flash}"
-        try:
-            yield ctx
-        finally:
-            ll.llama_free(ctx)
-
-    @contextmanager
-    def sampler(self, seed: int) -> Iterator[Any]:
-        ll = self.ll
-        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
-        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(TEMPERATURE))
-        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
-        try:
-            yield chain
-        finally:
-            ll.llama_sampler_free(chain)  # frees the samplers the chain owns
-
-    def decode(self, ctx: Any, batch: Any) -> None:
-        rc = self.ll.llama_decode(ctx, batch)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc} (1: no KV slot, n_ctx too small)")
-
-    def generate(
-        self, ctx: Any, prompt: list[int], n_seq: int, new_tokens: int, seed: int
-    ) -> LlamaRun:
-        """Prefill `prompt` once for `n_seq` sequences, then sample exactly `new_tokens` per
-        sequence (EOS ignored) from a cleared memory."""
-        ll, p = self.ll, len(prompt)
-        first, step = prompt_batch(ll, prompt, n_seq), step_batch(ll, n_seq)
-        outputs: list[list[int]] = [[] for _ in range(n_seq)]
-        ll.llama_memory_clear(ll.llama_get_memory(ctx), True)
-        with self.sampler(seed) as smpl:
-            t0 = time.perf_counter()
-            self.decode(ctx, first.c)
-            for out in outputs:  # all sequences sample from the prompt's one output row
-                out.append(ll.llama_sampler_sample(smpl, ctx, p - 1))
-            t1 = time.perf_counter()
-            for pos in range(p, p + new_tokens - 1):  # positions of the tokens fed back
-                self.decode(ctx, step.fill([o[-1] for o in outputs], [pos] * n_seq))
-                for i, out in enumerate(outputs):
-                    out.append(ll.llama_sampler_sample(smpl, ctx, i))
-            t2 = time.perf_counter()
-        return LlamaRun(t1 - t0, t2 - t1, outputs)
-
-    def best_of(
-        self,
-        prompt: list[int],
-        n_seq: int,
-        new_tokens: int,
-        flash: str,
-        repeats: int,
-        key: Callable[[LlamaRun], float],
-    ) -> LlamaRun:
-        """A fresh context for the row, one short warm-up, the best (min `key`) of `repeats`."""
-        n_ctx = len(prompt) + n_seq * new_tokens
-        with self.context(n_ctx, n_seq, max(len(prompt), n_seq), flash) as ctx:
-            self.generate(ctx, prompt[:16], n_seq, 2, seed=0)  # threads, compute buffers
-            runs = [self.generate(ctx, prompt, n_seq, new_tokens, seed=r) for r in range(repeats)]
-        return min(runs, key=key)
 
 
 # ---------------------------------------------------------------- radixserve
@@ -529,7 +385,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--plot", default=None, help="PNG; one per model after the first (-1, -2)")
     ap.add_argument("--model", type=Path, nargs="+", default=None, help="GGUF files")
     ap.add_argument("--no-memory", action="store_true", help="skip the load / peak RSS rows")
-    ap.add_argument("--child", choices=["radixserve", "llamacpp"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ids", default="", help=argparse.SUPPRESS)  # --child's prompt
     return ap.parse_args(argv)
 
 
@@ -604,21 +461,25 @@ def run_model(args: argparse.Namespace, model: Path, roof: Roofline | None) -> d
                 print(f"{r['name']}: weight-read roofline {roof_rate:.1f} tok/s, radixserve at "
                       f"{100 * r['radixserve_of_roofline']:.0f} %")  # fmt: skip
     del radix, llama  # the memory rows' children get the machine to themselves
-    memory = None if args.no_memory else memory_rows(args, model, max(args.decode_prompt))
+    memory = None if args.no_memory else memory_rows(args, model, ids[: max(args.decode_prompt)])
     return {**info, "capacity_note": note, "loadavg_end": os.getloadavg(), "rows": rows,
             "memory": memory}  # fmt: skip
 
 
-def memory_rows(args: argparse.Namespace, model: Path, prompt: int) -> dict[str, Any]:
-    """Load seconds and peak RSS of each side in a fresh child process (see the docstring)."""
-    out = {}
-    sides = ["radixserve"] + ([] if args.skip_llamacpp else ["llamacpp"])
-    for side in sides:
-        extra = [x for a in args.engine_arg for x in ("--engine-arg", a)]
-        cmd = [sys.executable, __file__, "--child", side, "--model", str(model),
-               "--decode-prompt", str(prompt), "--new-tokens", str(args.new_tokens),
-               "--threads", str(args.threads), *extra]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+def memory_rows(args: argparse.Namespace, model: Path, prompt: list[int]) -> dict[str, Any]:
+    """Load seconds and peak RSS of each side in a fresh child process (see the docstring):
+    radixserve through this script's `--child`, llama.cpp through llamacpp_side.py, which
+    imports nothing of torch. Both get the same prompt ids."""
+    here = Path(__file__).resolve().parent
+    common = ["--model", str(model), "--ids", ",".join(map(str, prompt)),
+              "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]  # fmt: skip
+    extra = [x for a in args.engine_arg for x in ("--engine-arg", a)]
+    commands = {"radixserve": [str(here / "bench_vs_llamacpp.py"), "--child", *common, *extra]}
+    if not args.skip_llamacpp:
+        commands["llamacpp"] = [str(here / "llamacpp_side.py"), *common]
+    out: dict[str, Any] = {}
+    for side, cmd in commands.items():
+        done = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, check=True)
         out[side] = json.loads(done.stdout.strip().splitlines()[-1])
         print(f"{side}: load {out[side]['load_s']:.1f} s, peak RSS "
               f"{out[side]['peak_rss_bytes'] / 1e9:.2f} GB")  # fmt: skip
@@ -628,30 +489,15 @@ def memory_rows(args: argparse.Namespace, model: Path, prompt: int) -> dict[str,
 
 
 def child(args: argparse.Namespace) -> None:
-    """One side alone: load, prefill the prompt, decode; print load seconds and peak RSS."""
+    """radixserve alone: load, prefill the prompt `--ids`, decode; print load seconds and peak
+    RSS (llamacpp_side.py is llama.cpp's counterpart)."""
     torch.set_num_threads(args.threads)
     (model,) = args.model
-    n, p = args.new_tokens, args.decode_prompt[0]
     start = time.perf_counter()
-    if args.child == "radixserve":
-        radix = Radix(model, engine_args(args.engine_arg))
-        load_s = time.perf_counter() - start
-        radix.generate(prompt_ids(radix.tokenizer, p, None), 1, n)
-    else:
-        llama = LlamaCpp(model, args.threads, None)
-        load_s = time.perf_counter() - start
-        from transformers import AutoTokenizer  # the same ids as radixserve's
-
-        tokenizer = AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name)
-        llama.best_of(prompt_ids(tokenizer, p, None), 1, n, "on", 1, lambda r: r.wall_s)
+    radix = Radix(model, engine_args(args.engine_arg))
+    load_s = time.perf_counter() - start
+    radix.generate([int(t) for t in args.ids.split(",")], 1, args.new_tokens)
     print(json.dumps({"load_s": load_s, "peak_rss_bytes": peak_rss_bytes()}))
-
-
-def peak_rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
