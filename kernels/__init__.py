@@ -19,11 +19,11 @@ int64 (B + 1,) cumulative counts starting at 0):
   query per request (pool_private_attention with q_offsets = arange(B + 1))
 Each pool op takes an optional `prior` = (out, lse) of the same query rows over other keys
 and then returns the exact LSE merge of that state and its own (a shared segment's result
-passed to the private part, say): the "native" impl fuses it (its online softmax starts from
-the prior state, no merge pass, no stacked buffers), the others run merge_states.
-The "native" impl reads the rows in place; the others gather them (index_select) and run
-their dense op. `reads_pool_in_place` says which, so callers keep their own gather path
-(with reused scratch buffers) for the others.
+passed to the private part, say): the "native" and "triton" impls fuse it (their online
+softmax starts from the prior state, no stacked buffers), the others run merge_states.
+The "native" and "triton" impls read the rows in place; the others gather them
+(index_select) and run their dense op. `reads_pool_in_place` says which, so callers keep
+their own gather path (with reused scratch buffers) for the others.
 
 Outputs are new tensors (out in q's / outs' dtype); inputs are never modified. A row that sees
 no key (L == 0, or every merged part -inf) gets out 0 and lse -inf.
@@ -113,7 +113,7 @@ def resolve_impl(t: torch.Tensor) -> str:
 
 def reads_pool_in_place(t: torch.Tensor) -> bool:
     """Whether the pool_* ops read K/V rows in place for tensors like `t` (else they gather)."""
-    return resolve_impl(t) == "native"
+    return resolve_impl(t) in ("native", "triton")
 
 
 def _module(t: torch.Tensor) -> ModuleType:
@@ -184,8 +184,8 @@ def pool_segment_attention(
     """segment_attention over k_cache[slots] / v_cache[slots] -> (n, Hq, D), (n, Hq), merged
     with `prior` when given."""
     mod = _module(q)
-    if mod is native:
-        return native.pool_segment_attention(q, k_cache, v_cache, slots, scale, prior)
+    if reads_pool_in_place(q):
+        return mod.pool_segment_attention(q, k_cache, v_cache, slots, scale, prior)
     k, v = k_cache.index_select(0, slots), v_cache.index_select(0, slots)  # (L, Hkv, D)
     return _merged(mod, prior, mod.segment_attention(q, k, v, scale))
 
@@ -203,8 +203,8 @@ def pool_private_attention(
     """private_attention with request b's keys slots[kv_offsets[b]:kv_offsets[b + 1]] and
     queries q[q_offsets[b]:q_offsets[b + 1]] -> (T, Hq, D), (T, Hq), merged with `prior`."""
     mod = _module(q)
-    if mod is native:
-        return native.pool_private_attention(
+    if reads_pool_in_place(q):
+        return mod.pool_private_attention(
             q, k_cache, v_cache, slots, q_offsets, kv_offsets, scale, prior
         )
     q_lens, kv_lens = q_offsets.diff().tolist(), kv_offsets.diff().tolist()

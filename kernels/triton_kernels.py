@@ -7,7 +7,10 @@ Conventions shared by all kernels:
   and the natural-log LSE is recovered as ln(2) * (m + log2(l)).
 - Online softmax state per row: m (running max, base-2 logits), l (sum of 2^(s - m)),
   acc (sum of 2^(s - m) * v). A row that has seen no visible key has m = -inf, and m is
-  replaced by 0 before subtracting, so no inf - inf (NaN) is ever formed.
+  replaced by 0 before subtracting, so no inf - inf (NaN) is ever formed. A finished state
+  (out, lse) is resumed exactly as m = lse * log2(e), l = 1, acc = out.
+- Key rows are read in place: row j of a request is K[SLOTS[k0 + j]] (INDEXED: a KV pool
+  read by slot) or K[k0 + j] (dense, requests concatenated).
 - Head-dim loads are masked to HEAD_DIM (BLOCK_D is the next power of two, >= 16);
   the innermost (head-dim) stride is 1 (the wrappers guarantee it).
 """
@@ -17,140 +20,149 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
 def _attend_keys(
     q,  # (BLOCK_M, BLOCK_D) tile, input dtype
-    k_base,  # pointer to key 0 of this sequence and KV head
-    v_base,
+    m_i,  # (BLOCK_M,) fp32 running state, updated and returned
+    l_i,
+    acc,  # (BLOCK_M, BLOCK_D) fp32
+    k_head,  # pointer to row 0 of this KV head's keys
+    v_head,
+    slots,  # pointer to this request's first slot (INDEXED), else unused
+    k0,  # this request's first key row (dense)
     stride_kl,
     stride_vl,
-    hi,  # keys [0, hi) are loaded; per-row visibility is further limited by row_last
+    lo,  # keys [lo, hi) are loaded; per-row visibility is further limited by row_last
+    hi,
     row_last,  # (BLOCK_M,) int: last key index row may see (bottom-right causal, or hi - 1)
     qk_scale,
     offs_d,
     d_mask,
-    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    INDEXED: tl.constexpr,
 ):
-    """Flash-style online softmax of q against keys [0, hi): returns (acc, m, l)."""
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, hi, BLOCK_N):
+    """Flash-style online softmax of q against keys [lo, hi), continuing (m_i, l_i, acc)."""
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        ld_mask = (offs_n < hi)[:, None] & d_mask[None, :]
-        k = tl.load(k_base + offs_n[:, None] * stride_kl + offs_d[None, :], mask=ld_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N) fp32
-        visible = (offs_n[None, :] < hi) & (offs_n[None, :] <= row_last[:, None])
-        s = tl.where(visible, s, float("-inf"))
+        in_range = offs_n < hi
+        if INDEXED:
+            rows = tl.load(slots + offs_n, mask=in_range, other=0).to(tl.int64)
+        else:
+            rows = (k0 + offs_n).to(tl.int64)
+        ld_mask = in_range[:, None] & d_mask[None, :]
+        k = tl.load(k_head + rows[:, None] * stride_kl + offs_d[None, :], mask=ld_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        visible = in_range[None, :] & (offs_n[None, :] <= row_last[:, None])
+        s = tl.where(visible, s, float("-inf"))  # (M, N) fp32
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_sub)  # rescales the old state; 0 while m_i is -inf
         p = tl.exp2(s - m_sub[:, None])  # (M, N), 0 where not visible
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + offs_n[:, None] * stride_vl + offs_d[None, :], mask=ld_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        v = tl.load(v_head + rows[:, None] * stride_vl + offs_d[None, :], mask=ld_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION
+        )
         m_i = m_new
-    return acc, m_i, l_i
+    return m_i, l_i, acc
 
 
 @triton.jit
-def _store_state(o_ptrs, lse_ptrs, acc, m_i, l_i, row_ok, d_mask):
-    """Normalize and store: out = acc / l, lse = ln2 * (m + log2 l); l == 0 -> 0 and -inf."""
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
-    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
-    tl.store(lse_ptrs, lse, mask=row_ok)
-
-
-@triton.jit
-def segment_fwd_kernel(
-    Q, K, V, OUT, LSE,  # q/o (n, Hq, D); k/v (L, Hkv, D); lse (n, Hq) fp32
-    n_rows,
-    seg_len,
+def attend_fwd_kernel(
+    Q, K, V, SLOTS,  # q (T, Hq, D); k/v (rows, Hkv, D): dense keys or a pool layer
+    Q_START, K_START,  # (B + 1,) prefix sums of q_lens / kv_lens (int64); unread if SINGLE
+    PRIOR_O, PRIOR_LSE,  # (T, Hq, D), (T, Hq) fp32: the state to resume (HAS_PRIOR)
+    OUT, LSE,  # (SPLITS, T, Hq, D), (SPLITS, T, Hq) fp32; the SPLITS axis only when > 1
+    single_q_len,  # SINGLE: the one request's q_len and kv_len
+    single_kv_len,
     qk_scale,
     stride_qn, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh,
-    stride_on, stride_oh, stride_ln, stride_lh,
+    stride_pn, stride_ph, stride_pln, stride_plh,
+    stride_os, stride_on, stride_oh, stride_ls, stride_ln, stride_lh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    INDEXED: tl.constexpr,
+    HAS_PRIOR: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SINGLE: tl.constexpr,
 ):  # fmt: skip
-    """Grid (cdiv(n * GROUP, BLOCK_M), Hkv): one tile of stacked rows against the whole
-    segment, no mask; the segment K/V of a head is streamed once per tile of rows."""
+    """Grid (m tiles, Hkv, B * SPLITS): one tile of request b's stacked rows against split s
+    of its keys (the keys cut into SPLITS runs of whole BLOCK_N blocks; SPLITS > 1 writes
+    partial states for a merge, and then has no prior).
+
+    CAUSAL (bottom-right): query t (0-based among the request's q_len) is key position
+    kv_len - q_len + t and sees keys 0 .. kv_len - q_len + t; keys past the tile's last
+    visible key are never loaded. Otherwise every query sees all of the request's keys.
+    Tiles past the request's rows load nothing. SINGLE: one request whose lengths are
+    scalar arguments (a shared segment; no offsets tensor to build per call)."""
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
-    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # stacked rows
-    row_ok = r < n_rows * GROUP
-    i = r // GROUP  # query row
-    h = kvh * GROUP + r % GROUP  # query head
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    q_ptrs = Q + i[:, None] * stride_qn + h[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_mask[None, :], other=0.0)
-    row_last = tl.zeros([BLOCK_M], tl.int32) + (seg_len - 1)  # every key visible
-    acc, m_i, l_i = _attend_keys(
-        q, K + kvh * stride_kh, V + kvh * stride_vh, stride_kl, stride_vl, seg_len, row_last,
-        qk_scale, offs_d, d_mask, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION,
-    )  # fmt: skip
-    o_ptrs = OUT + i[:, None] * stride_on + h[:, None] * stride_oh + offs_d[None, :]
-    _store_state(o_ptrs, LSE + i * stride_ln + h * stride_lh, acc, m_i, l_i, row_ok, d_mask)
-
-
-@triton.jit
-def private_fwd_kernel(
-    Q, K, V, OUT, LSE,  # q/o (T, Hq, D); k/v (S, Hkv, D); lse (T, Hq) fp32
-    Q_START, K_START,  # (B + 1,) int32 prefix sums of q_lens / kv_lens
-    qk_scale,
-    stride_qn, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh,
-    stride_on, stride_oh, stride_ln, stride_lh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Grid (cdiv(max q_len * GROUP, BLOCK_M), Hkv, B): one tile of request b's stacked rows.
-
-    Bottom-right causal: query t (0-based among the request's q_len) is key position
-    kv_len - q_len + t and sees keys 0 .. kv_len - q_len + t. Keys past the tile's last
-    visible key are never loaded; tiles past the request's rows load nothing."""
-    pid_m = tl.program_id(0)
-    kvh = tl.program_id(1)
-    b = tl.program_id(2)
-    q0 = tl.load(Q_START + b)
-    q_len = tl.load(Q_START + b + 1) - q0
-    k0 = tl.load(K_START + b)
-    kv_len = tl.load(K_START + b + 1) - k0
+    b = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
+    if SINGLE:
+        q0 = 0
+        q_len = single_q_len
+        k0 = 0
+        kv_len = single_kv_len
+    else:
+        q0 = tl.load(Q_START + b)
+        q_len = tl.load(Q_START + b + 1) - q0
+        k0 = tl.load(K_START + b)
+        kv_len = tl.load(K_START + b + 1) - k0
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < q_len * GROUP
     t = r // GROUP  # query index within the request
     h = kvh * GROUP + r % GROUP
+    row = (q0 + t).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    q_ptrs = Q + (q0 + t)[:, None] * stride_qn + h[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_mask[None, :], other=0.0)
-    row_last = kv_len - q_len + t
-    t_max = (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP  # last query index in this tile
-    hi = tl.minimum(kv_len, kv_len - q_len + t_max + 1)
+    tile_mask = row_ok[:, None] & d_mask[None, :]
+    q = tl.load(Q + row[:, None] * stride_qn + h[:, None] * stride_qh + offs_d[None, :],
+                mask=tile_mask, other=0.0)  # fmt: skip
+    if CAUSAL:
+        row_last = kv_len - q_len + t
+        t_max = (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP  # last query index in this tile
+        hi = tl.minimum(kv_len, kv_len - q_len + t_max + 1)
+    else:
+        row_last = tl.zeros([BLOCK_M], tl.int32) + (kv_len - 1)
+        hi = kv_len
     hi = tl.where(pid_m * BLOCK_M < q_len * GROUP, hi, 0)
-    acc, m_i, l_i = _attend_keys(
-        q, K + k0 * stride_kl + kvh * stride_kh, V + k0 * stride_vl + kvh * stride_vh,
-        stride_kl, stride_vl, hi, row_last,
-        qk_scale, offs_d, d_mask, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION,
+    chunk = tl.cdiv(tl.cdiv(hi, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(hi, lo + chunk)
+    if HAS_PRIOR:
+        p_lse = tl.load(PRIOR_LSE + row * stride_pln + h * stride_plh, mask=row_ok,
+                        other=float("-inf"))  # fmt: skip
+        m_i = p_lse * LOG2E
+        l_i = tl.where(p_lse == float("-inf"), 0.0, 1.0)
+        p_o = tl.load(PRIOR_O + row[:, None] * stride_pn + h[:, None] * stride_ph
+                      + offs_d[None, :], mask=tile_mask, other=0.0)  # fmt: skip
+        acc = p_o.to(tl.float32) * l_i[:, None]
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i, l_i, acc = _attend_keys(
+        q, m_i, l_i, acc, K + kvh * stride_kh, V + kvh * stride_vh, SLOTS + k0, k0,
+        stride_kl, stride_vl, lo, hi, row_last, qk_scale, offs_d, d_mask,
+        BLOCK_N, DOT_PRECISION, INDEXED,
     )  # fmt: skip
-    o_ptrs = OUT + (q0 + t)[:, None] * stride_on + h[:, None] * stride_oh + offs_d[None, :]
-    lse_ptrs = LSE + (q0 + t) * stride_ln + h * stride_lh
-    _store_state(o_ptrs, lse_ptrs, acc, m_i, l_i, row_ok, d_mask)
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    o_ptrs = OUT + split * stride_os + row[:, None] * stride_on + h[:, None] * stride_oh
+    tl.store(o_ptrs + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=tile_mask)
+    tl.store(LSE + split * stride_ls + row * stride_ln + h * stride_lh, lse, mask=row_ok)
 
 
 @triton.jit

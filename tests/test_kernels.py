@@ -386,7 +386,18 @@ def check_triton_through_dispatch(tops: ModuleType, dtype: torch.dtype) -> None:
     )
 
 
+def check_triton_random_trees(tops: ModuleType, dtype: torch.dtype) -> None:
+    """The GPU script's own tree check (benchmarks/gpu_check.py), small: pool slots read in
+    place, segments resuming the previous state, split-K off / forced / automatic."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_check import check_random_trees
+
+    worst = check_random_trees("cpu", dtype, cases=2, max_len=24, max_requests=4, seed=5)
+    assert worst["cases"] == 2
+
+
 TRITON_CHECKS = (
+    check_triton_random_trees,
     check_triton_segment,
     check_triton_private,
     check_triton_decode,

@@ -9,6 +9,7 @@ worker (inside the Scheduler) broadcasts each step's batch before running it; fo
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import weakref
 
@@ -94,6 +95,7 @@ class ModelWorker:
     def _build(self, config: EngineConfig, model_path: str) -> None:
         rank, size = (self.tp.rank, self.tp.size) if self.tp is not None else (0, 1)
         device = rank_device(config.device, rank)
+        self.device = torch.device(device)
         if not device.startswith("cuda"):
             keep_freed_host_memory()
         select_fast_paths(config)
@@ -139,6 +141,14 @@ class ModelWorker:
         return logits
 
     def _forward(self, batch: ForwardBatch, rows: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cpu":  # the scheduler builds the step's tensors on the host
+            batch = dataclasses.replace(
+                batch,
+                input_ids=batch.input_ids.to(self.device, non_blocking=True),
+                positions=batch.positions.to(self.device, non_blocking=True),
+                out_cache_loc=batch.out_cache_loc.to(self.device, non_blocking=True),
+            )
+            rows = rows.to(self.device, non_blocking=True)
         self.backend.plan(batch)
         hidden = self.model(batch, self.backend)  # (T, hidden)
         return self.model.compute_logits(hidden[rows])  # (len(rows), vocab) float32

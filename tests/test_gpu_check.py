@@ -1,0 +1,40 @@
+"""benchmarks/gpu_check.py's own logic, on the CPU: the greedy comparison rule, and its
+end-to-end section run through the real engine and HF transformers (the slow tier). The
+kernel check runs in tests/test_kernels.py under the Triton interpreter."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import gpu_check  # noqa: E402
+
+
+def test_a_divergence_passes_only_at_a_near_tie() -> None:
+    ref = [{"ids": [1, 2, 3], "gaps": [2.0, 0.05, 3.0]}, {"ids": [4, 5], "gaps": [1.0, 1.0]}]
+    same = [{"ids": [1, 2, 3], "gaps": [2.0, 0.0, 3.0]}, {"ids": [4, 5], "gaps": [1.0, 1.0]}]
+    assert gpu_check.compare_greedy(ref, same, 0.1)["ok"]
+    tie = [{"ids": [1, 9, 9], "gaps": [2.0, 0.0, 0.0]}, {"ids": [4, 5], "gaps": [1.0, 1.0]}]
+    got = gpu_check.compare_greedy(ref, tie, 0.1)
+    assert got["ok"] and got["prompts"][0] == {
+        "identical": 1,
+        "cpu_gap": 0.05,
+        "gpu_gap": 0.0,
+        "ok": True,
+    }
+    wrong = [{"ids": [1, 2, 3], "gaps": [2.0, 0.0, 3.0]}, {"ids": [7, 5], "gaps": [1.0, 1.0]}]
+    got = gpu_check.compare_greedy(ref, wrong, 0.1)
+    assert not got["ok"] and got["prompts"][1]["identical"] == 0
+
+
+@pytest.mark.slow
+def test_e2e_section_runs_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tree, flat and HF generate greedy-identical samples of one shared prompt."""
+    monkeypatch.setattr(gpu_check, "DEVICE", "cpu")
+    out = gpu_check.check_e2e(None, batch=4, prompt=300, new=6)
+    for name in ("tree", "flat", "hf"):
+        assert out[name]["tokens_per_s"] > 0 and len(out[name]["first_sample"]) == 6
+        assert out[f"{name}_same_tokens_as_flat"] == 6, out
