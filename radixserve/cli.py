@@ -15,7 +15,7 @@ import dataclasses
 import os
 import sys
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from radixserve.config import (
@@ -27,8 +27,10 @@ from radixserve.config import (
     PACKED_LINEAR,
     POLICIES,
     QUANTIZATIONS,
+    SECRET_FIELDS,
     EngineConfig,
 )
+from radixserve.keys import ADMIN_API_KEY_ENV, API_KEY_ENV
 from radixserve.router.config import ROUTING_POLICIES, RouterConfig
 
 HELP = {
@@ -172,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _config_or_exit(parser: argparse.ArgumentParser, build: Callable[[], Any]) -> Any:
+    try:
+        return build()
+    except ValueError as e:
+        parser.error(str(e))
+
+
 def _config(cls: type, args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
@@ -186,13 +195,17 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     return config
 
 
-def worker_argv(config: EngineConfig) -> list[str]:
-    """`serve` flags that rebuild `config` but its host, port and the tiers' secret (those
-    differing from the defaults only; the secret goes by environment, `main`)."""
+def worker_argv(config: EngineConfig, rank: int | None = None) -> list[str]:
+    """`serve` flags that rebuild `config` but its secrets (they go by environment, `main`)
+    and where it listens (the workers serve the router on loopback), those differing from
+    the defaults only. Worker `rank` gets its own disk tier folder under --hicache-dir."""
     argv = []
     for f in dataclasses.fields(EngineConfig):
         value = getattr(config, f.name)
-        if f.name in ("host", "port", "hicache_secret") or value == f.default:
+        if f.name == "hicache_dir" and value is not None and rank is not None:
+            value = os.path.join(value, f"worker-{rank}")
+        skip = ("host", "port", "allowed_hosts", *SECRET_FIELDS)
+        if f.name in skip or value == f.default:
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
@@ -200,6 +213,16 @@ def worker_argv(config: EngineConfig) -> list[str]:
         else:
             argv += [flag, str(value)]
     return argv
+
+
+def worker_env(config: EngineConfig) -> dict[str, str]:
+    """The secrets `worker_argv` leaves out, as the environment variables a worker reads."""
+    secrets = {
+        HICACHE_SECRET_ENV: config.hicache_secret,
+        API_KEY_ENV: config.api_key,
+        ADMIN_API_KEY_ENV: config.admin_api_key,
+    }
+    return {env: value for env, value in secrets.items() if value is not None}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -213,13 +236,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from radixserve.router.launcher import run_data_parallel
 
         config = config_from_args(args, parser)
-        if config.hicache_secret is not None:  # the workers inherit it, off their command lines
-            os.environ[HICACHE_SECRET_ENV] = config.hicache_secret
-        router = RouterConfig(
+        os.environ.update(worker_env(config))  # the workers inherit them
+        router = _config_or_exit(parser, lambda: RouterConfig(
             host=config.host, port=config.port, policy=args.router_policy,
-            api_key=config.api_key, log_level=config.log_level,
-        )  # fmt: skip
-        return run_data_parallel(worker_argv(config), args.dp_size, router)
+            allowed_hosts=config.allowed_hosts, log_level=config.log_level,
+        ))  # fmt: skip
+        return run_data_parallel([worker_argv(config, r) for r in range(args.dp_size)], router)
     if args.command == "serve":
         if args.dp_size < 1:
             parser.error(f"--dp-size must be at least 1, not {args.dp_size}")

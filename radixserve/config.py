@@ -15,6 +15,8 @@ from typing import TypeVar
 
 import torch
 
+from radixserve.keys import ADMIN_API_KEY_ENV, API_KEY_ENV, env_key
+
 _T = TypeVar("_T")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -25,7 +27,7 @@ ATTENTION_BACKENDS = ("tree", "flat", "none")  # "none": benchmark-only no-atten
 GRAMMAR_BACKENDS = ("llguidance", "outlines", "xgrammar")  # radixserve.constrained.BACKENDS
 CONTROL_CONNECTIONS = 64  # connections kept for /health, /get_server_info, aborts, ...
 # Fields never shown (/get_server_info, logs) nor put on a command line the server builds.
-SECRET_FIELDS = ("api_key", "hicache_secret")
+SECRET_FIELDS = ("api_key", "admin_api_key", "hicache_secret")
 HICACHE_SECRET_ENV = "RADIXSERVE_HICACHE_SECRET"
 PACKED_LINEAR = ("auto", "on", "off")
 # Attention op implementations (radixserve.kernels, which documents each): "auto" picks
@@ -100,7 +102,10 @@ class EngineConfig:
     random_seed: int = 0  # seeds the draws of requests without a seed (per scheduler)
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: str | None = None
+    api_key: str | None = None  # the inference key (radixserve/server/guard.py)
+    admin_api_key: str | None = None  # the admin key: also other tenants' data, server state
+    allowed_hosts: tuple[str, ...] = ()  # Host names served ("*": any); () = loopback names
+    # when bound to loopback, else any
     web_ui: bool = True  # GET / serves the web console (chat playground, cache tree, plots)
     log_level: str = "info"
 
@@ -204,6 +209,12 @@ class EngineConfig:
         it once per process."""
         secret = self.hicache_secret or os.environ.get(HICACHE_SECRET_ENV)
         return secret.encode() if secret else os.urandom(32)
+
+    def inference_key(self) -> str | None:
+        return env_key(self.api_key, API_KEY_ENV)
+
+    def admin_key(self) -> str | None:
+        return env_key(self.admin_api_key, ADMIN_API_KEY_ENV)
 
     @property
     def packed_linear_request(self) -> bool | None:

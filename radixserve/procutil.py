@@ -19,6 +19,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from radixserve.redact import RedactingFilter
+
 LOG_FORMAT = "%(asctime)s %(processName)s[%(process)d] %(levelname)s %(name)s: %(message)s"
 PARENT_POLL_MS = 1000  # how often an idle child checks that its launcher still lives
 
@@ -26,7 +28,10 @@ logger = logging.getLogger("radixserve.server")
 
 
 def configure_logging(level: str) -> None:
+    """stderr at `level`, credentials masked (radixserve.redact) on every record."""
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactingFilter())
 
 
 def child_main(

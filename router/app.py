@@ -14,10 +14,9 @@ A request carrying an `X-Session-ID` header goes to the worker its session went 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
@@ -32,6 +31,7 @@ from radixserve.router.pool import WorkerPool
 from radixserve.router.proxy import Forward, Proxy
 from radixserve.router.tree import ids_key
 
+from radixserve.server.guard import ApiKeyMiddleware, CrossSiteGuard, allowed_hosts, require_admin
 from radixserve.server.protocol import MAX_BODY_BYTES, ApiError
 
 logger = logging.getLogger("radixserve.router")
@@ -39,6 +39,9 @@ logger = logging.getLogger("radixserve.router")
 ROUTED = ("/generate", "/v1/completions", "/v1/chat/completions")
 ANY_WORKER = ("/v1/models", "/get_model_info", "/health_generate")
 SESSION_HEADER = "x-session-id"
+# What an inference key does not reach here (radixserve/server/guard.py): the worker set,
+# every worker's cache, their configs; abort_all is checked in the fan-out.
+ADMIN_ROUTES = (("*", "/workers"), ("*", "/flush_cache"), ("GET", "/get_server_info"))
 MAX_KEY_CHARS = 1 << 16  # a prompt's routing key is cut here (the tree holds prefixes)
 
 
@@ -85,15 +88,18 @@ def build_app(config: RouterConfig) -> FastAPI:
         app.add_api_route(path, _routed, methods=["POST"], include_in_schema=False)
     for path in ANY_WORKER:
         app.add_api_route(path, _any_worker, methods=["GET"], include_in_schema=False)
-    app.add_api_route("/flush_cache", _fan_out, methods=["GET", "POST"])
+    app.add_api_route("/flush_cache", _fan_out, methods=["POST"])
     app.add_api_route("/abort_request", _fan_out, methods=["POST"])
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
     app.add_api_route("/get_server_info", _server_info, methods=["GET"])
     app.add_api_route("/workers", _workers, methods=["GET", "POST", "DELETE"])
     app.add_exception_handler(ApiError, _api_error)
-    if config.api_key:
-        app.middleware("http")(_check_api_key)
+    app.add_middleware(
+        ApiKeyMiddleware, inference_key=config.inference_key(), admin_key=config.admin_key(),
+        admin_routes=ADMIN_ROUTES,
+    )  # fmt: skip
+    app.add_middleware(CrossSiteGuard, hosts=allowed_hosts(config.host, config.allowed_hosts))
     return app
 
 
@@ -136,6 +142,10 @@ async def _fan_out(request: Request) -> Response:
     status (a busy worker's 400 for /flush_cache), with each worker's answer."""
     pool: WorkerPool = request.app.state.pool
     body = await _read(request)
+    if request.url.path == "/abort_request" and b"abort_all" in body:
+        with suppress(ValueError, AttributeError):
+            if json.loads(body).get("abort_all") is True:
+                require_admin(request, "abort_all")
     headers = {k: v for k, v in request.headers.items() if k in ("authorization", "content-type")}
 
     async def one(url: str) -> tuple[int, Any]:
@@ -225,15 +235,3 @@ async def _workers(request: Request) -> Response:
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError), type(exc)
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-
-async def _check_api_key(
-    request: Request, call_next: Callable[[Request], Awaitable[Response]]
-) -> Response:
-    """`Authorization: Bearer <key>` on every route but /health (as on a worker)."""
-    expected = f"Bearer {request.app.state.config.api_key}".encode()
-    given = request.headers.get("authorization", "").encode()
-    if request.url.path == "/health" or hmac.compare_digest(given, expected):
-        return await call_next(request)
-    err = ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
-    return JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})

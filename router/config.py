@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from radixserve.keys import ADMIN_API_KEY_ENV, API_KEY_ENV, env_key
+from radixserve.redact import redact
+from radixserve.server.guard import LOOPBACK_NAMES
+
 ROUTING_POLICIES = ("cache_aware", "round_robin", "random", "least_load")
 
 
@@ -25,7 +29,10 @@ class RouterConfig:
     health_timeout_s: float = 5.0
     health_failures: int = 2  # consecutive failed checks that take a worker out
     max_attempts: int = 3  # workers one request may be tried on before 503
-    api_key: str | None = None  # required of clients (but on /health), sent to workers
+    api_key: str | None = None  # the inference key (radixserve/server/guard.py); the workers
+    # take the same keys, and the router forwards each client's
+    admin_api_key: str | None = None
+    allowed_hosts: tuple[str, ...] = ()  # Host names served ("*": any), as on a worker
     log_level: str = "info"
     sessions: int = 65536  # sticky session ids remembered (least recently used forgotten)
 
@@ -49,13 +56,30 @@ class RouterConfig:
         for name, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{name} must be positive, not {value}")
+        if self.host not in LOOPBACK_NAMES and not (self.inference_key() or self.admin_key()):
+            raise ValueError(
+                f"a router on {self.host} would let anyone add workers and read every prompt: "
+                "give --api-key and --admin-api-key (or their RADIXSERVE_* variables), or "
+                "bind to 127.0.0.1"
+            )
+
+    def inference_key(self) -> str | None:
+        return env_key(self.api_key, API_KEY_ENV)
+
+    def admin_key(self) -> str | None:
+        return env_key(self.admin_api_key, ADMIN_API_KEY_ENV)
 
 
 def check_worker_url(url: str) -> str:
-    """`url` without a trailing slash if it is http(s)://host[:port]; else ValueError."""
+    """`url` without a trailing slash if it is http(s)://host[:port]; else ValueError (whose
+    message masks any password the url carried)."""
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
-        raise ValueError(f"worker url must look like http://host:port, not {url!r}")
-    if parts.query or parts.fragment:
-        raise ValueError(f"worker url must look like http://host:port, not {url!r}")
+    shape = parts.scheme in ("http", "https") and parts.hostname and parts.path in ("", "/")
+    if not shape or parts.query or parts.fragment:
+        raise ValueError(f"worker url must look like http://host:port, not {redact(url)!r}")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(
+            f"worker url {redact(url)!r} carries credentials: give the workers' key as "
+            "--api-key instead"
+        )
     return url.rstrip("/")

@@ -54,10 +54,12 @@ def run_router(config: RouterConfig) -> int:
     return 0 if server.started else 1
 
 
-def run_data_parallel(serve_args: Sequence[str], dp_size: int, config: RouterConfig) -> int:
-    """Start `dp_size` workers (`radixserve serve <serve_args>` on free loopback ports, the
-    CPU cores split between them) and the router in front; stop the workers after it."""
+def run_data_parallel(serve_args: Sequence[Sequence[str]], config: RouterConfig) -> int:
+    """Start one worker per `serve_args` entry (`radixserve serve <args>` on free loopback
+    ports, the CPU cores split between them) and the router in front; stop the workers
+    after it."""
     configure_logging(config.log_level)
+    dp_size = len(serve_args)
     threads = max(1, _usable_cpus() // dp_size)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # torch's intra-op threads
     ports = [_free_port() for _ in range(dp_size)]
@@ -68,7 +70,7 @@ def run_data_parallel(serve_args: Sequence[str], dp_size: int, config: RouterCon
                 "-m",
                 "radixserve",
                 "serve",
-                *serve_args,
+                *args,
                 "--host",
                 "127.0.0.1",
                 "--port",
@@ -76,7 +78,7 @@ def run_data_parallel(serve_args: Sequence[str], dp_size: int, config: RouterCon
             ],
             env=env,
         )  # fmt: skip
-        for port in ports
+        for args, port in zip(serve_args, ports, strict=True)
     ]
     logger.info("%d workers on ports %s, %d CPU threads each", dp_size, ports, threads)
     urls = tuple(f"http://127.0.0.1:{p}" for p in ports)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import Counter, OrderedDict
 
 import httpx
@@ -23,6 +24,7 @@ from radixserve.server.protocol import ApiError
 logger = logging.getLogger("radixserve.router")
 
 LOAD_METRICS = ("radixserve_num_running_reqs", "radixserve_num_queued_reqs")
+MAX_METRICS_BYTES = 1 << 20  # of a worker's /metrics read for its load; the rest is ignored
 
 
 class WorkerPool:
@@ -110,7 +112,18 @@ class WorkerPool:
             logger.info("worker %s is up", worker.url)
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self.check(w) for w in list(self.workers.values())))
+        """Every worker's check, each within the health timeout; whatever one worker answers
+        (or fails to), the others are checked and the loop goes on."""
+        workers = list(self.workers.values())
+        timeout = self.config.health_timeout_s * 2  # /health, then /metrics
+        results = await asyncio.gather(
+            *(asyncio.wait_for(self.check(w), timeout) for w in workers), return_exceptions=True
+        )
+        for worker, result in zip(workers, results, strict=True):
+            if isinstance(result, BaseException):
+                worker.failures += 1
+                if worker.failures >= self.config.health_failures:
+                    self.mark_dead(worker, f"health check failed: {result!r}")
 
     async def run_health_checks(self) -> None:
         while True:
@@ -118,23 +131,36 @@ class WorkerPool:
             await self.check_all()
 
     async def _reported_load(self, worker: Worker) -> int:
-        """Running + queued samples from the worker's /metrics (0 if it will not say)."""
+        """Running + queued samples from the worker's /metrics: its first MAX_METRICS_BYTES,
+        lines that do not parse as a finite count ignored (0 if it will not say)."""
+        body = b""
         try:
-            resp = await self.client.get(
-                worker.url + "/metrics", headers=self.auth, timeout=self._timeout
-            )
+            async with self.client.stream(
+                "GET", worker.url + "/metrics", headers=self.auth, timeout=self._timeout
+            ) as resp:
+                if resp.status_code != 200:
+                    return 0
+                async for chunk in resp.aiter_bytes():
+                    body += chunk
+                    if len(body) >= MAX_METRICS_BYTES:
+                        break
         except httpx.HTTPError:
             return 0
         total = 0.0
-        for line in resp.text.splitlines() if resp.status_code == 200 else []:
+        for line in body[:MAX_METRICS_BYTES].decode("utf-8", "replace").splitlines():
             name, _, value = line.partition(" ")
             if name in LOAD_METRICS:
-                total += float(value)
+                try:
+                    count = float(value)
+                except ValueError:
+                    continue
+                if math.isfinite(count) and 0 <= count < 1e9:
+                    total += count
         return int(total)
 
     @property
     def auth(self) -> dict[str, str]:
-        key = self.config.api_key
+        key = self.config.inference_key()
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     @property

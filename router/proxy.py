@@ -39,6 +39,7 @@ FORWARDED_HEADERS = ("authorization", "content-type")
 ANSWER_HEADERS = ("content-type", "retry-after", "www-authenticate")
 WORKER_HEADER = "X-Radixserve-Worker"  # on every forwarded answer: the worker that gave it
 QUEUE_CHUNKS = 64  # a stream's chunks buffered between its worker and its client
+MAX_ANSWER_BYTES = 64 << 20  # a non-streamed answer; past it the client gets a 502
 
 
 class WorkerDown(Exception):
@@ -95,16 +96,34 @@ class Proxy:
         )
 
     async def forward(self, fwd: Forward) -> Response:
-        """The first answer a worker gives (non-streamed)."""
+        """The first answer a worker gives (non-streamed). A transport error moves this
+        request to the next worker; whether the worker is down is the health checks'
+        call (one request's broken connection says little about the others')."""
         for worker in self._attempts(fwd):
             with Lease(worker):
                 try:
-                    resp = await until_down(worker, self.client.send(self._request(worker, fwd)))
+                    status, headers, body = await until_down(worker, self._read(worker, fwd))
                 except (httpx.TransportError, WorkerDown) as e:
-                    self.pool.mark_dead(worker, repr(e))
+                    logger.info("request to %s failed, trying another worker: %r", worker.url, e)
                     continue
-            return _answer(resp.status_code, resp.headers, resp.content, worker)
+            return _answer(status, headers, body, worker)
         raise AssertionError("unreachable: _attempts raises when it runs out")
+
+    async def _read(self, worker: Worker, fwd: Forward) -> tuple[int, httpx.Headers, bytes]:
+        """The worker's answer, its body cut off with a 502 past MAX_ANSWER_BYTES."""
+        resp = await self.client.send(self._request(worker, fwd), stream=True)
+        try:
+            parts, size = [], 0
+            async for chunk in resp.aiter_raw():
+                size += len(chunk)
+                if size > MAX_ANSWER_BYTES:
+                    raise ApiError(
+                        502, f"worker {worker.url} answered over {MAX_ANSWER_BYTES} bytes"
+                    )
+                parts.append(chunk)
+            return resp.status_code, resp.headers, b"".join(parts)
+        finally:
+            await resp.aclose()
 
     async def stream(self, fwd: Forward) -> Response:
         """A streamed answer, relayed chunk by chunk once its first chunk arrived."""
@@ -132,9 +151,9 @@ class Proxy:
                             background=cleanup,
                         )
                     status = first  # the error (or end) that came before any data
-                self.pool.mark_dead(worker, f"stream failed before its first chunk: {status!r}")
+                logger.info("stream on %s failed before its first chunk: %r", worker.url, status)
             except WorkerDown as e:
-                self.pool.mark_dead(worker, repr(e))
+                logger.info("stream on %s: %r", worker.url, e)
             finally:
                 if not handed_off:
                     _stop(pump, lease)
@@ -171,7 +190,6 @@ class Proxy:
                 sent = value
                 yield value
         except WorkerDown as e:
-            self.pool.mark_dead(worker, f"died mid-stream: {e}")
             yield _error_event(sent, f"worker {worker.url} failed mid-stream: {e}")
         finally:
             _stop(pump, lease)

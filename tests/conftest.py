@@ -151,8 +151,8 @@ def launch_server(
     if model_dir is not None:
         cmd += ["--model", str(model_dir)]
     cmd += list(args)
-    if api_key:
-        cmd += ["--api-key", api_key]
+    if api_key:  # one key for both scopes (tests/test_server_security.py tests them apart)
+        cmd += ["--api-key", api_key, "--admin-api-key", api_key]
     log = log_dir / f"server-{port}.log"
     with open(log, "wb") as f:
         proc = subprocess.Popen(

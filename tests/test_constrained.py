@@ -34,6 +34,7 @@ from radixserve.constrained import (
     unpack_token_masks,
 )
 from radixserve.constrained.grammar import COMPILE_TIMEOUT_S, GrammarError
+from radixserve.constrained.json_schema import parse_schema
 from radixserve.constrained.outlines_backend import schema_to_regex
 from radixserve.constrained.vocab import BYTE_LEVEL, SENTENCEPIECE, gpt2_unicode_to_byte
 from radixserve.core.params import InvalidRequest, SamplingParams
@@ -558,3 +559,43 @@ def test_smollm2_json_schema(smol: Engine, sampling: dict) -> None:
         assert set(doc) == {"name", "age", "city"}, doc
         assert isinstance(doc["name"], str) and isinstance(doc["city"], str)
         assert type(doc["age"]) is int
+
+
+NO_FINITE_DOCUMENT = {
+    "required self-reference": {"type": "object", "properties": {"x": {"$ref": "#"}},
+                                "required": ["x"]},
+    "required cycle through $defs": {
+        "$ref": "#/$defs/a",
+        "$defs": {"a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}},
+                        "required": ["b"]},
+                  "b": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}},
+                        "required": ["a"]}},
+    },
+    "a $ref to itself": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+    "every anyOf branch cycles": {"anyOf": [{"$ref": "#"}, {"type": "array", "minItems": 1,
+                                                          "items": {"$ref": "#"}}]},
+}  # fmt: skip
+FINITE = {
+    "an optional child": {"type": "object", "properties": {"child": {"$ref": "#"}}},
+    "a list that may end": {
+        "$defs": {"node": {"type": "object", "required": ["next"], "properties": {
+            "next": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/node"}]}}}},
+        "$ref": "#/$defs/node",
+    },
+    "an array that may be empty": {"type": "array", "items": {"$ref": "#"}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(NO_FINITE_DOCUMENT))
+def test_a_schema_without_finite_documents_is_refused_by_every_backend(
+    backends: dict[str, GrammarBackend], name: str
+) -> None:
+    text = json.dumps(NO_FINITE_DOCUMENT[name])
+    for backend in backends.values():
+        with pytest.raises(InvalidRequest, match="^json_schema: no finite document matches it"):
+            backend.compile("json_schema", text)
+
+
+@pytest.mark.parametrize("name", list(FINITE))
+def test_recursive_schemas_with_an_exit_compile(name: str) -> None:
+    assert parse_schema(json.dumps(FINITE[name])) == FINITE[name]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
+import stat
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -281,6 +283,27 @@ def spilled_to_disk(tmp_path: Path) -> tuple[KVPool, HiCache, torch.Tensor]:
     cache.drain()
     assert len(list(tmp_path.glob("*.kv"))) == 3
     return pool, cache, ref
+
+
+def test_disk_tier_is_private_to_this_user(tmp_path: Path) -> None:
+    """Folder 0700 (a looser one is tightened), records 0600, no temporary file left; a
+    folder another user owns is refused (they could swap the files)."""
+    loose = tmp_path / "tier"
+    loose.mkdir(mode=0o777)
+    loose.chmod(0o777)
+    pool, cache, _ = spilled_to_disk(loose)
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o700
+    files = list(loose.iterdir())
+    assert len(files) == 3 and all(f.suffix == ".kv" for f in files)
+    assert {stat.S_IMODE(f.stat().st_mode) for f in files} == {0o600}
+    cache.close()
+    if os.getuid() != 0:
+        pytest.skip("changing a folder's owner needs root")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(ValueError, match="belongs to uid 65534"):
+        DiskStore(str(theirs), 1 << 30, codec(pool))
 
 
 def restarted(tmp_path: Path) -> tuple[KVPool, HiCache]:

@@ -5,6 +5,7 @@ killed mid-run degrades to recompute without a crash; two real servers share a c
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import subprocess
@@ -29,6 +30,7 @@ from test_hicache import (
 )
 
 from radixserve.config import HICACHE_SECRET_ENV
+from radixserve.kvcache import remote_store
 from radixserve.kvcache.hicache import HiCache, pool_layout
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.remote_store import PREFIX, RemoteStore
@@ -41,17 +43,21 @@ pytestmark = pytest.mark.skipif(
 
 
 class RedisServer:
+    """A password-protected redis-server on a loopback port (as a shared tier should be)."""
+
+    password = "redis-password-never-shown"
+
     def __init__(self, port: int) -> None:
         self.port = port
-        self.url = f"redis://127.0.0.1:{port}/0"
+        self.url = f"redis://:{self.password}@127.0.0.1:{port}/0"
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no"],
+             "--appendonly", "no", "--requirepass", self.password],
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
         import redis
 
-        client = redis.Redis(port=port)
+        client = self.client()
         for _ in range(100):
             try:
                 client.ping()
@@ -59,6 +65,11 @@ class RedisServer:
             except redis.ConnectionError:
                 time.sleep(0.05)
         raise RuntimeError(f"redis-server on port {port} did not answer")
+
+    def client(self) -> Any:
+        import redis
+
+        return redis.Redis(port=self.port, password=self.password)
 
     def stop(self) -> None:
         self.proc.kill()
@@ -94,6 +105,34 @@ def test_second_server_reuses_the_first_ones_kv(redis_server: RedisServer) -> No
     b.close()
 
 
+def test_a_failed_write_is_tried_again_and_known_keys_are_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A key counts as in Redis only once its write succeeded (one written while Redis was
+    down is written on a later insert), and the set of such keys stays within MAX_KNOWN."""
+    monkeypatch.setattr(remote_store, "RETRY_S", 0.2)
+    monkeypatch.setattr(remote_store, "MAX_KNOWN", 3)
+    port = free_port()
+    down = RedisServer(port)
+    down.stop()  # nothing listens: every write fails
+    a, pool = remote_cache(down.url)
+    slots, _ = computed(pool, TOKENS)
+    a.insert(TOKENS, slots)
+    a.drain()
+    keys = chunk_keys(a.namespace, TOKENS)
+    assert not any(a.remote.known(k) for k in keys)
+    up = RedisServer(port)
+    try:
+        time.sleep(0.3)  # past the retry period
+        a.insert(TOKENS, slots)
+        a.drain()
+        assert up.client().exists(*(PREFIX + k for k in keys)) == 4
+        assert [a.remote.known(k) for k in keys] == [False, True, True, True]  # 3 remembered
+        a.close()
+    finally:
+        up.stop()
+
+
 def test_prefetch_pulls_a_waiting_prefix_up_from_redis(redis_server: RedisServer) -> None:
     a, pool_a = remote_cache(redis_server.url)
     slots, ref = computed(pool_a, TOKENS)
@@ -122,10 +161,9 @@ def test_poisoned_remote_records_are_misses(redis_server: RedisServer) -> None:
     slots, ref = computed(pool_a, TOKENS)
     a.insert(TOKENS, slots)
     a.drain()
-    import redis
 
     key = chunk_keys("test", TOKENS)[2]
-    client = redis.Redis(port=redis_server.port)
+    client = redis_server.client()
     data = client.get(PREFIX + key)
     assert data is not None
     for poison in POISONS:
@@ -161,7 +199,9 @@ def test_redis_killed_mid_run_degrades_to_recompute(
         b.insert(list(range(3000, 3032)), more)  # its write-through is dropped, not raised
         b.drain()
         assert time.monotonic() - start < 5  # down: one short timeout per retry period
-    assert sum("unreachable" in r.getMessage() for r in caplog.records) == 1
+    down = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(down) == 1 and "redis://:***@127.0.0.1" in down[0], down
+    assert redis_server.password not in caplog.text
     assert b.tier_stats()["remote"].faults >= 1
     b.flush()
     assert pool_b.num_free == pool_b.capacity
@@ -266,12 +306,11 @@ def test_a_poisoned_shared_record_never_stops_the_server(
     """A live server whose Redis records are overwritten with each kind of poison in turn
     (a writer that knows the secret, or not): every request that meets them gets 200 and
     the same greedy output, recomputed; the server stays up; the fault counter moves."""
-    import redis
 
     secret = "the servers' shared tier secret"
     flags = ["--max-total-tokens", "1024", "--hicache-remote", redis_server.url]
     server = launch_server(tiny_model_dir, tmp_path, *flags, env={HICACHE_SECRET_ENV: secret})
-    client = redis.Redis(port=redis_server.port)
+    client = redis_server.client()
     body = {
         "input_ids": list(range(700, 800)),
         "sampling_params": {"temperature": 0, "max_new_tokens": 8},
@@ -294,5 +333,9 @@ def test_a_poisoned_shared_record_never_stops_the_server(
                 assert r.json()["meta_info"]["cached_tokens"] == 0, poison
                 assert hicache_faults(server.url) > faults, poison
             assert c.get("/health").status_code == 200
+            info = c.get("/get_server_info").json()
+            assert info["hicache_remote"] == f"redis://:***@127.0.0.1:{redis_server.port}/0"
+            assert redis_server.password not in json.dumps(info)
     finally:
         assert server.stop() == 0, server.log_text()[-3000:]
+    assert redis_server.password not in server.log_text()

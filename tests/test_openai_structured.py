@@ -251,6 +251,18 @@ def test_required_tool_choice_and_tool_messages(oai: openai.OpenAI) -> None:
             None,
             "response_format.json_schema.schema: cannot compile",
         ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "schema": {"properties": {"x": {"$ref": "#"}}, "required": ["x"]}
+                    },
+                }
+            },
+            None,
+            "json_schema.schema: no finite document matches it",
+        ),
         ({"ebnf": "root ::= ("}, None, "ebnf: "),
         ({"regex": "a(", "response_format": {"type": "json_object"}}, "regex", "exclusive"),
         (

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -26,8 +29,8 @@ SYSTEM_B = "You are a lawyer. Answer every question with a careful legal disclai
 def launch_router(log_dir: Path, *urls: str, args: tuple[str, ...] = ()) -> ServerHandle:
     port = free_port()
     cmd = [sys.executable, "-m", "radixserve", "router", "--port", str(port), "--api-key",
-           API_KEY, "--health-interval-s", "0.5", "--health-timeout-s", "2", *args,
-           "--worker-urls", *urls]  # fmt: skip
+           API_KEY, "--admin-api-key", API_KEY, "--health-interval-s", "0.5",
+           "--health-timeout-s", "2", *args, "--worker-urls", *urls]  # fmt: skip
     log = log_dir / f"router-{port}.log"
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
@@ -135,8 +138,14 @@ def test_generate_stream_batch_and_errors(router: ServerHandle, workers: list) -
         assert isinstance(batch, list) and batch[0]["text"] == whole["text"]
         bad = c.post("/generate", json={"text": "x", "sampling_params": {"temperature": -1}})
         assert bad.status_code == 400 and "temperature" in bad.json()["error"]["message"]
-        assert c.post("/generate", content=b"{not json").status_code == 400
-        assert c.post("/generate", content=b"x" * (9 * 2**20)).status_code == 413
+        as_json = {"Content-Type": "application/json"}
+        assert c.post("/generate", content=b"{not json", headers=as_json).status_code == 400
+        huge = b"x" * (9 * 2**20)
+        assert c.post("/generate", content=huge, headers=as_json).status_code == 413
+        assert (
+            c.post("/generate", content=b"{}", headers={"Content-Type": "text/plain"}).status_code
+            == 415
+        )
         assert c.get("/get_model_info").json()["is_generation"] is True
         assert c.post("/abort_request", json={"rid": "nothing-here"}).status_code == 200
         metrics = c.get("/metrics").text
@@ -206,6 +215,48 @@ def test_add_and_remove_workers(router: ServerHandle, workers: list) -> None:
             added = c.post("/workers", json={"url": gone})
         assert added.status_code == 200 and added.json()["healthy"] is True
     wait_all_healthy(router, 2)
+
+
+def connection_dropper() -> ThreadingHTTPServer:
+    """A worker whose /health is fine but which drops every POST's connection unanswered."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_POST(self) -> None:
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_a_broken_connection_retries_that_request_only(workers: list, tmp_path: Path) -> None:
+    """Requests whose connection to a worker breaks are answered by another worker; the
+    worker stays in (its health checks pass: one connection says little about others)."""
+    dropper = connection_dropper()
+    url = f"http://127.0.0.1:{dropper.server_address[1]}"
+    slow_checks = ("--policy", "round_robin", "--health-interval-s", "60")  # none mid-test
+    rt = launch_router(tmp_path, workers[0].url, url, args=slow_checks)
+    try:
+        wait_all_healthy(rt, 2)
+        with rt.client() as c:
+            rs = [gen(c, f"broken connection {i}", max_new_tokens=1) for i in range(4)]
+            info = c.get("/get_server_info").json()
+    finally:
+        dropper.shutdown()
+        assert rt.stop() == 0, rt.log_text()[-3000:]
+    assert [r.status_code for r in rs] == [200] * 4
+    assert {r.headers[WORKER] for r in rs} == {workers[0].url}
+    assert info["router"]["retries"] >= 2  # round robin sent some to the dropper first
+    assert [w["healthy"] for w in info["workers"]] == [True, True]
 
 
 @pytest.mark.slow  # starts and stops processes, waits on health checks

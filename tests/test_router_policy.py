@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -151,17 +152,19 @@ def test_routing_key() -> None:
 
 
 def test_dp_workers_get_the_serve_flags() -> None:
-    from radixserve.cli import build_parser, config_from_args, worker_argv
+    from radixserve.cli import build_parser, config_from_args, worker_argv, worker_env
 
     parser = build_parser()
     argv = ["serve", "--dp-size", "2", "--port", "31000", "--max-total-tokens", "4096"]
     argv += ["--disable-radix-cache", "--api-key", "k", "--router-policy", "round_robin"]
+    argv += ["--admin-api-key", "adm", "--allowed-hosts", "example.com"]
     args = parser.parse_args(argv)
     assert (args.dp_size, args.router_policy) == (2, "round_robin")
     config = config_from_args(args, parser)
-    flags = worker_argv(config)
-    assert flags == ["--max-total-tokens", "4096", "--disable-radix-cache", "--api-key", "k"]
+    flags = worker_argv(config)  # secrets and where to listen stay off the command line
+    assert flags == ["--max-total-tokens", "4096", "--disable-radix-cache"]
+    assert worker_env(config) == {"RADIXSERVE_API_KEY": "k", "RADIXSERVE_ADMIN_API_KEY": "adm"}
     again = config_from_args(parser.parse_args(["serve", *flags, "--port", "31000"]), parser)
-    assert again == config
+    assert again == dataclasses.replace(config, api_key=None, admin_api_key=None, allowed_hosts=())
     router = parser.parse_args(["router", "--worker-urls", "http://a:1", "http://b:2"])
     assert router.worker_urls == ["http://a:1", "http://b:2"]

@@ -112,7 +112,9 @@ BAD_PARAMS = [
     ({"stop": ["ok", 3]}, "stop", "list of strings"),
     ({"stop": [""]}, "stop", "non-empty"),
     ({"stop": ["x"] * 65}, "stop", "at most 64"),
-    ({"stop": ["x" * 1025]}, "stop", "<= 1024"),
+    ({"stop": ["x" * 257]}, "stop", "<= 256 UTF-8 bytes"),
+    ({"stop": ["é" * 129]}, "stop", "got 258"),  # 129 characters, 258 bytes
+    ({"stop": ["x" * 200] * 11}, "stop", "total 2200 UTF-8 bytes"),
     ({"stop_token_ids": [1, "2"]}, "stop_token_ids", "integers"),
     ({"stop_token_ids": [-1]}, "stop_token_ids", ">= 0"),
     ({"ignore_eos": 1}, "ignore_eos", "boolean"),

@@ -284,12 +284,13 @@ def test_model_info_health_and_server_info(client, server, tiny_model_dir):
     assert sched["kv_used_tokens"] + sched["kv_free_tokens"] == 1024
 
 
-def test_flush_cache_get_and_post(client):
+def test_flush_cache_is_post_only(client):
     gen(client, text="fill the cache", sampling_params=GREEDY)
     before = client.get("/get_server_info").json()["scheduler"]
     assert before["kv_used_tokens"] > 0  # the finished request stays in the radix cache
+    assert client.get("/flush_cache").status_code == 405  # a link could not flush it
+    assert client.get("/get_server_info").json()["scheduler"]["kv_used_tokens"] > 0
     assert client.post("/flush_cache", json={"empty_cache": True}).status_code == 200
-    assert client.get("/flush_cache").status_code == 200
     after = client.get("/get_server_info").json()["scheduler"]
     assert after["kv_used_tokens"] == 0 and after["kv_free_tokens"] == 1024
     out = gen(client, text="fill the cache", sampling_params=GREEDY)

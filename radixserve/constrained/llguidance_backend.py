@@ -12,7 +12,6 @@ document neither with whitespace nor with keys until it runs out of tokens.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from radixserve.constrained.backend import (
     GrammarState,
 )
 from radixserve.constrained.bounds import check_pattern_size, shorten
+from radixserve.constrained.json_schema import parse_schema
 from radixserve.constrained.mask import packed_width
 from radixserve.core.params import InvalidRequest
 
@@ -109,15 +109,7 @@ def _grammar(field: str, text: str) -> str:
         check_pattern_size(field, text)
         return LLMatcher.grammar_from_regex(text)
     if field == "json_schema":
-        try:
-            schema = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise InvalidRequest(f"json_schema: not valid JSON ({e})") from e
-        except RecursionError as e:
-            raise InvalidRequest("json_schema: the schema is nested too deeply") from e
-        if not isinstance(schema, (dict, bool)):
-            raise InvalidRequest("json_schema: a schema must be a JSON object")
-        closed = _closed(schema)
+        closed = _closed(parse_schema(text))
         return LLMatcher.grammar_from_json_schema(closed, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
     try:
         return LLMatcher.grammar_from_lark(any_to_lark(text))

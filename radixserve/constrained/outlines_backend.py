@@ -10,7 +10,6 @@ outlines releases the GIL while it builds.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from radixserve.constrained.backend import (
     GrammarState,
 )
 from radixserve.constrained.bounds import check_pattern_size, explain
+from radixserve.constrained.json_schema import parse_schema
 from radixserve.constrained.mask import pack_token_mask
 from radixserve.constrained.vocab import build_vocabulary
 from radixserve.core.params import InvalidRequest
@@ -130,12 +130,7 @@ def schema_to_regex(schema: str) -> str:
     """JSON schema text -> regex of its JSON documents. InvalidRequest naming json_schema."""
     from outlines_core.json_schema import build_regex_from_schema
 
-    try:
-        json.loads(schema)
-    except json.JSONDecodeError as e:
-        raise InvalidRequest(f"json_schema: not valid JSON ({e})") from e
-    except RecursionError as e:
-        raise InvalidRequest("json_schema: the schema is nested too deeply") from e
+    parse_schema(schema)
     try:
         return build_regex_from_schema(schema)
     except (ValueError, TypeError, RecursionError) as e:

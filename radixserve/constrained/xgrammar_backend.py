@@ -11,7 +11,6 @@ but eos.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
@@ -24,6 +23,7 @@ from radixserve.constrained.backend import (
     GrammarState,
 )
 from radixserve.constrained.bounds import check_pattern_size, shorten
+from radixserve.constrained.json_schema import parse_schema
 from radixserve.constrained.mask import packed_width
 from radixserve.core.params import InvalidRequest
 
@@ -120,14 +120,7 @@ class XGrammarBackend(GrammarBackend):
             check_pattern_size(field, text)
             return self._compiler.compile_regex(text)
         if field == "json_schema":
-            try:
-                schema = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise InvalidRequest(f"json_schema: not valid JSON ({e})") from e
-            except RecursionError as e:
-                raise InvalidRequest("json_schema: the schema is nested too deeply") from e
-            if not isinstance(schema, (dict, bool)):
-                raise InvalidRequest("json_schema: a schema must be a JSON object")
+            parse_schema(text)
             return self._compiler.compile_json_schema(
                 text, any_whitespace=False, separators=(", ", ": "), strict_mode=True
             )

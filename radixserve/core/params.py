@@ -24,9 +24,10 @@ from radixserve.core.limits import (
     MAX_LOGIT_BIAS,
     MAX_N,
     MAX_PATTERN_CHARS,
-    MAX_STOP_CHARS,
+    MAX_STOP_BYTES,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_STOP_TOTAL_BYTES,
     MAX_TEMPERATURE,
     MIN_TEMPERATURE,
     REPETITION_PENALTY_RANGE,
@@ -168,11 +169,16 @@ class SamplingParams:
             len(self.stop) <= MAX_STOP_STRINGS,
             f"stop has {len(self.stop)} strings, at most {MAX_STOP_STRINGS} are allowed",
         )
-        for s in self.stop:
+        sizes = [len(s.encode("utf-8", "surrogatepass")) for s in self.stop]
+        for size in sizes:
             _require(
-                0 < len(s) <= MAX_STOP_CHARS,
-                f"stop strings must be non-empty and <= {MAX_STOP_CHARS} characters, got {len(s)}",
+                0 < size <= MAX_STOP_BYTES,
+                f"stop strings must be non-empty and <= {MAX_STOP_BYTES} UTF-8 bytes, got {size}",
             )
+        _require(
+            sum(sizes) <= MAX_STOP_TOTAL_BYTES,
+            f"stop strings total {sum(sizes)} UTF-8 bytes, at most {MAX_STOP_TOTAL_BYTES}",
+        )
         _require(
             not self.stop_regex,
             "stop_regex is not supported yet: use stop (strings) or regex (constrained output)",

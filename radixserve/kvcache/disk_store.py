@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -50,8 +51,7 @@ class DiskStore:
         ttl_s: float | None = None,
         clock: Callable[[], float] = time.time,  # wall time: file mtimes outlive the process
     ) -> None:
-        self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = private_dir(Path(directory))
         self.budget = budget_bytes
         self.codec = codec
         self.ttl_s = ttl_s
@@ -118,12 +118,15 @@ class DiskStore:
 
     def _write(self, key: str, tokens: list[int], chunk: torch.Tensor) -> None:
         data = self.codec.encode(key, tokens, chunk)
-        path, tmp = self._path(key), self.dir / f".{key}.tmp"
+        path, tmp = self._path(key), None
         try:
-            tmp.write_bytes(data)
+            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".", suffix=".tmp")  # mode 0600
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
             os.replace(tmp, path)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
             self._fault("write", f"{path}: {e}")
             with self._lock:
                 self._pending.pop(key, None)
@@ -186,6 +189,18 @@ class DiskStore:
         self.drain()
         self._queue.put(None)
         self._writer.join(timeout=5)
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a folder only this user can enter (0700), made if missing. ValueError if
+    another user owns it: whoever owns the folder can swap the files under us."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise ValueError(f"hicache_dir {path} belongs to uid {st.st_uid}, not this user")
+    if st.st_mode & 0o077:
+        path.chmod(0o700)
+    return path
 
 
 def _read_at_most(path: Path, limit: int) -> bytes:

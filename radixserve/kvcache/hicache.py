@@ -95,7 +95,6 @@ class HiCache:
         self.namespace = namespace
         self.layout = pool_layout(pool)
         self.device = TierStats()
-        self._remote_sent: set[str] = set()  # keys this server wrote to (or read from) Redis
         self.prefetched = 0  # chunks moved up into the host tier ahead of their request
         self._queued: list[TreeNode] = []  # deepest cached nodes of the queued requests
         self._wanted: set[str] = set()  # keys handed to the reader, not yet in the host
@@ -245,7 +244,6 @@ class HiCache:
                 keys[k:], [tokens[i * C : (i + 1) * C] for i in range(k, len(keys))]
             )
             self._count_load(self.remote.counters, len(chunks), start)
-            self._remote_sent.update(keys[k : k + len(chunks)])
             found.extend(("remote", chunk) for chunk in chunks)
         return found
 
@@ -357,8 +355,6 @@ class HiCache:
     def _land(self, key: str, tokens: list[int], hit: tuple[str, torch.Tensor] | None) -> None:
         self._wanted.discard(key)
         if hit is not None and not self.local[0].contains(key):
-            if hit[0] == "remote":
-                self._remote_sent.add(key)  # Redis has it: never written back
             self.local[0].put(key, tokens, hit[1])
             self.prefetched += 1
 
@@ -403,12 +399,11 @@ class HiCache:
         if self.remote is not None:
             tokens = list(token_ids)
             keys = chunk_keys(self.namespace, tokens)
-            todo = [k for k, key in enumerate(keys) if key not in self._remote_sent]
+            todo = [k for k, key in enumerate(keys) if not self.remote.known(key)]
             if todo:
                 slots = result.indices
                 rows = self._gather(torch.cat([slots[k * C : (k + 1) * C] for k in todo]))
                 for j, k in enumerate(todo):
-                    self._remote_sent.add(keys[k])
                     chunk = rows[:, :, j * C : (j + 1) * C]
                     self.remote.put(keys[k], tokens[k * C : (k + 1) * C], chunk)
         return result

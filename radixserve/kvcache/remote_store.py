@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ from radixserve.kvcache.tier_store import (
     ChunkError,
     drain,
 )
+from radixserve.redact import redact
 
 logger = logging.getLogger("radixserve.kvcache")
 
@@ -38,6 +40,7 @@ PREFIX = "radixserve:kv:"
 TIMEOUT_S = 0.5
 RETRY_S = 2.0
 MAX_PENDING = 256
+MAX_KNOWN = 1 << 18  # keys remembered as already in Redis (least recently seen forgotten)
 
 
 class RemoteStore:
@@ -50,11 +53,12 @@ class RemoteStore:
         self._client: Any = redis.Redis.from_url(
             url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S
         )
-        self.url = url
+        self.url = redact(url)  # for logs: never the password
         self.codec = codec
         self.ttl_s = ttl_s
         self.counters = TierStats()
         self._written_bytes = 0
+        self._known: OrderedDict[str, None] = OrderedDict()  # written or read here: in Redis
         self._down_until = 0.0  # monotonic time before which the tier counts as down
         self._down = False
         self._lock = threading.Lock()
@@ -110,7 +114,20 @@ class RemoteStore:
                     self.counters.faults += 1
                 logger.warning("hicache remote chunk %s refused: %s", key, e)
                 break
+            self._remember(key)
         return chunks
+
+    def known(self, key: str) -> bool:
+        """Whether this server wrote `key` or read it back intact (then a write is moot)."""
+        with self._lock:
+            return key in self._known
+
+    def _remember(self, key: str) -> None:
+        with self._lock:
+            self._known[key] = None
+            self._known.move_to_end(key)
+            while len(self._known) > MAX_KNOWN:
+                self._known.popitem(last=False)
 
     def get(self, key: str, tokens: Sequence[int]) -> torch.Tensor | None:
         found = self.get_many([key], [tokens])
@@ -128,7 +145,7 @@ class RemoteStore:
     # -- writes ------------------------------------------------------------------------
 
     def put(self, key: str, tokens: Sequence[int], chunk: torch.Tensor) -> None:
-        if not self._up():
+        if not self._up() or self.known(key):
             return
         try:
             self._queue.put_nowait((key, list(tokens), chunk))
@@ -145,6 +162,7 @@ class RemoteStore:
                     self._client.set(PREFIX + key, data, ex=self.ttl_s)
                     with self._lock:
                         self._written_bytes += len(data)
+                    self._remember(key)  # only now: a failed write is tried again later
                     self._ok()
                 except self._errors as e:
                     self._failed(e)

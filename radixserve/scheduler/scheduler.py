@@ -45,6 +45,7 @@ from radixserve.config import EngineConfig
 from radixserve.constrained.backend import CompiledGrammar
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.info import CacheTreeView, ModelInfo, SchedulerStats
+from radixserve.core.limits import MAX_SCHEMA_SHARE, MAX_SCHEMAS
 from radixserve.core.modules import CompiledSchema
 from radixserve.core.request import FinishReason, SampleOutput, TokenizedRequest
 from radixserve.kvcache.pool import ReqToTokenPool
@@ -479,7 +480,19 @@ class Scheduler:
                 f"schema {schema.name!r}: {schema.num_positions} positions, the context holds "
                 f"{self.context_len} (and a prompt needs one more)"
             )
+        if len(store.schemas) + len(store.encoding) >= MAX_SCHEMAS:
+            raise ValueError(
+                f"schema {schema.name!r}: {MAX_SCHEMAS} schemas are registered already; "
+                "delete one first"
+            )
         need = sum(len(m.token_ids) for m in schema.modules)
+        pinned, cap = store.num_slots + need, int(self.kv.pool.capacity * MAX_SCHEMA_SHARE)
+        if pinned > cap:
+            raise ValueError(
+                f"schema {schema.name!r}: schemas would pin {pinned} KV slots, at most "
+                f"{cap} ({MAX_SCHEMA_SHARE:.0%} of the pool) may be pinned; delete a schema "
+                "or raise --max-total-tokens"
+            )
         if not self.kv.reserve(need):
             raise ValueError(
                 f"schema {schema.name!r}: {need} tokens of K/V, {self.kv.available} KV slots "

@@ -1,4 +1,4 @@
-"""The FastAPI application: routes, API-key check, error shape, /metrics.
+"""The FastAPI application: routes, key scopes and cross-site guard, error shape, /metrics.
 
 Every error is JSON `{"error": {"message", "type", "param", "code"}}` (the OpenAI shape, which
 the openai client parses) with the matching HTTP status.
@@ -6,54 +6,32 @@ the openai client parses) with the matching HTTP status.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
-from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.config import EngineConfig
 from radixserve.message.messages import ServerInfoReq, ServerInfoResp
+from radixserve.redact import redact
 from radixserve.server import console, openai_api, schemas_api, sglang_api
+from radixserve.server.guard import ApiKeyMiddleware, CrossSiteGuard, allowed_hosts
 from radixserve.server.manager import RequestManager
 from radixserve.server.metrics import Metrics
 from radixserve.server.protocol import ApiError
 
 logger = logging.getLogger("radixserve.server")
 
-PUBLIC_PATHS = frozenset({"/health"})  # reachable without the API key (load balancers)
-
-
-class ApiKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on every HTTP route but PUBLIC_PATHS; the web
-    console's page (`/`), which a browser opens without headers, takes it as `?key=`."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-        self.expected_query = api_key
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected) or self._page_key_ok(scope):
-            await self.app(scope, receive, send)
-            return
-        err = ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
-        response = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
-
-    def _page_key_ok(self, scope: Scope) -> bool:
-        if scope["path"] != "/":
-            return False
-        key = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("key", [""])[0]
-        return hmac.compare_digest(key.encode(), self.expected_query.encode())
+# What an inference key does not reach (radixserve/server/guard.py); the routes whose
+# answer depends on the key check `guard.role` themselves (/cache_tree text, abort_all).
+ADMIN_ROUTES = (
+    ("*", "/flush_cache"),
+    ("GET", "/get_server_info"),
+    ("POST", "/schemas"),
+    ("DELETE", "/schemas/"),
+)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -63,7 +41,7 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled error on %s %s", request.method, request.url.path)
-    err = ApiError(500, f"internal server error: {type(exc).__name__}: {exc}")
+    err = ApiError(500, redact(f"internal server error: {type(exc).__name__}: {exc}"))
     return JSONResponse(err.body(), status_code=500)
 
 
@@ -91,6 +69,9 @@ def build_app(manager: RequestManager, config: EngineConfig, metrics_: Metrics) 
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(Exception, _internal_error)
-    if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(
+        ApiKeyMiddleware, inference_key=config.inference_key(), admin_key=config.admin_key(),
+        admin_routes=ADMIN_ROUTES,
+    )  # fmt: skip
+    app.add_middleware(CrossSiteGuard, hosts=allowed_hosts(config.host, config.allowed_hosts))
     return app

@@ -16,6 +16,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from radixserve.kvcache.tree_view import MAX_DEPTH, MAX_NODES
 from radixserve.message.messages import CacheTreeReq, CacheTreeResp
+from radixserve.server.guard import role
 from radixserve.server.manager import RequestManager
 from radixserve.server.protocol import ApiError
 
@@ -53,7 +54,9 @@ def _int_param(request: Request, name: str, default: int, low: int, high: int) -
 async def cache_tree(request: Request) -> Response:
     """The radix tree breadth first from the root, at most `max_nodes` nodes (default 300,
     at most 2000) within `max_depth` of the root (default 16, at most 64), each with its
-    first token ids and their text; plus the cache's token counts and a scheduler snapshot."""
+    first token ids and their text; plus the cache's token counts and a scheduler snapshot.
+    The ids and text are other tenants' prompts: an inference key gets the tree's shape only
+    (`content_hidden`: true)."""
     max_nodes = _int_param(request, "max_nodes", DEFAULT_NODES, 1, MAX_NODES)
     max_depth = _int_param(request, "max_depth", DEFAULT_DEPTH, 0, MAX_DEPTH)
     manager: RequestManager = request.app.state.manager
@@ -62,6 +65,10 @@ async def cache_tree(request: Request) -> Response:
     view = resp.view
     body = msgspec.to_builtins(view)  # ~10x faster than dataclasses.asdict on 2000 nodes
     body["stats"].update(kv_usage=view.stats.kv_usage, cache_hit_rate=view.stats.cache_hit_rate)
+    body["content_hidden"] = role(request) != "admin"
+    if body["content_hidden"]:
+        for node in body["nodes"]:
+            node["preview_ids"], node["text"] = [], ""
     return Response(msgspec.json.encode(body), media_type="application/json")
 
 

@@ -28,14 +28,14 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def submit_all(manager: RequestManager, reqs: list[GenerateReq]) -> list[Pending]:
-    """Submit requests, all or none: 503 when the server has no room for their samples; if
-    one is refused, abort those already sent and re-raise."""
+def submit_all(manager: RequestManager, reqs: list[GenerateReq], owner: str) -> list[Pending]:
+    """Submit requests for the key scope `owner`, all or none: 503 when the server has no
+    room for their samples; if one is refused, abort those already sent and re-raise."""
     manager.check_room(sum(req.sampling.n for req in reqs))
     pendings: list[Pending] = []
     try:
         for req in reqs:
-            pendings.append(manager.submit(req))
+            pendings.append(manager.submit(req, owner))
     except BaseException:
         abort_all(manager, pendings)
         raise

@@ -68,6 +68,7 @@ class ChildDied(RuntimeError):
 class Pending:
     rid: str
     n: int  # samples to expect
+    owner: str = "admin"  # the key scope that sent it (radixserve/server/guard.py)
     created: float = field(default_factory=time.perf_counter)
     queue: asyncio.Queue[SampleChunk | RequestError] = field(default_factory=asyncio.Queue)
     first_token_at: float | None = None
@@ -183,7 +184,7 @@ class RequestManager:
                 headers={"Retry-After": RETRY_AFTER_S},
             )
 
-    def submit(self, req: GenerateReq) -> Pending:
+    def submit(self, req: GenerateReq, owner: str = "admin") -> Pending:
         """Register and send one request. ApiError 400 if its rid is in flight: the one
         check of it (the tokenizer and scheduler let a rid go before this does)."""
         if self.failure is not None:
@@ -194,7 +195,7 @@ class RequestManager:
             data = encode(req)
         except (OverflowError, ValueError) as e:  # msgspec: ints beyond 64 bits, lone surrogates
             raise ApiError(400, f"the request cannot be encoded: {e}") from e
-        pending = self.pending[req.rid] = Pending(req.rid, req.sampling.n)
+        pending = self.pending[req.rid] = Pending(req.rid, req.sampling.n, owner)
         try:
             self._outbox.send(data)
         except BaseException:
@@ -202,9 +203,11 @@ class RequestManager:
             raise
         return pending
 
-    def abort(self, rid: str) -> None:
-        """Ask the scheduler to stop `rid`; a no-op once it finished."""
-        if rid in self.pending:
+    def abort(self, rid: str, caller: str = "admin") -> None:
+        """Ask the scheduler to stop `rid`; a no-op once it finished, and for a `caller`
+        scope other than admin, unless that scope sent it (a tenant stops its own requests)."""
+        pending = self.pending.get(rid)
+        if pending is not None and caller in ("admin", pending.owner):
             self.send(AbortReq(rid))
 
     async def first_event(self, pending: Pending) -> None:

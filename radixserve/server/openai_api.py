@@ -19,6 +19,7 @@ from radixserve.core.request import TextLogprob
 from radixserve.core.result import SampleResult
 from radixserve.server import openapi
 from radixserve.server.flow import sse, start_stream, submit_all, unless_disconnected
+from radixserve.server.guard import role
 from radixserve.server.manager import Pending, RequestManager
 from radixserve.server.openai_protocol import OpenAIBatch, parse_chat, parse_completion
 from radixserve.server.openai_tools import ToolStream
@@ -110,7 +111,7 @@ async def _run(
     chunk_choice: ChunkFn,
 ) -> Response:
     manager: RequestManager = request.app.state.manager
-    pendings = submit_all(manager, batch.reqs)
+    pendings = submit_all(manager, batch.reqs, role(request))
     head = {
         "id": batch.reqs[0].rid,
         "object": kind,

@@ -18,7 +18,7 @@ from radixserve.core.limits import (
     MAX_PATTERN_CHARS,
     MAX_PROMPTS,
     MAX_RID_CHARS,
-    MAX_STOP_CHARS,
+    MAX_STOP_BYTES,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
@@ -59,7 +59,8 @@ def _empty(description: str) -> dict[str, Any]:
     return {"enum": [None, False, "", [], {}], "description": description}
 
 
-STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+# maxLength counts characters: the byte caps (MAX_STOP_BYTES, in total too) are checked on parse
+STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_BYTES}
 STOP = _nullable(
     {"anyOf": [STOP_STRING, {"type": "array", "items": STOP_STRING, "maxItems": MAX_STOP_STRINGS}]},
     "stop strings (excluded from the output)",

@@ -25,8 +25,10 @@ from radixserve.message.messages import (
     ServerInfoReq,
     ServerInfoResp,
 )
+from radixserve.redact import redact_values
 from radixserve.server import openapi
 from radixserve.server.flow import sse, start_stream, submit_all, unless_disconnected
+from radixserve.server.guard import require_admin, role
 from radixserve.server.manager import Pending, RequestManager
 from radixserve.server.protocol import ApiError, bad, check_fields, get, get_int, read_json
 
@@ -166,7 +168,7 @@ def parse_generate(body: dict[str, Any]) -> NativeBatch:
 async def generate(request: Request) -> Response:
     batch = parse_generate(await read_json(request))
     manager = _manager(request)
-    pendings = submit_all(manager, batch.reqs)
+    pendings = submit_all(manager, batch.reqs, role(request))
     if batch.stream:
         return await _stream(request, manager, batch, pendings)
     results = await unless_disconnected(request, manager, pendings, _collect(manager, pendings))
@@ -223,7 +225,7 @@ async def health_generate(request: Request) -> Response:
         sampling=SamplingParams(max_new_tokens=1, temperature=0),
         input_ids=[0],
     )
-    pendings = submit_all(manager, [req])
+    pendings = submit_all(manager, [req], role(request))
     try:
         await asyncio.wait_for(_collect(manager, pendings), HEALTH_GENERATE_TIMEOUT_S)
     except (ApiError, asyncio.TimeoutError) as e:
@@ -254,7 +256,9 @@ async def get_server_info(request: Request) -> Response:
     resp = await manager.call(ServerInfoReq)
     assert isinstance(resp, ServerInfoResp)
     config: EngineConfig = request.app.state.config
-    args = {k: v for k, v in dataclasses.asdict(config).items() if k not in SECRET_FIELDS}
+    args = redact_values(
+        {k: v for k, v in dataclasses.asdict(config).items() if k not in SECRET_FIELDS}
+    )
     stats = resp.stats
     scheduler = {
         **dataclasses.asdict(stats),
@@ -275,11 +279,11 @@ async def get_server_info(request: Request) -> Response:
     )
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+@router.post("/flush_cache")
 async def flush_cache(request: Request) -> Response:
-    """Empty the radix cache. 400 while requests are running or queued (nothing is done)."""
-    if request.method == "POST":
-        check_fields(await read_json(request), {"empty_cache"})  # SGLang clients send it
+    """Empty the radix cache (POST only: a state change a page could not trigger with a
+    link). 400 while requests are running or queued (nothing is done)."""
+    check_fields(await read_json(request), {"empty_cache"})  # SGLang clients send it
     resp = await _manager(request).call(FlushCacheReq)
     assert isinstance(resp, FlushCacheResp)
     if not resp.ok:
@@ -293,11 +297,12 @@ async def abort_request(request: Request) -> Response:
     check_fields(body, {"rid", "abort_all"})
     manager = _manager(request)
     if get(body, "abort_all", "bool", False):
+        require_admin(request, "abort_all")
         for rid in list(manager.pending):
             manager.abort(rid)
         return JSONResponse({"success": True})
     rid = get(body, "rid", "str")
     if rid is None:
         raise bad("rid is required (or abort_all: true)", "rid")
-    manager.abort(rid)
+    manager.abort(rid, role(request))  # another scope's rid: a no-op, answered the same
     return JSONResponse({"success": True})

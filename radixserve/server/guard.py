@@ -1,0 +1,159 @@
+"""Who may call what, for the server and the router alike: two scopes of API key, and the
+protections against web pages in the operator's browser.
+
+Keys (`Authorization: Bearer <key>`, compared in constant time):
+- the inference key (`--api-key` / RADIXSERVE_API_KEY) reaches the inference routes;
+- the admin key (`--admin-api-key` / RADIXSERVE_ADMIN_API_KEY) reaches every route,
+  including the admin ones: what shows other tenants' data or changes server state.
+A request's role ("admin" or "inference") is put in the ASGI scope (`role(request)`) for the
+routes whose answer depends on it (`/cache_tree` text, `abort_all`). With no key set at all
+every caller is admin (the loopback default); with only an admin key the inference routes
+are open and the admin ones need it; with only an inference key no caller is admin.
+
+Cross-site (`CrossSiteGuard`): a Host outside the allowed names is refused (DNS rebinding:
+a page on another name resolved to this address); a request body must be JSON (a form or
+text/plain post, which a browser sends to any site without asking, gets 415); a
+state-changing request whose Origin is another site gets 403.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Collection
+from urllib.parse import parse_qs, urlsplit
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from radixserve.server.protocol import ApiError
+
+ROLE_KEY = "radixserve.role"
+PUBLIC_PATHS = frozenset({"/health"})  # reachable without a key (load balancers)
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def role(request: Request) -> str:
+    """The caller's scope: "admin" or "inference" (set by ApiKeyMiddleware)."""
+    return str(request.scope.get(ROLE_KEY, "admin"))
+
+
+def require_admin(request: Request, what: str) -> None:
+    """ApiError 403 unless the caller holds the admin key."""
+    if role(request) != "admin":
+        raise ApiError(403, f"{what} needs the admin API key (--admin-api-key)")
+
+
+async def _refuse(scope: Scope, receive: Receive, send: Send, err: ApiError) -> None:
+    await JSONResponse(err.body(), status_code=err.status, headers=err.headers)(
+        scope, receive, send
+    )
+
+
+class ApiKeyMiddleware:
+    """Sets the caller's role from its key and refuses the routes it does not reach.
+
+    `admin_routes`: (method, path) pairs, "*" for any method; a path ending in "/" covers
+    everything under it. The web console's page (`/`), which a browser opens without
+    headers, takes the key as `?key=`."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        inference_key: str | None,
+        admin_key: str | None,
+        admin_routes: Collection[tuple[str, str]],
+    ) -> None:
+        self.app = app
+        self.keys = {"admin": admin_key, "inference": inference_key}
+        self.admin_routes = tuple(admin_routes)
+
+    def _role(self, given: str) -> str | None:
+        if self.keys["admin"] is None and self.keys["inference"] is None:
+            return "admin"
+        found = None
+        for name, key in self.keys.items():  # every comparison runs: no early exit
+            if key is not None and hmac.compare_digest(given.encode(), key.encode()):
+                found = found or name
+        if found is None and self.keys["inference"] is None:
+            return "inference"  # only an admin key is set: inference routes stay open
+        return found
+
+    def _is_admin_route(self, method: str, path: str) -> bool:
+        return any(
+            (m == "*" or m == method) and (path == p or (p.endswith("/") and path.startswith(p)))
+            for m, p in self.admin_routes
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            await self.app(scope, receive, send)
+            return
+        auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        given = auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else ""
+        if scope["path"] == "/" and not given:
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            given = query.get("key", [""])[0]
+        who = self._role(given)
+        if who is None:
+            msg = "missing or invalid API key: send 'Authorization: Bearer <key>'"
+            err = ApiError(401, msg, headers={"WWW-Authenticate": "Bearer"})
+            await _refuse(scope, receive, send, err)
+            return
+        if who != "admin" and self._is_admin_route(scope["method"], scope["path"]):
+            msg = f"{scope['method']} {scope['path']} needs the admin API key (--admin-api-key)"
+            await _refuse(scope, receive, send, ApiError(403, msg))
+            return
+        scope[ROLE_KEY] = who
+        await self.app(scope, receive, send)
+
+
+def allowed_hosts(bind_host: str, given: Collection[str]) -> frozenset[str] | None:
+    """The Host names the guard accepts: `given` ("*" = any), else the loopback names when
+    bound to loopback, else any (None)."""
+    if "*" in given:
+        return None
+    if given:
+        return frozenset(h.lower() for h in given)
+    if bind_host in LOOPBACK_NAMES:
+        return frozenset(LOOPBACK_NAMES)
+    return None
+
+
+def _hostname(netloc: str) -> str:
+    return (urlsplit("//" + netloc).hostname or "").lower()
+
+
+class CrossSiteGuard:
+    """See the module docstring: Host check (`hosts` None = any), JSON bodies only, no
+    state change from another site's page."""
+
+    def __init__(self, app: ASGIApp, hosts: frozenset[str] | None) -> None:
+        self.app = app
+        self.hosts = hosts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        host = headers.get(b"host", b"").decode("latin-1")
+        if self.hosts is not None and _hostname(host) not in self.hosts:
+            msg = f"Host {host!r} is not served here (--allowed-hosts names the accepted ones)"
+            await _refuse(scope, receive, send, ApiError(400, msg, "Host"))
+            return
+        has_body = headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
+        media = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
+        if has_body and media != "application/json" and not media.endswith("+json"):
+            msg = f"Content-Type must be application/json, not {media or 'missing'!r}"
+            await _refuse(scope, receive, send, ApiError(415, msg, "Content-Type"))
+            return
+        origin = headers.get(b"origin")
+        if origin is not None and scope["method"] in STATE_CHANGING:
+            source = origin.decode("latin-1")
+            if source == "null" or urlsplit(source).netloc.lower() != host.lower():
+                msg = f"cross-site {scope['method']} from {source!r} refused"
+                await _refuse(scope, receive, send, ApiError(403, msg, "Origin"))
+                return
+        await self.app(scope, receive, send)

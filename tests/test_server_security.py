@@ -1,0 +1,180 @@
+"""Key scopes and cross-site protections on a live server and router (radixserve/server/guard.py):
+an inference key never reaches other tenants' data or server state, the admin key does; a
+web page in the operator's browser cannot change state (text/plain posts, GET state
+changes, other origins, other Host names)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import ServerHandle, free_port, launch_server
+from radixserve.router.config import RouterConfig
+
+from radixserve.keys import ADMIN_API_KEY_ENV, API_KEY_ENV
+
+INFERENCE = "inference-key-for-tenants"
+ADMIN = "admin-key-for-the-operator"
+BODY = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 2}}
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerHandle]:
+    """Keys from the environment, as a deployment passes them."""
+    logs = tmp_path_factory.mktemp("security")
+    env = {API_KEY_ENV: INFERENCE, ADMIN_API_KEY_ENV: ADMIN}
+    handle = launch_server(tiny_model_dir, logs, "--max-total-tokens", "2048", env=env)
+    handle.api_key = ADMIN
+    yield handle
+    assert handle.stop() == 0, handle.log_text()[-3000:]
+
+
+def test_keys_from_the_environment_never_reach_the_command_line(server: ServerHandle) -> None:
+    cmdline = Path(f"/proc/{server.proc.pid}/cmdline").read_bytes().decode()
+    assert INFERENCE not in cmdline and ADMIN not in cmdline
+    with httpx.Client(base_url=server.url) as c:
+        assert c.post("/generate", json=BODY).status_code == 401
+        assert c.get("/health").status_code == 200
+        info = c.get("/get_server_info", headers=bearer(ADMIN)).json()
+    assert INFERENCE not in str(info) and ADMIN not in str(info)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/flush_cache", {}),
+        ("GET", "/get_server_info", None),
+        ("POST", "/abort_request", {"abort_all": True}),
+        ("POST", "/schemas", {"name": "s", "pml": "<module name='m'>hi</module>"}),
+        ("DELETE", "/schemas/anything", None),
+    ],
+)
+def test_admin_routes_refuse_the_inference_key(
+    server: ServerHandle, method: str, path: str, body: dict | None
+) -> None:
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        r = c.request(method, path, json=body, headers=bearer(INFERENCE))
+        assert r.status_code == 403, r.text
+        assert "admin API key" in r.json()["error"]["message"]
+        admin = c.request(method, path, json=body, headers=bearer(ADMIN))
+        assert admin.status_code not in (401, 403), admin.text
+
+
+def test_inference_key_serves_and_sees_the_tree_without_content(server: ServerHandle) -> None:
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        r = c.post("/generate", json=BODY, headers=bearer(INFERENCE))
+        assert r.status_code == 200, r.text
+        assert (
+            c.post("/abort_request", json={"rid": "x"}, headers=bearer(INFERENCE)).status_code
+            == 200
+        )
+        tenant = c.get("/cache_tree", headers=bearer(INFERENCE)).json()
+        admin = c.get("/cache_tree", headers=bearer(ADMIN)).json()
+    assert tenant["content_hidden"] and not admin["content_hidden"]
+    assert len(tenant["nodes"]) == len(admin["nodes"]) > 1
+    assert all(n["text"] == "" and n["preview_ids"] == [] for n in tenant["nodes"])
+    assert any("France" in n["text"] for n in admin["nodes"])
+
+
+def test_a_web_page_cannot_change_state(server: ServerHandle) -> None:
+    with httpx.Client(base_url=server.url, headers=bearer(ADMIN), timeout=60) as c:
+        form = c.post(
+            "/generate", content=b'{"text": "hi"}', headers={"Content-Type": "text/plain"}
+        )
+        assert form.status_code == 415 and form.json()["error"]["param"] == "Content-Type"
+        assert c.get("/flush_cache").status_code == 405
+        other = c.post("/flush_cache", json={}, headers={"Origin": "http://evil.example"})
+        assert other.status_code == 403 and other.json()["error"]["param"] == "Origin"
+        same = c.post("/flush_cache", json={}, headers={"Origin": server.url})
+        assert same.status_code == 200, same.text
+        rebound = c.get("/get_server_info", headers={"Host": f"evil.example:{server.url[-5:]}"})
+        assert rebound.status_code == 400 and rebound.json()["error"]["param"] == "Host"
+        assert c.get("/get_server_info", headers={"Host": "localhost"}).status_code == 200
+
+
+def test_router_refuses_a_public_address_without_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.delenv(ADMIN_API_KEY_ENV, raising=False)
+    with pytest.raises(ValueError, match="bind to 127.0.0.1"):
+        RouterConfig(host="0.0.0.0")
+    assert RouterConfig(host="0.0.0.0", admin_api_key=ADMIN).host == "0.0.0.0"
+    monkeypatch.setenv(API_KEY_ENV, INFERENCE)
+    assert RouterConfig(host="0.0.0.0").inference_key() == INFERENCE
+
+
+def wait_answering(h: ServerHandle, timeout: float = 60) -> None:
+    """Until the process answers HTTP at all (a router with no workers is unhealthy: 503)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert h.proc.poll() is None, h.log_text()[-3000:]
+        try:
+            httpx.get(h.url + "/health", timeout=2)
+            return
+        except httpx.TransportError:
+            time.sleep(0.2)
+    raise TimeoutError(h.log_text()[-3000:])
+
+
+def test_router_workers_need_the_admin_key(tmp_path: Path) -> None:
+    port = free_port()
+    cmd = [sys.executable, "-m", "radixserve", "router", "--port", str(port),
+           "--health-interval-s", "0.5"]  # fmt: skip
+    env = {**os.environ, API_KEY_ENV: INFERENCE, ADMIN_API_KEY_ENV: ADMIN}
+    log = tmp_path / "router.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    handle = ServerHandle(f"http://127.0.0.1:{port}", proc, log, ADMIN)
+    try:
+        wait_answering(handle)
+        with httpx.Client(base_url=handle.url, timeout=30) as c:
+            add = {"url": "http://127.0.0.1:9"}
+            assert c.post("/workers", json=add, headers=bearer(INFERENCE)).status_code == 403
+            assert c.get("/workers", headers=bearer(INFERENCE)).status_code == 403
+            assert c.post("/workers", json=add, headers=bearer(ADMIN)).status_code == 200
+            assert (
+                c.get("/workers", headers=bearer(ADMIN)).json()["workers"][0]["url"] == add["url"]
+            )
+            text = c.post("/workers", content=b'{"url": "http://x:1"}',
+                          headers={**bearer(ADMIN), "Content-Type": "text/plain"})  # fmt: skip
+            assert text.status_code == 415
+    finally:
+        assert handle.stop() == 0, handle.log_text()[-3000:]
+
+
+def finish_of_aborted(server: ServerHandle, owner: str, aborter: str, rid: str) -> str:
+    """Stream a long request with key `owner`, ask key `aborter` to abort its rid after the
+    first chunk, and return how it finished."""
+    body = {"text": "Count:", "rid": rid, "stream": True,
+            "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}  # fmt: skip
+    last = None
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        with c.stream("POST", "/generate", json=body, headers=bearer(owner)) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                if last is None:
+                    abort = c.post("/abort_request", json={"rid": rid}, headers=bearer(aborter))
+                    assert abort.status_code == 200
+                last = json.loads(line[6:])
+    assert last is not None
+    return last["meta_info"]["finish_reason"]["type"]
+
+
+def test_a_tenant_aborts_only_its_own_requests(server: ServerHandle) -> None:
+    assert finish_of_aborted(server, ADMIN, INFERENCE, "admin-run") == "length"
+    assert finish_of_aborted(server, INFERENCE, INFERENCE, "own-run") == "abort"
+    assert finish_of_aborted(server, INFERENCE, ADMIN, "any-run") == "abort"
