@@ -204,11 +204,14 @@ class RequestManager:
         return pending
 
     def abort(self, rid: str, caller: str = "admin") -> None:
-        """Ask the scheduler to stop `rid`; a no-op once it finished, and for a `caller`
-        scope other than admin, unless that scope sent it (a tenant stops its own requests)."""
+        """Ask the scheduler to stop `rid`; a no-op once it finished. ApiError 403 when
+        `caller`, a scope other than admin, did not send it (a tenant stops its own)."""
         pending = self.pending.get(rid)
-        if pending is not None and caller in ("admin", pending.owner):
-            self.send(AbortReq(rid))
+        if pending is None:
+            return
+        if caller not in ("admin", pending.owner):
+            raise ApiError(403, f"rid {rid!r} was sent with another API key", "rid")
+        self.send(AbortReq(rid))
 
     async def first_event(self, pending: Pending) -> None:
         """Wait for `pending`'s first event without consuming it; ApiError if refused.

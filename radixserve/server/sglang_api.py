@@ -304,5 +304,5 @@ async def abort_request(request: Request) -> Response:
     rid = get(body, "rid", "str")
     if rid is None:
         raise bad("rid is required (or abort_all: true)", "rid")
-    manager.abort(rid, role(request))  # another scope's rid: a no-op, answered the same
+    manager.abort(rid, role(request))
     return JSONResponse({"success": True})
