@@ -49,14 +49,15 @@ def test_transformers_ignores_repo_folders() -> None:
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = {
     "radixserve": REPO / "radixserve",
-    "radixserve.kernels": REPO / "kernels",  # the package-dir mapping of pyproject.toml
+    "radixserve.kernels": REPO / "kernels",  # radixserve/kernels etc. link to these folders
     "radixserve.frontend": REPO / "frontend",
     "radixserve.router": REPO / "router",
 }
 
 
 def _modules() -> dict[str, Path]:
-    """Every module of the installed package, by dotted name (the package-dir mapping)."""
+    """Every module of the installed package, by dotted name (rglob does not follow the
+    links under radixserve/, so each linked folder is walked from its own root)."""
     mods = {}
     for root, base in SOURCES.items():
         for path in base.rglob("*.py"):

@@ -263,6 +263,7 @@ def smollm2_path() -> Path:
     return resolve_model_path(None)
 
 
+@pytest.mark.slow  # transformers dequantizes the whole 135M-parameter GGUF in Python (~18 s)
 def test_gguf_weights_equal_transformers_reading_of_the_file(smollm2_path: Path) -> None:
     """Read natively (names mapped, q/k rows un-permuted, blocks in place in the file's
     memory map), every tensor dequantizes to exactly what transformers' own GGUF loader
