@@ -45,7 +45,6 @@ from radixserve.frontend.choices import greedy_token_selection, token_length_nor
 from radixserve.frontend.interpreter import ProgramState, ProgramStateGroup
 from radixserve.frontend.runtime_endpoint import RuntimeEndpoint
 from radixserve.frontend.tracing import Trace, TracingBackend
-
 from radixserve.prompt.pml import module, param, role, schema, union, use
 
 if TYPE_CHECKING:

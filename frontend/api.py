@@ -30,7 +30,6 @@ from radixserve.frontend.ir import (
     normalize_stop,
     to_expr,
 )
-
 from radixserve.prompt.pml import Schema, Use, use
 
 # run()/run_batch() keywords that set sampling defaults (everything else goes to the

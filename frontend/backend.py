@@ -19,7 +19,6 @@ from radixserve.frontend.choices import (
     choose,
     score_choices,
 )
-
 from radixserve.prompt.pml import Prompt, Schema
 from radixserve.prompt.roles import RoleTemplate
 

@@ -28,12 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.frontend.backend import Backend, BackendError, GenRequest, GenResult, TextCallback
-
 from radixserve.core.params import SamplingParams
 from radixserve.core.request import PromptLogprob, SampleOutput, TokenizedRequest
 from radixserve.core.result import native_result
 from radixserve.engine.engine import Engine
+from radixserve.frontend.backend import Backend, BackendError, GenRequest, GenResult, TextCallback
 from radixserve.prompt.pml import Schema
 from radixserve.prompt.roles import RoleTemplate, template_for
 from radixserve.scheduler.loop import StepLoop

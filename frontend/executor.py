@@ -39,7 +39,6 @@ from radixserve.frontend.ir import (
     convert_value,
     sampling_dict,
 )
-
 from radixserve.prompt.pml import Prompt
 
 

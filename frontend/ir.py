@@ -19,7 +19,6 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from radixserve.frontend.choices import ChoicesMethod
-
 from radixserve.prompt.pml import Use
 
 # Regexes of the typed gens (SGLang's). A runtime without constrained decoding ignores

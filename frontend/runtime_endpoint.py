@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-from radixserve.frontend.backend import Backend, BackendError, GenRequest, GenResult, TextCallback
 
 from radixserve.core.request import PromptLogprob
+from radixserve.frontend.backend import Backend, BackendError, GenRequest, GenResult, TextCallback
 from radixserve.prompt.pml import Schema, to_pml
 from radixserve.prompt.roles import RoleTemplate, template_for
 

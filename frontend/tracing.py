@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.core.request import PromptLogprob
 from radixserve.frontend.backend import (
     Backend,
     BackendError,
@@ -23,8 +24,6 @@ from radixserve.frontend.backend import (
     TextCallback,
 )
 from radixserve.frontend.choices import ChoicesMethod
-
-from radixserve.core.request import PromptLogprob
 from radixserve.prompt.roles import RoleTemplate
 
 TYPED_PLACEHOLDER = {"int": "0", "float": "0.0", "bool": "True", "str": '""'}

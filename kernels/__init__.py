@@ -48,9 +48,9 @@ import logging
 from types import ModuleType
 
 import torch
-from radixserve.kernels import cpu, native, reference
 
 from radixserve.config import ATTENTION_KERNELS as IMPLS
+from radixserve.kernels import cpu, native, reference
 
 __all__ = [
     "IMPLS",

@@ -39,9 +39,9 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-from radixserve.kernels import cpu
 
 from radixserve.isa import cpu_isa
+from radixserve.kernels import cpu
 from radixserve.native_build import build, native_module
 
 SOURCE = Path(__file__).with_name("csrc") / "attention_cpu.cpp"

@@ -20,6 +20,7 @@ import math
 
 import torch
 import triton
+
 from radixserve.kernels import triton_kernels as tk
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -24,13 +24,13 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+
 from radixserve.router import metrics
 from radixserve.router.config import RouterConfig
 from radixserve.router.policy import make_policy
 from radixserve.router.pool import WorkerPool
 from radixserve.router.proxy import Forward, Proxy
 from radixserve.router.tree import ids_key
-
 from radixserve.server.guard import ApiKeyMiddleware, CrossSiteGuard, allowed_hosts, require_admin
 from radixserve.server.protocol import MAX_BODY_BYTES, ApiError
 

@@ -14,10 +14,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import uvicorn
-from radixserve.router.app import build_app
-from radixserve.router.config import RouterConfig
 
 from radixserve.procutil import configure_logging
+from radixserve.router.app import build_app
+from radixserve.router.config import RouterConfig
 
 logger = logging.getLogger("radixserve.router")
 

@@ -15,10 +15,10 @@ import math
 from collections import Counter, OrderedDict
 
 import httpx
+
 from radixserve.router.config import RouterConfig, check_worker_url
 from radixserve.router.policy import Policy
 from radixserve.router.worker import Worker
-
 from radixserve.server.protocol import ApiError
 
 logger = logging.getLogger("radixserve.router")

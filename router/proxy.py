@@ -26,10 +26,10 @@ from typing import Any, TypeVar
 
 import httpx
 from fastapi.responses import Response, StreamingResponse
-from radixserve.router.pool import RETRY, WorkerPool
-from radixserve.router.worker import Lease, Worker
 from starlette.background import BackgroundTask
 
+from radixserve.router.pool import RETRY, WorkerPool
+from radixserve.router.worker import Lease, Worker
 from radixserve.server.protocol import ApiError
 
 logger = logging.getLogger("radixserve.router")

@@ -64,7 +64,6 @@ def native_kernels_built() -> None:
     machine each build takes a minute or more; a server child compiling them itself would
     spend its whole start-up timeout on it. The children find them in the build cache."""
     from radixserve.kernels import native as attention
-
     from radixserve.models import native, quant
     from radixserve.sampling import sampler
 

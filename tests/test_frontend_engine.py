@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import radixserve.frontend as rs
 import torch
-from radixserve.frontend.engine_backend import EngineBackend
 
+import radixserve.frontend as rs
 from radixserve import Engine
+from radixserve.frontend.engine_backend import EngineBackend
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 PREFIX = "The quick brown fox jumps over the lazy dog. " * 20  # ~200 tokens

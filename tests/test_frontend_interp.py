@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 import radixserve.frontend as rs
 from radixserve.frontend.choices import ChoiceScores, choose
 from radixserve.frontend.ir import (
@@ -26,7 +27,6 @@ from radixserve.frontend.ir import (
     Text,
     convert_value,
 )
-
 from radixserve.prompt.roles import RoleTemplate, template_for
 
 PLAIN_DEFAULTS = {

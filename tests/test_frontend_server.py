@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 import radixserve.frontend as rs
 
 GREEDY = {"temperature": 0, "ignore_eos": True}

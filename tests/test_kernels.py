@@ -31,9 +31,9 @@ from types import ModuleType
 
 import pytest
 import torch
-from radixserve.kernels import cpu, native, reference
 
 from radixserve import kernels
+from radixserve.kernels import cpu, native, reference
 
 FP32_ATOL = 1e-5
 LOW_ATOL, LOW_RTOL, LOW_LSE_ATOL = 1e-2, 2e-2, 2e-4

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from radixserve.kernels import native, reference
 
 from radixserve import kernels
+from radixserve.kernels import native, reference
 
 ROOT = Path(__file__).resolve().parent.parent
 FP32_ATOL = 1e-5

@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 
 import pytest
-from radixserve.router.config import check_worker_url
 
 from radixserve.redact import RedactingFilter, redact, redact_values
+from radixserve.router.config import check_worker_url
 
 
 @pytest.mark.parametrize(

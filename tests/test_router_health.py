@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
+
 from radixserve.router.config import RouterConfig
 from radixserve.router.policy import make_policy
 from radixserve.router.pool import WorkerPool

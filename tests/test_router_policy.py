@@ -6,6 +6,7 @@ import dataclasses
 import random
 
 import pytest
+
 from radixserve.router.app import routing_key
 from radixserve.router.config import RouterConfig
 from radixserve.router.policy import CacheAware, LeastLoad, RoundRobin, make_policy

@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import ServerHandle, free_port, launch_server
-from radixserve.router.config import RouterConfig
 
 from radixserve.keys import ADMIN_API_KEY_ENV, API_KEY_ENV
+from radixserve.router.config import RouterConfig
 
 INFERENCE = "inference-key-for-tenants"
 ADMIN = "admin-key-for-the-operator"

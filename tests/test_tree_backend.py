@@ -21,13 +21,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from radixserve.kernels import native, reference
 
 from radixserve import kernels
 from radixserve.attention import AttentionBackend, FlatBackend, TreeBackend, make_backend
 from radixserve.attention.flat import GatherPlan, PaddedPlan, SlotPlan
 from radixserve.attention.tree_plan import TreePlan, batched_nodes
 from radixserve.core.batch import ForwardBatch
+from radixserve.kernels import native, reference
 from radixserve.kvcache.pool import KVPool
 
 FP32_ATOL = 1e-5
