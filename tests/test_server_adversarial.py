@@ -314,7 +314,7 @@ def test_a_request_failing_mid_step_fails_alone(client, tokenizer):
     }
     greedy = {
         "text": "A long greedy neighbour",
-        "sampling_params": {"temperature": 0, "max_new_tokens": 500, "ignore_eos": True},
+        "sampling_params": {"temperature": 0, "max_new_tokens": 900, "ignore_eos": True},
     }
     reference = client.post("/generate", json=greedy).json()["output_ids"]
     got: dict[str, object] = {}
@@ -322,13 +322,21 @@ def test_a_request_failing_mid_step_fails_alone(client, tokenizer):
     def run_greedy() -> None:
         got["greedy"] = client.post("/generate", json=greedy).json()["output_ids"]
 
+    def running() -> int:
+        return client.get("/get_server_info").json()["scheduler"]["num_running"]
+
     neighbour = threading.Thread(target=run_greedy)
     neighbour.start()
-    time.sleep(0.3)  # the neighbour is decoding when the bad request arrives
+    deadline = time.monotonic() + 60
+    while running() < 1:  # the neighbour is decoding before the bad requests arrive
+        assert time.monotonic() < deadline and neighbour.is_alive(), got
+        time.sleep(0.01)
     for stream in (False, True):
         r = client.post("/generate", json={**bad, "stream": stream})
         assert r.status_code == 400, r.text
         assert "no token is allowed" in r.json()["error"]["message"]
+    # ... and still decoding after them: the requests really overlapped
+    assert neighbour.is_alive() and running() >= 1 and "greedy" not in got
     neighbour.join()
     assert got["greedy"] == reference
     _idle(client)
