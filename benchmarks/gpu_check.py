@@ -30,6 +30,7 @@ fails or any section errors):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import platform
@@ -68,9 +69,9 @@ def sync() -> None:
 # --------------------------------------------------------------------------- 1. kernels
 def random_tree(
     rng: random.Random, max_len: int, max_requests: int, extend: bool
-) -> tuple[list[int], list[list[int]], list[int], list[int]]:
-    """(root length, groups of request ids, group segment lengths, private lengths and then
-    q_lens per request): 2..max_requests requests, 1-4 groups."""
+) -> tuple[int, list[list[int]], list[int], list[int], list[int]]:
+    """(root length, groups of request ids, group segment lengths, private lengths, q_lens):
+    2..max_requests requests, 1-4 groups."""
     n_req = rng.randint(2, max_requests)
     order = list(range(n_req))
     rng.shuffle(order)
@@ -78,12 +79,13 @@ def random_tree(
     groups = [order[a:b] for a, b in zip([0, *cuts], [*cuts, n_req], strict=True)]
     private = [rng.randint(1, max_len) for _ in range(n_req)]
     q_lens = [rng.randint(1, p) if extend and rng.random() < 0.5 else 1 for p in private]
-    return (
-        [rng.randint(1, max_len)],
-        groups,
-        [rng.randint(0, max_len) for _ in groups],
-        [*private, *q_lens],
-    )
+    root = rng.randint(1, max_len)
+    return root, groups, [rng.randint(0, max_len) for _ in groups], private, q_lens
+
+
+def offsets(lens: list[int]) -> list[int]:
+    """Cumulative lengths from 0: (len(lens) + 1,)."""
+    return [0, *itertools.accumulate(lens)]
 
 
 def check_random_trees(
@@ -96,43 +98,41 @@ def check_random_trees(
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     hq, hkv, d = HEADS
+    scale = 1 / math.sqrt(d)
     atol, rtol, lse_atol = TOLERANCES[dtype]
     worst = {"out": 0.0, "lse": 0.0, "cases": 0}
     for case in range(cases):
-        (root,), groups, group_lens, lens = random_tree(
+        root, groups, group_lens, private, q_lens = random_tree(
             rng, max_len, max_requests, extend=case % 2 == 1
         )
-        n_req = len(lens) // 2
-        private, q_lens = lens[:n_req], lens[n_req:]
+        n_req = len(private)
         n_slots = 1 + root + sum(group_lens) + sum(private)
         perm = torch.randperm(n_slots - 1, generator=gen) + 1  # slot 0 is scratch
-        kc = torch.randn(n_slots, hkv, d, generator=gen).to(dtype).to(device)
-        vc = torch.randn(n_slots, hkv, d, generator=gen).to(dtype).to(device)
-        q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype).to(device)
-        cut = [root, *group_lens, *private]
-        runs = list(perm.split(cut))  # the slots of each segment, scattered over the pool
+        kc = torch.randn(n_slots, hkv, d, generator=gen).to(dtype)
+        vc = torch.randn(n_slots, hkv, d, generator=gen).to(dtype)
+        q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype)
+        runs = list(perm.split([root, *group_lens, *private]))  # scattered over the pool
         root_slots, group_slots, priv_slots = runs[0], runs[1 : 1 + len(groups)], runs[-n_req:]
         group_of = {r: g for g, members in enumerate(groups) for r in members}
         paths = [
             torch.cat([root_slots, group_slots[group_of[r]], priv_slots[r]]) for r in range(n_req)
         ]
-        q_off = torch.tensor([0, *itertools_accumulate(q_lens)], device=device)
-        flat_off = torch.tensor(
-            [0, *itertools_accumulate([p.numel() for p in paths])], device=device
-        )
-        priv_off = torch.tensor([0, *itertools_accumulate(private)], device=device)
-        q_start = [0, *itertools_accumulate(q_lens)]
+        flat_slots = torch.cat(paths)
+        path_lens = [p.numel() for p in paths]
         want = reference.private_attention(
-            q.float().cpu(), kc.float().cpu()[torch.cat(paths)], vc.float().cpu()[torch.cat(paths)],
-            q_lens, [p.numel() for p in paths], 1 / math.sqrt(d),
-        )  # fmt: skip
+            q.float(), kc.float()[flat_slots], vc.float()[flat_slots], q_lens, path_lens, scale
+        )
+        q_start = offsets(q_lens)
+        q_off = torch.tensor(q_start, device=device)
+        flat_off = torch.tensor(offsets(path_lens), device=device)
+        priv_off = torch.tensor(offsets(private), device=device)
+        kc, vc, q = kc.to(device), vc.to(device), q.to(device)
         for splits in (1, 4, None):
             flat = tops.pool_private_attention(
-                q, kc, vc, torch.cat(paths).to(device), q_off, flat_off, 1 / math.sqrt(d),
-                splits=splits,
-            )  # fmt: skip
+                q, kc, vc, flat_slots.to(device), q_off, flat_off, scale, splits=splits
+            )
             state = tops.pool_segment_attention(
-                q, kc, vc, root_slots.to(device), 1 / math.sqrt(d), splits=splits
+                q, kc, vc, root_slots.to(device), scale, splits=splits
             )
             for g, members in enumerate(groups):
                 rows = torch.cat(
@@ -140,13 +140,13 @@ def check_random_trees(
                 ).to(device)
                 prior = state[0].index_select(0, rows), state[1].index_select(0, rows)
                 o, s = tops.pool_segment_attention(
-                    q.index_select(0, rows), kc, vc, group_slots[g].to(device),
-                    1 / math.sqrt(d), prior=prior, splits=splits,
+                    q.index_select(0, rows), kc, vc, group_slots[g].to(device), scale,
+                    prior=prior, splits=splits,
                 )  # fmt: skip
                 state = state[0].index_copy(0, rows, o), state[1].index_copy(0, rows, s)
             tree = tops.pool_private_attention(
-                q, kc, vc, torch.cat(priv_slots).to(device), q_off, priv_off,
-                1 / math.sqrt(d), prior=state, splits=splits,
+                q, kc, vc, torch.cat(priv_slots).to(device), q_off, priv_off, scale,
+                prior=state, splits=splits,
             )  # fmt: skip
             for name, (out, lse) in (("flat", flat), ("tree", tree)):
                 o_err = (out.float().cpu() - want[0]).abs()
@@ -160,14 +160,6 @@ def check_random_trees(
                 worst["lse"] = max(worst["lse"], l_err)
         worst["cases"] += 1
     return worst
-
-
-def itertools_accumulate(xs: list[int]) -> list[int]:
-    out, total = [], 0
-    for x in xs:
-        total += x
-        out.append(total)
-    return out
 
 
 # --------------------------------------------------------------------------- 2. greedy

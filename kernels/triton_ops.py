@@ -109,10 +109,13 @@ def _attend(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         o_strides, l_strides = (0, *out.stride()[:2]), (0, *lse.stride())
-    else:
-        out = torch.empty((splits, *q.shape), dtype=torch.float32, device=q.device)
-        lse = torch.empty((splits, *q.shape[:2]), dtype=torch.float32, device=q.device)
+    else:  # the kernel writes parts [0, splits); a prior is the last part of the merge
+        parts = splits + (prior is not None)
+        out = torch.empty((parts, *q.shape), dtype=torch.float32, device=q.device)
+        lse = torch.empty((parts, *q.shape[:2]), dtype=torch.float32, device=q.device)
         o_strides, l_strides = out.stride()[:3], lse.stride()
+        if prior is not None:
+            out[splits], lse[splits] = prior
     p_o, p_l = (_row_major(fused[0]), fused[1]) if fused is not None else (q, lse)  # unread if not
     q_start, k_start = starts if starts is not None else (lse, lse)  # unread if SINGLE
     tk.attend_fwd_kernel[(tiles, k.shape[1], n_req * splits)](
@@ -125,9 +128,6 @@ def _attend(
     )  # fmt: skip
     if splits == 1:
         return out, lse
-    if prior is not None:  # the prior is one more part of the merge
-        out = torch.cat([out, prior[0].to(torch.float32)[None]])
-        lse = torch.cat([lse, prior[1][None]])
     return _merge(out, lse, q.dtype)
 
 

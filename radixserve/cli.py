@@ -184,10 +184,7 @@ def _config_or_exit(parser: argparse.ArgumentParser, build: Callable[[], Any]) -
 def _config(cls: type, args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
-    try:
-        return cls(**values)
-    except ValueError as e:
-        parser.error(str(e))
+    return _config_or_exit(parser, lambda: cls(**values))
 
 
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> EngineConfig:
@@ -200,11 +197,11 @@ def worker_argv(config: EngineConfig, rank: int | None = None) -> list[str]:
     and where it listens (the workers serve the router on loopback), those differing from
     the defaults only. Worker `rank` gets its own disk tier folder under --hicache-dir."""
     argv = []
+    skip = ("host", "port", "allowed_hosts", *SECRET_FIELDS)
     for f in dataclasses.fields(EngineConfig):
         value = getattr(config, f.name)
         if f.name == "hicache_dir" and value is not None and rank is not None:
             value = os.path.join(value, f"worker-{rank}")
-        skip = ("host", "port", "allowed_hosts", *SECRET_FIELDS)
         if f.name in skip or value == f.default:
             continue
         flag = "--" + f.name.replace("_", "-")

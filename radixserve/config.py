@@ -207,7 +207,7 @@ class EngineConfig:
     def hicache_key(self) -> bytes:
         """The tiers' MAC key (see `hicache_secret`); a random one when none is set, so call
         it once per process."""
-        secret = self.hicache_secret or os.environ.get(HICACHE_SECRET_ENV)
+        secret = env_key(self.hicache_secret, HICACHE_SECRET_ENV)
         return secret.encode() if secret else os.urandom(32)
 
     def inference_key(self) -> str | None:

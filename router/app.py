@@ -32,7 +32,7 @@ from radixserve.router.pool import WorkerPool
 from radixserve.router.proxy import Forward, Proxy
 from radixserve.router.tree import ids_key
 from radixserve.server.guard import ApiKeyMiddleware, CrossSiteGuard, allowed_hosts, require_admin
-from radixserve.server.protocol import MAX_BODY_BYTES, ApiError
+from radixserve.server.protocol import MAX_BODY_BYTES, ApiError, api_error_handler
 
 logger = logging.getLogger("radixserve.router")
 
@@ -94,7 +94,7 @@ def build_app(config: RouterConfig) -> FastAPI:
     app.add_api_route("/metrics", _metrics, methods=["GET"])
     app.add_api_route("/get_server_info", _server_info, methods=["GET"])
     app.add_api_route("/workers", _workers, methods=["GET", "POST", "DELETE"])
-    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(ApiError, api_error_handler)
     app.add_middleware(
         ApiKeyMiddleware, inference_key=config.inference_key(), admin_key=config.admin_key(),
         admin_routes=ADMIN_ROUTES,
@@ -230,8 +230,3 @@ async def _workers(request: Request) -> Response:
         raise ApiError(400, str(e), "url") from None
     await pool.check(worker)
     return JSONResponse({"success": True, "healthy": worker.healthy, "workers": _worker_list(pool)})
-
-
-async def _api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ApiError), type(exc)
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)

@@ -45,15 +45,14 @@ class _FiniteCheck:
     def root_ok(self) -> bool:
         refs: set[str] = set()
         self._collect(self.root, refs)
+        targets = {ref: self._resolve(ref) for ref in refs}
         self.finite = dict.fromkeys(refs, False)
-        for _ in range(len(refs) + 1):  # least fixpoint: each round can only turn one on
+        changed = True
+        while changed:  # least fixpoint: each round turns at least one on, or ends
             changed = False
-            for ref in refs:
-                target = self._resolve(ref)
+            for ref, target in targets.items():
                 if not self.finite[ref] and (target is None or self._ok(target)):
                     self.finite[ref] = changed = True
-            if not changed:
-                break
         return self._ok(self.root)
 
     def _collect(self, node: Any, refs: set[str]) -> None:

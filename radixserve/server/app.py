@@ -10,7 +10,7 @@ import logging
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from radixserve.config import EngineConfig
@@ -20,7 +20,7 @@ from radixserve.server import console, openai_api, schemas_api, sglang_api
 from radixserve.server.guard import ApiKeyMiddleware, CrossSiteGuard, allowed_hosts
 from radixserve.server.manager import RequestManager
 from radixserve.server.metrics import Metrics
-from radixserve.server.protocol import ApiError
+from radixserve.server.protocol import ApiError, api_error_handler
 
 logger = logging.getLogger("radixserve.server")
 
@@ -34,15 +34,9 @@ ADMIN_ROUTES = (
 )
 
 
-async def _api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ApiError), type(exc)
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-
 async def _internal_error(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled error on %s %s", request.method, request.url.path)
-    err = ApiError(500, redact(f"internal server error: {type(exc).__name__}: {exc}"))
-    return JSONResponse(err.body(), status_code=500)
+    return ApiError(500, redact(f"internal server error: {type(exc).__name__}: {exc}")).response()
 
 
 async def metrics(request: Request) -> Response:
@@ -67,7 +61,7 @@ def build_app(manager: RequestManager, config: EngineConfig, metrics_: Metrics) 
     if config.web_ui:
         app.include_router(console.page)
     app.add_api_route("/metrics", metrics, methods=["GET"])
-    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(ApiError, api_error_handler)
     app.add_exception_handler(Exception, _internal_error)
     app.add_middleware(
         ApiKeyMiddleware, inference_key=config.inference_key(), admin_key=config.admin_key(),

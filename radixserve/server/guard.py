@@ -23,7 +23,6 @@ from collections.abc import Collection
 from urllib.parse import parse_qs, urlsplit
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.server.protocol import ApiError
@@ -46,9 +45,7 @@ def require_admin(request: Request, what: str) -> None:
 
 
 async def _refuse(scope: Scope, receive: Receive, send: Send, err: ApiError) -> None:
-    await JSONResponse(err.body(), status_code=err.status, headers=err.headers)(
-        scope, receive, send
-    )
+    await err.response()(scope, receive, send)
 
 
 class ApiKeyMiddleware:

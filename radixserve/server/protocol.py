@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from radixserve.core.limits import MAX_JSON_DEPTH, MAX_JSON_ITEMS, MAX_RID_CHARS
 
@@ -70,6 +71,15 @@ class ApiError(Exception):
                 "code": self.status,
             }
         }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+async def api_error_handler(request: Request, exc: Exception) -> Response:
+    """The exception handler of ApiError, for the server's and the router's apps."""
+    assert isinstance(exc, ApiError), type(exc)
+    return exc.response()
 
 
 def bad(message: str, param: str | None = None) -> ApiError:
