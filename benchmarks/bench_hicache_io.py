@@ -1,4 +1,4 @@
-"""What moving K/V between the pool and the host tier costs a step (issue 14).
+"""What moving K/V between the pool and the host tier costs a step.
 
 save: a HiCache over a KV pool shaped like the embedded model's (SmolLM2-135M: 30 layers,
 3 KV heads, head_dim 64, fp32 rows) with a host tier; `--leaves` prefixes of `--tokens`

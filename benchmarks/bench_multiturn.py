@@ -1,4 +1,4 @@
-"""Multi-turn conversations over the KV tiers (issue 14): the user messages of real ShareGPT
+"""Multi-turn conversations over the KV tiers: the user messages of real ShareGPT
 conversations with at least `--min-turns` user turns; the model answers each turn itself
 (greedy, up to `--max-new-tokens`) and the next turn sends the whole history (its own
 replies, as the chat template renders them) plus the next user message. Conversations are
@@ -7,7 +7,7 @@ one batch; the KV pool is sized to a fraction of the working set (every conversa
 prompt + reply, measured by the first configuration).
 
 Configurations, each on a fresh in-process Engine (the embedded model, fp32 by default):
-  no-reuse (--disable-radix-cache), radix (today), +L2 (--hicache-size), +L2+L3 (a host
+  no-reuse (--disable-radix-cache), radix (the pool alone), +L2 (--hicache-size), +L2+L3 (a host
   tier of a quarter of the working set in front of --hicache-dir), +prefetch (the same with
   the scheduler's look-ahead --hicache-prefetch-window 8; the rows above run with 0),
   +Redis x2 (two engines with the +prefetch tiers sharing a redis-server this script

@@ -1,4 +1,4 @@
-"""Positional decoupling (issue 14, must-have 4): truncated multi-turn conversations with and
+"""Positional decoupling: truncated multi-turn conversations with and
 without `--hicache-reposition`, its saving and its quality cost.
 
 Real ShareGPT conversations (the data and selection of bench_multiturn.py); the history is

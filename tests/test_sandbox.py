@@ -1,7 +1,7 @@
 """benchmarks/sandbox.py: each containment layer, seen to hold from outside the sandbox.
 
 The escape tests first switch the in-process audit hook off (it is a second line, and
-bypassable by design), then try what issue 12 lists; the namespaces and limits must hold.
+bypassable by design), then try each known escape; the namespaces and limits must hold.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Every way a request can end leaves nothing behind: the api server's pending table, the
 tokenizer's request table, the scheduler's active table, its running and waiting queues and
 the KV slots held by requests all return to zero (read from /get_server_info), and the
-client always gets an answer. The abort storm is issue 12's bar: 40 streams cut after 1-3
-chunks and 20 client timeouts, half of them with n = 2, clean within 10 s."""
+client always gets an answer. The abort storm: 40 streams cut after 1-3 chunks and 20 client
+timeouts, half of them with n = 2, clean within 10 s."""
 
 from __future__ import annotations
 
@@ -231,7 +231,7 @@ def test_client_gone_while_its_pattern_compiles(leak_server, client):
     wait_clean(client)
 
 
-# ---------------------------------------------------------------- the storm (issue 12's bar)
+# ---------------------------------------------------------------- the abort storm
 
 
 async def _storm(url: str) -> tuple[int, int]:

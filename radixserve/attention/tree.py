@@ -61,7 +61,7 @@ class TreeBackend(AttentionBackend):
         longest query block is `max_q_len` rows is attended on its own (else it folds).
 
         Defaults from `benchmarks/bench_backend.py --sweep --dtype float32 --kv-dtype float16`
-        (the CPU engine's default dtypes; native kernels, session 13, 2 threads, AVX2 EPYC
+        (the CPU engine's default dtypes; native kernels, 2026-11-26, 2 threads, AVX2 EPYC
         Zen 3, SmolLM2 heads, R = 128 private tokens; kept/folded per-layer time, < 1 pays).
         Folding a segment reads it once per request, but those re-reads come from the
         last-level cache, and the flat decode kernel runs near the read bandwidth, so keeping
@@ -69,8 +69,7 @@ class TreeBackend(AttentionBackend):
         0.99-1.03, 2048 -> 1.04-1.08; k=4: 2048 -> 0.93-0.94, 1024 -> 0.95-1.00; k=8: 1024 ->
         0.92-0.95, 512 -> 1.37-1.39; k=32 and 64: 512 -> 0.92-0.97, 256 -> 1.07-1.15).
         Extends (q_len 8): only L = 4096 paid across k (0.90-0.98; k=2: 1.02; L = 2048:
-        0.96-1.09). The earlier kernels kept segments from k * L >= 2048 and L >= 64 (decode)
-        or 512 (extend). A GPU wants its own measurement.
+        0.96-1.09). A GPU wants its own measurement.
         """
         floor = self.min_tokens_extend if max_q_len > 1 else self.min_tokens
         return (
