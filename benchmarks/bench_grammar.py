@@ -13,7 +13,7 @@ xgrammar compute masks at each step. Compile time is the median of fresh compile
 pattern (xgrammar's own cache is off: the server keeps compiled patterns in its LRU); each
 backend's one-time vocabulary set-up is reported apart.
 
-    python benchmarks/bench_grammar.py --json benchmarks/results/grammar.json
+    python benchmarks/bench_grammar.py --json benchmarks/results/grammar_<cpu>-<isa>_<date>.json
 """
 
 from __future__ import annotations

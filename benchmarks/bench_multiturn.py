@@ -25,7 +25,8 @@ tail past the last one is recomputed) can flip a greedy near-tie. `--quantizatio
 (float32 weights) is the exact-output run.
 
     python benchmarks/bench_multiturn.py --conversations 12 --fractions 0.10 0.25 \\
-        --out benchmarks/results/multiturn.json --plot benchmarks/results/multiturn.png
+        --out benchmarks/results/multiturn_<cpu>-<isa>_<date>.json \\
+        --plot benchmarks/results/multiturn_<cpu>-<isa>_<date>.png
 """
 
 from __future__ import annotations

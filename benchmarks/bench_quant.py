@@ -9,7 +9,7 @@ int16 GEMM), `tiled` (dequantize tiles into sgemm) and `bf16` (bf16 x, bf16 tile
 bf16 GEMM). Prints ms per call and the weight-read bound (bytes / measured bandwidth): the
 measurements behind Format.small_m (small vs gemm) and BF16_TILED_M (gemm vs bf16).
 
-    python benchmarks/bench_quant.py --json benchmarks/results/quant.json
+    python benchmarks/bench_quant.py --json benchmarks/results/quant_<cpu>-<isa>_<date>.json
     python benchmarks/bench_quant.py --shapes 1b_gate_up --formats q4_0 q4_k q6_k --rows 1 16
 """
 

@@ -19,7 +19,7 @@ mean NLL (and perplexity) of the reference reply and how often the greedy answer
 same as the recompute run's.
 
     python benchmarks/bench_reposition.py --conversations 8 --context-budget 512 \\
-        --out benchmarks/results/reposition.json
+        --out benchmarks/results/reposition_<cpu>-<isa>_<date>.json
 """
 
 from __future__ import annotations

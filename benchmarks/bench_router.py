@@ -3,8 +3,8 @@ then `radixserve serve --dp-size 2` (one core each) with `round_robin` and with
 `cache_aware`, on a generated-shared-prefix and a multi-turn workload; one JSON of rows, and
 a figure with --plot.
 
-    python benchmarks/bench_router.py --output-json benchmarks/results/router.json \\
-        --plot docs/img/router.png
+    python benchmarks/bench_router.py \\
+        --output-json benchmarks/results/router_<cpu>-<isa>_<date>.json --plot docs/img/router.png
 
 Each setup starts fresh (empty caches), is warmed by one unrelated request, and is stopped
 after its workloads. Extra flags after `--` go to every `radixserve serve`.

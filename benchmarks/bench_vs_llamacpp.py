@@ -30,7 +30,8 @@ once (per llama.cpp context). Python-side batch building is outside llama.cpp's 
 speedup = radixserve vs the faster llama.cpp setting of the row (> 1: radixserve faster).
 
     python benchmarks/bench_vs_llamacpp.py --data-path path/to/gsm8k \\
-        --json benchmarks/results/vs_llamacpp.json --plot benchmarks/results/vs_llamacpp.png
+        --json benchmarks/results/vs_llamacpp_<cpu>-<isa>_<date>.json \\
+        --plot benchmarks/results/vs_llamacpp_<cpu>-<isa>_<date>.png
     python benchmarks/bench_vs_llamacpp.py --model models/llama-3.2-1b-Q4_K_M.gguf ...
 """
 
