@@ -30,6 +30,7 @@ from radixserve.models.quant import (
     BF16_TILED_M,
     FORMATS,
     LLAMA_CPP_ONLY,
+    SOURCE,
     QuantLinear,
     QuantWeight,
     dequantize,
@@ -37,7 +38,7 @@ from radixserve.models.quant import (
     quantize,
 )
 from radixserve.models.resolve import gguf_source
-from radixserve.native_build import native_ops_enabled, use_native_ops
+from radixserve.native_build import build, native_ops_enabled, use_native_ops
 
 GGML = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,
         "q8_0": GGMLQuantizationType.Q8_0, **LLAMA_CPP_ONLY}  # fmt: skip
@@ -130,6 +131,23 @@ def test_int16_gemm_is_built_where_avx2_is() -> None:
     native = ops()
     assert native is not None
     assert native.int_gemm == (cpu_isa() != "scalar")
+
+
+@pytest.mark.skipif(cpu_isa() != "avx512", reason="the AVX-512 build needs an AVX-512 CPU")
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_vnni_batch1_kernel_equals_the_avx2_kernel(fmt: str) -> None:
+    """Where the CPU has AVX512-VNNI the AVX-512 build takes 16 weight rows a task at batch 1;
+    its results equal the AVX2 build's (8 rows a task) bit for bit: the same integer block
+    sums, scaled and summed in the same order."""
+    wide, narrow = ops(), build("radixserve_quant", SOURCE, "avx2")
+    assert wide is not None and narrow is not None
+    assert wide.vnni == ("avx512_vnni" in Path("/proc/cpuinfo").read_text()) and not narrow.vnni
+    k = widths(fmt)[1]
+    blocks, _ = _weights(16 * 5 + 8 + 3, k, fmt, seed=5)  # 16-row, 8-row and single-row tasks
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(6))
+    code = FORMATS[fmt].code
+    got, want = (m.qmatmul_small(x, blocks, code, k) for m in (wide, narrow))
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

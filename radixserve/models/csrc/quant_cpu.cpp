@@ -621,6 +621,129 @@ void dot_wrows8(const uint8_t* w, int64_t fmt, int64_t row_bytes, int64_t nb, co
 }
 #endif
 
+#ifdef RS_AVX512
+// The AVX-512 build's batch-1 kernel, taken where the CPU has AVX512-VNNI (checked once at
+// run time; the rest of the module is AVX2 code): 16 weight rows a task, a block of one row
+// widened to 32 int16 lanes in one register and multiplied into int32 by one vpdpwssd. The
+// block sums are the same exact integers as dot_wrows8's, and each row's float32 scaling and
+// accumulation run in the same order with the same roundings: the results equal the AVX2
+// kernel's bit for bit.
+#define RS_VNNI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+bool cpu_has_vnni() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                         __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
+RS_VNNI_TARGET inline __m512i widen32(__m256i bytes) { return _mm512_cvtepu8_epi16(bytes); }
+
+// Block b of a row: its 32 quants as int16 lanes (w = d * q + m, as widen_block).
+template <int64_t fmt>
+RS_VNNI_TARGET inline __m512i widen_block16(const uint8_t* row, int64_t b) {
+  const __m256i low4 = _mm256_set1_epi8(15);
+  const auto nibbles = [&](const uint8_t* qs) {  // 16 bytes -> low nibbles, then high nibbles
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
+    return _mm256_and_si256(both, low4);
+  };
+  if constexpr (fmt == kQ8_0) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * unit_bytes(fmt) + 2)));
+  } else if constexpr (is_q5(fmt)) {
+    const uint8_t* blk = row + b * unit_bytes(fmt) + (fmt == kQ5_1 ? 4 : 2);
+    uint32_t qh;
+    std::memcpy(&qh, blk, 4);
+    const __m512i q = widen32(nibbles(blk + 4));
+    return _mm512_mask_add_epi16(q, static_cast<__mmask32>(qh), q, _mm512_set1_epi16(16));
+  } else if constexpr (!is_kquant(fmt)) {
+    return widen32(nibbles(row + b * unit_bytes(fmt) + (fmt == kQ4_1 ? 4 : 2)));
+  } else if constexpr (fmt == kQ6_K) {
+    const Q6Block q6 = q6_block(row, b);
+    __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q6.ql));
+    low = q6.k < 2 ? _mm256_and_si256(low, low4) : _mm256_and_si256(_mm256_srli_epi16(low, 4), low4);
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q6.qh));
+    const __m256i high = _mm256_and_si256(_mm256_srl_epi16(bits, _mm_cvtsi32_si128(static_cast<int>(2 * q6.k))),
+                                          _mm256_set1_epi8(3));
+    const __m512i q = _mm512_sub_epi16(widen32(_mm256_or_si256(low, _mm256_slli_epi16(high, 4))),
+                                       _mm512_set1_epi16(32));
+    const __m512i sc = _mm512_inserti64x4(_mm512_set1_epi16(q6.sc[0]), _mm256_set1_epi16(q6.sc[1]), 1);
+    return _mm512_mullo_epi16(q, sc);
+  } else {
+    const uint8_t* sb = row + (b >> 3) * unit_bytes(fmt);
+    const int64_t j = b & 7;
+    __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + (fmt == kQ5_K ? 48 : 16) + 32 * (j >> 1)));
+    q = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(q, 4) : q, low4);
+    __m512i w = widen32(q);
+    if constexpr (fmt == kQ5_K) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16));
+      const __mmask32 fifth = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << j)));
+      w = _mm512_mask_add_epi16(w, fifth, w, _mm512_set1_epi16(16));
+    }
+    return w;
+  }
+}
+
+// Lane i = the sum of the 16 int32 lanes of s[i], i < 16 (exact integers): pairs of rows are
+// interleaved and added until each 128-bit chunk holds 4 rows, then chunks are added.
+RS_VNNI_TARGET inline __m512i reduce16(const __m512i s[16]) {
+  __m512i t[8], u[4];
+  for (int i = 0; i < 8; ++i) {
+    t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2 * i], s[2 * i + 1]), _mm512_unpackhi_epi32(s[2 * i], s[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+  }
+  // u[i]: rows 4i..4i+3 in each chunk; chunks 0+1 and 2+3, then the two halves
+  const __m512i v0 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88), _mm512_shuffle_i32x4(u[0], u[1], 0xDD));
+  const __m512i v1 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x88), _mm512_shuffle_i32x4(u[2], u[3], 0xDD));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(v0, v1, 0x88), _mm512_shuffle_i32x4(v0, v1, 0xDD));
+}
+
+RS_VNNI_TARGET inline __m512 join(__m256 lo, __m256 hi) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+
+// out[0..16) = x row 0 . weight rows 0..16 of w (dot_wrows8 for 16 rows).
+template <int64_t fmt>
+RS_VNNI_TARGET void dot_wrows16(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRows& x, float* out) {
+  const uint8_t* rows[16];
+  for (int i = 0; i < 16; ++i) rows[i] = w + i * row_bytes;
+  const char* next = reinterpret_cast<const char*>(w + 16 * row_bytes);  // as dot_wrows8
+  const int64_t share = (16 * row_bytes + nb - 1) / nb;
+  __m512 acc = _mm512_setzero_ps(), off = _mm512_setzero_ps();
+  __m256 dsub[2][8], msub[2][8];
+  for (int64_t b = 0; b < nb; ++b) {
+    if constexpr (is_kquant(fmt)) {
+      if ((b & 7) == 0) {
+        super_scales8<fmt>(rows, b >> 3, dsub[0], msub[0]);
+        super_scales8<fmt>(rows + 8, b >> 3, dsub[1], msub[1]);
+      }
+    }
+    for (int64_t p = b * share; p < (b + 1) * share; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
+    const __m512i xq = _mm512_loadu_si512(x.q.data() + b * kBlock);
+    __m512i sums[16];
+    for (int i = 0; i < 16; ++i) sums[i] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), widen_block16<fmt>(rows[i], b), xq);
+    __m512 d, m;
+    if constexpr (is_kquant(fmt)) {
+      d = join(dsub[0][b & 7], dsub[1][b & 7]), m = join(msub[0][b & 7], msub[1][b & 7]);
+    } else {
+      __m256 d0, m0, d1, m1;
+      block_scales8<fmt>(rows, b * unit_bytes(fmt), d0, m0);
+      block_scales8<fmt>(rows + 8, b * unit_bytes(fmt), d1, m1);
+      d = join(d0, d1), m = join(m0, m1);
+    }
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.d[b])), _mm512_cvtepi32_ps(reduce16(sums)), acc);
+    if (has_offset(fmt)) off = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[b]), off);
+  }
+  _mm512_storeu_ps(out, _mm512_add_ps(acc, off));
+}
+
+void dot_wrows16(const uint8_t* w, int64_t fmt, int64_t row_bytes, int64_t nb, const QRows& x, float* out) {
+  with_format(fmt, [&](auto f) { dot_wrows16<decltype(f)::value>(w, row_bytes, nb, x, out); });
+}
+#endif
+
 #ifdef RS_AVX2
 // qmatmul_gemm: x's int16 quants transposed so that a vector holds one int16 pair (x[2j],
 // x[2j + 1]) of each of 8 rows: a madd with a broadcast pair of weights then gives the block
@@ -836,7 +959,8 @@ struct SmallPart {
 
 // out (M, ldo) columns [col, col + rows) of every part = x @ part.T, in ONE parallel loop
 // over all parts' rows (a fused projection of several parts costs one loop, as one part):
-// with M == 1 (AVX2) 8 weight rows a task (dot_wrows8), else one row for all M rows.
+// with M == 1 16 weight rows a task (dot_wrows16, AVX512-VNNI) or 8 (dot_wrows8, AVX2), else
+// one row for all M rows.
 void run_small(const std::vector<SmallPart>& parts, int64_t M, int64_t nb, float* out, int64_t ldo) {
   struct Task {
     int32_t part, rows;
@@ -845,6 +969,11 @@ void run_small(const std::vector<SmallPart>& parts, int64_t M, int64_t nb, float
   std::vector<Task> tasks;
   for (size_t p = 0; p < parts.size(); ++p) {
     int64_t n = 0;
+#ifdef RS_AVX512
+    if (M == 1 && cpu_has_vnni()) {
+      for (; n + 16 <= parts[p].rows; n += 16) tasks.push_back({static_cast<int32_t>(p), 16, n});
+    }
+#endif
 #ifdef RS_AVX2
     if (M == 1) {
       for (; n + 8 <= parts[p].rows; n += 8) tasks.push_back({static_cast<int32_t>(p), 8, n});
@@ -858,6 +987,12 @@ void run_small(const std::vector<SmallPart>& parts, int64_t M, int64_t nb, float
       const SmallPart& part = parts[task.part];
       const uint8_t* row = part.w + task.n * part.row_bytes;
       float* o = out + part.col + task.n;
+#ifdef RS_AVX512
+      if (task.rows == 16) {
+        dot_wrows16(row, part.fmt, part.row_bytes, nb, *part.x, o);
+        continue;
+      }
+#endif
 #ifdef RS_AVX2
       if (task.rows == 8) {
         dot_wrows8(row, part.fmt, part.row_bytes, nb, *part.x, o);
@@ -1118,6 +1253,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("int_gemm") = true;
 #else
   m.attr("int_gemm") = false;
+#endif
+#ifdef RS_AVX512
+  m.attr("vnni") = cpu_has_vnni();
+#else
+  m.attr("vnni") = false;
 #endif
   m.def("dequant", &dequant, "rows of a block-quantized weight as float32");
   m.def("qlinear", &qlinear, "x @ W.T + bias for a quantized linear of one or more parts");
