@@ -2,7 +2,8 @@
 by Playwright, against a live server on the embedded model. A chat reply streams in, a fork
 of 4 shows side by side, and the cache view draws the fork's prompt as one node with four
 children; the page requests nothing outside the server. Screenshots of each view are written
-to $RADIXSERVE_SCREENSHOTS (docs/ when refreshing the README's pictures), else a temp dir."""
+to $RADIXSERVE_SCREENSHOTS (docs/ when refreshing docs/serving.md's pictures), else a temp
+dir."""
 
 from __future__ import annotations
 

@@ -317,7 +317,7 @@ def test_gguf_file_loads_and_matches_hf_greedy(
     want, want_logprobs = hf_greedy_and_logprobs(oracle, prompts, 12, config=converted)
     assert len({tuple(x) for x in want}) == len(PROMPTS)  # the prompts lead apart
     got_logprobs = our_logprobs(engine, [p + w for p, w in zip(prompts, want)])
-    # Q8_0: the native kernels round activations to int16 per 32 values (README, "Speed")
+    # Q8_0: the native kernels round activations to int16 per 32 values (docs/cpu.md)
     tol = 1e-4 if quant == F32 else 3e-2
     for got, ref in zip(got_logprobs, want_logprobs, strict=True):
         assert got.shape == ref.shape and (got - ref).abs().max() < tol, (got - ref).abs().max()
