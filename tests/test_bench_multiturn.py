@@ -15,14 +15,6 @@ from benchmarks import bench_multiturn as bm  # noqa: E402
 FIXTURE = ROOT / "tests" / "data" / "sharegpt_multiturn.json"
 
 
-def test_reads_a_cut_off_dump(tmp_path: Path) -> None:
-    text = FIXTURE.read_text()
-    cut = tmp_path / "cut.json"
-    cut.write_text(text[: text.rindex('"id"') + 10])  # ends inside the last entry
-    assert len(bm.read_conversations(cut)) == len(json.loads(text)) - 1
-    assert len(bm.read_conversations(FIXTURE)) == 4
-
-
 def test_host_tier_prefills_only_new_tokens(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The model's own replies are in the next turn's history: with the host tier each turn
     prefills about its new tokens only, with the same outputs as without reuse."""

