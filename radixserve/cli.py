@@ -82,6 +82,9 @@ HELP = {
     "packed_linear": "oneDNN pre-packed bf16 weights: auto (where supported), on, off; "
     "RADIXSERVE_PACKED_LINEAR=1/0 sets the default (else auto)",
     "tp_size": "tensor-parallel ranks (processes); must divide the model's heads and KV heads",
+    "threads": "CPU threads of each model process (default: $OMP_NUM_THREADS, else one per "
+    "physical core available, split between TP ranks); a process the server starts is pinned "
+    "one thread per core (OMP_PROC_BIND / OMP_PLACES, unless set)",
     "random_seed": "seed of the sampling generator of requests without a seed",
     "host": "address to listen on",
     "port": "port to listen on",

@@ -99,6 +99,9 @@ class EngineConfig:
     # oneDNN pre-packed bf16 weights: "auto" where supported, "on" (refused where not), "off"
     packed_linear: str = PACKED_LINEAR_DEFAULT
     tp_size: int = 1
+    # OpenMP threads of each model process (CPU); None: $OMP_NUM_THREADS, else the physical
+    # cores of its share of this process's CPUs (radixserve/cpus.py)
+    threads: int | None = None
     random_seed: int = 0  # seeds the draws of requests without a seed (per scheduler)
     host: str = "127.0.0.1"
     port: int = 30000
@@ -160,6 +163,7 @@ class EngineConfig:
         check(self.max_running_requests >= 1, "max_running_requests must be >= 1")
         check(self.max_queued_requests >= 1, "max_queued_requests must be >= 1")
         check(self.tp_size >= 1, "tp_size must be >= 1")
+        check(self.threads is None or self.threads >= 1, f"threads must be >= 1: {self.threads}")
         check(self.hicache_size >= 0, f"hicache_size must be >= 0 GB, got {self.hicache_size}")
         check(self.hicache_disk_size > 0, "hicache_disk_size must be > 0 GB")
         check(

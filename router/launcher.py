@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import uvicorn
 
+from radixserve.cpus import physical_cores, pinned_env, share
 from radixserve.procutil import configure_logging
 from radixserve.router.app import build_app
 from radixserve.router.config import RouterConfig
@@ -60,8 +61,7 @@ def run_data_parallel(serve_args: Sequence[Sequence[str]], config: RouterConfig)
     after it."""
     configure_logging(config.log_level)
     dp_size = len(serve_args)
-    threads = max(1, _usable_cpus() // dp_size)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # torch's intra-op threads
+    cores = physical_cores()
     ports = [_free_port() for _ in range(dp_size)]
     procs = [
         subprocess.Popen(
@@ -76,11 +76,12 @@ def run_data_parallel(serve_args: Sequence[Sequence[str]], config: RouterConfig)
                 "--port",
                 str(port),
             ],
-            env=env,
+            env={**os.environ, **pinned_env(share(cores, i, dp_size))},
         )  # fmt: skip
-        for args, port in zip(serve_args, ports, strict=True)
+        for i, (args, port) in enumerate(zip(serve_args, ports, strict=True))
     ]
-    logger.info("%d workers on ports %s, %d CPU threads each", dp_size, ports, threads)
+    logger.info("%d workers on ports %s, cores %s", dp_size, ports,
+                [share(cores, i, dp_size) for i in range(dp_size)])  # fmt: skip
     urls = tuple(f"http://127.0.0.1:{p}" for p in ports)
     try:
         return run_router(replace(config, worker_urls=urls))
@@ -93,12 +94,6 @@ def run_data_parallel(serve_args: Sequence[Sequence[str]], config: RouterConfig)
                 proc.wait(WORKER_STOP_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
-
-
-def _usable_cpus() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def _free_port() -> int:

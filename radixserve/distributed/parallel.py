@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 
@@ -66,8 +65,6 @@ def init_tp(rank: int, size: int, init_method: str, device: str) -> TPGroup:
     threads_before = torch.get_num_threads()
     if cuda:
         torch.cuda.set_device(rank)
-    else:  # CPU ranks share the cores: oversubscribed OpenMP threads spin against each other
-        torch.set_num_threads(max(1, _usable_cpus() // size))
     dist.init_process_group(
         backend="nccl" if cuda else "gloo",
         init_method=init_method,
@@ -77,17 +74,8 @@ def init_tp(rank: int, size: int, init_method: str, device: str) -> TPGroup:
     )
     ctrl = dist.new_group(list(range(size)), backend="gloo", timeout=IDLE_TIMEOUT)
     _GROUP = TPGroup(rank, size, ctrl, threads_before=threads_before)
-    logger.info(
-        "tensor parallel: rank %d of %d joined (%s, %d CPU threads)",
-        rank, size, dist.get_backend(), torch.get_num_threads(),
-    )  # fmt: skip
+    logger.info("tensor parallel: rank %d of %d joined (%s)", rank, size, dist.get_backend())
     return _GROUP
-
-
-def _usable_cpus() -> int:
-    if hasattr(os, "sched_getaffinity"):  # Linux: honours taskset / cgroup CPU sets
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def get_tp() -> TPGroup | None:

@@ -34,6 +34,7 @@ from typing import Any
 import uvicorn
 
 from radixserve.config import EngineConfig
+from radixserve.cpus import environ, physical_cores, pinned_env, share
 from radixserve.message.ipc import IpcPaths, make_ipc_dir, remove_ipc_dir
 from radixserve.message.messages import Shutdown
 from radixserve.procutil import child_main, configure_logging
@@ -127,15 +128,27 @@ def _spawn_children(config: EngineConfig, ipc: IpcPaths) -> dict[str, BaseProces
         targets[f"tp-rank-{rank}"] = (run_follower, config, rank, tp_init)
     targets["tokenizer"] = (run_tokenizer_process, ipc)
     procs: dict[str, BaseProcess] = {}
+    cores = physical_cores()
     for name, (target, *args) in targets.items():
         proc = ctx.Process(
             target=child_main,
             args=(name, config.log_level, os.getpid(), target, *args),
             name=f"radixserve-{name}",
         )
-        proc.start()
+        with environ(model_env(config, cores, name)):
+            proc.start()
         procs[name] = proc
     return procs
+
+
+def model_env(config: EngineConfig, cores: list[int], child: str) -> dict[str, str]:
+    """What a child adds to its environment: a CPU model process (the scheduler is TP rank
+    0, then "tp-rank-<r>") its share of the cores, its threads pinned to them
+    (radixserve/cpus.py); nothing for the tokenizer or on a GPU."""
+    if child == "tokenizer" or config.device.startswith("cuda"):
+        return {}
+    rank = 0 if child == "scheduler" else int(child.removeprefix("tp-rank-"))
+    return pinned_env(share(cores, rank, config.tp_size), config.threads)
 
 
 async def _serve(config: EngineConfig, ipc: IpcPaths, procs: dict[str, BaseProcess]) -> int:

@@ -20,6 +20,7 @@ from radixserve import kernels
 from radixserve.attention import make_backend
 from radixserve.config import DTYPES, EngineConfig
 from radixserve.core.batch import ForwardBatch
+from radixserve.cpus import default_threads
 from radixserve.distributed.parallel import TPGroup, agree_min, get_tp, rank_device
 from radixserve.isa import resolve_dtype
 from radixserve.kvcache.pool import KVPool
@@ -98,6 +99,8 @@ class ModelWorker:
         self.device = torch.device(device)
         if not device.startswith("cuda"):
             keep_freed_host_memory()
+            torch.set_num_threads(config.threads or default_threads(rank, size))
+            logger.info("%d CPU threads", torch.get_num_threads())
         select_fast_paths(config)
         self.dtype, why = resolve_dtype(config.dtype, device)
         logger.info("dtype %s (%s: %s)", self.dtype, config.dtype, why)
