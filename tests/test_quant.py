@@ -10,6 +10,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import psutil
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -39,6 +40,7 @@ from radixserve.models.quant import (
 )
 from radixserve.models.resolve import gguf_source
 from radixserve.native_build import build, native_ops_enabled, use_native_ops
+from radixserve.worker.model_worker import file_mapped_bytes, kv_capacity
 
 GGML = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,
         "q8_0": GGMLQuantizationType.Q8_0, **LLAMA_CPP_ONLY}  # fmt: skip
@@ -318,6 +320,25 @@ def test_embedded_model_runs_quantized_by_default(smollm2_pair: tuple) -> None:
     assert "QuantLinear" in kinds and "Linear" not in kinds
     assert isinstance(quantized.model.embed_tokens, QuantLinear)  # tied Q8_0 table
     assert not any(isinstance(m, QuantLinear) for m in plain.modules())
+
+
+def test_kv_pool_is_sized_from_memory_left_after_the_weights(
+    smollm2_pair: tuple, smollm2_path: Path
+) -> None:
+    """The quantized model's blocks are counted as in the file's mapping (the dequantized
+    model's copies are not), and the pool's budget is what the OS has left minus them."""
+    quantized, plain = smollm2_pair
+    gguf = gguf_source(smollm2_path)
+    assert gguf is not None
+    mapped = file_mapped_bytes(quantized)
+    assert 0.8 * gguf.stat().st_size < mapped <= gguf.stat().st_size
+    assert file_mapped_bytes(plain) == 0
+    config = EngineConfig(mem_fraction=0.5)
+    tokens, free = kv_capacity(config, 1000, mapped)
+    assert free <= psutil.virtual_memory().available - mapped + (64 << 20)  # (other processes)
+    assert tokens == int(free * 0.5) // 1000
+    fixed = EngineConfig(max_total_tokens=4096)
+    assert kv_capacity(fixed, 1000, mapped)[0] == 4096
 
 
 def test_quantized_smollm2_logits_match_dequantized(smollm2_pair: tuple) -> None:

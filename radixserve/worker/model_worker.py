@@ -8,10 +8,13 @@ worker (inside the Scheduler) broadcasts each step's batch before running it; fo
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import dataclasses
+import itertools
 import logging
 import weakref
+from pathlib import Path
 
 import psutil
 import torch
@@ -24,7 +27,6 @@ from radixserve.cpus import default_threads
 from radixserve.distributed.parallel import TPGroup, agree_min, get_tp, rank_device
 from radixserve.isa import resolve_dtype
 from radixserve.kvcache.pool import KVPool
-from radixserve.models.config import ModelConfig
 from radixserve.models.loader import load_config, load_model
 from radixserve.models.quant import QuantLinear
 from radixserve.models.sharding import check_tp_size
@@ -56,19 +58,48 @@ def keep_freed_host_memory() -> None:
         logger.info("host allocator: freed memory kept for reuse (no mmap, no trim)")
 
 
-def kv_capacity(config: EngineConfig, model: ModelConfig, bytes_per_token: int) -> int:
-    """KV pool size in tokens: --max-total-tokens, else a fraction of available memory.
+def kv_capacity(config: EngineConfig, bytes_per_token: int, mapped_weights: int) -> tuple[int, int]:
+    """KV pool size in tokens, and the bytes it was sized from: --max-total-tokens, else
+    mem_fraction of the memory left after the weights are loaded.
 
     `bytes_per_token`: what one token costs in the memory measured (on CPU, all TP ranks'
-    shards together: they share the host's memory).
+    shards together: they share the host's memory). `mapped_weights`: bytes of weights used
+    in place from a file mapping, which the OS still counts as available (page cache, or
+    not read yet) although every step reads them.
     """
-    if config.max_total_tokens is not None:
-        return config.max_total_tokens
     if config.device.startswith("cuda"):
         free, _ = torch.cuda.mem_get_info()
     else:
-        free = psutil.virtual_memory().available
-    return max(int(free * config.mem_fraction) // bytes_per_token, 16)
+        free = max(psutil.virtual_memory().available - mapped_weights, 0)
+    if config.max_total_tokens is not None:
+        return config.max_total_tokens, free
+    return max(int(free * config.mem_fraction) // bytes_per_token, 16), free
+
+
+def file_mapped_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's CPU tensors that live in a file mapping (a GGUF's blocks used in
+    place), from /proc/self/maps; 0 where there is no /proc."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        return 0
+    spans = []
+    for line in maps.read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[4] != "0":  # a nonzero inode: a file's pages
+            lo, hi = (int(a, 16) for a in fields[0].split("-"))
+            spans.append((lo, hi))
+    spans.sort()
+    starts = [lo for lo, _ in spans]
+    seen, total = set(), 0
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        ptr = t.data_ptr()
+        if t.device.type != "cpu" or ptr in seen:
+            continue
+        seen.add(ptr)
+        i = bisect.bisect_right(starts, ptr) - 1
+        if i >= 0 and ptr < spans[i][1]:
+            total += t.numel() * t.element_size()
+    return total
 
 
 class ModelWorker:
@@ -118,17 +149,22 @@ class ModelWorker:
         itemsize = torch.empty((), dtype=self.kv_dtype).element_size()
         per_token = 2 * mc.num_layers * kv_heads * mc.head_dim * itemsize
         sharing = 1 if device.startswith("cuda") else size  # CPU ranks share host memory
-        capacity = kv_capacity(config, mc, per_token * sharing)
+        mapped = file_mapped_bytes(self.model) if not device.startswith("cuda") else 0
+        capacity, free = kv_capacity(config, per_token * sharing, mapped)
         if self.tp is not None:  # same slot numbering on every rank needs the same size
             capacity = agree_min(capacity, self.tp)
         self.pool = KVPool(capacity + 1, mc.num_layers, kv_heads, mc.head_dim,
                            self.kv_dtype, device)  # fmt: skip
         logger.info(
-            "KV pool: %d tokens (%.1f MiB, %d B/token)%s, attention backend %s",
+            "KV pool: %d tokens, %.2f GB (%d B/token)%s, %s of %.2f GB free after the weights "
+            "(%.2f GB of them used in place from the file); attention backend %s",
             capacity,
-            capacity * per_token / 2**20,
+            capacity * per_token / 1e9,
             per_token,
             f" on TP rank {rank} of {size}" if size > 1 else "",
+            "--max-total-tokens" if config.max_total_tokens else f"{config.mem_fraction:g}",
+            free / 1e9,
+            mapped / 1e9,
             self.backend.name,
         )
 
