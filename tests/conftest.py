@@ -23,6 +23,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import settings
+
+# Property tests: a few examples each on a developer's machine, many in CI (.ci/run sets
+# CI=true; Hypothesis's own "ci" profile adds derandomize, no database, print_blob). No
+# deadline in either: a test checks behaviour, not how fast this machine runs an example.
+settings.register_profile("default", max_examples=20, deadline=None)
+settings.register_profile("ci", settings.get_profile("ci"), max_examples=300)
+settings.load_profile("ci" if os.environ.get("CI") == "true" else "default")
 
 API_KEY = "test-key"
 TINY_CONTEXT = 1024

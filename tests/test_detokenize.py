@@ -9,7 +9,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from radixserve.core.request import FinishReason
@@ -125,7 +125,6 @@ def test_add_after_finish_is_an_error(tok):
         detok.add([1])
 
 
-@settings(max_examples=60, deadline=None)
 @given(
     text=st.text(
         alphabet=st.characters(blacklist_categories=("Cs", "Cc")) | st.sampled_from(" \n#"),

@@ -2,8 +2,8 @@
 they refuse only with a 4xx ApiError / InvalidRequest, and whatever they accept can be
 encoded into every reply and IPC message. Then schemathesis against the real server's
 OpenAPI document (/generate and /v1/*), valid and invalid bodies: no 5xx, the server alive
-and idle afterwards, a reference greedy output unchanged. Example counts are fixed and the
-runs derandomized so the file takes about a minute and a half (plus the server's start)."""
+and idle afterwards, a reference greedy output unchanged. Example counts come from the
+Hypothesis profile (tests/conftest.py): a few per test by default, many in CI."""
 
 from __future__ import annotations
 
@@ -33,10 +33,6 @@ from radixserve.server.openai_protocol import (
 from radixserve.server.protocol import ACCEPTED_IF_EMPTY, ApiError, parse_body
 from radixserve.server.sglang_api import GENERATE_FIELDS, parse_generate
 
-# schemathesis cases per generation mode: valid bodies run the model (<= 8 tokens each),
-# invalid ones are refused at the edge (cheap)
-FUZZ_EXAMPLES = {GenerationMode.POSITIVE: 60, GenerationMode.NEGATIVE: 150}
-PROPERTY = settings(max_examples=300, deadline=None, derandomize=True, database=None)
 REFERENCE = {"text": "Fuzz reference prompt", "sampling_params": {"temperature": 0}}
 
 # JSON values a hostile client can send: 64-bit edges and beyond, NaN/inf, any text
@@ -89,7 +85,6 @@ def _accepted_or_4xx(parse: Any, raw: bytes) -> None:
 # ---------------------------------------------------------------- property tests (no server)
 
 
-@PROPERTY
 @given(st.binary(max_size=64) | JSON.map(lambda v: json.dumps(v).encode()))
 def test_parse_body_refuses_only_with_400(raw: bytes) -> None:
     try:
@@ -101,7 +96,6 @@ def test_parse_body_refuses_only_with_400(raw: bytes) -> None:
     _assert_carriable(body)
 
 
-@PROPERTY
 @given(_fields(SAMPLING_NAMES))
 def test_sampling_params_refuse_only_with_invalid_request(d: dict[str, Any]) -> None:
     try:
@@ -113,19 +107,16 @@ def test_sampling_params_refuse_only_with_invalid_request(d: dict[str, Any]) -> 
     assert all(math.isfinite(getattr(params, n)) for n in ("temperature", "top_p", "min_p"))
 
 
-@PROPERTY
 @given(_fields(GENERATE_FIELDS, SAMPLING_NAMES, ["text", "input_ids"]))
 def test_generate_parser(body: dict[str, Any]) -> None:
     _accepted_or_4xx(parse_generate, json.dumps(body).encode())
 
 
-@PROPERTY
 @given(_fields(COMPLETION_FIELDS, ["prompt"]))
 def test_completion_parser(body: dict[str, Any]) -> None:
     _accepted_or_4xx(parse_completion, json.dumps(body).encode())
 
 
-@PROPERTY
 @given(
     _fields(CHAT_FIELDS),
     st.lists(_fields(["role", "content", "name"]) | st.just({"role": "user", "content": "x"})),
@@ -201,13 +192,7 @@ def test_schemathesis_finds_no_5xx(server, mode: GenerationMode) -> None:
         )
         answers: dict[int, int] = {}
 
-        @settings(
-            max_examples=FUZZ_EXAMPLES[mode],
-            deadline=None,
-            derandomize=True,
-            database=None,
-            suppress_health_check=list(HealthCheck),
-        )
+        @settings(suppress_health_check=list(HealthCheck))
         @given(case=schema.as_strategy(generation_mode=mode))
         def call(case: Any) -> None:
             r = case.call(base_url=server.url, headers=server.headers, timeout=60)
@@ -218,7 +203,9 @@ def test_schemathesis_finds_no_5xx(server, mode: GenerationMode) -> None:
 
         call()
         if mode == GenerationMode.POSITIVE:  # the schema describes what the server serves
-            assert answers.get(200, 0) >= FUZZ_EXAMPLES[mode] // 4, answers
+            # but not every rule: the rest are 400s (fields of one role only, token ids
+            # outside the vocabulary; about 4 in 5 of 300 cases, fewer of the first ones)
+            assert answers.get(200, 0) >= sum(answers.values()) // 10, answers
         assert client.get("/health").status_code == 200
         _idle(client)
         assert client.post("/generate", json=REFERENCE).json()["output_ids"] == reference
