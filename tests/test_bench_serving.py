@@ -195,9 +195,9 @@ def test_run_is_bounded_by_max_duration(server, tmp_path: Path) -> None:
         "--random-input-len", "16", "--random-output-len", "400", "--random-range-ratio", "1.0",
         "--max-concurrency", "1", "--max-duration", "1.0", "--warmup-requests", "0",
     )  # fmt: skip
-    assert r["duration_s"] < 3.0, r["duration_s"]
-    assert r["completed"] < 30 and r["failed"] >= 1
-    assert "cancelled at --max-duration" in r["errors"]
+    # every request either finished before --max-duration or was cancelled then
+    assert r["completed"] < 30 and r["failed"] >= 1 and r["completed"] + r["failed"] == 30, r
+    assert r["errors"] == ["cancelled at --max-duration"]
 
 
 # ---------------------------------------------------------------- eval_code over HTTP

@@ -182,27 +182,27 @@ def test_poisoned_remote_records_are_misses(redis_server: RedisServer) -> None:
 
 
 def test_redis_killed_mid_run_degrades_to_recompute(
-    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a, pool_a = remote_cache(redis_server.url)
     slots, _ = computed(pool_a, TOKENS)
     a.insert(TOKENS, slots)
     a.drain()
     redis_server.stop()
+    monkeypatch.setattr(remote_store, "RETRY_S", 3600.0)  # no retry period ends in this test
     b, pool_b = remote_cache(redis_server.url)
     with caplog.at_level(logging.WARNING, logger="radixserve.kvcache"):
-        start = time.monotonic()
         for _ in range(20):
             m = b.match_prefix(TOKENS + [1])
             assert m.tier_tokens == {} and len(m.indices) == 0
         more, _ = computed(pool_b, list(range(3000, 3032)), seed=3)
         b.insert(list(range(3000, 3032)), more)  # its write-through is dropped, not raised
         b.drain()
-        assert time.monotonic() - start < 5  # down: one short timeout per retry period
     down = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
     assert len(down) == 1 and "redis://:***@127.0.0.1" in down[0], down
     assert redis_server.password not in caplog.text
-    assert b.tier_stats()["remote"].faults >= 1
+    # down: one attempt (one short timeout) per retry period, then reads miss and writes drop
+    assert b.tier_stats()["remote"].faults == 1
     b.flush()
     assert pool_b.num_free == pool_b.capacity
     b.check_integrity()

@@ -76,18 +76,18 @@ def test_infinite_loop_is_killed_at_the_wall_clock_timeout() -> None:
     r = run_python("while True:\n    pass\n", "", Limits(wall_s=1.5, cpu_s=30))
     elapsed = time.perf_counter() - start
     assert r.status == "timeout" and r.returncode is None
-    assert 1.5 <= r.wall_s < 4.0 and elapsed < 5.0, (r.wall_s, elapsed)
+    # not before the timeout; ended by the kill, not by its CPU limit (30 s of CPU)
+    assert 1.5 <= r.wall_s <= elapsed < 30, (r.wall_s, elapsed)
 
 
 def test_sleeping_process_is_killed_at_the_wall_clock_timeout() -> None:
-    r = run_python("import time\ntime.sleep(60)", "", Limits(wall_s=1.0))
-    assert r.status == "timeout" and r.wall_s < 3.0, (r.status, r.wall_s)
+    r = run_python("import time\ntime.sleep(60)\nprint('woke')", "", Limits(wall_s=1.0))
+    assert r.status == "timeout" and r.stdout == "", (r.status, r.stdout)  # killed asleep
 
 
 def test_cpu_limit_kills_a_spinning_process_before_the_wall_clock() -> None:
     r = run_python("while True:\n    pass\n", "", Limits(wall_s=20, cpu_s=1))
     assert r.status == "cpu" and r.returncode == -signal.SIGKILL, (r.status, r.returncode)
-    assert r.wall_s < 5.0, r.wall_s
 
 
 @pytest.mark.parametrize(
@@ -104,7 +104,6 @@ def test_memory_hog_hits_the_address_space_limit(hog: str) -> None:
         assert r.status == "error" and "not allowed to raise" in r.stderr, r.stderr[-300:]
     else:
         assert r.status == "memory", (r.status, r.stderr[-300:])
-    assert r.wall_s < 5.0, r.wall_s
 
 
 def test_file_size_limit_caps_files_and_output() -> None:
@@ -127,7 +126,6 @@ def test_file_size_limit_caps_files_and_output() -> None:
 def test_process_creation_is_refused_by_the_audit_hook(bomb: str) -> None:
     r = run_python(bomb, "", FAST)
     assert r.status == "blocked", (r.status, r.stderr[-300:])
-    assert r.wall_s < 3.0, r.wall_s
 
 
 def test_fork_bomb_is_bounded_by_the_process_limit() -> None:
@@ -139,7 +137,7 @@ def test_fork_bomb_is_bounded_by_the_process_limit() -> None:
     r = run_python(code, "", FAST)
     assert r.ok and r.stdout.split() == [str(FAST.nproc - 1), "BlockingIOError"], r
     classic = run_python(HOOK_OFF + "import os\nwhile True:\n    os.fork()", "", FAST)
-    assert classic.status == "error" and classic.wall_s < 3.0, (classic.status, classic.wall_s)
+    assert classic.status == "error", (classic.status, classic.stderr[-300:])
 
 
 @pytest.mark.parametrize("ending", ["exit", "timeout"])

@@ -17,7 +17,12 @@ import pytest
 from conftest import children_of, launch_server
 from test_server_leaks import tables, wait_clean
 
-from radixserve.core.limits import MAX_PROMPTS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from radixserve.core.limits import (
+    MAX_JSON_ITEMS,
+    MAX_PROMPTS,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+)
 
 RUNNING, QUEUED, CONNECTIONS = 2, 2, 16
 QUEUED_TOKENS = 64
@@ -78,13 +83,12 @@ def test_what_one_request_multiplies_is_capped(client, route, body, field):
     assert not any(tables(client).values())
 
 
-def test_8_mib_of_one_char_prompts_is_refused_quickly(client):
+def test_8_mib_of_one_char_prompts_is_refused_while_parsing(client):
     raw = b'{"text": [' + b",".join([b'"a"'] * (2 * 2**20 - 4)) + b"]}"
     assert len(raw) < 8 * 2**20
-    start = time.monotonic()
     r = client.post("/generate", content=raw, headers={"content-type": "application/json"})
-    assert r.status_code == 400, r.text
-    assert time.monotonic() - start < 10
+    # by the body parser's cap on entries: no prompt is validated, tokenized or queued
+    assert error_of(r, 400) == f"text has more than {MAX_JSON_ITEMS} entries"
     assert not any(tables(client).values())
 
 
@@ -194,19 +198,16 @@ def rss_kib(pid: int) -> int:
     return total
 
 
-def _load(url: str, seconds: float, clients: int) -> dict[int, int]:
-    """`clients` threads send requests back to back for `seconds`; returns status counts.
+def _load(url: str, requests: int, clients: int) -> dict[int, int]:
+    """`clients` threads send `requests` requests each, back to back; returns status counts.
     Every answer must be a 200 or a JSON 503 with Retry-After; anything else fails."""
     counts: dict[int, int] = {}
     errors: list[str] = []
     lock = threading.Lock()
-    stop_at = time.monotonic() + seconds
 
     def run(k: int) -> None:
         with httpx.Client(base_url=url, timeout=60) as c:
-            i = 0
-            while time.monotonic() < stop_at:
-                i += 1
+            for i in range(1, requests + 1):
                 sampling = {"max_new_tokens": 8 + (i * 7 + k) % 40, "n": 1 + (i + k) % 2}
                 body = {"text": f"client {k} request {i}", "sampling_params": sampling}
                 if (i + k) % 3 == 0:
@@ -228,7 +229,7 @@ def _load(url: str, seconds: float, clients: int) -> dict[int, int]:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(seconds + 120)
+        t.join()  # each request ends: its client's timeout bounds it
     assert not errors, errors[:5]
     return counts
 
@@ -236,12 +237,13 @@ def _load(url: str, seconds: float, clients: int) -> dict[int, int]:
 @pytest.mark.slow
 def test_load_at_twice_capacity_answers_every_request_with_memory_flat(bp_server, client):
     clients = 2 * CAPACITY  # each sends up to 2 samples at a time: up to 4x in samples
-    warm = _load(bp_server.url, 8, clients)
+    warm = _load(bp_server.url, 50, clients)
     wait_clean(client)
     before = rss_kib(bp_server.proc.pid)
-    counts = _load(bp_server.url, 20, clients)
+    counts = _load(bp_server.url, 200, clients)
     wait_clean(client)
     after = rss_kib(bp_server.proc.pid)
+    assert sum(counts.values()) == 200 * clients, counts
     assert counts.get(200, 0) > 20 and counts.get(503, 0) > 20, (warm, counts)
     # Flat: measured +0.5 MiB of ~1.2 GiB here over ~1700 requests.
     assert after - before < 16 * 1024, (before, after, counts)
