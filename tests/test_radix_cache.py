@@ -5,6 +5,7 @@ NoPrefixCache (the cache off): the same interface, sharing nothing; and the one 
 
 from __future__ import annotations
 
+import heapq
 import random
 from dataclasses import dataclass, field
 
@@ -17,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from radixserve.config import EngineConfig
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.prefix_cache import NoPrefixCache, make_prefix_cache
-from radixserve.kvcache.radix import MatchResult, RadixCache, TreeNode
+from radixserve.kvcache.radix import LRU_SLACK, MatchResult, RadixCache, TreeNode
 
 
 class ManualClock:
@@ -53,6 +54,42 @@ def path_slots(node: TreeNode) -> list[int]:
         parts.append(node.value.tolist())
         node = node.parent
     return [s for part in reversed(parts) for s in part]
+
+
+def scan_evict_order(cache: RadixCache, n: int) -> list[int]:
+    """The slots `evict(n)` frees, in order, found the plain way: a heap of every unlocked
+    leaf by (last_access, id) from a walk of the whole tree, a parent pushed once its last
+    child is gone. Reads the tree only."""
+    children: dict[int, int] = {}
+    heap = []
+    stack = [cache.root]
+    while stack:
+        node = stack.pop()
+        children[node.id] = len(node.children)
+        stack.extend(node.children.values())
+        if not node.children and node.lock_ref == 0 and node is not cache.root:
+            heap.append((node.last_access, node.id, node))
+    heapq.heapify(heap)
+    freed: list[int] = []
+    while len(freed) < n and heap:
+        _, _, leaf = heapq.heappop(heap)
+        freed += leaf.value.tolist()
+        parent = leaf.parent
+        assert parent is not None
+        children[parent.id] -= 1
+        if parent is not cache.root and children[parent.id] == 0 and parent.lock_ref == 0:
+            heapq.heappush(heap, (parent.last_access, parent.id, parent))
+    return freed
+
+
+def evicted_in_order(cache: RadixCache, n: int, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Run `cache.evict(n)`; the slots it handed back to the pool, in order."""
+    got: list[int] = []
+    free = cache.pool.free
+    monkeypatch.setattr(cache.pool, "free", lambda s: (got.extend(s.tolist()), free(s)))
+    cache.evict(n)
+    monkeypatch.undo()
+    return got
 
 
 # -- exact cases ---------------------------------------------------------------------------
@@ -393,6 +430,83 @@ def test_long_sequences_random_ops_stay_consistent() -> None:
     assert pool.num_free == pool.capacity
 
 
+def test_only_a_split_moves_paths() -> None:
+    """path_version changes with a split (an existing node's path changes) and with nothing
+    else: a path read at the same version is exact."""
+    pool = make_pool(32)
+    cache = RadixCache(pool)
+    leaf = cache.insert([1, 2, 3, 4], slots(pool, 4)).last_node
+    cache.lock(leaf)
+    version, kept = cache.path_version, cache.path(leaf)
+    cache.insert([5, 6], slots(pool, 2))  # a new leaf elsewhere
+    cache.insert(
+        [1, 2, 3, 4, 7], torch.cat([cache.match_prefix([1, 2, 3, 4]).indices, slots(pool, 1)])
+    )
+    cache.match_prefix([5, 6])
+    cache.evict(3)  # [7], then [5, 6]
+    cache.unlock(leaf)
+    cache.lock(leaf)
+    assert cache.path_version == version and cache.path(leaf) == kept
+    cache.match_prefix([1, 2, 9])  # splits [1, 2, 3, 4] after 2 tokens
+    assert cache.path_version == version + 1
+    assert [n for _, n in cache.path(leaf)] == [2, 2] and cache.path(leaf) != kept
+    cache.unlock(leaf)
+    cache.check_integrity()
+
+
+def test_eviction_order_matches_a_whole_tree_scan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeded workload of inserts, matches (LRU touches, splits), locks and evictions: each
+    evict frees exactly the slots, in the order, that a scan of the whole tree picks."""
+    rng = random.Random(7)
+    pool = make_pool(400)
+    clock = ManualClock()
+    cache = RadixCache(pool, clock=clock)
+    locked: list[TreeNode] = []
+    for step in range(400):
+        clock.t = float(rng.randrange(50))  # ties and non-monotonic times on purpose
+        seq = [rng.randrange(4) for _ in range(rng.randrange(1, 9))]
+        op = rng.random()
+        if op < 0.45:
+            m = cache.match_prefix(seq)
+            new = pool.alloc(len(seq) - len(m.indices))
+            if new is not None:
+                cache.insert(seq, torch.cat([m.indices, new]))
+        elif op < 0.65:
+            cache.match_prefix(seq)
+        elif op < 0.75:
+            node = cache.match_prefix(seq).last_node
+            cache.lock(node)
+            locked.append(node)
+        elif op < 0.85 and locked:
+            cache.unlock(locked.pop(rng.randrange(len(locked))))
+        else:
+            n = rng.randrange(1, 12)
+            want = scan_evict_order(cache, n)
+            assert evicted_in_order(cache, n, monkeypatch) == want, step
+        cache.check_integrity()
+    for node in locked:
+        cache.unlock(node)
+    want = scan_evict_order(cache, pool.capacity)
+    assert evicted_in_order(cache, pool.capacity, monkeypatch) == want
+    assert pool.num_free == pool.capacity and cache.num_nodes == 1
+
+
+def test_lru_heap_stays_bounded_under_lock_churn() -> None:
+    """Locking and unlocking a leaf over and over leaves stale heap entries; the heap is
+    rebuilt before they outnumber the evictable leaves (plus a constant)."""
+    pool = make_pool(64)
+    cache = RadixCache(pool)
+    leaves = [cache.insert([i, 1], slots(pool, 2)).last_node for i in range(20)]
+    for _ in range(50):
+        for leaf in leaves:
+            cache.lock(leaf)
+            cache.unlock(leaf)
+            cache.match_prefix([leaf.key[0], 1])  # an LRU touch: another stale entry
+        assert len(cache._lru) <= 2 * len(cache._leaves) + LRU_SLACK
+    cache.check_integrity()
+    assert cache.evict(40) == 40 and cache.num_nodes == 1
+
+
 # -- state machine against a dict model ----------------------------------------------------
 
 CAPACITY = 24
@@ -416,6 +530,7 @@ class RadixMachine(RuleBasedStateMachine):
         self.model: dict[tuple[int, ...], int] = {}  # cached token prefix -> KV slot of its last
         self.locks: list[tuple[TreeNode, list[int]]] = []
         self.requests: list[Request] = []
+        self.kept: list[tuple[TreeNode, int, list[tuple[int, int]]]] = []  # (node, version, path)
 
     def expected(self, tokens: list[int]) -> list[int]:
         out = []
@@ -447,8 +562,10 @@ class RadixMachine(RuleBasedStateMachine):
 
     def checked_evict(self, n: int) -> None:
         evictable, before = self.cache.evictable_size, free_set(self.pool)
+        want = scan_evict_order(self.cache, n)
         freed = self.cache.evict(n)
         newly = free_set(self.pool) - before
+        assert sorted(newly) == sorted(want), (sorted(newly), want)  # the scan's leaves
         assert len(newly) == freed
         assert freed >= n if evictable >= n else freed == evictable
         gone = {p for p, s in self.model.items() if s in newly}
@@ -547,6 +664,17 @@ class RadixMachine(RuleBasedStateMachine):
             assert sum(n for _, n in self.cache.path(req.node)) == req.tree_slots.numel()
             assert path_slots(req.node) == req.tree_slots.tolist()
             assert self.expected(req.tokens)[: req.tree_slots.numel()] == req.tree_slots.tolist()
+
+    @invariant()
+    def kept_paths_are_exact_while_the_version_holds(self) -> None:
+        """A path read at the cache's current path_version equals a fresh walk (the locked
+        nodes' paths, kept from the last step, as a running request keeps its own)."""
+        version = self.cache.path_version
+        for node, read_at, path in self.kept:
+            if read_at == version and node.parent is not None:
+                assert self.cache.path(node) == path, (node, path, self.cache.path(node))
+        held = [n for n, _ in self.locks] + [r.node for r in self.requests]
+        self.kept = [(n, version, self.cache.path(n)) for n in held]
 
     def teardown(self) -> None:
         for node, _ in self.locks:

@@ -128,6 +128,10 @@ class HiCache:
     def total_size(self) -> int:
         return self.tree.total_size
 
+    @property
+    def path_version(self) -> int:
+        return self.tree.path_version
+
     def cached_length(self, token_ids: Sequence[int]) -> int:
         return self.tree.cached_length(token_ids)
 

@@ -78,6 +78,12 @@ class PrefixCache(Protocol):
         """evictable_size + locked_size."""
         ...
 
+    @property
+    def path_version(self) -> int:
+        """Changes whenever the `path` of a node still in the cache may have changed (a
+        split); a path read at the same version is still exact."""
+        ...
+
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
         """The longest cached prefix of `token_ids`: its slots, and the node ending it (the
         root when nothing matches). May reorganise nodes; frees and allocates nothing."""
@@ -154,6 +160,10 @@ class NoPrefixCache:
 
     @property
     def total_size(self) -> int:
+        return 0
+
+    @property
+    def path_version(self) -> int:
         return 0
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:

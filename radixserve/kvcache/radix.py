@@ -90,6 +90,9 @@ class MatchResult:
     tier_tokens: dict[str, int] = field(default_factory=dict)
 
 
+LRU_SLACK = 64  # stale heap entries tolerated beyond the live ones before a rebuild
+
+
 def _empty_slots() -> torch.Tensor:
     return torch.empty(0, dtype=torch.int64)
 
@@ -145,10 +148,18 @@ def _counter_clock() -> Callable[[], float]:
 # slots are either the tree's own (the request matched them earlier) or duplicates, which are
 # freed; the remaining suffix becomes one new leaf holding a copy of the caller's slots.
 #
-# Evict: a min-heap of unlocked leaves keyed by (last_access, id); pop, free the slots, and push
-# the parent once it is an unlocked leaf itself. Ties on last_access go to the lower id, so the
-# order is deterministic. Only leaves with lock_ref == 0 enter the heap, and an unlocked node has
-# only unlocked descendants, so a locked node is never evicted.
+# Evict: the evictable leaves (lock_ref == 0, no children, not the root) are kept as a set
+# beside a min-heap keyed by (last_access, id), both updated by every operation that can make
+# a node one or stop it being one (add or remove a leaf, lock, unlock) or touch its
+# last_access (the descend); so evict never walks the tree. Pop, free the slots, and the
+# parent joins once it is an unlocked leaf itself. Heap entries are lazy: one whose node left
+# the set or was touched since is skipped when popped (the heap is rebuilt from the set when
+# stale entries outnumber live ones). Ties on last_access go to the lower id, so the order is
+# deterministic: the unlocked leaf with the least (last_access, id) goes first, one at a
+# time. An unlocked node has only unlocked descendants, so a locked node is never evicted.
+#
+# Path version: only a split changes an existing node's path (the root-to-node list of
+# (id, length)); `path_version` counts splits, so a path read at the same version is exact.
 
 
 class RadixCache:
@@ -178,6 +189,9 @@ class RadixCache:
         self._evictable = 0  # tokens in nodes with lock_ref == 0
         self._locked = 0  # tokens in nodes with lock_ref > 0
         self.num_nodes = 1  # root included
+        self.path_version = 0  # splits so far: a path read at this version is still exact
+        self._leaves: set[TreeNode] = set()  # the evictable leaves (see Algorithm)
+        self._lru: list[tuple[float, int, TreeNode]] = []  # heap over them, lazy entries
 
     # -- sizes -----------------------------------------------------------------------------
 
@@ -263,6 +277,8 @@ class RadixCache:
             if m < len(child.key):
                 child = self._split(child, m)  # the new upper node: exactly the matched part
             child.last_access = now
+            if child in self._leaves:  # its old heap entry is stale now
+                self._push_lru(child)
             values.append(child.value)
             node, pos = child, pos + m
         return node, values, pos
@@ -280,6 +296,7 @@ class RadixCache:
         upper.children[node.key[k]] = node
         parent.children[node.key[0]] = upper
         self.num_nodes += 1
+        self.path_version += 1
         node.parent = upper
         node.key = node.key[k:]
         node.value = node.value[k:]
@@ -293,6 +310,8 @@ class RadixCache:
         parent.children[key[0]] = leaf
         self._evictable += len(key)
         self.num_nodes += 1
+        self._leaves.discard(parent)  # a leaf no more
+        self._update_evictable(leaf)
         return leaf
 
     # -- locking ---------------------------------------------------------------------------
@@ -308,6 +327,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._evictable -= len(node.key)
                 self._locked += len(node.key)
+                self._leaves.discard(node)
             node.lock_ref += 1
             node = parent
 
@@ -321,6 +341,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._locked -= len(node.key)
                 self._evictable += len(node.key)
+                self._update_evictable(node)
             node = parent
 
     def path(self, node: TreeNode) -> list[tuple[int, int]]:
@@ -342,24 +363,13 @@ class RadixCache:
         A parent becomes a candidate once its children are gone. Frees fewer only when the
         whole evictable part of the tree is gone. Returns the number of slots freed.
         """
-        if num_tokens <= 0:
-            return 0
-        heap = [
-            (n.last_access, n.id, n)
-            for n in self._iter_nodes()
-            if n.is_leaf and n.lock_ref == 0 and n is not self.root
-        ]
-        heapq.heapify(heap)
         freed = 0
-        while freed < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
-            parent = self._remove_leaf(leaf)
+        while freed < num_tokens and (leaf := self._pop_lru()) is not None:
+            self._remove_leaf(leaf)
             freed += len(leaf.key)
-            if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
 
-    def _remove_leaf(self, leaf: TreeNode) -> TreeNode:
+    def _remove_leaf(self, leaf: TreeNode) -> None:
         parent = leaf.parent
         assert parent is not None and leaf.is_leaf and leaf.lock_ref == 0, f"bad evict {leaf}"
         if self._on_evict is not None:
@@ -369,7 +379,33 @@ class RadixCache:
         self._evictable -= len(leaf.key)
         self.num_nodes -= 1
         leaf.parent = None
-        return parent
+        self._leaves.discard(leaf)
+        self._update_evictable(parent)
+
+    # -- the evictable leaves (see Algorithm) ---------------------------------------------
+
+    def _update_evictable(self, node: TreeNode) -> None:
+        """Put `node` in the evictable set (and the heap) or take it out, as it is now."""
+        if node.lock_ref == 0 and not node.children and node is not self.root:
+            if node not in self._leaves:
+                self._leaves.add(node)
+                self._push_lru(node)
+        else:
+            self._leaves.discard(node)
+
+    def _push_lru(self, node: TreeNode) -> None:
+        heapq.heappush(self._lru, (node.last_access, node.id, node))
+        if len(self._lru) > 2 * len(self._leaves) + LRU_SLACK:  # mostly stale: rebuild
+            self._lru = [(n.last_access, n.id, n) for n in self._leaves]
+            heapq.heapify(self._lru)
+
+    def _pop_lru(self) -> TreeNode | None:
+        """The evictable leaf with the least (last_access, id), or None if there is none."""
+        while self._lru:
+            access, _, node = heapq.heappop(self._lru)
+            if node in self._leaves and node.last_access == access:
+                return node
+        return None
 
     def _path_kv(self, node: TreeNode) -> tuple[list[int], torch.Tensor, int]:
         """(tokens, slots) of the path from the root to `node`, and where `node` begins."""
@@ -394,6 +430,8 @@ class RadixCache:
         self.root.children = {}
         self._evictable = 0
         self.num_nodes = 1
+        self._leaves.clear()
+        self._lru.clear()
 
     def tier_stats(self) -> dict[str, TierStats]:
         return {}
@@ -438,7 +476,21 @@ class RadixCache:
             f"size counters (evictable, locked)={(self._evictable, self._locked)}, "
             f"tree has {(evictable, locked)}"
         )
+        self._check_lru()
         self._check_slots(_cat(values), in_use_elsewhere)
+
+    def _check_lru(self) -> None:
+        """The evictable set is exactly the unlocked leaves, each with a live heap entry."""
+        scan = {
+            n for n in self._iter_nodes() if n.is_leaf and n.lock_ref == 0 and n is not self.root
+        }
+        assert scan == self._leaves, (
+            f"evictable set {sorted(n.id for n in self._leaves)}, "
+            f"unlocked leaves {sorted(n.id for n in scan)}"
+        )
+        live = {(access, node_id) for access, node_id, _ in self._lru}
+        missing = [n for n in self._leaves if (n.last_access, n.id) not in live]
+        assert not missing, f"evictable leaves without a heap entry: {missing}"
 
     def _check_children(self, node: TreeNode) -> None:
         child_locks = 0
