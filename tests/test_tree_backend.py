@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from radixserve import kernels
@@ -432,7 +432,6 @@ def random_case(
     )
 
 
-@settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
     depth=st.integers(1, 4),
@@ -459,7 +458,6 @@ def test_random_trees_fp32(
     assert max_err(run_backend(FlatBackend(), case, scale), want) <= FP32_ATOL
 
 
-@settings(max_examples=20, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
     depth=st.integers(1, 4),
@@ -593,7 +591,6 @@ def module_case(seed: int, extend: bool, dtype: torch.dtype) -> Case:
     )
 
 
-@settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
     extend=st.booleans(),
