@@ -45,12 +45,33 @@ def cpu_isa() -> str:
 
 
 def _has_fma_f16c() -> bool:
+    flags = cpu_flags()
+    if flags is None:
+        return torch.cpu._is_avx2_supported()  # no /proc (macOS): trust torch's AVX2 check
+    return {"fma", "f16c"} <= flags
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str] | None:
+    """The CPU's feature flags (/proc/cpuinfo), or None where there is no /proc."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return torch.cpu._is_avx2_supported()  # no /proc (macOS): trust torch's AVX2 check
-    return "fma" in flags and "f16c" in flags
+        return None
+
+
+VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})
+
+
+def quant_kernel_isa() -> str:
+    """The build of the quantized-matmul kernels: "avx512vnni" where the AVX-512 ISA is in
+    use and the CPU has AVX512-VNNI (int16 dot products into int32, 32 lanes), else
+    cpu_isa() with "avx512" served by the AVX2 kernels."""
+    isa = cpu_isa()
+    if isa == "avx512":
+        return "avx512vnni" if VNNI_FLAGS <= (cpu_flags() or frozenset()) else "avx2"
+    return isa
 
 
 def fast_cpu_bf16() -> bool:

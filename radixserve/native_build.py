@@ -6,9 +6,10 @@ Each source is built once per ISA (module name `<name>_<isa>`, cached by torch u
 inline OpenMP, serial without it; the link resolves to the libgomp.so.1 torch has loaded.
 The AVX2 build adds -mavx2 -mfma -mf16c and defines RS_AVX2; the AVX-512 build is the same
 plus RS_AVX512 (its few AVX-512 functions carry target attributes and check the CPU first);
-"scalar" is portable C++. Without a compiler `build` returns None, and while native ops are
-off (`use_native_ops(False)`) every `@native_module` getter does: the callers then run the
-same math as torch ops.
+"avx512vnni" (the quantized kernels, where the CPU has AVX512-VNNI) compiles the whole source
+for AVX-512 with VNNI, so it is loaded only on such a CPU; "scalar" is portable C++. Without a
+compiler `build` returns None, and while native ops are off (`use_native_ops(False)`) every
+`@native_module` getter does: the callers then run the same math as torch ops.
 
 The switch is process-wide, like the attention ops' `kernels.set_impl`: these kernels are
 called deep inside the model, the sampler and the attention ops. A ModelWorker sets it from
@@ -25,7 +26,9 @@ from pathlib import Path
 from types import ModuleType
 
 logger = logging.getLogger("radixserve.native")
-VECTOR_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mf16c", "-DRS_AVX2", "-DRS_AVX512"],
+VECTOR_FLAGS = {"avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                               "-mavx512dq", "-mavx512vnni"],
+                "avx512": ["-mavx2", "-mfma", "-mf16c", "-DRS_AVX2", "-DRS_AVX512"],
                 "avx2": ["-mavx2", "-mfma", "-mf16c", "-DRS_AVX2"], "scalar": []}  # fmt: skip
 _enabled = True  # EngineConfig.native_ops of the last ModelWorker started in this process
 

@@ -23,7 +23,7 @@ from benchmarks.make_gguf import copy_tokenizer, embedded_gguf, random_blocks  #
 from radixserve import Engine, kernels  # noqa: E402
 from radixserve.attention.flat import FlatBackend
 from radixserve.config import EngineConfig
-from radixserve.isa import cpu_isa, fast_cpu_bf16, resolve_dtype
+from radixserve.isa import cpu_isa, fast_cpu_bf16, quant_kernel_isa, resolve_dtype
 from radixserve.models import load_model, resolve_model_path
 from radixserve.models.gguf_weights import read_gguf_weights, unpermute_rows
 from radixserve.models.loader import load_config
@@ -135,21 +135,23 @@ def test_int16_gemm_is_built_where_avx2_is() -> None:
     assert native.int_gemm == (cpu_isa() != "scalar")
 
 
-@pytest.mark.skipif(cpu_isa() != "avx512", reason="the AVX-512 build needs an AVX-512 CPU")
+@pytest.mark.skipif(quant_kernel_isa() != "avx512vnni", reason="needs a CPU with AVX512-VNNI")
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_vnni_batch1_kernel_equals_the_avx2_kernel(fmt: str) -> None:
-    """Where the CPU has AVX512-VNNI the AVX-512 build takes 16 weight rows a task at batch 1;
-    its results equal the AVX2 build's (8 rows a task) bit for bit: the same integer block
-    sums, scaled and summed in the same order."""
+@pytest.mark.parametrize("m", [1, 8, 16, 17, 40])
+def test_vnni_kernels_equal_the_avx2_kernels(fmt: str, m: int) -> None:
+    """The AVX512-VNNI build (16 weight rows a task at batch 1, 16-row groups in the int16
+    GEMM) gives the AVX2 build's results bit for bit: the same integer block sums, scaled
+    and summed in the same order."""
     wide, narrow = ops(), build("radixserve_quant", SOURCE, "avx2")
     assert wide is not None and narrow is not None
-    assert wide.vnni == ("avx512_vnni" in Path("/proc/cpuinfo").read_text()) and not narrow.vnni
+    assert wide.vnni and not narrow.vnni
     k = widths(fmt)[1]
     blocks, _ = _weights(16 * 5 + 8 + 3, k, fmt, seed=5)  # 16-row, 8-row and single-row tasks
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(6 + m))
     code = FORMATS[fmt].code
-    got, want = (m.qmatmul_small(x, blocks, code, k) for m in (wide, narrow))
-    assert torch.equal(got, want)
+    for kernel in ("qmatmul_small", "qmatmul_gemm"):
+        got, want = (getattr(mod, kernel)(x, blocks, code, k) for mod in (wide, narrow))
+        assert torch.equal(got, want), kernel
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

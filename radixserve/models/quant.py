@@ -36,7 +36,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from torch import Tensor, nn
 
-from radixserve.isa import cpu_isa, fast_cpu_bf16
+from radixserve.isa import fast_cpu_bf16, quant_kernel_isa
 from radixserve.native_build import build, native_module
 
 SOURCE = Path(__file__).with_name("csrc") / "quant_cpu.cpp"
@@ -95,7 +95,7 @@ LLAMA_CPP_ONLY = {
 def ops() -> ModuleType | None:
     """The compiled kernels for this CPU's ISA, or None (no compiler, or native ops off:
     quantized linears then dequantize with torch ops, correct but slow)."""
-    return build("radixserve_quant", SOURCE, cpu_isa())
+    return build("radixserve_quant", SOURCE, quant_kernel_isa())
 
 
 def dequantize(blocks: Tensor, fmt: str, k: int) -> Tensor:

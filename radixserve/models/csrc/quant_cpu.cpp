@@ -41,7 +41,11 @@
 //   arithmetic runs at the machine's matmul rate with the exact float32 x: the path of
 //   builds without AVX2, and of bf16 models where bf16 matmuls are fast.
 // Built per ISA: with -mavx2 -mfma -mf16c the AVX2 paths below are used, without them plain
-// C++ (portable, slower; qmatmul_gemm then runs qmatmul_small's loops).
+// C++ (portable, slower; qmatmul_gemm then runs qmatmul_small's loops). The AVX512-VNNI
+// build (for CPUs that have it) adds 512-bit paths: the batch-1 kernel takes 16 weight rows
+// at a time and the GEMM 16 rows of x per vector, each block sum one vpdpwssd (32 int16
+// multiply-adds into int32) instead of a madd and an add; their results equal the AVX2
+// paths' bit for bit (same integer sums, same float32 operations per lane, same order).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -57,6 +61,10 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define RS_AVX2 1
+#endif
+#if defined(RS_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define RS_VNNI 1
 #endif
 
 namespace {
@@ -621,27 +629,17 @@ void dot_wrows8(const uint8_t* w, int64_t fmt, int64_t row_bytes, int64_t nb, co
 }
 #endif
 
-#ifdef RS_AVX512
-// The AVX-512 build's batch-1 kernel, taken where the CPU has AVX512-VNNI (checked once at
-// run time; the rest of the module is AVX2 code): 16 weight rows a task, a block of one row
-// widened to 32 int16 lanes in one register and multiplied into int32 by one vpdpwssd. The
-// block sums are the same exact integers as dot_wrows8's, and each row's float32 scaling and
+#ifdef RS_VNNI
+// The AVX512-VNNI build's batch-1 kernel: 16 weight rows a task, a block of one row widened
+// to 32 int16 lanes in one register and multiplied into int32 by one vpdpwssd. The block sums
+// are the same exact integers as dot_wrows8's, and each row's float32 scaling and
 // accumulation run in the same order with the same roundings: the results equal the AVX2
 // kernel's bit for bit.
-#define RS_VNNI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
-
-bool cpu_has_vnni() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                         __builtin_cpu_supports("avx512vnni");
-  return ok;
-}
-
-RS_VNNI_TARGET inline __m512i widen32(__m256i bytes) { return _mm512_cvtepu8_epi16(bytes); }
+inline __m512i widen32(__m256i bytes) { return _mm512_cvtepu8_epi16(bytes); }
 
 // Block b of a row: its 32 quants as int16 lanes (w = d * q + m, as widen_block).
 template <int64_t fmt>
-RS_VNNI_TARGET inline __m512i widen_block16(const uint8_t* row, int64_t b) {
+inline __m512i widen_block16(const uint8_t* row, int64_t b) {
   const __m256i low4 = _mm256_set1_epi8(15);
   const auto nibbles = [&](const uint8_t* qs) {  // 16 bytes -> low nibbles, then high nibbles
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
@@ -686,7 +684,7 @@ RS_VNNI_TARGET inline __m512i widen_block16(const uint8_t* row, int64_t b) {
 
 // Lane i = the sum of the 16 int32 lanes of s[i], i < 16 (exact integers): pairs of rows are
 // interleaved and added until each 128-bit chunk holds 4 rows, then chunks are added.
-RS_VNNI_TARGET inline __m512i reduce16(const __m512i s[16]) {
+inline __m512i reduce16(const __m512i s[16]) {
   __m512i t[8], u[4];
   for (int i = 0; i < 8; ++i) {
     t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2 * i], s[2 * i + 1]), _mm512_unpackhi_epi32(s[2 * i], s[2 * i + 1]));
@@ -700,13 +698,13 @@ RS_VNNI_TARGET inline __m512i reduce16(const __m512i s[16]) {
   return _mm512_add_epi32(_mm512_shuffle_i32x4(v0, v1, 0x88), _mm512_shuffle_i32x4(v0, v1, 0xDD));
 }
 
-RS_VNNI_TARGET inline __m512 join(__m256 lo, __m256 hi) {
+inline __m512 join(__m256 lo, __m256 hi) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
 }
 
 // out[0..16) = x row 0 . weight rows 0..16 of w (dot_wrows8 for 16 rows).
 template <int64_t fmt>
-RS_VNNI_TARGET void dot_wrows16(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRows& x, float* out) {
+void dot_wrows16(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRows& x, float* out) {
   const uint8_t* rows[16];
   for (int i = 0; i < 16; ++i) rows[i] = w + i * row_bytes;
   const char* next = reinterpret_cast<const char*>(w + 16 * row_bytes);  // as dot_wrows8
@@ -746,11 +744,12 @@ void dot_wrows16(const uint8_t* w, int64_t fmt, int64_t row_bytes, int64_t nb, c
 
 #ifdef RS_AVX2
 // qmatmul_gemm: x's int16 quants transposed so that a vector holds one int16 pair (x[2j],
-// x[2j + 1]) of each of 8 rows: a madd with a broadcast pair of weights then gives the block
-// sums of 8 rows for one column in one int32 vector, with no horizontal reduction, and the
-// block is scaled per lane (d_x of each row times d_w), as in dot_rows8. madd does 16
-// multiply-adds per instruction against 8 for a float32 FMA, so this outruns dequantize +
-// sgemm; the weights are only widened (kBlockCols columns at a time), never transposed.
+// x[2j + 1]) of each of 8 (AVX2) or 16 (VNNI) rows: a madd (vpdpwssd) with a broadcast pair
+// of weights then gives the block sums of those rows for one column in one int32 vector,
+// with no horizontal reduction, and the block is scaled per lane (d_x of each row times
+// d_w), as in dot_rows8. madd does 16 multiply-adds per instruction against 8 for a float32
+// FMA (vpdpwssd 32, the add included), so this outruns dequantize + sgemm; the weights are
+// only widened (kBlockCols columns at a time), never transposed.
 inline void transpose8(__m256i r[8]) {  // 8x8 int32: r[i] lane j <- r[j] lane i
   __m256i t[8], u[8];
   for (int i = 0; i < 8; i += 2) {
@@ -769,28 +768,87 @@ inline void transpose8(__m256i r[8]) {  // 8x8 int32: r[i] lane j <- r[j] lane i
   }
 }
 
-constexpr int64_t kCols = 4;         // weight columns per register block
-constexpr int64_t kRowGroups = 2;    // groups of 8 rows of x per register block
+// The GEMM's vector width: V8 (AVX2: 8 rows of x per int32 vector, madd then add) and, in
+// the AVX512-VNNI build, V16 (16 rows, one vpdpwssd). Every lane does the same integer and
+// float32 operations in the same order in both, so their results are equal bit for bit.
+struct V8 {
+  static constexpr int L = 8;
+  using I = __m256i;
+  using F = __m256;
+  static I izero() { return _mm256_setzero_si256(); }
+  static F zero() { return _mm256_setzero_ps(); }
+  static I dot(I acc, int32_t pair, I x) {
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_set1_epi32(pair), x));
+    asm("" : "+x"(acc));  // keep the chain: GCC would reassociate it into a tree and spill
+    return acc;
+  }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
+  // rows 0-7 of pairs j -> t[j], j < 16 (x's block b of a group of 8 rows, row stride `ld`)
+  static void transpose(const int16_t* q, int64_t ld, I t[16]) {
+    __m256i lo[8], hi[8];  // per row: pairs 0-7 and 8-15 of the block
+    for (int r = 0; r < 8; ++r) {
+      const __m256i* p = reinterpret_cast<const __m256i*>(q + r * ld);
+      lo[r] = _mm256_loadu_si256(p), hi[r] = _mm256_loadu_si256(p + 1);
+    }
+    transpose8(lo), transpose8(hi);
+    for (int j = 0; j < 8; ++j) t[j] = lo[j], t[8 + j] = hi[j];
+  }
+  static constexpr int C = 4, RG = 2;  // register block: C weight columns x RG groups of rows
+};
+
+#ifdef RS_VNNI
+struct V16 {
+  static constexpr int L = 16;
+  using I = __m512i;
+  using F = __m512;
+  static I izero() { return _mm512_setzero_si512(); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static I dot(I acc, int32_t pair, I x) { return _mm512_dpwssd_epi32(acc, _mm512_set1_epi32(pair), x); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static void transpose(const int16_t* q, int64_t ld, I t[16]) {
+    V8::I a[16], b[16];  // rows 0-7 and 8-15
+    V8::transpose(q, ld, a), V8::transpose(q + 8 * ld, ld, b);
+    for (int j = 0; j < 16; ++j) t[j] = _mm512_inserti64x4(_mm512_castsi256_si512(a[j]), b[j], 1);
+  }
+  // 8 columns x 16 rows: 8 vpdpwssd chains hide its latency in 24 of the 32 registers
+  static constexpr int C = 8, RG = 1;
+};
+#endif
+
 constexpr int64_t kChunkGroups = 16; // groups of x per pass over the widened columns (L2)
 constexpr int64_t kBlockCols = 32;   // columns widened together; output rows written this wide
 
-// QRows' int16 quants of full 8-row groups -> (groups, nb, 16 pairs, 8 rows) int32 pairs.
-std::vector<__m256i> transpose_groups(const QRows& x, int64_t groups, int64_t nb) {
-  std::vector<__m256i> t(groups * nb * 16);
-  at::parallel_for(0, groups * nb, 64, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t g = i / nb, b = i % nb;
-      __m256i lo[8], hi[8];  // per row: pairs 0-7 and 8-15 of the block
-      for (int r = 0; r < 8; ++r) {
-        const __m256i* q = reinterpret_cast<const __m256i*>(x.q.data() + ((g * 8 + r) * nb + b) * kBlock);
-        lo[r] = _mm256_loadu_si256(q), hi[r] = _mm256_loadu_si256(q + 1);
+// The GEMM's x: int16 quants of whole groups of V::L rows as (groups, nb, 16 pairs) vectors
+// of V::L rows, and each group's block scales d and offsets s as (groups, nb, V::L).
+template <typename V>
+struct GroupedX {
+  std::vector<typename V::I> t;
+  std::vector<float> d, s;
+
+  GroupedX(const QRows& x, int64_t groups, int64_t nb) : t(groups * nb * 16), d(groups * nb * V::L), s(d.size()) {
+    at::parallel_for(0, groups * nb, 64, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t g = i / nb, b = i % nb;
+        V::transpose(x.q.data() + (g * V::L * nb + b) * kBlock, nb * kBlock, t.data() + i * 16);
+        for (int r = 0; r < V::L; ++r) {
+          d[i * V::L + r] = x.d[(g * V::L + r) * nb + b], s[i * V::L + r] = x.s[(g * V::L + r) * nb + b];
+        }
       }
-      transpose8(lo), transpose8(hi);
-      for (int j = 0; j < 8; ++j) t[i * 16 + j] = lo[j], t[i * 16 + 8 + j] = hi[j];
-    }
-  });
-  return t;
-}
+    });
+  }
+};
 
 // Columns [n0, n0 + C) widened: w (nb, C, 16) int32 pairs, d / m (nb, C).
 template <int64_t fmt, int C>
@@ -808,106 +866,110 @@ void widen_cols(const uint8_t* w, int64_t nb, int64_t n0, int32_t* wq, float* d,
   }
 }
 
-// out[row, n0 + c] for the 8 * RG rows of groups [g0, g0 + RG) and columns c < C.
-template <int64_t fmt, int C, int RG>
+// out[row, n0 + c] for the V::L * RG rows of groups [g0, g0 + RG) and columns c < C.
+template <typename V, int64_t fmt, int C, int RG>
 __attribute__((noinline))  // inlined into the callers, it spilled its sums (Q8_0: 1.4x slower)
-void gemm_block(const int32_t* wq, const float* wd, const float* wm, const __m256i* xt, const QRows& x,
-                int64_t nb, int64_t g0, float* y, int64_t ldy) {
-  __m256 acc[C][RG], off[C][RG];
+void gemm_block(const int32_t* wq, const float* wd, const float* wm, const GroupedX<V>& x, int64_t nb, int64_t g0,
+                float* y, int64_t ldy) {
+  typename V::F acc[C][RG], off[C][RG];
   for (int c = 0; c < C; ++c) {
-    for (int g = 0; g < RG; ++g) acc[c][g] = off[c][g] = _mm256_setzero_ps();
+    for (int g = 0; g < RG; ++g) acc[c][g] = off[c][g] = V::zero();
   }
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i sum[C][RG];
+    typename V::I sum[C][RG];
     for (int c = 0; c < C; ++c) {
-      for (int g = 0; g < RG; ++g) sum[c][g] = _mm256_setzero_si256();
+      for (int g = 0; g < RG; ++g) sum[c][g] = V::izero();
     }
     for (int j = 0; j < 16; ++j) {
-      __m256i xv[RG];
-      for (int g = 0; g < RG; ++g) xv[g] = _mm256_load_si256(xt + ((g0 + g) * nb + b) * 16 + j);
+      typename V::I xv[RG];
+      for (int g = 0; g < RG; ++g) xv[g] = x.t[((g0 + g) * nb + b) * 16 + j];
       for (int c = 0; c < C; ++c) {
-        const __m256i pair = _mm256_set1_epi32(wq[(b * C + c) * 16 + j]);  // w[2j], w[2j + 1]
-        for (int g = 0; g < RG; ++g) {
-          sum[c][g] = _mm256_add_epi32(sum[c][g], _mm256_madd_epi16(pair, xv[g]));
-          asm("" : "+x"(sum[c][g]));  // keep the chain: GCC would reassociate it into a tree and spill
-        }
+        const int32_t pair = wq[(b * C + c) * 16 + j];  // w[2j], w[2j + 1]
+        for (int g = 0; g < RG; ++g) sum[c][g] = V::dot(sum[c][g], pair, xv[g]);
       }
     }
     for (int g = 0; g < RG; ++g) {
-      const __m256 dx = _mm256_loadu_ps(x.d8.data() + ((g0 + g) * nb + b) * 8);
-      const __m256 sx = _mm256_loadu_ps(x.s8.data() + ((g0 + g) * nb + b) * 8);
+      const typename V::F dx = V::loadf(x.d.data() + ((g0 + g) * nb + b) * V::L);
+      const typename V::F sx = V::loadf(x.s.data() + ((g0 + g) * nb + b) * V::L);
       for (int c = 0; c < C; ++c) {
-        const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(wd[b * C + c]), dx);
-        acc[c][g] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sum[c][g]), acc[c][g]);
-        if (has_offset(fmt)) off[c][g] = _mm256_fmadd_ps(_mm256_set1_ps(wm[b * C + c]), sx, off[c][g]);
+        const typename V::F scale = V::mul(V::set1(wd[b * C + c]), dx);
+        acc[c][g] = V::fmadd(scale, V::cvt(sum[c][g]), acc[c][g]);
+        if (has_offset(fmt)) off[c][g] = V::fmadd(V::set1(wm[b * C + c]), sx, off[c][g]);
       }
     }
   }
   for (int c = 0; c < C; ++c) {
     for (int g = 0; g < RG; ++g) {
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, _mm256_add_ps(acc[c][g], off[c][g]));
-      for (int r = 0; r < 8; ++r) y[(g * 8 + r) * ldy + c] = lanes[r];
+      alignas(64) float lanes[V::L];
+      V::storef(lanes, V::add(acc[c][g], off[c][g]));
+      for (int r = 0; r < V::L; ++r) y[(g * V::L + r) * ldy + c] = lanes[r];
     }
+  }
+}
+
+// Output columns [0, cols) of the widened block (cols <= kBlockCols) for the rows of groups
+// [g, g + RG), into a tile whose rows are copied out whole. (Writing C columns of each
+// output row at a time touched every row's cache line again and again; with a row stride of
+// a multiple of 4 KB, as for 3072 or 49152 columns, those lines also share one L1 set.)
+template <typename V, int64_t fmt, int RG>
+void gemm_rows(const int32_t* wq, const float* wd, const float* wm, int64_t nb, int64_t cols, const GroupedX<V>& x,
+               int64_t g, float* tile) {
+  constexpr int C = V::C;
+  int64_t n = 0;
+  for (; n + C <= cols; n += C) {
+    gemm_block<V, fmt, C, RG>(wq + n * nb * 16, wd + n * nb, wm + n * nb, x, nb, g, tile + n, kBlockCols);
+  }
+  for (; n < cols; ++n) {  // the last block's odd columns
+    gemm_block<V, fmt, 1, RG>(wq + n * nb * 16, wd + n * nb, wm + n * nb, x, nb, g, tile + n, kBlockCols);
   }
 }
 
 // Output columns [n0, n0 + cols) (cols <= kBlockCols) for the rows of groups [g0, g1): the
-// columns are widened once, then each register block of rows meets them all, into a tile
-// whose rows are copied out whole. (Writing C columns of each output row at a time touched
-// every row's cache line again and again; with a row stride of a multiple of 4 KB, as for
-// 3072 or 49152 columns, those lines also share one L1 set.)
-template <int64_t fmt, int RG>
-void gemm_rows(const int32_t* wq, const float* wd, const float* wm, int64_t nb, int64_t cols, const __m256i* xt,
-               const QRows& x, int64_t g, float* tile) {
-  const int64_t quads = cols / kCols;
-  for (int64_t q = 0; q < quads; ++q) {
-    gemm_block<fmt, kCols, RG>(wq + q * nb * kCols * 16, wd + q * nb * kCols, wm + q * nb * kCols, xt, x, nb, g,
-                               tile + q * kCols, kBlockCols);
+// columns are widened once (runs of V::C columns, then single ones), then each register block
+// of rows meets them all.
+template <typename V, int64_t fmt>
+void gemm_cols(const uint8_t* w, int64_t nb, int64_t n0, int64_t cols, const GroupedX<V>& x, int64_t g0, int64_t g1,
+               int64_t M, float* out, int64_t ldo, int32_t* wq, float* wd, float* wm, float* tile) {
+  int64_t n = 0;
+  for (; n + V::C <= cols; n += V::C) {
+    widen_cols<fmt, V::C>(w, nb, n0 + n, wq + n * nb * 16, wd + n * nb, wm + n * nb);
   }
-  for (int64_t n = quads * kCols; n < cols; ++n) {  // the last block's odd columns
-    gemm_block<fmt, 1, RG>(wq + n * nb * 16, wd + n * nb, wm + n * nb, xt, x, nb, g, tile + n, kBlockCols);
-  }
-}
-
-template <int64_t fmt>
-void gemm_cols(const uint8_t* w, int64_t nb, int64_t n0, int64_t cols, const __m256i* xt, const QRows& x,
-               int64_t g0, int64_t g1, int64_t M, float* out, int64_t ldo, int32_t* wq, float* wd, float* wm,
-               float* tile) {
-  const int64_t quads = cols / kCols;
-  for (int64_t q = 0; q < quads; ++q) {
-    widen_cols<fmt, kCols>(w, nb, n0 + q * kCols, wq + q * nb * kCols * 16, wd + q * nb * kCols, wm + q * nb * kCols);
-  }
-  for (int64_t n = quads * kCols; n < cols; ++n) widen_cols<fmt, 1>(w, nb, n0 + n, wq + n * nb * 16, wd + n * nb, wm + n * nb);
+  for (; n < cols; ++n) widen_cols<fmt, 1>(w, nb, n0 + n, wq + n * nb * 16, wd + n * nb, wm + n * nb);
   for (int64_t g = g0; g < g1;) {
-    const int64_t step = g + kRowGroups <= g1 ? kRowGroups : 1;
-    if (step == kRowGroups) gemm_rows<fmt, kRowGroups>(wq, wd, wm, nb, cols, xt, x, g, tile);
-    else gemm_rows<fmt, 1>(wq, wd, wm, nb, cols, xt, x, g, tile);
-    for (int64_t r = 0; r < step * 8 && g * 8 + r < M; ++r) {
-      std::memcpy(out + (g * 8 + r) * ldo + n0, tile + r * kBlockCols, cols * sizeof(float));
+    const int64_t step = g + V::RG <= g1 ? V::RG : 1;
+    if (step == V::RG) gemm_rows<V, fmt, V::RG>(wq, wd, wm, nb, cols, x, g, tile);
+    else gemm_rows<V, fmt, 1>(wq, wd, wm, nb, cols, x, g, tile);
+    for (int64_t r = 0; r < step * V::L && g * V::L + r < M; ++r) {
+      std::memcpy(out + (g * V::L + r) * ldo + n0, tile + r * kBlockCols, cols * sizeof(float));
     }
     g += step;
   }
 }
 
-template <int64_t fmt>
+template <typename V, int64_t fmt>
 void gemm(const uint8_t* w, int64_t N, int64_t nb, const QRows& x, int64_t M, float* out) {
-  const int64_t groups = (M + 7) / 8;
-  const std::vector<__m256i> xt = transpose_groups(x, groups, nb);
+  const int64_t groups = (M + V::L - 1) / V::L;
+  const GroupedX<V> xg(x, groups, nb);
   at::parallel_for(0, (N + kBlockCols - 1) / kBlockCols, 1, [&](int64_t b0, int64_t b1) {
     std::vector<__m256i> wbuf(nb * kBlockCols * 2);
-    std::vector<float> wd(nb * kBlockCols), wm(nb * kBlockCols), tile(kRowGroups * 8 * kBlockCols);
+    std::vector<float> wd(nb * kBlockCols), wm(nb * kBlockCols), tile(V::RG * V::L * kBlockCols);
     int32_t* wq = reinterpret_cast<int32_t*>(wbuf.data());
     for (int64_t g0 = 0; g0 < groups; g0 += kChunkGroups) {
       const int64_t g1 = std::min(groups, g0 + kChunkGroups);
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t n0 = b * kBlockCols;
-        gemm_cols<fmt>(w, nb, n0, std::min(kBlockCols, N - n0), xt.data(), x, g0, g1, M, out, N, wq, wd.data(),
-                       wm.data(), tile.data());
+        gemm_cols<V, fmt>(w, nb, n0, std::min(kBlockCols, N - n0), xg, g0, g1, M, out, N, wq, wd.data(), wm.data(),
+                          tile.data());
       }
     }
   });
 }
+
+#ifdef RS_VNNI
+using GemmV = V16;
+#else
+using GemmV = V8;
+#endif
 #endif
 
 template <int64_t fmt>
@@ -969,8 +1031,8 @@ void run_small(const std::vector<SmallPart>& parts, int64_t M, int64_t nb, float
   std::vector<Task> tasks;
   for (size_t p = 0; p < parts.size(); ++p) {
     int64_t n = 0;
-#ifdef RS_AVX512
-    if (M == 1 && cpu_has_vnni()) {
+#ifdef RS_VNNI
+    if (M == 1) {
       for (; n + 16 <= parts[p].rows; n += 16) tasks.push_back({static_cast<int32_t>(p), 16, n});
     }
 #endif
@@ -987,7 +1049,7 @@ void run_small(const std::vector<SmallPart>& parts, int64_t M, int64_t nb, float
       const SmallPart& part = parts[task.part];
       const uint8_t* row = part.w + task.n * part.row_bytes;
       float* o = out + part.col + task.n;
-#ifdef RS_AVX512
+#ifdef RS_VNNI
       if (task.rows == 16) {
         dot_wrows16(row, part.fmt, part.row_bytes, nb, *part.x, o);
         continue;
@@ -1027,13 +1089,14 @@ at::Tensor qmatmul_gemm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, i
   check_args(x, w, fmt, K);
   const int64_t M = x.size(0), N = w.size(0), nb = K / kBlock;
   at::Tensor out = at::empty({M, N}, x.options());
-  const int64_t padded = (M + 7) / 8 * 8;  // whole groups of 8 rows; zero rows have d = s = 0
+  constexpr int64_t L = GemmV::L;
+  const int64_t padded = (M + L - 1) / L * L;  // whole groups of rows; zero rows have d = s = 0
   const at::Tensor xp = padded == M ? x : at::constant_pad_nd(x, {0, 0, 0, padded - M});
   QRows xq;
   quantize_rows(xp.data_ptr<float>(), padded, K, qmax_of(fmt), xq);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  with_format(fmt, [&](auto f) { gemm<decltype(f)::value>(wp, N, nb, xq, M, op); });
+  with_format(fmt, [&](auto f) { gemm<GemmV, decltype(f)::value>(wp, N, nb, xq, M, op); });
   return out;
 #else
   return qmatmul_small(x, w, fmt, K);
@@ -1254,8 +1317,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("int_gemm") = false;
 #endif
-#ifdef RS_AVX512
-  m.attr("vnni") = cpu_has_vnni();
+#ifdef RS_VNNI
+  m.attr("vnni") = true;
 #else
   m.attr("vnni") = false;
 #endif
