@@ -149,9 +149,6 @@ class RuntimeEndpoint(Backend):
     def get_server_info(self) -> dict[str, Any]:
         return self._json("GET", "/get_server_info")
 
-    def get_model_name(self) -> str:
-        return str(self.model_info.get("model_path"))
-
     def close(self) -> None:
         self._client.close()
 

@@ -69,8 +69,3 @@ class ForwardBatch:
     @property
     def is_decode(self) -> bool:
         return all(e == 1 for e in self.extend_lens)
-
-    def last_token_rows(self) -> torch.Tensor:
-        """Row of each request's last new token in the flattened (T,) layout."""
-        ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0)
-        return ends - 1

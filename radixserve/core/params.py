@@ -127,14 +127,6 @@ class SamplingParams:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     @property
-    def has_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or self.frequency_penalty != 0.0
-            or self.presence_penalty != 0.0
-        )
-
-    @property
     def has_filters(self) -> bool:
         """True when top_k, top_p or min_p removes tokens before the draw."""
         return self.top_k > 1 or self.top_p < 1.0 or self.min_p > 0.0
