@@ -71,3 +71,18 @@ def test_avx2_environment_gives_float32() -> None:
     ).stdout.split()
     assert out[1] == "torch.float32", out
     assert out[0] in ("avx2", "scalar"), out
+
+
+def test_quant_kernels_take_the_vnni_build_only_where_the_cpu_has_it(monkeypatch) -> None:
+    """The AVX512-VNNI build is compiled for AVX-512 as a whole: it must never load on a CPU
+    without those instructions (AVX-512 without VNNI gets the AVX2 kernels)."""
+    monkeypatch.setattr(isa, "cpu_isa", lambda: "avx512")
+    monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset(isa.VNNI_FLAGS | {"fma"}))
+    assert isa.quant_kernel_isa() == "avx512vnni"
+    monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset(isa.VNNI_FLAGS - {"avx512_vnni"}))
+    assert isa.quant_kernel_isa() == "avx2"
+    monkeypatch.setattr(isa, "cpu_flags", lambda: None)
+    assert isa.quant_kernel_isa() == "avx2"
+    for lower in ("avx2", "scalar"):
+        monkeypatch.setattr(isa, "cpu_isa", lambda lower=lower: lower)
+        assert isa.quant_kernel_isa() == lower
