@@ -26,7 +26,7 @@ from radixserve.sampling import (
     trim_text,
 )
 from radixserve.sampling import sampler as sampler_module
-from radixserve.sampling.sampler import BadRows
+from radixserve.sampling.sampler import BadRows, SamplingBatch
 
 # chi-square critical values at p = 0.001 by degrees of freedom
 CHI2_CRIT_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
@@ -321,6 +321,77 @@ def test_unseeded_rows_draw_from_the_callers_generator() -> None:
     assert sample(logits[[0, 2]], [infos[0], infos[2]]).next_ids.shape == (2,)  # seeded: fine
     first = sample(logits, infos, gen(16)).next_ids
     assert torch.equal(first, sample(logits, infos, gen(16)).next_ids)
+
+
+def _mixed_rows(b: int) -> list[SamplingInfo]:
+    """Greedy, top_k=1, unseeded, seeded and penalised rows, min_new_tokens on some."""
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.9, top_k=1),  # greedy too
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=1.3, seed=5),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, min_new_tokens=2),
+        SamplingParams(temperature=0.7, seed=9, frequency_penalty=0.5, presence_penalty=0.2),
+    ]
+    return [
+        SamplingInfo(kinds[i % len(kinds)], prompt_ids=[i, 7], eos_token_ids={3}, sample_index=i)
+        for i in range(b)
+    ]
+
+
+def test_one_native_pass_picks_the_torch_paths_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native decode pass (each row's argmax or draw) against the torch path: the same
+    tokens, ties included (integer logits: many equal maxima, first index wins), over steps
+    whose output lengths move min_new_tokens and the seeded streams; the same generator
+    state after."""
+    infos = _mixed_rows(24)
+    steps = [torch.randint(-4, 5, (24, 5003), generator=gen(40 + k)).float() for k in range(4)]
+    tokens = {}
+    for torch_path in (False, True):
+        if torch_path:
+            _torch_path(monkeypatch)
+        g, out = gen(41), []
+        for f in infos:
+            f.output_ids.clear()
+        for logits in steps:
+            ids = sample(logits, infos, g).next_ids.tolist()
+            for f, t in zip(infos, ids):
+                f.output_ids.append(t)
+            out.append(ids)
+        tokens[torch_path] = (out, torch.rand(1, generator=g).item())
+    assert tokens[False] == tokens[True]
+
+
+def test_bad_rows_draw_no_uniforms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch refused with BadRows leaves the caller's generator as it found it, on both
+    paths: the retry without the bad rows draws what it would have drawn alone."""
+    logits = torch.randn(4, 50, generator=gen(17))
+    logits[2, 9] = float("nan")
+    infos = infos_for(SamplingParams(temperature=0.8), 4)
+    for torch_path in (False, True):
+        if torch_path:
+            _torch_path(monkeypatch)
+        g = gen(18)
+        with pytest.raises(BadRows):
+            sample(logits, infos, g)
+        rest = sample(logits[[0, 1, 3]], infos[:3], g).next_ids
+        assert torch.equal(rest, sample(logits[[0, 1, 3]], infos[:3], gen(18)).next_ids)
+
+
+def test_a_kept_sampling_batch_draws_as_a_fresh_one() -> None:
+    """A SamplingBatch kept across steps (the scheduler's decode batch) reads what changes
+    per token from the live infos: the same tokens as one built at every step."""
+    kept_infos, fresh_infos = _mixed_rows(12), _mixed_rows(12)
+    kept = SamplingBatch(kept_infos)
+    g_kept, g_fresh = gen(50), gen(50)
+    for k in range(5):
+        logits = torch.randn(12, 300, generator=gen(51 + k)) * 3
+        a = sample(logits, kept, g_kept).next_ids.tolist()
+        b = sample(logits, fresh_infos, g_fresh).next_ids.tolist()
+        assert a == b, k
+        for f, h, t in zip(kept_infos, fresh_infos, a):
+            f.output_ids.append(t)
+            h.output_ids.append(t)
 
 
 def _filtered_counts(probs: list[float], params: SamplingParams, draws: int = 20000) -> list[int]:

@@ -1,6 +1,7 @@
 """Batched next-token sampling, logprobs of the chosen tokens, and prompt logprobs.
 
-Contract of `sample(logits, infos, generator)`:
+Contract of `sample(logits, infos, generator)` (`infos`: a list of SamplingInfo, or a
+`SamplingBatch` of them kept from an earlier call with the same rows):
   - reads `logits` (B, vocab) float32, one row per sample; never modifies it (penalties and
     masks are applied to a private copy, made only when some row needs one);
   - reads every `SamplingInfo` and mutates none of them (the caller appends the token and
@@ -8,8 +9,8 @@ Contract of `sample(logits, infos, generator)`:
   - raises AssertionError on shape/dtype mismatch (a programming error), and `BadRows` when
     some rows cannot be drawn from: NaN/inf in the model's logits, or no finite logit left
     after penalties and masks (e.g. a grammar allowing only tokens that stop_token_ids bans
-    during min_new_tokens). Rows are independent: the caller can drop the bad rows and
-    sample the others again.
+    during min_new_tokens), leaving `generator` as it was. Rows are independent: the caller
+    can drop the bad rows and sample the others again.
 
 Per row, in this order (SGLang/HF/OpenAI semantics):
   1. repetition penalty over prompt+output tokens (HF: positive logits divided by the
@@ -29,6 +30,10 @@ Per row, in this order (SGLang/HF/OpenAI semantics):
      probability is >= the largest of the three thresholds, so tied tokens are kept or
      dropped together and the kept set never depends on tie-breaking order;
   8. draw by inverse CDF over the kept probabilities in vocabulary order with ONE uniform u.
+
+On CPU with native ops, steps 4-8 of a batch without top_k / top_p / min_p run as one
+native pass over the rows (`_pick_native`); `_pick_torch` is the reference path and picks
+the same tokens.
 
 Determinism: for a row with a seed, u for output token i (i = len(output_ids)) is a 64-bit
 hash of (seed, sample_index, i) -- a pure function, so the token depends only on that key and
@@ -117,47 +122,129 @@ class SampledTokens:
     top_logprobs: list[list[TokenLogprob]]  # per row, best first; [] when not asked
 
 
+class SamplingBatch:
+    """What `sample` derives from its rows' SamplingInfo once, for as long as the rows stay
+    the same: which rows are greedy or draw, and which use each of steps 1-3b. A caller
+    that samples the same rows step after step (the scheduler's decode batch) keeps one
+    and builds a new one only when rows join or leave; what changes with every token
+    (output lengths: penalties, min_new_tokens, the seeded streams; grammar masks) is read
+    from the infos at each `sample`. Reads the infos, writes none of them."""
+
+    def __init__(self, infos: list[SamplingInfo]) -> None:
+        self.infos = infos
+        params = [f.params for f in infos]
+        self.greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        self.drawn = [i for i, p in enumerate(params) if not p.is_greedy]
+        self.drawn_infos = [infos[i] for i in self.drawn]
+        self.rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        self.occ = [  # with output tokens only (read per step)
+            i
+            for i, p in enumerate(params)
+            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        ]
+        self.min_new = [i for i, p in enumerate(params) if p.min_new_tokens > 0]  # ditto
+        self.bias = [i for i, p in enumerate(params) if p.logit_bias]
+        self.con = [i for i, f in enumerate(infos) if f.grammar is not None]
+        self.filters = any(infos[i].params.has_filters for i in self.drawn)
+        self.all_seeded = all(f.stream_key is not None for f in self.drawn_infos)
+        self.top_ks = [f.need_top_logprobs for f in infos]
+        self.want = [f.return_logprob for f in infos]
+        # (B,) float32: each drawn row's temperature, 0 on greedy rows (the native pass's)
+        temps = [0.0 if p.is_greedy else p.temperature for p in params]
+        self.temps = torch.tensor(temps, dtype=torch.float32)
+        self._rows: dict[str, torch.Tensor] = {}  # (n,) int64 row tensors, by device
+
+    def rows(self, which: str, device: torch.device) -> torch.Tensor:
+        """self.greedy or self.drawn as an int64 tensor on `device`, made once."""
+        key = f"{which}@{device}"
+        if key not in self._rows:
+            self._rows[key] = torch.tensor(getattr(self, which), dtype=torch.int64, device=device)
+        return self._rows[key]
+
+
 def sample(
-    logits: torch.Tensor, infos: list[SamplingInfo], generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    infos: list[SamplingInfo] | SamplingBatch,
+    generator: torch.Generator | None = None,
 ) -> SampledTokens:
     """Pick one token per row (see the module docstring for order and determinism).
 
-    `generator` (CPU) gives the uniforms of rows without a seed; it may be None only when no
-    such row draws (AssertionError otherwise).
+    `infos`: one SamplingInfo per row, or a SamplingBatch made of them earlier (the same
+    draws, without deriving it again). `generator` (CPU) gives the uniforms of rows without
+    a seed; it may be None only when no such row draws (AssertionError otherwise).
     """
-    assert logits.dim() == 2 and logits.shape[0] == len(infos), (
-        f"logits {tuple(logits.shape)} vs {len(infos)} infos"
-    )
+    batch = infos if isinstance(infos, SamplingBatch) else SamplingBatch(infos)
+    B = len(batch.infos)
+    assert logits.dim() == 2 and logits.shape[0] == B, f"logits {tuple(logits.shape)} vs {B} infos"
     assert logits.dtype == torch.float32, f"sampler expects float32 logits, got {logits.dtype}"
-    work = process_logits(logits, infos)  # (B, V); `logits` itself when nothing applies
-    _check_rows(logits, work)
-    greedy = [i for i, info in enumerate(infos) if info.params.is_greedy]
-    if len(greedy) == len(infos):
-        # The common decode case: one kernel, no gathers. max().indices is the first maximal
-        # index like argmax, and ~3x faster on CPU (measured 165 vs 500 us at 16 x 49152).
-        next_ids = work.max(dim=-1).indices
+    work = process_logits(logits, batch)  # (B, V); `logits` itself when nothing applies
+    native = _native() if work.device.type == "cpu" and work.stride(1) == 1 else None
+    if native is not None and not batch.filters and (generator is not None or batch.all_seeded):
+        next_ids = _pick_native(native, logits, work, batch, generator)
     else:
-        next_ids = torch.empty(len(infos), dtype=torch.int64, device=logits.device)
-        if greedy:
-            rows = torch.tensor(greedy, dtype=torch.int64, device=logits.device)
-            next_ids[rows] = work[rows].max(dim=-1).indices
-        drawn = [i for i, info in enumerate(infos) if not info.params.is_greedy]
-        rows = torch.tensor(drawn, dtype=torch.int64, device=logits.device)
-        sub = work if not greedy else work[rows]  # (S, V); no copy when every row draws
-        next_ids[rows] = _draw(sub, [infos[i] for i in drawn], generator)
-    top_ks = [info.need_top_logprobs for info in infos]
-    want = [info.return_logprob for info in infos]
-    logprobs, top = _raw_logprobs(logits, next_ids, top_ks, want)
+        next_ids = _pick_torch(logits, work, batch, generator)
+    logprobs, top = _raw_logprobs(logits, next_ids, batch.top_ks, batch.want)
     return SampledTokens(next_ids=next_ids, logprobs=logprobs, top_logprobs=top)
 
 
-def _check_rows(logits: torch.Tensor, work: torch.Tensor) -> None:
-    """BadRows unless every row keeps a finite maximum, in `logits` (the model's: NaN, +inf
-    or nothing but -inf there is the model's failure) and in `work` (after penalties and
-    masks: -inf everywhere means no token is allowed). One amax per tensor: it propagates
-    NaN; a -inf entry beside finite ones is harmless (probability 0)."""
-    raw_ok = torch.isfinite(logits.amax(dim=-1))  # (B,)
-    ok = raw_ok if work is logits else raw_ok & torch.isfinite(work.amax(dim=-1))  # (B,)
+def _pick_native(
+    native: ModuleType,
+    logits: torch.Tensor,
+    work: torch.Tensor,
+    batch: SamplingBatch,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """Steps 4-8 and the row check, every row in one native pass (CPU, no top_k / top_p /
+    min_p): its maximum (NaN-propagating, as amax), then its first maximal index (greedy) or
+    its draw, the same as `_draw`'s native one. The same tokens as `_pick_torch`; 256 x
+    49152 logits, half greedy, 1 thread (Zen 5): 17.9 -> 8.8 ms. Returns (B,) int64."""
+    u = torch.zeros(len(batch.infos), dtype=torch.float64)  # (B,), read on drawn rows only
+    saved = generator.get_state() if generator is not None and batch.drawn else None
+    if batch.drawn:
+        u[batch.rows("drawn", u.device)] = _uniforms(batch.drawn_infos, generator)
+    next_ids, work_max = native.decode_rows(work, batch.temps, u)  # (B,) each
+    try:
+        _check_rows(work_max if work is logits else logits.amax(dim=-1), work_max)
+    except BadRows:  # the check comes before the draw: a failed batch draws no uniforms
+        if generator is not None and saved is not None:
+            generator.set_state(saved)
+        raise
+    return next_ids
+
+
+def _pick_torch(
+    logits: torch.Tensor,
+    work: torch.Tensor,
+    batch: SamplingBatch,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """Steps 4-8 and the row check in torch ops (the reference path). One pass gives the
+    greedy rows' tokens and the check's maxima: max().indices is the first maximal index
+    like argmax, ~3x faster on CPU (165 vs 500 us at 16 x 49152), and its values propagate
+    NaN like amax; a batch that only draws needs the maxima alone. Returns (B,) int64."""
+    best = work.max(dim=-1) if batch.greedy else None  # (B,) values and indices
+    work_max = best.values if best is not None else work.amax(dim=-1)  # (B,)
+    _check_rows(work_max if work is logits else logits.amax(dim=-1), work_max)
+    if not batch.drawn:
+        assert best is not None
+        return best.indices
+    next_ids = torch.empty(len(batch.infos), dtype=torch.int64, device=logits.device)
+    rows = batch.rows("drawn", logits.device)
+    if best is not None:
+        greedy = batch.rows("greedy", logits.device)
+        next_ids[greedy] = best.indices[greedy]
+    sub = work if best is None else work[rows]  # (S, V); no copy when every row draws
+    next_ids[rows] = _draw(sub, batch.drawn_infos, generator)
+    return next_ids
+
+
+def _check_rows(raw_max: torch.Tensor, work_max: torch.Tensor) -> None:
+    """BadRows unless every row keeps a finite maximum, in the model's logits (`raw_max`
+    (B,): NaN, +inf or nothing but -inf there is the model's failure) and after penalties
+    and masks (`work_max` (B,): -inf everywhere means no token is allowed). The maxima
+    propagate NaN; a -inf entry beside finite ones is harmless (probability 0)."""
+    raw_ok = torch.isfinite(raw_max)  # (B,)
+    ok = raw_ok if work_max is raw_max else raw_ok & torch.isfinite(work_max)  # (B,)
     if not bool(ok.all()):
         bad = (~ok).nonzero()[:, 0].tolist()
         raw = raw_ok.tolist()
@@ -210,22 +297,18 @@ def _raw_logprobs(
     return chosen, top
 
 
-def process_logits(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, infos: list[SamplingInfo] | SamplingBatch) -> torch.Tensor:
     """Steps 1-3b (penalties, logit_bias, min_new_tokens, grammar masks) of the module docstring.
 
     Returns a modified copy of `logits` (B, V), or `logits` itself (not a copy) when no row
     needs a change; `logits` is never written. Each step is one batched scatter over the
     (row, token) pairs of all rows that use it.
     """
-    rep = [i for i, f in enumerate(infos) if f.params.repetition_penalty != 1.0]
-    occ = [
-        i
-        for i, f in enumerate(infos)
-        if f.output_ids and (f.params.frequency_penalty != 0.0 or f.params.presence_penalty != 0.0)
-    ]
-    ban = [i for i, f in enumerate(infos) if f.masks_stop_tokens]
-    bias = [i for i, f in enumerate(infos) if f.params.logit_bias]
-    con = [i for i, f in enumerate(infos) if f.grammar is not None]
+    batch = infos if isinstance(infos, SamplingBatch) else SamplingBatch(infos)
+    infos = batch.infos
+    rep, bias, con = batch.rep, batch.bias, batch.con
+    occ = [i for i in batch.occ if infos[i].output_ids]
+    ban = [i for i in batch.min_new if infos[i].masks_stop_tokens]
     if not (rep or occ or bias or ban or con):
         return logits
     work = logits.clone()

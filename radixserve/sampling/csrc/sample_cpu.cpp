@@ -1,8 +1,10 @@
 // Temperature sampling fused into one pass per row (`_native` in sampler.py): the
 // softmax's exponentials are drawn from by inverse CDF without the (B, V) probability and
 // cumulative-sum tensors of the torch formula, whose passes over a 49152-token vocabulary
-// cost more than the arithmetic. Vectors are ATen's (AVX2 in the AVX2 build, plain C++ in
-// the portable one), exp is its Sleef exp (1 ulp). Also grammar masks applied in place.
+// cost more than the arithmetic; a decode batch's greedy and drawn rows together in one
+// pass (`decode_rows`: each row's maximum, then its argmax or its draw). Vectors are ATen's
+// (AVX2 in the AVX2 build, plain C++ in the portable one), exp is its Sleef exp (1 ulp).
+// Also grammar masks applied in place.
 #if defined(RS_AVX2)
 #define CPU_CAPABILITY_AVX2
 #endif
@@ -11,8 +13,10 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -28,20 +32,41 @@ float reduce_sum(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
 }
 
-// Inverse-CDF draw from softmax(l / t) over one row l[0..n): the first index whose
-// cumulative weight exceeds u * (total weight), with weights w_j = exp((l_j - max l) / t)
-// kept in `w` and their sums per block of kScanBlock in `sums`. The row must have a finite
-// maximum (the caller checks). The total is the sum of the block sums in order, and the
-// scan adds the same block sums in the same order until the target falls inside a block,
-// then that block's weights one by one; only an index with w_j > 0 can be returned (the
-// cumulative sum only grows there).
-int64_t draw_row(const float* l, int64_t n, float t, double u, std::vector<float>& w, std::vector<float>& sums) {
-  w.resize(n), sums.resize((n + kScanBlock - 1) / kScanBlock);
+// The maximum of l[0..n), NaN when the row holds one (as torch's amax).
+float row_max(const float* l, int64_t n) {
   Vec vmax(-std::numeric_limits<float>::infinity());
   int64_t j = 0;
-  for (; j + kW <= n; j += kW) vmax = at::vec::maximum(vmax, Vec::loadu(l + j));
+  for (; j + kW <= n; j += kW) vmax = at::vec::maximum(vmax, Vec::loadu(l + j));  // NaN stays
   float mx = reduce_max(vmax);
-  for (; j < n; ++j) mx = std::max(mx, l[j]);
+  for (; j < n; ++j)
+    if (l[j] > mx || std::isnan(l[j])) mx = l[j];
+  return mx;
+}
+
+// The first index of l[0..n) holding mx (torch's max(dim).indices); 0 when none does (mx NaN).
+int64_t first_index_of(const float* l, int64_t n, float mx) {
+  const Vec vm(mx);
+  int64_t j = 0;
+  for (; j + kW <= n; j += kW) {
+    const int hits = (Vec::loadu(l + j) != vm).zero_mask();  // bit k: lane k equals mx
+    if (hits != 0) return j + __builtin_ctz(static_cast<unsigned>(hits));
+  }
+  for (; j < n; ++j)
+    if (l[j] == mx) return j;
+  return 0;
+}
+
+// Inverse-CDF draw from softmax(l / t) over one row l[0..n) whose maximum mx is finite (the
+// caller checks): the first index whose cumulative weight exceeds u * (total weight), with
+// weights w_j = exp((l_j - mx) / t) kept in `w` and their sums per block of kScanBlock in
+// `sums`. The total is the sum of the block sums in order, and the scan adds the same block
+// sums in the same order until the target falls inside a block, then that block's weights
+// one by one; only an index with w_j > 0 can be returned (the cumulative sum only grows
+// there).
+int64_t draw_row(const float* l, int64_t n, float mx, float t, double u, std::vector<float>& w,
+                 std::vector<float>& sums) {
+  w.resize(n), sums.resize((n + kScanBlock - 1) / kScanBlock);
+  int64_t j = 0;
   const float inv = 1.f / t;
   const Vec vm(mx), vinv(inv);
   float total = 0.f;
@@ -93,9 +118,49 @@ torch::Tensor sample_softmax(const torch::Tensor& logits, const torch::Tensor& t
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, s, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> w, sums;
-    for (int64_t r = begin; r < end; ++r) op[r] = draw_row(lp + r * logits.stride(0), n, tp[r], up[r], w, sums);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = lp + r * logits.stride(0);
+      op[r] = draw_row(row, n, row_max(row, n), tp[r], up[r], w, sums);
+    }
   });
   return out;
+}
+
+// A decode batch's tokens in one pass per row: logits (B, V) float32 with unit column
+// stride, temps (B,) float32 (0: greedy), u (B,) float64 in [0, 1) -> (ids (B,) int64,
+// maxima (B,) float32). maxima[r] is row r's maximum as torch's amax gives it (NaN when the
+// row holds one); ids[r] is its first maximal index where temps[r] == 0 (torch's
+// max(dim).indices), else drawn from softmax(logits / t) as sample_softmax draws it. A row
+// without a finite maximum gets id 0: the caller rejects it by its maximum.
+std::tuple<torch::Tensor, torch::Tensor> decode_rows(const torch::Tensor& logits, const torch::Tensor& temps,
+                                                     const torch::Tensor& u) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
+                  logits.stride(1) == 1,
+              "logits: float32 (B, V) on CPU with unit column stride expected");
+  const int64_t b = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(n > 0, "logits: empty vocabulary");
+  const torch::Tensor t = temps.to(at::kFloat).contiguous(), uu = u.to(at::kDouble).contiguous();
+  TORCH_CHECK(t.numel() == b && uu.numel() == b, "one temperature and one uniform per row expected");
+  torch::Tensor ids = torch::empty({b}, logits.options().dtype(at::kLong));
+  torch::Tensor maxima = torch::empty({b}, logits.options());
+  const float* lp = logits.data_ptr<float>();
+  const float* tp = t.data_ptr<float>();
+  const double* up = uu.data_ptr<double>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* mp = maxima.data_ptr<float>();
+  at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> w, sums;
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = lp + r * logits.stride(0);
+      const float mx = row_max(row, n);
+      mp[r] = mx;
+      if (tp[r] == 0.f)
+        ip[r] = first_index_of(row, n, mx);
+      else
+        ip[r] = std::isfinite(mx) ? draw_row(row, n, mx, tp[r], up[r], w, sums) : 0;
+    }
+  });
+  return {ids, maxima};
 }
 
 // logits (S, V) float32 with unit column stride; row rows[i] gets -inf on every token that
@@ -138,4 +203,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "-inf in place on the tokens each row's packed grammar mask forbids");
   m.def("sample_softmax", &sample_softmax, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "token ids drawn by inverse CDF from softmax(logits / t), one uniform per row");
+  m.def("decode_rows", &decode_rows, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "each row's maximum, and its token: argmax where t == 0, else drawn as sample_softmax");
 }
