@@ -131,3 +131,20 @@ def test_large_allocation_gets_ascending_runs_after_interleaved_frees() -> None:
     assert big is not None and big.tolist() == rest[:SORTED_ALLOC]
     pool.free(torch.cat([small, big]))
     assert sorted(pool.alloc(pool.capacity).tolist()) == list(range(1, 2049))  # none lost
+
+
+def test_an_unordered_allocation_takes_what_single_allocations_would() -> None:
+    """alloc(n, in_order=False) (a decode step's slots, one per sample) hands out the slots
+    n alloc(1) calls would, in their order, also past SORTED_ALLOC after interleaved frees."""
+    pools = [
+        KVPool(num_slots=1025, num_layers=1, kv_heads=1, head_dim=8, dtype=torch.float32)
+        for _ in range(2)
+    ]
+    for pool in pools:
+        taken = pool.alloc(1024)
+        assert taken is not None
+        pool.free(taken[1::2])  # every other slot back: the stack is out of address order
+        pool.free(taken[::2][:200])
+    one_by_one = [pools[0].alloc(1) for _ in range(SORTED_ALLOC + 44)]
+    together = pools[1].alloc(SORTED_ALLOC + 44, in_order=False)
+    assert together is not None and together.tolist() == torch.cat(one_by_one).tolist()

@@ -109,6 +109,29 @@ def test_eos_from_the_worker_ends_the_sample(tokenizer: Any) -> None:
     assert _tokens(outs["e", 0]) == [VOCAB - 3, VOCAB - 2, VOCAB - 1]  # the text hides eos
 
 
+def test_a_running_samples_kept_path_follows_a_split(tokenizer: Any) -> None:
+    """A sample keeps its radix path from step to step; when another request's match splits
+    a node on it, the next batch carries the new path (and check_integrity compares every
+    kept path with a fresh walk)."""
+    sched, _ = _scheduler(tokenizer)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    prompt = list(range(100, 140))
+    sched.add_request(TokenizedRequest("a", prompt, greedy))
+    for _ in range(3):  # the prefill, then decode steps on the kept path
+        sched.step()
+        sched.check_integrity()
+    (a,) = sched.running
+    assert [n for _, n in sched.kv.path(a)] == [40]
+    sched.add_request(TokenizedRequest("b", [*prompt[:20], 7, 8], greedy))
+    sched.step()  # b's match splits a's node after 20 tokens
+    sched.check_integrity()
+    assert sched.last_batch is not None and sched.last_batch.paths[0] == sched.kv.path(a)
+    assert sched.kv.path(a) == sched.cache.path(a.last_node)
+    assert [n for _, n in sched.kv.path(a)] == [20, 20]
+    outs = _run(sched)
+    assert _tokens(outs["a", 0]) == list(range(144, 152))  # 140..143 came before
+
+
 def _queued(ids: list[int], kv_len: int = 0) -> Req:
     params = SamplingParams(max_new_tokens=4)
     return Req(TokenizedRequest("r", ids, params), 0, StopChecker(params, [], None), kv_len=kv_len)

@@ -81,11 +81,13 @@ class KVPool:
     def can_alloc(self, n: int) -> bool:
         return n <= len(self._free)
 
-    def alloc(self, n: int) -> torch.Tensor | None:
-        """Take `n` free slots, or return None when fewer than `n` are free."""
+    def alloc(self, n: int, in_order: bool = True) -> torch.Tensor | None:
+        """Take `n` free slots, or return None when fewer than `n` are free. `in_order=False`
+        skips the sort that an allocation of SORTED_ALLOC+ slots starts with: for slots that
+        many samples take one each (a decode step's), exactly those n alloc(1) calls take."""
         if n > len(self._free):
             return None
-        if n >= SORTED_ALLOC and not self._sorted:
+        if in_order and n >= SORTED_ALLOC and not self._sorted:
             self._sort_free()
         taken = [self._free.pop() for _ in range(n)]
         slots = torch.tensor(taken, dtype=torch.int64)

@@ -54,6 +54,7 @@ class KVManager:
         n = len(match.indices)
         self.req_pool.table[row, :n] = match.indices
         req.row, req.last_node, req.tree_len, req.kv_len = row, match.last_node, n, n
+        req.path = None
         if req.cached_tokens < 0:
             req.cached_tokens = min(n, len(req.prompt_ids))
             req.cached_tiers = dict(match.tier_tokens)
@@ -65,6 +66,7 @@ class KVManager:
         n = slots.numel()
         self.req_pool.table[row, :n] = slots
         req.row, req.last_node, req.tree_len, req.kv_len = row, self.cache.root, n, n
+        req.path = None
         if req.cached_tokens < 0:
             req.cached_tokens = n
 
@@ -73,13 +75,42 @@ class KVManager:
         assert req.kv_len == req.tree_len, "unadmit after an extend would leak slots"
         self._drop(req)
 
-    def extend(self, req: Req, n: int) -> torch.Tensor:
+    def extend(self, req: Req, n: int) -> None:
         """Allocate slots for the next `n` positions; the caller reserved them."""
         slots = self.pool.alloc(n)
         assert slots is not None, f"extend of {n} slots without a reservation"
         assert req.row is not None
         self.req_pool.table[req.row, req.kv_len : req.kv_len + n] = slots
-        return slots
+
+    def extend_each(self, work: list[tuple[Req, int]]) -> None:
+        """`extend(req, n)` for each pair, in order. When every n is 1 (a decode step) the
+        same slots come from one allocation and go into the table in one write."""
+        if any(n != 1 for _, n in work):
+            for req, n in work:
+                self.extend(req, n)
+            return
+        slots = self.pool.alloc(len(work), in_order=False)  # as len(work) single allocations
+        assert slots is not None, f"extend of {len(work)} slots without a reservation"
+        assert all(r.row is not None for r, _ in work), "extend of a sample not admitted"
+        rows = torch.tensor([r.row for r, _ in work], dtype=torch.int64)  # (B,)
+        cols = torch.tensor([r.kv_len for r, _ in work], dtype=torch.int64)  # (B,)
+        self.req_pool.table[rows, cols] = slots
+
+    def path(self, req: Req) -> list[tuple[int, int]]:
+        """The shared runs at the start of the request's K/V as (node id, tokens): its radix
+        path, or its prompt modules. Kept on the request and read again only when it may
+        have changed: last_node moved (the path was cleared then) or a split moved nodes
+        (the cache's path_version changed). Do not modify the list."""
+        assert req.last_node is not None, f"{req.rid} runs without a cache node"
+        use = req.request.modules
+        if use is not None:  # pinned while the request runs: read once
+            if req.path is None:
+                req.path = self.modules.path(use)
+            return req.path
+        version = self.cache.path_version
+        if req.path is None or req.path_version != version:
+            req.path, req.path_version = self.cache.path(req.last_node), version
+        return req.path
 
     def cache_prefix(self, req: Req) -> None:
         """Offer the request's computed K/V to the cache; the request goes on using it.
@@ -99,7 +130,9 @@ class KVManager:
         self.req_pool.table[req.row, :n] = match.indices
         self.cache.lock(match.last_node)
         self.cache.unlock(req.last_node)
-        req.last_node, req.tree_len = match.last_node, n
+        if match.last_node is not req.last_node:
+            req.last_node, req.path = match.last_node, None
+        req.tree_len = n
 
     def fork(self, parent: Req, child: Req) -> bool:
         """Let `child` share all of `parent`'s K/V through the cache's lock on it. False when
@@ -112,7 +145,7 @@ class KVManager:
         assert parent.last_node is not None
         self.cache.lock(parent.last_node)
         self.req_pool.table[row, : parent.kv_len] = self.slots(parent)
-        child.row, child.last_node = row, parent.last_node
+        child.row, child.last_node, child.path = row, parent.last_node, None
         child.tree_len = child.kv_len = parent.kv_len
         child.cached_tokens = parent.cached_tokens
         child.cached_tiers = parent.cached_tiers
@@ -132,10 +165,20 @@ class KVManager:
         self.cache.unlock(req.last_node)
         self.req_pool.free(req.row)
         req.row, req.last_node, req.tree_len, req.kv_len = None, None, 0, 0
+        req.path = None
 
     def owned_by_requests(self, reqs: list[Req]) -> int:
         return sum(r.kv_len - r.tree_len for r in reqs if r.row is not None)
 
     def check_integrity(self, reqs: list[Req]) -> None:
+        """The cache's own check with the slots `reqs` hold, and every path kept on a
+        request that `path` would still return equal to a fresh walk."""
         held = self.owned_by_requests(reqs) + self.modules.num_slots
         self.cache.check_integrity(in_use_elsewhere=held)
+        for r in reqs:
+            use = r.request.modules
+            if r.path is None or (use is None and r.path_version != self.cache.path_version):
+                continue  # read again at its next use
+            assert r.last_node is not None, f"{r.rid}: a path kept without a node"
+            fresh = self.modules.path(use) if use is not None else self.cache.path(r.last_node)
+            assert r.path == fresh, f"{r.rid}: kept path {r.path}, the tree has {fresh}"

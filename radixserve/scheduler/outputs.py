@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import torch
 
 from radixserve.core.request import SampleOutput, TokenLogprob
-from radixserve.sampling.sampler import BadRows, SamplingInfo, prompt_logprobs, sample
+from radixserve.sampling.sampler import BadRows, SamplingBatch, prompt_logprobs, sample
 from radixserve.scheduler.req import Req
 
 logger = logging.getLogger("radixserve.scheduler")
@@ -24,31 +23,22 @@ class OutputProcessor:
     """Owns the random stream of samples without a seed: `seed` (EngineConfig.random_seed)
     starts it, so the same seed and the same sequence of steps draw the same tokens."""
 
-    def __init__(self, vocab_size: int, eos_ids: frozenset[int], seed: int) -> None:
+    def __init__(self, vocab_size: int, seed: int) -> None:
         self.vocab_size = vocab_size
-        self.eos_ids = eos_ids
         self.generator = torch.Generator().manual_seed(seed)  # CPU: the sampler's uniforms
+        # The last rows sampled and what the sampler derived from them: a decode batch's
+        # rows stay the same from step to step until samples join or leave.
+        self._rows: list[Req] = []
+        self._batch = SamplingBatch([])
 
-    def sample(
-        self, reqs: list[Req], logits: torch.Tensor
-    ) -> Iterator[tuple[Req, int, float, list[TokenLogprob]]]:
+    def sample(self, reqs: list[Req], logits: torch.Tensor) -> list[Drawn]:
         """Draw one token per sample from logits (len(reqs), vocab) float32."""
-        infos = [
-            SamplingInfo(
-                params=r.sampling,
-                prompt_ids=r.prompt_ids,
-                output_ids=r.output_ids,
-                eos_token_ids=self.eos_ids,
-                sample_index=r.index,
-                return_logprob=r.request.return_logprob,
-                need_top_logprobs=r.request.top_logprobs_num if r.request.return_logprob else 0,
-                grammar=r.grammar,
-            )
-            for r in reqs
-        ]
-        res = sample(logits[:, : self.vocab_size], infos, self.generator)
-        for i, (r, tok) in enumerate(zip(reqs, res.next_ids.tolist())):
-            yield r, tok, float(res.logprobs[i]), res.top_logprobs[i]
+        if reqs != self._rows:  # Req compares by identity: one C-level pass over the list
+            self._rows = list(reqs)
+            self._batch = SamplingBatch([r.sampling_info for r in reqs])
+        res = sample(logits[:, : self.vocab_size], self._batch, self.generator)
+        tokens, logprobs = res.next_ids.tolist(), res.logprobs.tolist()
+        return list(zip(reqs, tokens, logprobs, res.top_logprobs, strict=True))
 
     def draw(
         self, draw: list[tuple[Req, int]], logits: torch.Tensor
@@ -63,7 +53,7 @@ class OutputProcessor:
             # Every row in order (a decode batch): no copy of the (B, vocab) logits.
             picked = logits if rows == list(range(len(logits))) else logits[torch.tensor(rows)]
             try:
-                return list(self.sample([r for r, _ in draw], picked)), failed
+                return self.sample([r for r, _ in draw], picked), failed
             except BadRows as e:
                 failed += [
                     (draw[i][0], 500, "the model's logits hold NaN or inf") for i in e.nonfinite
@@ -83,7 +73,7 @@ class OutputProcessor:
         return drawn, failed
 
     def append_token(self, req: Req, token: int, logprob: float, top: list[TokenLogprob]) -> None:
-        req.output_ids.append(token)
+        req.append_output(token)
         req.new_ids.append(token)
         if req.grammar is not None:
             req.grammar.advance(token)

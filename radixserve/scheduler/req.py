@@ -16,16 +16,22 @@ and nothing of the request goes into the prefix cache. Such a sample's token i s
 
 Invariants: tree_len <= kv_len < len(all_ids) while running (the last token's K/V is
 computed by the step that consumes it); a waiting sample has row None and kv_len 0.
+
+State kept across steps, never rebuilt per step: `all_ids` (the prompt copied once, each
+output token appended beside output_ids by `append_output`), `path` (the shared segments
+of last_node, read again only when last_node changes or a split moved some node: see
+`KVManager.path`) and `sampling_info` (what the sampler reads, over the live output_ids).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 from radixserve.constrained.backend import GrammarState
 from radixserve.core.params import SamplingParams
 from radixserve.core.request import FinishReason, PromptLogprob, TokenizedRequest, TokenLogprob
 from radixserve.kvcache.radix import TreeNode
+from radixserve.sampling.sampler import SamplingInfo
 from radixserve.sampling.stop import StopChecker
 
 
@@ -53,6 +59,25 @@ class Req:
     new_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     input_logprobs: list[PromptLogprob] = field(default_factory=list)
     input_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    # Kept across steps (module docstring).
+    all_ids: list[int] = field(init=False)  # prompt_ids + output_ids
+    path: list[tuple[int, int]] | None = None  # last_node's shared segments; None: unread
+    path_version: int = -1  # the cache's path_version when `path` was read
+    sampling_info: SamplingInfo = field(init=False)
+    eos_ids: InitVar[frozenset[int]] = frozenset()  # the model's, for the sampler
+
+    def __post_init__(self, eos_ids: frozenset[int]) -> None:
+        self.all_ids = self.request.input_ids + self.output_ids
+        self.sampling_info = SamplingInfo(
+            params=self.request.sampling,
+            prompt_ids=self.request.input_ids,
+            output_ids=self.output_ids,  # the live list: its length keys the seeded draws
+            eos_token_ids=eos_ids,
+            sample_index=self.index,
+            return_logprob=self.request.return_logprob,
+            need_top_logprobs=self.request.top_logprobs_num if self.request.return_logprob else 0,
+            grammar=self.grammar,
+        )
 
     @property
     def rid(self) -> str:
@@ -67,12 +92,13 @@ class Req:
         return self.request.input_ids
 
     @property
-    def all_ids(self) -> list[int]:
-        return self.request.input_ids + self.output_ids
-
-    @property
     def seq_len(self) -> int:
-        return len(self.request.input_ids) + len(self.output_ids)
+        return len(self.all_ids)
+
+    def append_output(self, token: int) -> None:
+        """A new output token, in output_ids and all_ids alike."""
+        self.output_ids.append(token)
+        self.all_ids.append(token)
 
     @property
     def finished(self) -> bool:

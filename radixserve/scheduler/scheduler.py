@@ -91,7 +91,7 @@ class Scheduler:
         req_pool = ReqToTokenPool(config.max_running_requests, self.context_len + 1)
         self.kv = KVManager(self.worker.pool, req_pool, self.cache)
         self.max_queued_tokens = config.max_queued_tokens or 4 * self.worker.pool.capacity
-        self.out = OutputProcessor(mc.vocab_size, self.eos_ids, config.random_seed)
+        self.out = OutputProcessor(mc.vocab_size, config.random_seed)
         self.grammars = parts.grammars
         self.compiling = PendingCompiles()  # requests whose pattern builds off this thread
         self.waiting: list[Req] = []
@@ -196,7 +196,12 @@ class Scheduler:
         stop = StopChecker(request.sampling, set(self.eos_ids), self.tokenizer)
         state = None if grammar is None else grammar.new_state()  # own state per sample
         return Req(
-            request=request, index=index, stop=stop, grammar=state, arrival=next(self._arrival)
+            request=request,
+            index=index,
+            stop=stop,
+            grammar=state,
+            arrival=next(self._arrival),
+            eos_ids=self.eos_ids,
         )
 
     def abort_request(self, rid: str) -> None:
@@ -238,8 +243,7 @@ class Scheduler:
         are pinned already), then admissions, within the step's prefill budget."""
         retracted = self._make_room()
         work = [Work(r, self._next_len(r)) for r in self.running]
-        for w in work:
-            self.kv.extend(w.req, w.n)
+        self.kv.extend_each([(w.req, w.n) for w in work])
         budget = self.config.max_prefill_tokens - sum(w.n for w in work if w.n > 1)
         chunks = self.kv.modules.next_chunks(min(self.config.chunked_prefill_size, budget))
         if retracted:  # admitting now would undo the retraction at once
@@ -314,9 +318,7 @@ class Scheduler:
             locs.append(slots[start:end])
             seq_lens.append(end)
             kv_idx.append(slots)
-            assert r.last_node is not None, f"{r.rid} runs without a cache node"
-            use = r.request.modules
-            paths.append(self.cache.path(r.last_node) if use is None else self.kv.modules.path(use))
+            paths.append(self.kv.path(r))
             first_row.append(len(rows))
             rows.extend(range(t, t + w.n) if self._wants_all_logits(w) else [t + w.n - 1])
             t += w.n
@@ -464,7 +466,11 @@ class Scheduler:
         return True
 
     def check_integrity(self) -> None:
+        """The KV accounting and cached paths (KVManager), and each queued or running
+        sample's token list."""
         self.kv.check_integrity(self.running)
+        for r in itertools.chain(self.waiting, self.running):
+            assert r.all_ids == r.prompt_ids + r.output_ids, f"{r.rid}: all_ids out of step"
 
     # ---- prompt modules --------------------------------------------------------------
     def register_schema(self, schema: CompiledSchema, on_done: SchemaDone) -> None:
