@@ -15,7 +15,7 @@ from radixserve.attention.tree_plan import TreePlan, batched_nodes
 from radixserve.core.params import SamplingParams
 from radixserve.core.request import TokenizedRequest
 from radixserve.prompt import pml
-from radixserve.scheduler import scheduler as scheduler_module
+from radixserve.scheduler import modules as modules_module
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum ".split()
@@ -302,7 +302,7 @@ def test_schemas_pin_at_most_half_the_pool_and_a_bounded_number(
     assert 250 < pinned <= 500
     with pytest.raises(ValueError, match=r"at most 500 \(50% of the pool\) may be pinned"):
         small.register_schema(docs_schema("second"))
-    monkeypatch.setattr(scheduler_module, "MAX_SCHEMAS", 1)
+    monkeypatch.setattr(modules_module, "MAX_SCHEMAS", 1)
     with pytest.raises(ValueError, match="1 schemas are registered already"):
         small.register_schema(pml.schema("tiny", pml.module("m", "x")))
     assert small.scheduler.kv.modules.num_slots == pinned

@@ -16,6 +16,11 @@ request owns them and the prefix cache never sees them, so they are neither evic
 freed by a request (KVManager counts `num_slots` as in use elsewhere). A request importing
 modules lists their slots first in its kv_indices (see core/modules.py).
 
+Registration (`register`, `unregister`, `describe`): the checks a new schema must pass
+(name free, fits the context, MAX_SCHEMAS, at most MAX_SCHEMA_SHARE of the pool pinned,
+slots obtainable now), its slots taken from the pool (evicting unlocked cache entries for
+room) and handed to `begin`; removal refused while a queued or running request imports it.
+
 Tree attention: each registered module is a path node with an id of its own (negative:
 radix node ids are >= 0), listed by every request importing it wherever it sits in that
 request's imports; the tree backend attends a module shared by several requests of a step
@@ -25,17 +30,38 @@ once for all of them (attention/tree_plan.py, plan step 1).
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
+from radixserve.core.limits import MAX_SCHEMA_SHARE, MAX_SCHEMAS
 from radixserve.core.modules import CompiledSchema, ModuleTokens, ModuleUse
 from radixserve.core.request import TokenizedRequest
+from radixserve.kvcache.pool import KVPool
+
+logger = logging.getLogger("radixserve.scheduler")
 
 # Called once per registration: None when the schema is encoded and usable, else the reason
 # it never will be (it was removed while being encoded).
 SchemaDone = Callable[[str | None], None]
+
+
+class SlotSource(Protocol):
+    """What registering a schema needs of the KV side (scheduler/kv.py's KVManager)."""
+
+    pool: KVPool
+
+    @property
+    def available(self) -> int:
+        """Slots obtainable now: free plus evictable."""
+        ...
+
+    def reserve(self, n: int) -> bool:
+        """Make `n` slots free, evicting unlocked cache entries; False if impossible."""
+        ...
 
 
 @dataclass
@@ -68,6 +94,77 @@ class ModuleStore:
     def num_slots(self) -> int:
         entries = itertools.chain(self.schemas.values(), self.encoding.values())
         return sum(s.numel() for e in entries for s in e.slots.values())
+
+    # -- registration ----------------------------------------------------------------------
+
+    def register(
+        self, schema: CompiledSchema, on_done: SchemaDone, context_len: int, kv: SlotSource
+    ) -> None:
+        """Pin slots from `kv` for every module of `schema` and `begin` encoding it. ValueError,
+        at once and with nothing taken: the name is taken, the schema does not fit the
+        context, MAX_SCHEMAS are registered, or the pool cannot hold it."""
+        self._check_new(schema, context_len)
+        need = sum(len(m.token_ids) for m in schema.modules)
+        pinned, cap = self.num_slots + need, int(kv.pool.capacity * MAX_SCHEMA_SHARE)
+        if pinned > cap:
+            raise ValueError(
+                f"schema {schema.name!r}: schemas would pin {pinned} KV slots, at most "
+                f"{cap} ({MAX_SCHEMA_SHARE:.0%} of the pool) may be pinned; delete a schema "
+                "or raise --max-total-tokens"
+            )
+        if not kv.reserve(need):
+            raise ValueError(
+                f"schema {schema.name!r}: {need} tokens of K/V, {kv.available} KV slots "
+                "free or evictable; raise --max-total-tokens or delete a schema"
+            )
+        slots = {}
+        for m in schema.modules:
+            if m.token_ids:
+                got = kv.pool.alloc(len(m.token_ids))
+                assert got is not None, f"module {m.name!r}: no slots though reserved"
+                slots[m.name] = got
+        logger.info("schema %s: %d modules, %d tokens to encode", schema.name, len(slots), need)
+        self.begin(schema, slots, on_done)
+
+    def _check_new(self, schema: CompiledSchema, context_len: int) -> None:
+        if schema.name in self.schemas or schema.name in self.encoding:
+            raise ValueError(f"schema {schema.name!r} is already registered; delete it first")
+        if schema.num_positions >= context_len:
+            raise ValueError(
+                f"schema {schema.name!r}: {schema.num_positions} positions, the context holds "
+                f"{context_len} (and a prompt needs one more)"
+            )
+        if len(self.schemas) + len(self.encoding) >= MAX_SCHEMAS:
+            raise ValueError(
+                f"schema {schema.name!r}: {MAX_SCHEMAS} schemas are registered already; "
+                "delete one first"
+            )
+
+    def unregister(self, name: str, requests: list[TokenizedRequest]) -> torch.Tensor:
+        """`remove` schema `name` unless one of `requests` (the queued and running ones)
+        imports it; returns its slots for the caller to free. ValueError: unknown, or in use."""
+        if name not in self.schemas and name not in self.encoding:
+            raise ValueError(f"schema: no schema {name!r} is registered")
+        users = self.in_use(name, requests)
+        if users:
+            raise ValueError(f"schema {name!r} is used by {users} queued or running samples")
+        return self.remove(name)
+
+    def describe(self) -> list[dict[str, object]]:
+        """Every registered schema: name, each module's tokens, positions it spans, and
+        whether it is "ready" or still "encoding"."""
+        return [
+            {
+                "name": e.compiled.name,
+                "modules": {m.name: len(m.token_ids) for m in e.compiled.modules},
+                "positions": e.compiled.num_positions,
+                "status": status,
+            }
+            for entries, status in ((self.schemas, "ready"), (self.encoding, "encoding"))
+            for e in entries.values()
+        ]
+
+    # -- encoding ----------------------------------------------------------------------------
 
     def begin(
         self, compiled: CompiledSchema, slots: dict[str, torch.Tensor], on_done: SchemaDone

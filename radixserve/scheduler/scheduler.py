@@ -45,11 +45,10 @@ from radixserve.config import EngineConfig
 from radixserve.constrained.backend import CompiledGrammar
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.info import CacheTreeView, ModelInfo, SchedulerStats
-from radixserve.core.limits import MAX_SCHEMA_SHARE, MAX_SCHEMAS
 from radixserve.core.modules import CompiledSchema
 from radixserve.core.request import FinishReason, SampleOutput, TokenizedRequest
 from radixserve.kvcache.pool import ReqToTokenPool
-from radixserve.kvcache.tree_view import running_counts, view_tree
+from radixserve.kvcache.tree_view import snapshot
 from radixserve.sampling.stop import StopChecker
 from radixserve.scheduler.compiling import PendingCompiles
 from radixserve.scheduler.kv import KVManager
@@ -64,7 +63,6 @@ logger = logging.getLogger("radixserve.scheduler")
 DEFER_SHARED_TOKENS = 32  # see policy.shares_uncached_prefix
 DECODE_RESERVE = 16  # slots per admitted sample kept free for its first decode steps
 COMPILE_POLL_S = 0.05  # an otherwise idle step waits this long for a pattern to compile
-PREVIEW_TOKENS = 16  # tokens of each node the tree view shows
 
 
 class QueueFullError(RuntimeError):
@@ -478,67 +476,18 @@ class Scheduler:
         and start encoding it: the next steps compute it beside their other work, and
         `on_done(None)` runs once it is usable (see ModuleStore). ValueError, at once: the
         name is taken, the schema does not fit the context, or the pool cannot hold it."""
-        store = self.kv.modules
-        if schema.name in store.schemas or schema.name in store.encoding:
-            raise ValueError(f"schema {schema.name!r} is already registered; delete it first")
-        if schema.num_positions >= self.context_len:
-            raise ValueError(
-                f"schema {schema.name!r}: {schema.num_positions} positions, the context holds "
-                f"{self.context_len} (and a prompt needs one more)"
-            )
-        if len(store.schemas) + len(store.encoding) >= MAX_SCHEMAS:
-            raise ValueError(
-                f"schema {schema.name!r}: {MAX_SCHEMAS} schemas are registered already; "
-                "delete one first"
-            )
-        need = sum(len(m.token_ids) for m in schema.modules)
-        pinned, cap = store.num_slots + need, int(self.kv.pool.capacity * MAX_SCHEMA_SHARE)
-        if pinned > cap:
-            raise ValueError(
-                f"schema {schema.name!r}: schemas would pin {pinned} KV slots, at most "
-                f"{cap} ({MAX_SCHEMA_SHARE:.0%} of the pool) may be pinned; delete a schema "
-                "or raise --max-total-tokens"
-            )
-        if not self.kv.reserve(need):
-            raise ValueError(
-                f"schema {schema.name!r}: {need} tokens of K/V, {self.kv.available} KV slots "
-                "free or evictable; raise --max-total-tokens or delete a schema"
-            )
-        slots = {}
-        for m in schema.modules:
-            if m.token_ids:
-                got = self.kv.pool.alloc(len(m.token_ids))
-                assert got is not None, f"module {m.name!r}: no slots though reserved"
-                slots[m.name] = got
-        logger.info("schema %s: %d modules, %d tokens to encode", schema.name, len(slots), need)
-        store.begin(schema, slots, on_done)
+        self.kv.modules.register(schema, on_done, self.context_len, self.kv)
 
     def remove_schema(self, name: str) -> None:
         """Free schema `name`'s K/V (one still being encoded stops: its registration hears
         why). ValueError: unknown, or a request still imports it."""
-        store = self.kv.modules
-        if name not in store.schemas and name not in store.encoding:
-            raise ValueError(f"schema: no schema {name!r} is registered")
         queued = [r.request for r in itertools.chain(self.waiting, self.running)]
-        users = store.in_use(name, queued + self.compiling.requests)
-        if users:
-            raise ValueError(f"schema {name!r} is used by {users} queued or running samples")
-        self.kv.pool.free(store.remove(name))
+        self.kv.pool.free(self.kv.modules.unregister(name, queued + self.compiling.requests))
 
     def schemas(self) -> list[dict[str, object]]:
         """Every registered schema: name, each module's tokens, positions it spans, and
         whether it is "ready" or still "encoding"."""
-        store = self.kv.modules
-        return [
-            {
-                "name": e.compiled.name,
-                "modules": {m.name: len(m.token_ids) for m in e.compiled.modules},
-                "positions": e.compiled.num_positions,
-                "status": status,
-            }
-            for entries, status in ((store.schemas, "ready"), (store.encoding, "encoding"))
-            for e in entries.values()
-        ]
+        return self.kv.modules.describe()
 
     def stats(self) -> SchedulerStats:
         pool, modules = self.kv.pool, self.kv.modules.num_slots
@@ -559,21 +508,10 @@ class Scheduler:
     def cache_tree(self, max_nodes: int, max_depth: int) -> CacheTreeView:
         """A bounded snapshot of the prefix cache's tree (`kvcache/tree_view.py`), with the
         running samples' paths and the nodes the last step's tree attention batched."""
-        running = running_counts(r.last_node for r in self.running if r.last_node is not None)
+        running = [r.last_node for r in self.running if r.last_node is not None]
         batched = batched_nodes(self.last_batch) if self.last_batch is not None else set()
-        nodes, truncated = view_tree(
-            self.cache.root, max_nodes, max_depth, PREVIEW_TOKENS, running, batched
-        )
-        return CacheTreeView(
-            nodes=nodes,
-            total_nodes=self.cache.num_nodes,
-            truncated=truncated,
-            cached_tokens=self.cache.total_size,
-            evictable_tokens=self.cache.evictable_size,
-            locked_tokens=self.cache.locked_size,
-            stats=self.stats(),
-            attention_backend=self.config.attention_backend,
-        )
+        backend = self.config.attention_backend
+        return snapshot(self.cache, max_nodes, max_depth, running, batched, self.stats(), backend)
 
     def run_until_idle(self) -> Iterable[SampleOutput]:
         while self.has_work():
