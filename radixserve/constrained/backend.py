@@ -33,23 +33,55 @@ class GrammarError(RuntimeError):
 
 
 class GrammarState(ABC):
-    """Where ONE sample is in its grammar. Only `advance` mutates it (once per token)."""
+    """Where ONE sample is in its grammar. Only `advance` mutates it (once per token).
 
-    grammar: CompiledGrammar  # what it walks (a forked sample starts its own state of it)
-    terminated: bool  # eos taken, or only eos may follow
+    The rules every backend shares live here: a terminated state allows and takes no token;
+    an eos id is taken only where the input so far completes the pattern, and terminates the
+    state; any other token goes to the backend (`_consume`), which says whether nothing but
+    eos may follow it, and then the state terminates too. A backend implements `_mask`,
+    `_is_complete` and `_consume` over its own matcher.
+    """
 
-    @abstractmethod
+    def __init__(self, grammar: CompiledGrammar) -> None:
+        self.grammar = grammar  # what it walks (a forked sample starts its own state of it)
+        self.terminated = False  # eos taken, or only eos may follow
+
     def allowed_tokens(self) -> torch.Tensor:
         """Packed mask (ceil(V / 8),) uint8 of the tokens allowed next. GrammarError once
         terminated. The caller must not write to it (a backend may cache it)."""
+        if self.terminated:
+            raise GrammarError("a terminated grammar allows no further token")
+        return self._mask()
 
-    @abstractmethod
     def advance(self, token: int) -> None:
         """Consume the sample's newest token. GrammarError if the mask forbade it."""
+        if self.terminated:
+            raise GrammarError(f"token {token} after the grammar terminated")
+        if token in self.grammar.eos_ids:
+            if not self._is_complete():
+                raise GrammarError(f"eos {token} before the grammar is complete")
+            self.terminated = True
+            return
+        self.terminated = self._consume(token)
+
+    @abstractmethod
+    def _mask(self) -> torch.Tensor:
+        """`allowed_tokens` of a state not terminated."""
+
+    @abstractmethod
+    def _is_complete(self) -> bool:
+        """Whether the input so far completes the pattern (an eos may come now)."""
+
+    @abstractmethod
+    def _consume(self, token: int) -> bool:
+        """Take `token`, not an eos id (GrammarError if the pattern forbids it); True when
+        nothing but eos may follow it."""
 
 
 class CompiledGrammar(ABC):
     """A compiled pattern; samples walk it through their own states."""
+
+    eos_ids: frozenset[int]  # every eos id it allows, exactly where the pattern is complete
 
     @abstractmethod
     def new_state(self) -> GrammarState:

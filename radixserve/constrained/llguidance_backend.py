@@ -48,14 +48,11 @@ class LLGuidanceState(GrammarState):
     grammar: LLGuidanceGrammar
 
     def __init__(self, grammar: LLGuidanceGrammar) -> None:
-        self.grammar = grammar
+        super().__init__(grammar)
         self.matcher = grammar.start.deep_copy()
-        self.terminated = False
         self._words = torch.empty((grammar.vocab_size + 31) // 32, dtype=torch.int32)
 
-    def allowed_tokens(self) -> torch.Tensor:
-        if self.terminated:
-            raise GrammarError("a terminated grammar allows no further token")
+    def _mask(self) -> torch.Tensor:
         words = torch.empty_like(self._words)  # (ceil(V / 32),) int32, one bit per token
         self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
         if self.matcher.is_error():
@@ -63,17 +60,13 @@ class LLGuidanceState(GrammarState):
         # Little-endian int32 words read as bytes are the packed uint8 format (mask.py).
         return words.view(torch.uint8)[: packed_width(self.grammar.vocab_size)]
 
-    def advance(self, token: int) -> None:
-        if self.terminated:
-            raise GrammarError(f"token {token} after the grammar terminated")
-        if token in self.grammar.eos_ids:
-            if not self.matcher.is_accepting():
-                raise GrammarError(f"eos {token} before the grammar is complete")
-            self.terminated = True
-            return
+    def _is_complete(self) -> bool:
+        return bool(self.matcher.is_accepting())
+
+    def _consume(self, token: int) -> bool:
         if not self.matcher.consume_token(token):
             raise GrammarError(f"token {token} not allowed: {self.matcher.get_error()}")
-        self.terminated = self.matcher.is_stopped()
+        return bool(self.matcher.is_stopped())
 
 
 class LLGuidanceBackend(GrammarBackend):

@@ -74,25 +74,18 @@ class OutlinesState(GrammarState):
     grammar: OutlinesGrammar
 
     def __init__(self, grammar: OutlinesGrammar) -> None:
-        self.grammar = grammar
+        super().__init__(grammar)
         self.state = grammar.initial
-        self.terminated = False
 
-    def allowed_tokens(self) -> torch.Tensor:
-        if self.terminated:
-            raise GrammarError("a terminated grammar allows no further token")
+    def _mask(self) -> torch.Tensor:
         return self.grammar.mask(self.state)
 
-    def advance(self, token: int) -> None:
-        if self.terminated:
-            raise GrammarError(f"token {token} after the grammar terminated")
-        if token in self.grammar.eos_ids:
-            if not self.grammar.index.is_final_state(self.state):
-                raise GrammarError(f"eos {token} in non-accepting state {self.state}")
-            self.terminated = True
-            return
+    def _is_complete(self) -> bool:
+        return bool(self.grammar.index.is_final_state(self.state))
+
+    def _consume(self, token: int) -> bool:
         self.state = self.grammar.next_state(self.state, token)
-        self.terminated = self.grammar.only_eos(self.state)
+        return self.grammar.only_eos(self.state)
 
 
 class OutlinesBackend(GrammarBackend):

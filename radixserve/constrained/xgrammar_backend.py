@@ -46,34 +46,28 @@ class XGrammarState(GrammarState):
     def __init__(self, grammar: XGrammarGrammar) -> None:
         import xgrammar as xgr
 
-        self.grammar = grammar
+        super().__init__(grammar)
         self.matcher = xgr.GrammarMatcher(
             grammar.compiled, override_stop_tokens=sorted(grammar.eos_ids)
         )
-        self.terminated = False
         self._next: torch.Tensor | None = None  # the next mask, when already computed
 
-    def allowed_tokens(self) -> torch.Tensor:
-        if self.terminated:
-            raise GrammarError("a terminated grammar allows no further token")
+    def _mask(self) -> torch.Tensor:
         if self._next is None:
             self._next = self._fill()
         return self._next
 
-    def advance(self, token: int) -> None:
-        if self.terminated:
-            raise GrammarError(f"token {token} after the grammar terminated")
-        if token in self.grammar.eos_ids:
-            if not self.matcher.is_completed():
-                raise GrammarError(f"eos {token} before the grammar is complete")
-            self.terminated = True
-            return
+    def _is_complete(self) -> bool:
+        return bool(self.matcher.is_completed())
+
+    def _consume(self, token: int) -> bool:
         if not self.matcher.accept_token(token):
             raise GrammarError(f"token {token} is not allowed here")
         self._next = None
-        if self.matcher.is_completed():  # complete: does anything but eos may follow?
-            self._next = self._fill()
-            self.terminated = self.only_eos(self._next)
+        if not self.matcher.is_completed():
+            return False
+        self._next = self._fill()  # complete: does anything but eos may follow?
+        return self.only_eos(self._next)
 
     def only_eos(self, mask: torch.Tensor) -> bool:
         """True when packed `mask` allows eos ids and nothing else."""
