@@ -20,6 +20,7 @@ it sets it back.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -66,6 +67,12 @@ def build(name: str, source: Path, isa: str | None) -> ModuleType | None:
     # then round as written, like the torch formulas they mirror (the native decoder layer
     # gives the module path's logits bit for bit).
     flags = ["-O3", "-ffp-contract=off", "-fopenmp", *(VECTOR_FLAGS[isa] if isa else [])]
+    # torch rebuilds when the source or the flags change: the headers next to the source
+    # (shared row loops) enter through a flag carrying their digest
+    headers = sorted(source.parent.glob("*.h"))
+    if headers:
+        digest = hashlib.sha256(b"".join(h.read_bytes() for h in headers)).hexdigest()[:16]
+        flags.append(f"-DRS_HEADERS_DIGEST={digest}")
     module_name = f"{name}_{isa}" if isa else name
     try:
         module = load(module_name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"])

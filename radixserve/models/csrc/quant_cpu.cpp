@@ -58,6 +58,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "rows.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define RS_AVX2 1
@@ -1227,22 +1229,11 @@ at::Tensor apply(const QLinear& l, const at::Tensor& x) {
   return y;
 }
 
-// HF LlamaRMSNorm on float32 rows: w * (x * rsqrt(mean(x^2) + eps)).
+// HF LlamaRMSNorm on float32 rows (T, H) -> new (T, H).
 at::Tensor rms_norm_f32(const at::Tensor& x, const at::Tensor& w, double eps) {
-  const int64_t rows = x.size(0), h = x.size(1);
   at::Tensor out = at::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = xp + r * h;
-      float sum = 0.f;
-      for (int64_t i = 0; i < h; ++i) sum += xr[i] * xr[i];
-      const float inv = 1.f / std::sqrt(sum / static_cast<float>(h) + static_cast<float>(eps));
-      for (int64_t i = 0; i < h; ++i) op[r * h + i] = wp[i] * (xr[i] * inv);
-    }
-  });
+  rowops::rms_norm(x.data_ptr<float>(), x.size(1), w.data_ptr<float>(), x.size(0), x.size(1),
+                   static_cast<float>(eps), out.data_ptr<float>());
   return out;
 }
 
@@ -1267,28 +1258,14 @@ std::vector<at::Tensor> pre_attention(const at::Tensor& h, const at::Tensor& nor
                                       int64_t kv_heads, const at::Tensor& kv_like) {
   check_f32(h, 2, "h");
   check_f32(table, 3, "table");
-  const int64_t t = h.size(0), d = table.size(2), half = d / 2;
+  const int64_t t = h.size(0), d = table.size(2);
   TORCH_CHECK(table.size(0) == t && table.size(1) == 2 && d % 2 == 0, "table: (T, 2, D) expected");
   const at::Tensor qkv = apply(qlinear_arg(qkv_arg), rms_norm_f32(h, norm_w, eps));  // (T, (Hq + 2 Hkv) D)
   TORCH_CHECK(qkv.size(1) == (q_heads + 2 * kv_heads) * d, "qkv width ", qkv.size(1), " != (Hq + 2 Hkv) * D");
   at::Tensor q = at::empty({t, q_heads, d}, h.options());
   at::Tensor k = at::empty({t, kv_heads, d}, h.options());
-  const float* src = qkv.data_ptr<float>();
-  const float* tab = table.data_ptr<float>();
-  float* qp = q.data_ptr<float>();
-  float* kp = k.data_ptr<float>();
-  const int64_t width = qkv.size(1);
-  at::parallel_for(0, t, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* cos = tab + r * 2 * d;
-      const float* sin = cos + d;
-      for (int64_t hd = 0; hd < q_heads + kv_heads; ++hd) {
-        const float* x = src + r * width + hd * d;
-        float* o = hd < q_heads ? qp + (r * q_heads + hd) * d : kp + (r * kv_heads + hd - q_heads) * d;
-        for (int64_t j = 0; j < d; ++j) o[j] = x[j] * cos[j] + x[j < half ? j + half : j - half] * sin[j];
-      }
-    }
-  });
+  rowops::rope(qkv.data_ptr<float>(), qkv.size(1), table.data_ptr<float>(), t, q_heads, kv_heads, d,
+               q.data_ptr<float>(), k.data_ptr<float>());
   const at::Tensor v = qkv.narrow(1, (q_heads + kv_heads) * d, kv_heads * d).view({t, kv_heads, d});
   const auto kv_dtype = kv_like.scalar_type();
   return {q, k.to(kv_dtype), v.to(kv_dtype)};

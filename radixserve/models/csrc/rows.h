@@ -1,0 +1,64 @@
+// Row loops of the decoder shared by the fused ops (fused_cpu.cpp, bf16 or float32) and the
+// quantized decoder-layer halves (quant_cpu.cpp, float32): HF's LlamaRMSNorm and rotate-half
+// RoPE with the rounding of the torch formulas they replace (for float32 every cast is the
+// identity). A change here rebuilds both modules (native_build hashes the headers).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace rowops {
+
+constexpr int64_t kGrainRows = 16;  // rows per parallel task: decode batches stay on one thread
+
+// weight * T(x * rsqrt(mean(x^2) + eps)), mean over the last dim in float32: LlamaRMSNorm on
+// `rows` rows of T (row stride `stride`) into out (rows, h).
+template <typename T>
+void rms_norm(const T* xp, int64_t stride, const T* wp, int64_t rows, int64_t h, float eps, T* op) {
+  at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = xp + r * stride;
+      T* orow = op + r * h;
+      float sum = 0.f;
+      for (int64_t i = 0; i < h; ++i) {
+        const float v = static_cast<float>(xr[i]);
+        sum += v * v;
+      }
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(h) + eps);
+      for (int64_t i = 0; i < h; ++i) {
+        const T normed = static_cast<T>(static_cast<float>(xr[i]) * inv);
+        orow[i] = static_cast<T>(static_cast<float>(wp[i]) * static_cast<float>(normed));
+      }
+    }
+  });
+}
+
+// Rotate-half RoPE of the first q_heads + kv_heads heads (head dim d) of each row of x (row
+// stride `stride`), table rows (2, d) per row: [cos | cos], [-sin | sin]; HF's rounding
+// T(T(x * cos) + T(swap(x) * sin)), swap(x) = [x2 | x1]. Into q (rows, q_heads, d) and k
+// (rows, kv_heads, d).
+template <typename T>
+void rope(const T* xp, int64_t stride, const T* tp, int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t d,
+          T* qp, T* kp) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* cos = tp + r * 2 * d;
+      const T* sin = cos + d;
+      for (int64_t h = 0; h < q_heads + kv_heads; ++h) {
+        const T* x = xp + r * stride + h * d;
+        T* o = h < q_heads ? qp + (r * q_heads + h) * d : kp + (r * kv_heads + h - q_heads) * d;
+        for (int64_t j = 0; j < d; ++j) {
+          const float sw = static_cast<float>(x[j < half ? j + half : j - half]);
+          const T a = static_cast<T>(static_cast<float>(x[j]) * static_cast<float>(cos[j]));
+          const T b = static_cast<T>(sw * static_cast<float>(sin[j]));
+          o[j] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+        }
+      }
+    }
+  });
+}
+
+}  // namespace rowops
