@@ -6,7 +6,10 @@ taskset and cgroup CPU sets count): SMT siblings share one core's vector units, 
 thread per core adds barrier waits, not arithmetic. Model processes sharing a machine (TP
 ranks, data-parallel workers) take disjoint shares of those cores. `OMP_NUM_THREADS`, when
 set, is the default instead (the data-parallel launcher sets it per worker), and `--threads`
-overrides both.
+overrides both. A model process radixserve starts gets that count as OMP_NUM_THREADS in its
+environment (torch reads it); an in-process `Engine` changes torch's thread count only when
+given `threads` (or when it runs several TP ranks), else computes on the threads its process
+has.
 
 Pinning: a model process that radixserve starts (the server's scheduler, its TP followers,
 the data-parallel workers) gets `OMP_PROC_BIND=close` and `OMP_PLACES` = its cores in its

@@ -6,9 +6,10 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ServerHandle, children_of
 
-from radixserve import cpus
+from radixserve import Engine, cpus
 from radixserve.config import EngineConfig
 
 
@@ -123,3 +124,17 @@ def test_the_servers_model_process_computes_pinned(server: ServerHandle) -> None
     assert env["OMP_NUM_THREADS"] == str(len(cores))
     if len(cores) > 1:
         assert _single_cpu_threads(bound[0]) == set(cores)
+
+
+def test_an_engine_takes_threads_only_when_given(tiny_model_dir: Path) -> None:
+    """An in-process Engine computes on its process's threads unless given `threads`."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        Engine(str(tiny_model_dir), max_total_tokens=256).shutdown()
+        assert torch.get_num_threads() == 1
+        if cpus.default_threads() > 1:
+            Engine(str(tiny_model_dir), max_total_tokens=256, threads=2).shutdown()
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -130,7 +130,8 @@ class ModelWorker:
         self.device = torch.device(device)
         if not device.startswith("cuda"):
             keep_freed_host_memory()
-            torch.set_num_threads(config.threads or default_threads(rank, size))
+            if config.threads or size > 1:  # else as the process has them (cpus.py)
+                torch.set_num_threads(config.threads or default_threads(rank, size))
             logger.info("%d CPU threads", torch.get_num_threads())
         select_fast_paths(config)
         self.dtype, why = resolve_dtype(config.dtype, device)
