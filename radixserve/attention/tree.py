@@ -60,16 +60,17 @@ class TreeBackend(AttentionBackend):
         """Whether a shared segment of `num_tokens` tokens under `num_requests` requests whose
         longest query block is `max_q_len` rows is attended on its own (else it folds).
 
-        Defaults from `benchmarks/bench_backend.py --sweep --dtype float32 --kv-dtype float16`
-        (the CPU engine's default dtypes; native kernels, 2026-11-26, 2 threads, AVX2 EPYC
-        Zen 3, SmolLM2 heads, R = 128 private tokens; kept/folded per-layer time, < 1 pays).
-        Folding a segment reads it once per request, but those re-reads come from the
-        last-level cache, and the flat decode kernel runs near the read bandwidth, so keeping
-        pays only for long segments. Decode: L >= 1024 and k * L >= 8192 (k=2: L 4096 ->
-        0.99-1.03, 2048 -> 1.04-1.08; k=4: 2048 -> 0.93-0.94, 1024 -> 0.95-1.00; k=8: 1024 ->
-        0.92-0.95, 512 -> 1.37-1.39; k=32 and 64: 512 -> 0.92-0.97, 256 -> 1.07-1.15).
-        Extends (q_len 8): only L = 4096 paid across k (0.90-0.98; k=2: 1.02; L = 2048:
-        0.96-1.09). A GPU wants its own measurement.
+        Defaults from `benchmarks/bench_backend.py --sweep` (native kernels, 2 threads, R = 128
+        private tokens; kept/folded per-layer time, < 1 pays; docs/benchmarks.md). Folding a
+        segment reads it once per request, but those re-reads come from the last-level cache,
+        and the flat decode kernel runs near the read bandwidth, so keeping pays only for long
+        segments. Decode: L >= 1024 and k * L >= 8192. AVX2 EPYC Zen 3, float32 queries, fp16
+        K/V, SmolLM2 heads (2026-11-26): k=2: L 4096 -> 0.99-1.03, 2048 -> 1.04-1.08; k=4:
+        1024 -> 0.95-1.00; k=8: 1024 -> 0.92-0.95, 512 -> 1.37-1.39. Zen 5, bf16 queries, fp16
+        K/V (2026-11-27), SmolLM2 and Llama-3.2-1B heads (2.7x the K/V bytes per token): k=4
+        and 8 pay from L = 1024 in both (0.87-0.91) and 512 costs 1.38-1.43 in both, so the
+        rule is in tokens, not K/V bytes. Extends (q_len 8, Zen 3): only L = 4096 paid across
+        k (0.90-0.98; k=2: 1.02; L = 2048: 0.96-1.09). A GPU wants its own measurement.
         """
         floor = self.min_tokens_extend if max_q_len > 1 else self.min_tokens
         return (
