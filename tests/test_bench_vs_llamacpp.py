@@ -53,6 +53,7 @@ def test_radixserve_side(tmp_path: Path) -> None:
     assert all(r["speedup"] is None and r["llamacpp_best"] is None for r in model["rows"])
 
 
+@pytest.mark.slow  # both engines through the whole benchmark (~12 s; needs llama-cpp-python)
 def test_both_sides(tmp_path: Path) -> None:
     pytest.importorskip("llama_cpp")
     out, png = tmp_path / "res.json", tmp_path / "res.png"

@@ -417,6 +417,7 @@ def run_triton_checks() -> None:
             print(f"ok {check.__name__} {dtype}", flush=True)
 
 
+@pytest.mark.slow  # the Triton kernels under the interpreter, in a subprocess (~8 s)
 def test_triton_interpreter() -> None:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (optional dependency)")

@@ -26,6 +26,7 @@ def tiny_f16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return out
 
 
+@pytest.mark.slow  # converts the 49k-token vocabulary and loads the file (~12 s)
 def test_random_f16_file_loads_and_generates(tiny_f16: Path) -> None:
     engine = Engine(str(tiny_f16), dtype="float32", max_total_tokens=256)
     mc = engine.worker.model_config
