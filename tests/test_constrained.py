@@ -274,6 +274,19 @@ def test_backends_allow_the_same_tokens(
     assert max(len(step) for step in reference) > 1  # the masks do choose among tokens
 
 
+def test_llguidance_refuses_a_pattern_no_token_can_start(
+    backends: dict[str, GrammarBackend],
+) -> None:
+    """A lone 4-byte UTF-8 character: llguidance's first mask offers only a continuation
+    byte, which its matcher then rejects. Refused at compile time (400 naming the field),
+    not a 500 on the first sampled token; a pattern with a valid start still compiles."""
+    backend = backends["llguidance"]
+    with pytest.raises(InvalidRequest, match=r"^regex: no token of this model can start"):
+        backend.compile("regex", "\U00040000")
+    state = backend.compile("regex", "[a-c]\U00040000?").new_state()
+    assert not state.terminated
+
+
 @pytest.mark.parametrize(
     ("params", "message"),
     [

@@ -24,7 +24,7 @@ from radixserve.constrained.backend import (
 )
 from radixserve.constrained.bounds import check_pattern_size, shorten
 from radixserve.constrained.json_schema import parse_schema
-from radixserve.constrained.mask import packed_width
+from radixserve.constrained.mask import packed_width, unpack_token_masks
 from radixserve.core.params import InvalidRequest
 
 _JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
@@ -90,7 +90,29 @@ class LLGuidanceBackend(GrammarBackend):
             raise InvalidRequest(f"{field}: cannot compile {shorten(text)}: {_first_line(start)}")
         if start.is_stopped():  # only eos may come: the empty string
             raise InvalidRequest(f"{field}: the pattern matches only the empty string")
-        return LLGuidanceGrammar(start, self.vocab_size, self.eos_ids)
+        grammar = LLGuidanceGrammar(start, self.vocab_size, self.eos_ids)
+        _check_first_step(field, text, grammar)
+        return grammar
+
+
+FIRST_STEP_PROBES = 8  # allowed first tokens tried at compile time
+
+
+def _check_first_step(field: str, text: str, grammar: LLGuidanceGrammar) -> None:
+    """Refuse a pattern whose first mask allows only tokens the matcher then rejects (seen
+    with a lone 4-byte UTF-8 character against a byte-level vocabulary: the mask offers a
+    continuation byte first): a sample could never take its first token. Tries up to
+    FIRST_STEP_PROBES allowed tokens on copies of the start state; InvalidRequest names the
+    field."""
+    state = grammar.new_state()
+    allowed = unpack_token_masks(state._mask()[None], grammar.vocab_size)[0].nonzero().flatten()
+    for token in allowed[:FIRST_STEP_PROBES].tolist():
+        if grammar.start.deep_copy().consume_token(token):
+            return
+    if len(allowed) <= FIRST_STEP_PROBES:
+        raise InvalidRequest(
+            f"{field}: no token of this model can start {shorten(text)} (llguidance)"
+        )
 
 
 def _grammar(field: str, text: str) -> str:
