@@ -90,9 +90,9 @@ class LLGuidanceBackend(GrammarBackend):
             raise InvalidRequest(f"{field}: cannot compile {shorten(text)}: {_first_line(start)}")
         if start.is_stopped():  # only eos may come: the empty string
             raise InvalidRequest(f"{field}: the pattern matches only the empty string")
-        grammar = LLGuidanceGrammar(start, self.vocab_size, self.eos_ids)
-        _check_first_step(field, text, grammar)
-        return grammar
+        compiled = LLGuidanceGrammar(start, self.vocab_size, self.eos_ids)
+        _check_first_step(field, text, compiled)
+        return compiled
 
 
 FIRST_STEP_PROBES = 8  # allowed first tokens tried at compile time
