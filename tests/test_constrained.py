@@ -274,17 +274,21 @@ def test_backends_allow_the_same_tokens(
     assert max(len(step) for step in reference) > 1  # the masks do choose among tokens
 
 
-def test_llguidance_refuses_a_pattern_no_token_can_start(
-    backends: dict[str, GrammarBackend],
+@pytest.mark.parametrize("pattern", ["\U00040000", "0\U00040000"])
+def test_a_pattern_llguidance_cannot_follow_fails_its_request_with_422(
+    tiny_model_dir: Path, pattern: str
 ) -> None:
-    """A lone 4-byte UTF-8 character: llguidance's first mask offers only a continuation
-    byte, which its matcher then rejects. Refused at compile time (400 naming the field),
-    not a 500 on the first sampled token; a pattern with a valid start still compiles."""
-    backend = backends["llguidance"]
-    with pytest.raises(InvalidRequest, match=r"^regex: no token of this model can start"):
-        backend.compile("regex", "\U00040000")
-    state = backend.compile("regex", "[a-c]\U00040000?").new_state()
-    assert not state.terminated
+    """A 4-byte UTF-8 character against SmolLM2's byte-level vocabulary: llguidance's mask
+    offers a continuation byte its matcher then refuses. The request fails alone with a 422
+    naming the field (not a 500), and the engine serves the next request."""
+    engine = Engine(str(tiny_model_dir), dtype="float32", max_total_tokens=512)
+    try:
+        with pytest.raises(ValueError, match=r"^regex: the grammar engine cannot follow"):
+            engine.generate("0", {"regex": pattern, "max_new_tokens": 8})
+        out = engine.generate("0", {"regex": "[a-c]{2}", "max_new_tokens": 8})
+        assert len(out["text"]) == 2 and set(out["text"]) <= set("abc")
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.parametrize(

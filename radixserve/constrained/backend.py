@@ -32,6 +32,12 @@ class GrammarError(RuntimeError):
     The scheduler fails that request alone (HTTP 500)."""
 
 
+class UnservablePattern(GrammarError):
+    """The grammar engine refused a token its own mask allowed: it cannot follow this
+    request's pattern with this model's tokens. The scheduler fails that request alone with
+    HTTP 422, the message naming the constraint field."""
+
+
 class GrammarState(ABC):
     """Where ONE sample is in its grammar. Only `advance` mutates it (once per token).
 

@@ -21,10 +21,11 @@ from radixserve.constrained.backend import (
     GrammarBackend,
     GrammarError,
     GrammarState,
+    UnservablePattern,
 )
 from radixserve.constrained.bounds import check_pattern_size, shorten
 from radixserve.constrained.json_schema import parse_schema
-from radixserve.constrained.mask import packed_width, unpack_token_masks
+from radixserve.constrained.mask import packed_width
 from radixserve.core.params import InvalidRequest
 
 _JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
@@ -33,10 +34,11 @@ _JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flex
 class LLGuidanceGrammar(CompiledGrammar):
     """A validated grammar and a matcher at its start, which each new state copies."""
 
-    def __init__(self, start: Any, vocab_size: int, eos_ids: frozenset[int]) -> None:
+    def __init__(self, start: Any, vocab_size: int, eos_ids: frozenset[int], field: str) -> None:
         self.start = start  # llguidance.LLMatcher; never advanced
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
+        self.field = field  # the request's constraint: "regex", "json_schema" or "ebnf"
 
     def new_state(self) -> LLGuidanceState:
         return LLGuidanceState(self)
@@ -65,7 +67,13 @@ class LLGuidanceState(GrammarState):
 
     def _consume(self, token: int) -> bool:
         if not self.matcher.consume_token(token):
-            raise GrammarError(f"token {token} not allowed: {self.matcher.get_error()}")
+            # The token came from this matcher's own mask: llguidance cannot follow the
+            # pattern with this vocabulary (seen for 4-byte UTF-8 characters against a
+            # byte-level one: the mask offers a continuation byte that the matcher refuses).
+            raise UnservablePattern(
+                f"{self.grammar.field}: the grammar engine cannot follow this pattern with "
+                f"this model's tokens (llguidance: {_first_line(self.matcher)})"
+            )
         return bool(self.matcher.is_stopped())
 
 
@@ -90,29 +98,7 @@ class LLGuidanceBackend(GrammarBackend):
             raise InvalidRequest(f"{field}: cannot compile {shorten(text)}: {_first_line(start)}")
         if start.is_stopped():  # only eos may come: the empty string
             raise InvalidRequest(f"{field}: the pattern matches only the empty string")
-        compiled = LLGuidanceGrammar(start, self.vocab_size, self.eos_ids)
-        _check_first_step(field, text, compiled)
-        return compiled
-
-
-FIRST_STEP_PROBES = 8  # allowed first tokens tried at compile time
-
-
-def _check_first_step(field: str, text: str, grammar: LLGuidanceGrammar) -> None:
-    """Refuse a pattern whose first mask allows only tokens the matcher then rejects (seen
-    with a lone 4-byte UTF-8 character against a byte-level vocabulary: the mask offers a
-    continuation byte first): a sample could never take its first token. Tries up to
-    FIRST_STEP_PROBES allowed tokens on copies of the start state; InvalidRequest names the
-    field."""
-    state = grammar.new_state()
-    allowed = unpack_token_masks(state._mask()[None], grammar.vocab_size)[0].nonzero().flatten()
-    for token in allowed[:FIRST_STEP_PROBES].tolist():
-        if grammar.start.deep_copy().consume_token(token):
-            return
-    if len(allowed) <= FIRST_STEP_PROBES:
-        raise InvalidRequest(
-            f"{field}: no token of this model can start {shorten(text)} (llguidance)"
-        )
+        return LLGuidanceGrammar(start, self.vocab_size, self.eos_ids, field)
 
 
 def _grammar(field: str, text: str) -> str:

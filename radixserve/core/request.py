@@ -39,7 +39,7 @@ class TokenizedRequest:
 class FinishReason:
     type: str  # "stop" | "length" | "abort" | "error"
     matched: int | str | None = None  # stop token id or stop string; abort, error: message
-    status: int | None = None  # "error": the HTTP status (400 the request's fault, 500 ours)
+    status: int | None = None  # "error": the HTTP status (4xx the request's fault, 500 ours)
 
     def to_dict(self) -> dict[str, object]:
         return {"type": self.type, "matched": self.matched}

@@ -243,6 +243,7 @@ def _discard(outputs: list[SampleOutput]) -> None:
 
 def _raise_if_failed(reason: FinishReason | None) -> None:
     """A request the scheduler failed (finish "error"): ValueError when it was the request's
-    fault (status 400, e.g. a pattern that does not compile), RuntimeError otherwise."""
+    (a 4xx status, e.g. a pattern that does not compile), RuntimeError otherwise."""
     if reason is not None and reason.type == "error":
-        raise (ValueError if reason.status == 400 else RuntimeError)(str(reason.matched))
+        status = reason.status or 500
+        raise (ValueError if status < 500 else RuntimeError)(str(reason.matched))

@@ -42,7 +42,7 @@ import torch
 
 from radixserve.attention.tree_plan import batched_nodes
 from radixserve.config import EngineConfig
-from radixserve.constrained.backend import CompiledGrammar
+from radixserve.constrained.backend import CompiledGrammar, UnservablePattern
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.info import CacheTreeView, ModelInfo, SchedulerStats
 from radixserve.core.modules import CompiledSchema
@@ -418,6 +418,9 @@ class Scheduler:
                 reason = req.stop.check(req.output_ids)
                 if req.grammar is not None and req.grammar.terminated:
                     reason = self._grammar_finish(token, reason)
+            except UnservablePattern as e:  # the pattern, not a bug: it alone fails
+                self._fail(req.rid, 422, str(e))
+                continue
             except Exception as e:  # a bug on this request's path: it alone fails
                 logger.exception("request %s: error after sampling", req.rid)
                 self._fail(req.rid, 500, f"internal error: {type(e).__name__}: {e}")
