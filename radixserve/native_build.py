@@ -1,8 +1,9 @@
 """Building radixserve's C++ CPU kernels (models/csrc, kernels/csrc) with torch's extension
 builder: one place for the flags, the module names and the fallback.
 
-Each source is built once per ISA (module name `<name>_<isa>`, cached by torch under
-~/.cache/torch_extensions with the source hash) with -O3 and -fopenmp: at::parallel_for is
+Each source is built once per ISA (module name `<name>_<isa>`, cached with the source hash in
+one folder per module, Python and torch version under $TORCH_EXTENSIONS_DIR or
+~/.cache/torch_extensions) with -O3 and -fopenmp: at::parallel_for is
 inline OpenMP, serial without it; the link resolves to the libgomp.so.1 torch has loaded.
 The AVX2 build adds -mavx2 -mfma -mf16c and defines RS_AVX2; the AVX-512 build is the same
 plus RS_AVX512 (its few AVX-512 functions carry target attributes and check the CPU first);
@@ -10,6 +11,10 @@ plus RS_AVX512 (its few AVX-512 functions carry target attributes and check the 
 for AVX-512 with VNNI, so it is loaded only on such a CPU; "scalar" is portable C++. Without a
 compiler `build` returns None, and while native ops are off (`use_native_ops(False)`) every
 `@native_module` getter does: the callers then run the same math as torch ops.
+
+Processes building or loading the same module take turns on an flock of its folder, which
+the kernel releases when a holder dies. torch's own lock file, which a process killed while
+building leaves behind and on which every later load would wait forever, is removed under it.
 
 The switch is process-wide, like the attention ops' `kernels.set_impl`: these kernels are
 called deep inside the model, the sampler and the attention ops. A ModelWorker sets it from
@@ -19,9 +24,12 @@ it sets it back.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -58,6 +66,16 @@ def native_module(get: Getter) -> Getter:
     return getter
 
 
+def build_folder(module_name: str) -> Path:
+    """Where `module_name` is built and cached, for this Python and torch."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return Path(root) / f"{python}_torch{torch.__version__}" / module_name
+
+
 def build(name: str, source: Path, isa: str | None) -> ModuleType | None:
     """Compile `source` as `name` (per ISA when `isa` is given: `name_isa`, its vector flags);
     None, logged, when the build fails."""
@@ -74,8 +92,22 @@ def build(name: str, source: Path, isa: str | None) -> ModuleType | None:
         digest = hashlib.sha256(b"".join(h.read_bytes() for h in headers)).hexdigest()[:16]
         flags.append(f"-DRS_HEADERS_DIGEST={digest}")
     module_name = f"{name}_{isa}" if isa else name
+    folder = build_folder(module_name)
     try:
-        module = load(module_name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"])
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "radixserve.lock", "w") as turn:
+            fcntl.flock(turn, fcntl.LOCK_EX)  # released on close, or when this process dies
+            stale = folder / "lock"  # torch's: no live process holds it while we hold ours
+            if stale.exists():
+                logger.warning("removing %s, left by a build that was killed", stale)
+                stale.unlink()
+            module = load(
+                module_name,
+                [str(source)],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
+            )
     except Exception as exc:  # no compiler / ninja, or a failing build: fall back, loudly
         logger.warning("native CPU kernels %s unavailable (%s); using torch ops", module_name, exc)
         return None
