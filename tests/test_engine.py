@@ -107,6 +107,24 @@ def test_retraction_happens(tiny_model_dir: Path, reference: list[list[int]]) ->
     assert eng.scheduler.stats().computed_tokens_total > computed_alone
 
 
+@pytest.mark.timeout(60)  # the samples used to wait for one another forever
+def test_samples_that_together_overflow_the_pool_all_finish(
+    tiny_model_dir: Path, engine: Engine
+) -> None:
+    """A 120-token prompt and 8 samples of 8 tokens need 184 slots of a 160-slot pool: the
+    newest samples are retracted and come back one by one while the rest finish."""
+    ids = prompts(1, length=120, seed=3)[0]
+    params = {"temperature": 1.0, "max_new_tokens": 8, "n": 8, "seed": 11, "ignore_eos": True}
+    small = make_engine(tiny_model_dir, max_total_tokens=160)
+    outs = small.generate(input_ids=ids, sampling_params=params)
+    roomy = engine.generate(input_ids=ids, sampling_params=params)
+    assert isinstance(outs, list) and isinstance(roomy, list)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in roomy]
+    assert small.scheduler.stats().computed_tokens_total > len(ids) + 8 * 7  # it retracted
+    assert_all_free(small)
+    assert_all_free(engine)
+
+
 def test_fork_shares_prompt(engine: Engine) -> None:
     ids = prompts(1, length=60, seed=5)[0]
     engine.flush_cache()

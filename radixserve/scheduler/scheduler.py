@@ -271,7 +271,6 @@ class Scheduler:
         prefixed = (r for r in order if r.request.modules is None)  # stops at the window
         ahead = itertools.islice(prefixed, self.config.hicache_prefetch_window)
         self.cache.prefetch([r.all_ids[: r.reuse_limit()] for r in ahead])
-        pinned = self.cache.locked_size + self.kv.modules.num_slots
         for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
@@ -282,8 +281,10 @@ class Scheduler:
             if not self.kv.admit(req):
                 break
             n = min(req.seq_len - req.kv_len, self.config.chunked_prefill_size, budget)
-            reserve = n + DECODE_RESERVE * req.sampling.n
-            if not self.kv.reserve(min(reserve, self.kv.pool.capacity - pinned)):
+            # room for its next decode steps too (all n samples' for a family about to fork);
+            # alone, it takes what there is: it fits by itself (_validate), so it must run
+            want = n + DECODE_RESERVE * (req.sampling.n if req.fork_pending else 1)
+            if not self.kv.reserve(want if self.running else min(want, self.kv.available)):
                 self.kv.unadmit(req)
                 break
             self.kv.extend(req, n)
