@@ -55,7 +55,7 @@ from make_gguf import build_tiny_model
 from radixserve.config import EngineConfig
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.params import SamplingParams
-from radixserve.core.request import SampleOutput, TokenizedRequest
+from radixserve.core.request import TokenDelta, TokenizedRequest
 from radixserve.isa import cpu_isa
 from radixserve.scheduler.parts import SchedulerParts, load_parts
 from radixserve.scheduler.scheduler import Scheduler
@@ -193,7 +193,7 @@ def run(
     }
 
 
-def collect(outputs: list[SampleOutput], tokens: dict[str, list[int]]) -> None:
+def collect(outputs: list[TokenDelta], tokens: dict[str, list[int]]) -> None:
     for o in outputs:
         tokens.setdefault(o.rid, []).extend(o.new_token_ids)
 

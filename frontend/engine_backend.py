@@ -5,7 +5,7 @@ children, run_batch). So ONE dispatcher thread owns the engine's scheduler, driv
 `StepLoop` (as the scheduler process and `Engine.generate` do):
 
     program threads ──put job──> inbox ──> dispatcher: loop.add(each queued job), step(),
-          ^                                            each SampleOutput to its job's
+          ^                                            each TokenDelta to its job's
           |                                            SampleAccumulator
           └──────────── job.done (result or error) ──────────┘
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.core.params import SamplingParams
-from radixserve.core.request import PromptLogprob, SampleOutput, TokenizedRequest
+from radixserve.core.request import PromptLogprob, TokenDelta, TokenizedRequest
 from radixserve.core.result import native_result
 from radixserve.engine.engine import Engine
 from radixserve.frontend.backend import Backend, BackendError, GenRequest, GenResult, TextCallback
@@ -53,7 +53,7 @@ class _Job:
     result: dict[str, Any] | None = None
     error: BaseException | None = None
 
-    def add(self, out: SampleOutput) -> None:
+    def add(self, out: TokenDelta) -> None:
         """One output (caller holds the tokenizer lock); the last one wakes the waiter."""
         text = self.acc.push(out).text
         if text and self.on_text is not None:
@@ -303,7 +303,7 @@ class EngineBackend(Backend):
             return
         self.peak_running = max(self.peak_running, len(self.engine.scheduler.running))
 
-    def _deliver(self, outputs: list[SampleOutput]) -> None:
+    def _deliver(self, outputs: list[TokenDelta]) -> None:
         """The loop's sink: each output to its job (none for a job failed already)."""
         with self._tok_lock:  # detokenizers decode with the shared tokenizer
             for out in outputs:

@@ -147,14 +147,14 @@ def test_accumulator_chunks_sum_to_its_result(tok):
     # chunk texts concatenate to the result's text, a stop string is cut, logprob entries
     # get their token texts only when asked.
     from radixserve.core.params import SamplingParams
-    from radixserve.core.request import SampleOutput, TokenizedRequest
+    from radixserve.core.request import TokenDelta, TokenizedRequest
     from radixserve.tokenizer.accumulate import SampleAccumulator
 
     ids = tok.encode("Hello world. The end")
     request = TokenizedRequest("r", [1, 2], SamplingParams(stop=[". The"]), return_logprob=True)
     acc = SampleAccumulator.for_sample(tok, request, 0, texts_in_logprobs=True, keep_result=True)
     plain = SampleAccumulator.for_sample(tok, request, 0)
-    outs = [SampleOutput("r", 0, [t], output_logprobs=[(-0.5, t)]) for t in ids]
+    outs = [TokenDelta("r", 0, [t], output_logprobs=[(-0.5, t)]) for t in ids]
     outs[-1].finish_reason = FinishReason("stop", ". The")
     chunks = [acc.push(o) for o in outs]
     assert "".join(c.text for c in chunks) == acc.kept.text == "Hello world"

@@ -13,7 +13,7 @@ import torch
 from radixserve.config import EngineConfig
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.params import SamplingParams
-from radixserve.core.request import SampleOutput, TokenizedRequest
+from radixserve.core.request import TokenDelta, TokenizedRequest
 from radixserve.kvcache.pool import KVPool
 from radixserve.models.config import ModelConfig
 from radixserve.sampling.stop import StopChecker
@@ -57,8 +57,8 @@ def _scheduler(tokenizer: Any, **config: Any) -> tuple[Scheduler, CountingWorker
     return Scheduler(cfg, build_parts(cfg, "fake", tokenizer, worker)), worker
 
 
-def _run(sched: Scheduler, *reqs: TokenizedRequest) -> dict[tuple[str, int], list[SampleOutput]]:
-    outs: dict[tuple[str, int], list[SampleOutput]] = {}
+def _run(sched: Scheduler, *reqs: TokenizedRequest) -> dict[tuple[str, int], list[TokenDelta]]:
+    outs: dict[tuple[str, int], list[TokenDelta]] = {}
     for r in reqs:
         sched.add_request(r)
     while sched.has_work():
@@ -68,7 +68,7 @@ def _run(sched: Scheduler, *reqs: TokenizedRequest) -> dict[tuple[str, int], lis
     return outs
 
 
-def _tokens(outs: list[SampleOutput]) -> list[int]:
+def _tokens(outs: list[TokenDelta]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from radixserve.core.params import SamplingParams
-from radixserve.core.request import FinishReason, SampleOutput, TokenizedRequest
+from radixserve.core.request import FinishReason, TokenDelta, TokenizedRequest
 from radixserve.scheduler.loop import StepLoop
 from radixserve.scheduler.scheduler import QueueFullError
 
@@ -32,10 +32,10 @@ class FakeScheduler:
     def has_work(self) -> bool:
         return bool(self.queued)
 
-    def step(self) -> list[SampleOutput]:
+    def step(self) -> list[TokenDelta]:
         done, self.queued = self.queued, []
         return [
-            SampleOutput(r.rid, i, [1], FinishReason("length"))
+            TokenDelta(r.rid, i, [1], FinishReason("length"))
             for r in done
             for i in range(r.sampling.n)
         ]

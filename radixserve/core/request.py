@@ -52,8 +52,8 @@ PromptLogprob = tuple[float | None, int]
 
 
 @dataclass
-class SampleOutput:
-    """Progress of one sample since its previous SampleOutput (deltas, not cumulative).
+class TokenDelta:
+    """Progress of one sample since its previous TokenDelta (not cumulative).
 
     `new_token_ids` includes the token that ended the sample when it is a stop token (eos or
     `stop_token_ids`); the detokenizer keeps such an id out of the text and cuts a matched
@@ -86,8 +86,8 @@ TextLogprob = tuple[float | None, int, str | None]
 
 
 @dataclass
-class SampleChunk:
-    """A `SampleOutput` with its text (deltas): `text` is the output text that became stable
+class TextDelta:
+    """A `TokenDelta` with its text (deltas): `text` is the output text that became stable
     with it (stop strings cut); the logprob entries carry their token texts when asked for.
     Made by `tokenizer.accumulate.SampleAccumulator`; what the api server receives."""
 

@@ -1,4 +1,4 @@
-"""One sample's result (the cumulative sum of its `SampleChunk`s) and its SGLang-native shape.
+"""One sample's result (the cumulative sum of its `TextDelta`s) and its SGLang-native shape.
 
 Native result (one per sample; a batch or n > 1 gives a list, prompt-major):
 
@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.core.request import FinishReason, SampleChunk, TextLogprob
+from radixserve.core.request import FinishReason, TextDelta, TextLogprob
 
 
 @dataclass
@@ -42,7 +42,7 @@ class SampleResult:
     input_logprobs: list[TextLogprob] = field(default_factory=list)
     input_top_logprobs: list[list[TextLogprob]] = field(default_factory=list)
 
-    def apply(self, d: SampleChunk) -> None:
+    def apply(self, d: TextDelta) -> None:
         assert (d.rid, d.index) == (self.rid, self.index), (d.rid, d.index, self.rid, self.index)
         assert self.finish_reason is None, f"{self.rid}/{self.index}: output after finish"
         self.text += d.text
@@ -63,7 +63,7 @@ def native_result(
     created: float,
     return_logprob: bool,
     index: int | None = None,
-    chunk: SampleChunk | None = None,
+    chunk: TextDelta | None = None,
 ) -> dict[str, Any]:
     """The result so far; `chunk`: a stream chunk, whose output logprobs are its own."""
     meta: dict[str, Any] = {
@@ -77,7 +77,7 @@ def native_result(
     }
     if return_logprob:
         meta["input_token_logprobs"] = [list(e) for e in r.input_logprobs]
-        new: SampleResult | SampleChunk = r if chunk is None else chunk
+        new: SampleResult | TextDelta = r if chunk is None else chunk
         meta["output_token_logprobs"] = [list(e) for e in new.output_logprobs]
         meta["input_top_logprobs"] = [[list(e) for e in top] for top in r.input_top_logprobs]
         meta["output_top_logprobs"] = [[list(e) for e in top] for top in new.output_top_logprobs]

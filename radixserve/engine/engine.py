@@ -17,7 +17,7 @@ from typing import Any
 from radixserve.config import EngineConfig
 from radixserve.core.modules import ModuleUse
 from radixserve.core.params import SamplingParams
-from radixserve.core.request import FinishReason, SampleOutput, TokenizedRequest
+from radixserve.core.request import FinishReason, TokenDelta, TokenizedRequest
 from radixserve.core.result import native_result
 from radixserve.prompt.pml import Prompt as PmlPrompt
 from radixserve.prompt.pml import Schema
@@ -178,7 +178,7 @@ class Engine:
         unfinished = len(samples)
         first_token: dict[tuple[str, int], float] = {}  # seconds from the call to the first token
 
-        def sink(outputs: list[SampleOutput]) -> None:
+        def sink(outputs: list[TokenDelta]) -> None:
             nonlocal unfinished
             for out in outputs:
                 key = (out.rid, out.index)
@@ -237,7 +237,7 @@ def _refused(rid: str, status: int, message: str) -> None:
     raise ValueError(message)
 
 
-def _discard(outputs: list[SampleOutput]) -> None:
+def _discard(outputs: list[TokenDelta]) -> None:
     """The sink of a failed call: its aborted samples' outputs are not wanted."""
 
 

@@ -2,7 +2,7 @@
 
 Topology: every process binds exactly ONE PULL socket (its inbox) and connects PUSH sockets
 to the inboxes it talks to. PUSH/PULL keeps per-sender order, which the protocol relies on
-(a request's TokenizedReq always reaches the scheduler before its AbortReq).
+(a request's ScheduleReq always reaches the scheduler before its AbortReq).
 
 The folder is created with mode 0700 (tempfile.mkdtemp) so that no other local user can
 connect to the sockets; `remove_ipc_dir` deletes it on shutdown.

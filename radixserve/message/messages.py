@@ -3,9 +3,9 @@
 Processes and who sends what (each process owns one PULL inbox; see `ipc.py`):
 
     api server ──GenerateReq/AbortReq/ControlReq/Shutdown──> tokenizer
-    tokenizer  ──TokenizedReq/AbortReq/ControlReq/Shutdown─> scheduler
-    scheduler  ──SchedulerReady, SampleBatch, RequestError, ControlResp──> tokenizer
-    tokenizer  ──TokenizerReady, ChunkBatch, RequestError, ControlResp──> api server
+    tokenizer  ──ScheduleReq/AbortReq/ControlReq/Shutdown─> scheduler
+    scheduler  ──SchedulerReady, TokenDeltas, RequestError, ControlResp──> tokenizer
+    tokenizer  ──TokenizerReady, TextDeltas, RequestError, ControlResp──> api server
 
 Rules:
 - Only plain data crosses: str/int/float/bool/None, lists, dicts of those, and the plain
@@ -29,7 +29,7 @@ import msgspec
 from radixserve.core.info import CacheTreeView, ModelInfo, SchedulerStats
 from radixserve.core.modules import CompiledSchema
 from radixserve.core.params import SamplingParams
-from radixserve.core.request import SampleChunk, SampleOutput, TokenizedRequest
+from radixserve.core.request import TextDelta, TokenDelta, TokenizedRequest
 
 
 class Message(msgspec.Struct, tag=True, array_like=True):
@@ -83,7 +83,7 @@ class GenerateReq(Message):
     module_reuse: bool = True
 
 
-class TokenizedReq(Message):
+class ScheduleReq(Message):
     """Tokenizer -> scheduler: the request as the scheduler takes it."""
 
     request: TokenizedRequest
@@ -113,16 +113,16 @@ class RequestError(Message):
 # ---------------------------------------------------------------- outputs
 
 
-class SampleBatch(Message):
+class TokenDeltas(Message):
     """Scheduler -> tokenizer: one step's deltas (token ids, logprobs)."""
 
-    outputs: list[SampleOutput]
+    outputs: list[TokenDelta]
 
 
-class ChunkBatch(Message):
+class TextDeltas(Message):
     """Tokenizer -> api server: those deltas with their text (`tokenizer.accumulate`)."""
 
-    chunks: list[SampleChunk]
+    chunks: list[TextDelta]
 
 
 # ---------------------------------------------------------------- control
@@ -188,11 +188,11 @@ AnyMessage = (
     | TokenizerReady
     | Shutdown
     | GenerateReq
-    | TokenizedReq
+    | ScheduleReq
     | AbortReq
     | RequestError
-    | SampleBatch
-    | ChunkBatch
+    | TokenDeltas
+    | TextDeltas
     | FlushCacheReq
     | ServerInfoReq
     | FlushCacheResp

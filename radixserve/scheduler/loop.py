@@ -7,7 +7,7 @@ Drivers: the scheduler process (`proc.py`: inbox and outbox over ZeroMQ), the of
 `Engine` and the DSL's `EngineBackend` (in-process, in their caller's thread or a dispatcher
 thread). What differs between them is only where requests come from and where these go:
 
-- `sink(outputs)`: each step's `SampleOutput` deltas (never called with an empty list).
+- `sink(outputs)`: each step's `TokenDelta`s (never called with an empty list).
 - `refuse(rid, status, message)`: a request not accepted; nothing of it stays in the loop
   (400: it can never run; 503: the queue is full and the loop keeps no backlog).
 - `backlog=True` (in-process callers wait rather than retry): a request the queue has no
@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from radixserve.core.request import SampleOutput, TokenizedRequest
+from radixserve.core.request import TokenDelta, TokenizedRequest
 from radixserve.scheduler.scheduler import QueueFullError, Scheduler
 
-Sink = Callable[[list[SampleOutput]], None]
+Sink = Callable[[list[TokenDelta]], None]
 Refuse = Callable[[str, int, str], None]  # (rid, HTTP status, message)
 
 

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from radixserve.core.request import SampleOutput, TokenLogprob
+from radixserve.core.request import TokenDelta, TokenLogprob
 from radixserve.sampling.sampler import BadRows, SamplingBatch, prompt_logprobs, sample
 from radixserve.scheduler.req import Req
 
@@ -104,9 +104,9 @@ class OutputProcessor:
         req.input_top_logprobs.extend(tops)
 
     @staticmethod
-    def collect(req: Req) -> SampleOutput:
+    def collect(req: Req) -> TokenDelta:
         """The sample's progress since the last collect; clears the pending deltas."""
-        out = SampleOutput(
+        out = TokenDelta(
             rid=req.rid,
             index=req.index,
             new_token_ids=req.new_ids,

@@ -23,7 +23,7 @@ import time
 import zmq
 
 from radixserve.config import EngineConfig
-from radixserve.core.request import SampleOutput
+from radixserve.core.request import TokenDelta
 from radixserve.distributed.parallel import init_tp
 from radixserve.message.ipc import Inbox, IpcPaths, Outbox
 from radixserve.message.messages import (
@@ -34,14 +34,14 @@ from radixserve.message.messages import (
     FlushCacheReq,
     FlushCacheResp,
     RequestError,
-    SampleBatch,
+    ScheduleReq,
     SchedulerReady,
     SchemaReq,
     SchemaResp,
     ServerInfoReq,
     ServerInfoResp,
     Shutdown,
-    TokenizedReq,
+    TokenDeltas,
 )
 from radixserve.procutil import PARENT_POLL_MS, ParentWatch
 from radixserve.scheduler.loop import StepLoop
@@ -51,7 +51,7 @@ from radixserve.scheduler.scheduler import Scheduler
 logger = logging.getLogger("radixserve.scheduler.proc")
 
 
-class SchedulerLoop:
+class SchedulerProcess:
     def __init__(self, sched: Scheduler, inbox: Inbox, out: Outbox, watch: ParentWatch) -> None:
         self.sched = sched
         self.inbox = inbox
@@ -60,7 +60,7 @@ class SchedulerLoop:
         self.loop = StepLoop(sched, self.send_outputs, self.refuse)  # no backlog: 503
         self.stopping = False
         self.dispatch = {
-            TokenizedReq: self.on_request,
+            ScheduleReq: self.on_request,
             AbortReq: self.on_abort,
             FlushCacheReq: self.on_flush,
             ServerInfoReq: self.on_info,
@@ -109,7 +109,7 @@ class SchedulerLoop:
 
     # ---------------------------------------------------------------- handlers
 
-    def on_request(self, msg: TokenizedReq) -> None:
+    def on_request(self, msg: ScheduleReq) -> None:
         self.loop.add(msg.request)
 
     def on_abort(self, msg: AbortReq) -> None:
@@ -147,8 +147,8 @@ class SchedulerLoop:
     def on_shutdown(self, msg: Shutdown) -> None:
         self.stopping = True
 
-    def send_outputs(self, outputs: list[SampleOutput]) -> None:
-        self.out.send(SampleBatch(outputs))
+    def send_outputs(self, outputs: list[TokenDelta]) -> None:
+        self.out.send(TokenDeltas(outputs))
 
     def refuse(self, rid: str, status: int, message: str) -> None:
         self.out.send(RequestError(rid, status, message))
@@ -185,7 +185,7 @@ def run_scheduler_process(config: EngineConfig, ipc: IpcPaths, tp_init: str | No
         # not the ~200 ms pause that stalled a step or a /cache_tree call).
         gc.freeze()
         out.send(SchedulerReady(info))
-        SchedulerLoop(sched, inbox, out, watch).run()
+        SchedulerProcess(sched, inbox, out, watch).run()
         parts.worker.close()
     finally:
         inbox.close()

@@ -2,7 +2,7 @@
 
 One `RequestManager` lives in the api server's event loop:
 - `submit(GenerateReq)` registers a `Pending` (an asyncio queue of that request's events)
-  and sends the request to the tokenizer; `receive_loop` puts every `SampleChunk` /
+  and sends the request to the tokenizer; `receive_loop` puts every `TextDelta` /
   `RequestError` for the rid into its queue; `events(pending)` reads them back.
 - `abort(rid)` and every send are synchronous and non-blocking, so they are safe in the
   `finally` of a cancelled handler (a client that went away).
@@ -31,14 +31,13 @@ import zmq.asyncio
 
 from radixserve.core.info import ModelInfo
 from radixserve.core.limits import MAX_SAMPLES
-from radixserve.core.request import SampleChunk
+from radixserve.core.request import TextDelta
 from radixserve.message.codec import decode, encode
 from radixserve.message.ipc import IpcPaths
 from radixserve.message.messages import (
     AbortReq,
     AnyMessage,
     CacheTreeResp,
-    ChunkBatch,
     ControlReq,
     ControlResp,
     FlushCacheResp,
@@ -47,6 +46,7 @@ from radixserve.message.messages import (
     RequestError,
     SchemaResp,
     ServerInfoResp,
+    TextDeltas,
     TokenizerReady,
 )
 from radixserve.server.metrics import Metrics
@@ -70,11 +70,11 @@ class Pending:
     n: int  # samples to expect
     owner: str = "admin"  # the key scope that sent it (radixserve/server/guard.py)
     created: float = field(default_factory=time.perf_counter)
-    queue: asyncio.Queue[SampleChunk | RequestError] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[TextDelta | RequestError] = field(default_factory=asyncio.Queue)
     first_token_at: float | None = None
     last_chunk_at: dict[int, float] = field(default_factory=dict)  # sample index -> time
     finished: int = 0  # samples finished, as seen by the receiver
-    head: SampleChunk | RequestError | None = None  # an event peeked by `first_event`
+    head: TextDelta | RequestError | None = None  # an event peeked by `first_event`
 
     @property
     def done(self) -> bool:
@@ -102,7 +102,7 @@ class RequestManager:
         self._control: dict[int, asyncio.Future[ControlResp]] = {}
         self._seq = itertools.count()
         self._dispatch: dict[type, Callable[..., None]] = {
-            ChunkBatch: self._on_chunks,
+            TextDeltas: self._on_chunks,
             RequestError: self._on_error,
             FlushCacheResp: self._on_control,
             ServerInfoResp: self._on_control,
@@ -223,7 +223,7 @@ class RequestManager:
             pending.head = await pending.queue.get()
         _raise_if_error(pending.head)
 
-    async def events(self, pending: Pending) -> AsyncIterator[SampleChunk]:
+    async def events(self, pending: Pending) -> AsyncIterator[TextDelta]:
         """Every delta of `pending` until its n samples finished; ApiError if refused."""
         finished = 0
         while finished < pending.n:
@@ -232,16 +232,16 @@ class RequestManager:
             else:
                 item = await pending.queue.get()
             _raise_if_error(item)
-            assert isinstance(item, SampleChunk)
+            assert isinstance(item, TextDelta)
             finished += item.finish_reason is not None
             yield item
 
-    async def merged(self, pendings: list[Pending]) -> AsyncIterator[tuple[int, SampleChunk]]:
+    async def merged(self, pendings: list[Pending]) -> AsyncIterator[tuple[int, TextDelta]]:
         """(position in `pendings`, delta) of all requests, in arrival order.
 
         The first ApiError of any request is raised; closing the iterator stops the pumps.
         """
-        queue: asyncio.Queue[tuple[int, SampleChunk | ApiError | None]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, TextDelta | ApiError | None]] = asyncio.Queue()
 
         async def pump(i: int, p: Pending) -> None:
             try:
@@ -289,7 +289,7 @@ class RequestManager:
 
     # ---------------------------------------------------------------- handlers
 
-    def _on_chunks(self, batch: ChunkBatch) -> None:
+    def _on_chunks(self, batch: TextDeltas) -> None:
         now = time.perf_counter()
         for d in batch.chunks:
             p = self.pending.get(d.rid)
@@ -303,7 +303,7 @@ class RequestManager:
                     del self.pending[d.rid]
                     self.metrics.e2e.observe(now - p.created)
 
-    def _record(self, p: Pending, d: SampleChunk, now: float) -> None:
+    def _record(self, p: Pending, d: TextDelta, now: float) -> None:
         history = self.metrics.history
         if d.token_ids:
             history.tokens(len(d.token_ids))
@@ -336,7 +336,7 @@ class RequestManager:
         self._sctx.term()
 
 
-def _raise_if_error(item: SampleChunk | RequestError | None) -> None:
+def _raise_if_error(item: TextDelta | RequestError | None) -> None:
     """ApiError for a refusal, or for a sample the scheduler failed (finish "error")."""
     if isinstance(item, RequestError):
         headers = {"Retry-After": RETRY_AFTER_S} if item.status == 503 else None

@@ -1,5 +1,5 @@
-"""The one detokenize-and-accumulate step of every path: `SampleOutput` deltas of one sample
-in, `SampleChunk`s (the newly stable text, logprob token texts) out, and optionally the
+"""The one detokenize-and-accumulate step of every path: `TokenDelta`s of one sample
+in, `TextDelta`s (the newly stable text, logprob token texts) out, and optionally the
 sample's cumulative `SampleResult`.
 
 Used by the tokenizer process (chunks go on to the api server, which accumulates them itself)
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from radixserve.core.request import SampleChunk, SampleOutput, TextLogprob, TokenizedRequest
+from radixserve.core.request import TextDelta, TextLogprob, TokenDelta, TokenizedRequest
 from radixserve.core.result import SampleResult
 from radixserve.tokenizer.detokenize import IncrementalDetokenizer
 
@@ -58,9 +58,9 @@ class SampleAccumulator:
         assert self.result is not None, "this accumulator keeps no result"
         return self.result
 
-    def push(self, o: SampleOutput) -> SampleChunk:
+    def push(self, o: TokenDelta) -> TextDelta:
         """The chunk of one output (its text is what became stable with it)."""
-        chunk = SampleChunk(
+        chunk = TextDelta(
             rid=o.rid,
             index=o.index,
             token_ids=list(o.new_token_ids),

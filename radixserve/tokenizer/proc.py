@@ -21,26 +21,26 @@ from typing import Any
 import zmq
 
 from radixserve.core.info import ModelInfo
-from radixserve.core.request import SampleChunk, SampleOutput, TokenizedRequest
+from radixserve.core.request import TextDelta, TokenDelta, TokenizedRequest
 from radixserve.message.ipc import Inbox, IpcPaths, Outbox
 from radixserve.message.messages import (
     AbortReq,
     AnyMessage,
     CacheTreeReq,
     CacheTreeResp,
-    ChunkBatch,
     FlushCacheReq,
     FlushCacheResp,
     GenerateReq,
     RequestError,
-    SampleBatch,
+    ScheduleReq,
     SchedulerReady,
     SchemaReq,
     SchemaResp,
     ServerInfoReq,
     ServerInfoResp,
     Shutdown,
-    TokenizedReq,
+    TextDeltas,
+    TokenDeltas,
     TokenizerReady,
 )
 from radixserve.models.loader import load_tokenizer
@@ -82,7 +82,7 @@ class TokenizerWorker:
             FlushCacheReq: to_sched.send,
             ServerInfoReq: to_sched.send,
             CacheTreeReq: to_sched.send,
-            SampleBatch: self.on_samples,
+            TokenDeltas: self.on_samples,
             RequestError: self.on_error,
             FlushCacheResp: to_api.send,
             ServerInfoResp: self.on_info,
@@ -112,7 +112,7 @@ class TokenizerWorker:
             self.to_api.send(RequestError(req.rid, 500, f"tokenization failed: {e!r}"))
             return
         self.reqs[req.rid] = _ReqState(request, req.return_logprob and req.return_text_in_logprobs)
-        self.to_sched.send(TokenizedReq(request))
+        self.to_sched.send(ScheduleReq(request))
 
     def _tokenized(self, req: GenerateReq) -> TokenizedRequest:
         """The request with its token ids, and max_new_tokens filled in when the client gave
@@ -195,7 +195,7 @@ class TokenizerWorker:
 
     # ---------------------------------------------------------------- outputs
 
-    def on_samples(self, batch: SampleBatch) -> None:
+    def on_samples(self, batch: TokenDeltas) -> None:
         out = []
         for o in batch.outputs:
             state = self.reqs.get(o.rid)
@@ -213,7 +213,7 @@ class TokenizerWorker:
                 if state.finished == state.request.sampling.n:
                     self._release(o.rid, state)
         if out:
-            self.to_api.send(ChunkBatch(out))
+            self.to_api.send(TextDeltas(out))
 
     def _release(self, rid: str, state: _ReqState) -> None:
         """Every sample of `rid` ended (the scheduler let it go): forget it here too."""
@@ -221,7 +221,7 @@ class TokenizerWorker:
         if state.error is not None:
             self.to_api.send(RequestError(rid, 500, state.error))
 
-    def _detokenize(self, state: _ReqState, o: SampleOutput) -> SampleChunk:
+    def _detokenize(self, state: _ReqState, o: TokenDelta) -> TextDelta:
         acc = state.samples.get(o.index)
         if acc is None:
             acc = state.samples[o.index] = SampleAccumulator.for_sample(
