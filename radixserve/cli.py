@@ -28,6 +28,7 @@ from radixserve.config import (
     POLICIES,
     QUANTIZATIONS,
     SECRET_FIELDS,
+    SPECULATIVE_ALGORITHMS,
     EngineConfig,
 )
 from radixserve.keys import ADMIN_API_KEY_ENV, API_KEY_ENV
@@ -75,6 +76,9 @@ HELP = {
     "attention_backend": "tree (shared-prefix Hydragen attention) or flat (per request)",
     "grammar_backend": "constrained decoding (regex, json_schema, ebnf): llguidance (default), "
     "xgrammar (the radixserve[xgrammar] extra) or outlines (regex and json_schema only)",
+    "speculative_algorithm": "speculative decoding: auto (default: a draft from the radix "
+    "cache, else from the sample's own prompt and output), radix, ngram, or none",
+    "speculative_num_draft_tokens": "most draft tokens a sample verifies per step",
     "attention_kernels": "attention ops under the backend: auto (triton on CUDA, native C++ "
     "on an AVX2 CPU, else cpu), native, cpu (torch), reference (readable torch), triton",
     "native_ops": "our C++ CPU kernels (RMSNorm/RoPE, quantized matmuls, sampling, attention); "
@@ -123,6 +127,7 @@ CHOICES: dict[str, Sequence[str]] = {
     "attention_backend": ATTENTION_BACKENDS,
     "attention_kernels": ATTENTION_KERNELS,
     "grammar_backend": GRAMMAR_BACKENDS,
+    "speculative_algorithm": SPECULATIVE_ALGORITHMS,
     "packed_linear": PACKED_LINEAR,
     "log_level": ("debug", "info", "warning", "error"),
 }

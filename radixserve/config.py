@@ -25,6 +25,7 @@ QUANTIZATIONS = ("auto", "none", "int8")
 POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("tree", "flat", "none")  # "none": benchmark-only no-attention ceiling
 GRAMMAR_BACKENDS = ("llguidance", "outlines", "xgrammar")  # radixserve.constrained.BACKENDS
+SPECULATIVE_ALGORITHMS = ("auto", "none", "ngram", "radix")  # scheduler/speculative.py
 CONTROL_CONNECTIONS = 64  # connections kept for /health, /get_server_info, aborts, ...
 # Fields never shown (/get_server_info, logs) nor put on a command line the server builds.
 SECRET_FIELDS = ("api_key", "admin_api_key", "hicache_secret")
@@ -93,6 +94,10 @@ class EngineConfig:
     attention_backend: str = "tree"
     attention_kernels: str = "auto"  # the ops under the backend; process-wide (see worker)
     grammar_backend: str = "llguidance"  # constrained decoding (radixserve.constrained)
+    # Speculative decoding (scheduler/speculative.py): "auto" (radix, else ngram), "ngram",
+    # "radix" or "none"; at most this many draft tokens per sample and step
+    speculative_algorithm: str = "auto"
+    speculative_num_draft_tokens: int = 8
     # Our C++ CPU kernels (RMSNorm/RoPE, quantized matmuls, sampling, attention), built on
     # first use; False: the same math as torch ops. Process-wide (see worker).
     native_ops: bool = NATIVE_OPS_DEFAULT
@@ -137,6 +142,15 @@ class EngineConfig:
         check(
             self.grammar_backend in GRAMMAR_BACKENDS,
             f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}",
+        )
+        check(
+            self.speculative_algorithm in SPECULATIVE_ALGORITHMS,
+            f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, "
+            f"got {self.speculative_algorithm!r}",
+        )
+        check(
+            0 <= self.speculative_num_draft_tokens <= 64,
+            "speculative_num_draft_tokens must be in [0, 64]",
         )
         check(
             self.attention_kernels in ATTENTION_KERNELS,

@@ -298,7 +298,8 @@ def test_flush_cache_is_post_only(client):
 
 
 def test_metrics(client):
-    gen(client, text="metrics probe", sampling_params=GREEDY)
+    for _ in range(2):  # the second is drafted from the first one's cached output
+        gen(client, text="metrics probe", sampling_params=GREEDY)
     r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     values = {}
@@ -315,6 +316,8 @@ def test_metrics(client):
         assert name in values, name
     assert values["radixserve_prompt_tokens_total"] > 0
     assert values["radixserve_generation_tokens_total"] >= 6
+    drafted = values["radixserve_spec_draft_tokens_total"]
+    assert drafted >= values["radixserve_spec_accepted_tokens_total"] > 0
     assert 0 <= values["radixserve_cache_hit_rate"] <= 1
     assert values["radixserve_time_to_first_token_seconds_count"] >= 1
     assert values["radixserve_e2e_request_latency_seconds_count"] >= 1

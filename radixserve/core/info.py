@@ -45,6 +45,8 @@ class SchedulerStats:
     generation_tokens_total: int
     computed_tokens_total: int  # tokens run through the model (prefill + decode)
     kv_module_tokens: int = 0  # slots pinned by registered prompt-module schemas
+    draft_tokens_total: int = 0  # speculative decoding: draft tokens verified
+    accepted_draft_tokens_total: int = 0  # of those, tokens kept
     tiers: dict[str, TierStats] = field(default_factory=dict)  # empty without --hicache-*
 
     @property

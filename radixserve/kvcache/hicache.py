@@ -135,6 +135,9 @@ class HiCache:
     def cached_length(self, token_ids: Sequence[int]) -> int:
         return self.tree.cached_length(token_ids)
 
+    def continuation(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        return self.tree.continuation(token_ids, max_tokens)
+
     def lock(self, node: TreeNode) -> None:
         self.tree.lock(node)
 

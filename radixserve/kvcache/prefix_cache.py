@@ -93,6 +93,11 @@ class PrefixCache(Protocol):
         """len(match_prefix(token_ids).indices) without changing anything (for ranking)."""
         ...
 
+    def continuation(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """Up to `max_tokens` cached tokens that follow all of `token_ids` (a draft for
+        speculative decoding); []: none. Changes nothing."""
+        ...
+
     def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
         """Offer `token_ids` whose K/V sit at `kv_indices`; returns the slots the cache now
         holds for the prefix it kept and the node ending that prefix (see the contract).
@@ -171,6 +176,9 @@ class NoPrefixCache:
 
     def cached_length(self, token_ids: Sequence[int]) -> int:
         return 0
+
+    def continuation(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        return []
 
     def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
         check_insert_args(len(token_ids), kv_indices)

@@ -230,6 +230,21 @@ class RadixCache:
         edges = list(self._edges(list(token_ids)))
         return edges[-1][0] if edges else self.root
 
+    def continuation(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """Up to `max_tokens` cached tokens that follow all of `token_ids`, along the most
+        recently used branch; [] when no cached sequence extends `token_ids`. Read-only."""
+        tokens = list(token_ids)
+        node, matched, on_edge = self.root, 0, 0
+        for child, m in self._edges(tokens):
+            node, matched, on_edge = child, matched + m, m
+        if matched < len(tokens) or not tokens:
+            return []
+        out = list(node.key[on_edge:]) if node is not self.root else []
+        while len(out) < max_tokens and node.children:
+            node = max(node.children.values(), key=lambda c: c.last_access)
+            out.extend(node.key)
+        return out[:max_tokens]
+
     def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
         """Cache `token_ids` whose K/V sit at `kv_indices`; takes ownership of `kv_indices`.
 

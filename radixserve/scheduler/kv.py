@@ -96,6 +96,13 @@ class KVManager:
         cols = torch.tensor([r.kv_len for r, _ in work], dtype=torch.int64)  # (B,)
         self.req_pool.table[rows, cols] = slots
 
+    def trim(self, req: Req, end: int) -> None:
+        """Free the slots of positions kv_len .. end - 1, allocated but not kept (the part of
+        a speculative draft that was not accepted)."""
+        assert req.row is not None, f"{req.rid} is not admitted"
+        if end > req.kv_len:
+            self.pool.free(self.req_pool.table[req.row, req.kv_len : end].clone())
+
     def path(self, req: Req) -> list[tuple[int, int]]:
         """The shared runs at the start of the request's K/V as (node id, tokens): its radix
         path, or its prompt modules. Kept on the request and read again only when it may

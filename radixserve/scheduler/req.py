@@ -33,6 +33,7 @@ from radixserve.core.request import FinishReason, PromptLogprob, TokenizedReques
 from radixserve.kvcache.radix import TreeNode
 from radixserve.sampling.sampler import SamplingInfo
 from radixserve.sampling.stop import StopChecker
+from radixserve.scheduler.ngram import NgramIndex
 
 
 @dataclass(eq=False)
@@ -59,6 +60,12 @@ class Req:
     new_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     input_logprobs: list[PromptLogprob] = field(default_factory=list)
     input_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    # Speculative decoding (speculative.py): this step's draft tokens, fed after the last
+    # token; drafts in a row with none accepted, and steps left before the next draft.
+    draft: list[int] = field(default_factory=list)
+    draft_misses: int = 0
+    draft_pause: int = 0
+    ngrams: NgramIndex = field(default_factory=NgramIndex)  # its own tokens, for ngram drafts
     # Kept across steps (module docstring).
     all_ids: list[int] = field(init=False)  # prompt_ids + output_ids
     path: list[tuple[int, int]] | None = None  # last_node's shared segments; None: unread

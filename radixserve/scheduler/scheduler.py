@@ -17,8 +17,8 @@ Public surface (the in-process Engine and the scheduler process use nothing else
     sched = Scheduler(config, load_parts(config))  # parts: model worker, tokenizer, cache
     sched.add_request(TokenizedRequest)   # ValueError (-> HTTP 400) if it can never run;
                                           # rid unique, prompt non-empty (the caller's part)
-    outputs = sched.step()                # one schedule + forward; list[SampleOutput] deltas
-    sched.abort_request(rid)              # frees its KV; a final SampleOutput(abort) follows
+    outputs = sched.step()                # one schedule + forward; list[TokenDelta] deltas
+    sched.abort_request(rid)              # frees its KV; a final TokenDelta(abort) follows
     sched.flush_cache() -> bool           # False while requests are running or queued
     sched.has_work() -> bool
     sched.stats() -> SchedulerStats
@@ -46,7 +46,7 @@ from radixserve.constrained.backend import CompiledGrammar, UnservablePattern
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.info import CacheTreeView, ModelInfo, SchedulerStats
 from radixserve.core.modules import CompiledSchema
-from radixserve.core.request import FinishReason, SampleOutput, TokenizedRequest
+from radixserve.core.request import FinishReason, TokenDelta, TokenizedRequest, TokenLogprob
 from radixserve.kvcache.pool import ReqToTokenPool
 from radixserve.kvcache.tree_view import snapshot
 from radixserve.sampling.stop import StopChecker
@@ -57,6 +57,7 @@ from radixserve.scheduler.outputs import OutputProcessor
 from radixserve.scheduler.parts import SchedulerParts
 from radixserve.scheduler.policy import order_waiting, shares_uncached_prefix
 from radixserve.scheduler.req import Req
+from radixserve.scheduler.speculative import MAX_BATCH, Speculator
 
 logger = logging.getLogger("radixserve.scheduler")
 
@@ -90,11 +91,14 @@ class Scheduler:
         self.kv = KVManager(self.worker.pool, req_pool, self.cache)
         self.max_queued_tokens = config.max_queued_tokens or 4 * self.worker.pool.capacity
         self.out = OutputProcessor(mc.vocab_size, config.random_seed)
+        self.speculator = Speculator(
+            config.speculative_algorithm, config.speculative_num_draft_tokens, self.cache
+        )
         self.grammars = parts.grammars
         self.compiling = PendingCompiles()  # requests whose pattern builds off this thread
         self.waiting: list[Req] = []
         self.running: list[Req] = []
-        self.finished_outputs: list[SampleOutput] = []
+        self.finished_outputs: list[TokenDelta] = []
         self._arrival = itertools.count()
         self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
         self.computed_tokens_total = 0
@@ -223,7 +227,7 @@ class Scheduler:
         """The n outputs of a request that never got a sample (its pattern was compiling)."""
         prompt = len(request.input_ids)
         self.finished_outputs.extend(
-            SampleOutput(request.rid, i, [], reason, prompt_tokens=prompt)
+            TokenDelta(request.rid, i, [], reason, prompt_tokens=prompt)
             for i in range(request.sampling.n)
         )
 
@@ -241,6 +245,11 @@ class Scheduler:
         are pinned already), then admissions, within the step's prefill budget."""
         retracted = self._make_room()
         work = [Work(r, self._next_len(r)) for r in self.running]
+        if self.speculator.enabled and len(work) <= MAX_BATCH:
+            reserved = sum(w.n for w in work)  # by _make_room
+            for w in work:
+                w.n += len(self._draft(w.req, reserved))
+                reserved += len(w.req.draft)
         self.kv.extend_each([(w.req, w.n) for w in work])
         budget = self.config.max_prefill_tokens - sum(w.n for w in work if w.n > 1)
         chunks = self.kv.modules.next_chunks(min(self.config.chunked_prefill_size, budget))
@@ -250,6 +259,17 @@ class Scheduler:
 
     def _next_len(self, req: Req) -> int:
         return min(req.seq_len - req.kv_len, self.config.chunked_prefill_size)
+
+    def _draft(self, req: Req, reserved: int) -> list[int]:
+        """Set and return `req`'s draft for this step: none unless it is decoding, the
+        speculator proposes one, and the pool can free slots for it beside the `reserved`
+        ones (never by retracting)."""
+        req.draft = []
+        if req.output_ids and req.seq_len - req.kv_len == 1:
+            draft = self.speculator.propose(req)
+            if draft and self.kv.reserve(reserved + len(draft)):
+                req.draft = draft
+        return req.draft
 
     def _make_room(self) -> bool:
         """Free slots for every running sample's next input; retract newest samples until
@@ -299,11 +319,18 @@ class Scheduler:
         self, work: list[Work], chunks: list[EncodeChunk]
     ) -> tuple[ForwardBatch, torch.Tensor, list[int]]:
         """The step's batch (the work, then the encode chunks: their logits are not used),
-        the token rows needing logits, and each work's first such row."""
+        the token rows needing logits, and each work's first such row.
+
+        A drafted sample enters as 1 + k decode entries, entry j being the sequence up to
+        its j-th new token (the K/V of every entry is written before any attends): each row
+        attends as a plain decode step would, and its logits are those plain decoding
+        computes. The first entry has the sample's radix path; the others none, so that the
+        tree backend does not group a sample's entries with one another."""
         ids: list[int] = []
         pos: list[int] = []
         locs: list[torch.Tensor] = []
         seq_lens: list[int] = []
+        extend_lens: list[int] = []
         kv_idx: list[torch.Tensor] = []
         paths: list[list[tuple[int, int]]] = []
         rows: list[int] = []
@@ -311,14 +338,28 @@ class Scheduler:
         t = 0
         for w in work:
             r, start, end = w.req, w.req.kv_len, w.req.kv_len + w.n
+            slots = self.kv.slots(r, end)
+            path = self.kv.path(r)
+            first_row.append(len(rows))
+            if r.draft:
+                ids.extend(r.all_ids[start:] + r.draft)
+                pos.extend(r.positions(start, end))
+                for j in range(start, end):
+                    locs.append(slots[j : j + 1])
+                    seq_lens.append(j + 1)
+                    extend_lens.append(1)
+                    kv_idx.append(slots[: j + 1])
+                    paths.append(path if j == start else [])
+                rows.extend(range(t, t + w.n))
+                t += w.n
+                continue
             ids.extend(r.all_ids[start:end])
             pos.extend(r.positions(start, end))
-            slots = self.kv.slots(r, end)
             locs.append(slots[start:end])
             seq_lens.append(end)
+            extend_lens.append(w.n)
             kv_idx.append(slots)
-            paths.append(self.kv.path(r))
-            first_row.append(len(rows))
+            paths.append(path)
             rows.extend(range(t, t + w.n) if self._wants_all_logits(w) else [t + w.n - 1])
             t += w.n
         for c in chunks:  # a module is its own sequence: no path, nothing shared
@@ -327,6 +368,7 @@ class Scheduler:
             pos.extend(chunk_pos)
             locs.append(slots[c.start :])
             seq_lens.append(c.start + c.n)
+            extend_lens.append(c.n)
             kv_idx.append(slots)
             paths.append([])
         if not rows:  # only encoding: the worker computes some logits, never used
@@ -336,7 +378,7 @@ class Scheduler:
             positions=torch.tensor(pos, dtype=torch.int64),
             out_cache_loc=torch.cat(locs),
             seq_lens=seq_lens,
-            extend_lens=[w.n for w in work] + [c.n for c in chunks],
+            extend_lens=extend_lens,
             kv_indices=kv_idx,
             paths=paths,
             kv_pool=self.kv.pool,
@@ -348,7 +390,7 @@ class Scheduler:
         return w.req.wants_prompt_logprobs and not w.req.output_ids
 
     # ---- process results -----------------------------------------------------------
-    def step(self) -> list[SampleOutput]:
+    def step(self) -> list[TokenDelta]:
         """Run one scheduling step; return the deltas of every sample that progressed."""
         self._poll_compiles()
         if not (self.waiting or self.running or self.finished_outputs or self.kv.modules.encoding):
@@ -367,7 +409,12 @@ class Scheduler:
 
     def _process(self, work: list[Work], logits: torch.Tensor, first_row: list[int]) -> None:
         sampled: list[tuple[Req, int]] = []  # (sample, logits row) to draw a token for
+        drafted: list[tuple[Req, int]] = []  # (sample, its first logits row) to verify
         for w, row0 in zip(work, first_row):
+            if w.req.draft:  # the last token's K/V; the draft's is kept as it is accepted
+                w.req.kv_len += 1
+                drafted.append((w.req, row0))
+                continue
             req, extended = w.req, w.n
             prompt_done_before = req.kv_len >= len(req.prompt_ids)
             req.kv_len += extended
@@ -384,6 +431,7 @@ class Scheduler:
             sampled.append((req, last))
             if req.fork_pending:
                 sampled.extend((child, last) for child in self._fork(req))
+        self._verify(drafted, logits)  # first: a failure in _sample may end a drafted sibling
         self._sample(sampled, logits)
 
     def _fork(self, parent: Req) -> list[Req]:
@@ -411,23 +459,64 @@ class Scheduler:
         for req, status, message in failures:
             self._fail(req.rid, status, message)
         for req, token, lp, top in drawn:
-            if req.finished:  # a sibling sample failed this step: the request is over
-                continue
-            try:
-                self.out.append_token(req, token, lp, top)
-                self.generation_tokens_total += 1
-                reason = req.stop.check(req.output_ids)
-                if req.grammar is not None and req.grammar.terminated:
-                    reason = self._grammar_finish(token, reason)
-            except UnservablePattern as e:  # the pattern, not a bug: it alone fails
-                self._fail(req.rid, 422, str(e))
-                continue
-            except Exception as e:  # a bug on this request's path: it alone fails
-                logger.exception("request %s: error after sampling", req.rid)
-                self._fail(req.rid, 500, f"internal error: {type(e).__name__}: {e}")
-                continue
-            if reason is not None:
-                self._finish(req, reason)
+            if not req.finished:  # else a sibling sample failed this step
+                self._end_if(req, self._take(req, token, lp, top))
+
+    def _verify(self, drafted: list[tuple[Req, int]], logits: torch.Tensor) -> None:
+        """Draw each drafted sample's tokens position by position for as long as they equal
+        its draft (speculative.py); then free the K/V of the draft positions not kept, and
+        end the samples that finished."""
+        start = {req: req.kv_len for req, _ in drafted}
+        ends: list[tuple[Req, FinishReason]] = []
+        live, i = drafted, 0
+        while live:
+            drawn, failures = self.out.draw([(r, row + i) for r, row in live], logits)
+            ends += [(r, FinishReason("error", message, status)) for r, status, message in failures]
+            first_row = dict(live)
+            going = []
+            for req, token, lp, top in drawn:
+                reason = self._take(req, token, lp, top)
+                if reason is not None:
+                    ends.append((req, reason))
+                elif i < len(req.draft) and token == req.draft[i]:
+                    req.kv_len += 1  # the draft token's K/V, computed this step, is kept
+                    going.append((req, first_row[req]))
+            live, i = going, i + 1
+        for req, _ in drafted:
+            self.kv.trim(req, start[req] + len(req.draft))
+            self.speculator.record(req, len(req.draft), req.kv_len - start[req])
+            req.draft = []
+        for req, reason in ends:
+            if not req.finished:
+                self._end_if(req, reason)
+
+    def _take(
+        self, req: Req, token: int, logprob: float, top: list[TokenLogprob]
+    ) -> FinishReason | None:
+        """Append a drawn token to `req`; why it finishes, if it does. A failure on this
+        request's path is an "error" reason with its HTTP status: it alone fails."""
+        try:
+            self.out.append_token(req, token, logprob, top)
+            self.generation_tokens_total += 1
+            reason = req.stop.check(req.output_ids)
+            if req.grammar is not None and req.grammar.terminated:
+                reason = self._grammar_finish(token, reason)
+            return reason
+        except UnservablePattern as e:  # the pattern, not a bug
+            return FinishReason("error", str(e), 422)
+        except Exception as e:  # a bug on this request's path
+            logger.exception("request %s: error after sampling", req.rid)
+            return FinishReason("error", f"internal error: {type(e).__name__}: {e}", 500)
+
+    def _end_if(self, req: Req, reason: FinishReason | None) -> None:
+        """End `req` for `reason` (an error ends every sample of its request)."""
+        if reason is None:
+            return
+        if reason.type == "error":
+            assert reason.status is not None and isinstance(reason.matched, str)
+            self._fail(req.rid, reason.status, reason.matched)
+        else:
+            self._finish(req, reason)
 
     def _grammar_finish(self, token: int, reason: FinishReason | None) -> FinishReason:
         """The pattern is complete (eos taken, or nothing but eos may follow): "stop", unless
@@ -447,7 +536,7 @@ class Scheduler:
         if req.fork_pending:  # ended before its prompt was done: samples 1..n-1 never began
             req.fork_pending = False
             self.finished_outputs.extend(
-                SampleOutput(req.rid, i, [], reason, prompt_tokens=len(req.prompt_ids))
+                TokenDelta(req.rid, i, [], reason, prompt_tokens=len(req.prompt_ids))
                 for i in range(1, req.sampling.n)
             )
 
@@ -506,6 +595,8 @@ class Scheduler:
             cached_tokens_total=self.cached_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             computed_tokens_total=self.computed_tokens_total,
+            draft_tokens_total=self.speculator.stats.proposed,
+            accepted_draft_tokens_total=self.speculator.stats.accepted,
             tiers=self.cache.tier_stats(),
         )
 
@@ -517,6 +608,6 @@ class Scheduler:
         backend = self.config.attention_backend
         return snapshot(self.cache, max_nodes, max_depth, running, batched, self.stats(), backend)
 
-    def run_until_idle(self) -> Iterable[SampleOutput]:
+    def run_until_idle(self) -> Iterable[TokenDelta]:
         while self.has_work():
             yield from self.step()

@@ -44,6 +44,11 @@ class _SchedulerCollector(Collector):
             "prompt_tokens": ("Prompt tokens of admitted requests", s.prompt_tokens_total),
             "cached_tokens": ("Prompt tokens served from the radix cache", s.cached_tokens_total),
             "generation_tokens": ("Generated tokens", s.generation_tokens_total),
+            "spec_draft_tokens": ("Speculative draft tokens verified", s.draft_tokens_total),
+            "spec_accepted_tokens": (
+                "Speculative draft tokens accepted",
+                s.accepted_draft_tokens_total,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)

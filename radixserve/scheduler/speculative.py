@@ -1,0 +1,90 @@
+"""Speculative decoding: drafts of a decoding sample's next tokens, verified in one step.
+
+A drafter proposes a chain of tokens that may follow a sample's sequence. The step feeds the
+sample's last token and the draft together (1 + k positions, every position's logits kept),
+then draws the sample's tokens one position at a time, exactly as plain decoding would from
+those logits, for as long as each drawn token equals the draft's token at its position. The
+first drawn token that differs, or that ends the sample, is the last one of the step; the
+K/V slots of the draft positions after it go back to the pool.
+
+Every token kept is the one plain decoding draws from the same logits with the same random
+number (a seeded sample's uniform is keyed by its output index), so greedy output is
+unchanged, and sampled output follows the model's distribution: drawing from p and going on
+while the draw equals the draft token d accepts d with probability p(d) and otherwise yields
+p conditioned on "not d", which is the speculative-sampling rule for a deterministic draft.
+Penalties, grammars (a draft token the grammar forbids is never drawn), stop conditions and
+logprobs apply per position as in plain decoding.
+
+Drafters (`--speculative-algorithm`):
+- `ngram`: the sample's own prompt and output (prompt lookup, ngram.py): the tokens that
+  followed an earlier occurrence of its last tokens, the longest match among the latest;
+- `radix`: the prefix cache: a cached sequence that extends the sample's whole sequence
+  (another sample of the same prompt, a repeated request), along its most recent branch;
+- `auto` (the default): radix, else ngram; `none`: no speculation.
+
+Adaptive: a sample whose draft had no token accepted waits 2^misses steps (up to
+MAX_PAUSE) before it drafts again; an accepted token resets the count. Drafting costs a
+wider step only where drafts keep being accepted, and only while at most MAX_BATCH samples
+decode (a wide step is compute-bound: verifying drafts there costs more than it saves).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixserve.config import SPECULATIVE_ALGORITHMS
+from radixserve.kvcache.prefix_cache import PrefixCache
+from radixserve.scheduler.req import Req
+
+MAX_PAUSE = 64  # steps a sample whose drafts miss waits at most before drafting again
+MAX_BATCH = 16  # samples decoding at most for drafts: a wider step gains less and pays more
+
+
+@dataclass
+class DraftStats:
+    proposed: int = 0  # draft tokens fed to the model
+    accepted: int = 0  # of those, tokens kept
+    steps: int = 0  # sample-steps that verified a draft
+
+
+class Speculator:
+    """Proposes drafts for decoding samples and learns, per sample, whether they pay."""
+
+    def __init__(self, algorithm: str, num_draft_tokens: int, cache: PrefixCache) -> None:
+        assert algorithm in SPECULATIVE_ALGORITHMS, algorithm
+        self.algorithm = algorithm
+        self.num_draft_tokens = num_draft_tokens
+        self.cache = cache
+        self.stats = DraftStats()
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm != "none" and self.num_draft_tokens > 0
+
+    def propose(self, req: Req) -> list[int]:
+        """A draft for `req`'s next step ([] for none). `req` is decoding: its last token's
+        K/V is what the step computes."""
+        if req.draft_pause > 0:
+            req.draft_pause -= 1
+            return []
+        # each step yields at most 1 + k tokens, and the last one needs no K/V
+        k = min(self.num_draft_tokens, req.sampling.max_new_tokens - len(req.output_ids) - 1)
+        if k <= 0 or req.request.modules is not None:
+            return []
+        draft: list[int] = []
+        if self.algorithm in ("auto", "radix"):
+            draft = self.cache.continuation(req.all_ids, k)
+        if not draft and self.algorithm in ("auto", "ngram"):
+            draft = req.ngrams.draft(req.all_ids, k)
+        return draft
+
+    def record(self, req: Req, proposed: int, accepted: int) -> None:
+        """`accepted` of `req`'s `proposed` draft tokens were kept this step."""
+        self.stats.proposed += proposed
+        self.stats.accepted += accepted
+        self.stats.steps += 1
+        if accepted:
+            req.draft_misses = 0
+        else:
+            req.draft_misses += 1
+            req.draft_pause = min(2**req.draft_misses, MAX_PAUSE)

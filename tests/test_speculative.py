@@ -1,0 +1,227 @@
+"""Speculative decoding (radixserve/scheduler/speculative.py) on a tiny random Llama (fp32):
+the same tokens with and without drafts (greedy and seeded sampling, alone and batched,
+n > 1, stop strings, logprobs, a regex, a small pool that retracts), drafts really accepted
+(from the radix cache and from the sample's own tokens), and no KV slot leaked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from radixserve import Engine
+from radixserve.kvcache.pool import KVPool
+from radixserve.kvcache.radix import RadixCache
+from radixserve.scheduler.ngram import CANDIDATES, MAX_MATCH, MIN_MATCH, NgramIndex
+
+GREEDY = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
+SEEDED = {"temperature": 0.8, "top_p": 0.95, "seed": 5, "max_new_tokens": 48, "ignore_eos": True}
+
+
+def make_engine(model_dir: Path, algorithm: str, **kw: Any) -> Engine:
+    cfg: dict[str, Any] = {"dtype": "float32", "max_total_tokens": 4096}
+    return Engine(str(model_dir), speculative_algorithm=algorithm, **{**cfg, **kw})
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, 20000, (16 + 5 * i,), generator=g).tolist() for i in range(n)]
+
+
+def ids_of(out: Any) -> list[list[int]]:
+    return [o["output_ids"] for o in (out if isinstance(out, list) else [out])]
+
+
+def assert_all_free(engine: Engine) -> None:
+    engine.check_integrity()
+    assert engine.flush_cache()
+    pool = engine.scheduler.kv.pool
+    assert pool.num_free == pool.capacity
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir: Path) -> Engine:
+    return make_engine(tiny_model_dir, "none")
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_model_dir: Path) -> Engine:
+    return make_engine(tiny_model_dir, "auto")
+
+
+CASES = {
+    "greedy-batch": (prompts(6), GREEDY, {}),
+    "seeded-batch": (prompts(6, seed=1), SEEDED, {}),
+    "greedy-n4": (prompts(1, seed=2)[0], {**GREEDY, "n": 4}, {}),
+    "seeded-n4": (prompts(1, seed=3)[0], {**SEEDED, "n": 4}, {}),
+    "logprobs": (prompts(2, seed=4), GREEDY, {"return_logprob": True, "top_logprobs_num": 3}),
+    "penalties": (prompts(3, seed=5), {**GREEDY, "repetition_penalty": 1.3}, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_same_tokens_with_and_without_drafts(plain: Engine, spec: Engine, case: str) -> None:
+    """Run twice with drafts: the second run finds the first one's outputs in the radix cache
+    and drafts them whole."""
+    ids, params, kw = CASES[case]
+    reference = plain.generate(input_ids=ids, sampling_params=params, **kw)
+    before = spec.scheduler.stats().accepted_draft_tokens_total
+    for _ in range(2):
+        out = spec.generate(input_ids=ids, sampling_params=params, **kw)
+        assert ids_of(out) == ids_of(reference)
+    assert spec.scheduler.stats().accepted_draft_tokens_total > before
+    if kw.get("return_logprob"):
+        for o, r in zip(out, reference):
+            got = [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]
+            want = [lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]]
+            assert got == pytest.approx(want, abs=1e-4)
+    assert_all_free(spec)
+    assert_all_free(plain)
+
+
+def test_a_repeated_request_is_drafted_from_the_radix_cache(plain: Engine, spec: Engine) -> None:
+    ids = prompts(1, seed=9)[0]
+    first = spec.generate(input_ids=ids, sampling_params=GREEDY)
+    stats = spec.scheduler.stats()
+    computed = stats.computed_tokens_total
+    second = spec.generate(input_ids=ids, sampling_params=GREEDY)
+    after = spec.scheduler.stats()
+    want = plain.generate(input_ids=ids, sampling_params=GREEDY)
+    assert ids_of(second) == ids_of(first) == ids_of(want)
+    # 47 tokens after the first in 6 steps (5 with 8 draft tokens, the last with 1), every
+    # draft token accepted
+    accepted = after.accepted_draft_tokens_total - stats.accepted_draft_tokens_total
+    assert accepted == after.draft_tokens_total - stats.draft_tokens_total == 41
+    assert after.computed_tokens_total - computed == 1 + 47  # nothing computed twice
+    assert_all_free(spec)
+
+
+def test_stop_string_inside_an_accepted_draft(plain: Engine, spec: Engine) -> None:
+    ids = prompts(1, seed=6)[0]
+    full = plain.generate(input_ids=ids, sampling_params=GREEDY)
+    text = full["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 4]
+    params = {**GREEDY, "stop": [stop]}
+    want = plain.generate(input_ids=ids, sampling_params=params)
+    spec.generate(input_ids=ids, sampling_params=GREEDY)  # the whole output is cached now
+    got = spec.generate(input_ids=ids, sampling_params=params)
+    assert got["text"] == want["text"] and got["output_ids"] == want["output_ids"]
+    assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+    assert_all_free(spec)
+
+
+def test_a_regex_constrains_every_drafted_position(plain: Engine, spec: Engine) -> None:
+    """A draft token the grammar forbids is never drawn: the draft (the unconstrained
+    output, cached) ends there."""
+    ids = prompts(1, seed=7)[0]
+    params = {"temperature": 0, "max_new_tokens": 40, "regex": "[a-z ]{1,60}"}
+    spec.generate(input_ids=ids, sampling_params=GREEDY)
+    want = plain.generate(input_ids=ids, sampling_params=params)
+    got = spec.generate(input_ids=ids, sampling_params=params)
+    assert got["output_ids"] == want["output_ids"]
+    assert_all_free(spec)
+
+
+def test_drafts_in_a_pool_that_retracts(tiny_model_dir: Path, plain: Engine) -> None:
+    small = make_engine(tiny_model_dir, "auto", max_total_tokens=160)
+    ids = prompts(8)
+    want = ids_of(plain.generate(input_ids=ids, sampling_params=GREEDY))
+    for _ in range(2):
+        assert ids_of(small.generate(input_ids=ids, sampling_params=GREEDY)) == want
+    assert_all_free(small)
+
+
+def test_a_sample_repeating_itself_is_drafted_from_its_own_tokens(
+    tiny_model_dir: Path, plain: Engine
+) -> None:
+    """A regex that makes the output repeat a phrase: the n-gram drafter proposes the
+    phrase's next tokens from the sample's own output (no radix cache to draft from)."""
+    ngram = make_engine(tiny_model_dir, "ngram", disable_radix_cache=True)
+    ids = prompts(1, seed=8)[0]
+    params = {"temperature": 0, "max_new_tokens": 64, "regex": "(radix tree )+"}
+    want = plain.generate(input_ids=ids, sampling_params=params)
+    got = ngram.generate(input_ids=ids, sampling_params=params)
+    assert got["output_ids"] == want["output_ids"]
+    assert got["text"].startswith("radix tree radix tree radix tree")
+    stats = ngram.scheduler.stats()  # the random model spells the phrase several ways
+    assert stats.draft_tokens_total > stats.accepted_draft_tokens_total > 0
+    assert_all_free(ngram)
+
+
+@pytest.mark.slow
+def test_the_embedded_model_copies_code_with_drafts() -> None:
+    """bf16 where the CPU has it: a rewrite of a function in the prompt, the same tokens
+    with n-gram drafts as without, most of them drafted."""
+    code = (
+        "def add_numbers(first_value, second_value):\n"
+        "    total = first_value + second_value\n"
+        "    print('the total is', total)\n"
+        "    return total\n"
+    )
+    text = f"Rewrite this function with first_value renamed to a:\n\n{code}"
+    params = {"temperature": 0, "max_new_tokens": 96}
+    outs = []
+    for algorithm in ("none", "ngram"):
+        engine = Engine(None, speculative_algorithm=algorithm, max_total_tokens=4096)
+        outs.append(engine.generate(prompt=text, sampling_params=params))
+        stats = engine.scheduler.stats()
+    assert outs[0]["output_ids"] == outs[1]["output_ids"]
+    assert stats.accepted_draft_tokens_total > 0
+
+
+# ---------------------------------------------------------------- drafters alone
+
+
+def direct_draft(ids: list[int], k: int) -> list[int]:
+    """NgramIndex.draft's rule by a direct search: of the latest CANDIDATES earlier
+    occurrences of the last two tokens, the longest match (up to MAX_MATCH), latest first."""
+    last = len(ids) - 1
+    if last < MIN_MATCH:
+        return []
+    ends = [e for e in range(1, last) if ids[e - 1 : e + 1] == ids[last - 1 :]][-CANDIDATES:]
+
+    def match(e: int) -> int:
+        m = 0
+        while m < MAX_MATCH and m <= e and ids[e - m] == ids[last - m]:
+            m += 1
+        return m
+
+    if not ends:
+        return []
+    best = max(reversed(ends), key=match)  # max keeps the first (latest) of equal ones
+    return ids[best + 1 : best + 1 + k]
+
+
+@given(st.lists(st.integers(0, 4), max_size=120), st.integers(1, 10), st.integers(0, 120))
+def test_ngram_draft_follows_the_longest_of_the_latest_matches(
+    ids: list[int], k: int, grown_from: int
+) -> None:
+    """Drafted on the whole list at once, or after drafting on a prefix of it (the index
+    grows with the list), against the direct search."""
+    index = NgramIndex()
+    index.draft(ids[:grown_from], k)
+    assert index.draft(ids, k) == NgramIndex().draft(ids, k) == direct_draft(ids, k)
+
+
+def test_continuation_follows_the_most_recent_branch() -> None:
+    pool = KVPool(64, 1, 1, 4, torch.float32)
+    cache = RadixCache(pool)
+
+    def insert(tokens: list[int]) -> None:
+        slots = pool.alloc(len(tokens))
+        assert slots is not None
+        cache.insert(tokens, slots)
+
+    insert([1, 2, 3, 4, 5])
+    insert([1, 2, 3, 9, 9, 9])
+    assert cache.continuation([1, 2], 10) == [3, 9, 9, 9]  # the newer branch
+    assert cache.continuation([1, 2, 3, 4], 10) == [5]
+    assert cache.continuation([1, 2, 3, 4, 5], 10) == []  # nothing extends it
+    assert cache.continuation([1, 2, 7], 10) == []  # not cached
+    assert cache.continuation([1], 2) == [2, 3]
+    cache.match_prefix([1, 2, 3, 4])  # touched: now the most recent branch
+    assert cache.continuation([1, 2, 3], 10) == [4, 5]
