@@ -26,6 +26,7 @@ class PlanStats:
     """Counts, per step, the shared segments the tree backend kept (observation only)."""
 
     def __init__(self, engine: Engine) -> None:
+        self.steps = 0
         self.steps_with_segments = 0
         self.max_levels = 0
         backend = engine.worker.backend
@@ -33,6 +34,7 @@ class PlanStats:
 
         def plan(batch: Any) -> None:
             inner(batch)
+            self.steps += 1
             if batch.attn_plan.segments:
                 self.steps_with_segments += 1
                 self.max_levels = max(self.max_levels, batch.attn_plan.num_levels)
@@ -84,7 +86,8 @@ def test_fork_of_16_samples_identical(engines: dict[str, Engine]) -> None:
         for a, b in zip(lp_t[:common], lp_f[:common]):
             assert abs(a - b) <= 1e-4, (a, b)
     assert same >= 14, f"only {same} of 16 samples identical under tree and flat"
-    assert stats.steps_with_segments >= SAMPLED["max_new_tokens"] - 2  # every decode step
+    # every decode step (the prefill is one step; drafts may make the steps fewer than tokens)
+    assert stats.steps_with_segments >= stats.steps - 2
 
 
 def sampled(engine: Engine, prompt: str, params: dict[str, Any]) -> list[tuple[list[int], list]]:
