@@ -1,4 +1,5 @@
-"""Test-side drivers that run a model through ForwardBatch + KVPool without a scheduler.
+"""Test-side drivers that run a model through ForwardBatch + KVPool without a scheduler, and
+the engine tests' check that a run leaked no KV slot.
 
 Single request, no radix tree (paths=[[]]): the request's KV slots are allocated up front,
 slot i holding position i. Import from a test module as `from helpers import ...` (pytest's
@@ -12,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
+from radixserve import Engine
 from radixserve.attention import TreeBackend
 from radixserve.attention.base import AttentionBackend
 from radixserve.core.batch import ForwardBatch
@@ -96,3 +98,11 @@ def keep_every_segment(backend: TreeBackend) -> Iterator[None]:
         yield
     finally:
         backend.min_tokens, backend.min_reads, backend.min_tokens_extend = saved
+
+
+def assert_all_free(engine: Engine) -> None:
+    """The engine's KV accounting holds, and once its cache is flushed every slot is free."""
+    engine.check_integrity()
+    assert engine.flush_cache()
+    pool = engine.scheduler.kv.pool
+    assert pool.num_free == pool.capacity

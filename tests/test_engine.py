@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import assert_all_free
 
 from radixserve import Engine
 
@@ -31,13 +32,6 @@ def run_alone(engine: Engine, ids: list[int], params: dict[str, Any] = GREEDY) -
     out = engine.generate(input_ids=ids, sampling_params=params)
     assert isinstance(out, dict)
     return out["output_ids"]
-
-
-def assert_all_free(engine: Engine) -> None:
-    engine.check_integrity()
-    assert engine.flush_cache()
-    pool = engine.scheduler.kv.pool
-    assert pool.num_free == pool.capacity
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import assert_all_free
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -34,13 +35,6 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 def ids_of(out: Any) -> list[list[int]]:
     return [o["output_ids"] for o in (out if isinstance(out, list) else [out])]
-
-
-def assert_all_free(engine: Engine) -> None:
-    engine.check_integrity()
-    assert engine.flush_cache()
-    pool = engine.scheduler.kv.pool
-    assert pool.num_free == pool.capacity
 
 
 @pytest.fixture(scope="module")

@@ -248,8 +248,9 @@ class Scheduler:
         if self.speculator.enabled and len(work) <= MAX_BATCH:
             reserved = sum(w.n for w in work)  # by _make_room
             for w in work:
-                w.n += len(self._draft(w.req, reserved))
-                reserved += len(w.req.draft)
+                draft = self._draft(w.req, reserved)
+                w.n += len(draft)
+                reserved += len(draft)
         self.kv.extend_each([(w.req, w.n) for w in work])
         budget = self.config.max_prefill_tokens - sum(w.n for w in work if w.n > 1)
         chunks = self.kv.modules.next_chunks(min(self.config.chunked_prefill_size, budget))
@@ -467,12 +468,12 @@ class Scheduler:
         its draft (speculative.py); then free the K/V of the draft positions not kept, and
         end the samples that finished."""
         start = {req: req.kv_len for req, _ in drafted}
+        first_row = dict(drafted)
         ends: list[tuple[Req, FinishReason]] = []
         live, i = drafted, 0
         while live:
             drawn, failures = self.out.draw([(r, row + i) for r, row in live], logits)
             ends += [(r, FinishReason("error", message, status)) for r, status, message in failures]
-            first_row = dict(live)
             going = []
             for req, token, lp, top in drawn:
                 reason = self._take(req, token, lp, top)

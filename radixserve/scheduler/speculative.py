@@ -44,7 +44,6 @@ MAX_BATCH = 16  # samples decoding at most for drafts: a wider step gains less a
 class DraftStats:
     proposed: int = 0  # draft tokens fed to the model
     accepted: int = 0  # of those, tokens kept
-    steps: int = 0  # sample-steps that verified a draft
 
 
 class Speculator:
@@ -82,7 +81,6 @@ class Speculator:
         """`accepted` of `req`'s `proposed` draft tokens were kept this step."""
         self.stats.proposed += proposed
         self.stats.accepted += accepted
-        self.stats.steps += 1
         if accepted:
             req.draft_misses = 0
         else:
