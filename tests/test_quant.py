@@ -128,6 +128,23 @@ def test_native_kernels_match_reference(fmt: str, m: int, wide: bool) -> None:
     _close(native.qmatmul_tiled(x, blocks, code, k), x, w)  # exact float32 activations
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_weight_streaming_rows_do_not_depend_on_the_rows_beside_them(fmt: str) -> None:
+    """Up to small_m rows (a decode batch, a draft's verification rows) each row of x gets
+    the bits it gets alone, whatever its position: 16-row, 8-row and single-row weight tasks,
+    x rows in passes of 16."""
+    native = ops()
+    assert native is not None
+    k = widths(fmt)[1]
+    blocks, _ = _weights(16 * 5 + 8 + 3, k, fmt, seed=7)
+    x = torch.randn(FORMATS[fmt].small_m, k, generator=torch.Generator().manual_seed(7))
+    code = FORMATS[fmt].code
+    alone = torch.cat([native.qmatmul_small(x[i : i + 1], blocks, code, k) for i in range(len(x))])
+    for m in range(2, len(x) + 1):
+        assert torch.equal(native.qmatmul_small(x[:m], blocks, code, k), alone[:m]), m
+    assert torch.equal(native.qmatmul_small(x.flip(0), blocks, code, k), alone.flip(0))
+
+
 def test_int16_gemm_is_built_where_avx2_is() -> None:
     """The int16 GEMM is the AVX2 build's path above small_m; a portable build falls back."""
     native = ops()

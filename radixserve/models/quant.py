@@ -9,7 +9,7 @@ over the memory bandwidth. Q4_1 stores 32 weights in 20 bytes (5 bits a weight) 
 block products are summed as exact integers (error <= amax / 65534 of each block: on
 SmolLM2, |logprob delta| 7.8e-4 mean against float32, benchmarks/eval_quant.py;
 tests/test_quant.py), by one of two kernels: up to the format's `small_m` rows, a
-weight-streaming kernel (each weight block widened once for 8 rows of x); above it, an
+weight-streaming kernel (each weight block widened once for up to 16 rows of x); above it, an
 int16 GEMM (x transposed 8 rows a vector, madd at twice the multiply-adds per instruction of
 a float32 FMA: ~1.2-1.5x dequantize + sgemm at 64-1024 rows, bench_quant.py). A bf16
 model with BF16_TILED_M rows or more, on a CPU with fast bf16 matmuls, gets bf16 tiles and
@@ -60,9 +60,11 @@ class Format:
     block: int  # weights per block (K-quants: per super-block)
     block_bytes: int
     # Rows of x up to which the weight-streaming kernel beats the int16 GEMM, which widens
-    # each weight once per call into a buffer: Q4 to 7 rows (the GEMM 1.1-1.2x at 8), Q8_0
-    # (twice the bytes to widen) to ~20 on the 49152-row embedding (0.9x at 16, 1.04-1.1x at
-    # 24; benchmarks/bench_quant.py, Zen 4 EPYC, native and AVX2 settings).
+    # each weight once per call into a buffer and fills whole groups of 16 (VNNI) or 8 rows
+    # of x: every format to 16 rows (on the 1B shape's 16384 x 2048 gate/up the GEMM takes
+    # 1.1-2x the streaming kernel's time at 8-16 rows, about the same on its 2048 x 8192
+    # down), Q8_0 (twice the bytes to widen) to 24; benchmarks/bench_quant.py, Zen 5 EPYC,
+    # native and AVX2 settings.
     small_m: int
 
     def row_bytes(self, k: int) -> int:
@@ -72,14 +74,14 @@ class Format:
 FORMATS = {
     f.name: f
     for f in (
-        Format("q4_0", 0, BLOCK, 18, 7),
-        Format("q4_1", 1, BLOCK, 20, 7),
-        Format("q8_0", 2, BLOCK, 34, 20),
-        Format("q4_k", 3, SUPER_BLOCK, 144, 7),
-        Format("q5_k", 4, SUPER_BLOCK, 176, 7),
-        Format("q6_k", 5, SUPER_BLOCK, 210, 7),
-        Format("q5_0", 6, BLOCK, 22, 7),
-        Format("q5_1", 7, BLOCK, 24, 7),
+        Format("q4_0", 0, BLOCK, 18, 16),
+        Format("q4_1", 1, BLOCK, 20, 16),
+        Format("q8_0", 2, BLOCK, 34, 24),
+        Format("q4_k", 3, SUPER_BLOCK, 144, 16),
+        Format("q5_k", 4, SUPER_BLOCK, 176, 16),
+        Format("q6_k", 5, SUPER_BLOCK, 210, 16),
+        Format("q5_0", 6, BLOCK, 22, 16),
+        Format("q5_1", 7, BLOCK, 24, 16),
     )
 }
 # Formats made only by llama.cpp's quantizer: the `gguf` package's dequantization is their

@@ -27,9 +27,9 @@
 //
 // Three ways to multiply x (M, K) float32 by such a weight, picked by the caller per call:
 // - `qmatmul_small` (M small: decode): x is rounded per 32-block to int16 (error <= amax /
-//   65534 of its block), each weight block is widened to int16 once for up to kRows rows
-//   of x, and the block dot products run as exact int32 sums (madd), scaled in float32.
-//   Reads each weight byte once per kRows rows: the weight-bandwidth-bound case, where the
+//   65534 of its block), each weight block is widened to int16 once for up to 16 rows of
+//   x, and the block dot products run as exact int32 sums (madd), scaled in float32.
+//   Reads each weight byte once per 16 rows: the weight-bandwidth-bound case, where the
 //   4-bit layout reads ~5x fewer bytes than fp32. (Dequantizing to float32 in registers
 //   instead took ~2x the instructions and ran compute-bound on AVX2.)
 // - `qmatmul_gemm` (larger M): the same int16 x and exact integer block sums, as a GEMM:
@@ -42,7 +42,7 @@
 //   builds without AVX2, and of bf16 models where bf16 matmuls are fast.
 // Built per ISA: with -mavx2 -mfma -mf16c the AVX2 paths below are used, without them plain
 // C++ (portable, slower; qmatmul_gemm then runs qmatmul_small's loops). The AVX512-VNNI
-// build (for CPUs that have it) adds 512-bit paths: the batch-1 kernel takes 16 weight rows
+// build (for CPUs that have it) adds 512-bit paths: the streaming kernel takes 16 weight rows
 // at a time and the GEMM 16 rows of x per vector, each block sum one vpdpwssd (32 int16
 // multiply-adds into int32) instead of a madd and an add; their results equal the AVX2
 // paths' bit for bit (same integer sums, same float32 operations per lane, same order).
@@ -373,7 +373,6 @@ void dequant_rows(const uint8_t* w, int64_t fmt, int64_t K, int64_t n0, int64_t 
 struct QRows {
   std::vector<int16_t> q;  // (M, K)
   std::vector<float> d, s;  // (M, K / 32)
-  std::vector<float> d8, s8;  // the same per group of kRows rows, row-minor: (M / kRows, K / 32, kRows)
 };
 
 void quantize_block(const float* x, float qmax, int16_t* q, float* d, float* s) {
@@ -430,16 +429,6 @@ void quantize_rows(const float* x, int64_t M, int64_t K, float qmax, QRows& out)
   out.q.resize(M * K), out.d.resize(M * nb), out.s.resize(M * nb);
   for (int64_t i = 0; i < M * nb; ++i) {
     quantize_block(x + i * kBlock, qmax, out.q.data() + i * kBlock, out.d.data() + i, out.s.data() + i);
-  }
-  const int64_t groups = M / kRows;
-  out.d8.resize(groups * nb * kRows), out.s8.resize(groups * nb * kRows);
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t b = 0; b < nb; ++b) {
-      for (int64_t r = 0; r < kRows; ++r) {
-        out.d8[(g * nb + b) * kRows + r] = out.d[(g * kRows + r) * nb + b];
-        out.s8[(g * nb + b) * kRows + r] = out.s[(g * kRows + r) * nb + b];
-      }
-    }
   }
 }
 
@@ -498,35 +487,6 @@ inline __m256i reduce8(const __m256i s[8]) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31));
 }
 
-// dot_rows for a whole group of kRows = 8 rows of x (xr a multiple of 8). Per block the 8
-// rows' int32 sums are reduced into one vector (lane r = row r: exact integers), then scaled
-// and accumulated for all 8 rows at once, instead of a scale broadcast and FMA per row.
-template <int64_t fmt>
-void dot_rows8(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, float* out, int64_t ldo) {
-  static_assert(kRows == 8, "one AVX2 lane per row");
-  const float* d8 = x.d8.data() + xr * nb;  // group xr / 8: (nb, 8)
-  const float* s8 = x.s8.data() + xr * nb;
-  __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    float dw, mw;
-    block_scales<fmt>(wrow, b, dw, mw);
-    __m256i w0, w1;
-    widen_block<fmt>(wrow, b, w0, w1);
-    __m256i sums[8];
-    for (int r = 0; r < 8; ++r) {
-      const __m256i* xq = reinterpret_cast<const __m256i*>(x.q.data() + ((xr + r) * nb + b) * kBlock);
-      sums[r] = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xq)),
-                                 _mm256_madd_epi16(w1, _mm256_loadu_si256(xq + 1)));
-    }
-    const __m256i dots = reduce8(sums);
-    const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(dw), _mm256_loadu_ps(d8 + b * 8));
-    acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dots), acc);
-    if (has_offset(fmt)) off = _mm256_fmadd_ps(_mm256_set1_ps(mw), _mm256_loadu_ps(s8 + b * 8), off);
-  }
-  alignas(32) float res[8];
-  _mm256_store_ps(res, _mm256_add_ps(acc, off));
-  for (int r = 0; r < 8; ++r) out[r * ldo] = res[r];
-}
 #endif
 
 #ifdef RS_AVX2
@@ -585,58 +545,12 @@ inline void super_scales8(const uint8_t* const* rows, int64_t sb, __m256 d[8], _
   }
 }
 
-// out[0..8) = x row 0 . weight rows n..n+8 (one row of x: the batch-1 decode case). Per block
-// the 8 rows' int32 dot products are reduced into one vector (lane i = row i) and scaled by
-// the 8 rows' d times x's d in one FMA: no per-block scalar work and no horizontal sums at
-// the end; the x block is loaded once for the 8 rows. Same exact integer block sums as
-// dot_rows, scaled and summed per row in block order.
-template <int64_t fmt>
-void dot_wrows8(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRows& x, float* out) {
-  const uint8_t* rows[8];
-  for (int i = 0; i < 8; ++i) rows[i] = w + i * row_bytes;
-  // The 8 rows are one contiguous run of bytes, but read 8 blocks apart they make 8 streams
-  // the hardware prefetchers follow badly (~2x slower than reading one row at a time from
-  // DRAM): ask for the next group's bytes in order instead, a share per block.
-  const char* next = reinterpret_cast<const char*>(w + 8 * row_bytes);
-  const int64_t share = (8 * row_bytes + nb - 1) / nb;
-  __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
-  __m256 dsub[8], msub[8];  // K-quants: the current super-block's scales (super_scales8)
-  for (int64_t b = 0; b < nb; ++b) {
-    if constexpr (is_kquant(fmt)) {
-      if ((b & 7) == 0) super_scales8<fmt>(rows, b >> 3, dsub, msub);
-    }
-    for (int64_t p = b * share; p < (b + 1) * share; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
-    const __m256i* xq = reinterpret_cast<const __m256i*>(x.q.data() + b * kBlock);
-    const __m256i x0 = _mm256_loadu_si256(xq), x1 = _mm256_loadu_si256(xq + 1);
-    __m256i sums[8];
-    for (int i = 0; i < 8; ++i) {
-      __m256i w0, w1;
-      widen_block<fmt>(rows[i], b, w0, w1);
-      sums[i] = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
-    }
-    __m256 d, m;
-    if constexpr (is_kquant(fmt)) {
-      d = dsub[b & 7], m = msub[b & 7];
-    } else {
-      block_scales8<fmt>(rows, b * unit_bytes(fmt), d, m);
-    }
-    acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d[b])), _mm256_cvtepi32_ps(reduce8(sums)), acc);
-    if (has_offset(fmt)) off = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[b]), off);
-  }
-  _mm256_storeu_ps(out, _mm256_add_ps(acc, off));
-}
-
-void dot_wrows8(const uint8_t* w, int64_t fmt, int64_t row_bytes, int64_t nb, const QRows& x, float* out) {
-  with_format(fmt, [&](auto f) { dot_wrows8<decltype(f)::value>(w, row_bytes, nb, x, out); });
-}
 #endif
 
 #ifdef RS_VNNI
-// The AVX512-VNNI build's batch-1 kernel: 16 weight rows a task, a block of one row widened
-// to 32 int16 lanes in one register and multiplied into int32 by one vpdpwssd. The block sums
-// are the same exact integers as dot_wrows8's, and each row's float32 scaling and
-// accumulation run in the same order with the same roundings: the results equal the AVX2
-// kernel's bit for bit.
+// The AVX512-VNNI build's weight-streaming blocks (V16 below): a block of one weight row
+// widened to 32 int16 lanes in one register and multiplied into int32 by one vpdpwssd, the
+// same exact integer sums as the AVX2 build's two madds.
 inline __m512i widen32(__m256i bytes) { return _mm512_cvtepu8_epi16(bytes); }
 
 // Block b of a row: its 32 quants as int16 lanes (w = d * q + m, as widen_block).
@@ -704,44 +618,6 @@ inline __m512 join(__m256 lo, __m256 hi) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
 }
 
-// out[0..16) = x row 0 . weight rows 0..16 of w (dot_wrows8 for 16 rows).
-template <int64_t fmt>
-void dot_wrows16(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRows& x, float* out) {
-  const uint8_t* rows[16];
-  for (int i = 0; i < 16; ++i) rows[i] = w + i * row_bytes;
-  const char* next = reinterpret_cast<const char*>(w + 16 * row_bytes);  // as dot_wrows8
-  const int64_t share = (16 * row_bytes + nb - 1) / nb;
-  __m512 acc = _mm512_setzero_ps(), off = _mm512_setzero_ps();
-  __m256 dsub[2][8], msub[2][8];
-  for (int64_t b = 0; b < nb; ++b) {
-    if constexpr (is_kquant(fmt)) {
-      if ((b & 7) == 0) {
-        super_scales8<fmt>(rows, b >> 3, dsub[0], msub[0]);
-        super_scales8<fmt>(rows + 8, b >> 3, dsub[1], msub[1]);
-      }
-    }
-    for (int64_t p = b * share; p < (b + 1) * share; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
-    const __m512i xq = _mm512_loadu_si512(x.q.data() + b * kBlock);
-    __m512i sums[16];
-    for (int i = 0; i < 16; ++i) sums[i] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), widen_block16<fmt>(rows[i], b), xq);
-    __m512 d, m;
-    if constexpr (is_kquant(fmt)) {
-      d = join(dsub[0][b & 7], dsub[1][b & 7]), m = join(msub[0][b & 7], msub[1][b & 7]);
-    } else {
-      __m256 d0, m0, d1, m1;
-      block_scales8<fmt>(rows, b * unit_bytes(fmt), d0, m0);
-      block_scales8<fmt>(rows + 8, b * unit_bytes(fmt), d1, m1);
-      d = join(d0, d1), m = join(m0, m1);
-    }
-    acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.d[b])), _mm512_cvtepi32_ps(reduce16(sums)), acc);
-    if (has_offset(fmt)) off = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[b]), off);
-  }
-  _mm512_storeu_ps(out, _mm512_add_ps(acc, off));
-}
-
-void dot_wrows16(const uint8_t* w, int64_t fmt, int64_t row_bytes, int64_t nb, const QRows& x, float* out) {
-  with_format(fmt, [&](auto f) { dot_wrows16<decltype(f)::value>(w, row_bytes, nb, x, out); });
-}
 #endif
 
 #ifdef RS_AVX2
@@ -749,7 +625,7 @@ void dot_wrows16(const uint8_t* w, int64_t fmt, int64_t row_bytes, int64_t nb, c
 // x[2j + 1]) of each of 8 (AVX2) or 16 (VNNI) rows: a madd (vpdpwssd) with a broadcast pair
 // of weights then gives the block sums of those rows for one column in one int32 vector,
 // with no horizontal reduction, and the block is scaled per lane (d_x of each row times
-// d_w), as in dot_rows8. madd does 16 multiply-adds per instruction against 8 for a float32
+// d_w), as in dot_wrows. madd does 16 multiply-adds per instruction against 8 for a float32
 // FMA (vpdpwssd 32, the add included), so this outruns dequantize + sgemm; the weights are
 // only widened (kBlockCols columns at a time), never transposed.
 inline void transpose8(__m256i r[8]) {  // 8x8 int32: r[i] lane j <- r[j] lane i
@@ -802,6 +678,33 @@ struct V8 {
     for (int j = 0; j < 8; ++j) t[j] = lo[j], t[8 + j] = hi[j];
   }
   static constexpr int C = 4, RG = 2;  // register block: C weight columns x RG groups of rows
+  // The weight-streaming kernel (dot_wrows): L weight rows a task, a block of one row as two
+  // int16 vectors (elements 0-15, 16-31), its sums with an x block by two madds.
+  struct Q {
+    __m256i lo, hi;
+  };
+  template <int64_t fmt>
+  static Q widen(const uint8_t* row, int64_t b) {
+    Q q;
+    widen_block<fmt>(row, b, q.lo, q.hi);
+    return q;
+  }
+  static Q loadq(const int16_t* p) {
+    const __m256i* v = reinterpret_cast<const __m256i*>(p);
+    return {_mm256_loadu_si256(v), _mm256_loadu_si256(v + 1)};
+  }
+  static I block_dot(const Q& w, const Q& x) {
+    return _mm256_add_epi32(_mm256_madd_epi16(w.lo, x.lo), _mm256_madd_epi16(w.hi, x.hi));
+  }
+  static I reduce(const I s[L]) { return reduce8(s); }
+  template <int64_t fmt>
+  static void super_scales(const uint8_t* const* rows, int64_t sb, F d[8], F m[8]) {
+    super_scales8<fmt>(rows, sb, d, m);
+  }
+  template <int64_t fmt>
+  static void block_scales(const uint8_t* const* rows, int64_t off, F& d, F& m) {
+    block_scales8<fmt>(rows, off, d, m);
+  }
 };
 
 #ifdef RS_VNNI
@@ -826,6 +729,26 @@ struct V16 {
   }
   // 8 columns x 16 rows: 8 vpdpwssd chains hide its latency in 24 of the 32 registers
   static constexpr int C = 8, RG = 1;
+  // dot_wrows: a block of one weight row in one register, its sums by one vpdpwssd; the
+  // scales of rows 0-7 and 8-15 decoded as V8's and joined.
+  using Q = __m512i;
+  template <int64_t fmt>
+  static Q widen(const uint8_t* row, int64_t b) { return widen_block16<fmt>(row, b); }
+  static Q loadq(const int16_t* p) { return _mm512_loadu_si512(p); }
+  static I block_dot(Q w, Q x) { return _mm512_dpwssd_epi32(izero(), w, x); }
+  static I reduce(const I s[L]) { return reduce16(s); }
+  template <int64_t fmt>
+  static void super_scales(const uint8_t* const* rows, int64_t sb, F d[8], F m[8]) {
+    V8::F d0[8], m0[8], d1[8], m1[8];
+    super_scales8<fmt>(rows, sb, d0, m0), super_scales8<fmt>(rows + 8, sb, d1, m1);
+    for (int j = 0; j < 8; ++j) d[j] = join(d0[j], d1[j]), m[j] = join(m0[j], m1[j]);
+  }
+  template <int64_t fmt>
+  static void block_scales(const uint8_t* const* rows, int64_t off, F& d, F& m) {
+    V8::F d0, m0, d1, m1;
+    block_scales8<fmt>(rows, off, d0, m0), block_scales8<fmt>(rows + 8, off, d1, m1);
+    d = join(d0, d1), m = join(m0, m1);
+  }
 };
 #endif
 
@@ -972,6 +895,67 @@ using GemmV = V16;
 #else
 using GemmV = V8;
 #endif
+
+constexpr int64_t kStreamRows = 16;  // rows of x per pass of dot_wrows over its weight rows
+
+// out[r * ldo + i] = x row xr + r . weight row i of w, for the V::L weight rows from w and
+// r < M <= kStreamRows (kM: M where it is known at compile time, else 0). Per block the L
+// rows' quants are widened once for the M rows of x; for each row of x the L rows' int32
+// block sums are reduced into one vector (lane i = weight row i) and scaled by the L rows'
+// d times x's d in one FMA: no per-block scalar work and no horizontal sums at the end.
+// Each output is the same exact integer block sums, scaled and summed in block order, for
+// any M, V and position of the row in the batch: a row's result does not depend on the
+// rows beside it, and the AVX512-VNNI build (V16) equals the AVX2 one (V8) bit for bit.
+template <typename V, int64_t fmt, int kM>
+void dot_wrows(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRows& x, int64_t xr, int64_t M, float* out,
+               int64_t ldo) {
+  constexpr int L = V::L;
+  const int64_t rows_x = kM ? kM : M;
+  const uint8_t* rows[L];
+  for (int i = 0; i < L; ++i) rows[i] = w + i * row_bytes;
+  // The L rows are one contiguous run of bytes, but read L blocks apart they make L streams
+  // the hardware prefetchers follow badly (~2x slower than reading one row at a time from
+  // DRAM): ask for the next task's bytes in order instead, a share per block.
+  const char* next = reinterpret_cast<const char*>(w + L * row_bytes);
+  const int64_t share = (L * row_bytes + nb - 1) / nb;
+  typename V::F acc[kStreamRows], off[kStreamRows];
+  for (int64_t r = 0; r < rows_x; ++r) acc[r] = off[r] = V::zero();
+  typename V::F dsub[8], msub[8];  // K-quants: the current super-block's scales
+  for (int64_t b = 0; b < nb; ++b) {
+    typename V::F d, m;
+    if constexpr (is_kquant(fmt)) {
+      if ((b & 7) == 0) V::template super_scales<fmt>(rows, b >> 3, dsub, msub);
+      d = dsub[b & 7], m = msub[b & 7];
+    } else {
+      V::template block_scales<fmt>(rows, b * unit_bytes(fmt), d, m);
+    }
+    for (int64_t p = b * share; p < (b + 1) * share; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
+    typename V::Q wq[L];
+    for (int i = 0; i < L; ++i) wq[i] = V::template widen<fmt>(rows[i], b);
+    for (int64_t r = 0; r < rows_x; ++r) {
+      const int64_t xb = (xr + r) * nb + b;
+      const typename V::Q xq = V::loadq(x.q.data() + xb * kBlock);
+      typename V::I sums[L];
+      for (int i = 0; i < L; ++i) sums[i] = V::block_dot(wq[i], xq);
+      acc[r] = V::fmadd(V::mul(d, V::set1(x.d[xb])), V::cvt(V::reduce(sums)), acc[r]);
+      if (has_offset(fmt)) off[r] = V::fmadd(m, V::set1(x.s[xb]), off[r]);
+    }
+  }
+  for (int64_t r = 0; r < rows_x; ++r) V::storef(out + r * ldo, V::add(acc[r], off[r]));
+}
+
+// dot_wrows for every row of x (M of them), kStreamRows at a time.
+template <typename V>
+void dot_wrows(const uint8_t* w, int64_t fmt, int64_t row_bytes, int64_t nb, const QRows& x, int64_t M, float* out,
+               int64_t ldo) {
+  with_format(fmt, [&](auto f) {
+    constexpr int64_t F = decltype(f)::value;
+    if (M == 1) return dot_wrows<V, F, 1>(w, row_bytes, nb, x, 0, 1, out, ldo);
+    for (int64_t r0 = 0; r0 < M; r0 += kStreamRows) {
+      dot_wrows<V, F, 0>(w, row_bytes, nb, x, r0, std::min(kStreamRows, M - r0), out + r0 * ldo, ldo);
+    }
+  });
+}
 #endif
 
 template <int64_t fmt>
@@ -985,11 +969,7 @@ void dot_rows(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, int64
     case 5: return dot_rows<fmt, 5>(wrow, nb, x, xr, out, ldo);
     case 6: return dot_rows<fmt, 6>(wrow, nb, x, xr, out, ldo);
     case 7: return dot_rows<fmt, 7>(wrow, nb, x, xr, out, ldo);
-#ifdef RS_AVX2
-    default: return dot_rows8<fmt>(wrow, nb, x, xr, out, ldo);
-#else
     default: return dot_rows<fmt, kRows>(wrow, nb, x, xr, out, ldo);
-#endif
   }
 }
 
@@ -1023,8 +1003,8 @@ struct SmallPart {
 
 // out (M, ldo) columns [col, col + rows) of every part = x @ part.T, in ONE parallel loop
 // over all parts' rows (a fused projection of several parts costs one loop, as one part):
-// with M == 1 16 weight rows a task (dot_wrows16, AVX512-VNNI) or 8 (dot_wrows8, AVX2), else
-// one row for all M rows.
+// 16 weight rows a task (dot_wrows, AVX512-VNNI), then 8 (AVX2), the rest (and every row in
+// a build without AVX2) one row a task.
 void run_small(const std::vector<SmallPart>& parts, int64_t M, int64_t nb, float* out, int64_t ldo) {
   struct Task {
     int32_t part, rows;
@@ -1034,18 +1014,14 @@ void run_small(const std::vector<SmallPart>& parts, int64_t M, int64_t nb, float
   for (size_t p = 0; p < parts.size(); ++p) {
     int64_t n = 0;
 #ifdef RS_VNNI
-    if (M == 1) {
-      for (; n + 16 <= parts[p].rows; n += 16) tasks.push_back({static_cast<int32_t>(p), 16, n});
-    }
+    for (; n + 16 <= parts[p].rows; n += 16) tasks.push_back({static_cast<int32_t>(p), 16, n});
 #endif
 #ifdef RS_AVX2
-    if (M == 1) {
-      for (; n + 8 <= parts[p].rows; n += 8) tasks.push_back({static_cast<int32_t>(p), 8, n});
-    }
+    for (; n + 8 <= parts[p].rows; n += 8) tasks.push_back({static_cast<int32_t>(p), 8, n});
 #endif
     for (; n < parts[p].rows; ++n) tasks.push_back({static_cast<int32_t>(p), 1, n});
   }
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), M == 1 ? 8 : 16, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), M == 1 ? 8 : 2, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const Task& task = tasks[t];
       const SmallPart& part = parts[task.part];
@@ -1053,13 +1029,13 @@ void run_small(const std::vector<SmallPart>& parts, int64_t M, int64_t nb, float
       float* o = out + part.col + task.n;
 #ifdef RS_VNNI
       if (task.rows == 16) {
-        dot_wrows16(row, part.fmt, part.row_bytes, nb, *part.x, o);
+        dot_wrows<V16>(row, part.fmt, part.row_bytes, nb, *part.x, M, o, ldo);
         continue;
       }
 #endif
 #ifdef RS_AVX2
       if (task.rows == 8) {
-        dot_wrows8(row, part.fmt, part.row_bytes, nb, *part.x, o);
+        dot_wrows<V8>(row, part.fmt, part.row_bytes, nb, *part.x, M, o, ldo);
         continue;
       }
 #endif
