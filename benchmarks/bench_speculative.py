@@ -13,7 +13,8 @@ Workloads (greedy, chat template of the model, one request at a time):
 
 For each workload both engines (`speculative_algorithm` "none" and the default "auto") run
 the same requests; tokens/s = output tokens / wall time (prefill included, the cache flushed
-before each request but in `repeat`), and whether both gave the same tokens. Prints a
+before each request but in `repeat`), decode tokens/s the same for the steps after each
+request's first token (its prefill left out), and whether both gave the same tokens. Prints a
 table, writes JSON and a bar plot.
 
     python benchmarks/bench_speculative.py --requests 6 --max-new-tokens 192 \\
@@ -89,14 +90,16 @@ def sharegpt_first_turns(n: int) -> list[Messages]:
 def run(engine: Engine, prompts: list[list[int]], max_new: int, flush: bool) -> dict[str, Any]:
     params = {"temperature": 0, "max_new_tokens": max_new}
     before = engine.scheduler.stats()
-    outputs, seconds = [], 0.0
+    outputs, seconds, decode_seconds = [], 0.0, 0.0
     for ids in prompts:
         if flush:
             engine.flush_cache()
         t = time.perf_counter()
         out = engine.generate(input_ids=ids, sampling_params=params)
-        seconds += time.perf_counter() - t
+        wall = time.perf_counter() - t
         assert isinstance(out, dict)
+        seconds += wall
+        decode_seconds += wall - out["meta_info"]["first_token_latency"]
         outputs.append(out["output_ids"])
     after = engine.scheduler.stats()
     tokens = sum(map(len, outputs))
@@ -107,6 +110,8 @@ def run(engine: Engine, prompts: list[list[int]], max_new: int, flush: bool) -> 
         "seconds": seconds,
         "tokens": tokens,
         "tokens_per_s": tokens / seconds,
+        # the steps after each request's first token: its prefill left out
+        "decode_tokens_per_s": (tokens - len(outputs)) / decode_seconds,
         "draft_tokens": drafted,
         "accepted_draft_tokens": accepted,
     }
@@ -118,12 +123,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--dtype", default="auto", help="the engines' dtype (default: auto)")
     ap.add_argument("--requests", type=int, default=6, help="requests per workload")
     ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=None,
+        help="the auto engine's (default: its default)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args(argv)
 
+    draft = (
+        {}
+        if args.num_draft_tokens is None
+        else {"speculative_num_draft_tokens": args.num_draft_tokens}
+    )
     engines = {
-        a: Engine(args.model, speculative_algorithm=a, dtype=args.dtype) for a in ("none", "auto")
+        "none": Engine(args.model, speculative_algorithm="none", dtype=args.dtype),
+        "auto": Engine(args.model, speculative_algorithm="auto", dtype=args.dtype, **draft),
     }
     tok = engines["none"].tokenizer
     n = args.requests
@@ -152,6 +169,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "plain_tokens_per_s": round(plain["tokens_per_s"], 2),
             "spec_tokens_per_s": round(spec["tokens_per_s"], 2),
             "speedup": round(spec["tokens_per_s"] / plain["tokens_per_s"], 3),
+            "plain_decode_tokens_per_s": round(plain["decode_tokens_per_s"], 2),
+            "spec_decode_tokens_per_s": round(spec["decode_tokens_per_s"], 2),
+            "decode_speedup": round(spec["decode_tokens_per_s"] / plain["decode_tokens_per_s"], 3),
             "draft_tokens": spec["draft_tokens"],
             "accepted_draft_tokens": spec["accepted_draft_tokens"],
             "same_tokens": plain["outputs"] == spec["outputs"],
@@ -160,6 +180,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(
             f"{name:11s} {row['tokens']:6d} tok  none {row['plain_tokens_per_s']:7.2f} tok/s  "
             f"auto {row['spec_tokens_per_s']:7.2f} tok/s  {row['speedup']:5.2f}x  "
+            f"decode alone {row['plain_decode_tokens_per_s']:7.2f} -> "
+            f"{row['spec_decode_tokens_per_s']:7.2f} tok/s {row['decode_speedup']:5.2f}x  "
             f"accepted {row['accepted_draft_tokens']}/{row['draft_tokens']}  "
             f"same tokens: {row['same_tokens']}",
             flush=True,

@@ -223,6 +223,26 @@ def test_threads_agree() -> None:
     torch.testing.assert_close(one, two, atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_decode_row_does_not_depend_on_the_batch(dtype: torch.dtype) -> None:
+    """A one-token request (a decode row, or one position of a speculative draft) gets the
+    same bits beside other requests as alone: its keys are split into the same chunks
+    whatever else the op holds (here 1500 keys, split alone, beside 15 more decode rows and
+    a 300-token prefill)."""
+    pool = Pool(5, 1500 + 15 * 700 + 300, 3, 64, dtype)
+    lens = [1500] + [700] * 15 + [300]
+    slots = pool.take(sum(lens))
+    q_lens = [1] * 16 + [300]
+    q = pool.queries(sum(q_lens), 9)
+    alone = native.pool_private_attention(
+        q[:1], pool.k, pool.v, slots[:1500], native._offsets([1]), native._offsets([1500]), 0.125
+    )
+    batch = native.pool_private_attention(
+        q, pool.k, pool.v, slots, native._offsets(q_lens), native._offsets(lens), 0.125
+    )
+    assert torch.equal(batch[0][:1], alone[0]) and torch.equal(batch[1][:1], alone[1])
+
+
 def test_head_dim_not_multiple_of_8_uses_torch_path() -> None:
     pool = Pool(4, 50, 3, 20, torch.float32)
     slots, q = pool.take(50), pool.queries(6, 9)

@@ -782,7 +782,10 @@ void run_item(Problem& P, const Item& it) {
 }
 
 // Cut every unit into items: row blocks of <= kMaxRows, and key chunks (multiples of kBlock)
-// while the work is too coarse for the threads. Items of one (unit, row block) are adjacent.
+// while the work is too coarse for the threads. A one-token unit (a decode row, or one
+// position of a speculative draft) is chunked as it would be alone, whatever else the op
+// holds: its keys are summed in the same chunks, so its output does not depend on the
+// batch. Items of one (unit, row block) are adjacent.
 void plan_items(Problem& P, int64_t threads) {
   int64_t total = 0;
   for (const Unit& u : P.units) total += u.heads * u.q_len * P.group * std::max<int64_t>(u.kv_len, 1);
@@ -795,7 +798,7 @@ void plan_items(Problem& P, int64_t threads) {
     for (int64_t b = 0; b < nrb; ++b) {
       const int64_t r0 = rows * b / nrb, r1 = rows * (b + 1) / nrb;
       const int64_t kend = P.limit(u, r1 - 1);
-      const int64_t want = (u.heads * (r1 - r0) * kend + target - 1) / target;
+      const int64_t want = u.q_len == 1 ? kItemsPerThread * threads : (u.heads * (r1 - r0) * kend + target - 1) / target;
       const int64_t chunks = std::max<int64_t>(1, std::min(want, kend / kMinChunkKeys));
       const int64_t step = ((kend + chunks - 1) / chunks + kBlock - 1) / kBlock * kBlock;
       const int64_t n = chunks == 1 ? 1 : (kend + step - 1) / step;
