@@ -9,7 +9,10 @@ Workloads (greedy, chat template of the model, one request at a time):
   title line" (the answer is in the prompt);
 - sharegpt: ShareGPT first turns alone (nothing to copy: no regression allowed);
 - repeat: the code-edit requests sent again (the radix cache holds every answer: the
-  engine ran them just before, untimed).
+  engine ran them just before, untimed);
+- gsm8k-sc: GSM8K self-consistency, 8-shot, 16 samples of each question decoding together
+  (temperature 0.7, seeded: the same tokens with or without drafts), half as many
+  questions as --requests.
 
 For each workload both engines (`speculative_algorithm` "none" and the default "auto") run
 the same requests; tokens/s = output tokens / wall time (prefill included, the cache flushed
@@ -35,11 +38,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import eval_data  # noqa: E402
+from eval_gsm8k import STOP, few_shot_prompt  # noqa: E402
 
 from radixserve import Engine  # noqa: E402
 from radixserve.tokenizer.chat import render_chat  # noqa: E402
 
 Messages = list[dict[str, str]]
+SC_SAMPLES = 16  # samples of each GSM8K question in the self-consistency workload
 
 
 def code_edit(n: int) -> list[Messages]:
@@ -87,20 +92,30 @@ def sharegpt_first_turns(n: int) -> list[Messages]:
     return [[{"role": "user", "content": q}] for q, _ in _answers(n, skip=1000)]
 
 
-def run(engine: Engine, prompts: list[list[int]], max_new: int, flush: bool) -> dict[str, Any]:
-    params = {"temperature": 0, "max_new_tokens": max_new}
+def gsm8k_self_consistency(data_path: str | None, n: int) -> list[str]:
+    """8-shot GSM8K prompts of the first n test questions (each sampled SC_SAMPLES times)."""
+    shots = few_shot_prompt(eval_data.gsm8k(data_path, "train", 8), 8)
+    return [
+        f"{shots}Question: {r['question']}\nAnswer:" for r in eval_data.gsm8k(data_path, "test", n)
+    ]
+
+
+def run(
+    engine: Engine, prompts: list[list[int]], params: dict[str, Any], flush: bool
+) -> dict[str, Any]:
+    """Each prompt alone (its samples together); seed i for prompt i where params sample."""
     before = engine.scheduler.stats()
     outputs, seconds, decode_seconds = [], 0.0, 0.0
-    for ids in prompts:
+    for i, ids in enumerate(prompts):
         if flush:
             engine.flush_cache()
         t = time.perf_counter()
-        out = engine.generate(input_ids=ids, sampling_params=params)
+        out = engine.generate(input_ids=ids, sampling_params={**params, "seed": i})
         wall = time.perf_counter() - t
-        assert isinstance(out, dict)
+        samples = out if isinstance(out, list) else [out]
         seconds += wall
-        decode_seconds += wall - out["meta_info"]["first_token_latency"]
-        outputs.append(out["output_ids"])
+        decode_seconds += wall - min(o["meta_info"]["first_token_latency"] for o in samples)
+        outputs.extend(o["output_ids"] for o in samples)
     after = engine.scheduler.stats()
     tokens = sum(map(len, outputs))
     drafted = after.draft_tokens_total - before.draft_tokens_total
@@ -111,7 +126,7 @@ def run(engine: Engine, prompts: list[list[int]], max_new: int, flush: bool) -> 
         "tokens": tokens,
         "tokens_per_s": tokens / seconds,
         # the steps after each request's first token: its prefill left out
-        "decode_tokens_per_s": (tokens - len(outputs)) / decode_seconds,
+        "decode_tokens_per_s": (tokens - len(prompts)) / decode_seconds,
         "draft_tokens": drafted,
         "accepted_draft_tokens": accepted,
     }
@@ -129,6 +144,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=None,
         help="the auto engine's (default: its default)",
     )
+    ap.add_argument(
+        "--gsm8k", default=None, metavar="PATH", help="GSM8K folder or jsonl (default: download)"
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -145,22 +163,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tok = engines["none"].tokenizer
     n = args.requests
     edits = code_edit(n)
-    workloads = {
+    greedy = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
+    chats = {
         "code-edit": edits,
         "quote": quote(n),
         "multi-turn": multi_turn(n),
         "sharegpt": sharegpt_first_turns(n),
         "repeat": edits,
     }
+    workloads = {name: ([render_chat(tok, m) for m in c], greedy) for name, c in chats.items()}
+    sc = {"temperature": 0.7, "max_new_tokens": 256, "n": SC_SAMPLES, "stop": STOP}
+    sc_prompts = gsm8k_self_consistency(args.gsm8k, max(1, n // 2))
+    workloads["gsm8k-sc"] = ([tok.encode(p) for p in sc_prompts], sc)
     rows = []
-    for name, chats in workloads.items():
-        prompts = [render_chat(tok, m) for m in chats]
+    for name, (prompts, params) in workloads.items():
         flush = name != "repeat"
         if not flush:  # each engine's cache holds these requests' outputs, and nothing else
             for engine in engines.values():
                 engine.flush_cache()
-                run(engine, prompts, args.max_new_tokens, flush=False)
-        runs = {a: run(e, prompts, args.max_new_tokens, flush) for a, e in engines.items()}
+                run(engine, prompts, params, flush=False)
+        runs = {a: run(e, prompts, params, flush) for a, e in engines.items()}
         plain, spec = runs["none"], runs["auto"]
         row = {
             "workload": name,

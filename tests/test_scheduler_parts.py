@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from radixserve.attention.flat import FlatBackend
 from radixserve.config import EngineConfig
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.params import SamplingParams
@@ -38,6 +39,7 @@ class CountingWorker:
         )  # fmt: skip
         self.pool = KVPool(slots, 1, 1, 2, torch.float32)
         self.dtype = torch.float32
+        self.backend = FlatBackend()
         self.tokens_run = 0
 
     def forward(self, batch: ForwardBatch, rows: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from radixserve import Engine
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.radix import RadixCache
 from radixserve.scheduler.ngram import CANDIDATES, MAX_MATCH, MIN_MATCH, NgramIndex
+from radixserve.scheduler.speculative import MAX_ROWS
 
 GREEDY = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
 SEEDED = {"temperature": 0.8, "top_p": 0.95, "seed": 5, "max_new_tokens": 48, "ignore_eos": True}
@@ -91,6 +92,29 @@ def test_a_repeated_request_is_drafted_from_the_radix_cache(plain: Engine, spec:
     accepted = after.accepted_draft_tokens_total - stats.accepted_draft_tokens_total
     assert accepted == after.draft_tokens_total - stats.draft_tokens_total == 41
     assert after.computed_tokens_total - computed == 1 + 47  # nothing computed twice
+    assert_all_free(spec)
+
+
+def test_a_step_with_drafts_holds_at_most_max_rows(
+    plain: Engine, spec: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """12 repeated requests, every one drafted whole from the radix cache: the drafts of a
+    step share MAX_ROWS rows with the decoding samples' own, and the tokens stay the same."""
+    ids = prompts(12, seed=8)
+    reference = plain.generate(input_ids=ids, sampling_params=GREEDY)
+    spec.generate(input_ids=ids, sampling_params=GREEDY)  # now in the radix cache
+    widths: list[int] = []
+    schedule = spec.scheduler._schedule
+
+    def recorded() -> Any:
+        work, chunks = schedule()
+        if any(w.req.draft for w in work):
+            widths.append(sum(w.n for w in work if w.req.output_ids))
+        return work, chunks
+
+    monkeypatch.setattr(spec.scheduler, "_schedule", recorded)
+    assert ids_of(spec.generate(input_ids=ids, sampling_params=GREEDY)) == ids_of(reference)
+    assert widths and max(widths) <= MAX_ROWS, widths
     assert_all_free(spec)
 
 

@@ -18,6 +18,12 @@ from radixserve.core.batch import ForwardBatch
 class AttentionBackend(ABC):
     name: str
 
+    def keeps(self, num_requests: int, num_tokens: int, max_q_len: int) -> bool:
+        """Whether a shared segment of `num_tokens` tokens under `num_requests` requests
+        (longest query block `max_q_len` rows) is attended once for all of them: never, but
+        in a backend that attends shared segments."""
+        return False
+
     @abstractmethod
     def plan(self, batch: ForwardBatch) -> None:
         """Precompute per-step metadata into `batch.attn_plan`; does not touch K/V."""

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from radixserve.attention.base import AttentionBackend
 from radixserve.config import EngineConfig
 from radixserve.constrained.grammar import GrammarCompiler
 from radixserve.core.batch import ForwardBatch
@@ -37,6 +38,7 @@ class StepWorker(Protocol):
     pool: KVPool
     model_config: ModelConfig
     dtype: torch.dtype
+    backend: AttentionBackend
 
     def forward(self, batch: ForwardBatch, rows: torch.Tensor) -> torch.Tensor: ...
 

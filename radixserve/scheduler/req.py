@@ -61,10 +61,8 @@ class Req:
     input_logprobs: list[PromptLogprob] = field(default_factory=list)
     input_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     # Speculative decoding (speculative.py): this step's draft tokens, fed after the last
-    # token; drafts in a row with none accepted, and steps left before the next draft.
+    # token.
     draft: list[int] = field(default_factory=list)
-    draft_misses: int = 0
-    draft_pause: int = 0
     ngrams: NgramIndex = field(default_factory=NgramIndex)  # its own tokens, for ngram drafts
     # Kept across steps (module docstring).
     all_ids: list[int] = field(init=False)  # prompt_ids + output_ids

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +58,7 @@ from radixserve.scheduler.outputs import OutputProcessor
 from radixserve.scheduler.parts import SchedulerParts
 from radixserve.scheduler.policy import order_waiting, shares_uncached_prefix
 from radixserve.scheduler.req import Req
-from radixserve.scheduler.speculative import MAX_BATCH, Speculator
+from radixserve.scheduler.speculative import MAX_ROWS, Speculator
 
 logger = logging.getLogger("radixserve.scheduler")
 
@@ -245,12 +246,8 @@ class Scheduler:
         are pinned already), then admissions, within the step's prefill budget."""
         retracted = self._make_room()
         work = [Work(r, self._next_len(r)) for r in self.running]
-        if self.speculator.enabled and len(work) <= MAX_BATCH:
-            reserved = sum(w.n for w in work)  # by _make_room
-            for w in work:
-                draft = self._draft(w.req, reserved)
-                w.n += len(draft)
-                reserved += len(draft)
+        if self.speculator.enabled:
+            self._draft_all(work)
         self.kv.extend_each([(w.req, w.n) for w in work])
         budget = self.config.max_prefill_tokens - sum(w.n for w in work if w.n > 1)
         chunks = self.kv.modules.next_chunks(min(self.config.chunked_prefill_size, budget))
@@ -261,13 +258,34 @@ class Scheduler:
     def _next_len(self, req: Req) -> int:
         return min(req.seq_len - req.kv_len, self.config.chunked_prefill_size)
 
-    def _draft(self, req: Req, reserved: int) -> list[int]:
-        """Set and return `req`'s draft for this step: none unless it is decoding, the
-        speculator proposes one, and the pool can free slots for it beside the `reserved`
-        ones (never by retracting)."""
+    def _draft_all(self, work: list[Work]) -> None:
+        """Drafts for the running samples, in order, while the step has fewer than MAX_ROWS
+        rows; none for a sample whose prefix the attention backend attends as a segment
+        shared with other running samples: its draft positions would each read that prefix
+        again (the sample alone is one row of the segment), and round otherwise than the
+        plain steps that attend it as a segment."""
+        self.speculator.next_step({w.req.request.rid for w in work})
+        rows = sum(w.n for w in work)  # reserved by _make_room
+        paths = {w.req: self.kv.path(w.req) for w in work if w.req.request.modules is None}
+        sharing = Counter(node for path in paths.values() for node, _ in path)
+        for w in work:
+            if rows >= MAX_ROWS:
+                return
+            path = paths.get(w.req, [])
+            shared = sum(tokens for node, tokens in path if sharing[node] > 1)
+            if path and self.worker.backend.keeps(sharing[path[0][0]], shared, 1):
+                continue
+            draft = self._draft(w.req, rows, MAX_ROWS - rows)
+            w.n += len(draft)
+            rows += len(draft)
+
+    def _draft(self, req: Req, reserved: int, room: int) -> list[int]:
+        """Set and return `req`'s draft for this step, at most `room` tokens: none unless
+        it is decoding, the speculator proposes one, and the pool can free slots for it
+        beside the `reserved` ones (never by retracting)."""
         req.draft = []
         if req.output_ids and req.seq_len - req.kv_len == 1:
-            draft = self.speculator.propose(req)
+            draft = self.speculator.propose(req, room)
             if draft and self.kv.reserve(reserved + len(draft)):
                 req.draft = draft
         return req.draft

@@ -22,10 +22,14 @@ Drafters (`--speculative-algorithm`):
   (another sample of the same prompt, a repeated request), along its most recent branch;
 - `auto` (the default): radix, else ngram; `none`: no speculation.
 
-Adaptive: a sample whose draft had no token accepted waits 2^misses steps (up to
-MAX_PAUSE) before it drafts again; an accepted token resets the count. Drafting costs a
-wider step only where drafts keep being accepted, and only while at most MAX_BATCH samples
-decode (a wide step is compute-bound: verifying drafts there costs more than it saves).
+Adaptive, per request (its samples together): after a draft of which less than MIN_KEPT
+was kept, the request's samples wait 2^misses steps (up to MAX_PAUSE) before they draft
+again; a draft mostly kept resets the count. Drafting costs a
+wider step only where drafts keep being accepted, and a drafted step holds at most MAX_ROWS
+token rows, drafts included: the quantized linears' weight-streaming regime (a row there
+costs a fraction of a pass over the weights, and each row's result does not depend on the
+rows beside it). A wider step is compute-bound, and verifying drafts there costs more than
+it saves: 16 samples of one GSM8K question decoding together draft nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from radixserve.kvcache.prefix_cache import PrefixCache
 from radixserve.scheduler.req import Req
 
 MAX_PAUSE = 64  # steps a sample whose drafts miss waits at most before drafting again
-MAX_BATCH = 16  # samples decoding at most for drafts: a wider step gains less and pays more
+MIN_KEPT = 0.5  # a draft of which less than this share is kept is a miss
+MAX_ROWS = 16  # token rows a step with drafts holds at most (Format.small_m of the Q4 formats)
 
 
 @dataclass
@@ -47,7 +52,7 @@ class DraftStats:
 
 
 class Speculator:
-    """Proposes drafts for decoding samples and learns, per sample, whether they pay."""
+    """Proposes drafts for decoding samples and learns, per request, whether they pay."""
 
     def __init__(self, algorithm: str, num_draft_tokens: int, cache: PrefixCache) -> None:
         assert algorithm in SPECULATIVE_ALGORITHMS, algorithm
@@ -55,19 +60,30 @@ class Speculator:
         self.num_draft_tokens = num_draft_tokens
         self.cache = cache
         self.stats = DraftStats()
+        self.steps = 0  # steps scheduled so far
+        self.misses: dict[str, int] = {}  # per running request (rid): drafts missed in a row
+        self.paused_until: dict[str, int] = {}  # per running request: the step it drafts again
+
+    def next_step(self, running: set[str]) -> None:
+        """A step is being scheduled; `running`: the rids of the running requests (the
+        others' records are dropped)."""
+        self.steps += 1
+        for rid in self.misses.keys() - running:
+            del self.misses[rid]
+            self.paused_until.pop(rid, None)
 
     @property
     def enabled(self) -> bool:
         return self.algorithm != "none" and self.num_draft_tokens > 0
 
-    def propose(self, req: Req) -> list[int]:
-        """A draft for `req`'s next step ([] for none). `req` is decoding: its last token's
-        K/V is what the step computes."""
-        if req.draft_pause > 0:
-            req.draft_pause -= 1
+    def propose(self, req: Req, room: int) -> list[int]:
+        """A draft of at most `room` tokens for `req`'s next step ([] for none). `req` is
+        decoding: its last token's K/V is what the step computes."""
+        if self.steps < self.paused_until.get(req.request.rid, 0):
             return []
         # each step yields at most 1 + k tokens, and the last one needs no K/V
-        k = min(self.num_draft_tokens, req.sampling.max_new_tokens - len(req.output_ids) - 1)
+        left = req.sampling.max_new_tokens - len(req.output_ids) - 1
+        k = min(self.num_draft_tokens, left, room)
         if k <= 0 or req.request.modules is not None:
             return []
         draft: list[int] = []
@@ -81,8 +97,10 @@ class Speculator:
         """`accepted` of `req`'s `proposed` draft tokens were kept this step."""
         self.stats.proposed += proposed
         self.stats.accepted += accepted
-        if accepted:
-            req.draft_misses = 0
+        rid = req.request.rid
+        if accepted >= MIN_KEPT * proposed:
+            self.misses.pop(rid, None)
+            self.paused_until.pop(rid, None)
         else:
-            req.draft_misses += 1
-            req.draft_pause = min(2**req.draft_misses, MAX_PAUSE)
+            misses = self.misses[rid] = self.misses.get(rid, 0) + 1
+            self.paused_until[rid] = self.steps + min(2**misses, MAX_PAUSE)
