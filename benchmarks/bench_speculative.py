@@ -41,6 +41,7 @@ import eval_data  # noqa: E402
 from eval_gsm8k import STOP, few_shot_prompt  # noqa: E402
 
 from radixserve import Engine  # noqa: E402
+from radixserve.models.resolve import embedded_gguf  # noqa: E402
 from radixserve.tokenizer.chat import render_chat  # noqa: E402
 
 Messages = list[dict[str, str]]
@@ -132,6 +133,39 @@ def run(
     }
 
 
+def llamacpp_runs(path: str, prompts: list[list[int]], max_new: int) -> dict[str, dict[str, Any]]:
+    """llama.cpp (llama-cpp-python, the bench extra) on the same GGUF, greedy, each prompt
+    alone, plain and with its prompt-lookup decoding (LlamaPromptLookupDecoding: the tokens
+    after the latest earlier match of the last 1-2 tokens, 8 at most, as radixserve's cap)."""
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    runs = {}
+    for name, draft in (("plain", None), ("lookup", LlamaPromptLookupDecoding(num_pred_tokens=8))):
+        llm = Llama(model_path=path, n_ctx=4096, draft_model=draft, logits_all=True, verbose=False)
+        eos = llm.token_eos()
+        seconds, decode_seconds, tokens = 0.0, 0.0, 0
+        for ids in prompts:
+            t = time.perf_counter()
+            first, n = 0.0, 0
+            for token in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+                first, n = first or time.perf_counter(), n + 1
+                if token == eos or n >= max_new:
+                    break
+            end = time.perf_counter()
+            seconds, decode_seconds, tokens = (
+                seconds + end - t,
+                decode_seconds + end - first,
+                tokens + n,
+            )
+        runs[name] = {
+            "tokens_per_s": tokens / seconds,
+            "decode_tokens_per_s": (tokens - len(prompts)) / decode_seconds,
+        }
+        del llm
+    return runs
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
@@ -146,6 +180,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument(
         "--gsm8k", default=None, metavar="PATH", help="GSM8K folder or jsonl (default: download)"
+    )
+    ap.add_argument(
+        "--llamacpp",
+        action="store_true",
+        help="also llama.cpp on the same GGUF, plain and with prompt lookup (greedy workloads)",
     )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
@@ -198,6 +237,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "accepted_draft_tokens": spec["accepted_draft_tokens"],
             "same_tokens": plain["outputs"] == spec["outputs"],
         }
+        if args.llamacpp and name not in ("repeat", "gsm8k-sc"):  # prompt lookup's cases
+            gguf = args.model if args.model and args.model.endswith(".gguf") else embedded_gguf()
+            lc = llamacpp_runs(str(gguf), prompts, args.max_new_tokens)
+            row["llamacpp_decode_tokens_per_s"] = round(lc["plain"]["decode_tokens_per_s"], 2)
+            row["llamacpp_lookup_decode_tokens_per_s"] = round(
+                lc["lookup"]["decode_tokens_per_s"], 2
+            )
+            row["llamacpp_lookup_speedup"] = round(
+                lc["lookup"]["decode_tokens_per_s"] / lc["plain"]["decode_tokens_per_s"], 3
+            )
+            print(
+                f"{name:11s} llama.cpp decode {row['llamacpp_decode_tokens_per_s']:7.2f} -> "
+                f"{row['llamacpp_lookup_decode_tokens_per_s']:7.2f} tok/s with prompt lookup "
+                f"{row['llamacpp_lookup_speedup']:5.2f}x",
+                flush=True,
+            )
         rows.append(row)
         print(
             f"{name:11s} {row['tokens']:6d} tok  none {row['plain_tokens_per_s']:7.2f} tok/s  "
