@@ -399,11 +399,16 @@ def e2e_hf(folder: Path, ids: list[int], batch: int, new: int) -> dict:
             "tokens_per_s": batch * (new - 1) / decode_s, "first_sample": first}  # fmt: skip
 
 
+def e2e_prompt(tokens: int) -> list[int]:
+    """The end-to-end section's prompt: `tokens` random ids (seed 0)."""
+    rng = random.Random(0)
+    return [rng.randrange(100, 49000) for _ in range(tokens)]
+
+
 def check_e2e(model: str | None, batch: int, prompt: int, new: int) -> dict[str, Any]:
     from radixserve.models.resolve import resolve_model_path
 
-    rng = random.Random(0)
-    ids = [rng.randrange(100, 49000) for _ in range(prompt)]
+    ids = e2e_prompt(prompt)
     out: dict[str, Any] = {"batch": batch, "prompt": prompt, "new_tokens": new}
     for backend in ("tree", "flat"):
         out[backend] = e2e_radixserve(model, backend, ids, batch, new)
@@ -425,8 +430,7 @@ def profile_decode(model: str | None, backend: str, batch: int, prompt: int, ste
 
     from radixserve.engine.engine import Engine
 
-    rng = random.Random(0)
-    ids = [rng.randrange(100, 49000) for _ in range(prompt)]
+    ids = e2e_prompt(prompt)
     params = {"temperature": 0, "ignore_eos": True, "n": batch}
     with Engine(model, device=DEVICE, attention_backend=backend,
                 max_total_tokens=batch * (prompt + steps) + 8192) as eng:  # fmt: skip

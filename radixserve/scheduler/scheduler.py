@@ -266,6 +266,8 @@ class Scheduler:
         plain steps that attend it as a segment."""
         self.speculator.next_step({w.req.request.rid for w in work})
         rows = sum(w.n for w in work)  # reserved by _make_room
+        if rows >= MAX_ROWS:
+            return
         paths = {w.req: self.kv.path(w.req) for w in work if w.req.request.modules is None}
         sharing = Counter(node for path in paths.values() for node, _ in path)
         for w in work:

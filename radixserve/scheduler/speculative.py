@@ -24,12 +24,12 @@ Drafters (`--speculative-algorithm`):
 
 Adaptive, per request (its samples together): after a draft of which less than MIN_KEPT
 was kept, the request's samples wait 2^misses steps (up to MAX_PAUSE) before they draft
-again; a draft mostly kept resets the count. Drafting costs a
-wider step only where drafts keep being accepted, and a drafted step holds at most MAX_ROWS
-token rows, drafts included: the quantized linears' weight-streaming regime (a row there
-costs a fraction of a pass over the weights, and each row's result does not depend on the
-rows beside it). A wider step is compute-bound, and verifying drafts there costs more than
-it saves: 16 samples of one GSM8K question decoding together draft nothing.
+again; a draft mostly kept resets the count. Drafting costs a wider step only where drafts
+keep being accepted, and a drafted step holds at most MAX_ROWS token rows, drafts included:
+the quantized linears' weight-streaming regime (a row there costs a fraction of a pass over
+the weights, and each row's result does not depend on the rows beside it). A wider step is
+compute-bound, and verifying drafts there costs more than it saves: 16 samples of one GSM8K
+question decoding together draft nothing.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from radixserve.config import SPECULATIVE_ALGORITHMS
 from radixserve.kvcache.prefix_cache import PrefixCache
 from radixserve.scheduler.req import Req
 
-MAX_PAUSE = 64  # steps a sample whose drafts miss waits at most before drafting again
+MAX_PAUSE = 64  # steps a request whose drafts miss waits at most before drafting again
 MIN_KEPT = 0.5  # a draft of which less than this share is kept is a miss
 MAX_ROWS = 16  # token rows a step with drafts holds at most (Format.small_m of the Q4 formats)
 
