@@ -364,9 +364,9 @@ def e2e_radixserve(model: str | None, backend: str, ids: list[int], batch: int, 
             "tokens_per_s": batch * (new - 1) / decode_s, "first_sample": first}  # fmt: skip
 
 
-def e2e_hf(folder: Path, ids: list[int], batch: int, new: int) -> dict:
-    """HF transformers' generate on the same weights (the GGUF dequantized to bf16 by our
-    reader, under HF names), sdpa attention."""
+def hf_model(folder: Path, dtype: torch.dtype) -> Any:
+    """HF transformers' model of a converted GGUF folder on the same weights (the GGUF
+    dequantized to `dtype` by our reader, under HF names), sdpa attention, on DEVICE."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from radixserve.models.gguf_weights import read_gguf_weights
@@ -376,12 +376,17 @@ def e2e_hf(folder: Path, ids: list[int], batch: int, new: int) -> dict:
     gguf = gguf_source(folder)
     assert gguf is not None, f"{folder} is not a converted GGUF folder"
     config = AutoConfig.from_pretrained(str(folder))
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    weights, _ = read_gguf_weights(gguf, load_config(folder), torch.bfloat16, quantized=False)
+    hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    weights, _ = read_gguf_weights(gguf, load_config(folder), dtype, quantized=False)
     missing, unexpected = hf.load_state_dict(weights, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     hf.tie_weights()
-    hf = hf.to(DEVICE).eval()
+    return hf.to(DEVICE).eval()
+
+
+def e2e_hf(folder: Path, ids: list[int], batch: int, new: int) -> dict:
+    """HF transformers' generate on the same weights in bf16 (hf_model)."""
+    hf = hf_model(folder, torch.bfloat16)
     x = torch.tensor([ids] * batch, device=DEVICE)
     times = {}
     with torch.inference_mode():

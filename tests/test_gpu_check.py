@@ -55,20 +55,8 @@ def test_e2e_section_runs_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def float32_logits(ids: list[int]) -> torch.Tensor:
     """The next-token logits (vocab,) of the embedded model's GGUF weights dequantized to
     float32, through HF transformers."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from radixserve.models.resolve import resolve_model_path
 
-    from radixserve.models.gguf_weights import read_gguf_weights
-    from radixserve.models.loader import load_config
-    from radixserve.models.resolve import gguf_source, resolve_model_path
-
-    folder = resolve_model_path(None)
-    gguf = gguf_source(folder)
-    assert gguf is not None
-    hf = AutoModelForCausalLM.from_config(
-        AutoConfig.from_pretrained(str(folder)), dtype=torch.float32
-    )
-    weights, _ = read_gguf_weights(gguf, load_config(folder), torch.float32, quantized=False)
-    hf.load_state_dict(weights, strict=False)
-    hf.tie_weights()
+    hf = gpu_check.hf_model(resolve_model_path(None), torch.float32)
     with torch.inference_mode():
-        return hf.eval()(torch.tensor([ids])).logits[0, -1]
+        return hf(torch.tensor([ids])).logits[0, -1]

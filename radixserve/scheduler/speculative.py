@@ -61,16 +61,16 @@ class Speculator:
         self.cache = cache
         self.stats = DraftStats()
         self.steps = 0  # steps scheduled so far
-        self.misses: dict[str, int] = {}  # per running request (rid): drafts missed in a row
-        self.paused_until: dict[str, int] = {}  # per running request: the step it drafts again
+        # per running request (rid) whose last draft missed: (drafts missed in a row, the
+        # step from which its samples draft again)
+        self.paused: dict[str, tuple[int, int]] = {}
 
     def next_step(self, running: set[str]) -> None:
         """A step is being scheduled; `running`: the rids of the running requests (the
         others' records are dropped)."""
         self.steps += 1
-        for rid in self.misses.keys() - running:
-            del self.misses[rid]
-            self.paused_until.pop(rid, None)
+        for rid in self.paused.keys() - running:
+            del self.paused[rid]
 
     @property
     def enabled(self) -> bool:
@@ -79,7 +79,7 @@ class Speculator:
     def propose(self, req: Req, room: int) -> list[int]:
         """A draft of at most `room` tokens for `req`'s next step ([] for none). `req` is
         decoding: its last token's K/V is what the step computes."""
-        if self.steps < self.paused_until.get(req.request.rid, 0):
+        if self.steps < self.paused.get(req.request.rid, (0, 0))[1]:
             return []
         # each step yields at most 1 + k tokens, and the last one needs no K/V
         left = req.sampling.max_new_tokens - len(req.output_ids) - 1
@@ -99,8 +99,7 @@ class Speculator:
         self.stats.accepted += accepted
         rid = req.request.rid
         if accepted >= MIN_KEPT * proposed:
-            self.misses.pop(rid, None)
-            self.paused_until.pop(rid, None)
+            self.paused.pop(rid, None)
         else:
-            misses = self.misses[rid] = self.misses.get(rid, 0) + 1
-            self.paused_until[rid] = self.steps + min(2**misses, MAX_PAUSE)
+            misses = self.paused.get(rid, (0, 0))[0] + 1
+            self.paused[rid] = (misses, self.steps + min(2**misses, MAX_PAUSE))

@@ -74,7 +74,7 @@ namespace {
 enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5, kQ5_0 = 6, kQ5_1 = 7 };
 constexpr int64_t kBlock = 32;
 constexpr int64_t kSuper = 256;  // weights of a K-quant super-block
-constexpr int64_t kRows = 8;    // rows of x per pass over the weights in qmatmul_small
+constexpr int64_t kRows = 8;    // rows of x per pass of dot_rows (one weight row a task)
 constexpr int64_t kTile = 64;   // weight rows dequantized per sgemm in qmatmul_tiled
 
 constexpr bool is_kquant(int64_t fmt) { return fmt == kQ4_K || fmt == kQ5_K || fmt == kQ6_K; }
