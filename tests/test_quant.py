@@ -145,6 +145,24 @@ def test_weight_streaming_rows_do_not_depend_on_the_rows_beside_them(fmt: str) -
     assert torch.equal(native.qmatmul_small(x.flip(0), blocks, code, k), alone.flip(0))
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_int16_gemm_gives_the_weight_streaming_bits(fmt: str) -> None:
+    """The int16 GEMM (above small_m) gives every row the bits the weight-streaming kernel
+    gives it, weight rows beyond whole 16- and 8-row tasks included: the same exact block
+    sums, scaled and summed in the same order. A row's result does not depend on how many
+    rows share its step."""
+    native = ops()
+    assert native is not None and native.int_gemm
+    k = widths(fmt)[1]
+    blocks, _ = _weights(16 * 4 + 8 + 3, k, fmt, seed=11)
+    code = FORMATS[fmt].code
+    for m in (1, 7, 16, 40):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        small = native.qmatmul_small(x, blocks, code, k)
+        gemm = native.qmatmul_gemm(x, blocks, code, k)
+        assert torch.equal(small, gemm), (m, (small - gemm).abs().max().item())
+
+
 def test_int16_gemm_is_built_where_avx2_is() -> None:
     """The int16 GEMM is the AVX2 build's path above small_m; a portable build falls back."""
     native = ops()

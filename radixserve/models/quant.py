@@ -11,7 +11,9 @@ SmolLM2, |logprob delta| 7.8e-4 mean against float32, benchmarks/eval_quant.py;
 tests/test_quant.py), by one of two kernels: up to the format's `small_m` rows, a
 weight-streaming kernel (each weight block widened once for up to 16 rows of x); above it, an
 int16 GEMM (x transposed 8 rows a vector, madd at twice the multiply-adds per instruction of
-a float32 FMA: ~1.2-1.5x dequantize + sgemm at 64-1024 rows, bench_quant.py). A bf16
+a float32 FMA: ~1.2-1.5x dequantize + sgemm at 64-1024 rows, bench_quant.py). Both give
+a row the same bits (the same exact block sums, scaled and summed in the same order),
+whatever rows share its call. A bf16
 model with BF16_TILED_M rows or more, on a CPU with fast bf16 matmuls, gets bf16 tiles and
 the bf16 GEMM instead (as if it held the dequantized weights in bf16); a build without AVX2
 dequantizes float32 tiles into sgemm above `small_m`.
@@ -61,10 +63,10 @@ class Format:
     block_bytes: int
     # Rows of x up to which the weight-streaming kernel beats the int16 GEMM, which widens
     # each weight once per call into a buffer and fills whole groups of 16 (VNNI) or 8 rows
-    # of x: every format to 16 rows (on the 1B shape's 16384 x 2048 gate/up the GEMM takes
-    # 1.1-2x the streaming kernel's time at 8-16 rows, about the same on its 2048 x 8192
-    # down), Q8_0 (twice the bytes to widen) to 24; benchmarks/bench_quant.py, Zen 5 EPYC,
-    # native and AVX2 settings.
+    # of x: every format to 16 rows (Q4_K on the 1B shape's 16384 x 2048 gate/up: the GEMM
+    # takes 1.8x the streaming kernel's time at 8 rows, 1.04x at 16; on its 2048 x 8192 down
+    # 1.6x and 0.93x), Q8_0 (twice the bytes to widen) to 24; benchmarks/bench_quant.py,
+    # Zen 5 EPYC, native and AVX2 settings. Either gives a row the same bits.
     small_m: int
 
     def row_bytes(self, k: int) -> int:

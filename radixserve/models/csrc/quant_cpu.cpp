@@ -323,6 +323,12 @@ inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+inline int32_t hsum(__m256i v) {  // exact
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
 #endif
 
 // 8 float32 lanes -> dst[0..8) as float32, or as bfloat16 rounded to nearest even (what
@@ -436,13 +442,13 @@ void quantize_rows(const float* x, int64_t M, int64_t K, float qmax, QRows& out)
 // `xr`): per block d_w * d_x * sum(q_w * q_x) in exact int32 (|sum| <= 32 * 128 * 32767,
 // Q6_K 32 * 4096 * 8191),
 // plus m_w * s_x. The weight block is widened to int16 once for R rows; R is a template
-// constant (registers).
+// constant (registers). With AVX2, the scaling and sums are dot_wrows' FMAs in its order:
+// the weight rows beyond whole 8-row tasks get the bits the others get.
 template <int64_t fmt, int R>
 void dot_rows(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, float* out, int64_t ldo) {
   float offset[R] = {};
 #ifdef RS_AVX2
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  float acc[R] = {};
   for (int64_t b = 0; b < nb; ++b) {
     float dw, mw;
     block_scales<fmt>(wrow, b, dw, mw);
@@ -453,11 +459,11 @@ void dot_rows(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, float
       const __m256i* xq = reinterpret_cast<const __m256i*>(x.q.data() + xb * kBlock);
       const __m256i dots = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xq)),
                                             _mm256_madd_epi16(w1, _mm256_loadu_si256(xq + 1)));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d[xb]), _mm256_cvtepi32_ps(dots), acc[r]);
-      if (has_offset(fmt)) offset[r] += mw * x.s[xb];
+      acc[r] = std::fma(dw * x.d[xb], static_cast<float>(hsum(dots)), acc[r]);
+      if (has_offset(fmt)) offset[r] = std::fma(mw, x.s[xb], offset[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r * ldo] = hsum(acc[r]) + offset[r];
+  for (int r = 0; r < R; ++r) out[r * ldo] = acc[r] + offset[r];
 #else
   float acc[R] = {};  // (scalar build)
   int32_t wq[kBlock];
@@ -775,24 +781,55 @@ struct GroupedX {
   }
 };
 
-// Columns [n0, n0 + C) widened: w (nb, C, 16) int32 pairs, d / m (nb, C).
-template <int64_t fmt, int C>
-void widen_cols(const uint8_t* w, int64_t nb, int64_t n0, int32_t* wq, float* d, float* m) {
+constexpr int kRun = 8;  // weight columns widened together
+
+// Columns [n0, n0 + kRun) widened: w (nb, kRun, 16) int32 pairs, d / m (nb, kRun). The
+// run's scales are decoded as vectors, as dot_wrows decodes them (the K-quants' once a
+// super-block), not one row and block at a time.
+template <int64_t fmt>
+void widen_run(const uint8_t* w, int64_t nb, int64_t n0, int32_t* wq, float* d, float* m) {
   const int64_t bytes = row_bytes_of(fmt, nb * kBlock);
+  const uint8_t* rows[kRun];
+  for (int c = 0; c < kRun; ++c) rows[c] = w + (n0 + c) * bytes;
+  __m256 dsub[8], msub[8];  // K-quants: the current super-block's scales
   for (int64_t b = 0; b < nb; ++b) {
-    for (int c = 0; c < C; ++c) {
-      const uint8_t* row = w + (n0 + c) * bytes;
+    __m256 db, mb;
+    if constexpr (is_kquant(fmt)) {
+      if ((b & 7) == 0) super_scales8<fmt>(rows, b >> 3, dsub, msub);
+      db = dsub[b & 7], mb = msub[b & 7];
+    } else {
+      block_scales8<fmt>(rows, b * unit_bytes(fmt), db, mb);
+    }
+    _mm256_storeu_ps(d + b * kRun, db), _mm256_storeu_ps(m + b * kRun, mb);
+    for (int c = 0; c < kRun; ++c) {
+      int32_t* dst = wq + (b * kRun + c) * 16;
+#ifdef RS_VNNI
+      _mm512_storeu_si512(dst, widen_block16<fmt>(rows[c], b));
+#else
       __m256i w0, w1;
-      widen_block<fmt>(row, b, w0, w1);
-      __m256i* dst = reinterpret_cast<__m256i*>(wq + (b * C + c) * 16);
-      _mm256_store_si256(dst, w0), _mm256_store_si256(dst + 1, w1);
-      block_scales<fmt>(row, b, d[b * C + c], m[b * C + c]);
+      widen_block<fmt>(rows[c], b, w0, w1);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), w0);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst) + 1, w1);
+#endif
     }
   }
 }
 
+// Column n0 alone (a run's leftover): w (nb, 1, 16) int32 pairs, d / m (nb).
+template <int64_t fmt>
+void widen_col(const uint8_t* w, int64_t nb, int64_t n0, int32_t* wq, float* d, float* m) {
+  const uint8_t* row = w + n0 * row_bytes_of(fmt, nb * kBlock);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i w0, w1;
+    widen_block<fmt>(row, b, w0, w1);
+    __m256i* dst = reinterpret_cast<__m256i*>(wq + b * 16);
+    _mm256_storeu_si256(dst, w0), _mm256_storeu_si256(dst + 1, w1);
+    block_scales<fmt>(row, b, d[b], m[b]);
+  }
+}
+
 // out[row, n0 + c] for the V::L * RG rows of groups [g0, g0 + RG) and columns c < C.
-template <typename V, int64_t fmt, int C, int RG>
+template <typename V, int64_t fmt, int C, int S, int RG>
 __attribute__((noinline))  // inlined into the callers, it spilled its sums (Q8_0: 1.4x slower)
 void gemm_block(const int32_t* wq, const float* wd, const float* wm, const GroupedX<V>& x, int64_t nb, int64_t g0,
                 float* y, int64_t ldy) {
@@ -809,7 +846,7 @@ void gemm_block(const int32_t* wq, const float* wd, const float* wm, const Group
       typename V::I xv[RG];
       for (int g = 0; g < RG; ++g) xv[g] = x.t[((g0 + g) * nb + b) * 16 + j];
       for (int c = 0; c < C; ++c) {
-        const int32_t pair = wq[(b * C + c) * 16 + j];  // w[2j], w[2j + 1]
+        const int32_t pair = wq[(b * S + c) * 16 + j];  // w[2j], w[2j + 1]
         for (int g = 0; g < RG; ++g) sum[c][g] = V::dot(sum[c][g], pair, xv[g]);
       }
     }
@@ -817,9 +854,9 @@ void gemm_block(const int32_t* wq, const float* wd, const float* wm, const Group
       const typename V::F dx = V::loadf(x.d.data() + ((g0 + g) * nb + b) * V::L);
       const typename V::F sx = V::loadf(x.s.data() + ((g0 + g) * nb + b) * V::L);
       for (int c = 0; c < C; ++c) {
-        const typename V::F scale = V::mul(V::set1(wd[b * C + c]), dx);
+        const typename V::F scale = V::mul(V::set1(wd[b * S + c]), dx);
         acc[c][g] = V::fmadd(scale, V::cvt(sum[c][g]), acc[c][g]);
-        if (has_offset(fmt)) off[c][g] = V::fmadd(V::set1(wm[b * C + c]), sx, off[c][g]);
+        if (has_offset(fmt)) off[c][g] = V::fmadd(V::set1(wm[b * S + c]), sx, off[c][g]);
       }
     }
   }
@@ -840,26 +877,28 @@ template <typename V, int64_t fmt, int RG>
 void gemm_rows(const int32_t* wq, const float* wd, const float* wm, int64_t nb, int64_t cols, const GroupedX<V>& x,
                int64_t g, float* tile) {
   constexpr int C = V::C;
+  static_assert(kRun % C == 0, "a run is whole register blocks");
   int64_t n = 0;
-  for (; n + C <= cols; n += C) {
-    gemm_block<V, fmt, C, RG>(wq + n * nb * 16, wd + n * nb, wm + n * nb, x, nb, g, tile + n, kBlockCols);
+  for (; n + kRun <= cols; n += kRun) {
+    for (int c = 0; c < kRun; c += C) {
+      const int64_t at = n * nb + c;  // the run's (nb, kRun) scales, column c
+      gemm_block<V, fmt, C, kRun, RG>(wq + at * 16, wd + at, wm + at, x, nb, g, tile + n + c, kBlockCols);
+    }
   }
   for (; n < cols; ++n) {  // the last block's odd columns
-    gemm_block<V, fmt, 1, RG>(wq + n * nb * 16, wd + n * nb, wm + n * nb, x, nb, g, tile + n, kBlockCols);
+    gemm_block<V, fmt, 1, 1, RG>(wq + n * nb * 16, wd + n * nb, wm + n * nb, x, nb, g, tile + n, kBlockCols);
   }
 }
 
 // Output columns [n0, n0 + cols) (cols <= kBlockCols) for the rows of groups [g0, g1): the
-// columns are widened once (runs of V::C columns, then single ones), then each register block
+// columns are widened once (runs of kRun columns, then single ones), then each register block
 // of rows meets them all.
 template <typename V, int64_t fmt>
 void gemm_cols(const uint8_t* w, int64_t nb, int64_t n0, int64_t cols, const GroupedX<V>& x, int64_t g0, int64_t g1,
                int64_t M, float* out, int64_t ldo, int32_t* wq, float* wd, float* wm, float* tile) {
   int64_t n = 0;
-  for (; n + V::C <= cols; n += V::C) {
-    widen_cols<fmt, V::C>(w, nb, n0 + n, wq + n * nb * 16, wd + n * nb, wm + n * nb);
-  }
-  for (; n < cols; ++n) widen_cols<fmt, 1>(w, nb, n0 + n, wq + n * nb * 16, wd + n * nb, wm + n * nb);
+  for (; n + kRun <= cols; n += kRun) widen_run<fmt>(w, nb, n0 + n, wq + n * nb * 16, wd + n * nb, wm + n * nb);
+  for (; n < cols; ++n) widen_col<fmt>(w, nb, n0 + n, wq + n * nb * 16, wd + n * nb, wm + n * nb);
   for (int64_t g = g0; g < g1;) {
     const int64_t step = g + V::RG <= g1 ? V::RG : 1;
     if (step == V::RG) gemm_rows<V, fmt, V::RG>(wq, wd, wm, nb, cols, x, g, tile);
