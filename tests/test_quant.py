@@ -65,12 +65,15 @@ def widths(fmt: str) -> list[int]:
 
 
 def q16_rows(x: torch.Tensor, fmt: str = "q4_1") -> torch.Tensor:
-    """x (M, K) as the integer kernels see it: each 32-block rounded to int16 steps of
-    amax / Q (Q = 32767; 8191 for Q6_K, whose quants are wider), returned dequantized."""
-    qmax = 8191 if fmt == "q6_k" else 32767
-    b = x.view(x.shape[0], -1, 32)
+    """x (M, K) as the integer kernels see it: each 32-block (K-quants: 256-block) rounded
+    to int16 steps of amax / Q (Q = 32767; Q4_K 8191, Q5_K 4095, Q6_K 2047, which keep a
+    super-block's integer sum within int32), returned dequantized."""
+    qmax = {"q4_k": 8191, "q5_k": 4095, "q6_k": 2047}.get(fmt, 32767)
+    b = x.view(x.shape[0], -1, 256 if fmt in ("q4_k", "q5_k", "q6_k") else 32)
     amax = b.abs().amax(-1, keepdim=True)
-    q = torch.round(b * torch.where(amax > 0, qmax / amax, torch.zeros_like(amax)))
+    # Q / amax divided as the kernels divide it (torch's scalar / tensor takes a reciprocal)
+    inverse = torch.full_like(amax, float(qmax)) / amax
+    q = torch.round(b * torch.where(amax > 0, inverse, torch.zeros_like(amax)))
     return (q * (amax / qmax)).view_as(x)
 
 
@@ -604,5 +607,5 @@ def test_q4_k_m_layout_loads_every_projection_native_in_place(
     got = extend(quantized, FlatBackend(), *_pool(quantized, ids), ids, 0)
     want = extend(plain, FlatBackend(), *_pool(plain, ids), ids, 0)
     rel = ((got - want).norm() / want.norm()).item()
-    assert rel < 1e-3, rel
+    assert rel < 5e-3, rel  # 2.1e-3: the K-quants' x in 12-14 bits per 256-block
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9

@@ -13,15 +13,17 @@ weight-streaming kernel (each weight block widened once for up to 16 rows of x);
 int16 GEMM (x transposed 8 rows a vector, madd at twice the multiply-adds per instruction of
 a float32 FMA: ~1.2-1.5x dequantize + sgemm at 64-1024 rows, bench_quant.py). Both give
 a row the same bits (the same exact block sums, scaled and summed in the same order),
-whatever rows share its call. A bf16
-model with BF16_TILED_M rows or more, on a CPU with fast bf16 matmuls, gets bf16 tiles and
-the bf16 GEMM instead (as if it held the dequantized weights in bf16); a build without AVX2
-dequantizes float32 tiles into sgemm above `small_m`.
+whatever rows share its call. A bf16 model with BF16_TILED_M rows or more, on a CPU with
+fast bf16 matmuls, gets bf16 tiles and the bf16 GEMM instead (as if it held the
+dequantized weights in bf16); a build without AVX2 dequantizes float32 tiles into sgemm
+above `small_m`.
 
 Layout of a weight (N, K): a uint8 tensor (N, K / block * block_bytes), row n holding the
-blocks of output row n (32 weights a block; 256 a super-block for the K-quants). The
-K-quants' x is rounded like the others' (Q6_K to 14 bits, to keep its integer sums in
-range: error <= amax / 16382).
+blocks of output row n (32 weights a block; 256 a super-block for the K-quants). For the
+K-quants x is rounded per 256-block, to 14, 13 and 12 bits for Q4_K, Q5_K and Q6_K (error
+<= amax / 16382, 8190, 4094), so that a super-block's products, its sub-block scales
+multiplied into the integer quants, sum exactly in int32 under one scale: one reduction
+and one float32 scaling a super-block instead of eight.
 """
 
 from __future__ import annotations

@@ -19,20 +19,23 @@
 //   Q6_K (210 B): ql[128], qh[64], int8 sc[16], fp16 d; w = d * sc * (q - 32), one scale per
 //                 16 weights; in half h = j / 4, k = j % 4: the low (k < 2) or high nibbles
 //                 of ql[64 h + 32 (k % 2) + l] and bits 2k, 2k + 1 of qh[32 h + l]
-// Every kernel sees a block as w = d * q + m (d, m float32, q integer): for the K-quants
-// d = d * sc_j and m = -dmin * m_j, and for Q6_K q = sc * (q6 - 32) (|q| <= 4096) with the
-// super-block's d, so that one d covers the 32-block. Every d * q is exact in float32 (at
-// most 24 significant bits), so each path's dequantized weight equals the reference's
-// (gguf.quants.dequantize) bit for bit.
+// The dequantizing paths see a block as w = d * q + m (d, m float32, q integer): for the
+// K-quants d = d * sc_j and m = -dmin * m_j, and for Q6_K q = sc * (q6 - 32) (|q| <= 4096)
+// with the super-block's d, so that one d covers the 32-block. Every d * q is exact in
+// float32 (at most 24 significant bits), so each path's dequantized weight equals the
+// reference's (gguf.quants.dequantize) bit for bit. The integer paths keep a K-quant
+// super-block's d apart and multiply sc_j into the int16 quants (sc_j * q, at most 945 for
+// Q4_K), so that a super-block's products sum in int32 under one scale.
 //
 // Three ways to multiply x (M, K) float32 by such a weight, picked by the caller per call:
-// - `qmatmul_small` (M small: decode): x is rounded per 32-block to int16 (error <= amax /
-//   65534 of its block), each weight block is widened to int16 once for up to 16 rows of
-//   x, and the block dot products run as exact int32 sums (madd), scaled in float32.
+// - `qmatmul_small` (M small: decode): x is rounded to int16 per 32-block (the K-quants: per
+//   super-block, QRows), each weight block is widened to int16 once for up to 16 rows of
+//   x, and the dot products of a block (K-quants: a super-block) run as exact int32 sums
+//   (madd), scaled in float32.
 //   Reads each weight byte once per 16 rows: the weight-bandwidth-bound case, where the
 //   4-bit layout reads ~5x fewer bytes than fp32. (Dequantizing to float32 in registers
 //   instead took ~2x the instructions and ran compute-bound on AVX2.)
-// - `qmatmul_gemm` (larger M): the same int16 x and exact integer block sums, as a GEMM:
+// - `qmatmul_gemm` (larger M): the same int16 x and exact integer sums, as a GEMM:
 //   x transposed so that each madd lane is one row of x and a broadcast weight pair one
 //   column (no horizontal sums), at madd's 16 multiply-adds per instruction against the 8
 //   of a float32 FMA.
@@ -93,9 +96,14 @@ int64_t row_bytes_of(int64_t fmt, int64_t K) {
   return K / (is_kquant(fmt) ? kSuper : kBlock) * unit_bytes(fmt);
 }
 
-// x is rounded per 32-block to int16 with this largest magnitude: 32767, or 8191 for Q6_K,
-// whose int16 q reach 4096 (a block's sum 32 * 4096 * 8191 stays within int32).
-float qmax_of(int64_t fmt) { return fmt == kQ6_K ? 8191.f : 32767.f; }
+// x is rounded to int16 per unit of x_unit(fmt) values with this largest magnitude. The
+// legacy formats: per 32-block, 32767. The K-quants: per 256-block, their products with the
+// weights' integer quants times sub-block scales (|q * sc| <= 15 * 63 Q4_K, 31 * 63 Q5_K,
+// 32 * 128 Q6_K) summed over a super-block within int32: 8191, 4095, 2047.
+float qmax_of(int64_t fmt) {
+  return fmt == kQ4_K ? 8191.f : fmt == kQ5_K ? 4095.f : fmt == kQ6_K ? 2047.f : 32767.f;
+}
+int64_t x_unit(int64_t fmt) { return is_kquant(fmt) ? kSuper : kBlock; }
 
 // Calls f(std::integral_constant<int64_t, fmt>) for the runtime format: one switch for all.
 template <typename F>
@@ -153,6 +161,36 @@ inline void block_scales(const uint8_t* row, int64_t b, float& d, float& m) {
     d = half_to_float(sb) * static_cast<float>(sc);
     m = -(half_to_float(sb + 2) * static_cast<float>(mn));
   }
+}
+
+// The products' scales as the integer kernels apply them: blocks of `per_scale(fmt)` share
+// one scale d of the weight (and one of x). Block b of a row: d, its integer sub-block
+// scale sc (the legacy formats and Q6_K, whose quants hold theirs: 1) and offset m; its
+// products are d * d_x * sc * sum(q * q_x) + m * s_x.
+constexpr int64_t per_scale(int64_t fmt) { return is_kquant(fmt) ? kSuper / kBlock : 1; }
+
+template <int64_t fmt>
+inline void unit_scales(const uint8_t* row, int64_t b, float& d, int32_t& sc, float& m) {
+  sc = 1;
+  if constexpr (!is_kquant(fmt) || fmt == kQ6_K) {
+    block_scales<fmt>(row, b, d, m);
+  } else {
+    const uint8_t* sb = row + (b >> 3) * unit_bytes(fmt);
+    int32_t mn;
+    scale_min(sb + 4, b & 7, sc, mn);
+    d = half_to_float(sb);
+    m = -(half_to_float(sb + 2) * static_cast<float>(mn));
+  }
+}
+
+// a * b + c as the vector kernels round it (one FMA) where they run; the portable build's
+// kernels are these scalar loops alone.
+inline float fma_like_vectors(float a, float b, float c) {
+#ifdef RS_AVX2
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
 }
 
 // Block b of a Q6_K row: its low-nibble bytes, high-bit bytes, two 16-weight scales, and k
@@ -371,57 +409,63 @@ void dequant_rows(const uint8_t* w, int64_t fmt, int64_t K, int64_t n0, int64_t 
   with_format(fmt, [&](auto f) { dequant_rows<decltype(f)::value>(w, K, n0, n1, dst); });
 }
 
-// x rows quantized per 32-block to int16: q = round(x * Q / amax), d = amax / Q (Q =
-// qmax_of(fmt): 32767, or 8191 for Q6_K), plus s = d * sum(q) (the weight formats' offset
-// term multiplies it). The rounding moves x by at most amax / 65534 (Q6_K: amax / 16382):
-// 64-256x finer than the int8 activations of llama.cpp's kernels.
-// A block holding inf or NaN gets d = s = NaN, so the bad value still reaches the output.
+// x rows quantized to int16 per unit of x_unit(fmt) values (32, or 256 for the K-quants):
+// q = round(x * Q / amax), d = amax / Q (Q = qmax_of(fmt)), and per 32-block d and
+// s = d * sum(q) (the weight formats' offset term multiplies it; a K-quant unit's 8 blocks
+// share d). The rounding moves x by at most amax / 65534 of its 32-block (K-quants: amax /
+// 16382, 8190, 4094 of its 256-block): 16-256x finer than llama.cpp's int8 activations
+// (amax / 254 of a 256-block). A unit holding inf or NaN gets d = s = NaN in its blocks, so
+// the bad value still reaches the output.
 struct QRows {
   std::vector<int16_t> q;  // (M, K)
   std::vector<float> d, s;  // (M, K / 32)
 };
 
-void quantize_block(const float* x, float qmax, int16_t* q, float* d, float* s) {
+// The largest |x| of x[0..n) (n a multiple of 8), or NaN where some x is inf or NaN.
+float unit_amax(const float* x, int64_t n) {
 #ifdef RS_AVX2
   const __m256 zero = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
-  __m256 v[4], amax = zero, bad = zero;
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_loadu_ps(x + 8 * i);
-    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-    bad = _mm256_add_ps(bad, _mm256_mul_ps(v[i], zero));  // NaN iff some x is inf or NaN
+  __m256 amax = zero, bad = zero;
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v));
+    bad = _mm256_add_ps(bad, _mm256_mul_ps(v, zero));  // NaN iff some x is inf or NaN
   }
+  if (std::isnan(hsum(bad))) return std::numeric_limits<float>::quiet_NaN();
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  const float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-  if (std::isnan(hsum(bad))) {
+  return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#else
+  float m = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    if (!std::isfinite(x[j])) return std::numeric_limits<float>::quiet_NaN();
+    m = std::max(m, std::fabs(x[j]));
+  }
+  return m;
+#endif
+}
+
+// A 32-block of x rounded with its unit's largest magnitude m.
+void quantize_block(const float* x, float m, float qmax, int16_t* q, float* d, float* s) {
+  if (std::isnan(m)) {
     std::memset(q, 0, kBlock * sizeof(int16_t));
     *d = *s = std::numeric_limits<float>::quiet_NaN();
     return;
   }
+#ifdef RS_AVX2
   const __m256 id = _mm256_set1_ps(m > 0.f ? qmax / m : 0.f);
   __m256i i32[4];
   for (int i = 0; i < 4; ++i) {
     i32[i] = _mm256_cvtps_epi32(
-        _mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
   for (int i = 0; i < 2; ++i) {  // packs work within 128-bit lanes: a permute restores order
     const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(i32[2 * i], i32[2 * i + 1]), 0xD8);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * i), p);
   }
-  alignas(32) int32_t parts[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(parts), sum);
-  int32_t total = 0;
-  for (int32_t p : parts) total += p;
+  const int32_t total = hsum(sum);
 #else
-  float m = 0.f;
-  bool bad = false;
-  for (int j = 0; j < kBlock; ++j) m = std::max(m, std::fabs(x[j])), bad |= !std::isfinite(x[j]);
-  if (bad) {
-    std::memset(q, 0, kBlock * sizeof(int16_t));
-    *d = *s = std::numeric_limits<float>::quiet_NaN();
-    return;
-  }
   const float id = m > 0.f ? qmax / m : 0.f;
   int32_t total = 0;
   for (int j = 0; j < kBlock; ++j) q[j] = static_cast<int16_t>(std::nearbyint(x[j] * id)), total += q[j];
@@ -430,58 +474,61 @@ void quantize_block(const float* x, float qmax, int16_t* q, float* d, float* s) 
   *s = *d * static_cast<float>(total);
 }
 
-void quantize_rows(const float* x, int64_t M, int64_t K, float qmax, QRows& out) {
-  const int64_t nb = K / kBlock;
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t fmt, QRows& out) {
+  const int64_t nb = K / kBlock, unit = x_unit(fmt), per = unit / kBlock;
+  const float qmax = qmax_of(fmt);
   out.q.resize(M * K), out.d.resize(M * nb), out.s.resize(M * nb);
-  for (int64_t i = 0; i < M * nb; ++i) {
-    quantize_block(x + i * kBlock, qmax, out.q.data() + i * kBlock, out.d.data() + i, out.s.data() + i);
+  for (int64_t u = 0; u < M * nb; u += per) {
+    const float m = unit_amax(x + u * kBlock, unit);
+    for (int64_t i = u; i < u + per; ++i) {
+      quantize_block(x + i * kBlock, m, qmax, out.q.data() + i * kBlock, out.d.data() + i, out.s.data() + i);
+    }
   }
 }
 
 // out[r * ldo] = dot(x[r], weight row) for r < R, with x quantized (QRows at row offset
-// `xr`): per block d_w * d_x * sum(q_w * q_x) in exact int32 (|sum| <= 32 * 128 * 32767,
-// Q6_K 32 * 4096 * 8191),
-// plus m_w * s_x. The weight block is widened to int16 once for R rows; R is a template
-// constant (registers). With AVX2, the scaling and sums are dot_wrows' FMAs in its order:
+// `xr`): per unit of per_scale(fmt) blocks d_w * d_x * sum(sc * q_w * q_x) in exact int32
+// (qmax_of), plus m_w * s_x per block. The weight block is widened to int16 once for R rows;
+// R is a template constant (registers). The scaling and sums are dot_wrows' in its order:
 // the weight rows beyond whole 8-row tasks get the bits the others get.
 template <int64_t fmt, int R>
 void dot_rows(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, float* out, int64_t ldo) {
-  float offset[R] = {};
+  constexpr int64_t per = per_scale(fmt);
+  float acc[R] = {}, offset[R] = {};
+  for (int64_t u = 0; u < nb; u += per) {
+    int32_t total[R] = {};
+    float dw = 0.f;
+    for (int64_t b = u; b < u + per; ++b) {
+      float mw;
+      int32_t sc;
+      unit_scales<fmt>(wrow, b, dw, sc, mw);
 #ifdef RS_AVX2
-  float acc[R] = {};
-  for (int64_t b = 0; b < nb; ++b) {
-    float dw, mw;
-    block_scales<fmt>(wrow, b, dw, mw);
-    __m256i w0, w1;
-    widen_block<fmt>(wrow, b, w0, w1);
-    for (int r = 0; r < R; ++r) {
-      const int64_t xb = (xr + r) * nb + b;
-      const __m256i* xq = reinterpret_cast<const __m256i*>(x.q.data() + xb * kBlock);
-      const __m256i dots = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xq)),
-                                            _mm256_madd_epi16(w1, _mm256_loadu_si256(xq + 1)));
-      acc[r] = std::fma(dw * x.d[xb], static_cast<float>(hsum(dots)), acc[r]);
-      if (has_offset(fmt)) offset[r] = std::fma(mw, x.s[xb], offset[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r * ldo] = acc[r] + offset[r];
+      __m256i w0, w1;
+      widen_block<fmt>(wrow, b, w0, w1);
 #else
-  float acc[R] = {};  // (scalar build)
-  int32_t wq[kBlock];
-  for (int64_t b = 0; b < nb; ++b) {
-    float dw, mw;
-    block_scales<fmt>(wrow, b, dw, mw);
-    block_quants<fmt>(wrow, b, wq);
+      int32_t wq[kBlock];
+      block_quants<fmt>(wrow, b, wq);
+#endif
+      for (int r = 0; r < R; ++r) {
+        const int64_t xb = (xr + r) * nb + b;
+#ifdef RS_AVX2
+        const __m256i* xq = reinterpret_cast<const __m256i*>(x.q.data() + xb * kBlock);
+        const int32_t dot = hsum(_mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xq)),
+                                                  _mm256_madd_epi16(w1, _mm256_loadu_si256(xq + 1))));
+#else
+        const int16_t* xq = x.q.data() + xb * kBlock;
+        int32_t dot = 0;
+        for (int j = 0; j < kBlock; ++j) dot += wq[j] * xq[j];
+#endif
+        total[r] += sc * dot;
+        if (has_offset(fmt)) offset[r] = fma_like_vectors(mw, x.s[xb], offset[r]);
+      }
+    }
     for (int r = 0; r < R; ++r) {
-      const int64_t xb = (xr + r) * nb + b;
-      const int16_t* xq = x.q.data() + xb * kBlock;
-      int32_t dot = 0;
-      for (int j = 0; j < kBlock; ++j) dot += wq[j] * xq[j];
-      acc[r] += dw * x.d[xb] * static_cast<float>(dot);
-      offset[r] += mw * x.s[xb];
+      acc[r] = fma_like_vectors(dw * x.d[(xr + r) * nb + u], static_cast<float>(total[r]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r * ldo] = acc[r] + offset[r];
-#endif
 }
 
 #ifdef RS_AVX2
@@ -517,16 +564,19 @@ inline void block_scales8(const uint8_t* const* rows, int64_t off, __m256& d, __
   else m = _mm256_setzero_ps();
 }
 
-// K-quants: super-block `sb` of 8 weight rows -> d[j], m[j] = sub-block j's scale and offset
-// of the 8 rows (lane i = row i), decoded once for the super-block's 8 blocks: the scales[12]
-// bit layout of scale_min, for 8 rows a vector (a lane holds one row's 4 bytes of a word).
+// K-quants: super-block `sb` of 8 weight rows (lane i = row i) -> d, its scale, and per
+// sub-block j its integer scale sc[j] (Q4_K / Q5_K: 6 bits, in both 16-bit halves of the
+// lane, a multiplier of int16 quants; Q6_K: 1, its quants hold their scales) and offset m[j]:
+// unit_scales for 8 rows a vector, decoded once for the super-block's 8 blocks (the
+// scales[12] bit layout of scale_min; a lane holds one row's 4 bytes of a word).
 template <int64_t fmt>
-inline void super_scales8(const uint8_t* const* rows, int64_t sb, __m256 d[8], __m256 m[8]) {
+inline void super_scales8(const uint8_t* const* rows, int64_t sb, __m256& d, __m256i sc[8], __m256 m[8]) {
   const int64_t at = sb * unit_bytes(fmt);
   alignas(32) float dh[8], mh[8];
   for (int i = 0; i < 8; ++i) dh[i] = half_to_float(rows[i] + at + (fmt == kQ6_K ? 208 : 0));
+  d = _mm256_load_ps(dh);
   if constexpr (fmt == kQ6_K) {
-    for (int j = 0; j < 8; ++j) d[j] = _mm256_load_ps(dh), m[j] = _mm256_setzero_ps();
+    for (int j = 0; j < 8; ++j) sc[j] = _mm256_set1_epi32(0x10001), m[j] = _mm256_setzero_ps();
     return;
   }
   for (int i = 0; i < 8; ++i) mh[i] = -half_to_float(rows[i] + at + 2);
@@ -538,16 +588,17 @@ inline void super_scales8(const uint8_t* const* rows, int64_t sb, __m256 d[8], _
   const __m256i a = word(4), b = word(8), c = word(12);
   const __m256i low6 = _mm256_set1_epi32(0x3f3f3f3f), low4 = _mm256_set1_epi32(0x0f0f0f0f);
   const __m256i top2 = _mm256_set1_epi32(0x30303030), byte = _mm256_set1_epi32(0xff);
-  const __m256i sc[2] = {_mm256_and_si256(a, low6),
-                         _mm256_or_si256(_mm256_and_si256(c, low4), _mm256_and_si256(_mm256_srli_epi32(a, 2), top2))};
-  const __m256i mn[2] = {_mm256_and_si256(b, low6),
-                         _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(c, 4), low4),
-                                         _mm256_and_si256(_mm256_srli_epi32(b, 2), top2))};
-  const __m256 dv = _mm256_load_ps(dh), mv = _mm256_load_ps(mh);
+  const __m256i scs[2] = {_mm256_and_si256(a, low6),
+                          _mm256_or_si256(_mm256_and_si256(c, low4), _mm256_and_si256(_mm256_srli_epi32(a, 2), top2))};
+  const __m256i mns[2] = {_mm256_and_si256(b, low6),
+                          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(c, 4), low4),
+                                          _mm256_and_si256(_mm256_srli_epi32(b, 2), top2))};
+  const __m256 mv = _mm256_load_ps(mh);
   for (int j = 0; j < 8; ++j) {  // sub-block j: byte j % 4 of the word for j < 4 or j >= 4
     const __m256i shift = _mm256_set1_epi32(8 * (j % 4));
-    d[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(sc[j / 4], shift), byte)), dv);
-    m[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(mn[j / 4], shift), byte)), mv);
+    const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(scs[j / 4], shift), byte);
+    sc[j] = _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
+    m[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(mns[j / 4], shift), byte)), mv);
   }
 }
 
@@ -695,17 +746,21 @@ struct V8 {
     widen_block<fmt>(row, b, q.lo, q.hi);
     return q;
   }
+  static Q scale(const Q& w, I sc, int i) {  // w times lane i of sc
+    const __m256i s = _mm256_permutevar8x32_epi32(sc, _mm256_set1_epi32(i));
+    return {_mm256_mullo_epi16(w.lo, s), _mm256_mullo_epi16(w.hi, s)};
+  }
   static Q loadq(const int16_t* p) {
     const __m256i* v = reinterpret_cast<const __m256i*>(p);
     return {_mm256_loadu_si256(v), _mm256_loadu_si256(v + 1)};
   }
-  static I block_dot(const Q& w, const Q& x) {
-    return _mm256_add_epi32(_mm256_madd_epi16(w.lo, x.lo), _mm256_madd_epi16(w.hi, x.hi));
+  static I block_dot(I acc, const Q& w, const Q& x) {
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(w.lo, x.lo), _mm256_madd_epi16(w.hi, x.hi)));
   }
   static I reduce(const I s[L]) { return reduce8(s); }
   template <int64_t fmt>
-  static void super_scales(const uint8_t* const* rows, int64_t sb, F d[8], F m[8]) {
-    super_scales8<fmt>(rows, sb, d, m);
+  static void super_scales(const uint8_t* const* rows, int64_t sb, F& d, I sc[8], F m[8]) {
+    super_scales8<fmt>(rows, sb, d, sc, m);
   }
   template <int64_t fmt>
   static void block_scales(const uint8_t* const* rows, int64_t off, F& d, F& m) {
@@ -740,14 +795,19 @@ struct V16 {
   using Q = __m512i;
   template <int64_t fmt>
   static Q widen(const uint8_t* row, int64_t b) { return widen_block16<fmt>(row, b); }
+  static Q scale(Q w, I sc, int i) { return _mm512_mullo_epi16(w, _mm512_permutexvar_epi32(_mm512_set1_epi32(i), sc)); }
   static Q loadq(const int16_t* p) { return _mm512_loadu_si512(p); }
-  static I block_dot(Q w, Q x) { return _mm512_dpwssd_epi32(izero(), w, x); }
+  static I block_dot(I acc, Q w, Q x) { return _mm512_dpwssd_epi32(acc, w, x); }
   static I reduce(const I s[L]) { return reduce16(s); }
   template <int64_t fmt>
-  static void super_scales(const uint8_t* const* rows, int64_t sb, F d[8], F m[8]) {
-    V8::F d0[8], m0[8], d1[8], m1[8];
-    super_scales8<fmt>(rows, sb, d0, m0), super_scales8<fmt>(rows + 8, sb, d1, m1);
-    for (int j = 0; j < 8; ++j) d[j] = join(d0[j], d1[j]), m[j] = join(m0[j], m1[j]);
+  static void super_scales(const uint8_t* const* rows, int64_t sb, F& d, I sc[8], F m[8]) {
+    V8::F d0, d1, m0[8], m1[8];
+    V8::I sc0[8], sc1[8];
+    super_scales8<fmt>(rows, sb, d0, sc0, m0), super_scales8<fmt>(rows + 8, sb, d1, sc1, m1);
+    d = join(d0, d1);
+    for (int j = 0; j < 8; ++j) {
+      sc[j] = _mm512_inserti64x4(_mm512_castsi256_si512(sc0[j]), sc1[j], 1), m[j] = join(m0[j], m1[j]);
+    }
   }
   template <int64_t fmt>
   static void block_scales(const uint8_t* const* rows, int64_t off, F& d, F& m) {
@@ -783,31 +843,41 @@ struct GroupedX {
 
 constexpr int kRun = 8;  // weight columns widened together
 
-// Columns [n0, n0 + kRun) widened: w (nb, kRun, 16) int32 pairs, d / m (nb, kRun). The
-// run's scales are decoded as vectors, as dot_wrows decodes them (the K-quants' once a
-// super-block), not one row and block at a time.
+// Columns [n0, n0 + kRun) widened: w (nb, kRun, 16) int32 pairs, times their integer
+// sub-block scales, d / m (nb, kRun) (unit_scales). The run's scales are decoded as vectors,
+// as dot_wrows decodes them (the K-quants' once a super-block).
 template <int64_t fmt>
 void widen_run(const uint8_t* w, int64_t nb, int64_t n0, int32_t* wq, float* d, float* m) {
   const int64_t bytes = row_bytes_of(fmt, nb * kBlock);
   const uint8_t* rows[kRun];
   for (int c = 0; c < kRun; ++c) rows[c] = w + (n0 + c) * bytes;
-  __m256 dsub[8], msub[8];  // K-quants: the current super-block's scales
+  __m256 ds, msub[8];  // K-quants: the current super-block's scales
+  __m256i sc[8];
+  alignas(32) int32_t scs[kRun];
   for (int64_t b = 0; b < nb; ++b) {
     __m256 db, mb;
     if constexpr (is_kquant(fmt)) {
-      if ((b & 7) == 0) super_scales8<fmt>(rows, b >> 3, dsub, msub);
-      db = dsub[b & 7], mb = msub[b & 7];
+      if ((b & 7) == 0) super_scales8<fmt>(rows, b >> 3, ds, sc, msub);
+      db = ds, mb = msub[b & 7];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(scs), sc[b & 7]);
     } else {
       block_scales8<fmt>(rows, b * unit_bytes(fmt), db, mb);
     }
     _mm256_storeu_ps(d + b * kRun, db), _mm256_storeu_ps(m + b * kRun, mb);
     for (int c = 0; c < kRun; ++c) {
       int32_t* dst = wq + (b * kRun + c) * 16;
+      constexpr bool scaled = fmt == kQ4_K || fmt == kQ5_K;
 #ifdef RS_VNNI
-      _mm512_storeu_si512(dst, widen_block16<fmt>(rows[c], b));
+      __m512i q = widen_block16<fmt>(rows[c], b);
+      if constexpr (scaled) q = _mm512_mullo_epi16(q, _mm512_set1_epi32(scs[c]));
+      _mm512_storeu_si512(dst, q);
 #else
       __m256i w0, w1;
       widen_block<fmt>(rows[c], b, w0, w1);
+      if constexpr (scaled) {
+        const __m256i s = _mm256_set1_epi32(scs[c]);
+        w0 = _mm256_mullo_epi16(w0, s), w1 = _mm256_mullo_epi16(w1, s);
+      }
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), w0);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst) + 1, w1);
 #endif
@@ -815,16 +885,18 @@ void widen_run(const uint8_t* w, int64_t nb, int64_t n0, int32_t* wq, float* d, 
   }
 }
 
-// Column n0 alone (a run's leftover): w (nb, 1, 16) int32 pairs, d / m (nb).
+// Column n0 alone (a run's leftover): w (nb, 1, 16) int32 pairs, d / m (nb), as widen_run.
 template <int64_t fmt>
 void widen_col(const uint8_t* w, int64_t nb, int64_t n0, int32_t* wq, float* d, float* m) {
   const uint8_t* row = w + n0 * row_bytes_of(fmt, nb * kBlock);
   for (int64_t b = 0; b < nb; ++b) {
+    int32_t sc;
+    unit_scales<fmt>(row, b, d[b], sc, m[b]);
     __m256i w0, w1;
     widen_block<fmt>(row, b, w0, w1);
+    const __m256i s = _mm256_set1_epi16(static_cast<int16_t>(sc));
     __m256i* dst = reinterpret_cast<__m256i*>(wq + b * 16);
-    _mm256_storeu_si256(dst, w0), _mm256_storeu_si256(dst + 1, w1);
-    block_scales<fmt>(row, b, d[b], m[b]);
+    _mm256_storeu_si256(dst, _mm256_mullo_epi16(w0, s)), _mm256_storeu_si256(dst + 1, _mm256_mullo_epi16(w1, s));
   }
 }
 
@@ -837,10 +909,13 @@ void gemm_block(const int32_t* wq, const float* wd, const float* wm, const Group
   for (int c = 0; c < C; ++c) {
     for (int g = 0; g < RG; ++g) acc[c][g] = off[c][g] = V::zero();
   }
+  constexpr int64_t per = per_scale(fmt);
+  typename V::I sum[C][RG];
   for (int64_t b = 0; b < nb; ++b) {
-    typename V::I sum[C][RG];
-    for (int c = 0; c < C; ++c) {
-      for (int g = 0; g < RG; ++g) sum[c][g] = V::izero();
+    if (b % per == 0) {  // a unit of one scale of w and of x: its exact sums start
+      for (int c = 0; c < C; ++c) {
+        for (int g = 0; g < RG; ++g) sum[c][g] = V::izero();
+      }
     }
     for (int j = 0; j < 16; ++j) {
       typename V::I xv[RG];
@@ -851,12 +926,17 @@ void gemm_block(const int32_t* wq, const float* wd, const float* wm, const Group
       }
     }
     for (int g = 0; g < RG; ++g) {
-      const typename V::F dx = V::loadf(x.d.data() + ((g0 + g) * nb + b) * V::L);
       const typename V::F sx = V::loadf(x.s.data() + ((g0 + g) * nb + b) * V::L);
+      for (int c = 0; c < C; ++c) {
+        if (has_offset(fmt)) off[c][g] = V::fmadd(V::set1(wm[b * S + c]), sx, off[c][g]);
+      }
+    }
+    if (b % per != per - 1) continue;
+    for (int g = 0; g < RG; ++g) {
+      const typename V::F dx = V::loadf(x.d.data() + ((g0 + g) * nb + b) * V::L);
       for (int c = 0; c < C; ++c) {
         const typename V::F scale = V::mul(V::set1(wd[b * S + c]), dx);
         acc[c][g] = V::fmadd(scale, V::cvt(sum[c][g]), acc[c][g]);
-        if (has_offset(fmt)) off[c][g] = V::fmadd(V::set1(wm[b * S + c]), sx, off[c][g]);
       }
     }
   }
@@ -938,17 +1018,20 @@ using GemmV = V8;
 constexpr int64_t kStreamRows = 16;  // rows of x per pass of dot_wrows over its weight rows
 
 // out[r * ldo + i] = x row xr + r . weight row i of w, for the V::L weight rows from w and
-// r < M <= kStreamRows (kM: M where it is known at compile time, else 0). Per block the L
-// rows' quants are widened once for the M rows of x; for each row of x the L rows' int32
-// block sums are reduced into one vector (lane i = weight row i) and scaled by the L rows'
-// d times x's d in one FMA: no per-block scalar work and no horizontal sums at the end.
-// Each output is the same exact integer block sums, scaled and summed in block order, for
-// any M, V and position of the row in the batch: a row's result does not depend on the
-// rows beside it, and the AVX512-VNNI build (V16) equals the AVX2 one (V8) bit for bit.
+// r < M <= kStreamRows (kM: M where it is known at compile time, else 0). Per unit of
+// per_scale(fmt) blocks (a K-quant super-block: one scale of the weight row and of x) the
+// L rows' quants are widened once, times their integer sub-block scales, for the M rows of
+// x; for each row of x each weight row's unit sum accumulates in one int32 vector, the L
+// vectors are reduced into one (lane i = weight row i) and scaled by the L rows' d times
+// x's d in one FMA: no scalar work and no horizontal sums at the end. Each output is the
+// same exact integer unit sums, scaled and summed in unit order, for any M, V and position
+// of the row in the batch: a row's result does not depend on the rows beside it, and the
+// AVX512-VNNI build (V16) equals the AVX2 one (V8) bit for bit.
 template <typename V, int64_t fmt, int kM>
 void dot_wrows(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRows& x, int64_t xr, int64_t M, float* out,
                int64_t ldo) {
   constexpr int L = V::L;
+  constexpr int per = per_scale(fmt);
   const int64_t rows_x = kM ? kM : M;
   const uint8_t* rows[L];
   for (int i = 0; i < L; ++i) rows[i] = w + i * row_bytes;
@@ -959,25 +1042,44 @@ void dot_wrows(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRows& x, 
   const int64_t share = (L * row_bytes + nb - 1) / nb;
   typename V::F acc[kStreamRows], off[kStreamRows];
   for (int64_t r = 0; r < rows_x; ++r) acc[r] = off[r] = V::zero();
-  typename V::F dsub[8], msub[8];  // K-quants: the current super-block's scales
-  for (int64_t b = 0; b < nb; ++b) {
-    typename V::F d, m;
-    if constexpr (is_kquant(fmt)) {
-      if ((b & 7) == 0) V::template super_scales<fmt>(rows, b >> 3, dsub, msub);
-      d = dsub[b & 7], m = msub[b & 7];
-    } else {
-      V::template block_scales<fmt>(rows, b * unit_bytes(fmt), d, m);
-    }
-    for (int64_t p = b * share; p < (b + 1) * share; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
-    typename V::Q wq[L];
-    for (int i = 0; i < L; ++i) wq[i] = V::template widen<fmt>(rows[i], b);
-    for (int64_t r = 0; r < rows_x; ++r) {
-      const int64_t xb = (xr + r) * nb + b;
-      const typename V::Q xq = V::loadq(x.q.data() + xb * kBlock);
+  typename V::Q wq[per][L];  // the unit's widened blocks
+  for (int64_t u = 0; u < nb; u += per) {
+    typename V::F d, m[per];
+    typename V::I sc[8];
+    if constexpr (is_kquant(fmt)) V::template super_scales<fmt>(rows, u / per, d, sc, m);
+    else V::template block_scales<fmt>(rows, u * unit_bytes(fmt), d, m[0]);
+    const auto widened = [&](int j, int i) {
+      const typename V::Q q = V::template widen<fmt>(rows[i], u + j);
+      if constexpr (fmt == kQ4_K || fmt == kQ5_K) return V::scale(q, sc[j], i);
+      return q;
+    };
+    if constexpr (kM == 1) {  // one row of x: each block's sums straight from its registers
+      const int64_t xb = xr * nb + u;
       typename V::I sums[L];
-      for (int i = 0; i < L; ++i) sums[i] = V::block_dot(wq[i], xq);
+      for (int i = 0; i < L; ++i) sums[i] = V::izero();
+      for (int j = 0; j < per; ++j) {
+        for (int64_t p = (u + j) * share; p < (u + j + 1) * share; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
+        const typename V::Q xq = V::loadq(x.q.data() + (xb + j) * kBlock);
+        for (int i = 0; i < L; ++i) sums[i] = V::block_dot(sums[i], widened(j, i), xq);
+        if (has_offset(fmt)) off[0] = V::fmadd(m[j], V::set1(x.s[xb + j]), off[0]);
+      }
+      acc[0] = V::fmadd(V::mul(d, V::set1(x.d[xb])), V::cvt(V::reduce(sums)), acc[0]);
+      continue;
+    }
+    for (int j = 0; j < per; ++j) {
+      for (int64_t p = (u + j) * share; p < (u + j + 1) * share; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
+      for (int i = 0; i < L; ++i) wq[j][i] = widened(j, i);
+    }
+    for (int64_t r = 0; r < rows_x; ++r) {
+      const int64_t xb = (xr + r) * nb + u;
+      typename V::I sums[L];
+      for (int i = 0; i < L; ++i) sums[i] = V::izero();
+      for (int j = 0; j < per; ++j) {
+        const typename V::Q xq = V::loadq(x.q.data() + (xb + j) * kBlock);
+        for (int i = 0; i < L; ++i) sums[i] = V::block_dot(sums[i], wq[j][i], xq);
+        if (has_offset(fmt)) off[r] = V::fmadd(m[j], V::set1(x.s[xb + j]), off[r]);
+      }
       acc[r] = V::fmadd(V::mul(d, V::set1(x.d[xb])), V::cvt(V::reduce(sums)), acc[r]);
-      if (has_offset(fmt)) off[r] = V::fmadd(m, V::set1(x.s[xb]), off[r]);
     }
   }
   for (int64_t r = 0; r < rows_x; ++r) V::storef(out + r * ldo, V::add(acc[r], off[r]));
@@ -1093,7 +1195,7 @@ at::Tensor qmatmul_small(const at::Tensor& x, const at::Tensor& w, int64_t fmt, 
   const int64_t M = x.size(0), N = w.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   QRows xq;
-  quantize_rows(x.data_ptr<float>(), M, K, qmax_of(fmt), xq);
+  quantize_rows(x.data_ptr<float>(), M, K, fmt, xq);
   run_small({{w.data_ptr<uint8_t>(), fmt, N, w.size(1), 0, &xq}}, M, K / kBlock, out.data_ptr<float>(), N);
   return out;
 }
@@ -1110,7 +1212,7 @@ at::Tensor qmatmul_gemm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, i
   const int64_t padded = (M + L - 1) / L * L;  // whole groups of rows; zero rows have d = s = 0
   const at::Tensor xp = padded == M ? x : at::constant_pad_nd(x, {0, 0, 0, padded - M});
   QRows xq;
-  quantize_rows(xp.data_ptr<float>(), padded, K, qmax_of(fmt), xq);
+  quantize_rows(xp.data_ptr<float>(), padded, K, fmt, xq);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   with_format(fmt, [&](auto f) { gemm<GemmV, decltype(f)::value>(wp, N, nb, xq, M, op); });
@@ -1207,14 +1309,15 @@ at::Tensor apply_part(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int
 // x (M, K) float32 times every part, all in the small kernels' loop (M <= each small_m).
 at::Tensor small_parts(const QLinear& l, const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1);
-  QRows xq[2];  // x for qmax 32767 and for 8191, each quantized once if a part needs it
-  bool quantized[2] = {false, false};
+  // x as the legacy formats, Q4_K, Q5_K and Q6_K take it, each quantized once if a part needs it
+  QRows xq[4];
+  bool quantized[4] = {false, false, false, false};
   std::vector<SmallPart> parts;
   int64_t n = 0;
   for (size_t i = 0; i < l.w.size(); ++i) {
     check_args(x, l.w[i], l.fmt[i], K);
-    const int q = l.fmt[i] == kQ6_K;
-    if (!quantized[q]) quantize_rows(x.data_ptr<float>(), M, K, qmax_of(l.fmt[i]), xq[q]), quantized[q] = true;
+    const int64_t q = is_kquant(l.fmt[i]) ? l.fmt[i] - kQ4_K + 1 : 0;
+    if (!quantized[q]) quantize_rows(x.data_ptr<float>(), M, K, l.fmt[i], xq[q]), quantized[q] = true;
     parts.push_back({l.w[i].data_ptr<uint8_t>(), l.fmt[i], l.w[i].size(0), l.w[i].size(1), n, &xq[q]});
     n += l.w[i].size(0);
   }
