@@ -65,10 +65,11 @@ class Format:
     block_bytes: int
     # Rows of x up to which the weight-streaming kernel beats the int16 GEMM, which widens
     # each weight once per call into a buffer and fills whole groups of 16 (VNNI) or 8 rows
-    # of x: every format to 16 rows (Q4_K on the 1B shape's 16384 x 2048 gate/up: the GEMM
-    # takes 1.8x the streaming kernel's time at 8 rows, 1.04x at 16; on its 2048 x 8192 down
-    # 1.6x and 0.93x), Q8_0 (twice the bytes to widen) to 24; benchmarks/bench_quant.py,
-    # Zen 5 EPYC, native and AVX2 settings. Either gives a row the same bits.
+    # of x: the legacy formats to 16 rows, Q8_0 (twice the bytes to widen) to 24; the
+    # K-quants, whose streaming kernel scales and reduces once a super-block, Q4_K and Q5_K
+    # to 24 and Q6_K to 32 (on the 1B shape's 16384 x 2048 gate/up at 24 rows the GEMM takes
+    # 1.13x the streaming kernel's time for Q4_K, 1.5x for Q6_K; at 32 rows 0.92x and 1.34x;
+    # benchmarks/bench_quant.py, Zen 5 EPYC). Either kernel gives a row the same bits.
     small_m: int
 
     def row_bytes(self, k: int) -> int:
@@ -81,9 +82,9 @@ FORMATS = {
         Format("q4_0", 0, BLOCK, 18, 16),
         Format("q4_1", 1, BLOCK, 20, 16),
         Format("q8_0", 2, BLOCK, 34, 24),
-        Format("q4_k", 3, SUPER_BLOCK, 144, 16),
-        Format("q5_k", 4, SUPER_BLOCK, 176, 16),
-        Format("q6_k", 5, SUPER_BLOCK, 210, 16),
+        Format("q4_k", 3, SUPER_BLOCK, 144, 24),
+        Format("q5_k", 4, SUPER_BLOCK, 176, 24),
+        Format("q6_k", 5, SUPER_BLOCK, 210, 32),
         Format("q5_0", 6, BLOCK, 22, 16),
         Format("q5_1", 7, BLOCK, 24, 16),
     )

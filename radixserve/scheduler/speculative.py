@@ -42,7 +42,7 @@ from radixserve.scheduler.req import Req
 
 MAX_PAUSE = 64  # steps a request whose drafts miss waits at most before drafting again
 MIN_KEPT = 0.5  # a draft of which less than this share is kept is a miss
-MAX_ROWS = 16  # token rows a step with drafts holds at most (Format.small_m of the Q4 formats)
+MAX_ROWS = 16  # token rows a step with drafts holds at most (within every Format.small_m)
 
 
 @dataclass
