@@ -572,20 +572,31 @@ inline void block_scales8(const uint8_t* const* rows, int64_t off, __m256& d, __
 template <int64_t fmt>
 inline void super_scales8(const uint8_t* const* rows, int64_t sb, __m256& d, __m256i sc[8], __m256 m[8]) {
   const int64_t at = sb * unit_bytes(fmt);
-  alignas(32) float dh[8], mh[8];
-  for (int i = 0; i < 8; ++i) dh[i] = half_to_float(rows[i] + at + (fmt == kQ6_K ? 208 : 0));
-  d = _mm256_load_ps(dh);
   if constexpr (fmt == kQ6_K) {
+    alignas(32) float dh[8];
+    for (int i = 0; i < 8; ++i) dh[i] = half_to_float(rows[i] + at + 208);
+    d = _mm256_load_ps(dh);
     for (int j = 0; j < 8; ++j) sc[j] = _mm256_set1_epi32(0x10001), m[j] = _mm256_setzero_ps();
     return;
   }
-  for (int i = 0; i < 8; ++i) mh[i] = -half_to_float(rows[i] + at + 2);
-  const auto word = [&](int64_t off) {  // bytes [off, off + 4) of each row's super-block
-    alignas(32) int32_t v[8];
-    for (int i = 0; i < 8; ++i) std::memcpy(&v[i], rows[i] + at + off, 4);
-    return _mm256_load_si256(reinterpret_cast<const __m256i*>(v));
+  // The rows' 16-byte headers (d, dmin, scales[12]) as 4 vectors of their 4-byte words: row
+  // i's header and row i + 4's in one vector, then a 4 x 4 transpose in each 128-bit half.
+  __m256i r[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + at));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i + 4] + at));
+    r[i] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+  }
+  const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+  const __m256i dm = _mm256_unpacklo_epi64(t0, t2), a = _mm256_unpackhi_epi64(t0, t2);
+  const __m256i b = _mm256_unpacklo_epi64(t1, t3), c = _mm256_unpackhi_epi64(t1, t3);
+  const auto halves = [](__m256i v) {  // the low 16 bits of each lane as fp16 -> float
+    const __m256i p = _mm256_packus_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), v);
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(p, 0x08)));
   };
-  const __m256i a = word(4), b = word(8), c = word(12);
+  d = halves(dm);
+  const __m256 mv = _mm256_xor_ps(halves(_mm256_srli_epi32(dm, 16)), _mm256_set1_ps(-0.0f));  // -dmin
   const __m256i low6 = _mm256_set1_epi32(0x3f3f3f3f), low4 = _mm256_set1_epi32(0x0f0f0f0f);
   const __m256i top2 = _mm256_set1_epi32(0x30303030), byte = _mm256_set1_epi32(0xff);
   const __m256i scs[2] = {_mm256_and_si256(a, low6),
@@ -593,7 +604,6 @@ inline void super_scales8(const uint8_t* const* rows, int64_t sb, __m256& d, __m
   const __m256i mns[2] = {_mm256_and_si256(b, low6),
                           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(c, 4), low4),
                                           _mm256_and_si256(_mm256_srli_epi32(b, 2), top2))};
-  const __m256 mv = _mm256_load_ps(mh);
   for (int j = 0; j < 8; ++j) {  // sub-block j: byte j % 4 of the word for j < 4 or j >= 4
     const __m256i shift = _mm256_set1_epi32(8 * (j % 4));
     const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(scs[j / 4], shift), byte);
@@ -746,10 +756,11 @@ struct V8 {
     widen_block<fmt>(row, b, q.lo, q.hi);
     return q;
   }
-  static Q scale(const Q& w, I sc, int i) {  // w times lane i of sc
-    const __m256i s = _mm256_permutevar8x32_epi32(sc, _mm256_set1_epi32(i));
+  static Q scale(const Q& w, int32_t sc) {  // sc: the scale in both 16-bit halves
+    const __m256i s = _mm256_set1_epi32(sc);
     return {_mm256_mullo_epi16(w.lo, s), _mm256_mullo_epi16(w.hi, s)};
   }
+  static void storei(int32_t* p, I v) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), v); }
   static Q loadq(const int16_t* p) {
     const __m256i* v = reinterpret_cast<const __m256i*>(p);
     return {_mm256_loadu_si256(v), _mm256_loadu_si256(v + 1)};
@@ -795,7 +806,8 @@ struct V16 {
   using Q = __m512i;
   template <int64_t fmt>
   static Q widen(const uint8_t* row, int64_t b) { return widen_block16<fmt>(row, b); }
-  static Q scale(Q w, I sc, int i) { return _mm512_mullo_epi16(w, _mm512_permutexvar_epi32(_mm512_set1_epi32(i), sc)); }
+  static Q scale(Q w, int32_t sc) { return _mm512_mullo_epi16(w, _mm512_set1_epi32(sc)); }
+  static void storei(int32_t* p, I v) { _mm512_store_si512(p, v); }
   static Q loadq(const int16_t* p) { return _mm512_loadu_si512(p); }
   static I block_dot(I acc, Q w, Q x) { return _mm512_dpwssd_epi32(acc, w, x); }
   static I reduce(const I s[L]) { return reduce16(s); }
@@ -1045,12 +1057,17 @@ void dot_wrows(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRows& x, 
   typename V::Q wq[per][L];  // the unit's widened blocks
   for (int64_t u = 0; u < nb; u += per) {
     typename V::F d, m[per];
-    typename V::I sc[8];
-    if constexpr (is_kquant(fmt)) V::template super_scales<fmt>(rows, u / per, d, sc, m);
-    else V::template block_scales<fmt>(rows, u * unit_bytes(fmt), d, m[0]);
+    alignas(64) int32_t scs[per][L];  // sub-block j's scale of row i, broadcast from here
+    if constexpr (is_kquant(fmt)) {
+      typename V::I sc[8];
+      V::template super_scales<fmt>(rows, u / per, d, sc, m);
+      for (int j = 0; j < per; ++j) V::storei(scs[j], sc[j]);
+    } else {
+      V::template block_scales<fmt>(rows, u * unit_bytes(fmt), d, m[0]);
+    }
     const auto widened = [&](int j, int i) {
       const typename V::Q q = V::template widen<fmt>(rows[i], u + j);
-      if constexpr (fmt == kQ4_K || fmt == kQ5_K) return V::scale(q, sc[j], i);
+      if constexpr (fmt == kQ4_K || fmt == kQ5_K) return V::scale(q, scs[j][i]);
       return q;
     };
     if constexpr (kM == 1) {  // one row of x: each block's sums straight from its registers
