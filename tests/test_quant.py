@@ -69,7 +69,7 @@ def q16_rows(x: torch.Tensor, fmt: str = "q4_1") -> torch.Tensor:
     to int16 steps of amax / Q (Q = 32767; Q4_K 8191, Q5_K 4095, Q6_K 2047, which keep a
     super-block's integer sum within int32), returned dequantized."""
     qmax = {"q4_k": 8191, "q5_k": 4095, "q6_k": 2047}.get(fmt, 32767)
-    b = x.view(x.shape[0], -1, 256 if fmt in ("q4_k", "q5_k", "q6_k") else 32)
+    b = x.view(x.shape[0], -1, FORMATS[fmt].block)
     amax = b.abs().amax(-1, keepdim=True)
     # Q / amax divided as the kernels divide it (torch's scalar / tensor takes a reciprocal)
     inverse = torch.full_like(amax, float(qmax)) / amax

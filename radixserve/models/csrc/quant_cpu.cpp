@@ -96,14 +96,13 @@ int64_t row_bytes_of(int64_t fmt, int64_t K) {
   return K / (is_kquant(fmt) ? kSuper : kBlock) * unit_bytes(fmt);
 }
 
-// x is rounded to int16 per unit of x_unit(fmt) values with this largest magnitude. The
+// x is rounded to int16 per unit of per_scale(fmt) blocks with this largest magnitude. The
 // legacy formats: per 32-block, 32767. The K-quants: per 256-block, their products with the
 // weights' integer quants times sub-block scales (|q * sc| <= 15 * 63 Q4_K, 31 * 63 Q5_K,
 // 32 * 128 Q6_K) summed over a super-block within int32: 8191, 4095, 2047.
 float qmax_of(int64_t fmt) {
   return fmt == kQ4_K ? 8191.f : fmt == kQ5_K ? 4095.f : fmt == kQ6_K ? 2047.f : 32767.f;
 }
-int64_t x_unit(int64_t fmt) { return is_kquant(fmt) ? kSuper : kBlock; }
 
 // Calls f(std::integral_constant<int64_t, fmt>) for the runtime format: one switch for all.
 template <typename F>
@@ -142,6 +141,17 @@ inline void scale_min(const uint8_t* s, int64_t j, int32_t& sc, int32_t& m) {
   }
 }
 
+// Block b of a Q4_K / Q5_K row: its super-block's d, its sub-block's integer scale sc and
+// its offset m = -dmin * min (w = d * sc * q + m).
+template <int64_t fmt>
+inline void kquant_scales(const uint8_t* row, int64_t b, float& d, int32_t& sc, float& m) {
+  const uint8_t* sb = row + (b >> 3) * unit_bytes(fmt);
+  int32_t mn;
+  scale_min(sb + 4, b & 7, sc, mn);
+  d = half_to_float(sb);
+  m = -(half_to_float(sb + 2) * static_cast<float>(mn));
+}
+
 // Block b of a row: its scale d and offset m (w = d * q + m; m = 0 without an offset).
 template <int64_t fmt>
 inline void block_scales(const uint8_t* row, int64_t b, float& d, float& m) {
@@ -155,11 +165,9 @@ inline void block_scales(const uint8_t* row, int64_t b, float& d, float& m) {
   } else if constexpr (fmt == kQ6_K) {
     d = half_to_float(row + (b >> 3) * unit_bytes(fmt) + 208), m = 0.f;
   } else {
-    const uint8_t* sb = row + (b >> 3) * unit_bytes(fmt);
-    int32_t sc, mn;
-    scale_min(sb + 4, b & 7, sc, mn);
-    d = half_to_float(sb) * static_cast<float>(sc);
-    m = -(half_to_float(sb + 2) * static_cast<float>(mn));
+    int32_t sc;
+    kquant_scales<fmt>(row, b, d, sc, m);
+    d *= static_cast<float>(sc);
   }
 }
 
@@ -171,15 +179,11 @@ constexpr int64_t per_scale(int64_t fmt) { return is_kquant(fmt) ? kSuper / kBlo
 
 template <int64_t fmt>
 inline void unit_scales(const uint8_t* row, int64_t b, float& d, int32_t& sc, float& m) {
-  sc = 1;
-  if constexpr (!is_kquant(fmt) || fmt == kQ6_K) {
-    block_scales<fmt>(row, b, d, m);
+  if constexpr (fmt == kQ4_K || fmt == kQ5_K) {
+    kquant_scales<fmt>(row, b, d, sc, m);
   } else {
-    const uint8_t* sb = row + (b >> 3) * unit_bytes(fmt);
-    int32_t mn;
-    scale_min(sb + 4, b & 7, sc, mn);
-    d = half_to_float(sb);
-    m = -(half_to_float(sb + 2) * static_cast<float>(mn));
+    sc = 1;
+    block_scales<fmt>(row, b, d, m);
   }
 }
 
@@ -409,8 +413,8 @@ void dequant_rows(const uint8_t* w, int64_t fmt, int64_t K, int64_t n0, int64_t 
   with_format(fmt, [&](auto f) { dequant_rows<decltype(f)::value>(w, K, n0, n1, dst); });
 }
 
-// x rows quantized to int16 per unit of x_unit(fmt) values (32, or 256 for the K-quants):
-// q = round(x * Q / amax), d = amax / Q (Q = qmax_of(fmt)), and per 32-block d and
+// x rows quantized to int16 per unit of per_scale(fmt) blocks (32 values, or 256 for the
+// K-quants): q = round(x * Q / amax), d = amax / Q (Q = qmax_of(fmt)), and per 32-block d and
 // s = d * sum(q) (the weight formats' offset term multiplies it; a K-quant unit's 8 blocks
 // share d). The rounding moves x by at most amax / 65534 of its 32-block (K-quants: amax /
 // 16382, 8190, 4094 of its 256-block): 16-256x finer than llama.cpp's int8 activations
@@ -475,11 +479,11 @@ void quantize_block(const float* x, float m, float qmax, int16_t* q, float* d, f
 }
 
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t fmt, QRows& out) {
-  const int64_t nb = K / kBlock, unit = x_unit(fmt), per = unit / kBlock;
+  const int64_t nb = K / kBlock, per = per_scale(fmt);
   const float qmax = qmax_of(fmt);
   out.q.resize(M * K), out.d.resize(M * nb), out.s.resize(M * nb);
   for (int64_t u = 0; u < M * nb; u += per) {
-    const float m = unit_amax(x + u * kBlock, unit);
+    const float m = unit_amax(x + u * kBlock, per * kBlock);
     for (int64_t i = u; i < u + per; ++i) {
       quantize_block(x + i * kBlock, m, qmax, out.q.data() + i * kBlock, out.d.data() + i, out.s.data() + i);
     }
@@ -565,18 +569,19 @@ inline void block_scales8(const uint8_t* const* rows, int64_t off, __m256& d, __
 }
 
 // K-quants: super-block `sb` of 8 weight rows (lane i = row i) -> d, its scale, and per
-// sub-block j its integer scale sc[j] (Q4_K / Q5_K: 6 bits, in both 16-bit halves of the
-// lane, a multiplier of int16 quants; Q6_K: 1, its quants hold their scales) and offset m[j]:
-// unit_scales for 8 rows a vector, decoded once for the super-block's 8 blocks (the
-// scales[12] bit layout of scale_min; a lane holds one row's 4 bytes of a word).
+// sub-block j its offset m[j] and, for Q4_K / Q5_K, row i's integer scale sc[j * ld + i] (6
+// bits, in both 16-bit halves: a multiplier of int16 quants, broadcast from memory; Q6_K's
+// quants hold their scales): unit_scales for 8 rows a vector, decoded once for the
+// super-block's 8 blocks (the scales[12] bit layout of scale_min; a lane holds one row's 4
+// bytes of a word).
 template <int64_t fmt>
-inline void super_scales8(const uint8_t* const* rows, int64_t sb, __m256& d, __m256i sc[8], __m256 m[8]) {
+inline void super_scales8(const uint8_t* const* rows, int64_t sb, __m256& d, int32_t* sc, int64_t ld, __m256 m[8]) {
   const int64_t at = sb * unit_bytes(fmt);
   if constexpr (fmt == kQ6_K) {
     alignas(32) float dh[8];
     for (int i = 0; i < 8; ++i) dh[i] = half_to_float(rows[i] + at + 208);
     d = _mm256_load_ps(dh);
-    for (int j = 0; j < 8; ++j) sc[j] = _mm256_set1_epi32(0x10001), m[j] = _mm256_setzero_ps();
+    for (int j = 0; j < 8; ++j) m[j] = _mm256_setzero_ps();
     return;
   }
   // The rows' 16-byte headers (d, dmin, scales[12]) as 4 vectors of their 4-byte words: row
@@ -607,7 +612,7 @@ inline void super_scales8(const uint8_t* const* rows, int64_t sb, __m256& d, __m
   for (int j = 0; j < 8; ++j) {  // sub-block j: byte j % 4 of the word for j < 4 or j >= 4
     const __m256i shift = _mm256_set1_epi32(8 * (j % 4));
     const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(scs[j / 4], shift), byte);
-    sc[j] = _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc + j * ld), _mm256_or_si256(v, _mm256_slli_epi32(v, 16)));
     m[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(mns[j / 4], shift), byte)), mv);
   }
 }
@@ -760,7 +765,6 @@ struct V8 {
     const __m256i s = _mm256_set1_epi32(sc);
     return {_mm256_mullo_epi16(w.lo, s), _mm256_mullo_epi16(w.hi, s)};
   }
-  static void storei(int32_t* p, I v) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), v); }
   static Q loadq(const int16_t* p) {
     const __m256i* v = reinterpret_cast<const __m256i*>(p);
     return {_mm256_loadu_si256(v), _mm256_loadu_si256(v + 1)};
@@ -770,8 +774,8 @@ struct V8 {
   }
   static I reduce(const I s[L]) { return reduce8(s); }
   template <int64_t fmt>
-  static void super_scales(const uint8_t* const* rows, int64_t sb, F& d, I sc[8], F m[8]) {
-    super_scales8<fmt>(rows, sb, d, sc, m);
+  static void super_scales(const uint8_t* const* rows, int64_t sb, F& d, int32_t sc[8][L], F m[8]) {
+    super_scales8<fmt>(rows, sb, d, sc[0], L, m);
   }
   template <int64_t fmt>
   static void block_scales(const uint8_t* const* rows, int64_t off, F& d, F& m) {
@@ -807,19 +811,15 @@ struct V16 {
   template <int64_t fmt>
   static Q widen(const uint8_t* row, int64_t b) { return widen_block16<fmt>(row, b); }
   static Q scale(Q w, int32_t sc) { return _mm512_mullo_epi16(w, _mm512_set1_epi32(sc)); }
-  static void storei(int32_t* p, I v) { _mm512_store_si512(p, v); }
   static Q loadq(const int16_t* p) { return _mm512_loadu_si512(p); }
   static I block_dot(I acc, Q w, Q x) { return _mm512_dpwssd_epi32(acc, w, x); }
   static I reduce(const I s[L]) { return reduce16(s); }
   template <int64_t fmt>
-  static void super_scales(const uint8_t* const* rows, int64_t sb, F& d, I sc[8], F m[8]) {
+  static void super_scales(const uint8_t* const* rows, int64_t sb, F& d, int32_t sc[8][L], F m[8]) {
     V8::F d0, d1, m0[8], m1[8];
-    V8::I sc0[8], sc1[8];
-    super_scales8<fmt>(rows, sb, d0, sc0, m0), super_scales8<fmt>(rows + 8, sb, d1, sc1, m1);
+    super_scales8<fmt>(rows, sb, d0, sc[0], L, m0), super_scales8<fmt>(rows + 8, sb, d1, sc[0] + 8, L, m1);
     d = join(d0, d1);
-    for (int j = 0; j < 8; ++j) {
-      sc[j] = _mm512_inserti64x4(_mm512_castsi256_si512(sc0[j]), sc1[j], 1), m[j] = join(m0[j], m1[j]);
-    }
+    for (int j = 0; j < 8; ++j) m[j] = join(m0[j], m1[j]);
   }
   template <int64_t fmt>
   static void block_scales(const uint8_t* const* rows, int64_t off, F& d, F& m) {
@@ -864,14 +864,12 @@ void widen_run(const uint8_t* w, int64_t nb, int64_t n0, int32_t* wq, float* d, 
   const uint8_t* rows[kRun];
   for (int c = 0; c < kRun; ++c) rows[c] = w + (n0 + c) * bytes;
   __m256 ds, msub[8];  // K-quants: the current super-block's scales
-  __m256i sc[8];
-  alignas(32) int32_t scs[kRun];
+  int32_t sc[8][kRun];
   for (int64_t b = 0; b < nb; ++b) {
     __m256 db, mb;
     if constexpr (is_kquant(fmt)) {
-      if ((b & 7) == 0) super_scales8<fmt>(rows, b >> 3, ds, sc, msub);
+      if ((b & 7) == 0) super_scales8<fmt>(rows, b >> 3, ds, sc[0], kRun, msub);
       db = ds, mb = msub[b & 7];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(scs), sc[b & 7]);
     } else {
       block_scales8<fmt>(rows, b * unit_bytes(fmt), db, mb);
     }
@@ -881,13 +879,13 @@ void widen_run(const uint8_t* w, int64_t nb, int64_t n0, int32_t* wq, float* d, 
       constexpr bool scaled = fmt == kQ4_K || fmt == kQ5_K;
 #ifdef RS_VNNI
       __m512i q = widen_block16<fmt>(rows[c], b);
-      if constexpr (scaled) q = _mm512_mullo_epi16(q, _mm512_set1_epi32(scs[c]));
+      if constexpr (scaled) q = _mm512_mullo_epi16(q, _mm512_set1_epi32(sc[b & 7][c]));
       _mm512_storeu_si512(dst, q);
 #else
       __m256i w0, w1;
       widen_block<fmt>(rows[c], b, w0, w1);
       if constexpr (scaled) {
-        const __m256i s = _mm256_set1_epi32(scs[c]);
+        const __m256i s = _mm256_set1_epi32(sc[b & 7][c]);
         w0 = _mm256_mullo_epi16(w0, s), w1 = _mm256_mullo_epi16(w1, s);
       }
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), w0);
@@ -1057,25 +1055,23 @@ void dot_wrows(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRows& x, 
   typename V::Q wq[per][L];  // the unit's widened blocks
   for (int64_t u = 0; u < nb; u += per) {
     typename V::F d, m[per];
-    alignas(64) int32_t scs[per][L];  // sub-block j's scale of row i, broadcast from here
-    if constexpr (is_kquant(fmt)) {
-      typename V::I sc[8];
-      V::template super_scales<fmt>(rows, u / per, d, sc, m);
-      for (int j = 0; j < per; ++j) V::storei(scs[j], sc[j]);
-    } else {
-      V::template block_scales<fmt>(rows, u * unit_bytes(fmt), d, m[0]);
-    }
+    int32_t sc[8][L];  // K-quants: sub-block j's scale of row i, broadcast from here
+    if constexpr (is_kquant(fmt)) V::template super_scales<fmt>(rows, u / per, d, sc, m);
+    else V::template block_scales<fmt>(rows, u * unit_bytes(fmt), d, m[0]);
     const auto widened = [&](int j, int i) {
       const typename V::Q q = V::template widen<fmt>(rows[i], u + j);
-      if constexpr (fmt == kQ4_K || fmt == kQ5_K) return V::scale(q, scs[j][i]);
+      if constexpr (fmt == kQ4_K || fmt == kQ5_K) return V::scale(q, sc[j][i]);
       return q;
+    };
+    const auto prefetch = [&](int j) {  // the next task's share for block u + j
+      for (int64_t p = (u + j) * share; p < (u + j + 1) * share; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
     };
     if constexpr (kM == 1) {  // one row of x: each block's sums straight from its registers
       const int64_t xb = xr * nb + u;
       typename V::I sums[L];
       for (int i = 0; i < L; ++i) sums[i] = V::izero();
       for (int j = 0; j < per; ++j) {
-        for (int64_t p = (u + j) * share; p < (u + j + 1) * share; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
+        prefetch(j);
         const typename V::Q xq = V::loadq(x.q.data() + (xb + j) * kBlock);
         for (int i = 0; i < L; ++i) sums[i] = V::block_dot(sums[i], widened(j, i), xq);
         if (has_offset(fmt)) off[0] = V::fmadd(m[j], V::set1(x.s[xb + j]), off[0]);
@@ -1084,7 +1080,7 @@ void dot_wrows(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRows& x, 
       continue;
     }
     for (int j = 0; j < per; ++j) {
-      for (int64_t p = (u + j) * share; p < (u + j + 1) * share; p += 64) _mm_prefetch(next + p, _MM_HINT_T0);
+      prefetch(j);
       for (int i = 0; i < L; ++i) wq[j][i] = widened(j, i);
     }
     for (int64_t r = 0; r < rows_x; ++r) {
