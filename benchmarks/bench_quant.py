@@ -5,8 +5,9 @@ For each weight shape (N, K) and rows M: float32 `F.linear` on the dequantized w
 the native kernels of radixserve/models/quant.py on the same weight (the embedded model's
 Q4_1 / Q8_0, or each of `--formats`, K-quants included): `small`
 (int16 activations, weights streamed: the decode kernel), `gemm` (int16 activations, the
-int16 GEMM), `tiled` (dequantize tiles into sgemm) and `bf16` (bf16 x, bf16 tiles into the
-bf16 GEMM). Prints ms per call and the weight-read bound (bytes / measured bandwidth): the
+int16 GEMM), `tiled` (dequantize tiles into sgemm), `bf16` (bf16 x, bf16 tiles into the
+bf16 GEMM) and, for Q4_K, `int8` (x rounded to int8, the streaming kernel at any M: the
+default). Prints ms per call and the weight-read bound (bytes / measured bandwidth): the
 measurements behind Format.small_m (small vs gemm) and BF16_TILED_M (gemm vs bf16).
 
     python benchmarks/bench_quant.py --json benchmarks/results/quant_<cpu>-<isa>_<date>.json
@@ -70,12 +71,16 @@ def bench_shape(name: str, n: int, k: int, fmt: str, rows: list[int], repeats: i
                "gemm_ms": best_ms(lambda i: native.qmatmul_gemm(x, blocks[i], code, k), copies, reps),  # noqa: B023,E501
                "tiled_ms": best_ms(lambda i: native.qmatmul_tiled(x, blocks[i], code, k), copies, reps),  # noqa: B023,E501
                "bf16_ms": best_ms(lambda i: native.qmatmul_tiled(xb, blocks[i], code, k), copies, reps),  # noqa: B023,E501
+               "int8_ms": best_ms(lambda i: native.qmatmul_small(x, blocks[i], quant.X8_CODE, k), copies, reps)  # noqa: B023,E501
+               if fmt == "q4_k" else None,
                "fp32_bound_ms": n * k * 4 / bw * 1e3,
                "quant_bound_ms": blocks[0].numel() / bw * 1e3}  # fmt: skip
         out.append(row)
         print(f"{name:8s} {fmt} M={m:5d}  fp32 {row['fp32_ms']:8.3f}  small {row['small_ms']:8.3f}"
               f"  gemm {row['gemm_ms']:8.3f}  tiled {row['tiled_ms']:8.3f}"
-              f"  bf16 {row['bf16_ms']:8.3f} ms   bounds: fp32 {row['fp32_bound_ms']:.3f},"
+              f"  bf16 {row['bf16_ms']:8.3f}"
+              + (f"  int8 {row['int8_ms']:8.3f}" if row["int8_ms"] is not None else "")
+              + f" ms   bounds: fp32 {row['fp32_bound_ms']:.3f},"
               f" {fmt} {row['quant_bound_ms']:.3f} ms")  # fmt: skip
     return out
 

@@ -2,9 +2,11 @@
 each `--quantization` mode against the dequantized float32 model, on the same fixed text.
 
 Modes: `none` (every weight dequantized to float32: the reference), `auto` (the GGUF's own
-Q4_1 / Q8_0 blocks: the same weights, with activations rounded to int16 per 32-block by the
-native kernels, float32 ones in a build without AVX2), `int8` (every projection re-quantized
-to Q8_0: a real rounding of the weights).
+blocks: the same weights, with activations rounded to int16 per 32-block by the native
+kernels, K-quants' per 256-block, and Q4_K's to int8 as llama.cpp rounds them; float32 ones in
+a build without AVX2), `auto-int16` (the same with Q4_K's activations int16 too:
+--quant-activations int16), `int8` (every projection re-quantized to Q8_0: a real rounding of
+the weights).
 
 Per mode: perplexity of the text (teacher-forced, the prompt's own input logprobs), the mean
 and max |logprob delta| per token against `none`, and for greedy continuations of the prompts
@@ -16,12 +18,12 @@ weight-streaming kernels).
 With `--model FILE` (a GGUF; default the embedded model) and `--llamacpp`, llama.cpp
 (llama-cpp-python, the bench extra) reads the same file and text: its perplexity and greedy
 continuations (the same token ids fed, argmax of its logits) are a row of their own, and
-`vs_llamacpp` compares radixserve's default mode (`auto`) with it: the perplexity ratio and
-the greedy continuations identical to llama.cpp's.
+`vs_llamacpp` compares radixserve's `auto` modes with it: the perplexity ratio and the
+greedy continuations identical to llama.cpp's.
 
     python benchmarks/eval_quant.py --data-path path/to/gsm8k --json out.json
-    python benchmarks/eval_quant.py --model models/smollm2-135m-Q4_K_M.gguf --modes auto \\
-        --llamacpp --data-path path/to/gsm8k
+    python benchmarks/eval_quant.py --model models/smollm2-135m-Q4_K_M.gguf \\
+        --modes auto auto-int16 --llamacpp --data-path path/to/gsm8k
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from benchmarks.eval_data import gsm8k, gsm8k_text, synthetic_text  # noqa: E402
 from radixserve import Engine  # noqa: E402
 from radixserve.isa import cpu_isa  # noqa: E402
 
-MODES = ("none", "auto", "int8")
+MODES = ("none", "auto", "auto-int16", "int8")
 
 
 def texts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
@@ -154,7 +156,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             steps = lp[:, : ref_steps.shape[1]]  # one way of running it: a chunk a forward
             out = ref.greedy([c[:64] for c in chunks], args.greedy_tokens)
         else:
-            engine = Engine(model, quantization=mode, dtype="float32")
+            activations = "int16" if mode == "auto-int16" else "int8"
+            engine = Engine(
+                model, quantization=mode.removesuffix("-int16"), dtype="float32",
+                quant_activations=activations,
+            )  # fmt: skip
             chunks = texts(args, engine.tokenizer)
             lp = logprobs(engine, chunks)
             steps = stepped_logprobs(engine, chunks, args.step)
@@ -179,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         }
         r = results[mode]
         print(
-            f"{mode:5s} ppl {r['perplexity']:.4f}",
+            f"{mode:10s} ppl {r['perplexity']:.4f}",
             f"|dlogprob| mean {r['mean_abs_logprob_delta']:.2e}",
             f"max {r['max_abs_logprob_delta']:.2e};",
             f"decode-sized ppl {r['decode_sized_perplexity']:.4f}",
@@ -191,15 +197,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res: dict[str, Any] = {"isa": cpu_isa(), "model": model or "embedded",
                            "tokens": int(ref_lp.numel()) if ref_lp is not None else 0,
                            "modes": results}  # fmt: skip
-    if "llama.cpp" in outputs and "auto" in outputs:
-        (ours, our_out), (theirs, their_out) = outputs["auto"], outputs["llama.cpp"]
-        res["vs_llamacpp"] = {
+    for mode in ("auto", "auto-int16"):
+        if "llama.cpp" not in outputs or mode not in outputs:
+            continue
+        (ours, our_out), (theirs, their_out) = outputs[mode], outputs["llama.cpp"]
+        vs = {
             "perplexity_ratio": float(torch.exp(-ours.mean()) / torch.exp(-theirs.mean())),
             "mean_abs_logprob_delta": float((ours - theirs).abs().mean()),
             "greedy_identical": sum(a == b for a, b in zip(our_out, their_out)),
             "greedy_prompts": len(our_out),
         }
-        print(f"auto vs llama.cpp: {res['vs_llamacpp']}")
+        res["vs_llamacpp" if mode == "auto" else f"{mode}_vs_llamacpp"] = vs
+        print(f"{mode} vs llama.cpp: {vs}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -26,6 +26,7 @@ from radixserve.config import (
     HICACHE_SECRET_ENV,
     PACKED_LINEAR,
     POLICIES,
+    QUANT_ACTIVATIONS,
     QUANTIZATIONS,
     SECRET_FIELDS,
     SPECULATIVE_ALGORITHMS,
@@ -41,6 +42,8 @@ HELP = {
     "served_model_name": "model name in /v1/models and responses (default: --model as given)",
     "dtype": "compute dtype; auto: bfloat16 where bf16 is fast here, else float32",
     "quantization": "auto: a GGUF model's Q4_0/Q4_1/Q8_0 weights run quantized; none; int8",
+    "quant_activations": "Q4_K weights' x rounded to int8 (llama.cpp's rounding, faster) or "
+    "int16 (64x finer); other formats' x is int16",
     "kv_cache_dtype": "KV cache storage dtype; auto: float16 under quantized weights on a CPU "
     "(native attention kernels convert on load), else the compute dtype",
     "device": "torch device of the model worker (cpu, cuda)",
@@ -123,6 +126,7 @@ CHOICES: dict[str, Sequence[str]] = {
     "dtype": DTYPE_CHOICES,
     "kv_cache_dtype": DTYPE_CHOICES,
     "quantization": QUANTIZATIONS,
+    "quant_activations": QUANT_ACTIVATIONS,
     "schedule_policy": POLICIES,
     "attention_backend": ATTENTION_BACKENDS,
     "attention_kernels": ATTENTION_KERNELS,

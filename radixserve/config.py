@@ -22,6 +22,8 @@ _T = TypeVar("_T")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
 QUANTIZATIONS = ("auto", "none", "int8")
+QUANT_ACTIVATIONS = ("int8", "int16")
+QUANT_ACTIVATIONS_DEFAULT = "int8"
 POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("tree", "flat", "none")  # "none": benchmark-only no-attention ceiling
 GRAMMAR_BACKENDS = ("llguidance", "outlines", "xgrammar")  # radixserve.constrained.BACKENDS
@@ -61,6 +63,9 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": bf16 where the CPU/GPU computes it fast, else float32
     quantization: str = "auto"  # "auto": a GGUF's Q4_0/Q4_1/Q8_0 stay quantized; "none"; "int8"
     kv_cache_dtype: str = "auto"  # "auto": fp16 under quantized weights on CPU, else = dtype
+    # x of Q4_K weights' matmuls rounded to "int8" (as llama.cpp rounds it; faster) or "int16"
+    # (the other formats' x is always int16); radixserve.models.quant.ACTIVATIONS
+    quant_activations: str = QUANT_ACTIVATIONS_DEFAULT
     device: str = "cpu"
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction
     mem_fraction: float = 0.3  # of available host/GPU memory, when max_total_tokens is None
@@ -133,6 +138,10 @@ class EngineConfig:
         check(
             self.quantization in QUANTIZATIONS,
             f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",
+        )
+        check(
+            self.quant_activations in QUANT_ACTIVATIONS,
+            f"quant_activations must be one of {QUANT_ACTIVATIONS}, got {self.quant_activations!r}",
         )
         check(self.schedule_policy in POLICIES, f"schedule_policy must be one of {POLICIES}")
         check(

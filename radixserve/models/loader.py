@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from radixserve.config import QUANTIZATIONS
+from radixserve.config import QUANT_ACTIVATIONS, QUANT_ACTIVATIONS_DEFAULT, QUANTIZATIONS
 from radixserve.models import native, quant
 from radixserve.models.config import ModelConfig
 from radixserve.models.gguf_weights import Weight, read_gguf_weights
@@ -49,6 +49,7 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     quantization: str = "auto",
+    activations: str = QUANT_ACTIVATIONS_DEFAULT,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build our model from an HF checkpoint folder, weights cast to `dtype` on `device`.
 
@@ -63,6 +64,8 @@ def load_model(
     - "int8": every projection and an untied LM head as Q8_0 blocks (weight-only int8,
       one fp16 scale per 32 weights), from whatever the checkpoint holds.
 
+    `activations` ("int8" or "int16"): how x is rounded for Q4_K weights (QuantLinear).
+
     With `tp_size` > 1 the model holds rank `tp_rank`'s shard of the attention and MLP
     projections (radixserve.distributed.parallel); the returned config is the full model's.
 
@@ -76,6 +79,8 @@ def load_model(
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if activations not in QUANT_ACTIVATIONS:
+        raise ValueError(f"activations must be one of {QUANT_ACTIVATIONS}, got {activations!r}")
     path = Path(path)
     config = load_config(path)
     on_cpu = torch.device(device).type == "cpu"
@@ -100,7 +105,7 @@ def load_model(
         state = {k: _int8(k, v) for k, v in state.items()}
     with torch.device("meta"):  # no allocation or random init: weights are assigned below
         model = LlamaForCausalLM(config, tp_size)
-    tensors = _install_quantized(model, state)
+    tensors = _install_quantized(model, state, activations)
     model.load_state_dict(tensors, strict=True, assign=True)
     model.build_rope_cache()  # replaces the meta placeholder buffer (on the weights' device)
     model.to(device)
@@ -114,11 +119,12 @@ def load_model(
     formats = sorted(
         {f.name for m in model.modules() if isinstance(m, QuantLinear) for f in m.formats}
     )
+    x8 = f" (Q4_K x: {activations})" if "q4_k" in formats else ""
     native_layers = model.use_native_layers()
     logger.info(
         "loaded %s (%s, %d layers) as %s on %s; weights: %s; linear: %s%s",
         gguf or path, config.architecture, config.num_layers, dtype, device,
-        "quantized " + "/".join(formats) if formats else f"{dtype} (not quantized)",
+        "quantized " + "/".join(formats) + x8 if formats else f"{dtype} (not quantized)",
         "oneDNN packed weights" if packed else "F.linear",
         "; layers: native (2 calls each)" if native_layers else "",
     )  # fmt: skip
@@ -163,7 +169,7 @@ def _dequantized(w: Weight) -> torch.Tensor:
 
 
 def _install_quantized(
-    model: LlamaForCausalLM, state: dict[str, Weight]
+    model: LlamaForCausalLM, state: dict[str, Weight], activations: str
 ) -> dict[str, torch.Tensor]:
     """Replace the module of every quantized weight with a QuantLinear holding it (a tied
     embedding becomes one too: token lookups dequantize rows); return the plain tensors."""
@@ -175,7 +181,7 @@ def _install_quantized(
         prefix = name.removesuffix(".weight")
         parent, _, child = prefix.rpartition(".")
         bias = tensors.pop(prefix + ".bias", None)
-        module = QuantLinear(parts, bias)
+        module = QuantLinear(parts, bias, activations)
         setattr(model.get_submodule(parent) if parent else model, child, module)
         for i, part in enumerate(parts):
             tensors[f"{prefix}.blocks{i}"] = part.blocks

@@ -24,6 +24,12 @@ K-quants x is rounded per 256-block, to 14, 13 and 12 bits for Q4_K, Q5_K and Q6
 <= amax / 16382, 8190, 4094), so that a super-block's products, its sub-block scales
 multiplied into the integer quants, sum exactly in int32 under one scale: one reduction
 and one float32 scaling a super-block instead of eight.
+
+Q4_K with int8 x (`activations="int8"`, the default: X8_CODE): x is rounded per 256-block
+as llama.cpp rounds activations (error <= amax / 254), and the 4-bit quants meet it in byte
+multiply-adds (VNNI vpdpbusd, AVX2 maddubs) without being widened: 1.2-1.6x the int16
+kernel's speed at 1-64 rows on a 1B model's shapes (bench_quant.py). Its streaming kernel
+runs at every M below the bf16 tiles, so a row's bits never depend on its batch.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from torch import Tensor, nn
 
+from radixserve.config import QUANT_ACTIVATIONS, QUANT_ACTIVATIONS_DEFAULT
 from radixserve.isa import fast_cpu_bf16, quant_kernel_isa
 from radixserve.native_build import build, native_module
 
@@ -89,6 +96,12 @@ FORMATS = {
         Format("q5_1", 7, BLOCK, 24, 16),
     )
 }
+# The format code of Q4_K weights with x rounded to int8 per 256-block, as llama.cpp rounds
+# activations (error <= amax / 254 against the int16 path's amax / 16382): the kernels'
+# byte multiply-adds do twice the products per instruction. Its weight-streaming kernel runs
+# at any M (no GEMM), so a row's bits never depend on the rows beside it.
+X8_CODE = 8
+X8_SMALL_M = 1 << 30  # the rows up to which it streams: all
 # Formats made only by llama.cpp's quantizer: the `gguf` package's dequantization is their
 # reference (the others' reference is `dequantize` below, and `quantize` makes them).
 LLAMA_CPP_ONLY = {
@@ -177,14 +190,22 @@ class QuantLinear(nn.Module):
     parts may differ in format, e.g. Q4_K q/k with a Q6_K v); x (..., K) in any float dtype,
     y in x's dtype.
 
-    Runs the kernel the module doc picks for x's rows and dtype, part by part. Holds each
-    part's bytes as a buffer (`blocks0`, `blocks1`, ...), used in place: a part may be a
-    read-only view of a memory-mapped file, and is never written.
+    Runs the kernel the module doc picks for x's rows and dtype, part by part; `activations`
+    "int8" rounds x to int8 for Q4_K parts (X8_CODE), "int16" keeps every part's x int16.
+    Holds each part's bytes as a buffer (`blocks0`, `blocks1`, ...), used in place: a part
+    may be a read-only view of a memory-mapped file, and is never written.
     """
 
-    def __init__(self, parts: Sequence[QuantWeight], bias: Tensor | None) -> None:
+    def __init__(
+        self,
+        parts: Sequence[QuantWeight],
+        bias: Tensor | None,
+        activations: str = QUANT_ACTIVATIONS_DEFAULT,
+    ) -> None:
         super().__init__()
         assert parts and len({p.in_features for p in parts}) == 1, "parts of one K"
+        assert activations in QUANT_ACTIVATIONS, activations
+        self.activations = activations
         self.formats = [FORMATS[p.fmt] for p in parts]
         self.in_features = parts[0].in_features
         self.out_features = sum(p.blocks.shape[0] for p in parts)
@@ -238,7 +259,9 @@ class QuantLinear(nn.Module):
         """This projection as the native calls take it (`qlinear`, llama.NativeLayer): made
         once, and again after the buffers are replaced (`_apply`, `_load_from_state_dict`)."""
         if self._native_arg is None:
-            codes, small = [f.code for f in self.formats], [f.small_m for f in self.formats]
+            int8 = [f.name == "q4_k" and self.activations == "int8" for f in self.formats]
+            codes = [X8_CODE if i8 else f.code for f, i8 in zip(self.formats, int8)]
+            small = [X8_SMALL_M if i8 else f.small_m for f, i8 in zip(self.formats, int8)]
             self._native_arg = (self._blocks(), codes, small, self._buffers["bias"])
         return self._native_arg
 

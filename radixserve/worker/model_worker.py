@@ -139,6 +139,7 @@ class ModelWorker:
         self.model, self.model_config = load_model(
             model_path, self.dtype, device, packed_linear=config.packed_linear_request,
             tp_rank=rank, tp_size=size, quantization=config.quantization,
+            activations=config.quant_activations,
         )  # fmt: skip
         self.backend = make_backend(config.attention_backend)
         self.kv_dtype, why = kv_cache_dtype(

@@ -27,7 +27,7 @@
 // super-block's d apart and multiply sc_j into the int16 quants (sc_j * q, at most 945 for
 // Q4_K), so that a super-block's products sum in int32 under one scale.
 //
-// Three ways to multiply x (M, K) float32 by such a weight, picked by the caller per call:
+// Four ways to multiply x (M, K) float32 by such a weight, picked by the caller per call:
 // - `qmatmul_small` (M small: decode): x is rounded to int16 per 32-block (the K-quants: per
 //   super-block, QRows), each weight block is widened to int16 once for up to 16 rows of
 //   x, and the dot products of a block (K-quants: a super-block) run as exact int32 sums
@@ -39,6 +39,8 @@
 //   x transposed so that each madd lane is one row of x and a broadcast weight pair one
 //   column (no horizontal sums), at madd's 16 multiply-adds per instruction against the 8
 //   of a float32 FMA.
+// - Q4_K weights with x rounded to int8 (format code kQ4_K_X8, section "Q4_K with int8 x"
+//   below): a weight-streaming kernel of byte multiply-adds, at any M.
 // - `qmatmul_tiled`: dequantize a tile of kTile weight rows into a per-thread float32 (or,
 //   for a bf16 x, bfloat16) buffer (it stays in L2) and run the BLAS GEMM on it, so the
 //   arithmetic runs at the machine's matmul rate with the exact float32 x: the path of
@@ -1112,6 +1114,277 @@ void dot_wrows(const uint8_t* w, int64_t fmt, int64_t row_bytes, int64_t nb, con
 }
 #endif
 
+// ------------------------------------------------------------------ Q4_K with int8 x
+//
+// Format code kQ4_K_X8: Q4_K weights with x rounded to int8 per 256-block, as llama.cpp
+// rounds activations for its K-quant dot products (Q8_K: the value of largest magnitude
+// maps to -127, d = its magnitude / 127; error <= amax / 254, 64x the int16 path's). The
+// integer products then take unsigned x signed byte multiply-adds (vpdpbusd: 64 a VNNI
+// instruction, against vpdpwssd's 32) and the 4-bit quants are only split into bytes,
+// never widened or multiplied by their scales: per super-block and row of x, 4 vpdpbusd
+// and one madd per weight row instead of 8 vpdpwssd, and a third of the widening work.
+//
+// Lane layout: each 256-block of x is stored as 4 vectors of 64 bytes; in vector k,
+// 32-bit lane l (l < 16) holds elements 8k + 4 (l % 2) .. + 3 of sub-block l / 2 (x8_pos).
+// The weight's super-block bytes are arranged the same way (q4k_bytes16), so after the 4
+// multiply-adds lane l sums 16 products of sub-block l / 2 alone (|sum| <= 16 * 15 * 127 <
+// 2^15), and one madd with the sub-block scales (6 bits) gives sum_j sc_j * sum(q * x)
+// over the super-block in exact int32. The AVX2 kernel forms the same lane sums from
+// maddubs (int16 pairs) and madd, the portable loop from scalars: every path gives a row
+// the same integer sums and the same float32 operations in the same order.
+constexpr int64_t kQ4_K_X8 = 8;
+
+// The weight format of a format code.
+constexpr int64_t weight_format(int64_t code) { return code == kQ4_K_X8 ? kQ4_K : code; }
+
+struct Q8Rows {
+  std::vector<int8_t> q;   // (M, K), each 256-block in lane order
+  std::vector<float> d;    // (M, K / 256)
+  std::vector<float> s;    // (M, K / 32): d * the sum of the 32-block's q
+};
+
+// Where element e (< 256) of a block lies in its lane order.
+constexpr int64_t x8_pos(int64_t e) {
+  const int64_t j = e / 32, k = (e % 32) / 8, h = (e % 8) / 4;
+  return 64 * k + 4 * (2 * j + h) + e % 4;
+}
+
+// x (M, K) -> int8 per 256-block: iscale = -127 / v (v the block's first value of largest
+// magnitude), q = min(127, round-half-even(x * iscale)), d = 1 / iscale; d = 0 for an all-zero
+// block; a block holding inf or NaN gets q = 0 and d = s = NaN.
+void quantize_rows8(const float* x, int64_t M, int64_t K, Q8Rows& out) {
+  const int64_t units = M * K / kSuper;
+  out.q.resize(M * K), out.d.resize(units), out.s.resize(units * 8);
+  at::parallel_for(0, units, 16, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const float* xb = x + u * kSuper;
+      int8_t* q = out.q.data() + u * kSuper;
+      float* s = out.s.data() + u * 8;
+      const float amax = unit_amax(xb, kSuper);
+      if (std::isnan(amax) || amax == 0.f) {
+        std::memset(q, 0, kSuper);
+        out.d[u] = std::isnan(amax) ? amax : 0.f;
+        for (int j = 0; j < 8; ++j) s[j] = out.d[u];
+        continue;
+      }
+      int64_t first = 0;
+      while (std::fabs(xb[first]) != amax) ++first;
+      const float iscale = -127.f / xb[first], d = 1.f / iscale;
+      alignas(64) int8_t v[kSuper];
+#ifdef RS_AVX2
+      const __m256 is = _mm256_set1_ps(iscale);
+      const __m256i top = _mm256_set1_epi32(127);
+      for (int64_t e = 0; e < kSuper; e += 32) {
+        __m256i i32[4];
+        for (int i = 0; i < 4; ++i) {
+          const __m256 p = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + e + 8 * i), is),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          i32[i] = _mm256_min_epi32(_mm256_cvtps_epi32(p), top);
+        }
+        const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+        s[e / 32] = d * static_cast<float>(hsum(sum));
+        // packs work within 128-bit lanes; the dword permute restores element order
+        const __m256i w16 = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(v + e),
+                           _mm256_permutevar8x32_epi32(w16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      }
+#else
+      for (int64_t e = 0; e < kSuper; e += 32) {
+        int32_t total = 0;
+        for (int64_t i = e; i < e + 32; ++i) {
+          v[i] = static_cast<int8_t>(std::min(127.f, std::nearbyint(xb[i] * iscale))), total += v[i];
+        }
+        s[e / 32] = d * static_cast<float>(total);
+      }
+#endif
+      for (int64_t e = 0; e < kSuper; e += 4) std::memcpy(q + x8_pos(e), v + e, 4);
+      out.d[u] = d;
+    }
+  });
+}
+
+// out[r * ldo] = dot(x row xr + r, Q4_K weight row), r < R: per super-block d_w * d_x *
+// sum_j sc_j * sum(q_w * q_x) in exact int32, plus m_j * s_x per sub-block: the vector
+// kernels' operations, one row at a time (the rows beyond whole vector tasks; the portable
+// build).
+void dot_rows8(const uint8_t* wrow, int64_t nb, const Q8Rows& x, int64_t xr, int64_t R, float* out, int64_t ldo) {
+  for (int64_t r = 0; r < R; ++r) {
+    float acc = 0.f, off = 0.f;
+    for (int64_t u = 0; u < nb / 8; ++u) {
+      const int8_t* xq = x.q.data() + ((xr + r) * nb / 8 + u) * kSuper;
+      const float* s = x.s.data() + ((xr + r) * nb / 8 + u) * 8;
+      int32_t total = 0;
+      float dw = 0.f;
+      for (int64_t j = 0; j < 8; ++j) {
+        float mw;
+        int32_t sc, q[kBlock];
+        kquant_scales<kQ4_K>(wrow, 8 * u + j, dw, sc, mw);
+        block_quants<kQ4_K>(wrow, 8 * u + j, q);
+        int32_t dot = 0;
+        for (int64_t l = 0; l < kBlock; ++l) dot += q[l] * xq[x8_pos(32 * j + l)];
+        total += sc * dot;
+        off = fma_like_vectors(mw, s[j], off);
+      }
+      acc = fma_like_vectors(dw * x.d[(xr + r) * nb / 8 + u], static_cast<float>(total), acc);
+    }
+    out[r * ldo] = acc + off;
+  }
+}
+
+#ifdef RS_AVX2
+// A Q4_K super-block's sub-block scales as bytes, byte p = sc_{p / 2}: scales[12] as in
+// scale_min, the header's bytes 4-15.
+inline __m128i q4k_scale_bytes(const uint8_t* sb) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb));
+  const __m128i low = _mm_setr_epi8(4, 4, 5, 5, 6, 6, 7, 7, 12, 12, 13, 13, 14, 14, 15, 15);
+  const __m128i high = _mm_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m128i bits = _mm_setr_epi8(63, 63, 63, 63, 63, 63, 63, 63, 15, 15, 15, 15, 15, 15, 15, 15);
+  const __m128i lo = _mm_and_si128(_mm_shuffle_epi8(h, low), bits);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(_mm_shuffle_epi8(h, high), 2), _mm_set1_epi8(0x30));
+  return _mm_or_si128(lo, hi);
+}
+
+// The AVX2 int8 kernel's weight super-block: the 4 lane-order vectors as 8 halves (half h
+// of vector k: lanes 8h .. 8h + 7, sub-blocks 4h .. 4h + 3) and, per half, the lanes'
+// scales as int16 pairs (sc, sc).
+struct Q4KBytes8 {
+  __m256i q[2][4], sc[2];
+};
+
+inline Q4KBytes8 q4k_bytes8(const uint8_t* sb) {
+  const __m256i low4 = _mm256_set1_epi8(15);
+  Q4KBytes8 w;
+  for (int h = 0; h < 2; ++h) {  // qwords 8h .. 8h + 7 of qs: sub-blocks 4h .. 4h + 3
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 64 * h));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 48 + 64 * h));
+    const __m256i la = _mm256_and_si256(a, low4), ha = _mm256_and_si256(_mm256_srli_epi16(a, 4), low4);
+    const __m256i lb = _mm256_and_si256(b, low4), hb = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+    const __m256i a0 = _mm256_unpacklo_epi64(la, ha), a1 = _mm256_unpackhi_epi64(la, ha);
+    const __m256i b0 = _mm256_unpacklo_epi64(lb, hb), b1 = _mm256_unpackhi_epi64(lb, hb);
+    w.q[h][0] = _mm256_permute2x128_si256(a0, b0, 0x20), w.q[h][1] = _mm256_permute2x128_si256(a1, b1, 0x20);
+    w.q[h][2] = _mm256_permute2x128_si256(a0, b0, 0x31), w.q[h][3] = _mm256_permute2x128_si256(a1, b1, 0x31);
+  }
+  const __m128i bytes = q4k_scale_bytes(sb);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = _mm256_cvtepu8_epi32(h ? _mm_srli_si128(bytes, 8) : bytes);
+    w.sc[h] = _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
+  }
+  return w;
+}
+
+// sum_j sc_j * sum(q * x) of a super-block, spread over 8 int32 lanes; xq its 256 bytes of x.
+inline __m256i q4k_dot8(const Q4KBytes8& w, const int8_t* xq) {
+  __m256i total = _mm256_setzero_si256();
+  for (int h = 0; h < 2; ++h) {
+    __m256i s = _mm256_setzero_si256();  // int16 pairs: 8 products a lane, |s| <= 15240
+    for (int k = 0; k < 4; ++k) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 * k + 32 * h));
+      s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w.q[h][k], xv));
+    }
+    total = _mm256_add_epi32(total, _mm256_madd_epi16(s, w.sc[h]));
+  }
+  return total;
+}
+
+#ifdef RS_VNNI
+struct Q4KBytes16 {
+  __m512i q[4], sc;  // sc: lane l = sc_{l / 2} in its low 16 bits
+};
+
+inline Q4KBytes16 q4k_bytes16(const uint8_t* sb) {
+  const __m512i low4 = _mm512_set1_epi8(15);
+  const __m512i a = _mm512_loadu_si512(sb + 16), b = _mm512_loadu_si512(sb + 80);
+  const __m512i la = _mm512_and_si512(a, low4), ha = _mm512_and_si512(_mm512_srli_epi16(a, 4), low4);
+  const __m512i lb = _mm512_and_si512(b, low4), hb = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+  // 128-bit chunk c of u0 (u1): qword 2c (2c + 1) of qs as low then high nibbles; of u2, u3
+  // qwords 8 + 2c, 9 + 2c. Vector k takes qwords k, 4 + k, 8 + k, 12 + k.
+  const __m512i u0 = _mm512_unpacklo_epi64(la, ha), u1 = _mm512_unpackhi_epi64(la, ha);
+  const __m512i u2 = _mm512_unpacklo_epi64(lb, hb), u3 = _mm512_unpackhi_epi64(lb, hb);
+  Q4KBytes16 w;
+  w.q[0] = _mm512_shuffle_i64x2(u0, u2, 0x88), w.q[1] = _mm512_shuffle_i64x2(u1, u3, 0x88);
+  w.q[2] = _mm512_shuffle_i64x2(u0, u2, 0xDD), w.q[3] = _mm512_shuffle_i64x2(u1, u3, 0xDD);
+  w.sc = _mm512_cvtepu8_epi32(q4k_scale_bytes(sb));
+  return w;
+}
+
+inline __m512i q4k_dot16(const Q4KBytes16& w, const int8_t* xq) {
+  __m512i s = _mm512_setzero_si512();
+  for (int k = 0; k < 4; ++k) s = _mm512_dpbusd_epi32(s, w.q[k], _mm512_loadu_si512(xq + 64 * k));
+  return _mm512_madd_epi16(s, w.sc);
+}
+#endif
+
+// The int8 kernels' widths: 8 weight rows a task (AVX2) and 16 (AVX512-VNNI).
+struct X8V8 {
+  using V = V8;
+  using B = Q4KBytes8;
+  static B bytes(const uint8_t* sb) { return q4k_bytes8(sb); }
+  static V::I dot(const B& w, const int8_t* xq) { return q4k_dot8(w, xq); }
+};
+#ifdef RS_VNNI
+struct X8V16 {
+  using V = V16;
+  using B = Q4KBytes16;
+  static B bytes(const uint8_t* sb) { return q4k_bytes16(sb); }
+  static V::I dot(const B& w, const int8_t* xq) { return q4k_dot16(w, xq); }
+};
+#endif
+
+// dot_wrows for Q4_K weights and int8 x: the V::L weight rows from w, r < M <= kStreamRows
+// rows of x from xr. Per super-block the rows' bytes are arranged once for the M rows of x,
+// each (weight row, x row) gives one int32 vector (X::dot), the L vectors are reduced into
+// one and scaled once, the offsets m_j * s_x added per sub-block: dot_rows8's operations.
+template <typename X, int kM>
+void dot_wrows8(const uint8_t* w, int64_t row_bytes, int64_t nb, const Q8Rows& x, int64_t xr, int64_t M, float* out,
+                int64_t ldo) {
+  using V = typename X::V;
+  constexpr int L = V::L;
+  const int64_t rows_x = kM ? kM : M, units = nb / 8;
+  const uint8_t* rows[L];
+  for (int i = 0; i < L; ++i) rows[i] = w + i * row_bytes;
+  // As dot_wrows: the next task's bytes asked for in order, a share per (unit, weight row),
+  // into L2 (into L1 they evicted the current task's rows: 1.4x slower from DRAM at one row)
+  const char* next = reinterpret_cast<const char*>(w + L * row_bytes);
+  const int64_t share = (L * row_bytes + units * L - 1) / (units * L);
+  typename V::F acc[kStreamRows], off[kStreamRows];
+  for (int64_t r = 0; r < rows_x; ++r) acc[r] = off[r] = V::zero();
+  typename X::B wb[kM == 1 ? 1 : L];
+  for (int64_t u = 0; u < units; ++u) {
+    typename V::F d, m[8];
+    int32_t sc[8][L];  // (unused: the byte arrangement carries the scales)
+    V::template super_scales<kQ4_K>(rows, u, d, sc, m);
+    const int64_t at = u * unit_bytes(kQ4_K);
+    const auto prefetch = [&](int i) {  // the next task's share for this unit and row
+      for (int64_t p = (u * L + i) * share; p < (u * L + i + 1) * share; p += 64) _mm_prefetch(next + p, _MM_HINT_T1);
+    };
+    if constexpr (kM != 1) {
+      for (int i = 0; i < L; ++i) prefetch(i), wb[i] = X::bytes(rows[i] + at);
+    }
+    for (int64_t r = 0; r < rows_x; ++r) {
+      const int64_t xu = (xr + r) * units + u;
+      const int8_t* xq = x.q.data() + xu * kSuper;
+      typename V::I sums[L];
+      for (int i = 0; i < L; ++i) {
+        if constexpr (kM == 1) prefetch(i);
+        sums[i] = X::dot(kM == 1 ? X::bytes(rows[i] + at) : wb[i], xq);
+      }
+      for (int j = 0; j < 8; ++j) off[r] = V::fmadd(m[j], V::set1(x.s[xu * 8 + j]), off[r]);
+      acc[r] = V::fmadd(V::mul(d, V::set1(x.d[xu])), V::cvt(V::reduce(sums)), acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < rows_x; ++r) V::storef(out + r * ldo, V::add(acc[r], off[r]));
+}
+
+template <typename X>
+void dot_wrows8(const uint8_t* w, int64_t row_bytes, int64_t nb, const Q8Rows& x, int64_t M, float* out,
+                int64_t ldo) {
+  if (M == 1) return dot_wrows8<X, 1>(w, row_bytes, nb, x, 0, 1, out, ldo);
+  for (int64_t r0 = 0; r0 < M; r0 += kStreamRows) {
+    dot_wrows8<X, 0>(w, row_bytes, nb, x, r0, std::min(kStreamRows, M - r0), out + r0 * ldo, ldo);
+  }
+}
+#endif
+
 template <int64_t fmt>
 void dot_rows(const uint8_t* wrow, int64_t nb, const QRows& x, int64_t xr, int64_t rows, float* out,
               int64_t ldo) {
@@ -1132,7 +1405,8 @@ void dot_rows(const uint8_t* wrow, int64_t fmt, int64_t nb, const QRows& x, int6
   with_format(fmt, [&](auto f) { dot_rows<decltype(f)::value>(wrow, nb, x, xr, rows, out, ldo); });
 }
 
-void check_args(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K, bool bf16_ok = false) {
+void check_args(const at::Tensor& x, const at::Tensor& w, int64_t code, int64_t K, bool bf16_ok = false) {
+  const int64_t fmt = weight_format(code);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
                   (x.scalar_type() == at::kFloat || (bf16_ok && x.scalar_type() == at::kBFloat16)),
               "x must be a contiguous (M, K) float32", bf16_ok ? " or bfloat16" : "", " tensor, got ", x.sizes(), " ",
@@ -1147,12 +1421,13 @@ void check_args(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K
               fmt);
 }
 
-// A weight of the small kernels' loop: its bytes, format, x quantized for its format, and
-// the output column where its rows start.
+// A weight of the small kernels' loop: its bytes, weight format, x quantized for its format
+// (int16, or int8 for Q4_K: x8 set), and the output column where its rows start.
 struct SmallPart {
   const uint8_t* w;
   int64_t fmt, rows, row_bytes, col;
   const QRows* x;
+  const Q8Rows* x8;
 };
 
 // out (M, ldo) columns [col, col + rows) of every part = x @ part.T, in ONE parallel loop
@@ -1183,16 +1458,22 @@ void run_small(const std::vector<SmallPart>& parts, int64_t M, int64_t nb, float
       float* o = out + part.col + task.n;
 #ifdef RS_VNNI
       if (task.rows == 16) {
-        dot_wrows<V16>(row, part.fmt, part.row_bytes, nb, *part.x, M, o, ldo);
+        if (part.x8) dot_wrows8<X8V16>(row, part.row_bytes, nb, *part.x8, M, o, ldo);
+        else dot_wrows<V16>(row, part.fmt, part.row_bytes, nb, *part.x, M, o, ldo);
         continue;
       }
 #endif
 #ifdef RS_AVX2
       if (task.rows == 8) {
-        dot_wrows<V8>(row, part.fmt, part.row_bytes, nb, *part.x, M, o, ldo);
+        if (part.x8) dot_wrows8<X8V8>(row, part.row_bytes, nb, *part.x8, M, o, ldo);
+        else dot_wrows<V8>(row, part.fmt, part.row_bytes, nb, *part.x, M, o, ldo);
         continue;
       }
 #endif
+      if (part.x8) {
+        dot_rows8(row, nb, *part.x8, 0, M, o, ldo);
+        continue;
+      }
       for (int64_t r0 = 0; r0 < M; r0 += kRows) {
         dot_rows(row, part.fmt, nb, *part.x, r0, std::min(kRows, M - r0), o + r0 * ldo, ldo);
       }
@@ -1202,22 +1483,27 @@ void run_small(const std::vector<SmallPart>& parts, int64_t M, int64_t nb, float
 
 }  // namespace
 
-// x (M, K) float32 @ w(N, K).T -> (M, N) float32; decode-sized M, x rounded to int16.
-at::Tensor qmatmul_small(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K) {
-  check_args(x, w, fmt, K);
-  const int64_t M = x.size(0), N = w.size(0);
+// x (M, K) float32 @ w(N, K).T -> (M, N) float32; decode-sized M, x rounded to int16 (format
+// code kQ4_K_X8: int8).
+at::Tensor qmatmul_small(const at::Tensor& x, const at::Tensor& w, int64_t code, int64_t K) {
+  check_args(x, w, code, K);
+  const int64_t M = x.size(0), N = w.size(0), fmt = weight_format(code);
   at::Tensor out = at::empty({M, N}, x.options());
   QRows xq;
-  quantize_rows(x.data_ptr<float>(), M, K, fmt, xq);
-  run_small({{w.data_ptr<uint8_t>(), fmt, N, w.size(1), 0, &xq}}, M, K / kBlock, out.data_ptr<float>(), N);
+  Q8Rows x8;
+  if (code == kQ4_K_X8) quantize_rows8(x.data_ptr<float>(), M, K, x8);
+  else quantize_rows(x.data_ptr<float>(), M, K, fmt, xq);
+  run_small({{w.data_ptr<uint8_t>(), fmt, N, w.size(1), 0, &xq, code == kQ4_K_X8 ? &x8 : nullptr}}, M, K / kBlock,
+            out.data_ptr<float>(), N);
   return out;
 }
 
 // x (M, K) float32 @ w(N, K).T -> (M, N) float32, x rounded to int16 as in qmatmul_small;
 // the int16 GEMM above for any M (AVX2 builds; `int_gemm` tells the caller whether it is
-// there: the portable build runs qmatmul_small's loops instead).
+// there: the portable build, and int8 x at any M, run qmatmul_small's loops instead).
 at::Tensor qmatmul_gemm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K) {
 #ifdef RS_AVX2
+  if (fmt == kQ4_K_X8) return qmatmul_small(x, w, fmt, K);
   check_args(x, w, fmt, K);
   const int64_t M = x.size(0), N = w.size(0), nb = K / kBlock;
   at::Tensor out = at::empty({M, N}, x.options());
@@ -1239,8 +1525,9 @@ at::Tensor qmatmul_gemm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, i
 // exact float32 weights and the sgemm sums in float32. bfloat16 x (a bf16 model): the tiles
 // are the weights rounded to bf16, as a bf16 model holding the dequantized weights has them,
 // and the bf16 GEMM (float32 accumulation) runs at the CPU's bf16 rate.
-at::Tensor qmatmul_tiled(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K) {
-  check_args(x, w, fmt, K, true);
+at::Tensor qmatmul_tiled(const at::Tensor& x, const at::Tensor& w, int64_t code, int64_t K) {
+  check_args(x, w, code, K, true);
+  const int64_t fmt = weight_format(code);
   const int64_t M = x.size(0), N = w.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -1322,16 +1609,22 @@ at::Tensor apply_part(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int
 // x (M, K) float32 times every part, all in the small kernels' loop (M <= each small_m).
 at::Tensor small_parts(const QLinear& l, const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1);
-  // x as the legacy formats, Q4_K, Q5_K and Q6_K take it, each quantized once if a part needs it
+  // x as the legacy formats, Q4_K, Q5_K and Q6_K take it in int16, and in int8, each
+  // quantized once if a part needs it
   QRows xq[4];
-  bool quantized[4] = {false, false, false, false};
+  Q8Rows x8;
+  bool quantized[5] = {false, false, false, false, false};
   std::vector<SmallPart> parts;
   int64_t n = 0;
   for (size_t i = 0; i < l.w.size(); ++i) {
-    check_args(x, l.w[i], l.fmt[i], K);
-    const int64_t q = is_kquant(l.fmt[i]) ? l.fmt[i] - kQ4_K + 1 : 0;
-    if (!quantized[q]) quantize_rows(x.data_ptr<float>(), M, K, l.fmt[i], xq[q]), quantized[q] = true;
-    parts.push_back({l.w[i].data_ptr<uint8_t>(), l.fmt[i], l.w[i].size(0), l.w[i].size(1), n, &xq[q]});
+    const int64_t code = l.fmt[i], fmt = weight_format(code);
+    check_args(x, l.w[i], code, K);
+    const int64_t q = code == kQ4_K_X8 ? 4 : is_kquant(fmt) ? fmt - kQ4_K + 1 : 0;
+    if (!quantized[q] && q == 4) quantize_rows8(x.data_ptr<float>(), M, K, x8);
+    else if (!quantized[q]) quantize_rows(x.data_ptr<float>(), M, K, fmt, xq[q]);
+    quantized[q] = true;
+    parts.push_back({l.w[i].data_ptr<uint8_t>(), fmt, l.w[i].size(0), l.w[i].size(1), n, q < 4 ? &xq[q] : nullptr,
+                     q == 4 ? &x8 : nullptr});
     n += l.w[i].size(0);
   }
   at::Tensor y = at::empty({M, n}, x.options());
