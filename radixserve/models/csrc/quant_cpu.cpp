@@ -54,6 +54,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cmath>
 #include <cstring>
@@ -1450,33 +1451,41 @@ void run_small(const std::vector<SmallPart>& parts, int64_t M, int64_t nb, float
 #endif
     for (; n < parts[p].rows; ++n) tasks.push_back({static_cast<int32_t>(p), 1, n});
   }
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), M == 1 ? 8 : 2, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const Task& task = tasks[t];
-      const SmallPart& part = parts[task.part];
-      const uint8_t* row = part.w + task.n * part.row_bytes;
-      float* o = out + part.col + task.n;
+  const auto run_task = [&](int64_t t) {
+    const Task& task = tasks[t];
+    const SmallPart& part = parts[task.part];
+    const uint8_t* row = part.w + task.n * part.row_bytes;
+    float* o = out + part.col + task.n;
 #ifdef RS_VNNI
-      if (task.rows == 16) {
-        if (part.x8) dot_wrows8<X8V16>(row, part.row_bytes, nb, *part.x8, M, o, ldo);
-        else dot_wrows<V16>(row, part.fmt, part.row_bytes, nb, *part.x, M, o, ldo);
-        continue;
-      }
+    if (task.rows == 16) {
+      if (part.x8) dot_wrows8<X8V16>(row, part.row_bytes, nb, *part.x8, M, o, ldo);
+      else dot_wrows<V16>(row, part.fmt, part.row_bytes, nb, *part.x, M, o, ldo);
+      return;
+    }
 #endif
 #ifdef RS_AVX2
-      if (task.rows == 8) {
-        if (part.x8) dot_wrows8<X8V8>(row, part.row_bytes, nb, *part.x8, M, o, ldo);
-        else dot_wrows<V8>(row, part.fmt, part.row_bytes, nb, *part.x, M, o, ldo);
-        continue;
-      }
+    if (task.rows == 8) {
+      if (part.x8) dot_wrows8<X8V8>(row, part.row_bytes, nb, *part.x8, M, o, ldo);
+      else dot_wrows<V8>(row, part.fmt, part.row_bytes, nb, *part.x, M, o, ldo);
+      return;
+    }
 #endif
-      if (part.x8) {
-        dot_rows8(row, nb, *part.x8, 0, M, o, ldo);
-        continue;
-      }
-      for (int64_t r0 = 0; r0 < M; r0 += kRows) {
-        dot_rows(row, part.fmt, nb, *part.x, r0, std::min(kRows, M - r0), o + r0 * ldo, ldo);
-      }
+    if (part.x8) {
+      dot_rows8(row, nb, *part.x8, 0, M, o, ldo);
+      return;
+    }
+    for (int64_t r0 = 0; r0 < M; r0 += kRows) {
+      dot_rows(row, part.fmt, nb, *part.x, r0, std::min(kRows, M - r0), o + r0 * ldo, ldo);
+    }
+  };
+  // Threads take runs of tasks from a shared counter, not a fixed share each: a core slowed
+  // by another process (or a VM neighbour) leaves the rest to the others, not a wait.
+  const int64_t n = static_cast<int64_t>(tasks.size()), threads = at::get_num_threads();
+  const int64_t run = std::max<int64_t>(1, n / (4 * threads));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, (n + run - 1) / run), 1, [&](int64_t, int64_t) {
+    for (int64_t t0 = next.fetch_add(run); t0 < n; t0 = next.fetch_add(run)) {
+      for (int64_t t = t0; t < std::min(n, t0 + run); ++t) run_task(t);
     }
   });
 }
