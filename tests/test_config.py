@@ -19,6 +19,7 @@ from radixserve.config import EngineConfig
         ({"attention_kernels": "fast"}, "attention_kernels must be one of"),
         ({"attention_kernels": "native", "native_ops": False}, "native needs native_ops"),
         ({"packed_linear": "yes"}, "packed_linear must be one of"),
+        ({"quant_activations": "int4"}, "quant_activations must be one of"),
     ],
 )
 def test_fast_path_fields_are_validated(kw: dict, message: str) -> None:

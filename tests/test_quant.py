@@ -487,6 +487,8 @@ def test_int8_quantization_of_an_hf_checkpoint(tiny_model_dir: Path) -> None:
 def test_bad_quantization_and_missing_gguf_are_refused(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="quantization must be one of"):
         load_model(tiny_model_dir, torch.float32, quantization="q3")
+    with pytest.raises(ValueError, match="activations must be one of"):
+        load_model(tiny_model_dir, torch.float32, activations="int4")
     with pytest.raises(FileNotFoundError, match="not found"):
         resolve_model_path("/nonexistent/model.gguf")
 
