@@ -6,8 +6,8 @@ the native kernels of radixserve/models/quant.py on the same weight (the embedde
 Q4_1 / Q8_0, or each of `--formats`, K-quants included): `small`
 (int16 activations, weights streamed: the decode kernel), `gemm` (int16 activations, the
 int16 GEMM), `tiled` (dequantize tiles into sgemm), `bf16` (bf16 x, bf16 tiles into the
-bf16 GEMM) and, for Q4_K, `int8` (x rounded to int8, the streaming kernel at any M: the
-default). Prints ms per call and the weight-read bound (bytes / measured bandwidth): the
+bf16 GEMM) and, for Q4_K and Q6_K, `int8` (x rounded to int8, the streaming kernel at any
+M: the default). Prints ms per call and the weight-read bound (bytes / measured bandwidth): the
 measurements behind Format.small_m (small vs gemm) and BF16_TILED_M (gemm vs bf16).
 
     python benchmarks/bench_quant.py --json benchmarks/results/quant_<cpu>-<isa>_<date>.json
@@ -71,8 +71,8 @@ def bench_shape(name: str, n: int, k: int, fmt: str, rows: list[int], repeats: i
                "gemm_ms": best_ms(lambda i: native.qmatmul_gemm(x, blocks[i], code, k), copies, reps),  # noqa: B023,E501
                "tiled_ms": best_ms(lambda i: native.qmatmul_tiled(x, blocks[i], code, k), copies, reps),  # noqa: B023,E501
                "bf16_ms": best_ms(lambda i: native.qmatmul_tiled(xb, blocks[i], code, k), copies, reps),  # noqa: B023,E501
-               "int8_ms": best_ms(lambda i: native.qmatmul_small(x, blocks[i], quant.X8_CODE, k), copies, reps)  # noqa: B023,E501
-               if fmt == "q4_k" else None,
+               "int8_ms": best_ms(lambda i: native.qmatmul_small(x, blocks[i], quant.X8_CODES[fmt], k), copies, reps)  # noqa: B023,E501
+               if fmt in quant.X8_CODES else None,
                "fp32_bound_ms": n * k * 4 / bw * 1e3,
                "quant_bound_ms": blocks[0].numel() / bw * 1e3}  # fmt: skip
         out.append(row)

@@ -42,8 +42,8 @@ HELP = {
     "served_model_name": "model name in /v1/models and responses (default: --model as given)",
     "dtype": "compute dtype; auto: bfloat16 where bf16 is fast here, else float32",
     "quantization": "auto: a GGUF model's Q4_0/Q4_1/Q8_0 weights run quantized; none; int8",
-    "quant_activations": "Q4_K weights' x rounded to int8 (llama.cpp's rounding, faster) or "
-    "int16 (64x finer); other formats' x is int16",
+    "quant_activations": "Q4_K and Q6_K weights' x rounded to int8 (llama.cpp's rounding, "
+    "faster) or int16 (16-64x finer); other formats' x is int16",
     "kv_cache_dtype": "KV cache storage dtype; auto: float16 under quantized weights on a CPU "
     "(native attention kernels convert on load), else the compute dtype",
     "device": "torch device of the model worker (cpu, cuda)",

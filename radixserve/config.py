@@ -63,8 +63,8 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": bf16 where the CPU/GPU computes it fast, else float32
     quantization: str = "auto"  # "auto": a GGUF's Q4_0/Q4_1/Q8_0 stay quantized; "none"; "int8"
     kv_cache_dtype: str = "auto"  # "auto": fp16 under quantized weights on CPU, else = dtype
-    # x of Q4_K weights' matmuls rounded to "int8" (as llama.cpp rounds it; faster) or "int16"
-    # (the other formats' x is always int16); radixserve.models.quant.ACTIVATIONS
+    # x of Q4_K and Q6_K weights' matmuls rounded to "int8" (as llama.cpp rounds it; faster) or
+    # "int16" (the other formats' x is always int16); radixserve.models.quant.X8_CODES
     quant_activations: str = QUANT_ACTIVATIONS_DEFAULT
     device: str = "cpu"
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction

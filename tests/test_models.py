@@ -26,6 +26,7 @@ from radixserve.attention.flat import FlatBackend
 from radixserve.core.batch import ForwardBatch
 from radixserve.models import ModelConfig, load_model, load_tokenizer, resolve_model_path
 from radixserve.models.llama import Linear, LlamaForCausalLM, packed_linear_supported
+from radixserve.models.resolve import gguf_source
 
 TOL = 1e-4
 VOCAB = 256
@@ -378,9 +379,14 @@ CHATS = [
 @pytest.fixture(scope="module")
 def smollm2() -> tuple[LlamaForCausalLM, object, object, ModelConfig]:
     path = resolve_model_path(None)
-    # The dequantized weights, as HF loads them (tests/test_quant.py covers the quantized path).
+    # The dequantized weights, as HF loads them (tests/test_quant.py covers the quantized path):
+    # the converted folder holds no weights, so HF reads the GGUF with its own loader.
     model, cfg = load_model(path, torch.float32, quantization="none")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    gguf = gguf_source(path)
+    assert gguf is not None
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
     return model, hf, load_tokenizer(path), cfg
 
 

@@ -64,7 +64,8 @@ def load_model(
     - "int8": every projection and an untied LM head as Q8_0 blocks (weight-only int8,
       one fp16 scale per 32 weights), from whatever the checkpoint holds.
 
-    `activations` ("int8" or "int16"): how x is rounded for Q4_K weights (QuantLinear).
+    `activations` ("int8" or "int16"): how x is rounded for Q4_K and Q6_K weights
+    (QuantLinear).
 
     With `tp_size` > 1 the model holds rank `tp_rank`'s shard of the attention and MLP
     projections (radixserve.distributed.parallel); the returned config is the full model's.
@@ -119,7 +120,7 @@ def load_model(
     formats = sorted(
         {f.name for m in model.modules() if isinstance(m, QuantLinear) for f in m.formats}
     )
-    x8 = f" (Q4_K x: {activations})" if "q4_k" in formats else ""
+    x8 = f" (Q4_K/Q6_K x: {activations})" if {"q4_k", "q6_k"} & set(formats) else ""
     native_layers = model.use_native_layers()
     logger.info(
         "loaded %s (%s, %d layers) as %s on %s; weights: %s; linear: %s%s",

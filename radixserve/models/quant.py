@@ -25,11 +25,11 @@ K-quants x is rounded per 256-block, to 14, 13 and 12 bits for Q4_K, Q5_K and Q6
 multiplied into the integer quants, sum exactly in int32 under one scale: one reduction
 and one float32 scaling a super-block instead of eight.
 
-Q4_K with int8 x (`activations="int8"`, the default: X8_CODE): x is rounded per 256-block
-as llama.cpp rounds activations (error <= amax / 254), and the 4-bit quants meet it in byte
-multiply-adds (VNNI vpdpbusd, AVX2 maddubs) without being widened: 1.2-1.6x the int16
-kernel's speed at 1-64 rows on a 1B model's shapes (bench_quant.py). Its streaming kernel
-runs at every M below the bf16 tiles, so a row's bits never depend on its batch.
+Q4_K and Q6_K with int8 x (`activations="int8"`, the default: X8_CODES): x is rounded per
+256-block as llama.cpp rounds activations (error <= amax / 254), and the quants meet it in
+byte multiply-adds (VNNI vpdpbusd, AVX2 maddubs) without being widened: Q4_K 1.1-1.7x the
+int16 kernels' speed at 1-64 rows on a 1B model's shapes (bench_quant.py). Its streaming
+kernel runs at every M below the bf16 tiles, so a row's bits never depend on its batch.
 """
 
 from __future__ import annotations
@@ -96,11 +96,12 @@ FORMATS = {
         Format("q5_1", 7, BLOCK, 24, 16),
     )
 }
-# The format code of Q4_K weights with x rounded to int8 per 256-block, as llama.cpp rounds
-# activations (error <= amax / 254 against the int16 path's amax / 16382): the kernels'
-# byte multiply-adds do twice the products per instruction. Its weight-streaming kernel runs
-# at any M (no GEMM), so a row's bits never depend on the rows beside it.
-X8_CODE = 8
+# The format codes of Q4_K and Q6_K weights with x rounded to int8 per 256-block, as
+# llama.cpp rounds activations (error <= amax / 254 against the int16 path's amax / 16382
+# and 4094): the kernels' byte multiply-adds do twice the products per instruction. Their
+# weight-streaming kernel runs at any M (no GEMM), so a row's bits never depend on the rows
+# beside it.
+X8_CODES = {"q4_k": 8, "q6_k": 9}
 X8_SMALL_M = 1 << 30  # the rows up to which it streams: all
 # Formats made only by llama.cpp's quantizer: the `gguf` package's dequantization is their
 # reference (the others' reference is `dequantize` below, and `quantize` makes them).
@@ -191,7 +192,8 @@ class QuantLinear(nn.Module):
     y in x's dtype.
 
     Runs the kernel the module doc picks for x's rows and dtype, part by part; `activations`
-    "int8" rounds x to int8 for Q4_K parts (X8_CODE), "int16" keeps every part's x int16.
+    "int8" rounds x to int8 for Q4_K and Q6_K parts (X8_CODES), "int16" keeps every part's x
+    int16.
     Holds each part's bytes as a buffer (`blocks0`, `blocks1`, ...), used in place: a part
     may be a read-only view of a memory-mapped file, and is never written.
     """
@@ -259,8 +261,8 @@ class QuantLinear(nn.Module):
         """This projection as the native calls take it (`qlinear`, llama.NativeLayer): made
         once, and again after the buffers are replaced (`_apply`, `_load_from_state_dict`)."""
         if self._native_arg is None:
-            int8 = [f.name == "q4_k" and self.activations == "int8" for f in self.formats]
-            codes = [X8_CODE if i8 else f.code for f, i8 in zip(self.formats, int8)]
+            int8 = [f.name in X8_CODES and self.activations == "int8" for f in self.formats]
+            codes = [X8_CODES[f.name] if i8 else f.code for f, i8 in zip(self.formats, int8)]
             small = [X8_SMALL_M if i8 else f.small_m for f, i8 in zip(self.formats, int8)]
             self._native_arg = (self._blocks(), codes, small, self._buffers["bias"])
         return self._native_arg

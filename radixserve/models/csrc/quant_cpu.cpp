@@ -39,8 +39,8 @@
 //   x transposed so that each madd lane is one row of x and a broadcast weight pair one
 //   column (no horizontal sums), at madd's 16 multiply-adds per instruction against the 8
 //   of a float32 FMA.
-// - Q4_K weights with x rounded to int8 (format code kQ4_K_X8, section "Q4_K with int8 x"
-//   below): a weight-streaming kernel of byte multiply-adds, at any M.
+// - Q4_K and Q6_K weights with x rounded to int8 (format codes kQ4_K_X8, kQ6_K_X8, section
+//   "K-quants with int8 x" below): a weight-streaming kernel of byte multiply-adds, at any M.
 // - `qmatmul_tiled`: dequantize a tile of kTile weight rows into a per-thread float32 (or,
 //   for a bf16 x, bfloat16) buffer (it stays in L2) and run the BLAS GEMM on it, so the
 //   arithmetic runs at the machine's matmul rate with the exact float32 x: the path of
@@ -1115,55 +1115,70 @@ void dot_wrows(const uint8_t* w, int64_t fmt, int64_t row_bytes, int64_t nb, con
 }
 #endif
 
-// ------------------------------------------------------------------ Q4_K with int8 x
+// ------------------------------------------------------------------ K-quants with int8 x
 //
-// Format code kQ4_K_X8: Q4_K weights with x rounded to int8 per 256-block, as llama.cpp
-// rounds activations for its K-quant dot products (Q8_K: the value of largest magnitude
-// maps to -127, d = its magnitude / 127; error <= amax / 254, 64x the int16 path's). The
-// integer products then take unsigned x signed byte multiply-adds (vpdpbusd: 64 a VNNI
-// instruction, against vpdpwssd's 32) and the 4-bit quants are only split into bytes,
-// never widened or multiplied by their scales: per super-block and row of x, 4 vpdpbusd
-// and one madd per weight row instead of 8 vpdpwssd, and a third of the widening work.
+// Format codes kQ4_K_X8 and kQ6_K_X8: Q4_K and Q6_K weights with x rounded to int8 per
+// 256-block, as llama.cpp rounds activations for its K-quant dot products (Q8_K: the value
+// of largest magnitude maps to -127, d = its magnitude / 127; error <= amax / 254, 64x the
+// int16 path's). The integer products then take unsigned x signed byte multiply-adds
+// (vpdpbusd: 64 a VNNI instruction, against vpdpwssd's 32), and the quants are only put
+// into bytes, never widened to int16 or multiplied by their scales one by one.
 //
-// Lane layout: each 256-block of x is stored as 4 vectors of 64 bytes; in vector k,
-// 32-bit lane l (l < 16) holds elements 8k + 4 (l % 2) .. + 3 of sub-block l / 2 (x8_pos).
-// The weight's super-block bytes are arranged the same way (q4k_bytes16), so after the 4
-// multiply-adds lane l sums 16 products of sub-block l / 2 alone (|sum| <= 16 * 15 * 127 <
-// 2^15), and one madd with the sub-block scales (6 bits) gives sum_j sc_j * sum(q * x)
-// over the super-block in exact int32. The AVX2 kernel forms the same lane sums from
-// maddubs (int16 pairs) and madd, the portable loop from scalars: every path gives a row
-// the same integer sums and the same float32 operations in the same order.
-constexpr int64_t kQ4_K_X8 = 8;
+// Lane layout: each 256-block of x is stored as 4 vectors of 64 bytes, and the weight's
+// super-block bytes are arranged the same way, so that after the 4 multiply-adds each
+// 32-bit lane l (l < 16) sums the products of one group of weights under one scale:
+// - Q4_K (x8_pos_q4k): in vector k lane l holds elements 8k + 4 (l % 2) .. + 3 of 32-weight
+//   sub-block l / 2; |lane| <= 16 * 15 * 127 < 2^15, so one madd with the 6-bit scales
+//   gives sum_j sc_j * sum(q * x). Per super-block, weight row and row of x: 4 vpdpbusd and
+//   a madd, against 8 vpdpwssd.
+// - Q6_K (x8_pos_q6k): in vector k lane l holds elements 4k .. 4k + 3 of 16-weight group
+//   g(l) = 4 (l % 4) + l / 4 (the order a 4 x 4 dword transpose of the natural vectors
+//   gives); q = q6 - 32 is applied as 32 * the group's sum of x (x's `b`), then one 32-bit
+//   multiply by the int8 scales: sum_g sc_g * sum((q6 - 32) * x).
+// Both sums are exact in int32 under the super-block's one weight scale and one x scale.
+// The AVX2 kernels form the same lane sums from maddubs (int16 pairs) and madd, the portable
+// loop from scalars: every path gives a row the same integer sums and the same float32
+// operations in the same order.
+constexpr int64_t kQ4_K_X8 = 8, kQ6_K_X8 = 9;
+
+constexpr bool is_x8(int64_t code) { return code == kQ4_K_X8 || code == kQ6_K_X8; }
 
 // The weight format of a format code.
-constexpr int64_t weight_format(int64_t code) { return code == kQ4_K_X8 ? kQ4_K : code; }
+constexpr int64_t weight_format(int64_t code) {
+  return code == kQ4_K_X8 ? kQ4_K : code == kQ6_K_X8 ? kQ6_K : code;
+}
 
 struct Q8Rows {
-  std::vector<int8_t> q;   // (M, K), each 256-block in lane order
+  std::vector<int8_t> q;   // (M, K), each 256-block in its format's lane order
   std::vector<float> d;    // (M, K / 256)
-  std::vector<float> s;    // (M, K / 32): d * the sum of the 32-block's q
+  std::vector<float> s;    // (M, K / 32): d * the sum of the 32-block's q (Q4_K's offsets)
+  std::vector<int32_t> b;  // (M, K / 256, 16) Q6_K: 32 * the sum of group g(l)'s q, lane l
 };
 
-// Where element e (< 256) of a block lies in its lane order.
-constexpr int64_t x8_pos(int64_t e) {
+// Where element e (< 256) of a block lies in its format's lane order.
+constexpr int64_t x8_pos_q4k(int64_t e) {
   const int64_t j = e / 32, k = (e % 32) / 8, h = (e % 8) / 4;
   return 64 * k + 4 * (2 * j + h) + e % 4;
 }
+constexpr int64_t x8_group(int64_t l) { return 4 * (l % 4) + l / 4; }  // its own inverse
+constexpr int64_t x8_pos_q6k(int64_t e) { return 64 * ((e % 16) / 4) + 4 * x8_group(e / 16) + e % 4; }
+constexpr int64_t x8_pos(int64_t fmt, int64_t e) { return fmt == kQ6_K ? x8_pos_q6k(e) : x8_pos_q4k(e); }
 
-// x (M, K) -> int8 per 256-block: iscale = -127 / v (v the block's first value of largest
-// magnitude), q = min(127, round-half-even(x * iscale)), d = 1 / iscale; d = 0 for an all-zero
-// block; a block holding inf or NaN gets q = 0 and d = s = NaN.
-void quantize_rows8(const float* x, int64_t M, int64_t K, Q8Rows& out) {
+// x (M, K) -> int8 per 256-block, in fmt's lane order: iscale = -127 / v (v the block's first
+// value of largest magnitude), q = min(127, round-half-even(x * iscale)), d = 1 / iscale; d =
+// 0 for an all-zero block; a block holding inf or NaN gets q = 0 and d = s = NaN.
+void quantize_rows8(const float* x, int64_t M, int64_t K, int64_t fmt, Q8Rows& out) {
   const int64_t units = M * K / kSuper;
-  out.q.resize(M * K), out.d.resize(units), out.s.resize(units * 8);
+  out.q.resize(M * K), out.d.resize(units), out.s.resize(units * 8), out.b.resize(units * 16);
   at::parallel_for(0, units, 16, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const float* xb = x + u * kSuper;
       int8_t* q = out.q.data() + u * kSuper;
       float* s = out.s.data() + u * 8;
+      int32_t* b = out.b.data() + u * 16;
       const float amax = unit_amax(xb, kSuper);
       if (std::isnan(amax) || amax == 0.f) {
-        std::memset(q, 0, kSuper);
+        std::memset(q, 0, kSuper), std::memset(b, 0, 16 * sizeof(int32_t));
         out.d[u] = std::isnan(amax) ? amax : 0.f;
         for (int j = 0; j < 8; ++j) s[j] = out.d[u];
         continue;
@@ -1198,38 +1213,50 @@ void quantize_rows8(const float* x, int64_t M, int64_t K, Q8Rows& out) {
         s[e / 32] = d * static_cast<float>(total);
       }
 #endif
-      for (int64_t e = 0; e < kSuper; e += 4) std::memcpy(q + x8_pos(e), v + e, 4);
+      for (int64_t e = 0; e < kSuper; e += 4) std::memcpy(q + x8_pos(fmt, e), v + e, 4);
+      for (int64_t l = 0; l < 16 && fmt == kQ6_K; ++l) {
+        int32_t sum = 0;
+        for (int64_t e = 16 * x8_group(l); e < 16 * x8_group(l) + 16; ++e) sum += v[e];
+        b[l] = 32 * sum;
+      }
       out.d[u] = d;
     }
   });
 }
 
-// out[r * ldo] = dot(x row xr + r, Q4_K weight row), r < R: per super-block d_w * d_x *
-// sum_j sc_j * sum(q_w * q_x) in exact int32, plus m_j * s_x per sub-block: the vector
-// kernels' operations, one row at a time (the rows beyond whole vector tasks; the portable
-// build).
+// out[r * ldo] = dot(x row xr + r, weight row), r < R, fmt Q4_K or Q6_K: per super-block
+// d_w * d_x * (the exact integer sum of q_w * q_x, the sub-block scales in q_w), plus
+// (Q4_K) m_j * s_x per sub-block: the vector kernels' operations, one row at a time (the
+// rows beyond whole vector tasks; the portable build).
+template <int64_t fmt>
 void dot_rows8(const uint8_t* wrow, int64_t nb, const Q8Rows& x, int64_t xr, int64_t R, float* out, int64_t ldo) {
   for (int64_t r = 0; r < R; ++r) {
     float acc = 0.f, off = 0.f;
     for (int64_t u = 0; u < nb / 8; ++u) {
-      const int8_t* xq = x.q.data() + ((xr + r) * nb / 8 + u) * kSuper;
-      const float* s = x.s.data() + ((xr + r) * nb / 8 + u) * 8;
+      const int64_t xu = (xr + r) * nb / 8 + u;
+      const int8_t* xq = x.q.data() + xu * kSuper;
       int32_t total = 0;
       float dw = 0.f;
       for (int64_t j = 0; j < 8; ++j) {
         float mw;
         int32_t sc, q[kBlock];
-        kquant_scales<kQ4_K>(wrow, 8 * u + j, dw, sc, mw);
-        block_quants<kQ4_K>(wrow, 8 * u + j, q);
+        unit_scales<fmt>(wrow, 8 * u + j, dw, sc, mw);
+        block_quants<fmt>(wrow, 8 * u + j, q);  // Q6_K's include their scales
         int32_t dot = 0;
-        for (int64_t l = 0; l < kBlock; ++l) dot += q[l] * xq[x8_pos(32 * j + l)];
+        for (int64_t l = 0; l < kBlock; ++l) dot += q[l] * xq[x8_pos(fmt, 32 * j + l)];
         total += sc * dot;
-        off = fma_like_vectors(mw, s[j], off);
+        if (fmt == kQ4_K) off = fma_like_vectors(mw, x.s[xu * 8 + j], off);
       }
-      acc = fma_like_vectors(dw * x.d[(xr + r) * nb / 8 + u], static_cast<float>(total), acc);
+      acc = fma_like_vectors(dw * x.d[xu], static_cast<float>(total), acc);
     }
     out[r * ldo] = acc + off;
   }
+}
+
+void dot_rows8(const uint8_t* wrow, int64_t fmt, int64_t nb, const Q8Rows& x, int64_t xr, int64_t R, float* out,
+               int64_t ldo) {
+  if (fmt == kQ6_K) dot_rows8<kQ6_K>(wrow, nb, x, xr, R, out, ldo);
+  else dot_rows8<kQ4_K>(wrow, nb, x, xr, R, out, ldo);
 }
 
 #ifdef RS_AVX2
@@ -1245,101 +1272,194 @@ inline __m128i q4k_scale_bytes(const uint8_t* sb) {
   return _mm_or_si128(lo, hi);
 }
 
-// The AVX2 int8 kernel's weight super-block: the 4 lane-order vectors as 8 halves (half h
-// of vector k: lanes 8h .. 8h + 7, sub-blocks 4h .. 4h + 3) and, per half, the lanes'
-// scales as int16 pairs (sc, sc).
-struct Q4KBytes8 {
+// A Q6_K super-block's 16 int8 scales in lane order, byte l = sc_{g(l)}.
+inline __m128i q6k_scale_bytes(const uint8_t* sb) {
+  const __m128i order = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);  // g(l)
+  return _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192)), order);
+}
+
+// v[0..3] -> in each 128-bit chunk, dword n of output k = dword k of input n (a 4 x 4
+// transpose per chunk).
+inline void transpose4(__m256i v[4]) {
+  const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+  v[0] = _mm256_unpacklo_epi64(t0, t2), v[1] = _mm256_unpackhi_epi64(t0, t2);
+  v[2] = _mm256_unpacklo_epi64(t1, t3), v[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+// The AVX2 int8 kernels' weight super-block: the 4 lane-order vectors as 8 halves (half h of
+// vector k: lanes 8h .. 8h + 7) and, per half, the lanes' scales (Q4_K: int16 pairs (sc, sc);
+// Q6_K: int32).
+struct KBytes8 {
   __m256i q[2][4], sc[2];
 };
 
-inline Q4KBytes8 q4k_bytes8(const uint8_t* sb) {
+template <int64_t fmt>
+inline KBytes8 kquant_bytes8(const uint8_t* sb) {
   const __m256i low4 = _mm256_set1_epi8(15);
-  Q4KBytes8 w;
-  for (int h = 0; h < 2; ++h) {  // qwords 8h .. 8h + 7 of qs: sub-blocks 4h .. 4h + 3
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 64 * h));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 48 + 64 * h));
-    const __m256i la = _mm256_and_si256(a, low4), ha = _mm256_and_si256(_mm256_srli_epi16(a, 4), low4);
-    const __m256i lb = _mm256_and_si256(b, low4), hb = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
-    const __m256i a0 = _mm256_unpacklo_epi64(la, ha), a1 = _mm256_unpackhi_epi64(la, ha);
-    const __m256i b0 = _mm256_unpacklo_epi64(lb, hb), b1 = _mm256_unpackhi_epi64(lb, hb);
-    w.q[h][0] = _mm256_permute2x128_si256(a0, b0, 0x20), w.q[h][1] = _mm256_permute2x128_si256(a1, b1, 0x20);
-    w.q[h][2] = _mm256_permute2x128_si256(a0, b0, 0x31), w.q[h][3] = _mm256_permute2x128_si256(a1, b1, 0x31);
-  }
-  const __m128i bytes = q4k_scale_bytes(sb);
-  for (int h = 0; h < 2; ++h) {
-    const __m256i v = _mm256_cvtepu8_epi32(h ? _mm_srli_si128(bytes, 8) : bytes);
-    w.sc[h] = _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
+  KBytes8 w;
+  if constexpr (fmt == kQ4_K) {
+    for (int h = 0; h < 2; ++h) {  // qwords 8h .. 8h + 7 of qs: sub-blocks 4h .. 4h + 3
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 64 * h));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 48 + 64 * h));
+      const __m256i la = _mm256_and_si256(a, low4), ha = _mm256_and_si256(_mm256_srli_epi16(a, 4), low4);
+      const __m256i lb = _mm256_and_si256(b, low4), hb = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+      const __m256i a0 = _mm256_unpacklo_epi64(la, ha), a1 = _mm256_unpackhi_epi64(la, ha);
+      const __m256i b0 = _mm256_unpacklo_epi64(lb, hb), b1 = _mm256_unpackhi_epi64(lb, hb);
+      w.q[h][0] = _mm256_permute2x128_si256(a0, b0, 0x20), w.q[h][1] = _mm256_permute2x128_si256(a1, b1, 0x20);
+      w.q[h][2] = _mm256_permute2x128_si256(a0, b0, 0x31), w.q[h][3] = _mm256_permute2x128_si256(a1, b1, 0x31);
+    }
+    const __m128i bytes = q4k_scale_bytes(sb);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_cvtepu8_epi32(h ? _mm_srli_si128(bytes, 8) : bytes);
+      w.sc[h] = _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
+    }
+  } else {
+    // natural vector n (elements 64n .. 64n + 63), half h: the low (n even) or high nibbles
+    // of ql[64 (n / 2) + 32 h ..] and bits 4 (n % 2) + 2h, + 1 of qh[32 (n / 2) ..] as 16, 32
+    const __m256i top = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h) {
+      __m256i v[4];
+      for (int n = 0; n < 4; ++n) {
+        const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64 * (n / 2) + 32 * h));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * (n / 2)));
+        const __m256i nib = n % 2 ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), low4) : _mm256_and_si256(ql, low4);
+        const int shift = 4 * (n % 2) + 2 * h;  // qh's bits at shift, shift + 1 -> bits 4, 5
+        const __m256i hi = shift <= 4 ? _mm256_slli_epi16(qh, 4 - shift) : _mm256_srli_epi16(qh, shift - 4);
+        v[n] = _mm256_or_si256(nib, _mm256_and_si256(hi, top));
+      }
+      transpose4(v);
+      for (int k = 0; k < 4; ++k) w.q[h][k] = v[k];
+    }
+    const __m128i bytes = q6k_scale_bytes(sb);
+    w.sc[0] = _mm256_cvtepi8_epi32(bytes), w.sc[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8));
   }
   return w;
 }
 
-// sum_j sc_j * sum(q * x) of a super-block, spread over 8 int32 lanes; xq its 256 bytes of x.
-inline __m256i q4k_dot8(const Q4KBytes8& w, const int8_t* xq) {
-  __m256i total = _mm256_setzero_si256();
+// Per weight row i < 8: the super-block's integer sum (scales included), spread over the 8
+// int32 lanes of sums[i]; xq the super-block's 256 bytes of x, xb its group sums (Q6_K).
+template <int64_t fmt>
+inline void kquant_dot8(const KBytes8* w, const int8_t* xq, const int32_t* xb, __m256i sums[8]) {
+  for (int i = 0; i < 8; ++i) sums[i] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int h = 0; h < 2; ++h) {
-    __m256i s = _mm256_setzero_si256();  // int16 pairs: 8 products a lane, |s| <= 15240
+    __m256i s[8] = {};  // Q4_K: int16 pairs, 8 products a lane (|s| <= 15240); Q6_K: int32
     for (int k = 0; k < 4; ++k) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 * k + 32 * h));
-      s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w.q[h][k], xv));
+      for (int i = 0; i < 8; ++i) {
+        const __m256i p = _mm256_maddubs_epi16(w[i].q[h][k], xv);  // |pair| <= 2 * 63 * 127
+        s[i] = fmt == kQ4_K ? _mm256_add_epi16(s[i], p) : _mm256_add_epi32(s[i], _mm256_madd_epi16(p, ones));
+      }
     }
-    total = _mm256_add_epi32(total, _mm256_madd_epi16(s, w.sc[h]));
+    if constexpr (fmt == kQ4_K) {
+      for (int i = 0; i < 8; ++i) sums[i] = _mm256_add_epi32(sums[i], _mm256_madd_epi16(s[i], w[i].sc[h]));
+    } else {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 8 * h));
+      for (int i = 0; i < 8; ++i) {
+        sums[i] = _mm256_add_epi32(sums[i], _mm256_mullo_epi32(_mm256_sub_epi32(s[i], b), w[i].sc[h]));
+      }
+    }
   }
-  return total;
 }
 
 #ifdef RS_VNNI
-struct Q4KBytes16 {
-  __m512i q[4], sc;  // sc: lane l = sc_{l / 2} in its low 16 bits
+inline void transpose4(__m512i v[4]) {  // as above, in each of the 4 chunks
+  const __m512i t0 = _mm512_unpacklo_epi32(v[0], v[1]), t1 = _mm512_unpackhi_epi32(v[0], v[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(v[2], v[3]), t3 = _mm512_unpackhi_epi32(v[2], v[3]);
+  v[0] = _mm512_unpacklo_epi64(t0, t2), v[1] = _mm512_unpackhi_epi64(t0, t2);
+  v[2] = _mm512_unpacklo_epi64(t1, t3), v[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+struct KBytes16 {
+  __m512i q[4], sc;  // sc, lane l: Q4_K sc_{l / 2} in its low 16 bits; Q6_K sc_{g(l)}
 };
 
-inline Q4KBytes16 q4k_bytes16(const uint8_t* sb) {
+template <int64_t fmt>
+inline KBytes16 kquant_bytes16(const uint8_t* sb) {
   const __m512i low4 = _mm512_set1_epi8(15);
-  const __m512i a = _mm512_loadu_si512(sb + 16), b = _mm512_loadu_si512(sb + 80);
-  const __m512i la = _mm512_and_si512(a, low4), ha = _mm512_and_si512(_mm512_srli_epi16(a, 4), low4);
-  const __m512i lb = _mm512_and_si512(b, low4), hb = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
-  // 128-bit chunk c of u0 (u1): qword 2c (2c + 1) of qs as low then high nibbles; of u2, u3
-  // qwords 8 + 2c, 9 + 2c. Vector k takes qwords k, 4 + k, 8 + k, 12 + k.
-  const __m512i u0 = _mm512_unpacklo_epi64(la, ha), u1 = _mm512_unpackhi_epi64(la, ha);
-  const __m512i u2 = _mm512_unpacklo_epi64(lb, hb), u3 = _mm512_unpackhi_epi64(lb, hb);
-  Q4KBytes16 w;
-  w.q[0] = _mm512_shuffle_i64x2(u0, u2, 0x88), w.q[1] = _mm512_shuffle_i64x2(u1, u3, 0x88);
-  w.q[2] = _mm512_shuffle_i64x2(u0, u2, 0xDD), w.q[3] = _mm512_shuffle_i64x2(u1, u3, 0xDD);
-  w.sc = _mm512_cvtepu8_epi32(q4k_scale_bytes(sb));
+  KBytes16 w;
+  if constexpr (fmt == kQ4_K) {
+    const __m512i a = _mm512_loadu_si512(sb + 16), b = _mm512_loadu_si512(sb + 80);
+    const __m512i la = _mm512_and_si512(a, low4), ha = _mm512_and_si512(_mm512_srli_epi16(a, 4), low4);
+    const __m512i lb = _mm512_and_si512(b, low4), hb = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+    // 128-bit chunk c of u0 (u1): qword 2c (2c + 1) of qs as low then high nibbles; of u2, u3
+    // qwords 8 + 2c, 9 + 2c. Vector k takes qwords k, 4 + k, 8 + k, 12 + k.
+    const __m512i u0 = _mm512_unpacklo_epi64(la, ha), u1 = _mm512_unpackhi_epi64(la, ha);
+    const __m512i u2 = _mm512_unpacklo_epi64(lb, hb), u3 = _mm512_unpackhi_epi64(lb, hb);
+    w.q[0] = _mm512_shuffle_i64x2(u0, u2, 0x88), w.q[1] = _mm512_shuffle_i64x2(u1, u3, 0x88);
+    w.q[2] = _mm512_shuffle_i64x2(u0, u2, 0xDD), w.q[3] = _mm512_shuffle_i64x2(u1, u3, 0xDD);
+    w.sc = _mm512_cvtepu8_epi32(q4k_scale_bytes(sb));
+  } else {
+    // natural vector n: ql's nibbles as in kquant_bytes8, qh (32 bytes, in both halves)
+    // shifted per half so that its bits 4 (n % 2) + 2h, + 1 land on bits 4, 5
+    const __m512i top = _mm512_set1_epi8(0x30);
+    const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    for (int n = 0; n < 4; ++n) {
+      const __m512i ql = _mm512_loadu_si512(sb + 64 * (n / 2));
+      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * (n / 2))));
+      const __m512i nib = n % 2 ? _mm512_and_si512(_mm512_srli_epi16(ql, 4), low4) : _mm512_and_si512(ql, low4);
+      const __m512i hi = n % 2 ? _mm512_srlv_epi16(qh, down) : _mm512_sllv_epi16(qh, up);
+      w.q[n] = _mm512_or_si512(nib, _mm512_and_si512(hi, top));
+    }
+    transpose4(w.q);
+    w.sc = _mm512_cvtepi8_epi32(q6k_scale_bytes(sb));
+  }
   return w;
 }
 
-inline __m512i q4k_dot16(const Q4KBytes16& w, const int8_t* xq) {
-  __m512i s = _mm512_setzero_si512();
-  for (int k = 0; k < 4; ++k) s = _mm512_dpbusd_epi32(s, w.q[k], _mm512_loadu_si512(xq + 64 * k));
-  return _mm512_madd_epi16(s, w.sc);
+template <int64_t fmt>
+inline void kquant_dot16(const KBytes16* w, const int8_t* xq, const int32_t* xb, __m512i sums[16]) {
+  for (int i = 0; i < 16; ++i) sums[i] = _mm512_setzero_si512();
+  for (int k = 0; k < 4; ++k) {
+    const __m512i xv = _mm512_loadu_si512(xq + 64 * k);
+    for (int i = 0; i < 16; ++i) sums[i] = _mm512_dpbusd_epi32(sums[i], w[i].q[k], xv);
+  }
+  if constexpr (fmt == kQ4_K) {
+    for (int i = 0; i < 16; ++i) sums[i] = _mm512_madd_epi16(sums[i], w[i].sc);
+  } else {
+    const __m512i b = _mm512_loadu_si512(xb);
+    for (int i = 0; i < 16; ++i) sums[i] = _mm512_mullo_epi32(_mm512_sub_epi32(sums[i], b), w[i].sc);
+  }
 }
 #endif
 
 // The int8 kernels' widths: 8 weight rows a task (AVX2) and 16 (AVX512-VNNI).
+template <int64_t F>
 struct X8V8 {
+  static constexpr int64_t fmt = F;
   using V = V8;
-  using B = Q4KBytes8;
-  static B bytes(const uint8_t* sb) { return q4k_bytes8(sb); }
-  static V::I dot(const B& w, const int8_t* xq) { return q4k_dot8(w, xq); }
+  using B = KBytes8;
+  static B bytes(const uint8_t* sb) { return kquant_bytes8<F>(sb); }
+  static void dot(const B* w, const int8_t* xq, const int32_t* xb, V::I sums[V::L]) {
+    kquant_dot8<F>(w, xq, xb, sums);
+  }
 };
 #ifdef RS_VNNI
+template <int64_t F>
 struct X8V16 {
+  static constexpr int64_t fmt = F;
   using V = V16;
-  using B = Q4KBytes16;
-  static B bytes(const uint8_t* sb) { return q4k_bytes16(sb); }
-  static V::I dot(const B& w, const int8_t* xq) { return q4k_dot16(w, xq); }
+  using B = KBytes16;
+  static B bytes(const uint8_t* sb) { return kquant_bytes16<F>(sb); }
+  static void dot(const B* w, const int8_t* xq, const int32_t* xb, V::I sums[V::L]) {
+    kquant_dot16<F>(w, xq, xb, sums);
+  }
 };
 #endif
 
-// dot_wrows for Q4_K weights and int8 x: the V::L weight rows from w, r < M <= kStreamRows
+// dot_wrows for K-quant weights and int8 x: the V::L weight rows from w, r < M <= kStreamRows
 // rows of x from xr. Per super-block the rows' bytes are arranged once for the M rows of x,
-// each (weight row, x row) gives one int32 vector (X::dot), the L vectors are reduced into
-// one and scaled once, the offsets m_j * s_x added per sub-block: dot_rows8's operations.
+// each (weight row, x row) gives one int32 vector (X::dot: the rows' chains interleaved), the
+// L vectors are reduced into one and scaled once, Q4_K's offsets m_j * s_x added per
+// sub-block: dot_rows8's operations.
 template <typename X, int kM>
 void dot_wrows8(const uint8_t* w, int64_t row_bytes, int64_t nb, const Q8Rows& x, int64_t xr, int64_t M, float* out,
                 int64_t ldo) {
   using V = typename X::V;
   constexpr int L = V::L;
+  constexpr int64_t fmt = X::fmt;
   const int64_t rows_x = kM ? kM : M, units = nb / 8;
   const uint8_t* rows[L];
   for (int i = 0; i < L; ++i) rows[i] = w + i * row_bytes;
@@ -1349,40 +1469,41 @@ void dot_wrows8(const uint8_t* w, int64_t row_bytes, int64_t nb, const Q8Rows& x
   const int64_t share = (L * row_bytes + units * L - 1) / (units * L);
   typename V::F acc[kStreamRows], off[kStreamRows];
   for (int64_t r = 0; r < rows_x; ++r) acc[r] = off[r] = V::zero();
-  typename X::B wb[kM == 1 ? 1 : L];
+  typename X::B wb[L];
   for (int64_t u = 0; u < units; ++u) {
     typename V::F d, m[8];
     int32_t sc[8][L];  // (unused: the byte arrangement carries the scales)
-    V::template super_scales<kQ4_K>(rows, u, d, sc, m);
-    const int64_t at = u * unit_bytes(kQ4_K);
-    const auto prefetch = [&](int i) {  // the next task's share for this unit and row
+    V::template super_scales<fmt>(rows, u, d, sc, m);
+    const int64_t at = u * unit_bytes(fmt);
+    for (int i = 0; i < L; ++i) {
       for (int64_t p = (u * L + i) * share; p < (u * L + i + 1) * share; p += 64) _mm_prefetch(next + p, _MM_HINT_T1);
-    };
-    if constexpr (kM != 1) {
-      for (int i = 0; i < L; ++i) prefetch(i), wb[i] = X::bytes(rows[i] + at);
+      wb[i] = X::bytes(rows[i] + at);
     }
     for (int64_t r = 0; r < rows_x; ++r) {
       const int64_t xu = (xr + r) * units + u;
-      const int8_t* xq = x.q.data() + xu * kSuper;
       typename V::I sums[L];
-      for (int i = 0; i < L; ++i) {
-        if constexpr (kM == 1) prefetch(i);
-        sums[i] = X::dot(kM == 1 ? X::bytes(rows[i] + at) : wb[i], xq);
+      X::dot(wb, x.q.data() + xu * kSuper, x.b.data() + xu * 16, sums);
+      if constexpr (fmt == kQ4_K) {
+        for (int j = 0; j < 8; ++j) off[r] = V::fmadd(m[j], V::set1(x.s[xu * 8 + j]), off[r]);
       }
-      for (int j = 0; j < 8; ++j) off[r] = V::fmadd(m[j], V::set1(x.s[xu * 8 + j]), off[r]);
       acc[r] = V::fmadd(V::mul(d, V::set1(x.d[xu])), V::cvt(V::reduce(sums)), acc[r]);
     }
   }
   for (int64_t r = 0; r < rows_x; ++r) V::storef(out + r * ldo, V::add(acc[r], off[r]));
 }
 
-template <typename X>
-void dot_wrows8(const uint8_t* w, int64_t row_bytes, int64_t nb, const Q8Rows& x, int64_t M, float* out,
+template <template <int64_t> class X>
+void dot_wrows8(const uint8_t* w, int64_t fmt, int64_t row_bytes, int64_t nb, const Q8Rows& x, int64_t M, float* out,
                 int64_t ldo) {
-  if (M == 1) return dot_wrows8<X, 1>(w, row_bytes, nb, x, 0, 1, out, ldo);
-  for (int64_t r0 = 0; r0 < M; r0 += kStreamRows) {
-    dot_wrows8<X, 0>(w, row_bytes, nb, x, r0, std::min(kStreamRows, M - r0), out + r0 * ldo, ldo);
-  }
+  const auto run = [&](auto k) {
+    using XF = X<decltype(k)::value>;
+    if (M == 1) return dot_wrows8<XF, 1>(w, row_bytes, nb, x, 0, 1, out, ldo);
+    for (int64_t r0 = 0; r0 < M; r0 += kStreamRows) {
+      dot_wrows8<XF, 0>(w, row_bytes, nb, x, r0, std::min(kStreamRows, M - r0), out + r0 * ldo, ldo);
+    }
+  };
+  if (fmt == kQ6_K) run(std::integral_constant<int64_t, kQ6_K>{});
+  else run(std::integral_constant<int64_t, kQ4_K>{});
 }
 #endif
 
@@ -1458,20 +1579,20 @@ void run_small(const std::vector<SmallPart>& parts, int64_t M, int64_t nb, float
     float* o = out + part.col + task.n;
 #ifdef RS_VNNI
     if (task.rows == 16) {
-      if (part.x8) dot_wrows8<X8V16>(row, part.row_bytes, nb, *part.x8, M, o, ldo);
+      if (part.x8) dot_wrows8<X8V16>(row, part.fmt, part.row_bytes, nb, *part.x8, M, o, ldo);
       else dot_wrows<V16>(row, part.fmt, part.row_bytes, nb, *part.x, M, o, ldo);
       return;
     }
 #endif
 #ifdef RS_AVX2
     if (task.rows == 8) {
-      if (part.x8) dot_wrows8<X8V8>(row, part.row_bytes, nb, *part.x8, M, o, ldo);
+      if (part.x8) dot_wrows8<X8V8>(row, part.fmt, part.row_bytes, nb, *part.x8, M, o, ldo);
       else dot_wrows<V8>(row, part.fmt, part.row_bytes, nb, *part.x, M, o, ldo);
       return;
     }
 #endif
     if (part.x8) {
-      dot_rows8(row, nb, *part.x8, 0, M, o, ldo);
+      dot_rows8(row, part.fmt, nb, *part.x8, 0, M, o, ldo);
       return;
     }
     for (int64_t r0 = 0; r0 < M; r0 += kRows) {
@@ -1493,16 +1614,16 @@ void run_small(const std::vector<SmallPart>& parts, int64_t M, int64_t nb, float
 }  // namespace
 
 // x (M, K) float32 @ w(N, K).T -> (M, N) float32; decode-sized M, x rounded to int16 (format
-// code kQ4_K_X8: int8).
+// codes kQ4_K_X8, kQ6_K_X8: int8).
 at::Tensor qmatmul_small(const at::Tensor& x, const at::Tensor& w, int64_t code, int64_t K) {
   check_args(x, w, code, K);
   const int64_t M = x.size(0), N = w.size(0), fmt = weight_format(code);
   at::Tensor out = at::empty({M, N}, x.options());
   QRows xq;
   Q8Rows x8;
-  if (code == kQ4_K_X8) quantize_rows8(x.data_ptr<float>(), M, K, x8);
+  if (is_x8(code)) quantize_rows8(x.data_ptr<float>(), M, K, fmt, x8);
   else quantize_rows(x.data_ptr<float>(), M, K, fmt, xq);
-  run_small({{w.data_ptr<uint8_t>(), fmt, N, w.size(1), 0, &xq, code == kQ4_K_X8 ? &x8 : nullptr}}, M, K / kBlock,
+  run_small({{w.data_ptr<uint8_t>(), fmt, N, w.size(1), 0, &xq, is_x8(code) ? &x8 : nullptr}}, M, K / kBlock,
             out.data_ptr<float>(), N);
   return out;
 }
@@ -1512,7 +1633,7 @@ at::Tensor qmatmul_small(const at::Tensor& x, const at::Tensor& w, int64_t code,
 // there: the portable build, and int8 x at any M, run qmatmul_small's loops instead).
 at::Tensor qmatmul_gemm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K) {
 #ifdef RS_AVX2
-  if (fmt == kQ4_K_X8) return qmatmul_small(x, w, fmt, K);
+  if (is_x8(fmt)) return qmatmul_small(x, w, fmt, K);
   check_args(x, w, fmt, K);
   const int64_t M = x.size(0), N = w.size(0), nb = K / kBlock;
   at::Tensor out = at::empty({M, N}, x.options());
@@ -1618,22 +1739,22 @@ at::Tensor apply_part(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int
 // x (M, K) float32 times every part, all in the small kernels' loop (M <= each small_m).
 at::Tensor small_parts(const QLinear& l, const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1);
-  // x as the legacy formats, Q4_K, Q5_K and Q6_K take it in int16, and in int8, each
-  // quantized once if a part needs it
+  // x as the legacy formats, Q4_K, Q5_K and Q6_K take it in int16, and Q4_K and Q6_K in
+  // int8, each quantized once if a part needs it
   QRows xq[4];
-  Q8Rows x8;
-  bool quantized[5] = {false, false, false, false, false};
+  Q8Rows x8[2];
+  bool quantized[6] = {false, false, false, false, false, false};
   std::vector<SmallPart> parts;
   int64_t n = 0;
   for (size_t i = 0; i < l.w.size(); ++i) {
     const int64_t code = l.fmt[i], fmt = weight_format(code);
     check_args(x, l.w[i], code, K);
-    const int64_t q = code == kQ4_K_X8 ? 4 : is_kquant(fmt) ? fmt - kQ4_K + 1 : 0;
-    if (!quantized[q] && q == 4) quantize_rows8(x.data_ptr<float>(), M, K, x8);
+    const int64_t q = is_x8(code) ? 4 + (fmt == kQ6_K) : is_kquant(fmt) ? fmt - kQ4_K + 1 : 0;
+    if (!quantized[q] && q >= 4) quantize_rows8(x.data_ptr<float>(), M, K, fmt, x8[q - 4]);
     else if (!quantized[q]) quantize_rows(x.data_ptr<float>(), M, K, fmt, xq[q]);
     quantized[q] = true;
     parts.push_back({l.w[i].data_ptr<uint8_t>(), fmt, l.w[i].size(0), l.w[i].size(1), n, q < 4 ? &xq[q] : nullptr,
-                     q == 4 ? &x8 : nullptr});
+                     q >= 4 ? &x8[q - 4] : nullptr});
     n += l.w[i].size(0);
   }
   at::Tensor y = at::empty({M, n}, x.options());
