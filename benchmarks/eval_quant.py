@@ -3,10 +3,10 @@ each `--quantization` mode against the dequantized float32 model, on the same fi
 
 Modes: `none` (every weight dequantized to float32: the reference), `auto` (the GGUF's own
 blocks: the same weights, with activations rounded to int16 per 32-block by the native
-kernels, K-quants' per 256-block, and Q4_K's to int8 as llama.cpp rounds them; float32 ones in
-a build without AVX2), `auto-int16` (the same with Q4_K's activations int16 too:
---quant-activations int16), `int8` (every projection re-quantized to Q8_0: a real rounding of
-the weights).
+kernels, K-quants' per 256-block, and Q4_K's and Q6_K's to int8 as llama.cpp rounds them;
+float32 ones in a build without AVX2), `auto-int16` (the same with Q4_K's and Q6_K's
+activations int16 too: --quant-activations int16), `int8` (every projection re-quantized to
+Q8_0: a real rounding of the weights).
 
 Per mode: perplexity of the text (teacher-forced, the prompt's own input logprobs), the mean
 and max |logprob delta| per token against `none`, and for greedy continuations of the prompts

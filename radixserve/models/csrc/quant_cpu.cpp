@@ -1152,7 +1152,7 @@ struct Q8Rows {
   std::vector<int8_t> q;   // (M, K), each 256-block in its format's lane order
   std::vector<float> d;    // (M, K / 256)
   std::vector<float> s;    // (M, K / 32): d * the sum of the 32-block's q (Q4_K's offsets)
-  std::vector<int32_t> b;  // (M, K / 256, 16) Q6_K: 32 * the sum of group g(l)'s q, lane l
+  std::vector<int32_t> b;  // (M, K / 256, 16) Q6_K only: 32 * the sum of group g(l)'s q, lane l
 };
 
 // Where element e (< 256) of a block lies in its format's lane order.
@@ -1169,16 +1169,17 @@ constexpr int64_t x8_pos(int64_t fmt, int64_t e) { return fmt == kQ6_K ? x8_pos_
 // 0 for an all-zero block; a block holding inf or NaN gets q = 0 and d = s = NaN.
 void quantize_rows8(const float* x, int64_t M, int64_t K, int64_t fmt, Q8Rows& out) {
   const int64_t units = M * K / kSuper;
-  out.q.resize(M * K), out.d.resize(units), out.s.resize(units * 8), out.b.resize(units * 16);
+  out.q.resize(M * K), out.d.resize(units), out.s.resize(units * 8), out.b.resize(fmt == kQ6_K ? units * 16 : 0);
   at::parallel_for(0, units, 16, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const float* xb = x + u * kSuper;
       int8_t* q = out.q.data() + u * kSuper;
       float* s = out.s.data() + u * 8;
-      int32_t* b = out.b.data() + u * 16;
+      int32_t* b = fmt == kQ6_K ? out.b.data() + u * 16 : nullptr;
       const float amax = unit_amax(xb, kSuper);
       if (std::isnan(amax) || amax == 0.f) {
-        std::memset(q, 0, kSuper), std::memset(b, 0, 16 * sizeof(int32_t));
+        std::memset(q, 0, kSuper);
+        if (b) std::memset(b, 0, 16 * sizeof(int32_t));
         out.d[u] = std::isnan(amax) ? amax : 0.f;
         for (int j = 0; j < 8; ++j) s[j] = out.d[u];
         continue;
@@ -1214,7 +1215,7 @@ void quantize_rows8(const float* x, int64_t M, int64_t K, int64_t fmt, Q8Rows& o
       }
 #endif
       for (int64_t e = 0; e < kSuper; e += 4) std::memcpy(q + x8_pos(fmt, e), v + e, 4);
-      for (int64_t l = 0; l < 16 && fmt == kQ6_K; ++l) {
+      for (int64_t l = 0; l < 16 && b; ++l) {
         int32_t sum = 0;
         for (int64_t e = 16 * x8_group(l); e < 16 * x8_group(l) + 16; ++e) sum += v[e];
         b[l] = 32 * sum;
@@ -1295,7 +1296,7 @@ struct KBytes8 {
 };
 
 template <int64_t fmt>
-inline KBytes8 kquant_bytes8(const uint8_t* sb) {
+inline KBytes8 kquant_bytes(V8, const uint8_t* sb) {
   const __m256i low4 = _mm256_set1_epi8(15);
   KBytes8 w;
   if constexpr (fmt == kQ4_K) {
@@ -1340,7 +1341,7 @@ inline KBytes8 kquant_bytes8(const uint8_t* sb) {
 // Per weight row i < 8: the super-block's integer sum (scales included), spread over the 8
 // int32 lanes of sums[i]; xq the super-block's 256 bytes of x, xb its group sums (Q6_K).
 template <int64_t fmt>
-inline void kquant_dot8(const KBytes8* w, const int8_t* xq, const int32_t* xb, __m256i sums[8]) {
+inline void kquant_dot(const KBytes8* w, const int8_t* xq, const int32_t* xb, __m256i sums[8]) {
   for (int i = 0; i < 8; ++i) sums[i] = _mm256_setzero_si256();
   const __m256i ones = _mm256_set1_epi16(1);
   for (int h = 0; h < 2; ++h) {
@@ -1376,7 +1377,7 @@ struct KBytes16 {
 };
 
 template <int64_t fmt>
-inline KBytes16 kquant_bytes16(const uint8_t* sb) {
+inline KBytes16 kquant_bytes(V16, const uint8_t* sb) {
   const __m512i low4 = _mm512_set1_epi8(15);
   KBytes16 w;
   if constexpr (fmt == kQ4_K) {
@@ -1391,14 +1392,15 @@ inline KBytes16 kquant_bytes16(const uint8_t* sb) {
     w.q[2] = _mm512_shuffle_i64x2(u0, u2, 0xDD), w.q[3] = _mm512_shuffle_i64x2(u1, u3, 0xDD);
     w.sc = _mm512_cvtepu8_epi32(q4k_scale_bytes(sb));
   } else {
-    // natural vector n: ql's nibbles as in kquant_bytes8, qh (32 bytes, in both halves)
+    // natural vector n: ql's nibbles as in the AVX2 kquant_bytes, qh (32 bytes, in both halves)
     // shifted per half so that its bits 4 (n % 2) + 2h, + 1 land on bits 4, 5
     const __m512i top = _mm512_set1_epi8(0x30);
     const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
     const __m512i down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
     for (int n = 0; n < 4; ++n) {
       const __m512i ql = _mm512_loadu_si512(sb + 64 * (n / 2));
-      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * (n / 2))));
+      const __m256i qh32 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * (n / 2)));
+      const __m512i qh = _mm512_broadcast_i64x4(qh32);
       const __m512i nib = n % 2 ? _mm512_and_si512(_mm512_srli_epi16(ql, 4), low4) : _mm512_and_si512(ql, low4);
       const __m512i hi = n % 2 ? _mm512_srlv_epi16(qh, down) : _mm512_sllv_epi16(qh, up);
       w.q[n] = _mm512_or_si512(nib, _mm512_and_si512(hi, top));
@@ -1410,7 +1412,7 @@ inline KBytes16 kquant_bytes16(const uint8_t* sb) {
 }
 
 template <int64_t fmt>
-inline void kquant_dot16(const KBytes16* w, const int8_t* xq, const int32_t* xb, __m512i sums[16]) {
+inline void kquant_dot(const KBytes16* w, const int8_t* xq, const int32_t* xb, __m512i sums[16]) {
   for (int i = 0; i < 16; ++i) sums[i] = _mm512_setzero_si512();
   for (int k = 0; k < 4; ++k) {
     const __m512i xv = _mm512_loadu_si512(xq + 64 * k);
@@ -1425,41 +1427,15 @@ inline void kquant_dot16(const KBytes16* w, const int8_t* xq, const int32_t* xb,
 }
 #endif
 
-// The int8 kernels' widths: 8 weight rows a task (AVX2) and 16 (AVX512-VNNI).
-template <int64_t F>
-struct X8V8 {
-  static constexpr int64_t fmt = F;
-  using V = V8;
-  using B = KBytes8;
-  static B bytes(const uint8_t* sb) { return kquant_bytes8<F>(sb); }
-  static void dot(const B* w, const int8_t* xq, const int32_t* xb, V::I sums[V::L]) {
-    kquant_dot8<F>(w, xq, xb, sums);
-  }
-};
-#ifdef RS_VNNI
-template <int64_t F>
-struct X8V16 {
-  static constexpr int64_t fmt = F;
-  using V = V16;
-  using B = KBytes16;
-  static B bytes(const uint8_t* sb) { return kquant_bytes16<F>(sb); }
-  static void dot(const B* w, const int8_t* xq, const int32_t* xb, V::I sums[V::L]) {
-    kquant_dot16<F>(w, xq, xb, sums);
-  }
-};
-#endif
-
-// dot_wrows for K-quant weights and int8 x: the V::L weight rows from w, r < M <= kStreamRows
-// rows of x from xr. Per super-block the rows' bytes are arranged once for the M rows of x,
-// each (weight row, x row) gives one int32 vector (X::dot: the rows' chains interleaved), the
-// L vectors are reduced into one and scaled once, Q4_K's offsets m_j * s_x added per
-// sub-block: dot_rows8's operations.
-template <typename X, int kM>
+// dot_wrows for K-quant weights and int8 x: the V::L weight rows from w (8 a task with AVX2,
+// 16 with AVX512-VNNI), r < M <= kStreamRows rows of x from xr. Per super-block the rows'
+// bytes are arranged once for the M rows of x (kquant_bytes), each (weight row, x row) gives
+// one int32 vector (kquant_dot: the rows' chains interleaved), the L vectors are reduced into
+// one and scaled once, Q4_K's offsets m_j * s_x added per sub-block: dot_rows8's operations.
+template <typename V, int64_t fmt, int kM>
 void dot_wrows8(const uint8_t* w, int64_t row_bytes, int64_t nb, const Q8Rows& x, int64_t xr, int64_t M, float* out,
                 int64_t ldo) {
-  using V = typename X::V;
   constexpr int L = V::L;
-  constexpr int64_t fmt = X::fmt;
   const int64_t rows_x = kM ? kM : M, units = nb / 8;
   const uint8_t* rows[L];
   for (int i = 0; i < L; ++i) rows[i] = w + i * row_bytes;
@@ -1469,7 +1445,7 @@ void dot_wrows8(const uint8_t* w, int64_t row_bytes, int64_t nb, const Q8Rows& x
   const int64_t share = (L * row_bytes + units * L - 1) / (units * L);
   typename V::F acc[kStreamRows], off[kStreamRows];
   for (int64_t r = 0; r < rows_x; ++r) acc[r] = off[r] = V::zero();
-  typename X::B wb[L];
+  decltype(kquant_bytes<fmt>(V{}, w)) wb[L];
   for (int64_t u = 0; u < units; ++u) {
     typename V::F d, m[8];
     int32_t sc[8][L];  // (unused: the byte arrangement carries the scales)
@@ -1477,12 +1453,12 @@ void dot_wrows8(const uint8_t* w, int64_t row_bytes, int64_t nb, const Q8Rows& x
     const int64_t at = u * unit_bytes(fmt);
     for (int i = 0; i < L; ++i) {
       for (int64_t p = (u * L + i) * share; p < (u * L + i + 1) * share; p += 64) _mm_prefetch(next + p, _MM_HINT_T1);
-      wb[i] = X::bytes(rows[i] + at);
+      wb[i] = kquant_bytes<fmt>(V{}, rows[i] + at);
     }
     for (int64_t r = 0; r < rows_x; ++r) {
       const int64_t xu = (xr + r) * units + u;
       typename V::I sums[L];
-      X::dot(wb, x.q.data() + xu * kSuper, x.b.data() + xu * 16, sums);
+      kquant_dot<fmt>(wb, x.q.data() + xu * kSuper, fmt == kQ6_K ? x.b.data() + xu * 16 : nullptr, sums);
       if constexpr (fmt == kQ4_K) {
         for (int j = 0; j < 8; ++j) off[r] = V::fmadd(m[j], V::set1(x.s[xu * 8 + j]), off[r]);
       }
@@ -1492,14 +1468,14 @@ void dot_wrows8(const uint8_t* w, int64_t row_bytes, int64_t nb, const Q8Rows& x
   for (int64_t r = 0; r < rows_x; ++r) V::storef(out + r * ldo, V::add(acc[r], off[r]));
 }
 
-template <template <int64_t> class X>
+template <typename V>
 void dot_wrows8(const uint8_t* w, int64_t fmt, int64_t row_bytes, int64_t nb, const Q8Rows& x, int64_t M, float* out,
                 int64_t ldo) {
-  const auto run = [&](auto k) {
-    using XF = X<decltype(k)::value>;
-    if (M == 1) return dot_wrows8<XF, 1>(w, row_bytes, nb, x, 0, 1, out, ldo);
+  const auto run = [&](auto f) {
+    constexpr int64_t F = decltype(f)::value;
+    if (M == 1) return dot_wrows8<V, F, 1>(w, row_bytes, nb, x, 0, 1, out, ldo);
     for (int64_t r0 = 0; r0 < M; r0 += kStreamRows) {
-      dot_wrows8<XF, 0>(w, row_bytes, nb, x, r0, std::min(kStreamRows, M - r0), out + r0 * ldo, ldo);
+      dot_wrows8<V, F, 0>(w, row_bytes, nb, x, r0, std::min(kStreamRows, M - r0), out + r0 * ldo, ldo);
     }
   };
   if (fmt == kQ6_K) run(std::integral_constant<int64_t, kQ6_K>{});
@@ -1544,7 +1520,7 @@ void check_args(const at::Tensor& x, const at::Tensor& w, int64_t code, int64_t 
 }
 
 // A weight of the small kernels' loop: its bytes, weight format, x quantized for its format
-// (int16, or int8 for Q4_K: x8 set), and the output column where its rows start.
+// (int16, or int8 for Q4_K and Q6_K: x8 set), and the output column where its rows start.
 struct SmallPart {
   const uint8_t* w;
   int64_t fmt, rows, row_bytes, col;
@@ -1579,14 +1555,14 @@ void run_small(const std::vector<SmallPart>& parts, int64_t M, int64_t nb, float
     float* o = out + part.col + task.n;
 #ifdef RS_VNNI
     if (task.rows == 16) {
-      if (part.x8) dot_wrows8<X8V16>(row, part.fmt, part.row_bytes, nb, *part.x8, M, o, ldo);
+      if (part.x8) dot_wrows8<V16>(row, part.fmt, part.row_bytes, nb, *part.x8, M, o, ldo);
       else dot_wrows<V16>(row, part.fmt, part.row_bytes, nb, *part.x, M, o, ldo);
       return;
     }
 #endif
 #ifdef RS_AVX2
     if (task.rows == 8) {
-      if (part.x8) dot_wrows8<X8V8>(row, part.fmt, part.row_bytes, nb, *part.x8, M, o, ldo);
+      if (part.x8) dot_wrows8<V8>(row, part.fmt, part.row_bytes, nb, *part.x8, M, o, ldo);
       else dot_wrows<V8>(row, part.fmt, part.row_bytes, nb, *part.x, M, o, ldo);
       return;
     }
