@@ -51,14 +51,17 @@ def bench_shape(name: str, n: int, k: int, fmt: str, rows: list[int], repeats: i
                 bw: float) -> list[dict[str, Any]]:  # fmt: skip
     native = quant.ops()
     assert native is not None, "the quantized kernels did not build"
-    copies = max(1, (192 << 20) // (n * k * 4))  # > any L3 here, in float32
+    # > any L3 here in each storage: more copies of the small quantized weight than of its
+    # float32 form (one copy of a 20 MB weight would be read from a 32 MB L3)
+    copies = max(1, (192 << 20) // (n * quant.FORMATS[fmt].row_bytes(k)))
     blocks = [
         torch.from_numpy(random_blocks(n, k, fmt, seed))
         if fmt in quant.LLAMA_CPP_ONLY
         else quant.quantize(torch.randn(n, k) * 0.05, fmt)
         for seed in range(copies)
     ]
-    ws = [quant.dequantize(b, fmt, k) for b in blocks]  # (N, K) float32, the same weights
+    fp32_copies = max(1, (192 << 20) // (n * k * 4))
+    ws = [quant.dequantize(b, fmt, k) for b in blocks[:fp32_copies]]  # (N, K) float32
     code = quant.FORMATS[fmt].code
     out = []
     for m in rows:
@@ -66,7 +69,7 @@ def bench_shape(name: str, n: int, k: int, fmt: str, rows: list[int], repeats: i
         xb = x.bfloat16()
         reps = max(repeats, copies)
         row = {"shape": name, "fmt": fmt, "M": m,
-               "fp32_ms": best_ms(lambda i: F.linear(x, ws[i]), copies, reps),  # noqa: B023
+               "fp32_ms": best_ms(lambda i: F.linear(x, ws[i]), len(ws), reps),  # noqa: B023
                "small_ms": best_ms(lambda i: native.qmatmul_small(x, blocks[i], code, k), copies, reps),  # noqa: B023,E501
                "gemm_ms": best_ms(lambda i: native.qmatmul_gemm(x, blocks[i], code, k), copies, reps),  # noqa: B023,E501
                "tiled_ms": best_ms(lambda i: native.qmatmul_tiled(x, blocks[i], code, k), copies, reps),  # noqa: B023,E501

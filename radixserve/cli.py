@@ -40,7 +40,8 @@ HELP = {
     "default: the embedded SmolLM2-135M-Instruct",
     "revision": "branch, tag or commit of a hub id (default: main)",
     "served_model_name": "model name in /v1/models and responses (default: --model as given)",
-    "dtype": "compute dtype; auto: bfloat16 where bf16 is fast here, else float32",
+    "dtype": "compute dtype; auto: bfloat16 where bf16 is fast here, else float32 (float32 "
+    "for a GGUF whose every matrix takes int8 x, e.g. Q4_K_M)",
     "quantization": "auto: a GGUF model's Q4_0/Q4_1/Q8_0 weights run quantized; none; int8",
     "quant_activations": "Q4_K and Q6_K weights' x rounded to int8 (llama.cpp's rounding, "
     "faster) or int16 (16-64x finer); other formats' x is int16",

@@ -20,13 +20,13 @@ from test_model_sources import tiny_qwen2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: benchmarks/
 from benchmarks.make_gguf import copy_tokenizer, embedded_gguf, random_blocks  # noqa: E402
-from radixserve import Engine, kernels  # noqa: E402
+from radixserve import Engine, isa, kernels  # noqa: E402
 from radixserve.attention.flat import FlatBackend
 from radixserve.config import EngineConfig
 from radixserve.isa import cpu_isa, fast_cpu_bf16, quant_kernel_isa, resolve_dtype
 from radixserve.models import load_model, resolve_model_path
 from radixserve.models.gguf_weights import read_gguf_weights, unpermute_rows
-from radixserve.models.loader import load_config
+from radixserve.models.loader import int8_x_only, load_config
 from radixserve.models.quant import (
     BF16_TILED_M,
     FORMATS,
@@ -590,10 +590,10 @@ def test_native_layers_stay_off_where_they_do_not_apply(tiny_model_dir: Path) ->
 # ---- a GGUF laid out as llama.cpp's Q4_K_M --------------------------------------------
 
 
-def write_q4_k_m_layout(path: Path) -> Path:
+def write_q4_k_m_layout(path: Path, narrow: str = "q5_0") -> Path:
     """A tiny Llama GGUF with Q4_K_M's mix of types: q/k/o/gate/up Q4_K, v and down Q6_K, a
-    tied Q6_K embedding, Q5_0 in one layer's gate (llama.cpp's fallback for narrow rows),
-    F32 norms; random blocks, the embedded tokenizer."""
+    tied Q6_K embedding, `narrow` in one layer's gate (llama.cpp's fallback for narrow rows
+    is Q5_0), F32 norms; random blocks, the embedded tokenizer."""
     reader = gguf.GGUFReader(embedded_gguf())
     vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
     hidden, layers, heads, kv_heads, ffn = 256, 2, 4, 2, 512
@@ -626,7 +626,7 @@ def write_q4_k_m_layout(path: Path) -> Path:
         add(b + "attn_k.weight", kv, hidden, "q4_k")
         add(b + "attn_v.weight", kv, hidden, "q6_k")
         add(b + "attn_output.weight", hidden, hidden, "q4_k")
-        add(b + "ffn_gate.weight", ffn, hidden, "q5_0" if i == 1 else "q4_k")
+        add(b + "ffn_gate.weight", ffn, hidden, narrow if i == 1 else "q4_k")
         add(b + "ffn_up.weight", ffn, hidden, "q4_k")
         add(b + "ffn_down.weight", hidden, ffn, "q6_k")
     w.write_header_to_file()
@@ -634,6 +634,37 @@ def write_q4_k_m_layout(path: Path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def test_files_of_int8_x_only_compute_in_float32(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where every matrix rounds x to int8 (Q4_K / Q6_K, int8 activations), dtype auto is
+    float32 even on a CPU with fast bf16: the layers run native, over an fp16 KV pool. One
+    Q5_0 matrix, int16 activations or dequantized weights keep the usual choice."""
+    monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(isa, "fast_cpu_bf16", lambda: True)
+    all_k = resolve_model_path(str(write_q4_k_m_layout(tmp_path / "k.gguf", narrow="q4_k")))
+    mixed = resolve_model_path(str(write_q4_k_m_layout(tmp_path / "mixed.gguf")))
+    assert int8_x_only(all_k, "auto", "int8", 1)
+    assert not int8_x_only(mixed, "auto", "int8", 1)
+    assert not int8_x_only(all_k, "auto", "int16", 1)
+    assert not int8_x_only(all_k, "none", "int8", 1)
+    assert not int8_x_only(all_k, "auto", "int8", 2)
+    assert resolve_dtype("auto", "cpu", int8_x=True)[0] == torch.float32
+    assert resolve_dtype("auto", "cpu")[0] == torch.bfloat16
+    assert resolve_dtype("bfloat16", "cpu", int8_x=True)[0] == torch.bfloat16
+    engine = Engine(str(tmp_path / "k.gguf"), max_total_tokens=256)
+    try:
+        worker = engine.worker
+        assert worker.dtype == torch.float32
+        assert all(layer.native is not None for layer in worker.model.model.layers)
+        assert worker.pool.k[0].dtype == torch.float16
+        out = engine.generate(input_ids=list(range(300, 320)),
+                              sampling_params={"temperature": 0, "max_new_tokens": 4})  # fmt: skip
+        assert len(out["output_ids"]) == 4
+    finally:
+        engine.shutdown()
 
 
 def mapped_path(ptr: int) -> str | None:

@@ -20,6 +20,7 @@ the weight reader skips the tensor.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from pathlib import Path
@@ -77,6 +78,27 @@ def architecture(reader: GGUFReader) -> str:
     return bytes(field.parts[field.data[0]]).decode()
 
 
+def open_gguf(path: Path) -> GGUFReader:
+    """The file's reader; the last one is kept (parsing a header with its vocabulary takes
+    ~2 s, and a load asks for it more than once). A rewritten file is read again."""
+    stat = path.stat()
+    return _reader(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _reader(path: Path, size: int, mtime_ns: int) -> GGUFReader:
+    return GGUFReader(path)
+
+
+def matrix_formats(path: Path) -> set[str]:
+    """The storage of the file's matrices: NATIVE names ("q4_k", ...) or GGML type names."""
+    return {
+        NATIVE.get(t.tensor_type, t.tensor_type.name)
+        for t in open_gguf(path).tensors
+        if len(t.shape) == 2
+    }
+
+
 def read_gguf_weights(
     path: Path, config: ModelConfig, dtype: torch.dtype, quantized: bool = True
 ) -> tuple[dict[str, Weight], dict[str, int]]:
@@ -84,7 +106,7 @@ def read_gguf_weights(
     `quantized`, matrices in a NATIVE format stay quantized (QuantWeight, a view of the
     file's memory map); everything else is a tensor in `dtype`. Raises KeyError naming a
     tensor we do not know."""
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
     permuted = architecture(reader) == "llama"  # only llama.cpp's "llama" files reorder q/k
     out: dict[str, Weight] = {}
     dequantized: dict[str, int] = {}
@@ -123,7 +145,7 @@ def llama3_rope_parameters(path: Path, theta: float, head_dim: int) -> dict[str,
     """The Llama-3 `rope_parameters` a GGUF's `rope_freqs.weight` was made from, or None when
     the file has no such tensor. Raises ValueError when the divisors are not Llama-3 scaling
     with the standard parameters (LLAMA3_ROPE; the factor is the largest divisor)."""
-    tensor = next((t for t in GGUFReader(path).tensors if t.name == ROPE_FREQS), None)
+    tensor = next((t for t in open_gguf(path).tensors if t.name == ROPE_FREQS), None)
     if tensor is None:
         return None
     got = np.asarray(tensor.data, dtype=np.float64).reshape(-1)

@@ -20,9 +20,9 @@ from safetensors import safe_open
 from radixserve.config import QUANT_ACTIVATIONS, QUANT_ACTIVATIONS_DEFAULT, QUANTIZATIONS
 from radixserve.models import native, quant
 from radixserve.models.config import ModelConfig
-from radixserve.models.gguf_weights import Weight, read_gguf_weights
+from radixserve.models.gguf_weights import Weight, matrix_formats, read_gguf_weights
 from radixserve.models.llama import LlamaForCausalLM, packed_linear_supported
-from radixserve.models.quant import QuantLinear, QuantWeight, dequantize, quantize
+from radixserve.models.quant import X8_CODES, QuantLinear, QuantWeight, dequantize, quantize
 from radixserve.models.resolve import gguf_source
 from radixserve.models.sharding import shard_hf_weights
 
@@ -39,6 +39,16 @@ def load_config(path: str | Path) -> ModelConfig:
     gen_file = path / "generation_config.json"
     gen = json.loads(gen_file.read_text()) if gen_file.is_file() else None
     return ModelConfig.from_hf(cfg, gen)
+
+
+def int8_x_only(path: str | Path, quantization: str, activations: str, tp_size: int) -> bool:
+    """Whether `load_model` on a CPU keeps every matrix of the checkpoint at `path` in a
+    format whose kernels round x to int8 (a GGUF of Q4_K / Q6_K under int8 activations, as
+    most Q4_K_M files): the activations' float dtype then changes no matmul's speed."""
+    gguf = gguf_source(Path(path))
+    if gguf is None or quantization != "auto" or activations != "int8" or tp_size > 1:
+        return False
+    return quant.ops() is not None and matrix_formats(gguf) <= set(X8_CODES)
 
 
 def load_model(

@@ -27,7 +27,7 @@ from radixserve.cpus import default_threads
 from radixserve.distributed.parallel import TPGroup, agree_min, get_tp, rank_device
 from radixserve.isa import resolve_dtype
 from radixserve.kvcache.pool import KVPool
-from radixserve.models.loader import load_config, load_model
+from radixserve.models.loader import int8_x_only, load_config, load_model
 from radixserve.models.quant import QuantLinear
 from radixserve.models.sharding import check_tp_size
 from radixserve.native_build import use_native_ops
@@ -134,7 +134,10 @@ class ModelWorker:
                 torch.set_num_threads(config.threads or default_threads(rank, size))
             logger.info("%d CPU threads", torch.get_num_threads())
         select_fast_paths(config)
-        self.dtype, why = resolve_dtype(config.dtype, device)
+        int8_x = not device.startswith("cuda") and int8_x_only(
+            model_path, config.quantization, config.quant_activations, size
+        )
+        self.dtype, why = resolve_dtype(config.dtype, device, int8_x)
         logger.info("dtype %s (%s: %s)", self.dtype, config.dtype, why)
         self.model, self.model_config = load_model(
             model_path, self.dtype, device, packed_linear=config.packed_linear_request,

@@ -576,7 +576,7 @@ inline void block_scales8(const uint8_t* const* rows, int64_t off, __m256& d, __
 // bits, in both 16-bit halves: a multiplier of int16 quants, broadcast from memory; Q6_K's
 // quants hold their scales): unit_scales for 8 rows a vector, decoded once for the
 // super-block's 8 blocks (the scales[12] bit layout of scale_min; a lane holds one row's 4
-// bytes of a word).
+// bytes of a word). sc null: only d and m (the int8 kernels take the scales with the quants).
 template <int64_t fmt>
 inline void super_scales8(const uint8_t* const* rows, int64_t sb, __m256& d, int32_t* sc, int64_t ld, __m256 m[8]) {
   const int64_t at = sb * unit_bytes(fmt);
@@ -614,8 +614,10 @@ inline void super_scales8(const uint8_t* const* rows, int64_t sb, __m256& d, int
                                           _mm256_and_si256(_mm256_srli_epi32(b, 2), top2))};
   for (int j = 0; j < 8; ++j) {  // sub-block j: byte j % 4 of the word for j < 4 or j >= 4
     const __m256i shift = _mm256_set1_epi32(8 * (j % 4));
-    const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(scs[j / 4], shift), byte);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc + j * ld), _mm256_or_si256(v, _mm256_slli_epi32(v, 16)));
+    if (sc != nullptr) {
+      const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(scs[j / 4], shift), byte);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc + j * ld), _mm256_or_si256(v, _mm256_slli_epi32(v, 16)));
+    }
     m[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(mns[j / 4], shift), byte)), mv);
   }
 }
@@ -778,7 +780,7 @@ struct V8 {
   static I reduce(const I s[L]) { return reduce8(s); }
   template <int64_t fmt>
   static void super_scales(const uint8_t* const* rows, int64_t sb, F& d, int32_t sc[8][L], F m[8]) {
-    super_scales8<fmt>(rows, sb, d, sc[0], L, m);
+    super_scales8<fmt>(rows, sb, d, sc == nullptr ? nullptr : sc[0], L, m);
   }
   template <int64_t fmt>
   static void block_scales(const uint8_t* const* rows, int64_t off, F& d, F& m) {
@@ -820,7 +822,8 @@ struct V16 {
   template <int64_t fmt>
   static void super_scales(const uint8_t* const* rows, int64_t sb, F& d, int32_t sc[8][L], F m[8]) {
     V8::F d0, d1, m0[8], m1[8];
-    super_scales8<fmt>(rows, sb, d0, sc[0], L, m0), super_scales8<fmt>(rows + 8, sb, d1, sc[0] + 8, L, m1);
+    int32_t* sc8 = sc == nullptr ? nullptr : sc[0] + 8;
+    super_scales8<fmt>(rows, sb, d0, sc == nullptr ? nullptr : sc[0], L, m0), super_scales8<fmt>(rows + 8, sb, d1, sc8, L, m1);
     d = join(d0, d1);
     for (int j = 0; j < 8; ++j) m[j] = join(m0[j], m1[j]);
   }
@@ -1448,8 +1451,7 @@ void dot_wrows8(const uint8_t* w, int64_t row_bytes, int64_t nb, const Q8Rows& x
   decltype(kquant_bytes<fmt>(V{}, w)) wb[L];
   for (int64_t u = 0; u < units; ++u) {
     typename V::F d, m[8];
-    int32_t sc[8][L];  // (unused: the byte arrangement carries the scales)
-    V::template super_scales<fmt>(rows, u, d, sc, m);
+    V::template super_scales<fmt>(rows, u, d, nullptr, m);  // the bytes carry the scales
     const int64_t at = u * unit_bytes(fmt);
     for (int i = 0; i < L; ++i) {
       for (int64_t p = (u * L + i) * share; p < (u * L + i + 1) * share; p += 64) _mm_prefetch(next + p, _MM_HINT_T1);
