@@ -555,8 +555,8 @@ def test_native_layers_compute_the_module_path(
 ) -> None:
     """A quantized float32 model runs each decoder layer as two native calls around
     attention (quant_cpu.cpp pre/post_attention): the module path's math and roundings, so
-    the logits of a 20-token extend and of a following decode step (the one-row kernel) are
-    identical, for Llama and for Qwen2's qkv bias."""
+    the logits of a 300-token extend (the MLP in two row blocks) and of a following decode
+    step (the one-row kernel) are identical, for Llama and for Qwen2's qkv bias."""
     folder = tiny_model_dir if arch == "llama" else tiny_qwen2(tmp_path / "qwen2", tiny_model_dir)
     model, _ = load_model(folder, torch.float32, quantization="int8")
     layers = list(model.model.layers)
@@ -566,7 +566,7 @@ def test_native_layers_compute_the_module_path(
         assert all(n is not None and n.qkv[3] is not None for n in natives)  # the bias goes in
 
     def run() -> torch.Tensor:
-        ids = list(range(100, 120))
+        ids = list(range(100, 400))
         pool, slots = _pool(model, [*ids, 7])
         prefill = extend(model, FlatBackend(), pool, slots, ids, 0)
         decode = extend(model, FlatBackend(), pool, slots, [7], len(ids))

@@ -24,11 +24,11 @@ import functools
 import math
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize as gguf_dequantize
 
 from radixserve.models.config import ModelConfig
@@ -73,28 +73,31 @@ def hf_name(gguf_name: str) -> str:
     return f"model.layers.{int(layer)}.{LAYER_NAMES[rest]}"
 
 
-def architecture(reader: GGUFReader) -> str:
-    field = reader.fields["general.architecture"]
-    return bytes(field.parts[field.data[0]]).decode()
+class GGUFTensors(NamedTuple):
+    architecture: str  # general.architecture
+    tensors: list[ReaderTensor]  # their data: views of the file's memory map
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """The file's reader; the last one is kept (parsing a header with its vocabulary takes
-    ~2 s, and a load asks for it more than once). A rewritten file is read again."""
+def gguf_tensors(path: Path) -> GGUFTensors:
+    """The file's architecture and tensors. The last file's are kept: parsing a header with
+    its vocabulary takes ~2 s, and a load asks more than once; the rest of the header (~140
+    MB of Python objects for a 49k vocabulary) is dropped. A rewritten file is read again."""
     stat = path.stat()
-    return _reader(path.resolve(), stat.st_size, stat.st_mtime_ns)
+    return _tensors(path.resolve(), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=1)
-def _reader(path: Path, size: int, mtime_ns: int) -> GGUFReader:
-    return GGUFReader(path)
+def _tensors(path: Path, size: int, mtime_ns: int) -> GGUFTensors:
+    reader = GGUFReader(path)
+    field = reader.fields["general.architecture"]
+    return GGUFTensors(bytes(field.parts[field.data[0]]).decode(), list(reader.tensors))
 
 
 def matrix_formats(path: Path) -> set[str]:
     """The storage of the file's matrices: NATIVE names ("q4_k", ...) or GGML type names."""
     return {
         NATIVE.get(t.tensor_type, t.tensor_type.name)
-        for t in open_gguf(path).tensors
+        for t in gguf_tensors(path).tensors
         if len(t.shape) == 2
     }
 
@@ -106,11 +109,11 @@ def read_gguf_weights(
     `quantized`, matrices in a NATIVE format stay quantized (QuantWeight, a view of the
     file's memory map); everything else is a tensor in `dtype`. Raises KeyError naming a
     tensor we do not know."""
-    reader = open_gguf(path)
-    permuted = architecture(reader) == "llama"  # only llama.cpp's "llama" files reorder q/k
+    file = gguf_tensors(path)
+    permuted = file.architecture == "llama"  # only llama.cpp's "llama" files reorder q/k
     out: dict[str, Weight] = {}
     dequantized: dict[str, int] = {}
-    for t in reader.tensors:
+    for t in file.tensors:
         if t.name == ROPE_FREQS:  # RoPE scaling, in the config (llama3_rope_parameters)
             continue
         name = hf_name(t.name)
@@ -145,7 +148,7 @@ def llama3_rope_parameters(path: Path, theta: float, head_dim: int) -> dict[str,
     """The Llama-3 `rope_parameters` a GGUF's `rope_freqs.weight` was made from, or None when
     the file has no such tensor. Raises ValueError when the divisors are not Llama-3 scaling
     with the standard parameters (LLAMA3_ROPE; the factor is the largest divisor)."""
-    tensor = next((t for t in open_gguf(path).tensors if t.name == ROPE_FREQS), None)
+    tensor = next((t for t in gguf_tensors(path).tensors if t.name == ROPE_FREQS), None)
     if tensor is None:
         return None
     got = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
