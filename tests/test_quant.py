@@ -25,7 +25,7 @@ from radixserve.attention.flat import FlatBackend
 from radixserve.config import EngineConfig
 from radixserve.isa import cpu_isa, fast_cpu_bf16, quant_kernel_isa, resolve_dtype
 from radixserve.models import load_model, resolve_model_path
-from radixserve.models.gguf_weights import read_gguf_weights, unpermute_rows
+from radixserve.models.gguf_weights import matrix_formats, read_gguf_weights, unpermute_rows
 from radixserve.models.loader import int8_x_only, load_config
 from radixserve.models.quant import (
     BF16_TILED_M,
@@ -645,9 +645,10 @@ def test_files_of_int8_x_only_compute_in_float32(
     monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(isa, "fast_cpu_bf16", lambda: True)
     all_k = resolve_model_path(str(write_q4_k_m_layout(tmp_path / "k.gguf", narrow="q4_k")))
-    mixed = resolve_model_path(str(write_q4_k_m_layout(tmp_path / "mixed.gguf")))
+    mixed = write_q4_k_m_layout(tmp_path / "mixed.gguf")
+    assert matrix_formats(tmp_path / "k.gguf") == {"q4_k", "q6_k"}
+    assert matrix_formats(mixed) == {"q4_k", "q5_0", "q6_k"}  # Q5_0's x is int16
     assert int8_x_only(all_k, "auto", "int8", 1)
-    assert not int8_x_only(mixed, "auto", "int8", 1)
     assert not int8_x_only(all_k, "auto", "int16", 1)
     assert not int8_x_only(all_k, "none", "int8", 1)
     assert not int8_x_only(all_k, "auto", "int8", 2)
