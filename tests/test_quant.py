@@ -640,18 +640,20 @@ def test_files_of_int8_x_only_compute_in_float32(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where every matrix rounds x to int8 (Q4_K / Q6_K, int8 activations), dtype auto is
-    float32 even on a CPU with fast bf16: the layers run native, over an fp16 KV pool. One
-    Q5_0 matrix, int16 activations or dequantized weights keep the usual choice."""
+    float32 even on a CPU with fast bf16: the layers run native, over an fp16 KV pool. A
+    Q5_0 matrix (its x is int16), int16 activations, dequantized weights, TP or a GPU keep
+    the usual choice."""
     monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(isa, "fast_cpu_bf16", lambda: True)
     all_k = resolve_model_path(str(write_q4_k_m_layout(tmp_path / "k.gguf", narrow="q4_k")))
     mixed = write_q4_k_m_layout(tmp_path / "mixed.gguf")
     assert matrix_formats(tmp_path / "k.gguf") == {"q4_k", "q6_k"}
     assert matrix_formats(mixed) == {"q4_k", "q5_0", "q6_k"}  # Q5_0's x is int16
-    assert int8_x_only(all_k, "auto", "int8", 1)
-    assert not int8_x_only(all_k, "auto", "int16", 1)
-    assert not int8_x_only(all_k, "none", "int8", 1)
-    assert not int8_x_only(all_k, "auto", "int8", 2)
+    assert int8_x_only(all_k, "auto", "int8", 1, "cpu")
+    assert not int8_x_only(all_k, "auto", "int16", 1, "cpu")
+    assert not int8_x_only(all_k, "none", "int8", 1, "cpu")
+    assert not int8_x_only(all_k, "auto", "int8", 2, "cpu")
+    assert not int8_x_only(all_k, "auto", "int8", 1, "cuda:0")
     assert resolve_dtype("auto", "cpu", int8_x=True)[0] == torch.float32
     assert resolve_dtype("auto", "cpu")[0] == torch.bfloat16
     assert resolve_dtype("bfloat16", "cpu", int8_x=True)[0] == torch.bfloat16

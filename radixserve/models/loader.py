@@ -41,14 +41,26 @@ def load_config(path: str | Path) -> ModelConfig:
     return ModelConfig.from_hf(cfg, gen)
 
 
-def int8_x_only(path: str | Path, quantization: str, activations: str, tp_size: int) -> bool:
-    """Whether `load_model` on a CPU keeps every matrix of the checkpoint at `path` in a
-    format whose kernels round x to int8 (a GGUF of Q4_K / Q6_K under int8 activations, as
-    most Q4_K_M files): the activations' float dtype then changes no matmul's speed."""
+def keeps_gguf_blocks(quantization: str, tp_size: int, device: torch.device | str) -> bool:
+    """Whether `load_model` keeps a GGUF's NATIVE-format matrices as their blocks."""
+    on_cpu = torch.device(device).type == "cpu"
+    return quantization == "auto" and tp_size == 1 and on_cpu and quant.ops() is not None
+
+
+def int8_x_only(
+    path: str | Path, quantization: str, activations: str, tp_size: int, device: str
+) -> bool:
+    """Whether `load_model` keeps every matrix of the checkpoint at `path` in a format whose
+    kernels round x to int8 (a GGUF of Q4_K / Q6_K under int8 activations, as most Q4_K_M
+    files): the activations' float dtype then changes no matmul's speed."""
     gguf = gguf_source(Path(path))
-    if gguf is None or quantization != "auto" or activations != "int8" or tp_size > 1:
+    if (
+        gguf is None
+        or activations != "int8"
+        or not keeps_gguf_blocks(quantization, tp_size, device)
+    ):
         return False
-    return quant.ops() is not None and matrix_formats(gguf) <= set(X8_CODES)
+    return matrix_formats(gguf) <= set(X8_CODES)
 
 
 def load_model(
@@ -97,11 +109,10 @@ def load_model(
     on_cpu = torch.device(device).type == "cpu"
     if quantization == "int8" and (tp_size > 1 or not on_cpu):
         raise ValueError("quantization int8 needs tp_size 1 on CPU")
-    native_kernels = on_cpu and quant.ops() is not None
     gguf = gguf_source(path)
     weights: dict[str, Weight] = {}
     if gguf is not None:
-        keep = quantization == "auto" and tp_size == 1 and native_kernels
+        keep = keeps_gguf_blocks(quantization, tp_size, device)
         found, dequantized = read_gguf_weights(gguf, config, dtype, quantized=keep)
         weights.update(found)
         if keep and dequantized:

@@ -134,8 +134,8 @@ class ModelWorker:
                 torch.set_num_threads(config.threads or default_threads(rank, size))
             logger.info("%d CPU threads", torch.get_num_threads())
         select_fast_paths(config)
-        int8_x = not device.startswith("cuda") and int8_x_only(
-            model_path, config.quantization, config.quant_activations, size
+        int8_x = int8_x_only(
+            model_path, config.quantization, config.quant_activations, size, device
         )
         self.dtype, why = resolve_dtype(config.dtype, device, int8_x)
         logger.info("dtype %s (%s: %s)", self.dtype, config.dtype, why)

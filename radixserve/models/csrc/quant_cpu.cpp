@@ -822,8 +822,8 @@ struct V16 {
   template <int64_t fmt>
   static void super_scales(const uint8_t* const* rows, int64_t sb, F& d, int32_t sc[8][L], F m[8]) {
     V8::F d0, d1, m0[8], m1[8];
-    int32_t* sc8 = sc == nullptr ? nullptr : sc[0] + 8;
-    super_scales8<fmt>(rows, sb, d0, sc == nullptr ? nullptr : sc[0], L, m0), super_scales8<fmt>(rows + 8, sb, d1, sc8, L, m1);
+    int32_t* lo = sc == nullptr ? nullptr : sc[0];  // rows 0-7's columns, then 8-15's
+    super_scales8<fmt>(rows, sb, d0, lo, L, m0), super_scales8<fmt>(rows + 8, sb, d1, lo ? lo + 8 : nullptr, L, m1);
     d = join(d0, d1);
     for (int j = 0; j < 8; ++j) m[j] = join(m0[j], m1[j]);
   }
