@@ -4,6 +4,7 @@ against the transformers-converted checkpoint, and quantized models against floa
 
 from __future__ import annotations
 
+import mmap
 import subprocess
 import sys
 from pathlib import Path
@@ -25,12 +26,19 @@ from radixserve.attention.flat import FlatBackend
 from radixserve.config import EngineConfig
 from radixserve.isa import cpu_isa, fast_cpu_bf16, quant_kernel_isa, resolve_dtype
 from radixserve.models import load_model, resolve_model_path
-from radixserve.models.gguf_weights import matrix_formats, read_gguf_weights, unpermute_rows
+from radixserve.models.gguf_weights import (
+    matrix_formats,
+    read_gguf_weights,
+    release_pages,
+    unpermute_rows,
+)
 from radixserve.models.loader import int8_x_only, load_config
 from radixserve.models.quant import (
     BF16_TILED_M,
     FORMATS,
     LLAMA_CPP_ONLY,
+    PACK_ROWS,
+    PACKED_CODES,
     SOURCE,
     X8_CODES,
     QuantLinear,
@@ -192,6 +200,12 @@ def test_vnni_kernels_equal_the_avx2_kernels(fmt: str, m: int) -> None:
         for kernel in ("qmatmul_small", "qmatmul_gemm"):
             got, want = (getattr(mod, kernel)(x, blocks, code, k) for mod in (wide, narrow))
             assert torch.equal(got, want), (kernel, code)
+    if fmt in PACKED_CODES:  # the same tiles from either build, the same bits from them
+        whole = blocks[: len(blocks) // PACK_ROWS * PACK_ROWS]
+        tiles = wide.pack(whole, FORMATS[fmt].code, k)
+        assert torch.equal(tiles, narrow.pack(whole, FORMATS[fmt].code, k))
+        got, want = (mod.qmatmul_small(x, tiles, PACKED_CODES[fmt], k) for mod in (wide, narrow))
+        assert torch.equal(got, want)
 
 
 def q8_rows(x: torch.Tensor) -> torch.Tensor:
@@ -217,6 +231,40 @@ def test_int8_activation_kernels_match_reference(fmt: str, m: int, k: int) -> No
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m))
     for kernel in (native.qmatmul_small, native.qmatmul_gemm):
         _close(kernel(x, blocks, X8_CODES[fmt], k), q8_rows(x), w)
+
+
+@pytest.mark.parametrize("fmt", list(PACKED_CODES))
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 40])
+def test_packed_tiles_give_the_file_layouts_bits(fmt: str, m: int) -> None:
+    """Q4_K and Q6_K packed into tiles of 8 rows (PACKED_CODES): the same products as the
+    file layout with int8 x, bit for bit, from 16-row and 8-row tasks at any M."""
+    native = ops()
+    assert native is not None and native.packs == native.int_gemm  # AVX2 builds pack
+    k = 768
+    blocks, _ = _weights(16 * 2 + 8, k, fmt, seed=20 + m)
+    tiles = native.pack(blocks, FORMATS[fmt].code, k)
+    assert tiles.shape == (40, k // 256 * {"q4_k": 148, "q6_k": 210}[fmt])
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    want = native.qmatmul_small(x, blocks, X8_CODES[fmt], k)
+    for kernel in (native.qmatmul_small, native.qmatmul_gemm):
+        assert torch.equal(kernel(x, tiles, PACKED_CODES[fmt], k), want)
+
+
+def test_packing_refuses_what_it_cannot_tile() -> None:
+    native = ops()
+    assert native is not None
+    q4k, _ = _weights(12, 256, "q4_k", seed=1)
+    q40, _ = _weights(16, 256, "q4_0", seed=1)
+    x = torch.randn(2, 256)
+    with pytest.raises(RuntimeError, match="multiples of 8"):
+        native.pack(q4k, FORMATS["q4_k"].code, 256)
+    with pytest.raises(RuntimeError, match="only Q4_K and Q6_K"):
+        native.pack(q40, FORMATS["q4_0"].code, 256)
+    tiles = native.pack(q4k[:8], FORMATS["q4_k"].code, 256)
+    with pytest.raises(RuntimeError, match="file layout"):
+        native.qmatmul_tiled(x, tiles, PACKED_CODES["q4_k"], 256)
+    with pytest.raises(RuntimeError, match="row bytes"):  # the file layout under a packed code
+        native.qmatmul_small(x, q4k[:8], PACKED_CODES["q4_k"], 256)
 
 
 @pytest.mark.parametrize("fmt", list(X8_CODES))
@@ -680,6 +728,32 @@ def mapped_path(ptr: int) -> str | None:
     return None
 
 
+def resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of the pages spanned by `t` that are resident in this process (pagemap)."""
+    page = mmap.PAGESIZE
+    first = t.data_ptr() // page
+    last = (t.data_ptr() + t.numel() * t.element_size() - 1) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = np.frombuffer(f.read((last - first + 1) * 8), dtype=np.uint64)
+    return int(((entries >> np.uint64(63)) & np.uint64(1)).sum()) * page
+
+
+def test_release_pages_drops_only_views_of_the_file(tmp_path: Path) -> None:
+    """A view of the map loses its resident pages and reads back the same bytes; a copy
+    outside the map is left alone (DONTNEED would zero anonymous memory)."""
+    file = write_q4_k_m_layout(tmp_path / "tiny-q4_k_m.gguf")
+    found, _ = read_gguf_weights(file, load_config(resolve_model_path(str(file))), torch.float32)
+    view = found["model.layers.0.mlp.down_proj.weight"].blocks
+    before = view.clone()
+    assert resident_bytes(view) > 2 * mmap.PAGESIZE
+    assert release_pages(file, view)
+    assert resident_bytes(view) <= 2 * mmap.PAGESIZE
+    assert torch.equal(view, before)  # read back from the page cache
+    assert not release_pages(file, before)
+    assert resident_bytes(before) > 0 and torch.equal(view, before)
+
+
 def test_q4_k_m_layout_loads_every_projection_native_in_place(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -713,8 +787,12 @@ def test_q4_k_m_layout_loads_every_projection_native_in_place(
     int8, _ = load_model(folder, torch.float32)
     codes = [FORMATS["q4_k"].code, FORMATS["q4_k"].code, FORMATS["q6_k"].code]
     assert qkv.native_arg()[1] == codes
-    codes8 = [X8_CODES["q4_k"], X8_CODES["q4_k"], X8_CODES["q6_k"]]
+    codes8 = [PACKED_CODES["q4_k"], PACKED_CODES["q4_k"], PACKED_CODES["q6_k"]]
     assert int8.model.layers[1].self_attn.qkv_proj.native_arg()[1] == codes8
+    # the packed parts' file pages were dropped from this process's memory at load
+    v = int8.model.layers[1].self_attn.qkv_proj.packed_parts()[2]
+    assert mapped_path(v.data_ptr()) == str(file)
+    assert resident_bytes(v) <= 2 * mmap.PAGESIZE  # at most its two partial end pages
     got8 = extend(int8, FlatBackend(), *_pool(int8, ids), ids, 0)
     rel8 = ((got8 - want).norm() / want.norm()).item()
     # 0.14 on these random weights: each Q4_K / Q6_K product's x rounded to 8 bits (a random

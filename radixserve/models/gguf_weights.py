@@ -20,8 +20,10 @@ the weight reader skips the tensor.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
+import mmap
 import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -76,6 +78,7 @@ def hf_name(gguf_name: str) -> str:
 class GGUFTensors(NamedTuple):
     architecture: str  # general.architecture
     tensors: list[ReaderTensor]  # their data: views of the file's memory map
+    data: np.memmap  # the whole file, mapped read-only (shared)
 
 
 def gguf_tensors(path: Path) -> GGUFTensors:
@@ -90,7 +93,33 @@ def gguf_tensors(path: Path) -> GGUFTensors:
 def _tensors(path: Path, size: int, mtime_ns: int) -> GGUFTensors:
     reader = GGUFReader(path)
     field = reader.fields["general.architecture"]
-    return GGUFTensors(bytes(field.parts[field.data[0]]).decode(), list(reader.tensors))
+    architecture = bytes(field.parts[field.data[0]]).decode()
+    return GGUFTensors(architecture, list(reader.tensors), reader.data)
+
+
+def release_pages(path: Path, tensor: torch.Tensor) -> bool:
+    """Drop this process's resident pages of `tensor` if it is a view of the file's memory
+    map (madvise DONTNEED on whole pages inside it: the mapping is shared and read-only, so
+    a later read maps them back from the page cache, unchanged). For weights whose bytes the
+    kernels now read from a copy: their file pages stop counting in the process's memory.
+    Returns whether it was such a view."""
+    data = gguf_tensors(path).data
+    start, end = data.ctypes.data, data.ctypes.data + data.nbytes
+    first = tensor.data_ptr()
+    last = first + tensor.numel() * tensor.element_size()
+    if not (start <= first and last <= end and tensor.is_contiguous()):
+        return False
+    page = mmap.PAGESIZE
+    lo, hi = -(-first // page) * page, last // page * page
+    size = ctypes.c_size_t(hi - lo)
+    if hi > lo and _libc().madvise(ctypes.c_void_p(lo), size, mmap.MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed on the model file's map")
+    return True
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def matrix_formats(path: Path) -> set[str]:

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from radixserve.config import QUANT_ACTIVATIONS, QUANT_ACTIVATIONS_DEFAULT, QUANTIZATIONS
 from radixserve.models import native, quant
 from radixserve.models.config import ModelConfig
-from radixserve.models.gguf_weights import Weight, matrix_formats, read_gguf_weights
+from radixserve.models.gguf_weights import Weight, matrix_formats, read_gguf_weights, release_pages
 from radixserve.models.llama import LlamaForCausalLM, packed_linear_supported
 from radixserve.models.quant import X8_CODES, QuantLinear, QuantWeight, dequantize, quantize
 from radixserve.models.resolve import gguf_source
@@ -138,6 +138,8 @@ def load_model(
         model.pack_linear_weights()
     if dtype in (torch.bfloat16, torch.float32) and on_cpu:
         native.ops()  # build (or load the cached build of) the fused ops now, not mid-request
+    if gguf is not None and quant.ops() is not None:
+        _pack_quantized(model, gguf)
     formats = sorted(
         {f.name for m in model.modules() if isinstance(m, QuantLinear) for f in m.formats}
     )
@@ -151,6 +153,17 @@ def load_model(
         "; layers: native (2 calls each)" if native_layers else "",
     )  # fmt: skip
     return model, config
+
+
+def _pack_quantized(model: LlamaForCausalLM, gguf: Path) -> None:
+    """Make every quantized projection's native form now (packing its K-quant parts into
+    tiles), one at a time, and drop the file pages of what was packed: the packed copies
+    replace them in memory, so peak RSS stays about the file's size, not twice it."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.native_arg()
+            for blocks in module.packed_parts():
+                release_pages(gguf, blocks)
 
 
 def _plain(weights: dict[str, Weight]) -> dict[str, torch.Tensor]:

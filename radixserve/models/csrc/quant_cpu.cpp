@@ -1143,12 +1143,17 @@ void dot_wrows(const uint8_t* w, int64_t fmt, int64_t row_bytes, int64_t nb, con
 // loop from scalars: every path gives a row the same integer sums and the same float32
 // operations in the same order.
 constexpr int64_t kQ4_K_X8 = 8, kQ6_K_X8 = 9;
+// The same weights packed into tiles of kPackRows rows (section "packed K-quant tiles").
+constexpr int64_t kQ4_K_P8 = 10, kQ6_K_P8 = 11;
+constexpr int64_t kPackRows = 8;
 
-constexpr bool is_x8(int64_t code) { return code == kQ4_K_X8 || code == kQ6_K_X8; }
+constexpr bool is_packed(int64_t code) { return code == kQ4_K_P8 || code == kQ6_K_P8; }
+constexpr bool is_x8(int64_t code) { return code == kQ4_K_X8 || code == kQ6_K_X8 || is_packed(code); }
+constexpr int64_t packed_bytes(int64_t fmt) { return fmt == kQ6_K ? 210 : 148; }
 
 // The weight format of a format code.
 constexpr int64_t weight_format(int64_t code) {
-  return code == kQ4_K_X8 ? kQ4_K : code == kQ6_K_X8 ? kQ6_K : code;
+  return code == kQ4_K_X8 || code == kQ4_K_P8 ? kQ4_K : code == kQ6_K_X8 || code == kQ6_K_P8 ? kQ6_K : code;
 }
 
 struct Q8Rows {
@@ -1430,18 +1435,172 @@ inline void kquant_dot(const KBytes16* w, const int8_t* xq, const int32_t* xb, _
 }
 #endif
 
+// ------------------------------------------------------------------ packed K-quant tiles
+//
+// Format codes kQ4_K_P8 and kQ6_K_P8: the int8-x kernels' Q4_K and Q6_K weights packed once
+// at load (`pack`) into tiles of 8 weight rows, each super-block's bytes already in the
+// kernels' lane order, so that a task no longer shuffles the quants and decodes the 6-bit
+// scales of every (weight row, super-block) it reads: it masks and shifts nibbles. A row's
+// super-block takes packed_bytes(fmt): 148 for Q4_K (144 in the file: the scales take a byte
+// each), 210 for Q6_K; a tile's super-blocks follow each other, so a task of 8 or 16 rows
+// reads one or two sequential streams instead of 8 or 16. Tile t (rows 8t .. 8t + 7) starts
+// at byte 8t * the packed row bytes; its super-block u at 8 * u * packed_bytes(fmt), laid out
+// as
+// - Q4_K: quants, row i at 128 i: two 64-byte chunks c, whose byte b holds byte b of
+//   lane-order vector 2c in its low nibble and of vector 2c + 1 in its high one; at 1024 the
+//   rows' sc_j (8 bytes a row); at 1088 the mins m_j of the 8 rows (8 bytes per j); at 1152
+//   the rows' fp16 d, at 1168 their fp16 dmin.
+// - Q6_K: the quants' low 4 bits as Q4_K's; at 1024 their top 2 bits, row i at 1024 + 64 i,
+//   byte b holding those of vector k's byte b in bits 2k, 2k + 1; at 1536 the rows' int8
+//   scales in lane order (16 a row, byte l = sc_{g(l)}); at 1664 the rows' fp16 d.
+// The kernels form the same lane vectors, scales and float32 operations from a tile as from
+// the file layout, so a packed weight's products equal the file layout's bit for bit.
+// Byte p = sc_{p / 2} (q4k_scale_bytes' order) from a row's 8 packed scale bytes.
+inline __m128i q4k_packed_scales(const uint8_t* sc) {
+  const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  return _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)), pairs);
+}
+
+// Row i's super-block of a tile (`unit`: its first byte) as kquant_bytes makes it.
+template <int64_t fmt>
+inline KBytes8 packed_bytes(V8, const uint8_t* unit, int i) {
+  const __m256i low4 = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
+  const uint8_t* q = unit + 128 * i;
+  KBytes8 w;
+  for (int h = 0; h < 2; ++h) {
+    const __m256i hb = fmt == kQ6_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 1024 + 64 * i + 32 * h))
+                                    : _mm256_setzero_si256();
+    for (int c = 0; c < 2; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c + 32 * h));
+      w.q[h][2 * c] = _mm256_and_si256(v, low4), w.q[h][2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    }
+    if constexpr (fmt == kQ6_K) {  // bits 2k, 2k + 1 of hb -> bits 4, 5 of vector k
+      w.q[h][0] = _mm256_or_si256(w.q[h][0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
+      w.q[h][1] = _mm256_or_si256(w.q[h][1], _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
+      w.q[h][2] = _mm256_or_si256(w.q[h][2], _mm256_and_si256(hb, top));
+      w.q[h][3] = _mm256_or_si256(w.q[h][3], _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
+    }
+  }
+  if constexpr (fmt == kQ4_K) {
+    const __m128i bytes = q4k_packed_scales(unit + 1024 + 8 * i);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_cvtepu8_epi32(h ? _mm_srli_si128(bytes, 8) : bytes);
+      w.sc[h] = _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
+    }
+  } else {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + 1536 + 16 * i));
+    w.sc[0] = _mm256_cvtepi8_epi32(bytes), w.sc[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8));
+  }
+  return w;
+}
+
+// A tile's super-block scales as super_scales8 gives them for the same 8 rows: d and, for
+// Q4_K, m[j] = -dmin * m_j.
+template <int64_t fmt>
+inline void packed_scales8(const uint8_t* unit, __m256& d, __m256 m[8]) {
+  if constexpr (fmt == kQ6_K) {
+    d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + 1664)));
+    for (int j = 0; j < 8; ++j) m[j] = _mm256_setzero_ps();
+    return;
+  }
+  d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + 1152)));
+  const __m256 mv =
+      _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + 1168))), _mm256_set1_ps(-0.0f));
+  for (int j = 0; j < 8; ++j) {
+    const __m256i mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(unit + 1088 + 8 * j)));
+    m[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(mins), mv);
+  }
+}
+
+template <int64_t fmt>
+inline void packed_scales(V8, const uint8_t* const* tiles, __m256& d, __m256 m[8]) {
+  packed_scales8<fmt>(tiles[0], d, m);
+}
+
+#ifdef RS_VNNI
+template <int64_t fmt>
+inline KBytes16 packed_bytes(V16, const uint8_t* unit, int i) {
+  const __m512i low4 = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
+  const uint8_t* q = unit + 128 * i;
+  KBytes16 w;
+  for (int c = 0; c < 2; ++c) {
+    const __m512i v = _mm512_loadu_si512(q + 64 * c);
+    w.q[2 * c] = _mm512_and_si512(v, low4), w.q[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  }
+  if constexpr (fmt == kQ6_K) {
+    const __m512i hb = _mm512_loadu_si512(unit + 1024 + 64 * i);
+    w.q[0] = _mm512_or_si512(w.q[0], _mm512_and_si512(_mm512_slli_epi16(hb, 4), top));
+    w.q[1] = _mm512_or_si512(w.q[1], _mm512_and_si512(_mm512_slli_epi16(hb, 2), top));
+    w.q[2] = _mm512_or_si512(w.q[2], _mm512_and_si512(hb, top));
+    w.q[3] = _mm512_or_si512(w.q[3], _mm512_and_si512(_mm512_srli_epi16(hb, 2), top));
+    w.sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + 1536 + 16 * i)));
+  } else {
+    w.sc = _mm512_cvtepu8_epi32(q4k_packed_scales(unit + 1024 + 8 * i));
+  }
+  return w;
+}
+
+template <int64_t fmt>
+inline void packed_scales(V16, const uint8_t* const* tiles, __m512& d, __m512 m[8]) {
+  __m256 d0, d1, m0[8], m1[8];
+  packed_scales8<fmt>(tiles[0], d0, m0), packed_scales8<fmt>(tiles[1], d1, m1);
+  d = join(d0, d1);
+  for (int j = 0; j < 8; ++j) m[j] = join(m0[j], m1[j]);
+}
+#endif
+
+// w (N, row_bytes) in the file layout, N a multiple of 8 -> its tiles (N, units * packed_bytes).
+void pack_rows(const uint8_t* w, int64_t fmt, int64_t N, int64_t units, uint8_t* out) {
+  const int64_t row_bytes = units * unit_bytes(fmt), tile_unit = kPackRows * packed_bytes(fmt);
+  const int64_t tile_bytes = units * tile_unit;
+  at::parallel_for(0, N / kPackRows * units, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t tile = t / units, u = t % units;
+      uint8_t* unit = out + tile * tile_bytes + u * tile_unit;
+      for (int i = 0; i < kPackRows; ++i) {
+        const uint8_t* sb = w + (tile * kPackRows + i) * row_bytes + u * unit_bytes(fmt);
+        const KBytes8 b = fmt == kQ6_K ? kquant_bytes<kQ6_K>(V8{}, sb) : kquant_bytes<kQ4_K>(V8{}, sb);
+        const __m256i low4 = _mm256_set1_epi8(15);
+        __m256i hb[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int h = 0; h < 2; ++h) {
+          for (int c = 0; c < 2; ++c) {
+            const __m256i lo = _mm256_and_si256(b.q[h][2 * c], low4), hi = _mm256_and_si256(b.q[h][2 * c + 1], low4);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(unit + 128 * i + 64 * c + 32 * h),
+                                _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
+          }
+          for (int k = 0; k < 4 && fmt == kQ6_K; ++k) {  // q6 >> 4 (2 bits) into bits 2k, 2k + 1
+            const __m256i top = _mm256_and_si256(_mm256_srli_epi16(b.q[h][k], 4), _mm256_set1_epi8(3));
+            hb[h] = _mm256_or_si256(hb[h], _mm256_slli_epi16(top, 2 * k));
+          }
+        }
+        if (fmt == kQ6_K) {
+          for (int h = 0; h < 2; ++h) _mm256_storeu_si256(reinterpret_cast<__m256i*>(unit + 1024 + 64 * i + 32 * h), hb[h]);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(unit + 1536 + 16 * i), q6k_scale_bytes(sb));
+          std::memcpy(unit + 1664 + 2 * i, sb + 208, 2);
+          continue;
+        }
+        for (int j = 0; j < 8; ++j) {
+          int32_t sc, mn;
+          scale_min(sb + 4, j, sc, mn);
+          unit[1024 + 8 * i + j] = static_cast<uint8_t>(sc), unit[1088 + 8 * j + i] = static_cast<uint8_t>(mn);
+        }
+        std::memcpy(unit + 1152 + 2 * i, sb, 2), std::memcpy(unit + 1168 + 2 * i, sb + 2, 2);
+      }
+    }
+  });
+}
 // dot_wrows for K-quant weights and int8 x: the V::L weight rows from w (8 a task with AVX2,
 // 16 with AVX512-VNNI), r < M <= kStreamRows rows of x from xr. Per super-block the rows'
 // bytes are arranged once for the M rows of x (kquant_bytes), each (weight row, x row) gives
 // one int32 vector (kquant_dot: the rows' chains interleaved), the L vectors are reduced into
 // one and scaled once, Q4_K's offsets m_j * s_x added per sub-block: dot_rows8's operations.
-template <typename V, int64_t fmt, int kM>
+template <typename V, int64_t fmt, int kM, bool kPacked>
 void dot_wrows8(const uint8_t* w, int64_t row_bytes, int64_t nb, const Q8Rows& x, int64_t xr, int64_t M, float* out,
                 int64_t ldo) {
   constexpr int L = V::L;
   const int64_t rows_x = kM ? kM : M, units = nb / 8;
-  const uint8_t* rows[L];
-  for (int i = 0; i < L; ++i) rows[i] = w + i * row_bytes;
+  const uint8_t* rows[L];  // the file layout's rows, or the packed layout's tiles (L / 8)
+  for (int i = 0; i < L; ++i) rows[i] = w + i * (kPacked ? kPackRows * row_bytes : row_bytes);
   // As dot_wrows: the next task's bytes asked for in order, a share per (unit, weight row),
   // into L2 (into L1 they evicted the current task's rows: 1.4x slower from DRAM at one row)
   const char* next = reinterpret_cast<const char*>(w + L * row_bytes);
@@ -1451,11 +1610,18 @@ void dot_wrows8(const uint8_t* w, int64_t row_bytes, int64_t nb, const Q8Rows& x
   decltype(kquant_bytes<fmt>(V{}, w)) wb[L];
   for (int64_t u = 0; u < units; ++u) {
     typename V::F d, m[8];
-    V::template super_scales<fmt>(rows, u, d, nullptr, m);  // the bytes carry the scales
+    const uint8_t* tiles[L / kPackRows];
+    if constexpr (kPacked) {
+      for (int s = 0; s < L / kPackRows; ++s) tiles[s] = rows[s] + u * kPackRows * packed_bytes(fmt);
+      packed_scales<fmt>(V{}, tiles, d, m);
+    } else {
+      V::template super_scales<fmt>(rows, u, d, nullptr, m);  // the bytes carry the scales
+    }
     const int64_t at = u * unit_bytes(fmt);
     for (int i = 0; i < L; ++i) {
       for (int64_t p = (u * L + i) * share; p < (u * L + i + 1) * share; p += 64) _mm_prefetch(next + p, _MM_HINT_T1);
-      wb[i] = kquant_bytes<fmt>(V{}, rows[i] + at);
+      if constexpr (kPacked) wb[i] = packed_bytes<fmt>(V{}, tiles[i / kPackRows], i % kPackRows);
+      else wb[i] = kquant_bytes<fmt>(V{}, rows[i] + at);
     }
     for (int64_t r = 0; r < rows_x; ++r) {
       const int64_t xu = (xr + r) * units + u;
@@ -1470,18 +1636,25 @@ void dot_wrows8(const uint8_t* w, int64_t row_bytes, int64_t nb, const Q8Rows& x
   for (int64_t r = 0; r < rows_x; ++r) V::storef(out + r * ldo, V::add(acc[r], off[r]));
 }
 
-template <typename V>
+template <typename V, bool kPacked>
 void dot_wrows8(const uint8_t* w, int64_t fmt, int64_t row_bytes, int64_t nb, const Q8Rows& x, int64_t M, float* out,
                 int64_t ldo) {
   const auto run = [&](auto f) {
     constexpr int64_t F = decltype(f)::value;
-    if (M == 1) return dot_wrows8<V, F, 1>(w, row_bytes, nb, x, 0, 1, out, ldo);
+    if (M == 1) return dot_wrows8<V, F, 1, kPacked>(w, row_bytes, nb, x, 0, 1, out, ldo);
     for (int64_t r0 = 0; r0 < M; r0 += kStreamRows) {
-      dot_wrows8<V, F, 0>(w, row_bytes, nb, x, r0, std::min(kStreamRows, M - r0), out + r0 * ldo, ldo);
+      dot_wrows8<V, F, 0, kPacked>(w, row_bytes, nb, x, r0, std::min(kStreamRows, M - r0), out + r0 * ldo, ldo);
     }
   };
   if (fmt == kQ6_K) run(std::integral_constant<int64_t, kQ6_K>{});
   else run(std::integral_constant<int64_t, kQ4_K>{});
+}
+
+template <typename V>
+void dot_wrows8(const uint8_t* w, int64_t fmt, bool packed, int64_t row_bytes, int64_t nb, const Q8Rows& x, int64_t M,
+                float* out, int64_t ldo) {
+  if (packed) dot_wrows8<V, true>(w, fmt, row_bytes, nb, x, M, out, ldo);
+  else dot_wrows8<V, false>(w, fmt, row_bytes, nb, x, M, out, ldo);
 }
 #endif
 
@@ -1517,8 +1690,13 @@ void check_args(const at::Tensor& x, const at::Tensor& w, int64_t code, int64_t 
   const int64_t unit = is_kquant(fmt) ? kSuper : kBlock;
   TORCH_CHECK(K % unit == 0 && x.size(1) == K, "K must be a multiple of ", unit, " and equal x.size(1): K=", K,
               " x ", x.sizes());
-  TORCH_CHECK(w.size(1) == row_bytes_of(fmt, K), "w row bytes ", w.size(1), " do not match K=", K, " in format ",
-              fmt);
+  const int64_t row_bytes = is_packed(code) ? K / kSuper * packed_bytes(fmt) : row_bytes_of(fmt, K);
+  TORCH_CHECK(w.size(1) == row_bytes, "w row bytes ", w.size(1), " do not match K=", K, " in format ", code);
+#ifdef RS_AVX2
+  TORCH_CHECK(!is_packed(code) || w.size(0) % kPackRows == 0, "packed tiles need rows in multiples of ", kPackRows);
+#else
+  TORCH_CHECK(!is_packed(code), "packed tiles need the AVX2 build");
+#endif
 }
 
 // A weight of the small kernels' loop: its bytes, weight format, x quantized for its format
@@ -1526,6 +1704,7 @@ void check_args(const at::Tensor& x, const at::Tensor& w, int64_t code, int64_t 
 struct SmallPart {
   const uint8_t* w;
   int64_t fmt, rows, row_bytes, col;
+  bool packed;  // w in packed tiles (int8 x)
   const QRows* x;
   const Q8Rows* x8;
 };
@@ -1557,14 +1736,14 @@ void run_small(const std::vector<SmallPart>& parts, int64_t M, int64_t nb, float
     float* o = out + part.col + task.n;
 #ifdef RS_VNNI
     if (task.rows == 16) {
-      if (part.x8) dot_wrows8<V16>(row, part.fmt, part.row_bytes, nb, *part.x8, M, o, ldo);
+      if (part.x8) dot_wrows8<V16>(row, part.fmt, part.packed, part.row_bytes, nb, *part.x8, M, o, ldo);
       else dot_wrows<V16>(row, part.fmt, part.row_bytes, nb, *part.x, M, o, ldo);
       return;
     }
 #endif
 #ifdef RS_AVX2
     if (task.rows == 8) {
-      if (part.x8) dot_wrows8<V8>(row, part.fmt, part.row_bytes, nb, *part.x8, M, o, ldo);
+      if (part.x8) dot_wrows8<V8>(row, part.fmt, part.packed, part.row_bytes, nb, *part.x8, M, o, ldo);
       else dot_wrows<V8>(row, part.fmt, part.row_bytes, nb, *part.x, M, o, ldo);
       return;
     }
@@ -1601,7 +1780,7 @@ at::Tensor qmatmul_small(const at::Tensor& x, const at::Tensor& w, int64_t code,
   Q8Rows x8;
   if (is_x8(code)) quantize_rows8(x.data_ptr<float>(), M, K, fmt, x8);
   else quantize_rows(x.data_ptr<float>(), M, K, fmt, xq);
-  run_small({{w.data_ptr<uint8_t>(), fmt, N, w.size(1), 0, &xq, is_x8(code) ? &x8 : nullptr}}, M, K / kBlock,
+  run_small({{w.data_ptr<uint8_t>(), fmt, N, w.size(1), 0, is_packed(code), &xq, is_x8(code) ? &x8 : nullptr}}, M, K / kBlock,
             out.data_ptr<float>(), N);
   return out;
 }
@@ -1635,6 +1814,7 @@ at::Tensor qmatmul_gemm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, i
 // and the bf16 GEMM (float32 accumulation) runs at the CPU's bf16 rate.
 at::Tensor qmatmul_tiled(const at::Tensor& x, const at::Tensor& w, int64_t code, int64_t K) {
   check_args(x, w, code, K, true);
+  TORCH_CHECK(!is_packed(code), "qmatmul_tiled reads the file layout, not packed tiles");
   const int64_t fmt = weight_format(code);
   const int64_t M = x.size(0), N = w.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
@@ -1654,6 +1834,23 @@ at::Tensor qmatmul_tiled(const at::Tensor& x, const at::Tensor& w, int64_t code,
     }
   });
   return out;
+}
+
+// A Q4_K or Q6_K weight (N, row bytes) in the file layout -> its packed tiles, (N, K / 256 *
+// packed_bytes) (format codes kQ4_K_P8, kQ6_K_P8); N a multiple of kPackRows, AVX2 builds
+// (`packs`).
+at::Tensor pack(const at::Tensor& w, int64_t fmt, int64_t K) {
+  TORCH_CHECK(fmt == kQ4_K || fmt == kQ6_K, "only Q4_K and Q6_K weights pack, got format ", fmt);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == row_bytes_of(fmt, K),
+              "w must be a contiguous (N, row bytes) uint8 tensor for K=", K, ", got ", w.sizes());
+  TORCH_CHECK(w.size(0) % kPackRows == 0, "packed tiles need rows in multiples of ", kPackRows, ", got ", w.size(0));
+#ifdef RS_AVX2
+  at::Tensor out = at::empty({w.size(0), K / kSuper * packed_bytes(fmt)}, w.options());
+  pack_rows(w.data_ptr<uint8_t>(), fmt, w.size(0), K / kSuper, out.data_ptr<uint8_t>());
+  return out;
+#else
+  TORCH_CHECK(false, "packed tiles need the AVX2 build");
+#endif
 }
 
 // Rows `ids` of the weight (e.g. token embeddings) -> (len(ids), K) float32.
@@ -1733,7 +1930,8 @@ at::Tensor small_parts(const QLinear& l, const at::Tensor& x) {
     if (!quantized[q] && q >= 4) quantize_rows8(x.data_ptr<float>(), M, K, fmt, x8[q - 4]);
     else if (!quantized[q]) quantize_rows(x.data_ptr<float>(), M, K, fmt, xq[q]);
     quantized[q] = true;
-    parts.push_back({l.w[i].data_ptr<uint8_t>(), fmt, l.w[i].size(0), l.w[i].size(1), n, q < 4 ? &xq[q] : nullptr,
+    parts.push_back({l.w[i].data_ptr<uint8_t>(), fmt, l.w[i].size(0), l.w[i].size(1), n, is_packed(code),
+                     q < 4 ? &xq[q] : nullptr,
                      q >= 4 ? &x8[q - 4] : nullptr});
     n += l.w[i].size(0);
   }
@@ -1841,6 +2039,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("vnni") = false;
 #endif
+#ifdef RS_AVX2
+  m.attr("packs") = true;
+#else
+  m.attr("packs") = false;
+#endif
+  m.def("pack", &pack, "a Q4_K or Q6_K weight as packed tiles of 8 rows");
   m.def("dequant", &dequant, "rows of a block-quantized weight as float32");
   m.def("qlinear", &qlinear, "x @ W.T + bias for a quantized linear of one or more parts");
   m.def("pre_attention", &pre_attention, "RMSNorm, quantized qkv projection and RoPE of a decoder layer");
