@@ -304,6 +304,7 @@ def child(env: dict[str, str]) -> list[str]:
     return proc.stdout.split()
 
 
+@pytest.mark.kernels
 def test_portable_build_matches_reference() -> None:
     """RADIXSERVE_CPU_ISA=scalar: the portable build (no vector flags); "auto" keeps the
     torch path there, set_impl("native") runs the portable kernels."""
@@ -318,6 +319,7 @@ def test_bf16_dot_path_where_the_cpu_has_it() -> None:
     assert native.ops().bf16_dot == (has and native.build_isa() == "avx512")
 
 
+@pytest.mark.kernels
 def test_avx2_capped_environment() -> None:
     """ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (what CI uses to mimic an AVX2-only
     CPU) selects the avx2 build wherever the CPU has AVX2 + FMA + F16C."""

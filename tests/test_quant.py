@@ -45,6 +45,7 @@ from radixserve.models.quant import (
     QuantWeight,
     dequantize,
     ops,
+    pack,
     quantize,
 )
 from radixserve.models.resolve import gguf_source
@@ -182,6 +183,7 @@ def test_int16_gemm_is_built_where_avx2_is() -> None:
     assert native.int_gemm == (cpu_isa() != "scalar")
 
 
+@pytest.mark.kernels
 @pytest.mark.skipif(quant_kernel_isa() != "avx512vnni", reason="needs a CPU with AVX512-VNNI")
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("m", [1, 8, 16, 17, 40])
@@ -202,8 +204,8 @@ def test_vnni_kernels_equal_the_avx2_kernels(fmt: str, m: int) -> None:
             assert torch.equal(got, want), (kernel, code)
     if fmt in PACKED_CODES:  # the same tiles from either build, the same bits from them
         whole = blocks[: len(blocks) // PACK_ROWS * PACK_ROWS]
-        tiles = wide.pack(whole, FORMATS[fmt].code, k)
-        assert torch.equal(tiles, narrow.pack(whole, FORMATS[fmt].code, k))
+        tiles = pack(wide, whole, fmt, k)
+        assert torch.equal(tiles, pack(narrow, whole, fmt, k))
         got, want = (mod.qmatmul_small(x, tiles, PACKED_CODES[fmt], k) for mod in (wide, narrow))
         assert torch.equal(got, want)
 
@@ -242,7 +244,7 @@ def test_packed_tiles_give_the_file_layouts_bits(fmt: str, m: int) -> None:
     assert native is not None and native.packs == native.int_gemm  # AVX2 builds pack
     k = 768
     blocks, _ = _weights(16 * 2 + 8, k, fmt, seed=20 + m)
-    tiles = native.pack(blocks, FORMATS[fmt].code, k)
+    tiles = pack(native, blocks, fmt, k)
     assert tiles.shape == (40, k // 256 * {"q4_k": 148, "q6_k": 210}[fmt])
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     want = native.qmatmul_small(x, blocks, X8_CODES[fmt], k)
@@ -257,10 +259,12 @@ def test_packing_refuses_what_it_cannot_tile() -> None:
     q40, _ = _weights(16, 256, "q4_0", seed=1)
     x = torch.randn(2, 256)
     with pytest.raises(RuntimeError, match="multiples of 8"):
-        native.pack(q4k, FORMATS["q4_k"].code, 256)
+        pack(native, q4k, "q4_k", 256)
     with pytest.raises(RuntimeError, match="only Q4_K and Q6_K"):
-        native.pack(q40, FORMATS["q4_0"].code, 256)
-    tiles = native.pack(q4k[:8], FORMATS["q4_k"].code, 256)
+        native.pack(q40, FORMATS["q4_0"].code, 256, torch.empty(16, 148, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="out must be"):
+        native.pack(q4k[:8], FORMATS["q4_k"].code, 256, torch.empty(8, 144, dtype=torch.uint8))
+    tiles = pack(native, q4k[:8], "q4_k", 256)
     with pytest.raises(RuntimeError, match="file layout"):
         native.qmatmul_tiled(x, tiles, PACKED_CODES["q4_k"], 256)
     with pytest.raises(RuntimeError, match="row bytes"):  # the file layout under a packed code
@@ -386,6 +390,7 @@ def test_shape_mismatch_is_refused() -> None:
         QuantWeight(blocks, "q4_1", 64)  # q4_0 bytes declared as q4_1
 
 
+@pytest.mark.kernels
 def test_portable_build_matches_reference() -> None:
     """The build without AVX2 (RADIXSERVE_CPU_ISA=scalar), in a fresh process."""
     code = """
@@ -397,6 +402,7 @@ assert cpu_isa() == "scalar", cpu_isa()
 m = ops()
 assert m is not None and m.__name__ == "radixserve_quant_scalar", m
 assert not m.int_gemm  # QuantLinear uses the tiles there; qmatmul_gemm still computes
+assert not m.packs  # the int8-x kernels read the file layout there
 for fmt, f in FORMATS.items():
     k = 2 * f.block
     b, w = _weights(33, k, fmt, seed=0)
@@ -790,9 +796,11 @@ def test_q4_k_m_layout_loads_every_projection_native_in_place(
     codes8 = [PACKED_CODES["q4_k"], PACKED_CODES["q4_k"], PACKED_CODES["q6_k"]]
     assert int8.model.layers[1].self_attn.qkv_proj.native_arg()[1] == codes8
     # the packed parts' file pages were dropped from this process's memory at load
-    v = int8.model.layers[1].self_attn.qkv_proj.packed_parts()[2]
+    v = int8.model.layers[1].self_attn.qkv_proj.parts[2].blocks
     assert mapped_path(v.data_ptr()) == str(file)
     assert resident_bytes(v) <= 2 * mmap.PAGESIZE  # at most its two partial end pages
+    q5_0 = int8.model.layers[1].mlp.gate_up_proj.parts[0].blocks  # the one part read in place
+    assert file_mapped_bytes(int8) == q5_0.numel()
     got8 = extend(int8, FlatBackend(), *_pool(int8, ids), ids, 0)
     rel8 = ((got8 - want).norm() / want.norm()).item()
     # 0.14 on these random weights: each Q4_K / Q6_K product's x rounded to 8 bits (a random

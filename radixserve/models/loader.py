@@ -157,13 +157,11 @@ def load_model(
 
 def _pack_quantized(model: LlamaForCausalLM, gguf: Path) -> None:
     """Make every quantized projection's native form now (packing its K-quant parts into
-    tiles), one at a time, and drop the file pages of what was packed: the packed copies
-    replace them in memory, so peak RSS stays about the file's size, not twice it."""
+    tiles), a slice at a time, and drop the file pages of each packed slice: the packed
+    copies replace them in memory, so peak RSS stays about the file's size, not twice it."""
     for module in model.modules():
         if isinstance(module, QuantLinear):
-            module.native_arg()
-            for blocks in module.packed_parts():
-                release_pages(gguf, blocks)
+            module.native_arg(release=lambda blocks: release_pages(gguf, blocks))
 
 
 def _plain(weights: dict[str, Weight]) -> dict[str, torch.Tensor]:

@@ -34,7 +34,7 @@ kernel runs at every M below the bf16 tiles, so a row's bits never depend on its
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -62,6 +62,7 @@ BF16_TILED_M = 96
 # A quantized projection as the native calls take it: per part its blocks, format code and
 # small_m, then the bias.
 NativeLinear = tuple[list[Tensor], list[int], list[int], Tensor | None]
+Release = Callable[[Tensor], object] | None  # told of file-layout blocks no longer read
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,9 @@ X8_SMALL_M = 1 << 30  # the rows up to which it streams: all
 # on a 1B model's shapes, with the file layout's results bit for bit (csrc/quant_cpu.cpp,
 # "packed K-quant tiles").
 PACKED_CODES = {"q4_k": 10, "q6_k": 11}
+PACKED_BYTES = {"q4_k": 148, "q6_k": 210}  # a row's super-block in tiles (the file: 144, 210)
 PACK_ROWS = 8
+PACK_SLICE_BYTES = 32 << 20  # file bytes packed (and released) at a time
 # Formats made only by llama.cpp's quantizer: the `gguf` package's dequantization is their
 # reference (the others' reference is `dequantize` below, and `quantize` makes them).
 LLAMA_CPP_ONLY = {
@@ -143,6 +146,20 @@ def dequantize(blocks: Tensor, fmt: str, k: int) -> Tensor:
     q = torch.cat((qs & 15, qs >> 4), dim=-1).float()  # (N, K/32, 32): low nibbles first
     m = b[..., 2:4].contiguous().view(torch.float16).float() if fmt == "q4_1" else -8 * d
     return (d * q + m).view(n, k)
+
+
+def pack(native: ModuleType, blocks: Tensor, fmt: str, k: int, release: Release = None) -> Tensor:
+    """Q4_K or Q6_K blocks (N, row bytes) in the file layout, N a multiple of PACK_ROWS ->
+    their tiles (N, K / 256 * PACKED_BYTES), by `native` (a build that `packs`),
+    PACK_SLICE_BYTES of blocks at a time; `release` is told of each slice once packed."""
+    n = blocks.shape[0]
+    out = torch.empty(n, k // SUPER_BLOCK * PACKED_BYTES[fmt], dtype=torch.uint8)
+    step = max(1, PACK_SLICE_BYTES // (blocks.shape[1] * PACK_ROWS)) * PACK_ROWS
+    for r in range(0, n, step):  # tile t is rows 8t .. 8t + 7 of either layout
+        native.pack(blocks[r : r + step], FORMATS[fmt].code, k, out[r : r + step])
+        if release is not None:
+            release(blocks[r : r + step])
+    return out
 
 
 def quantize(w: Tensor, fmt: str) -> Tensor:
@@ -264,17 +281,19 @@ class QuantLinear(nn.Module):
             y = y.to(x.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
-    def native_arg(self) -> NativeLinear:
+    def native_arg(self, release: Release = None) -> NativeLinear:
         """This projection as the native calls take it (`qlinear`, llama.NativeLayer): made
         once, and again after the buffers are replaced (`_apply`, `_load_from_state_dict`).
-        Parts with int8 x are packed into tiles here (PACKED_CODES) where the build packs."""
+        Parts with int8 x are packed into tiles here (PACKED_CODES) where the build packs,
+        PACK_SLICE_BYTES of the file layout at a time; `release` is then called on each
+        slice of file-layout blocks once it is packed (the loader drops its file pages)."""
         if self._native_arg is None:
             native = ops()
             blocks, codes, small = [], [], []
             for b, f in zip(self._blocks(), self.formats):
                 int8 = f.name in X8_CODES and self.activations == "int8"
                 if int8 and native is not None and native.packs and b.shape[0] % PACK_ROWS == 0:
-                    blocks.append(native.pack(b, f.code, self.in_features))
+                    blocks.append(pack(native, b, f.name, self.in_features, release))
                     codes.append(PACKED_CODES[f.name])
                 else:
                     blocks.append(b)
@@ -283,14 +302,13 @@ class QuantLinear(nn.Module):
             self._native_arg = (blocks, codes, small, self._buffers["bias"])
         return self._native_arg
 
-    def packed_parts(self) -> list[Tensor]:
-        """The parts' file-layout blocks that native_arg holds packed copies of (none before
-        it is made): the native calls no longer read them."""
+    def unread_blocks(self) -> list[Tensor]:
+        """The parts' file-layout blocks whose packed copies the native calls read instead
+        (none before native_arg is made)."""
         if self._native_arg is None:
             return []
-        codes = self._native_arg[1]
         packed = set(PACKED_CODES.values())
-        return [b for b, code in zip(self._blocks(), codes) if code in packed]
+        return [b for b, code in zip(self._blocks(), self._native_arg[1]) if code in packed]
 
     def _apply(self, fn: Any, recurse: bool = True) -> QuantLinear:
         self._native_arg = None

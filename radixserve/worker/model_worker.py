@@ -78,7 +78,8 @@ def kv_capacity(config: EngineConfig, bytes_per_token: int, mapped_weights: int)
 
 def file_mapped_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's CPU tensors that live in a file mapping (a GGUF's blocks used in
-    place), from /proc/self/maps; 0 where there is no /proc."""
+    place; not those read from packed copies), from /proc/self/maps; 0 where there is no
+    /proc."""
     maps = Path("/proc/self/maps")
     if not maps.exists():
         return 0
@@ -90,7 +91,8 @@ def file_mapped_bytes(model: torch.nn.Module) -> int:
             spans.append((lo, hi))
     spans.sort()
     starts = [lo for lo, _ in spans]
-    seen, total = set(), 0
+    unread = (b for m in model.modules() if isinstance(m, QuantLinear) for b in m.unread_blocks())
+    seen, total = {b.data_ptr() for b in unread}, 0
     for t in itertools.chain(model.parameters(), model.buffers()):
         ptr = t.data_ptr()
         if t.device.type != "cpu" or ptr in seen:

@@ -1836,18 +1836,19 @@ at::Tensor qmatmul_tiled(const at::Tensor& x, const at::Tensor& w, int64_t code,
   return out;
 }
 
-// A Q4_K or Q6_K weight (N, row bytes) in the file layout -> its packed tiles, (N, K / 256 *
-// packed_bytes) (format codes kQ4_K_P8, kQ6_K_P8); N a multiple of kPackRows, AVX2 builds
-// (`packs`).
-at::Tensor pack(const at::Tensor& w, int64_t fmt, int64_t K) {
+// A Q4_K or Q6_K weight (N, row bytes) in the file layout -> its packed tiles in `out` (N, K
+// / 256 * packed_bytes) (format codes kQ4_K_P8, kQ6_K_P8); N a multiple of kPackRows, AVX2
+// builds (`packs`).
+void pack(const at::Tensor& w, int64_t fmt, int64_t K, at::Tensor& out) {
   TORCH_CHECK(fmt == kQ4_K || fmt == kQ6_K, "only Q4_K and Q6_K weights pack, got format ", fmt);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == row_bytes_of(fmt, K),
               "w must be a contiguous (N, row bytes) uint8 tensor for K=", K, ", got ", w.sizes());
   TORCH_CHECK(w.size(0) % kPackRows == 0, "packed tiles need rows in multiples of ", kPackRows, ", got ", w.size(0));
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() && out.dim() == 2 && out.size(0) == w.size(0) &&
+                  out.size(1) == K / kSuper * packed_bytes(fmt),
+              "out must be a contiguous (N, K / 256 * ", packed_bytes(fmt), ") uint8 tensor, got ", out.sizes());
 #ifdef RS_AVX2
-  at::Tensor out = at::empty({w.size(0), K / kSuper * packed_bytes(fmt)}, w.options());
   pack_rows(w.data_ptr<uint8_t>(), fmt, w.size(0), K / kSuper, out.data_ptr<uint8_t>());
-  return out;
 #else
   TORCH_CHECK(false, "packed tiles need the AVX2 build");
 #endif
@@ -2044,7 +2045,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("packs") = false;
 #endif
-  m.def("pack", &pack, "a Q4_K or Q6_K weight as packed tiles of 8 rows");
+  m.def("pack", &pack, "a Q4_K or Q6_K weight as packed tiles of 8 rows, into out");
   m.def("dequant", &dequant, "rows of a block-quantized weight as float32");
   m.def("qlinear", &qlinear, "x @ W.T + bias for a quantized linear of one or more parts");
   m.def("pre_attention", &pre_attention, "RMSNorm, quantized qkv projection and RoPE of a decoder layer");
