@@ -1599,8 +1599,8 @@ void dot_wrows8(const uint8_t* w, int64_t row_bytes, int64_t nb, const Q8Rows& x
                 int64_t ldo) {
   constexpr int L = V::L;
   const int64_t rows_x = kM ? kM : M, units = nb / 8;
-  const uint8_t* rows[L];  // the file layout's rows, or the packed layout's tiles (L / 8)
-  for (int i = 0; i < L; ++i) rows[i] = w + i * (kPacked ? kPackRows * row_bytes : row_bytes);
+  const uint8_t* rows[L];  // the file layout's rows, or the packed layout's L / 8 tiles
+  for (int i = 0; i < (kPacked ? L / kPackRows : L); ++i) rows[i] = w + i * (kPacked ? kPackRows : 1) * row_bytes;
   // As dot_wrows: the next task's bytes asked for in order, a share per (unit, weight row),
   // into L2 (into L1 they evicted the current task's rows: 1.4x slower from DRAM at one row)
   const char* next = reinterpret_cast<const char*>(w + L * row_bytes);
