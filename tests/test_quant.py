@@ -27,6 +27,8 @@ from radixserve.config import EngineConfig
 from radixserve.isa import cpu_isa, fast_cpu_bf16, quant_kernel_isa, resolve_dtype
 from radixserve.models import load_model, resolve_model_path
 from radixserve.models.gguf_weights import (
+    gguf_tensors,
+    mapped,
     matrix_formats,
     read_gguf_weights,
     release_pages,
@@ -749,8 +751,8 @@ def test_release_pages_drops_only_views_of_the_file(tmp_path: Path) -> None:
     """A view of the map loses its resident pages and reads back the same bytes; a copy
     outside the map is left alone (DONTNEED would zero anonymous memory)."""
     file = write_q4_k_m_layout(tmp_path / "tiny-q4_k_m.gguf")
-    found, _ = read_gguf_weights(file, load_config(resolve_model_path(str(file))), torch.float32)
-    view = found["model.layers.0.mlp.down_proj.weight"].blocks
+    (down,) = [t for t in gguf_tensors(file).tensors if t.name == "blk.0.ffn_down.weight"]
+    view = mapped(down.data)
     before = view.clone()
     assert resident_bytes(view) > 2 * mmap.PAGESIZE
     assert release_pages(file, view)
