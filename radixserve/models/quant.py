@@ -105,10 +105,10 @@ FORMATS = {
 X8_CODES = {"q4_k": 8, "q6_k": 9}
 X8_SMALL_M = 1 << 30  # the rows up to which it streams: all
 # The same weights packed once into tiles of PACK_ROWS rows, each super-block's bytes in the
-# kernel's lane order with its scales decoded (AVX2 builds, `pack`): a decode step's kernel
-# masks nibbles instead of shuffling bytes and decoding 6-bit scales, ~2x its rate per core
-# on a 1B model's shapes, with the file layout's results bit for bit (csrc/quant_cpu.cpp,
-# "packed K-quant tiles").
+# kernel's lane order with its scales decoded (AVX2 builds, `pack`): the kernel masks nibbles
+# instead of shuffling bytes and decoding 6-bit scales, with the file layout's results bit
+# for bit (csrc/quant_cpu.cpp, "packed K-quant tiles"); a 1B Q4_K_M decodes 128 tokens in
+# ~0.9x the file layout's time (docs/cpu.md).
 PACKED_CODES = {"q4_k": 10, "q6_k": 11}
 PACKED_BYTES = {"q4_k": 148, "q6_k": 210}  # a row's super-block in tiles (the file: 144, 210)
 PACK_ROWS = 8

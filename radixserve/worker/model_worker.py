@@ -92,7 +92,7 @@ def file_mapped_bytes(model: torch.nn.Module) -> int:
     spans.sort()
     starts = [lo for lo, _ in spans]
     unread = (b for m in model.modules() if isinstance(m, QuantLinear) for b in m.unread_blocks())
-    seen, total = {b.data_ptr() for b in unread}, 0
+    seen, total = {b.data_ptr() for b in unread}, 0  # packed parts' blocks count as seen
     for t in itertools.chain(model.parameters(), model.buffers()):
         ptr = t.data_ptr()
         if t.device.type != "cpu" or ptr in seen:

@@ -1,4 +1,5 @@
-// Matmuls on GGUF block-quantized weights, read in their file layout (no repacking).
+// Matmuls on GGUF block-quantized weights, read in their file layout (Q4_K and Q6_K with
+// int8 x: packed once at load into tiles of 8 rows, section "packed K-quant tiles").
 //
 // A weight (N, K) is stored as N rows of K/32 blocks; each block holds 32 consecutive
 // weights of one row:
@@ -1463,7 +1464,7 @@ inline __m128i q4k_packed_scales(const uint8_t* sc) {
 
 // Row i's super-block of a tile (`unit`: its first byte) as kquant_bytes makes it.
 template <int64_t fmt>
-inline KBytes8 packed_bytes(V8, const uint8_t* unit, int i) {
+inline KBytes8 packed_kquant_bytes(V8, const uint8_t* unit, int i) {
   const __m256i low4 = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
   const uint8_t* q = unit + 128 * i;
   KBytes8 w;
@@ -1519,7 +1520,7 @@ inline void packed_scales(V8, const uint8_t* const* tiles, __m256& d, __m256 m[8
 
 #ifdef RS_VNNI
 template <int64_t fmt>
-inline KBytes16 packed_bytes(V16, const uint8_t* unit, int i) {
+inline KBytes16 packed_kquant_bytes(V16, const uint8_t* unit, int i) {
   const __m512i low4 = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
   const uint8_t* q = unit + 128 * i;
   KBytes16 w;
@@ -1620,7 +1621,7 @@ void dot_wrows8(const uint8_t* w, int64_t row_bytes, int64_t nb, const Q8Rows& x
     const int64_t at = u * unit_bytes(fmt);
     for (int i = 0; i < L; ++i) {
       for (int64_t p = (u * L + i) * share; p < (u * L + i + 1) * share; p += 64) _mm_prefetch(next + p, _MM_HINT_T1);
-      if constexpr (kPacked) wb[i] = packed_bytes<fmt>(V{}, tiles[i / kPackRows], i % kPackRows);
+      if constexpr (kPacked) wb[i] = packed_kquant_bytes<fmt>(V{}, tiles[i / kPackRows], i % kPackRows);
       else wb[i] = kquant_bytes<fmt>(V{}, rows[i] + at);
     }
     for (int64_t r = 0; r < rows_x; ++r) {
