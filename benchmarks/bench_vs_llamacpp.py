@@ -26,7 +26,9 @@ Rows:
 Nothing is cached between runs: radixserve's radix cache is flushed (`Engine.flush_cache`,
 the same `Scheduler.flush_cache` behind /flush_cache; a run asserts cached_tokens == 0) and
 llama.cpp gets a fresh context per row and a cleared memory per run. Each side is warmed up
-once (per llama.cpp context). Python-side batch building is outside llama.cpp's timers.
+once (per llama.cpp context). A row's value is each side's best of `--repeats` runs
+(`--decode-repeats` for the decode rows, whose runs are short), the sides taking turns.
+Python-side batch building is outside llama.cpp's timers.
 speedup = radixserve vs the faster llama.cpp setting of the row (> 1: radixserve faster).
 
     python benchmarks/bench_vs_llamacpp.py --data-path path/to/gsm8k \\
@@ -45,6 +47,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,16 +136,6 @@ class Radix:
         outputs = [o["output_ids"] for o in outs]
         return RadixRun(wall, outputs, meta["prompt_tokens"], meta["first_token_latency"])
 
-    def best_of(
-        self,
-        prompt: list[int],
-        n: int,
-        new_tokens: int,
-        repeats: int,
-        key: Callable[[RadixRun], float] = lambda r: r.wall_s,
-    ) -> RadixRun:
-        return min((self.generate(prompt, n, new_tokens) for _ in range(repeats)), key=key)
-
     def config(self) -> dict[str, Any]:
         w = self.engine.worker
         return {
@@ -183,17 +176,34 @@ def make_row(
     }
 
 
-def llama_runs(
+def side_by_side(
+    radix: Radix,
     llama: LlamaCpp | None,
     prompt: list[int],
     shape: tuple[int, int],
     repeats: int,
     key: Callable[[LlamaRun], float],
-) -> dict[str, LlamaRun]:
-    """The best run per flash-attention setting ({} without llama.cpp); shape = (B, N)."""
-    if llama is None:
-        return {}
-    return {fa: llama.best_of(prompt, *shape, fa, repeats, key) for fa in FLASH}
+    radix_key: Callable[[RadixRun], float] = lambda r: r.wall_s,
+) -> tuple[dict[str, LlamaRun], RadixRun]:
+    """The best run of each llama.cpp flash-attention setting ({} without llama.cpp) and of
+    radixserve, shape = (B, N). The sides take turns, one run each per repeat, so a change in
+    the machine's speed (a VM's memory bandwidth moves by 2x within seconds) falls on both."""
+    llama_runs: dict[str, list[LlamaRun]] = {fa: [] for fa in (FLASH if llama else ())}
+    radix_runs = []
+    with ExitStack() as stack:
+        contexts = {
+            fa: stack.enter_context(llama.warm_context(prompt, *shape, fa))
+            for fa in llama_runs
+            if llama
+        }
+        for r in range(repeats):
+            for fa, ctx in contexts.items():
+                assert llama is not None
+                llama_runs[fa].append(llama.generate(ctx, prompt, *shape, seed=r))
+            radix_runs.append(radix.generate(prompt, *shape))
+    return {fa: min(runs, key=key) for fa, runs in llama_runs.items()}, min(
+        radix_runs, key=radix_key
+    )
 
 
 def token_fields(rrun: RadixRun, lruns: dict[str, LlamaRun]) -> dict[str, Any]:
@@ -209,8 +219,7 @@ def samples_row(
     args: argparse.Namespace, radix: Radix, llama: LlamaCpp | None, prompt: list[int], b: int
 ) -> dict[str, Any]:
     n, p = args.new_tokens, len(prompt)
-    lruns = llama_runs(llama, prompt, (b, n), args.repeats, key=lambda r: r.wall_s)
-    rrun = radix.best_of(prompt, b, n, args.repeats)
+    lruns, rrun = side_by_side(radix, llama, prompt, (b, n), args.repeats, key=lambda r: r.wall_s)
     llama_s = {fa: r.wall_s for fa, r in lruns.items()}
     row = make_row(f"W(B={b},P={p})", "samples", "s", (b, p, n), llama_s, rrun.wall_s)
     row["llamacpp_prefill_decode_s"] = {fa: [r.prefill_s, r.decode_s] for fa, r in lruns.items()}
@@ -221,8 +230,9 @@ def prefill_row(
     args: argparse.Namespace, radix: Radix, llama: LlamaCpp | None, prompt: list[int]
 ) -> dict[str, Any]:
     p = len(prompt)
-    lruns = llama_runs(llama, prompt, (1, 1), args.repeats, key=lambda r: r.prefill_s)
-    rrun = radix.best_of(prompt, 1, 1, args.repeats)
+    lruns, rrun = side_by_side(
+        radix, llama, prompt, (1, 1), args.repeats, key=lambda r: r.prefill_s
+    )
     llama_rates = {fa: p / r.prefill_s for fa, r in lruns.items()}
     row = make_row(f"prefill P={p}", "prefill", "tok/s", (1, p, 1), llama_rates, p / rrun.wall_s)
     return {**row, **token_fields(rrun, lruns)}
@@ -233,8 +243,8 @@ def decode_row(
 ) -> dict[str, Any]:
     n, p = args.new_tokens, len(prompt)
     assert n >= 2, f"a decode rate needs --new-tokens >= 2, got {n}"
-    lruns = llama_runs(llama, prompt, (1, n), args.repeats, key=lambda r: r.decode_s)
-    tn = radix.best_of(prompt, 1, n, args.repeats, key=lambda r: r.decode_s)
+    decode_s = lambda r: r.decode_s  # noqa: E731 (both run types)
+    lruns, tn = side_by_side(radix, llama, prompt, (1, n), args.decode_repeats, decode_s, decode_s)
     rate = (n - 1) / tn.decode_s  # timed from the first token on: prefill noise stays out
     llama_rates = {fa: (n - 1) / r.decode_s for fa, r in lruns.items()}
     row = make_row(f"decode B=1 P={p}", "decode", "tok/s", (1, p, n), llama_rates, rate)
@@ -369,7 +379,7 @@ def engine_args(pairs: list[str]) -> dict[str, Any]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64], help="W(B,P): B")
-    ap.add_argument("--prefix", type=int, nargs="+", default=[1024, 4096], help="W(B,P): P")
+    ap.add_argument("--prefix", type=int, nargs="*", default=[1024, 4096], help="W(B,P): P")
     ap.add_argument("--new-tokens", type=int, default=128, help="per sample; decode row N")
     ap.add_argument("--prefill", type=int, nargs="*", default=[1024, 4096], help="prompts")
     ap.add_argument(
@@ -378,6 +388,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--data-path", default=None, help="GSM8K folder or jsonl; default: synthetic")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp and torch threads")
     ap.add_argument("--repeats", type=int, default=1, help="best of N runs per row and side")
+    ap.add_argument("--decode-repeats", type=int, default=5, help="... of the decode rows")
     ap.add_argument("--ubatch", type=int, default=None, help="llama.cpp n_ubatch (default)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--skip-llamacpp", action="store_true", help="radixserve only")

@@ -15,7 +15,7 @@ import ctypes
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,21 +151,16 @@ class LlamaCpp:
             t2 = time.perf_counter()
         return LlamaRun(t1 - t0, t2 - t1, outputs)
 
-    def best_of(
-        self,
-        prompt: list[int],
-        n_seq: int,
-        new_tokens: int,
-        flash: str,
-        repeats: int,
-        key: Callable[[LlamaRun], float],
-    ) -> LlamaRun:
-        """A fresh context for the row, one short warm-up, the best (min `key`) of `repeats`."""
+    @contextmanager
+    def warm_context(
+        self, prompt: list[int], n_seq: int, new_tokens: int, flash: str
+    ) -> Iterator[Any]:
+        """A fresh context sized for the row, after one short warm-up run (threads, compute
+        buffers)."""
         n_ctx = len(prompt) + n_seq * new_tokens
         with self.context(n_ctx, n_seq, max(len(prompt), n_seq), flash) as ctx:
-            self.generate(ctx, prompt[:16], n_seq, 2, seed=0)  # threads, compute buffers
-            runs = [self.generate(ctx, prompt, n_seq, new_tokens, seed=r) for r in range(repeats)]
-        return min(runs, key=key)
+            self.generate(ctx, prompt[:16], n_seq, 2, seed=0)
+            yield ctx
 
 
 def peak_rss_bytes() -> int:
@@ -186,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     llama = LlamaCpp(args.model, args.threads, None)
     load_s = time.perf_counter() - start
-    llama.best_of(prompt, 1, args.new_tokens, "on", 1, lambda r: r.wall_s)
+    with llama.warm_context(prompt, 1, args.new_tokens, "on") as ctx:
+        llama.generate(ctx, prompt, 1, args.new_tokens, seed=0)
     print(json.dumps({"load_s": load_s, "peak_rss_bytes": peak_rss_bytes()}))
 
 

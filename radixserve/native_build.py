@@ -37,7 +37,8 @@ from types import ModuleType
 logger = logging.getLogger("radixserve.native")
 VECTOR_FLAGS = {"avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                                "-mavx512dq", "-mavx512vnni"],
-                "avx512": ["-mavx2", "-mfma", "-mf16c", "-DRS_AVX2", "-DRS_AVX512"],
+                "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                           "-DRS_AVX2", "-DRS_AVX512"],
                 "avx2": ["-mavx2", "-mfma", "-mf16c", "-DRS_AVX2"], "scalar": []}  # fmt: skip
 _enabled = True  # EngineConfig.native_ops of the last ModelWorker started in this process
 

@@ -43,7 +43,13 @@ namespace {
 
 constexpr int64_t kBlock = 64;          // keys per block (K+V of a block: 32 KiB fp32 at D=64)
 constexpr int kRows = 6;                // query rows per tile of a transposed block (6 rows x 16 keys)
-constexpr int kRowsMicro = 3;           // ... of key rows read in place (3 rows x 4 keys)
+#if defined(RS_AVX512)  // 32 vector registers
+constexpr int kRowsMicro = 4;           // ... of key rows read in place (4 rows x 4 keys)
+constexpr int kAccs = 24;               // accumulators a micro-kernel may hold
+#else                                   // 16
+constexpr int kRowsMicro = 3;
+constexpr int kAccs = 12;
+#endif
 constexpr int kRowsBf16 = 6;            // ... on the vdpbf16ps path (6 rows x 64 keys = 24 zmm)
 constexpr int64_t kMaxRows = 1024;      // rows per item: O accumulators stay in L2
 constexpr int64_t kMinChunkKeys = 256;  // never split keys finer than this
@@ -422,7 +428,7 @@ inline void pv_slice(float* o, int64_t d, int64_t i0, const float* alpha, const 
 template <int MR, typename T>
 void pv_tile(float* o, int64_t d, const float* alpha, const float* p, int64_t ldp,
              const T* const* v, int64_t n) {
-  constexpr int NV = MR == 1 ? 8 : MR <= 3 ? 4 : 2;  // accumulators: MR * NV <= 12
+  constexpr int NV = MR * 8 <= kAccs ? 8 : MR * 4 <= kAccs ? 4 : 2;  // MR * NV <= kAccs
   int64_t i0 = 0;
   for (; i0 + 8 * NV <= d; i0 += 8 * NV) pv_slice<MR, NV, T>(o, d, i0, alpha, p, ldp, v, n);
   for (; i0 < d; i0 += 8) pv_slice<MR, 1, T>(o, d, i0, alpha, p, ldp, v, n);
