@@ -162,6 +162,7 @@ def test_metrics_history_records_what_was_served(client) -> None:
     assert any(p["cache_hit_rate"] is not None for p in recent)
 
 
+@pytest.mark.slow  # a server start of its own: ~7 s
 def test_no_web_ui_leaves_the_page_unrouted(tiny_model_dir, tmp_path) -> None:
     h = launch_server(tiny_model_dir, tmp_path, "--no-web-ui", "--max-total-tokens", "256")
     try:

@@ -226,6 +226,7 @@ def remote_cached(engine: Any, prompt: list[int]) -> int:
     return int(out["meta_info"]["cached_tokens_details"].get("remote", 0))
 
 
+@pytest.mark.slow  # engines of two models on one Redis: ~8 s
 def test_only_servers_of_the_same_model_and_secret_share_kv(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -300,6 +301,7 @@ def hicache_faults(url: str) -> float:
     return sum(float(x.split()[-1]) for x in metrics.splitlines() if x.startswith(line))
 
 
+@pytest.mark.slow  # a server start: ~8 s
 def test_a_poisoned_shared_record_never_stops_the_server(
     tiny_model_dir: Path, tmp_path: Path, redis_server: RedisServer
 ) -> None:

@@ -24,6 +24,7 @@ from radixserve.models.resolve import SOURCE_FILE
 RUNTIME = {"dtype": "torch.float32", "tp_size": 1}
 
 
+@pytest.mark.slow  # four model folders hashed and loaded: ~10 s
 def test_same_files_anywhere_are_the_same_model_and_same_folder_names_are_not(
     tmp_path: Path,
 ) -> None:

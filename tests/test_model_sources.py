@@ -285,7 +285,8 @@ def our_logprobs(engine: Engine, seqs: list[list[int]]) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("arch", "quant"),
-    [("llama3", Q8_0),  # ~25 s: the conversion reads SmolLM2's 49k-token vocabulary
+    # ~15-25 s each: the conversion reads SmolLM2's 49k-token vocabulary
+    [pytest.param("llama3", Q8_0, marks=pytest.mark.slow),
      pytest.param("llama", F32, marks=pytest.mark.slow),
      pytest.param("qwen2", F32, marks=pytest.mark.slow)],
 )  # fmt: skip

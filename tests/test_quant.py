@@ -692,6 +692,7 @@ def write_q4_k_m_layout(path: Path, narrow: str = "q5_0") -> Path:
     return path
 
 
+@pytest.mark.slow  # three GGUF files written and loaded: ~18 s
 def test_files_of_int8_x_only_compute_in_float32(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -747,6 +748,7 @@ def resident_bytes(t: torch.Tensor) -> int:
     return int(((entries >> np.uint64(63)) & np.uint64(1)).sum()) * page
 
 
+@pytest.mark.slow  # maps and reads a 64 MB file: ~5 s
 def test_release_pages_drops_only_views_of_the_file(tmp_path: Path) -> None:
     """A view of the map loses its resident pages and reads back the same bytes; a copy
     outside the map is left alone (DONTNEED would zero anonymous memory)."""
@@ -762,6 +764,7 @@ def test_release_pages_drops_only_views_of_the_file(tmp_path: Path) -> None:
     assert resident_bytes(before) > 0 and torch.equal(view, before)
 
 
+@pytest.mark.slow  # a 1B-layout file written and loaded: ~11 s
 def test_q4_k_m_layout_loads_every_projection_native_in_place(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

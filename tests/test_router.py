@@ -75,6 +75,7 @@ def gen(c: httpx.Client, text: str, **sampling: object) -> httpx.Response:
     return c.post("/generate", json={"text": text, "sampling_params": params})
 
 
+@pytest.mark.slow  # the two workers and the router start once: ~15 s
 def test_cache_aware_routes_groups_to_their_worker(router: ServerHandle) -> None:
     with router.client() as c:
         flushed = c.post("/flush_cache")
@@ -97,6 +98,7 @@ def test_cache_aware_routes_groups_to_their_worker(router: ServerHandle) -> None
     assert all(w["tree_chars"] > len(SYSTEM_A) for w in info["workers"])
 
 
+@pytest.mark.slow  # the two workers and the router start once: ~15 s
 def test_session_id_sticks_to_one_worker(router: ServerHandle) -> None:
     """Unrelated prompts with one session id all go where the session's first one went
     (without it, a prompt with no cached prefix goes to the emptier worker)."""
@@ -118,6 +120,7 @@ def test_round_robin_alternates(workers: list[ServerHandle], tmp_path: Path) -> 
     assert seen[0] != seen[1] and seen[0::2] == [seen[0]] * 2 and seen[1::2] == [seen[1]] * 2
 
 
+@pytest.mark.slow  # the two workers and the router start once: ~15 s
 def test_generate_stream_batch_and_errors(router: ServerHandle, workers: list) -> None:
     with router.client() as c, workers[0].client() as direct:
         body = {
@@ -155,6 +158,7 @@ def test_generate_stream_batch_and_errors(router: ServerHandle, workers: list) -
     assert "radixserve_router_worker_in_flight" in metrics
 
 
+@pytest.mark.slow  # the two workers and the router start once: ~15 s
 def test_openai_sdk_through_router(router: ServerHandle, workers: list) -> None:
     from openai import OpenAI
 
@@ -178,6 +182,7 @@ def test_openai_sdk_through_router(router: ServerHandle, workers: list) -> None:
     assert len(comp.choices) == 2 and comp.usage is not None and comp.usage.completion_tokens == 10
 
 
+@pytest.mark.slow  # the two workers and the router start once: ~15 s
 def test_frontend_dsl_through_router(router: ServerHandle, workers: list) -> None:
     import radixserve as rs
 
@@ -201,6 +206,7 @@ def test_frontend_dsl_through_router(router: ServerHandle, workers: list) -> Non
     assert outs[0] == outs[1] and len(outs[0][0]) == 3
 
 
+@pytest.mark.slow  # the two workers and the router start once: ~15 s
 def test_add_and_remove_workers(router: ServerHandle, workers: list) -> None:
     gone = workers[1].url
     with router.client() as c:
@@ -238,6 +244,7 @@ def connection_dropper() -> ThreadingHTTPServer:
     return server
 
 
+@pytest.mark.slow  # the two workers and the router start once: ~15 s
 def test_a_broken_connection_retries_that_request_only(workers: list, tmp_path: Path) -> None:
     """Requests whose connection to a worker breaks are answered by another worker; the
     worker stays in (its health checks pass: one connection says little about others)."""

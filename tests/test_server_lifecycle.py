@@ -153,6 +153,7 @@ def test_sigint_shuts_down_cleanly(small_server):
     assert "scheduler exited with code 0" in final and "tokenizer exited with code 0" in final
 
 
+@pytest.mark.slow  # a server start and its crash: ~7 s
 def test_crashed_child_fails_health_and_launcher_exits_nonzero(tiny_model_dir, tmp_path):
     h = launch_server(tiny_model_dir, tmp_path, "--max-total-tokens", "256")
     log = h.log_text()
@@ -176,6 +177,7 @@ def test_crashed_child_fails_health_and_launcher_exits_nonzero(tiny_model_dir, t
     assert "scheduler process exited with code -9" in h.log_text()
 
 
+@pytest.mark.slow  # a failing server start: ~4 s
 def test_failed_startup_logs_child_traceback_and_exits_1(tmp_path):
     h = launch_server(tmp_path / "no-such-model", tmp_path, wait=False)
     assert h.proc.wait(180) == 1

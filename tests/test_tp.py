@@ -135,6 +135,7 @@ def test_tp_size_must_divide_heads(tiny_model_dir: Path) -> None:
     assert get_tp() is None
 
 
+@pytest.mark.slow  # two-process engines and servers: ~5-9 s each
 def test_engine_greedy_matches_tp1(engines: tuple[Engine, Engine]) -> None:
     ids1, cached1 = greedy_ids(engines[0])
     ids2, cached2 = greedy_ids(engines[1])
@@ -164,6 +165,7 @@ def _forward(
     return worker.forward(batch, torch.arange(sum(ext)))
 
 
+@pytest.mark.slow  # two-process engines and servers: ~5-9 s each
 def test_logits_close(engines: tuple[Engine, Engine]) -> None:
     """An extend of 3 prompts (5, 17, 40 tokens), then a decode step of the same 3 requests
     over the K/V the extend wrote: tp 2 logits within LOGIT_RTOL * max |logit| of tp 1's."""
@@ -206,6 +208,7 @@ def _wait_gone(pids: list[int], timeout: float = 10) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # two-process engines and servers: ~5-9 s each
 def test_server_tp2_greedy_and_clean_shutdown(
     tiny_model_dir: Path, tmp_path: Path, engines: tuple[Engine, Engine]
 ) -> None:
@@ -230,6 +233,7 @@ def test_server_tp2_greedy_and_clean_shutdown(
     _wait_gone(kids)
 
 
+@pytest.mark.slow  # two-process engines and servers: ~5-9 s each
 def test_server_dies_with_a_killed_follower(tiny_model_dir: Path, tmp_path: Path) -> None:
     """SIGKILL rank 1 while a streamed request is decoding: rank 0 fails in the step's
     collective, the launcher names the dead rank, fails the request and exits 1."""

@@ -128,6 +128,13 @@ def packed_linear_supported(dtype: torch.dtype, device: torch.device | str) -> b
     )
 
 
+def fresh_weight(rows: int, cols: int) -> Tensor:
+    """A new weight, N(0, 0.02) like HF's init; on the meta device (the loader's, which
+    assigns every weight) left empty: the first random op there costs ~1 s of imports."""
+    w = torch.empty(rows, cols)
+    return w if w.is_meta else w.normal_(std=0.02)
+
+
 class Linear(nn.Module):
     """y = x @ weight.T + bias over the last dim; weight (out, in) as in nn.Linear.
 
@@ -140,7 +147,7 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
-        w = torch.empty(out_features, in_features).normal_(std=0.02)
+        w = fresh_weight(out_features, in_features)
         self.weight = nn.Parameter(w, requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.packed: Tensor | None = None
@@ -273,7 +280,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, tp_size: int = 1) -> None:
         super().__init__()
-        w = torch.empty(config.vocab_size, config.hidden_size).normal_(std=0.02)
+        w = fresh_weight(config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=w)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, tp_size) for i in range(config.num_layers)
