@@ -23,9 +23,9 @@ attribute `bf16_dot`).
 
 Build: radixserve/native_build.py (torch's extension builder, -fopenmp, one module per
 ISA). The ISA (`build_isa`, from radixserve/isa.py) picks the flags and the module name:
-"avx512" (the avx2 flags plus the vdpbf16ps path), "avx2" (-mavx2 -mfma -mf16c) or "scalar"
-(portable C++, no vector flags; never chosen by
-"auto", which then takes the torch path). RADIXSERVE_CPU_ISA=scalar selects the portable
+"avx512" (the avx2 flags, AVX-512F/BW/VL/DQ and the vdpbf16ps path), "avx2" (-mavx2 -mfma
+-mf16c) or "scalar" (portable C++, no vector flags; never chosen by "auto", which then takes
+the torch path). RADIXSERVE_CPU_ISA=scalar selects the portable
 build on an AVX2 machine (tests); ATEN_CPU_CAPABILITY=avx2 is seen through torch. `ops()`
 returns None when the build fails (no compiler) or native ops are off
 (EngineConfig.native_ops): callers then use the torch path ("cpu"), logged.
@@ -53,7 +53,8 @@ def build_isa() -> str:
 
     `radixserve.isa.cpu_isa()`: torch's capability (ATEN_CPU_CAPABILITY honoured), FMA and
     F16C from /proc/cpuinfo, lowered by RADIXSERVE_CPU_ISA=avx2|scalar. The avx512 build is
-    the avx2 one plus the vdpbf16ps score path, used where the CPU has AVX512-BF16."""
+    the avx2 one with 32 vector registers (4-row decode tiles) plus the vdpbf16ps score path,
+    used where the CPU has AVX512-BF16."""
     return cpu_isa()
 
 

@@ -5,8 +5,10 @@ Each source is built once per ISA (module name `<name>_<isa>`, cached with the s
 one folder per module, Python and torch version under $TORCH_EXTENSIONS_DIR or
 ~/.cache/torch_extensions) with -O3 and -fopenmp: at::parallel_for is
 inline OpenMP, serial without it; the link resolves to the libgomp.so.1 torch has loaded.
-The AVX2 build adds -mavx2 -mfma -mf16c and defines RS_AVX2; the AVX-512 build is the same
-plus RS_AVX512 (its few AVX-512 functions carry target attributes and check the CPU first);
+The AVX2 build adds -mavx2 -mfma -mf16c and defines RS_AVX2; the AVX-512 build adds
+AVX-512F/BW/VL/DQ (32 vector registers for the 8-lane code) and RS_AVX512 (its AVX512-BF16
+functions carry target attributes and check the CPU first), so it loads on CPUs that torch
+reports as AVX512;
 "avx512vnni" (the quantized kernels, where the CPU has AVX512-VNNI) compiles the whole source
 for AVX-512 with VNNI, so it is loaded only on such a CPU; "scalar" is portable C++. Without a
 compiler `build` returns None, and while native ops are off (`use_native_ops(False)`) every
@@ -37,8 +39,8 @@ from types import ModuleType
 logger = logging.getLogger("radixserve.native")
 VECTOR_FLAGS = {"avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                                "-mavx512dq", "-mavx512vnni"],
-                "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                           "-DRS_AVX2", "-DRS_AVX512"],
+                "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                           "-mavx512dq", "-DRS_AVX2", "-DRS_AVX512"],
                 "avx2": ["-mavx2", "-mfma", "-mf16c", "-DRS_AVX2"], "scalar": []}  # fmt: skip
 _enabled = True  # EngineConfig.native_ops of the last ModelWorker started in this process
 

@@ -3,7 +3,8 @@
 //
 // Built per ISA from this one file: with -DRS_AVX2 -mavx2 -mfma -mf16c (8-lane AVX2 vectors,
 // F16C half loads), or portable (the same algorithm on a plain 8-float struct). The AVX-512
-// build (RS_AVX512, else as AVX2) adds one path, taken where the CPU has AVX512-BF16: a bf16
+// build (RS_AVX512, compiled for AVX-512F/BW/VL/DQ: the same 8-lane code with 32 registers,
+// so wider micro-tiles, kRowsMicro) adds one path, taken where the CPU has AVX512-BF16: a bf16
 // query against a bf16 pool with many rows per KV head gets its scores from vdpbf16ps (bf16
 // pairs multiplied exactly, summed in float32: 32 products an instruction against 8 for an
 // AVX2 FMA), the online softmax in float32, and P.V from vdpbf16ps on the weights rounded to
