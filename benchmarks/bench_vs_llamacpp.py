@@ -49,6 +49,7 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -188,22 +189,21 @@ def side_by_side(
     """The best run of each llama.cpp flash-attention setting ({} without llama.cpp) and of
     radixserve, shape = (B, N). The sides take turns, one run each per repeat, so a change in
     the machine's speed (a VM's memory bandwidth moves by 2x within seconds) falls on both."""
-    llama_runs: dict[str, list[LlamaRun]] = {fa: [] for fa in (FLASH if llama else ())}
     radix_runs = []
     with ExitStack() as stack:
-        contexts = {
-            fa: stack.enter_context(llama.warm_context(prompt, *shape, fa))
-            for fa in llama_runs
+        contexts = (
+            {fa: stack.enter_context(llama.warm_context(prompt, *shape, fa)) for fa in FLASH}
             if llama
-        }
+            else {}
+        )
+        llama_runs: dict[str, list[LlamaRun]] = {fa: [] for fa in contexts}
         for r in range(repeats):
             for fa, ctx in contexts.items():
                 assert llama is not None
                 llama_runs[fa].append(llama.generate(ctx, prompt, *shape, seed=r))
             radix_runs.append(radix.generate(prompt, *shape))
-    return {fa: min(runs, key=key) for fa, runs in llama_runs.items()}, min(
-        radix_runs, key=radix_key
-    )
+    best = {fa: min(runs, key=key) for fa, runs in llama_runs.items()}
+    return best, min(radix_runs, key=radix_key)
 
 
 def token_fields(rrun: RadixRun, lruns: dict[str, LlamaRun]) -> dict[str, Any]:
@@ -243,7 +243,7 @@ def decode_row(
 ) -> dict[str, Any]:
     n, p = args.new_tokens, len(prompt)
     assert n >= 2, f"a decode rate needs --new-tokens >= 2, got {n}"
-    decode_s = lambda r: r.decode_s  # noqa: E731 (both run types)
+    decode_s = attrgetter("decode_s")  # of either side's runs
     lruns, tn = side_by_side(radix, llama, prompt, (1, n), args.decode_repeats, decode_s, decode_s)
     rate = (n - 1) / tn.decode_s  # timed from the first token on: prefill noise stays out
     llama_rates = {fa: (n - 1) / r.decode_s for fa, r in lruns.items()}

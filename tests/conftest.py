@@ -53,9 +53,11 @@ def native_kernels_built() -> None:
         "native.ops(); sampler._native()"
     )
     child = subprocess.Popen([sys.executable, "-c", other_half])
-    quant.ops(), native.ops()
+    quant.ops()
+    native.ops()
     assert child.wait() == 0, "the child building the attention and sampler kernels failed"
-    attention.ops(), sampler._native()  # loaded from the child's builds
+    attention.ops()  # loaded from the child's builds
+    sampler._native()
 
 
 @pytest.fixture(scope="session")
