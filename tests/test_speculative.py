@@ -15,10 +15,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from radixserve import Engine
+from radixserve.core.params import SamplingParams
+from radixserve.core.request import TokenizedRequest
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.radix import RadixCache
+from radixserve.sampling.stop import StopChecker
 from radixserve.scheduler.ngram import CANDIDATES, MAX_MATCH, MIN_MATCH, NgramIndex
-from radixserve.scheduler.speculative import MAX_ROWS
+from radixserve.scheduler.req import Req
+from radixserve.scheduler.speculative import MAX_PAUSE, MAX_ROWS, MIN_DRAFT, Speculator
 
 GREEDY = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
 SEEDED = {"temperature": 0.8, "top_p": 0.95, "seed": 5, "max_new_tokens": 48, "ignore_eos": True}
@@ -243,3 +247,40 @@ def test_continuation_follows_the_most_recent_branch() -> None:
     assert cache.continuation([1], 2) == [2, 3]
     cache.match_prefix([1, 2, 3, 4])  # touched: now the most recent branch
     assert cache.continuation([1, 2, 3], 10) == [4, 5]
+
+
+def test_the_draft_length_follows_what_was_kept() -> None:
+    """A request whose last two tokens began its prompt can always be drafted 64 tokens; the
+    pace caps them: it starts at the flag, falls to one more than the tokens kept after a
+    draft cut short (never below MIN_DRAFT), doubles after a draft kept whole, and a
+    MIN_DRAFT draft of which nothing was kept pauses the request 2, 4, ... steps."""
+    pool = KVPool(64, 1, 1, 4, torch.float32)
+    speculator = Speculator("ngram", 8, RadixCache(pool))
+    params = SamplingParams(max_new_tokens=1000)
+    prompt = [*range(10, 90), 10]
+    req = Req(TokenizedRequest("r", prompt, params), 0, StopChecker(params, [], None))
+    req.append_output(11)
+
+    def step(kept: int | None = None) -> int:
+        """The length of the next step's draft; `kept` of it are then recorded kept."""
+        speculator.next_step({"r"})
+        draft = speculator.propose(req, room=64)
+        if draft and kept is not None:
+            speculator.record(req, len(draft), kept)
+        return len(draft)
+
+    assert step(kept=3) == 8  # the flag
+    assert step(kept=4) == 4  # 3 + 1
+    assert step(kept=0) == 8  # kept whole: doubled, within the flag
+    assert step(kept=0) == MIN_DRAFT
+    assert [step() for _ in range(2)] == [0, MIN_DRAFT]  # a miss at MIN_DRAFT: 2 steps
+    assert step(kept=0) == MIN_DRAFT
+    assert [step() for _ in range(4)] == [0, 0, 0, MIN_DRAFT]  # a second one: 4
+    assert step(kept=1) == MIN_DRAFT
+    assert step(kept=0) == MIN_DRAFT  # the count restarted: 2 steps again
+    assert [step() for _ in range(2)] == [0, MIN_DRAFT]
+    for _ in range(10):
+        step(kept=0)
+    assert [step() for _ in range(MAX_PAUSE)][-1] == MIN_DRAFT  # never longer than MAX_PAUSE
+    speculator.next_step(set())  # the request is gone: its pace with it
+    assert speculator.paces == {}

@@ -22,10 +22,14 @@ Drafters (`--speculative-algorithm`):
   (another sample of the same prompt, a repeated request), along its most recent branch;
 - `auto` (the default): radix, else ngram; `none`: no speculation.
 
-Adaptive, per request (its samples together): after a draft of which less than MIN_KEPT
-was kept, the request's samples wait 2^misses steps (up to MAX_PAUSE) before they draft
-again; a draft mostly kept resets the count. Drafting costs a wider step only where drafts
-keep being accepted, and a drafted step holds at most MAX_ROWS token rows, drafts included:
+Adaptive, per request (its samples together): a draft holds at most the request's pace,
+which starts at `--speculative-num-draft-tokens`, doubles (up to it) after a draft kept
+whole, and falls to one more than the tokens kept after a draft cut short, never below
+MIN_DRAFT: a long draft where drafts keep being kept, a short one where they fail early
+(each draft row costs a fraction of a step, so a short draft that often fails costs
+little). A draft of MIN_DRAFT tokens of which none is kept pauses the request's samples
+2^misses steps (up to MAX_PAUSE), so a workload with nothing to draft runs as without
+speculation. A drafted step holds at most MAX_ROWS token rows, drafts included:
 the quantized linears' weight-streaming regime (a row there costs a fraction of a pass over
 the weights, and each row's result does not depend on the rows beside it). A wider step is
 compute-bound, and verifying drafts there costs more than it saves: 16 samples of one GSM8K
@@ -41,7 +45,7 @@ from radixserve.kvcache.prefix_cache import PrefixCache
 from radixserve.scheduler.req import Req
 
 MAX_PAUSE = 64  # steps a request whose drafts miss waits at most before drafting again
-MIN_KEPT = 0.5  # a draft of which less than this share is kept is a miss
+MIN_DRAFT = 2  # tokens a request's pace never falls below
 MAX_ROWS = 16  # token rows a step with drafts holds at most (within every Format.small_m)
 
 
@@ -51,8 +55,17 @@ class DraftStats:
     accepted: int = 0  # of those, tokens kept
 
 
+@dataclass
+class Pace:
+    """How one running request drafts."""
+
+    length: int  # tokens its next draft holds at most
+    misses: int = 0  # drafts of MIN_DRAFT tokens in a row of which none was kept
+    resume: int = 0  # the step from which its samples draft again
+
+
 class Speculator:
-    """Proposes drafts for decoding samples and learns, per request, whether they pay."""
+    """Proposes drafts for decoding samples and learns, per request, how long they pay."""
 
     def __init__(self, algorithm: str, num_draft_tokens: int, cache: PrefixCache) -> None:
         assert algorithm in SPECULATIVE_ALGORITHMS, algorithm
@@ -61,29 +74,31 @@ class Speculator:
         self.cache = cache
         self.stats = DraftStats()
         self.steps = 0  # steps scheduled so far
-        # per running request (rid) whose last draft missed: (drafts missed in a row, the
-        # step from which its samples draft again)
-        self.paused: dict[str, tuple[int, int]] = {}
+        self.paces: dict[str, Pace] = {}  # by rid, the running requests that drafted
 
     def next_step(self, running: set[str]) -> None:
         """A step is being scheduled; `running`: the rids of the running requests (the
         others' records are dropped)."""
         self.steps += 1
-        for rid in self.paused.keys() - running:
-            del self.paused[rid]
+        for rid in self.paces.keys() - running:
+            del self.paces[rid]
 
     @property
     def enabled(self) -> bool:
         return self.algorithm != "none" and self.num_draft_tokens > 0
 
+    def _pace(self, rid: str) -> Pace:
+        return self.paces.setdefault(rid, Pace(self.num_draft_tokens))
+
     def propose(self, req: Req, room: int) -> list[int]:
         """A draft of at most `room` tokens for `req`'s next step ([] for none). `req` is
         decoding: its last token's K/V is what the step computes."""
-        if self.steps < self.paused.get(req.request.rid, (0, 0))[1]:
+        pace = self._pace(req.request.rid)
+        if self.steps < pace.resume:
             return []
         # each step yields at most 1 + k tokens, and the last one needs no K/V
         left = req.sampling.max_new_tokens - len(req.output_ids) - 1
-        k = min(self.num_draft_tokens, left, room)
+        k = min(pace.length, left, room)
         if k <= 0 or req.request.modules is not None:
             return []
         draft: list[int] = []
@@ -97,9 +112,13 @@ class Speculator:
         """`accepted` of `req`'s `proposed` draft tokens were kept this step."""
         self.stats.proposed += proposed
         self.stats.accepted += accepted
-        rid = req.request.rid
-        if accepted >= MIN_KEPT * proposed:
-            self.paused.pop(rid, None)
+        pace = self._pace(req.request.rid)
+        if accepted == proposed:
+            pace.length = min(self.num_draft_tokens, 2 * pace.length)
         else:
-            misses = self.paused.get(rid, (0, 0))[0] + 1
-            self.paused[rid] = (misses, self.steps + min(2**misses, MAX_PAUSE))
+            pace.length = min(self.num_draft_tokens, max(MIN_DRAFT, accepted + 1))
+        if accepted or proposed > MIN_DRAFT:
+            pace.misses = 0
+        else:
+            pace.misses += 1
+            pace.resume = self.steps + min(2**pace.misses, MAX_PAUSE)
