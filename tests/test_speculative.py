@@ -107,17 +107,44 @@ def test_a_step_with_drafts_holds_at_most_max_rows(
     ids = prompts(12, seed=8)
     reference = plain.generate(input_ids=ids, sampling_params=GREEDY)
     spec.generate(input_ids=ids, sampling_params=GREEDY)  # now in the radix cache
+    widths = drafted_step_rows(spec, monkeypatch)
+    assert ids_of(spec.generate(input_ids=ids, sampling_params=GREEDY)) == ids_of(reference)
+    assert widths and max(widths) <= MAX_ROWS, widths
+    assert_all_free(spec)
+
+
+def drafted_step_rows(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, the rows of each step of `engine` with drafts (all of them: the
+    running samples', drafts, admissions and encode chunks)."""
     widths: list[int] = []
-    schedule = spec.scheduler._schedule
+    schedule = engine.scheduler._schedule
 
     def recorded() -> Any:
         work, chunks = schedule()
         if any(w.req.draft for w in work):
-            widths.append(sum(w.n for w in work if w.req.output_ids))
+            widths.append(sum(w.n for w in work) + sum(c.n for c in chunks))
         return work, chunks
 
-    monkeypatch.setattr(spec.scheduler, "_schedule", recorded)
-    assert ids_of(spec.generate(input_ids=ids, sampling_params=GREEDY)) == ids_of(reference)
+    monkeypatch.setattr(engine.scheduler, "_schedule", recorded)
+    return widths
+
+
+def test_no_drafts_beside_a_prefill(
+    plain: Engine, spec: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A repeated request decodes with drafts from the radix cache while 8 requests that
+    share an uncached prefix are admitted one step after the first of them: no step holds
+    those drafts beside their prefills (in a bf16 model such a step's rows take bf16 tiles,
+    which round otherwise than the plain steps that compute those positions)."""
+    spec.flush_cache()
+    repeated, shared = prompts(1, seed=9)[0], prompts(1, seed=10)[0] * 3  # 48 tokens
+    batch = [repeated] + [shared + p[:4] for p in prompts(8, seed=11)]
+    spec.generate(input_ids=repeated, sampling_params=GREEDY)  # now in the radix cache
+    widths = drafted_step_rows(spec, monkeypatch)
+    before = spec.scheduler.stats().accepted_draft_tokens_total
+    out = spec.generate(input_ids=batch, sampling_params=GREEDY)
+    assert ids_of(out) == ids_of(plain.generate(input_ids=batch, sampling_params=GREEDY))
+    assert spec.scheduler.stats().accepted_draft_tokens_total > before
     assert widths and max(widths) <= MAX_ROWS, widths
     assert_all_free(spec)
 
@@ -253,7 +280,8 @@ def test_the_draft_length_follows_what_was_kept() -> None:
     """A request whose last two tokens began its prompt can always be drafted 64 tokens; the
     pace caps them: it starts at the flag, falls to one more than the tokens kept after a
     draft cut short (never below MIN_DRAFT), doubles after a draft kept whole, and a
-    MIN_DRAFT draft of which nothing was kept pauses the request 2, 4, ... steps."""
+    MIN_DRAFT draft of which nothing was kept pauses the request 2, 4, ... steps; beside
+    other rows, one kept too little to pay for its rows."""
     pool = KVPool(64, 1, 1, 4, torch.float32)
     speculator = Speculator("ngram", 8, RadixCache(pool))
     params = SamplingParams(max_new_tokens=1000)
@@ -261,9 +289,10 @@ def test_the_draft_length_follows_what_was_kept() -> None:
     req = Req(TokenizedRequest("r", prompt, params), 0, StopChecker(params, [], None))
     req.append_output(11)
 
-    def step(kept: int | None = None) -> int:
-        """The length of the next step's draft; `kept` of it are then recorded kept."""
-        speculator.next_step({"r"})
+    def step(kept: int | None = None, rows: int = 1) -> int:
+        """The length of the next step's draft, in a step of `rows` rows without it; `kept`
+        of it are then recorded kept."""
+        speculator.next_step({"r"}, rows)
         draft = speculator.propose(req, room=64)
         if draft and kept is not None:
             speculator.record(req, len(draft), kept)
@@ -282,5 +311,10 @@ def test_the_draft_length_follows_what_was_kept() -> None:
     for _ in range(10):
         step(kept=0)
     assert [step() for _ in range(MAX_PAUSE)][-1] == MIN_DRAFT  # never longer than MAX_PAUSE
-    speculator.next_step(set())  # the request is gone: its pace with it
+    assert step(kept=1) == MIN_DRAFT  # alone, half kept pays
+    assert step(kept=1, rows=8) == MIN_DRAFT  # beside 7 other rows it does not
+    assert [step() for _ in range(2)] == [0, MIN_DRAFT]
+    assert step(kept=MIN_DRAFT, rows=8) == MIN_DRAFT
+    assert step() == 2 * MIN_DRAFT
+    speculator.next_step(set(), 1)  # the request is gone: its pace with it
     assert speculator.paces == {}

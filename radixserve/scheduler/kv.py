@@ -75,12 +75,14 @@ class KVManager:
         assert req.kv_len == req.tree_len, "unadmit after an extend would leak slots"
         self._drop(req)
 
-    def extend(self, req: Req, n: int) -> None:
-        """Allocate slots for the next `n` positions; the caller reserved them."""
+    def extend(self, req: Req, n: int, skip: int = 0) -> None:
+        """Allocate slots for the `n` positions after the next `skip` (allocated already);
+        the caller reserved them."""
         slots = self.pool.alloc(n)
         assert slots is not None, f"extend of {n} slots without a reservation"
         assert req.row is not None
-        self.req_pool.table[req.row, req.kv_len : req.kv_len + n] = slots
+        start = req.kv_len + skip
+        self.req_pool.table[req.row, start : start + n] = slots
 
     def extend_each(self, work: list[tuple[Req, int]]) -> None:
         """`extend(req, n)` for each pair, in order. When every n is 1 (a decode step) the

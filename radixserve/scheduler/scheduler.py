@@ -246,29 +246,32 @@ class Scheduler:
         are pinned already), then admissions, within the step's prefill budget."""
         retracted = self._make_room()
         work = [Work(r, self._next_len(r)) for r in self.running]
-        if self.speculator.enabled:
-            self._draft_all(work)
         self.kv.extend_each([(w.req, w.n) for w in work])
         budget = self.config.max_prefill_tokens - sum(w.n for w in work if w.n > 1)
         chunks = self.kv.modules.next_chunks(min(self.config.chunked_prefill_size, budget))
-        if retracted:  # admitting now would undo the retraction at once
-            return work, chunks
-        return work + self._admit(budget - sum(c.n for c in chunks)), chunks
+        # admitting now would undo a retraction at once
+        admitted = [] if retracted else self._admit(budget - sum(c.n for c in chunks))
+        if self.speculator.enabled:
+            rows = sum(w.n for w in work + admitted) + sum(c.n for c in chunks)
+            self._draft_all(work, admitted, rows)
+        return work + admitted, chunks
 
     def _next_len(self, req: Req) -> int:
         return min(req.seq_len - req.kv_len, self.config.chunked_prefill_size)
 
-    def _draft_all(self, work: list[Work]) -> None:
-        """Drafts for the running samples, in order, while the step has fewer than MAX_ROWS
+    def _draft_all(self, work: list[Work], admitted: list[Work], rows: int) -> None:
+        """Drafts for the running samples' `work`, in order, while the step (`rows` rows so
+        far, the `admitted` samples and encode chunks included) has fewer than MAX_ROWS
         rows; none for a sample whose prefix the attention backend attends as a segment
-        shared with other running samples: its draft positions would each read that prefix
-        again (the sample alone is one row of the segment), and round otherwise than the
-        plain steps that attend it as a segment."""
-        self.speculator.next_step({w.req.request.rid for w in work})
-        rows = sum(w.n for w in work)  # reserved by _make_room
+        shared with other samples of the step: its draft positions would each read that
+        prefix again (the sample alone is one row of the segment), and round otherwise than
+        the plain steps that attend it as a segment."""
+        self.speculator.next_step({w.req.request.rid for w in work}, rows)
         if rows >= MAX_ROWS:
             return
-        paths = {w.req: self.kv.path(w.req) for w in work if w.req.request.modules is None}
+        paths = {
+            w.req: self.kv.path(w.req) for w in work + admitted if w.req.request.modules is None
+        }
         sharing = Counter(node for path in paths.values() for node, _ in path)
         for w in work:
             if rows >= MAX_ROWS:
@@ -277,18 +280,19 @@ class Scheduler:
             shared = sum(tokens for node, tokens in path if sharing[node] > 1)
             if path and self.worker.backend.keeps(sharing[path[0][0]], shared, 1):
                 continue
-            draft = self._draft(w.req, rows, MAX_ROWS - rows)
+            draft = self._draft(w.req, MAX_ROWS - rows)
             w.n += len(draft)
             rows += len(draft)
 
-    def _draft(self, req: Req, reserved: int, room: int) -> list[int]:
+    def _draft(self, req: Req, room: int) -> list[int]:
         """Set and return `req`'s draft for this step, at most `room` tokens: none unless
         it is decoding, the speculator proposes one, and the pool can free slots for it
-        beside the `reserved` ones (never by retracting)."""
+        (never by retracting); they follow the slot of its last token."""
         req.draft = []
         if req.output_ids and req.seq_len - req.kv_len == 1:
             draft = self.speculator.propose(req, room)
-            if draft and self.kv.reserve(reserved + len(draft)):
+            if draft and self.kv.reserve(len(draft)):
+                self.kv.extend(req, len(draft), skip=1)
                 req.draft = draft
         return req.draft
 
