@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import eval_data  # noqa: E402
@@ -188,10 +190,31 @@ def llamacpp_runs(path: str, prompts: list[list[int]], max_new: int) -> dict[str
     return runs
 
 
+def workload_prompts(tok: Any, n: int, gsm8k: str | None) -> dict[str, list[Any]]:
+    """Each workload's prompts as token ids (code-edit-batch: one batch of them)."""
+    edits = code_edit(n)
+    chats = {
+        "code-edit": edits,
+        "quote": quote(n),
+        "multi-turn": multi_turn(n),
+        "sharegpt": sharegpt_first_turns(n),
+        "repeat": edits,
+    }
+    out: dict[str, list[Any]] = {k: [render_chat(tok, m) for m in c] for k, c in chats.items()}
+    out["code-edit-batch"] = [out["code-edit"]]  # all at once
+    out["gsm8k-sc"] = [tok.encode(p) for p in gsm8k_self_consistency(gsm8k, max(1, n // 2))]
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     ap.add_argument("--dtype", default="auto", help="the engines' dtype (default: auto)")
+    ap.add_argument("--device", default="cpu", help="the engines' device (default: cpu)")
+    ap.add_argument(
+        "--save-prompts", type=Path, default=None, help="write every workload's token ids here"
+    )
+    ap.add_argument("--prompts", type=Path, default=None, help="take them from such a file instead")
     ap.add_argument("--requests", type=int, default=6, help="requests per workload")
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument(
@@ -223,28 +246,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.num_draft_tokens is None
         else {"speculative_num_draft_tokens": args.num_draft_tokens}
     )
+    common = {"dtype": args.dtype, "device": args.device}
     engines = {
-        "none": Engine(args.model, speculative_algorithm="none", dtype=args.dtype),
-        "auto": Engine(args.model, speculative_algorithm="auto", dtype=args.dtype, **draft),
+        "none": Engine(args.model, speculative_algorithm="none", **common),
+        "auto": Engine(args.model, speculative_algorithm="auto", **common, **draft),
     }
-    tok = engines["none"].tokenizer
-    n = args.requests
-    edits = code_edit(n)
+    if args.prompts:  # token ids saved by --save-prompts (no data packages needed)
+        saved = json.loads(args.prompts.read_text())
+    else:
+        saved = workload_prompts(engines["none"].tokenizer, args.requests, args.gsm8k)
+    if args.save_prompts:
+        args.save_prompts.write_text(json.dumps(saved))
     greedy = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
-    chats = {
-        "code-edit": edits,
-        "quote": quote(n),
-        "multi-turn": multi_turn(n),
-        "sharegpt": sharegpt_first_turns(n),
-        "repeat": edits,
-    }
-    workloads: dict[str, tuple[list[Any], dict[str, Any]]] = {
-        name: ([render_chat(tok, m) for m in c], greedy) for name, c in chats.items()
-    }
-    workloads["code-edit-batch"] = ([workloads["code-edit"][0]], greedy)  # all at once
     sc = {"temperature": 0.7, "max_new_tokens": 256, "n": SC_SAMPLES, "stop": STOP}
-    sc_prompts = gsm8k_self_consistency(args.gsm8k, max(1, n // 2))
-    workloads["gsm8k-sc"] = ([tok.encode(p) for p in sc_prompts], sc)
+    workloads = {name: (saved[name], sc if name == "gsm8k-sc" else greedy) for name in WORKLOADS}
     for engine in engines.values():  # kernels built and memory touched before any timing
         engine.generate(input_ids=workloads["code-edit"][0][0], sampling_params=greedy)
     rows = []
@@ -307,6 +322,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "cpu": platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
         "model": info.model_path,
         "dtype": info.dtype,
         "max_new_tokens": args.max_new_tokens,
