@@ -776,9 +776,10 @@ struct V8 {
     const __m256i* v = reinterpret_cast<const __m256i*>(p);
     return {_mm256_loadu_si256(v), _mm256_loadu_si256(v + 1)};
   }
-  static void storeq(int16_t* p, const Q& q) {
-    __m256i* v = reinterpret_cast<__m256i*>(p);
-    _mm256_storeu_si256(v, q.lo), _mm256_storeu_si256(v + 1, q.hi);
+  // w[i]: a block of weight row i -> t[p] lane i = its int16 pair p (p < 16)
+  static void pairs(const Q w[L], I t[16]) {
+    for (int i = 0; i < L; ++i) t[i] = w[i].lo, t[L + i] = w[i].hi;
+    transpose8(t), transpose8(t + L);
   }
   static I block_dot(I acc, const Q& w, const Q& x) {
     return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(w.lo, x.lo), _mm256_madd_epi16(w.hi, x.hi)));
@@ -824,7 +825,24 @@ struct V16 {
   static Q widen(const uint8_t* row, int64_t b) { return widen_block16<fmt>(row, b); }
   static Q scale(Q w, int32_t sc) { return _mm512_mullo_epi16(w, _mm512_set1_epi32(sc)); }
   static Q loadq(const int16_t* p) { return _mm512_loadu_si512(p); }
-  static void storeq(int16_t* p, Q q) { _mm512_storeu_si512(p, q); }
+  // w[i]: a block of weight row i -> t[p] lane i = its int16 pair p: a 16 x 16 dword
+  // transpose (pairs within 128-bit chunks, then the chunks)
+  static void pairs(const Q w[L], I t[16]) {
+    I a[16], b[16];
+    for (int i = 0; i < 16; i += 2) {
+      a[i] = _mm512_unpacklo_epi32(w[i], w[i + 1]), a[i + 1] = _mm512_unpackhi_epi32(w[i], w[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  // b[i + k], chunk c: rows i..i+3 of pair 4c + k
+      b[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]), b[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
+      b[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]), b[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
+    }
+    for (int k = 0; k < 4; ++k) {
+      const I c0 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x44), c1 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xEE);
+      const I c2 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x44), c3 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xEE);
+      t[k] = _mm512_shuffle_i32x4(c0, c2, 0x88), t[4 + k] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
+      t[8 + k] = _mm512_shuffle_i32x4(c1, c3, 0x88), t[12 + k] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
+    }
+  }
   static I block_dot(I acc, Q w, Q x) { return _mm512_dpwssd_epi32(acc, w, x); }
   static I reduce(const I s[L]) { return reduce16(s); }
   template <int64_t fmt>
@@ -1050,9 +1068,9 @@ constexpr int64_t kPairRows = 8;     // rows of x from which dot_wrows transpose
 // vectors are reduced into one (lane i = weight row i) and scaled by the L rows' d times
 // x's d in one FMA: no scalar work and no horizontal sums at the end. From kPairRows rows
 // of x the reduction, done for every row of x, costs more than transposing the widened
-// blocks once into int16 pairs of the L rows: each row of x then meets them by broadcast
-// pairs and its sums land one weight row a lane (9 rows: ~0.9x the time, 16: ~0.75x on
-// SmolLM2's gate/up, bench_quant.py, Zen 4). Each output is the
+// blocks once, in registers, into int16 pairs of the L rows: each row of x then meets them
+// by broadcast pairs and its sums land one weight row a lane (SmolLM2's Q4_1 gate/up and LM
+// head: 0.7x the reduction's time at 9 rows, 0.65x at 16; bench_quant.py, Zen 4). Each output is the
 // same exact integer unit sums, scaled and summed in unit order, for any M, V and position
 // of the row in the batch: a row's result does not depend on the rows beside it, and the
 // AVX512-VNNI build (V16) equals the AVX2 one (V8) bit for bit.
@@ -1104,9 +1122,9 @@ void dot_wrows(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRows& x, 
       // a row of x then meets them by broadcast pairs, each lane one weight row's sum
       for (int j = 0; j < per; ++j) {
         prefetch(j);
-        alignas(64) int16_t wb[L * kBlock];
-        for (int i = 0; i < L; ++i) V::storeq(wb + i * kBlock, widened(j, i));
-        V::transpose(wb, kBlock, wt[j]);
+        typename V::Q blocks[L];
+        for (int i = 0; i < L; ++i) blocks[i] = widened(j, i);
+        V::pairs(blocks, wt[j]);
       }
       for (int64_t r = 0; r < rows_x; ++r) {
         const int64_t xb = (xr + r) * nb + u;
