@@ -68,7 +68,7 @@ class Pace:
     """How one running request drafts."""
 
     length: int  # tokens its next draft holds at most
-    misses: int = 0  # drafts of MIN_DRAFT tokens in a row of which none was kept
+    misses: int = 0  # MIN_DRAFT drafts in a row that kept too little to pay
     resume: int = 0  # the step from which its samples draft again
 
 
@@ -83,7 +83,7 @@ class Speculator:
         self.stats = DraftStats()
         self.steps = 0  # steps scheduled so far
         self.rows = 1  # the current step's rows without drafts
-        self.paces: dict[str, Pace] = {}  # by rid, the running requests that drafted
+        self.paces: dict[str, Pace] = {}  # by rid, the running requests asked for drafts
 
     def next_step(self, running: set[str], rows: int) -> None:
         """A step of `rows` rows (before drafts) is being scheduled; `running`: the rids of
