@@ -746,16 +746,6 @@ struct V8 {
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
   static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
-  // rows 0-7 of pairs j -> t[j], j < 16 (x's block b of a group of 8 rows, row stride `ld`)
-  static void transpose(const int16_t* q, int64_t ld, I t[16]) {
-    __m256i lo[8], hi[8];  // per row: pairs 0-7 and 8-15 of the block
-    for (int r = 0; r < 8; ++r) {
-      const __m256i* p = reinterpret_cast<const __m256i*>(q + r * ld);
-      lo[r] = _mm256_loadu_si256(p), hi[r] = _mm256_loadu_si256(p + 1);
-    }
-    transpose8(lo), transpose8(hi);
-    for (int j = 0; j < 8; ++j) t[j] = lo[j], t[8 + j] = hi[j];
-  }
   static constexpr int C = 4, RG = 2;  // register block: C weight columns x RG groups of rows
   // The weight-streaming kernel (dot_wrows): L weight rows a task, a block of one row as two
   // int16 vectors (elements 0-15, 16-31), its sums with an x block by two madds.
@@ -811,11 +801,6 @@ struct V16 {
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
   static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
-  static void transpose(const int16_t* q, int64_t ld, I t[16]) {
-    V8::I a[16], b[16];  // rows 0-7 and 8-15
-    V8::transpose(q, ld, a), V8::transpose(q + 8 * ld, ld, b);
-    for (int j = 0; j < 16; ++j) t[j] = _mm512_inserti64x4(_mm512_castsi256_si512(a[j]), b[j], 1);
-  }
   // 8 columns x 16 rows: 8 vpdpwssd chains hide its latency in 24 of the 32 registers
   static constexpr int C = 8, RG = 1;
   // dot_wrows: a block of one weight row in one register, its sums by one vpdpwssd; the
@@ -876,7 +861,9 @@ struct GroupedX {
     at::parallel_for(0, groups * nb, 64, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t g = i / nb, b = i % nb;
-        V::transpose(x.q.data() + (g * V::L * nb + b) * kBlock, nb * kBlock, t.data() + i * 16);
+        typename V::Q rows[V::L];  // block b of the group's rows, as pairs of them
+        for (int r = 0; r < V::L; ++r) rows[r] = V::loadq(x.q.data() + ((g * V::L + r) * nb + b) * kBlock);
+        V::pairs(rows, t.data() + i * 16);
         for (int r = 0; r < V::L; ++r) {
           d[i * V::L + r] = x.d[(g * V::L + r) * nb + b], s[i * V::L + r] = x.s[(g * V::L + r) * nb + b];
         }
