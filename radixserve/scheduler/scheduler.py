@@ -249,11 +249,11 @@ class Scheduler:
         self.kv.extend_each([(w.req, w.n) for w in work])
         budget = self.config.max_prefill_tokens - sum(w.n for w in work if w.n > 1)
         chunks = self.kv.modules.next_chunks(min(self.config.chunked_prefill_size, budget))
+        encoded = sum(c.n for c in chunks)
         # admitting now would undo a retraction at once
-        admitted = [] if retracted else self._admit(budget - sum(c.n for c in chunks))
+        admitted = [] if retracted else self._admit(budget - encoded)
         if self.speculator.enabled:
-            rows = sum(w.n for w in work + admitted) + sum(c.n for c in chunks)
-            self._draft_all(work, admitted, rows)
+            self._draft_all(work, admitted, sum(w.n for w in work + admitted) + encoded)
         return work + admitted, chunks
 
     def _next_len(self, req: Req) -> int:
