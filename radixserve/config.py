@@ -27,7 +27,7 @@ QUANT_ACTIVATIONS_DEFAULT = "int8"
 POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("tree", "flat", "none")  # "none": benchmark-only no-attention ceiling
 GRAMMAR_BACKENDS = ("llguidance", "outlines", "xgrammar")  # radixserve.constrained.BACKENDS
-SPECULATIVE_ALGORITHMS = ("auto", "none", "ngram", "radix")  # scheduler/speculative.py
+SPECULATIVE_ALGORITHMS = ("auto", "none", "ngram", "radix", "draft-model")  # scheduler/speculative.py
 CONTROL_CONNECTIONS = 64  # connections kept for /health, /get_server_info, aborts, ...
 # Fields never shown (/get_server_info, logs) nor put on a command line the server builds.
 SECRET_FIELDS = ("api_key", "admin_api_key", "hicache_secret")
@@ -100,9 +100,11 @@ class EngineConfig:
     attention_kernels: str = "auto"  # the ops under the backend; process-wide (see worker)
     grammar_backend: str = "llguidance"  # constrained decoding (radixserve.constrained)
     # Speculative decoding (scheduler/speculative.py): "auto" (radix, else ngram), "ngram",
-    # "radix" or "none"; at most this many draft tokens per sample and step
+    # "radix", "draft-model" (the model at speculative_draft_model_path, which needs it) or
+    # "none"; at most this many draft tokens per sample and step
     speculative_algorithm: str = "auto"
     speculative_num_draft_tokens: int = 8
+    speculative_draft_model_path: str | None = None
     # Our C++ CPU kernels (RMSNorm/RoPE, quantized matmuls, sampling, attention), built on
     # first use; False: the same math as torch ops. Process-wide (see worker).
     native_ops: bool = NATIVE_OPS_DEFAULT
@@ -156,6 +158,11 @@ class EngineConfig:
             self.speculative_algorithm in SPECULATIVE_ALGORITHMS,
             f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, "
             f"got {self.speculative_algorithm!r}",
+        )
+        check(
+            (self.speculative_algorithm == "draft-model")
+            == (self.speculative_draft_model_path is not None),
+            "speculative_algorithm draft-model and speculative_draft_model_path go together",
         )
         check(
             0 <= self.speculative_num_draft_tokens <= 64,

@@ -292,8 +292,9 @@ def test_the_draft_length_follows_what_was_kept() -> None:
     def step(kept: int | None = None, rows: int = 1) -> int:
         """The length of the next step's draft, in a step of `rows` rows without it; `kept`
         of it are then recorded kept."""
-        speculator.next_step({"r"}, rows)
-        draft = speculator.propose(req, room=64)
+        speculator.next_step(rows)
+        speculator.keep_only([req])
+        [draft] = speculator.propose([req], room=64)
         if draft and kept is not None:
             speculator.record(req, len(draft), kept)
         return len(draft)
@@ -316,5 +317,5 @@ def test_the_draft_length_follows_what_was_kept() -> None:
     assert [step() for _ in range(2)] == [0, MIN_DRAFT]
     assert step(kept=MIN_DRAFT, rows=8) == MIN_DRAFT
     assert step() == 2 * MIN_DRAFT
-    speculator.next_step(set(), 1)  # the request is gone: its pace with it
+    speculator.keep_only([])  # the request is gone: its pace with it
     assert speculator.paces == {}

@@ -8,6 +8,7 @@ worker and reads the tokenizer itself, not through the scheduler.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -52,6 +53,7 @@ class SchedulerParts:
     worker: StepWorker
     cache: PrefixCache  # over worker.pool
     grammars: GrammarCompiler
+    drafter: StepWorker | None = None  # the draft model (speculative_algorithm draft-model)
 
 
 def build_parts(
@@ -84,4 +86,36 @@ def load_parts(config: EngineConfig) -> SchedulerParts:
     """Load the model named by the config (its tokenizer, weights, KV pool) and build the rest."""
     path = resolve_model_path(config.model, config.revision)
     tokenizer = load_tokenizer(path)
-    return build_parts(config, str(path), tokenizer, ModelWorker(config, str(path)))
+    parts = build_parts(config, str(path), tokenizer, ModelWorker(config, str(path)))
+    if config.speculative_draft_model_path is not None:
+        try:
+            parts.drafter = load_drafter(config, parts.worker)
+        except BaseException:
+            parts.worker.close()
+            raise
+    return parts
+
+
+def load_drafter(config: EngineConfig, target: StepWorker) -> ModelWorker:
+    """The draft model: its own worker (one rank, flat attention, its file's weight format)
+    over a KV pool of as many tokens as the target's. Raises ValueError when its vocabulary
+    is not the target's."""
+    assert config.speculative_draft_model_path is not None
+    path = resolve_model_path(config.speculative_draft_model_path, None)
+    draft_config = dataclasses.replace(
+        config,
+        model=str(path),
+        tp_size=1,
+        quantization="auto",
+        attention_backend="flat",
+        max_total_tokens=target.pool.capacity,
+    )
+    worker = ModelWorker(draft_config, str(path))
+    got, want = worker.model_config.vocab_size, target.model_config.vocab_size
+    if got != want:
+        worker.close()
+        raise ValueError(
+            f"speculative_draft_model_path: the draft model's vocabulary has {got} tokens, "
+            f"the model's {want}: a draft model must share the model's tokenizer"
+        )
+    return worker

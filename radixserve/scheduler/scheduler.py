@@ -52,6 +52,7 @@ from radixserve.kvcache.pool import ReqToTokenPool
 from radixserve.kvcache.tree_view import snapshot
 from radixserve.sampling.stop import StopChecker
 from radixserve.scheduler.compiling import PendingCompiles
+from radixserve.scheduler.draft_model import DraftModel
 from radixserve.scheduler.kv import KVManager
 from radixserve.scheduler.modules import EncodeChunk, SchemaDone
 from radixserve.scheduler.outputs import OutputProcessor
@@ -93,7 +94,10 @@ class Scheduler:
         self.max_queued_tokens = config.max_queued_tokens or 4 * self.worker.pool.capacity
         self.out = OutputProcessor(mc.vocab_size, config.random_seed)
         self.speculator = Speculator(
-            config.speculative_algorithm, config.speculative_num_draft_tokens, self.cache
+            config.speculative_algorithm,
+            config.speculative_num_draft_tokens,
+            self.cache,
+            None if parts.drafter is None else DraftModel(parts.drafter),
         )
         self.grammars = parts.grammars
         self.compiling = PendingCompiles()  # requests whose pattern builds off this thread
@@ -266,35 +270,29 @@ class Scheduler:
         shared with other samples of the step: its draft positions would each read that
         prefix again (the sample alone is one row of the segment), and round otherwise than
         the plain steps that attend it as a segment."""
-        self.speculator.next_step({w.req.request.rid for w in work}, rows)
+        self.speculator.next_step(rows)
         if rows >= MAX_ROWS:
             return
         paths = {
             w.req: self.kv.path(w.req) for w in work + admitted if w.req.request.modules is None
         }
         sharing = Counter(node for path in paths.values() for node, _ in path)
+        decoding = []
         for w in work:
-            if rows >= MAX_ROWS:
-                return
+            if not w.req.output_ids or w.req.seq_len - w.req.kv_len != 1:
+                continue  # not decoding
             path = paths.get(w.req, [])
             shared = sum(tokens for node, tokens in path if sharing[node] > 1)
             if path and self.worker.backend.keeps(sharing[path[0][0]], shared, 1):
                 continue
-            draft = self._draft(w.req, MAX_ROWS - rows)
-            w.n += len(draft)
-            rows += len(draft)
-
-    def _draft(self, req: Req, room: int) -> list[int]:
-        """Set and return `req`'s draft for this step, at most `room` tokens: none unless
-        it is decoding, the speculator proposes one, and the pool can free slots for it
-        (never by retracting); they follow the slot of its last token."""
-        req.draft = []
-        if req.output_ids and req.seq_len - req.kv_len == 1:
-            draft = self.speculator.propose(req, room)
+            decoding.append(w)
+        drafts = self.speculator.propose([w.req for w in decoding], MAX_ROWS - rows)
+        for w, draft in zip(decoding, drafts):
+            # the pool frees slots for a draft by eviction, never by retracting
             if draft and self.kv.reserve(len(draft)):
-                self.kv.extend(req, len(draft), skip=1)
-                req.draft = draft
-        return req.draft
+                self.kv.extend(w.req, len(draft), skip=1)  # after the last token's slot
+                w.req.draft = draft
+                w.n += len(draft)
 
     def _make_room(self) -> bool:
         """Free slots for every running sample's next input; retract newest samples until
@@ -428,6 +426,7 @@ class Scheduler:
             self.computed_tokens_total += batch.input_ids.numel()
             self._process(work, logits, first_row)
             self.kv.modules.encoded(chunks)
+        self.speculator.keep_only(self.running)
         outputs, self.finished_outputs = self.finished_outputs, []
         outputs.extend(self.out.collect(r) for r in self.running if r.new_ids)
         return outputs

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 from radixserve.config import SPECULATIVE_ALGORITHMS
 from radixserve.kvcache.prefix_cache import PrefixCache
+from radixserve.scheduler.draft_model import DraftModel
 from radixserve.scheduler.req import Req
 
 MAX_PAUSE = 64  # steps a request whose drafts miss waits at most before drafting again
@@ -75,23 +76,36 @@ class Pace:
 class Speculator:
     """Proposes drafts for decoding samples and learns, per request, how long they pay."""
 
-    def __init__(self, algorithm: str, num_draft_tokens: int, cache: PrefixCache) -> None:
+    def __init__(
+        self,
+        algorithm: str,
+        num_draft_tokens: int,
+        cache: PrefixCache,
+        drafter: DraftModel | None = None,
+    ) -> None:
         assert algorithm in SPECULATIVE_ALGORITHMS, algorithm
+        assert (algorithm == "draft-model") == (drafter is not None), algorithm
         self.algorithm = algorithm
         self.num_draft_tokens = num_draft_tokens
         self.cache = cache
+        self.drafter = drafter
         self.stats = DraftStats()
         self.steps = 0  # steps scheduled so far
         self.rows = 1  # the current step's rows without drafts
         self.paces: dict[str, Pace] = {}  # by rid, the running requests asked for drafts
 
-    def next_step(self, running: set[str], rows: int) -> None:
-        """A step of `rows` rows (before drafts) is being scheduled; `running`: the rids of
-        the running requests (the others' records are dropped)."""
+    def next_step(self, rows: int) -> None:
+        """A step of `rows` rows (before drafts) is being scheduled."""
         self.steps += 1
         self.rows = rows
-        for rid in self.paces.keys() - running:
+
+    def keep_only(self, running: list[Req]) -> None:
+        """Forget the samples not `running` (ended, aborted, retracted): their requests'
+        paces, their draft model K/V."""
+        for rid in self.paces.keys() - {r.request.rid for r in running}:
             del self.paces[rid]
+        if self.drafter is not None:
+            self.drafter.keep_only(running)
 
     @property
     def enabled(self) -> bool:
@@ -100,23 +114,36 @@ class Speculator:
     def _pace(self, rid: str) -> Pace:
         return self.paces.setdefault(rid, Pace(self.num_draft_tokens))
 
-    def propose(self, req: Req, room: int) -> list[int]:
-        """A draft of at most `room` tokens for `req`'s next step ([] for none). `req` is
-        decoding: its last token's K/V is what the step computes."""
+    def propose(self, samples: list[Req], room: int) -> list[list[int]]:
+        """A draft for each of the decoding `samples` ([] for none), at most `room` tokens
+        in all, given out in order. A sample's last token's K/V is what the step computes."""
+        if self.drafter is not None:
+            wants = []
+            for req in samples:
+                k = self._budget(req, room)
+                wants.append((req, k))
+                room -= k
+            return self.drafter.draft(wants)
+        drafts = []
+        for req in samples:
+            k = self._budget(req, room)
+            draft: list[int] = []
+            if k > 0 and self.algorithm in ("auto", "radix"):
+                draft = self.cache.continuation(req.all_ids, k)
+            if k > 0 and not draft and self.algorithm in ("auto", "ngram"):
+                draft = req.ngrams.draft(req.all_ids, k)
+            drafts.append(draft)
+            room -= len(draft)
+        return drafts
+
+    def _budget(self, req: Req, room: int) -> int:
+        """The most tokens `req`'s draft may hold this step (0: no draft)."""
         pace = self._pace(req.request.rid)
-        if self.steps < pace.resume:
-            return []
+        if self.steps < pace.resume or req.request.modules is not None:
+            return 0
         # each step yields at most 1 + k tokens, and the last one needs no K/V
         left = req.sampling.max_new_tokens - len(req.output_ids) - 1
-        k = min(pace.length, left, room)
-        if k <= 0 or req.request.modules is not None:
-            return []
-        draft: list[int] = []
-        if self.algorithm in ("auto", "radix"):
-            draft = self.cache.continuation(req.all_ids, k)
-        if not draft and self.algorithm in ("auto", "ngram"):
-            draft = req.ngrams.draft(req.all_ids, k)
-        return draft
+        return max(0, min(pace.length, left, room))
 
     def record(self, req: Req, proposed: int, accepted: int) -> None:
         """`accepted` of `req`'s `proposed` draft tokens were kept this step."""

@@ -1,0 +1,137 @@
+"""Drafts from a smaller model of the same vocabulary (`--speculative-algorithm draft-model`).
+
+The draft model keeps the K/V of each drafting sample's sequence in a pool of its own (no
+prefix sharing: samples of one prompt hold a copy each). Drafting k tokens for a batch of
+samples takes k steps of the draft model: the first feeds each sample the tokens it has
+not seen yet (at most CATCH_UP of them: a sample further behind gets no draft this step and
+catches up over the next ones), each later one feeds the token just drafted. Drafts are
+greedy. The K/V of draft tokens the target did not keep goes back to the pool on the next
+call, where the draft model's sequence and the sample's part ways.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixserve.core.batch import ForwardBatch
+from radixserve.scheduler.req import Req
+
+if TYPE_CHECKING:
+    from radixserve.scheduler.parts import StepWorker
+
+CATCH_UP = 512  # tokens a sample's draft sequence advances by at most in one step
+
+
+@dataclass
+class DraftSeq:
+    """What the draft model holds of one sample: the tokens whose K/V is in its pool."""
+
+    ids: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class DraftModel:
+    """Greedy drafts from `worker` (a model worker over its own KV pool)."""
+
+    def __init__(self, worker: StepWorker) -> None:
+        self.worker = worker
+        self.seqs: dict[Req, DraftSeq] = {}
+
+    def keep_only(self, samples: Iterable[Req]) -> None:
+        """Free the sequences of samples not among `samples` (ended, retracted)."""
+        live = set(samples)
+        for req in [r for r in self.seqs if r not in live]:
+            self._trim(self.seqs.pop(req), 0)
+
+    def draft(self, wants: list[tuple[Req, int]]) -> list[list[int]]:
+        """For each (sample, k): up to k tokens the draft model expects after the sample's
+        sequence ([] when k is 0, the sample is more than CATCH_UP tokens behind, or the
+        pool has no room for it)."""
+        drafts: list[list[int]] = [[] for _ in wants]
+        feeds: dict[int, list[int]] = {}  # by index into wants: the tokens to feed next
+        for i, (req, k) in enumerate(wants):
+            if k <= 0:
+                continue
+            seq = self.seqs.setdefault(req, DraftSeq())
+            # the sample's last token is always fed: its logits give the first draft token
+            self._trim(seq, min(common_prefix(seq.ids, req.all_ids), len(req.all_ids) - 1))
+            feeds[i] = req.all_ids[len(seq.ids) : len(seq.ids) + CATCH_UP]
+        caught_up = [
+            i for i, feed in feeds.items()
+            if len(self.seqs[wants[i][0]].ids) + len(feed) == len(wants[i][0].all_ids)
+        ]  # fmt: skip
+        while feeds:
+            tokens = self._step(wants, feeds, caught_up)
+            feeds = {}
+            for i, token in zip(caught_up, tokens):
+                if token is not None:
+                    drafts[i].append(token)
+                    if len(drafts[i]) < wants[i][1]:
+                        feeds[i] = [token]
+            caught_up = list(feeds)
+        return drafts
+
+    def _step(
+        self, wants: list[tuple[Req, int]], feeds: dict[int, list[int]], caught_up: list[int]
+    ) -> list[int | None]:
+        """One step of the draft model over `feeds`; the greedy next token of each sample in
+        `caught_up` (None for one the pool had no room for)."""
+        ids: list[int] = []
+        pos: list[int] = []
+        locs: list[torch.Tensor] = []
+        seq_lens: list[int] = []
+        extend_lens: list[int] = []
+        kv_idx: list[torch.Tensor] = []
+        last_row: dict[int, int] = {}
+        for i, feed in feeds.items():
+            req = wants[i][0]
+            seq = self.seqs[req]
+            slots = self.worker.pool.alloc(len(feed))
+            if slots is None:  # the pool is full: this sample drafts nothing, and frees room
+                self._trim(self.seqs.pop(req), 0)
+                continue
+            start = len(seq.ids)
+            seq.ids += feed
+            seq.slots += slots.tolist()
+            ids += feed
+            pos += range(start, len(seq.ids))
+            locs.append(slots)
+            seq_lens.append(len(seq.ids))
+            extend_lens.append(len(feed))
+            kv_idx.append(torch.tensor(seq.slots, dtype=torch.int64))
+            last_row[i] = len(ids) - 1
+        if not ids:
+            return [None] * len(caught_up)
+        wanted = [i for i in caught_up if i in last_row]
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(pos, dtype=torch.int64),
+            out_cache_loc=torch.cat(locs),
+            seq_lens=seq_lens,
+            extend_lens=extend_lens,
+            kv_indices=kv_idx,
+            paths=[[] for _ in seq_lens],
+            kv_pool=self.worker.pool,
+        )
+        rows = torch.tensor([last_row[i] for i in wanted] or [len(ids) - 1], dtype=torch.int64)
+        best = self.worker.forward(batch, rows).argmax(dim=-1).tolist()
+        token = dict(zip(wanted, best))
+        return [token.get(i) for i in caught_up]
+
+    def _trim(self, seq: DraftSeq, n: int) -> None:
+        """Keep the first `n` tokens of `seq`; their slots after that go back to the pool."""
+        if len(seq.slots) > n:
+            self.worker.pool.free(torch.tensor(seq.slots[n:], dtype=torch.int64))
+        del seq.ids[n:], seq.slots[n:]
