@@ -16,7 +16,8 @@ code-edit-batch):
   (temperature 0.7, seeded: the same tokens with or without drafts), half as many
   questions as --requests.
 
-For each workload both engines (`speculative_algorithm` "none" and the default "auto") run
+For each workload both engines (`speculative_algorithm` "none" and the default "auto", or
+"draft-model" with --draft-model) run
 the same requests, --repeats times each, taking turns (each rate is an engine's best run:
 this VM's speed moves within a minute). tokens/s = output tokens / wall time (prefill
 included, the cache flushed before each request but in `repeat`); decode tokens/s the same
@@ -210,6 +211,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     ap.add_argument("--dtype", default="auto", help="the engines' dtype (default: auto)")
+    ap.add_argument(
+        "--quantization", default="auto", help="the engines' quantization (default: auto)"
+    )
+    ap.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="PATH",
+        help="the speculating engine drafts with this model (draft-model) instead of auto",
+    )
     ap.add_argument("--device", default="cpu", help="the engines' device (default: cpu)")
     ap.add_argument(
         "--save-prompts", type=Path, default=None, help="write every workload's token ids here"
@@ -221,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--num-draft-tokens",
         type=int,
         default=None,
-        help="the auto engine's (default: its default)",
+        help="the speculating engine's (default: its default)",
     )
     ap.add_argument(
         "--gsm8k", default=None, metavar="PATH", help="GSM8K folder or jsonl (default: download)"
@@ -246,10 +256,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.num_draft_tokens is None
         else {"speculative_num_draft_tokens": args.num_draft_tokens}
     )
-    common = {"dtype": args.dtype, "device": args.device}
+    common = {"dtype": args.dtype, "device": args.device, "quantization": args.quantization}
+    if args.draft_model:
+        draft.update(
+            speculative_algorithm="draft-model", speculative_draft_model_path=args.draft_model
+        )
+    algorithm = draft.get("speculative_algorithm", "auto")
     engines = {
         "none": Engine(args.model, speculative_algorithm="none", **common),
-        "auto": Engine(args.model, speculative_algorithm="auto", **common, **draft),
+        "auto": Engine(args.model, **{"speculative_algorithm": "auto", **common, **draft}),
     }
     if args.prompts:  # token ids saved by --save-prompts (no data packages needed)
         saved = json.loads(args.prompts.read_text())
@@ -311,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append(row)
         print(
             f"{name:11s} {row['tokens']:6d} tok  none {row['plain_tokens_per_s']:7.2f} tok/s  "
-            f"auto {row['spec_tokens_per_s']:7.2f} tok/s  {row['speedup']:5.2f}x  "
+            f"{algorithm} {row['spec_tokens_per_s']:7.2f} tok/s  {row['speedup']:5.2f}x  "
             f"decode alone {row['plain_decode_tokens_per_s']:7.2f} -> "
             f"{row['spec_decode_tokens_per_s']:7.2f} tok/s {row['decode_speedup']:5.2f}x  "
             f"accepted {row['accepted_draft_tokens']}/{row['draft_tokens']}  "
@@ -325,17 +340,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
         "model": info.model_path,
         "dtype": info.dtype,
+        "quantization": args.quantization,
+        "algorithm": algorithm,
+        "draft_model": args.draft_model,
         "max_new_tokens": args.max_new_tokens,
         "rows": rows,
     }
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, algorithm, args.plot)
     return result
 
 
-def plot(rows: list[dict[str, Any]], out: Path) -> None:
+def plot(rows: list[dict[str, Any]], algorithm: str, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -345,7 +363,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
     names = [r["workload"] for r in rows]
     x = range(len(rows))
     ax.bar([i - 0.2 for i in x], [r["plain_tokens_per_s"] for r in rows], 0.4, label="none")
-    ax.bar([i + 0.2 for i in x], [r["spec_tokens_per_s"] for r in rows], 0.4, label="auto")
+    ax.bar([i + 0.2 for i in x], [r["spec_tokens_per_s"] for r in rows], 0.4, label=algorithm)
     ax.set_xticks(list(x), names)
     ax.set_ylabel("batch-1 decode tokens/s")
     ax.legend()

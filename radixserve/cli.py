@@ -81,8 +81,8 @@ HELP = {
     "grammar_backend": "constrained decoding (regex, json_schema, ebnf): llguidance (default), "
     "xgrammar (the radixserve[xgrammar] extra) or outlines (regex and json_schema only)",
     "speculative_algorithm": "speculative decoding: auto (default: a draft from the radix "
-    "cache, else from the sample's own prompt and output), radix, ngram, draft-model (needs "
-    "--speculative-draft-model-path), or none",
+    "cache, else from the sample's own prompt and output), radix, ngram, draft-model (radix, "
+    "else --speculative-draft-model-path), or none",
     "speculative_draft_model_path": "a smaller model of the same vocabulary that drafts "
     "(a folder, file or name as for --model), with --speculative-algorithm draft-model",
     "speculative_num_draft_tokens": "most draft tokens a sample verifies per step",

@@ -27,7 +27,8 @@ QUANT_ACTIVATIONS_DEFAULT = "int8"
 POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("tree", "flat", "none")  # "none": benchmark-only no-attention ceiling
 GRAMMAR_BACKENDS = ("llguidance", "outlines", "xgrammar")  # radixserve.constrained.BACKENDS
-SPECULATIVE_ALGORITHMS = ("auto", "none", "ngram", "radix", "draft-model")  # scheduler/speculative.py
+# scheduler/speculative.py
+SPECULATIVE_ALGORITHMS = ("auto", "none", "ngram", "radix", "draft-model")
 CONTROL_CONNECTIONS = 64  # connections kept for /health, /get_server_info, aborts, ...
 # Fields never shown (/get_server_info, logs) nor put on a command line the server builds.
 SECRET_FIELDS = ("api_key", "admin_api_key", "hicache_secret")
@@ -100,8 +101,8 @@ class EngineConfig:
     attention_kernels: str = "auto"  # the ops under the backend; process-wide (see worker)
     grammar_backend: str = "llguidance"  # constrained decoding (radixserve.constrained)
     # Speculative decoding (scheduler/speculative.py): "auto" (radix, else ngram), "ngram",
-    # "radix", "draft-model" (the model at speculative_draft_model_path, which needs it) or
-    # "none"; at most this many draft tokens per sample and step
+    # "radix", "draft-model" (radix, else the model at speculative_draft_model_path, which
+    # it needs) or "none"; at most this many draft tokens per sample and step
     speculative_algorithm: str = "auto"
     speculative_num_draft_tokens: int = 8
     speculative_draft_model_path: str | None = None

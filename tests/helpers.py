@@ -106,3 +106,6 @@ def assert_all_free(engine: Engine) -> None:
     assert engine.flush_cache()
     pool = engine.scheduler.kv.pool
     assert pool.num_free == pool.capacity
+    drafter = engine.scheduler.speculator.drafter  # a draft model's pool: the samples ended
+    if drafter is not None:
+        assert drafter.worker.pool.num_free == drafter.worker.pool.capacity

@@ -14,12 +14,15 @@ from helpers import assert_all_free
 from hypothesis import given
 from hypothesis import strategies as st
 
+from benchmarks.make_gguf import build_tiny_model
 from radixserve import Engine
 from radixserve.core.params import SamplingParams
 from radixserve.core.request import TokenizedRequest
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.radix import RadixCache
 from radixserve.sampling.stop import StopChecker
+from radixserve.scheduler import speculative
+from radixserve.scheduler.draft_model import DraftModel
 from radixserve.scheduler.ngram import CANDIDATES, MAX_MATCH, MIN_MATCH, NgramIndex
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.speculative import MAX_PAUSE, MAX_ROWS, MIN_DRAFT, Speculator
@@ -220,6 +223,133 @@ def test_the_embedded_model_copies_code_with_drafts() -> None:
         stats = engine.scheduler.stats()
     assert outs[0]["output_ids"] == outs[1]["output_ids"]
     assert stats.accepted_draft_tokens_total > 0
+
+
+# ---------------------------------------------------------------- a draft model
+
+
+@pytest.fixture
+def steps_dear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's own cost so high that a draft model's steps always pay: the tiny draft
+    models cost as much as the tiny model they draft for, and would otherwise be turned
+    off (test_a_draft_model_drafts_only_where_it_pays)."""
+    monkeypatch.setattr(speculative, "STEP_ROWS", 10**6)
+
+
+@pytest.fixture(scope="module")
+def self_drafted(tiny_model_dir: Path) -> Engine:
+    """Drafts from a model of the same weights: every greedy draft is kept."""
+    return make_engine(
+        tiny_model_dir, "draft-model", speculative_draft_model_path=str(tiny_model_dir)
+    )
+
+
+@pytest.fixture(scope="module")
+def other_drafted(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    """Drafts from a model of other weights: nearly every draft fails at once."""
+    other = build_tiny_model(tmp_path_factory.mktemp("tiny-draft"), seed=1)
+    return make_engine(tiny_model_dir, "draft-model", speculative_draft_model_path=str(other))
+
+
+@pytest.mark.usefixtures("steps_dear")
+@pytest.mark.parametrize("case", list(CASES))
+def test_same_tokens_with_a_draft_model(
+    plain: Engine, self_drafted: Engine, other_drafted: Engine, case: str
+) -> None:
+    ids, params, kw = CASES[case]
+    reference = plain.generate(input_ids=ids, sampling_params=params, **kw)
+    kept = []
+    for engine in (self_drafted, other_drafted):
+        before = engine.scheduler.stats()
+        out = engine.generate(input_ids=ids, sampling_params=params, **kw)
+        after = engine.scheduler.stats()
+        assert ids_of(out) == ids_of(reference)
+        proposed = after.draft_tokens_total - before.draft_tokens_total
+        kept.append(after.accepted_draft_tokens_total - before.accepted_draft_tokens_total)
+        assert proposed > 0
+        assert_all_free(engine)
+        if kw.get("return_logprob"):
+            for o, r in zip(out, reference):
+                got = [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]
+                want = [lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]]
+                assert got == pytest.approx(want, abs=1e-4)
+        if engine is self_drafted and params["temperature"] == 0 and case != "penalties":
+            assert kept[0] == proposed  # greedy drafts of the model itself
+    assert kept[0] > kept[1]
+
+
+@pytest.mark.usefixtures("steps_dear")
+def test_a_draft_model_drafts_in_a_pool_that_retracts(tiny_model_dir: Path, plain: Engine) -> None:
+    small = make_engine(
+        tiny_model_dir,
+        "draft-model",
+        speculative_draft_model_path=str(tiny_model_dir),
+        max_total_tokens=160,
+    )
+    ids = prompts(8)
+    want = ids_of(plain.generate(input_ids=ids, sampling_params=GREEDY))
+    assert ids_of(small.generate(input_ids=ids, sampling_params=GREEDY)) == want
+    assert small.scheduler.stats().accepted_draft_tokens_total > 0
+    assert_all_free(small)
+
+
+@pytest.mark.usefixtures("steps_dear")
+def test_samples_of_one_prompt_share_its_draft_model_kv(
+    plain: Engine, self_drafted: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = prompts(1, seed=11)[0] * 12  # 192 tokens
+    params = {**SEEDED, "n": 4}
+    drafter = self_drafted.scheduler.speculator.drafter
+    assert drafter is not None
+    held: list[int] = []
+    draft = drafter.draft
+
+    def recorded(wants: list[tuple[Req, int]]) -> list[list[int]]:
+        out = draft(wants)
+        held.append(drafter.worker.pool.capacity - drafter.worker.pool.num_free)
+        return out
+
+    monkeypatch.setattr(drafter, "draft", recorded)
+    out = self_drafted.generate(input_ids=ids, sampling_params=params)
+    assert ids_of(out) == ids_of(plain.generate(input_ids=ids, sampling_params=params))
+    # the prompt once, and each sample's own tokens (48 at most, and a draft's 8)
+    assert 4 * 56 > max(held) - len(ids) > 0
+    assert_all_free(self_drafted)
+
+
+def test_a_draft_model_drafts_only_where_it_pays(self_drafted: Engine) -> None:
+    """A draft model step that costs as much as one row of the model's step pays alone (a
+    step's own cost is STEP_ROWS rows), not beside STEP_ROWS - 1 other rows."""
+    assert self_drafted.scheduler.speculator.drafter is not None
+    worker = self_drafted.scheduler.speculator.drafter.worker
+    speculator = Speculator("draft-model", 8, self_drafted.scheduler.cache, DraftModel(worker))
+    params = SamplingParams(max_new_tokens=100)
+    req = Req(TokenizedRequest("r", prompts(1)[0], params), 0, StopChecker(params, [], None))
+    req.append_output(11)
+    for rows, drafts in [
+        (1, True),
+        (speculative.STEP_ROWS - 1, True),
+        (speculative.STEP_ROWS, False),
+    ]:
+        speculator.next_step(rows)
+        speculator.row_s = speculator.drafter.step_s = 1e-3  # as if measured
+        assert bool(speculator.propose([req], room=8)[0]) == drafts, rows
+    speculator.keep_only([])
+    assert worker.pool.num_free == worker.pool.capacity
+
+
+def test_a_draft_model_must_share_the_vocabulary(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig.from_pretrained(tiny_model_dir)
+    config.vocab_size += 64
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="speculative_draft_model_path: .* vocabulary"):
+        make_engine(tiny_model_dir, "draft-model", speculative_draft_model_path=str(tmp_path))
+    with pytest.raises(ValueError, match="go together"):
+        make_engine(tiny_model_dir, "draft-model")
+    with pytest.raises(ValueError, match="go together"):
+        make_engine(tiny_model_dir, "auto", speculative_draft_model_path=str(tiny_model_dir))
 
 
 # ---------------------------------------------------------------- drafters alone

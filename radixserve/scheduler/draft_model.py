@@ -1,16 +1,18 @@
 """Drafts from a smaller model of the same vocabulary (`--speculative-algorithm draft-model`).
 
-The draft model keeps the K/V of each drafting sample's sequence in a pool of its own (no
-prefix sharing: samples of one prompt hold a copy each). Drafting k tokens for a batch of
-samples takes k steps of the draft model: the first feeds each sample the tokens it has
-not seen yet (at most CATCH_UP of them: a sample further behind gets no draft this step and
-catches up over the next ones), each later one feeds the token just drafted. Drafts are
-greedy. The K/V of draft tokens the target did not keep goes back to the pool on the next
+The draft model keeps the K/V of each drafting sample's sequence in a pool of its own; a
+sample's sequence starts with the K/V of the longest start it shares with another sample of
+its request (the prompt of n samples is computed once), held by both. Drafting k tokens for
+a batch of samples takes k steps of the draft model: the first feeds each sample the tokens
+it has not seen yet (at most CATCH_UP of them: a sample further behind gets no draft this
+step and catches up over the next ones), each later one feeds the token just drafted.
+Drafts are greedy. The K/V of draft tokens the target did not keep goes back to the pool on the next
 call, where the draft model's sequence and the sample's part ways.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -24,6 +26,12 @@ if TYPE_CHECKING:
     from radixserve.scheduler.parts import StepWorker
 
 CATCH_UP = 512  # tokens a sample's draft sequence advances by at most in one step
+EMA_WEIGHT = 0.2  # of a step's time in the running averages of step times
+
+
+def ema(average: float | None, sample: float) -> float:
+    """A running average of step times: each new sample weighs EMA_WEIGHT."""
+    return sample if average is None else average + EMA_WEIGHT * (sample - average)
 
 
 @dataclass
@@ -48,6 +56,8 @@ class DraftModel:
     def __init__(self, worker: StepWorker) -> None:
         self.worker = worker
         self.seqs: dict[Req, DraftSeq] = {}
+        self.refs = torch.zeros(worker.pool.num_slots, dtype=torch.int32)  # seqs holding a slot
+        self.step_s: float | None = None  # seconds a step feeding one token a sample takes
 
     def keep_only(self, samples: Iterable[Req]) -> None:
         """Free the sequences of samples not among `samples` (ended, retracted)."""
@@ -57,14 +67,18 @@ class DraftModel:
 
     def draft(self, wants: list[tuple[Req, int]]) -> list[list[int]]:
         """For each (sample, k): up to k tokens the draft model expects after the sample's
-        sequence ([] when k is 0, the sample is more than CATCH_UP tokens behind, or the
-        pool has no room for it)."""
+        sequence ([] when k is 0, the sample is more than CATCH_UP tokens behind, another
+        sample of its request starts its sequence in this call, or the pool has no room)."""
         drafts: list[list[int]] = [[] for _ in wants]
         feeds: dict[int, list[int]] = {}  # by index into wants: the tokens to feed next
+        started: set[int] = set()  # the requests (ids) a sample started a sequence of
         for i, (req, k) in enumerate(wants):
-            if k <= 0:
-                continue
-            seq = self.seqs.setdefault(req, DraftSeq())
+            if k <= 0 or (req not in self.seqs and id(req.request) in started):
+                continue  # (the second starts next step, from the K/V the first computes)
+            if req not in self.seqs:
+                started.add(id(req.request))
+                self._start(req)
+            seq = self.seqs[req]
             # the sample's last token is always fed: its logits give the first draft token
             self._trim(seq, min(common_prefix(seq.ids, req.all_ids), len(req.all_ids) - 1))
             feeds[i] = req.all_ids[len(seq.ids) : len(seq.ids) + CATCH_UP]
@@ -103,6 +117,7 @@ class DraftModel:
                 self._trim(self.seqs.pop(req), 0)
                 continue
             start = len(seq.ids)
+            self.refs[slots] = 1
             seq.ids += feed
             seq.slots += slots.tolist()
             ids += feed
@@ -126,12 +141,30 @@ class DraftModel:
             kv_pool=self.worker.pool,
         )
         rows = torch.tensor([last_row[i] for i in wanted] or [len(ids) - 1], dtype=torch.int64)
+        began = time.perf_counter()
         best = self.worker.forward(batch, rows).argmax(dim=-1).tolist()
+        if len(ids) == len(seq_lens):  # a step of drafted tokens, no catching up
+            self.step_s = ema(self.step_s, time.perf_counter() - began)
         token = dict(zip(wanted, best))
         return [token.get(i) for i in caught_up]
 
+    def _start(self, req: Req) -> None:
+        """A sequence for `req`: the K/V of the longest start it shares with another sample
+        of its request, held by both."""
+        seq = DraftSeq()
+        for other, held in self.seqs.items():
+            if other.request is req.request:
+                n = min(common_prefix(held.ids, req.all_ids), len(req.all_ids) - 1)
+                if n > len(seq.ids):
+                    seq = DraftSeq(held.ids[:n], held.slots[:n])
+        self.refs[torch.tensor(seq.slots, dtype=torch.int64)] += 1
+        self.seqs[req] = seq
+
     def _trim(self, seq: DraftSeq, n: int) -> None:
-        """Keep the first `n` tokens of `seq`; their slots after that go back to the pool."""
+        """Keep the first `n` tokens of `seq`; the slots after that that no other sequence
+        holds go back to the pool."""
         if len(seq.slots) > n:
-            self.worker.pool.free(torch.tensor(seq.slots[n:], dtype=torch.int64))
+            dropped = torch.tensor(seq.slots[n:], dtype=torch.int64)
+            self.refs[dropped] -= 1
+            self.worker.pool.free(dropped[self.refs[dropped] == 0])
         del seq.ids[n:], seq.slots[n:]

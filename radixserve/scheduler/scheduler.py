@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -421,7 +422,9 @@ class Scheduler:
         work, chunks = self._schedule()
         if work or chunks:
             batch, rows, first_row = self._build_batch(work, chunks)
+            start = time.perf_counter()
             logits = self.worker.forward(batch, rows)
+            self.speculator.timed(time.perf_counter() - start, batch.input_ids.numel())
             self.last_batch = batch
             self.computed_tokens_total += batch.input_ids.numel()
             self._process(work, logits, first_row)

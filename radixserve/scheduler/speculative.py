@@ -20,6 +20,7 @@ Drafters (`--speculative-algorithm`):
   followed an earlier occurrence of its last tokens, the longest match among the latest;
 - `radix`: the prefix cache: a cached sequence that extends the sample's whole sequence
   (another sample of the same prompt, a repeated request), along its most recent branch;
+- `draft-model`: radix, else a smaller model of the same vocabulary (draft_model.py);
 - `auto` (the default): radix, else ngram; `none`: no speculation.
 
 Adaptive, per request (its samples together): a draft holds at most the request's pace,
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 
 from radixserve.config import SPECULATIVE_ALGORITHMS
 from radixserve.kvcache.prefix_cache import PrefixCache
-from radixserve.scheduler.draft_model import DraftModel
+from radixserve.scheduler.draft_model import DraftModel, ema
 from radixserve.scheduler.req import Req
 
 MAX_PAUSE = 64  # steps a request whose drafts miss waits at most before drafting again
@@ -93,11 +94,19 @@ class Speculator:
         self.steps = 0  # steps scheduled so far
         self.rows = 1  # the current step's rows without drafts
         self.paces: dict[str, Pace] = {}  # by rid, the running requests asked for drafts
+        self.row_s: float | None = None  # a model step's seconds per row, STEP_ROWS included
+        self.draft_rows = 0.0  # a draft model step's share of a draft position, in rows
+        self.modelled: set[Req] = set()  # the samples whose draft the draft model made
 
     def next_step(self, rows: int) -> None:
         """A step of `rows` rows (before drafts) is being scheduled."""
         self.steps += 1
         self.rows = rows
+        self.modelled = set()
+
+    def timed(self, seconds: float, rows: int) -> None:
+        """The model's step of `rows` rows (drafts included) took `seconds`."""
+        self.row_s = ema(self.row_s, seconds / (rows + STEP_ROWS))
 
     def keep_only(self, running: list[Req]) -> None:
         """Forget the samples not `running` (ended, aborted, retracted): their requests'
@@ -117,13 +126,23 @@ class Speculator:
     def propose(self, samples: list[Req], room: int) -> list[list[int]]:
         """A draft for each of the decoding `samples` ([] for none), at most `room` tokens
         in all, given out in order. A sample's last token's K/V is what the step computes."""
-        if self.drafter is not None:
+        if self.drafter is not None:  # the radix cache's drafts cost no draft model steps
+            cached: list[list[int]] = []
             wants = []
             for req in samples:
                 k = self._budget(req, room)
-                wants.append((req, k))
+                cached.append(self.cache.continuation(req.all_ids, k) if k > 0 else [])
+                wants.append((req, 0 if cached[-1] else k))
                 room -= k
-            return self.drafter.draft(wants)
+            drafting = sum(k > 0 for _, k in wants)
+            self.draft_rows = 0.0  # a draft model step's share of each draft position, in rows
+            if drafting and self.row_s is not None and self.drafter.step_s is not None:
+                self.draft_rows = self.drafter.step_s / self.row_s / drafting
+            if self.draft_rows * self.rows >= STEP_ROWS:  # would not pay even kept whole
+                wants = [(req, 0) for req, _ in wants]
+            modelled = self.drafter.draft(wants)
+            self.modelled = {req for (req, k), m in zip(wants, modelled) if k > 0 and m}
+            return [c or m for c, m in zip(cached, modelled)]
         drafts = []
         for req in samples:
             k = self._budget(req, room)
@@ -154,7 +173,9 @@ class Speculator:
             pace.length = min(self.num_draft_tokens, 2 * pace.length)
         else:
             pace.length = min(self.num_draft_tokens, max(MIN_DRAFT, accepted + 1))
-        if proposed > MIN_DRAFT or accepted * (self.rows + STEP_ROWS) >= proposed * self.rows:
+        w = self.rows
+        per_token = 1 + (self.draft_rows if req in self.modelled else 0)  # rows a draft token costs
+        if proposed > MIN_DRAFT or accepted * (w + STEP_ROWS) >= per_token * proposed * w:
             pace.misses = 0
         else:
             pace.misses += 1
