@@ -34,6 +34,14 @@ row costs one: a MIN_DRAFT draft of which less than w / (w + STEP_ROWS) was kept
 none; beside 7 other rows: at most one of two) pauses the request's samples 2^misses steps
 (up to MAX_PAUSE), so a workload with nothing to draft runs as without speculation.
 
+A draft model's drafts cost its steps too. The scheduler times every step; a draft model
+step, in rows of the model's step (seconds a row, STEP_ROWS included, against the draft
+model's seconds a step, both running averages), is shared by the samples it drafts for,
+and that share is added to the row each draft position costs: where it reaches
+STEP_ROWS / w, not even a draft kept whole pays, and the draft model does not run (an
+expensive draft model drafts for a sample alone, not for a wide batch); the pause rule
+counts it too.
+
 A step with drafts holds at most MAX_ROWS token rows, drafts, admissions and encode chunks
 included: the quantized linears' weight-streaming regime (a row there costs a fraction of a
 pass over the weights, and each row's result does not depend on the rows beside it), below
