@@ -21,7 +21,7 @@ from radixserve.core.request import TokenizedRequest
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.radix import RadixCache
 from radixserve.sampling.stop import StopChecker
-from radixserve.scheduler import speculative
+from radixserve.scheduler import draft_model, speculative
 from radixserve.scheduler.draft_model import DraftModel
 from radixserve.scheduler.ngram import CANDIDATES, MAX_MATCH, MIN_MATCH, NgramIndex
 from radixserve.scheduler.req import Req
@@ -229,11 +229,11 @@ def test_the_embedded_model_copies_code_with_drafts() -> None:
 
 
 @pytest.fixture
-def steps_dear(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step's own cost so high that a draft model's steps always pay: the tiny draft
-    models cost as much as the tiny model they draft for, and would otherwise be turned
-    off (test_a_draft_model_drafts_only_where_it_pays)."""
-    monkeypatch.setattr(speculative, "STEP_ROWS", 10**6)
+def free_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draft model's steps measured as taking no time: the tiny draft models cost as
+    much as the tiny model they draft for, and would otherwise draft only for a sample
+    decoding alone (test_a_draft_model_drafts_only_where_it_pays)."""
+    monkeypatch.setattr(draft_model, "ema", lambda average, sample: 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +251,7 @@ def other_drafted(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     return make_engine(tiny_model_dir, "draft-model", speculative_draft_model_path=str(other))
 
 
-@pytest.mark.usefixtures("steps_dear")
+@pytest.mark.usefixtures("free_drafts")
 @pytest.mark.parametrize("case", list(CASES))
 def test_same_tokens_with_a_draft_model(
     plain: Engine, self_drafted: Engine, other_drafted: Engine, case: str
@@ -278,7 +278,7 @@ def test_same_tokens_with_a_draft_model(
     assert kept[0] > kept[1]
 
 
-@pytest.mark.usefixtures("steps_dear")
+@pytest.mark.usefixtures("free_drafts")
 def test_a_draft_model_drafts_in_a_pool_that_retracts(tiny_model_dir: Path, plain: Engine) -> None:
     small = make_engine(
         tiny_model_dir,
@@ -293,7 +293,7 @@ def test_a_draft_model_drafts_in_a_pool_that_retracts(tiny_model_dir: Path, plai
     assert_all_free(small)
 
 
-@pytest.mark.usefixtures("steps_dear")
+@pytest.mark.usefixtures("free_drafts")
 def test_samples_of_one_prompt_share_its_draft_model_kv(
     plain: Engine, self_drafted: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
