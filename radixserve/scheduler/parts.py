@@ -98,8 +98,8 @@ def load_parts(config: EngineConfig) -> SchedulerParts:
 
 def load_drafter(config: EngineConfig, target: StepWorker) -> ModelWorker:
     """The draft model: its own worker (one rank, flat attention, its file's weight format,
-    the model's dtype) over a KV pool of as many tokens as the target's. Raises ValueError when its vocabulary
-    is not the target's."""
+    the model's dtype) over a KV pool of as many tokens as the target's. Raises ValueError
+    when its vocabulary is not the target's."""
     assert config.speculative_draft_model_path is not None
     path = resolve_model_path(config.speculative_draft_model_path, None)
     draft_config = dataclasses.replace(
