@@ -69,3 +69,49 @@ class ForwardBatch:
     @property
     def is_decode(self) -> bool:
         return all(e == 1 for e in self.extend_lens)
+
+
+class BatchBuilder:
+    """A ForwardBatch put together one request entry at a time."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.positions: list[int] = []
+        self.seq_lens: list[int] = []
+        self.extend_lens: list[int] = []
+        self.kv_indices: list[torch.Tensor] = []
+        self.paths: list[list[tuple[int, int]]] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids)
+
+    def add(
+        self,
+        ids: list[int],
+        positions: list[int],
+        slots: torch.Tensor,
+        path: list[tuple[int, int]],
+    ) -> None:
+        """An entry whose new tokens `ids` sit at `positions`; `slots`: the KV slot of each
+        position of its sequence, the new tokens' last."""
+        self.ids += ids
+        self.positions += positions
+        self.seq_lens.append(len(slots))
+        self.extend_lens.append(len(ids))
+        self.kv_indices.append(slots)
+        self.paths.append(path)
+
+    def build(self, pool: KVStore) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=torch.tensor(self.ids, dtype=torch.int64),
+            positions=torch.tensor(self.positions, dtype=torch.int64),
+            out_cache_loc=torch.cat(
+                [s[len(s) - n :] for s, n in zip(self.kv_indices, self.extend_lens)]
+            ),
+            seq_lens=self.seq_lens,
+            extend_lens=self.extend_lens,
+            kv_indices=self.kv_indices,
+            paths=self.paths,
+            kv_pool=pool,
+        )

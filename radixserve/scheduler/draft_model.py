@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixserve.core.batch import ForwardBatch
+from radixserve.core.batch import BatchBuilder
 from radixserve.scheduler.req import Req
 
 if TYPE_CHECKING:
@@ -40,11 +40,13 @@ class DraftSeq:
 
     ids: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
+    known: int = 0  # ids[:known] are the sample's own tokens (so they stay its)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
+    """The length of a's and b's common start, given that their first `start` agree."""
     n = min(len(a), len(b))
-    i = 0
+    i = start
     while i < n and a[i] == b[i]:
         i += 1
     return i
@@ -80,7 +82,9 @@ class DraftModel:
                 self._start(req)
             seq = self.seqs[req]
             # the sample's last token is always fed: its logits give the first draft token
-            self._trim(seq, min(common_prefix(seq.ids, req.all_ids), len(req.all_ids) - 1))
+            same = common_prefix(seq.ids, req.all_ids, seq.known)
+            self._trim(seq, min(same, len(req.all_ids) - 1))
+            seq.known = len(seq.ids)
             feeds[i] = req.all_ids[len(seq.ids) : len(seq.ids) + CATCH_UP]
         caught_up = [
             i for i, feed in feeds.items()
@@ -102,12 +106,7 @@ class DraftModel:
     ) -> list[int | None]:
         """One step of the draft model over `feeds`; the greedy next token of each sample in
         `caught_up` (None for one the pool had no room for)."""
-        ids: list[int] = []
-        pos: list[int] = []
-        locs: list[torch.Tensor] = []
-        seq_lens: list[int] = []
-        extend_lens: list[int] = []
-        kv_idx: list[torch.Tensor] = []
+        entries = BatchBuilder()
         last_row: dict[int, int] = {}
         for i, feed in feeds.items():
             req = wants[i][0]
@@ -120,30 +119,16 @@ class DraftModel:
             self.refs[slots] = 1
             seq.ids += feed
             seq.slots += slots.tolist()
-            ids += feed
-            pos += range(start, len(seq.ids))
-            locs.append(slots)
-            seq_lens.append(len(seq.ids))
-            extend_lens.append(len(feed))
-            kv_idx.append(torch.tensor(seq.slots, dtype=torch.int64))
-            last_row[i] = len(ids) - 1
-        if not ids:
+            entries.add(feed, list(range(start, len(seq.ids))), torch.tensor(seq.slots), [])
+            last_row[i] = entries.num_tokens - 1
+        if not last_row:
             return [None] * len(caught_up)
         wanted = [i for i in caught_up if i in last_row]
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(pos, dtype=torch.int64),
-            out_cache_loc=torch.cat(locs),
-            seq_lens=seq_lens,
-            extend_lens=extend_lens,
-            kv_indices=kv_idx,
-            paths=[[] for _ in seq_lens],
-            kv_pool=self.worker.pool,
-        )
-        rows = torch.tensor([last_row[i] for i in wanted] or [len(ids) - 1], dtype=torch.int64)
+        batch = entries.build(self.worker.pool)
+        rows = [last_row[i] for i in wanted] or [entries.num_tokens - 1]
         began = time.perf_counter()
-        best = self.worker.forward(batch, rows).argmax(dim=-1).tolist()
-        if len(ids) == len(seq_lens):  # a step of drafted tokens, no catching up
+        best = self.worker.forward(batch, torch.tensor(rows)).argmax(dim=-1).tolist()
+        if batch.is_decode:  # a step of drafted tokens, no catching up
             self.step_s = ema(self.step_s, time.perf_counter() - began)
         token = dict(zip(wanted, best))
         return [token.get(i) for i in caught_up]
@@ -156,7 +141,7 @@ class DraftModel:
             if other.request is req.request:
                 n = min(common_prefix(held.ids, req.all_ids), len(req.all_ids) - 1)
                 if n > len(seq.ids):
-                    seq = DraftSeq(held.ids[:n], held.slots[:n])
+                    seq = DraftSeq(held.ids[:n], held.slots[:n], n)
         self.refs[torch.tensor(seq.slots, dtype=torch.int64)] += 1
         self.seqs[req] = seq
 
@@ -168,3 +153,4 @@ class DraftModel:
             self.refs[dropped] -= 1
             self.worker.pool.free(dropped[self.refs[dropped] == 0])
         del seq.ids[n:], seq.slots[n:]
+        seq.known = min(seq.known, n)

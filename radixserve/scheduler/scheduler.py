@@ -45,7 +45,7 @@ import torch
 from radixserve.attention.tree_plan import batched_nodes
 from radixserve.config import EngineConfig
 from radixserve.constrained.backend import CompiledGrammar, UnservablePattern
-from radixserve.core.batch import ForwardBatch
+from radixserve.core.batch import BatchBuilder, ForwardBatch
 from radixserve.core.info import CacheTreeView, ModelInfo, SchedulerStats
 from radixserve.core.modules import CompiledSchema
 from radixserve.core.request import FinishReason, TokenDelta, TokenizedRequest, TokenLogprob
@@ -350,63 +350,30 @@ class Scheduler:
         attends as a plain decode step would, and its logits are those plain decoding
         computes. The first entry has the sample's radix path; the others none, so that the
         tree backend does not group a sample's entries with one another."""
-        ids: list[int] = []
-        pos: list[int] = []
-        locs: list[torch.Tensor] = []
-        seq_lens: list[int] = []
-        extend_lens: list[int] = []
-        kv_idx: list[torch.Tensor] = []
-        paths: list[list[tuple[int, int]]] = []
+        entries = BatchBuilder()
         rows: list[int] = []
         first_row: list[int] = []
-        t = 0
         for w in work:
             r, start, end = w.req, w.req.kv_len, w.req.kv_len + w.n
+            t = entries.num_tokens
             slots = self.kv.slots(r, end)
             path = self.kv.path(r)
             first_row.append(len(rows))
             if r.draft:
-                ids.extend(r.all_ids[start:] + r.draft)
-                pos.extend(r.positions(start, end))
-                for j in range(start, end):
-                    locs.append(slots[j : j + 1])
-                    seq_lens.append(j + 1)
-                    extend_lens.append(1)
-                    kv_idx.append(slots[: j + 1])
-                    paths.append(path if j == start else [])
+                ids = r.all_ids[start:] + r.draft
+                pos = r.positions(start, end)
+                for j in range(w.n):
+                    entries.add([ids[j]], [pos[j]], slots[: start + j + 1], path if j == 0 else [])
                 rows.extend(range(t, t + w.n))
-                t += w.n
                 continue
-            ids.extend(r.all_ids[start:end])
-            pos.extend(r.positions(start, end))
-            locs.append(slots[start:end])
-            seq_lens.append(end)
-            extend_lens.append(w.n)
-            kv_idx.append(slots)
-            paths.append(path)
+            entries.add(r.all_ids[start:end], r.positions(start, end), slots, path)
             rows.extend(range(t, t + w.n) if self._wants_all_logits(w) else [t + w.n - 1])
-            t += w.n
         for c in chunks:  # a module is its own sequence: no path, nothing shared
             chunk_ids, chunk_pos, slots = self.kv.modules.chunk_inputs(c)
-            ids.extend(chunk_ids)
-            pos.extend(chunk_pos)
-            locs.append(slots[c.start :])
-            seq_lens.append(c.start + c.n)
-            extend_lens.append(c.n)
-            kv_idx.append(slots)
-            paths.append([])
+            entries.add(chunk_ids, chunk_pos, slots, [])
         if not rows:  # only encoding: the worker computes some logits, never used
-            rows.append(len(ids) - 1)
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(pos, dtype=torch.int64),
-            out_cache_loc=torch.cat(locs),
-            seq_lens=seq_lens,
-            extend_lens=extend_lens,
-            kv_indices=kv_idx,
-            paths=paths,
-            kv_pool=self.kv.pool,
-        )
+            rows.append(entries.num_tokens - 1)
+        batch = entries.build(self.kv.pool)
         return batch, torch.tensor(rows, dtype=torch.int64), first_row
 
     @staticmethod
