@@ -11,6 +11,9 @@ code-edit-batch):
 - sharegpt: ShareGPT first turns alone (nothing to copy: no regression allowed);
 - repeat: the code-edit requests sent again (the radix cache holds every answer: the
   engine ran them just before, untimed);
+- dated: the ShareGPT first turns under a system prompt that names today's date, the engine
+  having run each just before under yesterday's (untimed): the cache holds the earlier
+  answer under another prefix, so only the suffix lookup finds it;
 - code-edit-batch: the code-edit requests decoding together (a batch of --requests);
 - gsm8k-sc: GSM8K self-consistency, 8-shot, 16 samples of each question decoding together
   (temperature 0.7, seeded: the same tokens with or without drafts), half as many
@@ -20,7 +23,7 @@ For each workload both engines (`speculative_algorithm` "none" and the default "
 "draft-model" with --draft-model) run
 the same requests, --repeats times each, taking turns (each rate is an engine's best run:
 this VM's speed moves within a minute). tokens/s = output tokens / wall time (prefill
-included, the cache flushed before each request but in `repeat`); decode tokens/s the same
+included, the cache flushed before each request); decode tokens/s the same
 for the steps after every sample's first token (the prefills left out). Also whether every
 run gave the same tokens (draft counts are the first run's). Prints a table, writes JSON and
 a bar plot.
@@ -54,12 +57,14 @@ from radixserve.tokenizer.chat import render_chat  # noqa: E402
 Messages = list[dict[str, str]]
 SC_SAMPLES = 16  # samples of each GSM8K question in the self-consistency workload
 LOOKUP_WORKLOADS = ("code-edit", "quote", "multi-turn", "sharegpt")  # llama.cpp's cases
+EARLIER = {"repeat": "code-edit", "dated": "dated-earlier"}  # what the cache saw just before
 WORKLOADS = (
     "code-edit",
     "quote",
     "multi-turn",
     "sharegpt",
     "repeat",
+    "dated",
     "code-edit-batch",
     "gsm8k-sc",
 )
@@ -110,6 +115,11 @@ def sharegpt_first_turns(n: int) -> list[Messages]:
     return [[{"role": "user", "content": q}] for q, _ in _answers(n, skip=1000)]
 
 
+def dated(n: int, day: str) -> list[Messages]:
+    system = {"role": "system", "content": f"You are a helpful assistant. Today is {day}."}
+    return [[system, *turns] for turns in sharegpt_first_turns(n)]
+
+
 def gsm8k_self_consistency(data_path: str | None, n: int) -> list[str]:
     """8-shot GSM8K prompts of the first n test questions (each sampled SC_SAMPLES times)."""
     shots = few_shot_prompt(eval_data.gsm8k(data_path, "train", 8), 8)
@@ -118,25 +128,32 @@ def gsm8k_self_consistency(data_path: str | None, n: int) -> list[str]:
     ]
 
 
-def run(engine: Engine, prompts: list[Any], params: dict[str, Any], flush: bool) -> dict[str, Any]:
-    """Each prompt alone (its samples together; a prompt may be a batch of prompts); seed i
-    for prompt i where params sample."""
-    before = engine.scheduler.stats()
-    outputs, seconds, decode_seconds = [], 0.0, 0.0
+def run(
+    engine: Engine,
+    prompts: list[Any],
+    params: dict[str, Any],
+    earlier: list[Any] | None = None,
+) -> dict[str, Any]:
+    """Each prompt alone (its samples together; a prompt may be a batch of prompts), the
+    cache flushed before it; seed i for prompt i where params sample. `earlier[i]`, when
+    given, is run untimed between the flush and prompt i: the request the cache has seen."""
+    outputs, seconds, decode_seconds, drafted, accepted = [], 0.0, 0.0, 0, 0
     for i, ids in enumerate(prompts):
-        if flush:
-            engine.flush_cache()
+        engine.flush_cache()
+        if earlier is not None:
+            engine.generate(input_ids=earlier[i], sampling_params={**params, "seed": i})
+        before = engine.scheduler.stats()
         t = time.perf_counter()
         out = engine.generate(input_ids=ids, sampling_params={**params, "seed": i})
         wall = time.perf_counter() - t
+        after = engine.scheduler.stats()
         samples = out if isinstance(out, list) else [out]
         seconds += wall
         decode_seconds += wall - max(o["meta_info"]["first_token_latency"] for o in samples)
         outputs.extend(o["output_ids"] for o in samples)
-    after = engine.scheduler.stats()
+        drafted += after.draft_tokens_total - before.draft_tokens_total
+        accepted += after.accepted_draft_tokens_total - before.accepted_draft_tokens_total
     tokens = sum(map(len, outputs))
-    drafted = after.draft_tokens_total - before.draft_tokens_total
-    accepted = after.accepted_draft_tokens_total - before.accepted_draft_tokens_total
     return {
         "outputs": outputs,
         "seconds": seconds,
@@ -200,6 +217,8 @@ def workload_prompts(tok: Any, n: int, gsm8k: str | None) -> dict[str, list[Any]
         "multi-turn": multi_turn(n),
         "sharegpt": sharegpt_first_turns(n),
         "repeat": edits,
+        "dated": dated(n, "2026-11-29"),
+        "dated-earlier": dated(n, "2026-11-28"),
     }
     out: dict[str, list[Any]] = {k: [render_chat(tok, m) for m in c] for k, c in chats.items()}
     out["code-edit-batch"] = [out["code-edit"]]  # all at once
@@ -281,15 +300,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, (prompts, params) in workloads.items():
         if args.workloads and name not in args.workloads:
             continue
-        flush = name != "repeat"
-        if not flush:  # each engine's cache holds these requests' outputs, and nothing else
-            for engine in engines.values():
-                engine.flush_cache()
-                run(engine, prompts, params, flush=False)
+        earlier = EARLIER.get(name)
         runs: dict[str, list[dict[str, Any]]] = {a: [] for a in engines}
         for _ in range(args.repeats):  # the engines take turns
             for a, e in engines.items():
-                runs[a].append(run(e, prompts, params, flush))
+                runs[a].append(run(e, prompts, params, earlier and saved[earlier]))
         plain, spec = (best(runs[a]) for a in ("none", "auto"))
         row = {
             "workload": name,

@@ -355,12 +355,12 @@ def test_a_draft_model_must_share_the_vocabulary(tiny_model_dir: Path, tmp_path:
 # ---------------------------------------------------------------- drafters alone
 
 
-def direct_draft(ids: list[int], k: int) -> list[int]:
+def direct_draft(ids: list[int], k: int) -> tuple[int, list[int]]:
     """NgramIndex.draft's rule by a direct search: of the latest CANDIDATES earlier
     occurrences of the last two tokens, the longest match (up to MAX_MATCH), latest first."""
     last = len(ids) - 1
-    if last < MIN_MATCH:
-        return []
+    if last < MIN_MATCH or k == 0:
+        return 0, []
     ends = [e for e in range(1, last) if ids[e - 1 : e + 1] == ids[last - 1 :]][-CANDIDATES:]
 
     def match(e: int) -> int:
@@ -370,9 +370,9 @@ def direct_draft(ids: list[int], k: int) -> list[int]:
         return m
 
     if not ends:
-        return []
+        return 0, []
     best = max(reversed(ends), key=match)  # max keeps the first (latest) of equal ones
-    return ids[best + 1 : best + 1 + k]
+    return match(best), ids[best + 1 : best + 1 + k]
 
 
 @given(st.lists(st.integers(0, 4), max_size=120), st.integers(1, 10), st.integers(0, 120))
@@ -449,3 +449,36 @@ def test_the_draft_length_follows_what_was_kept() -> None:
     assert step() == 2 * MIN_DRAFT
     speculator.keep_only([])  # the request is gone: its pace with it
     assert speculator.paces == {}
+
+
+def test_a_sample_is_drafted_from_text_cached_under_another_prefix() -> None:
+    """`radix` drafts what followed the sample's last tokens anywhere in the cache when no
+    cached sequence extends its own; `auto` takes that or the sample's own earlier text,
+    whichever matches more of its end (its own on a tie); `ngram` never reads the cache."""
+    pool = KVPool(256, 1, 1, 4, torch.float32)
+    cache = RadixCache(pool, index_suffixes=True)
+    answer = [*range(500, 540)]
+    cached = [1, 2, 3, *answer]  # an earlier request's prompt and answer
+    slots = pool.alloc(len(cached))
+    assert slots is not None
+    cache.insert(cached, slots)
+    params = SamplingParams(max_new_tokens=100)
+
+    def draft(algorithm: str, prompt: list[int], output: list[int]) -> list[int]:
+        speculator = Speculator(algorithm, 8, cache)
+        req = Req(TokenizedRequest("r", prompt, params), 0, StopChecker(params, [], None))
+        for token in output:
+            req.append_output(token)
+        speculator.next_step(1)
+        [found] = speculator.propose([req], room=64)
+        return found
+
+    # another prefix (a date), then the start of the same answer
+    assert draft("radix", [9, 9, 3], answer[:5]) == answer[5:13]
+    assert draft("auto", [9, 9, 3], answer[:5]) == answer[5:13]
+    assert draft("ngram", [9, 9, 3], answer[:5]) == []
+    # the sample's own text matches 5 tokens of its end (its prompt holds them), the cache 6
+    assert draft("auto", [7, *answer[:5], 600, 601, 3], answer[:5]) == answer[5:13]
+    # 6 tokens either way: its own text
+    own = [3, *answer[:5], 600, 601, 3]
+    assert draft("auto", own, answer[:5]) == [600, 601, 3, *answer[:5]]

@@ -85,11 +85,12 @@ class HiCache:
         namespace: str,
         layerwise: bool = True,
         mover: Mover | None = None,
+        index_suffixes: bool = False,
     ) -> None:
         self.pool = pool
         self.mover = mover  # positional decoupling (--hicache-reposition): None is off
         self.layerwise = layerwise  # load hits layer by layer while the step computes
-        self.tree = RadixCache(pool, on_evict=self._demote)
+        self.tree = RadixCache(pool, on_evict=self._demote, index_suffixes=index_suffixes)
         self.local = local
         self.remote = remote
         self.namespace = namespace
@@ -137,6 +138,11 @@ class HiCache:
 
     def continuation(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         return self.tree.continuation(token_ids, max_tokens)
+
+    def suffix_continuation(
+        self, token_ids: Sequence[int], max_tokens: int
+    ) -> tuple[int, list[int]]:
+        return self.tree.suffix_continuation(token_ids, max_tokens)
 
     def lock(self, node: TreeNode) -> None:
         self.tree.lock(node)

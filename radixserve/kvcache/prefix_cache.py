@@ -98,6 +98,14 @@ class PrefixCache(Protocol):
         speculative decoding); []: none. Changes nothing."""
         ...
 
+    def suffix_continuation(
+        self, token_ids: Sequence[int], max_tokens: int
+    ) -> tuple[int, list[int]]:
+        """(match length, up to `max_tokens` tokens) after the best cached occurrence of the
+        end of `token_ids` (kvcache/suffix_index.py); (0, []): none, or no suffix index.
+        Changes nothing."""
+        ...
+
     def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
         """Offer `token_ids` whose K/V sit at `kv_indices`; returns the slots the cache now
         holds for the prefix it kept and the node ending that prefix (see the contract).
@@ -180,6 +188,11 @@ class NoPrefixCache:
     def continuation(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         return []
 
+    def suffix_continuation(
+        self, token_ids: Sequence[int], max_tokens: int
+    ) -> tuple[int, list[int]]:
+        return 0, []
+
     def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
         check_insert_args(len(token_ids), kv_indices)
         return self._nothing()
@@ -242,8 +255,9 @@ def make_prefix_cache(
     `hicache_reposition` to move keys."""
     if config.disable_radix_cache:
         return NoPrefixCache(pool)
+    index_suffixes = config.speculative_algorithm in ("auto", "radix")
     if not config.hicache_enabled:
-        return RadixCache(pool)
+        return RadixCache(pool, index_suffixes=index_suffixes)
     layout = pool_layout(pool)
     codec = ChunkCodec(layout, config.hicache_key())
     local: list[TierStore] = []
@@ -272,4 +286,4 @@ def make_prefix_cache(
         index_tokens = pool.capacity + tier_bytes // layout.chunk_bytes * CHUNK_TOKENS
         mover = Mover(RunIndex(index_tokens), rope_inv_freq)
         namespace += "|moved"  # moved (approximate) K/V never reaches an exact server
-    return HiCache(pool, local, remote, namespace, config.hicache_layerwise, mover)
+    return HiCache(pool, local, remote, namespace, config.hicache_layerwise, mover, index_suffixes)

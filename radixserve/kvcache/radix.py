@@ -26,6 +26,7 @@ import torch
 
 from radixserve.core.info import TierStats
 from radixserve.kvcache.pool import KVPool
+from radixserve.kvcache.suffix_index import SuffixIndex
 
 # Called with (token ids of the root-to-leaf path, their KV slots, where the leaf begins)
 # just before `evict` frees a leaf's slots: the leaf's ancestors are still cached then, so
@@ -180,9 +181,12 @@ class RadixCache:
         pool: KVPool,
         clock: Callable[[], float] | None = None,
         on_evict: EvictHook | None = None,
+        index_suffixes: bool = False,
     ) -> None:
         self.pool = pool
         self._on_evict = on_evict
+        # where token runs occur, for speculative decoding's suffix lookup
+        self.suffixes = SuffixIndex() if index_suffixes else None
         self._clock = clock if clock is not None else _counter_clock()
         self._ids = itertools.count()
         self.root = TreeNode(next(self._ids), [], _empty_slots(), None, self._clock())
@@ -244,6 +248,16 @@ class RadixCache:
             node = max(node.children.values(), key=lambda c: c.last_access)
             out.extend(node.key)
         return out[:max_tokens]
+
+    def suffix_continuation(
+        self, token_ids: Sequence[int], max_tokens: int
+    ) -> tuple[int, list[int]]:
+        """(match length, up to `max_tokens` tokens) after the cache's best occurrence of the
+        end of `token_ids` anywhere in the tree (suffix_index.py); (0, []) for none or when
+        the cache keeps no suffix index. Read-only."""
+        if self.suffixes is None:
+            return 0, []
+        return self.suffixes.lookup(token_ids, max_tokens)
 
     def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
         """Cache `token_ids` whose K/V sit at `kv_indices`; takes ownership of `kv_indices`.
@@ -315,6 +329,8 @@ class RadixCache:
         node.parent = upper
         node.key = node.key[k:]
         node.value = node.value[k:]
+        if self.suffixes is not None:
+            self.suffixes.split(upper, node)
         return upper
 
     def _add_leaf(
@@ -327,6 +343,8 @@ class RadixCache:
         self.num_nodes += 1
         self._leaves.discard(parent)  # a leaf no more
         self._update_evictable(leaf)
+        if self.suffixes is not None:
+            self.suffixes.add(leaf)
         return leaf
 
     # -- locking ---------------------------------------------------------------------------
@@ -389,6 +407,8 @@ class RadixCache:
         assert parent is not None and leaf.is_leaf and leaf.lock_ref == 0, f"bad evict {leaf}"
         if self._on_evict is not None:
             self._on_evict(*self._path_kv(leaf))
+        if self.suffixes is not None:
+            self.suffixes.remove(leaf)
         self.pool.free(leaf.value)
         del parent.children[leaf.key[0]]
         self._evictable -= len(leaf.key)
@@ -447,6 +467,8 @@ class RadixCache:
         self.num_nodes = 1
         self._leaves.clear()
         self._lru.clear()
+        if self.suffixes is not None:
+            self.suffixes.clear()
 
     def tier_stats(self) -> dict[str, TierStats]:
         return {}
@@ -493,6 +515,8 @@ class RadixCache:
         )
         self._check_lru()
         self._check_slots(_cat(values), in_use_elsewhere)
+        if self.suffixes is not None:
+            self.suffixes.check(self._iter_nodes())
 
     def _check_lru(self) -> None:
         """The evictable set is exactly the unlocked leaves, each with a live heap entry."""

@@ -20,8 +20,13 @@ Drafters (`--speculative-algorithm`):
   followed an earlier occurrence of its last tokens, the longest match among the latest;
 - `radix`: the prefix cache: a cached sequence that extends the sample's whole sequence
   (another sample of the same prompt, a repeated request), along its most recent branch;
-- `draft-model`: radix, else a smaller model of the same vocabulary (draft_model.py);
-- `auto` (the default): radix, else ngram; `none`: no speculation.
+  else the tokens that followed the sample's last tokens anywhere in the cache (its suffix
+  index, kvcache/suffix_index.py: another request's answer, the same text under another
+  prefix, such as a system prompt that names the date);
+- `draft-model`: a cached sequence that extends the sample's, else a smaller model of the
+  same vocabulary (draft_model.py);
+- `auto` (the default): radix's extending sequence, else the longer match of the cache's
+  suffix index and ngram (ngram on a tie); `none`: no speculation.
 
 Adaptive, per request (its samples together): a draft holds at most the request's pace,
 which starts at `--speculative-num-draft-tokens`, doubles (up to it) after a draft kept
@@ -154,14 +159,25 @@ class Speculator:
         drafts = []
         for req in samples:
             k = self._budget(req, room)
-            draft: list[int] = []
-            if k > 0 and self.algorithm in ("auto", "radix"):
-                draft = self.cache.continuation(req.all_ids, k)
-            if k > 0 and not draft and self.algorithm in ("auto", "ngram"):
-                draft = req.ngrams.draft(req.all_ids, k)
+            draft = self._lookup(req, k) if k > 0 else []
             drafts.append(draft)
             room -= len(draft)
         return drafts
+
+    def _lookup(self, req: Req, k: int) -> list[int]:
+        """Up to `k` tokens the model-free drafters propose for `req` (module docstring)."""
+        match = 0
+        found: list[int] = []
+        if self.algorithm in ("auto", "radix"):
+            extends = self.cache.continuation(req.all_ids, k)
+            if extends:
+                return extends
+            match, found = self.cache.suffix_continuation(req.all_ids, k)
+        if self.algorithm in ("auto", "ngram"):
+            own_match, own = req.ngrams.draft(req.all_ids, k)
+            if own_match >= match:
+                found = own
+        return found
 
     def _budget(self, req: Req, room: int) -> int:
         """The most tokens `req`'s draft may hold this step (0: no draft)."""
