@@ -26,8 +26,22 @@ if TYPE_CHECKING:
 ORDER = 3  # tokens a position is filed under: the shortest match a lookup returns
 MAX_MATCH = 8  # tokens a candidate's match is scored on
 CANDIDATES = 16  # latest positions under the sequence's last ORDER tokens that are scored
+TOKEN_BITS = 21  # a filing key packs ORDER token ids of this many bits (vocabularies < 2M)
+DEPTH_BITS = 32  # a position packs (node id, depth) as id << DEPTH_BITS | depth
 
-Entries = dict[tuple[int, int], "TreeNode"]  # (node id, depth) -> the node
+# A run of ORDER tokens, packed: its positions, one int or a dict of them in filing order.
+# Ints, so that the garbage collector has no object a position to walk (a dict only for
+# runs filed more than once).
+Filed = dict[int, "int | dict[int, None]"]
+
+
+def gram(tokens: Sequence[int]) -> int:
+    """ORDER token ids as one int (a key may stand for other runs if an id has more than
+    TOKEN_BITS bits: lookups compare tokens)."""
+    key = 0
+    for t in tokens:
+        key = key << TOKEN_BITS | t
+    return key
 
 
 def start_depth(node: TreeNode) -> int:
@@ -52,70 +66,97 @@ class SuffixIndex:
     """The cache's positions by the ORDER tokens ending at each (module docstring)."""
 
     def __init__(self) -> None:
-        self.ends: dict[tuple[int, ...], Entries] = {}
+        self.ends: Filed = {}
+        self.nodes: dict[int, TreeNode] = {}  # by id, the nodes positions are filed in
 
     def __len__(self) -> int:
-        return sum(len(e) for e in self.ends.values())
+        return sum(1 if isinstance(e, int) else len(e) for e in self.ends.values())
 
-    def _filed(self, node: TreeNode, start: int, end: int) -> Iterator[tuple[tuple[int, ...], int]]:
-        """(ORDER tokens, depth) of `node`'s positions start .. end - 1 (depths) that have
+    def _filed(self, node: TreeNode, start: int, end: int) -> Iterator[tuple[int, int]]:
+        """(key, packed position) of `node`'s positions at depths start .. end - 1 that have
         ORDER - 1 positions before them."""
         first = start_depth(node)
         before = list(islice(tokens_before(node, start - first - 1), ORDER - 1))[::-1]
         run = before + node.key[start - first : end - first]
-        for i in range(ORDER - 1, len(run)):
-            yield tuple(run[i - ORDER + 1 : i + 1]), start - len(before) + i
+        keys = map(gram, zip(*(run[i:] for i in range(ORDER))))
+        base = node.id << DEPTH_BITS
+        return zip(keys, range(base + start - len(before) + ORDER - 1, base + end))
+
+    def _file(self, key: int, at: int) -> None:
+        filed = self.ends.get(key)
+        if filed is None:
+            self.ends[key] = at
+        elif isinstance(filed, int):
+            self.ends[key] = {filed: None, at: None}
+        else:
+            filed[at] = None
+
+    def _unfile(self, key: int, at: int) -> None:
+        filed = self.ends[key]
+        if isinstance(filed, int):
+            assert filed == at, f"position {at} not filed under {key}"
+            del self.ends[key]
+            return
+        del filed[at]
+        if len(filed) == 1:
+            self.ends[key] = next(iter(filed))
 
     def add(self, node: TreeNode) -> None:
         """File the positions of `node`, a new leaf."""
+        self.nodes[node.id] = node
         first = start_depth(node)
-        for key, depth in self._filed(node, first, first + len(node.key)):
-            self.ends.setdefault(key, {})[(node.id, depth)] = node
+        for key, at in self._filed(node, first, first + len(node.key)):
+            self._file(key, at)
 
     def split(self, upper: TreeNode, lower: TreeNode) -> None:
         """`upper` took the first part of `lower`'s positions: move their entries to it."""
+        self.nodes[upper.id] = upper
         first = start_depth(upper)
-        for key, depth in self._filed(upper, first, first + len(upper.key)):
-            entries = self.ends[key]
-            del entries[(lower.id, depth)]
-            entries[(upper.id, depth)] = upper
+        moved = (lower.id - upper.id) << DEPTH_BITS
+        for key, at in self._filed(upper, first, first + len(upper.key)):
+            self._unfile(key, at + moved)
+            self._file(key, at)
 
     def remove(self, leaf: TreeNode) -> None:
         """Forget the positions of `leaf`, still in the tree, about to be evicted."""
         first = start_depth(leaf)
-        for key, depth in self._filed(leaf, first, first + len(leaf.key)):
-            entries = self.ends[key]
-            del entries[(leaf.id, depth)]
-            if not entries:
-                del self.ends[key]
+        for key, at in self._filed(leaf, first, first + len(leaf.key)):
+            self._unfile(key, at)
+        del self.nodes[leaf.id]
 
     def clear(self) -> None:
         self.ends.clear()
+        self.nodes.clear()
 
     def check(self, nodes: Iterator[TreeNode]) -> None:
         """Assert that the index files exactly the positions of `nodes` (the whole tree)."""
-        want: dict[tuple[int, ...], set[tuple[int, int]]] = {}
+        want: dict[int, set[int]] = {}
+        live: dict[int, TreeNode] = {}
         for node in nodes:
+            if node.parent is not None:
+                live[node.id] = node
             first = start_depth(node)
-            for key, depth in self._filed(node, first, first + len(node.key)):
-                want.setdefault(key, set()).add((node.id, depth))
-        have = {key: set(entries) for key, entries in self.ends.items()}
-        for entries in self.ends.values():
-            assert all(n.id == i for (i, _), n in entries.items()), "an entry names another node"
+            for key, at in self._filed(node, first, first + len(node.key)):
+                want.setdefault(key, set()).add(at)
+        have = {k: {e} if isinstance(e, int) else set(e) for k, e in self.ends.items()}
         assert have == want, f"suffix index: {len(have)} keys filed, the tree has {len(want)}"
+        assert self.nodes == live, f"suffix index: {len(self.nodes)} nodes, the tree {len(live)}"
 
     def lookup(self, token_ids: Sequence[int], max_tokens: int) -> tuple[int, list[int]]:
         """(match length, up to `max_tokens` tokens that followed it) for the best cached
         occurrence of the end of `token_ids` (module docstring); (0, []) for none."""
         if len(token_ids) < ORDER or max_tokens <= 0:
             return 0, []
-        entries = self.ends.get(tuple(token_ids[-ORDER:]))
-        if not entries:
+        filed = self.ends.get(gram(token_ids[-ORDER:]))
+        if filed is None:
             return 0, []
+        latest = [filed] if isinstance(filed, int) else islice(reversed(filed), CANDIDATES)
         best: tuple[int, float] = (0, 0.0)
         found: list[int] = []
-        for (_, depth), node in islice(reversed(entries.items()), CANDIDATES):
-            offset = depth - start_depth(node)
+        depth_mask = (1 << DEPTH_BITS) - 1
+        for at in latest:
+            node = self.nodes[at >> DEPTH_BITS]
+            offset = (at & depth_mask) - start_depth(node)
             after = _after(node, offset, max_tokens)
             if not after:
                 continue
@@ -126,7 +167,7 @@ class SuffixIndex:
             else:
                 m += 1
             score = (m, node.last_access)
-            if score > best:
+            if m >= ORDER and score > best:
                 best, found = score, after
         return best[0], found
 
