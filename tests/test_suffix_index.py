@@ -5,7 +5,7 @@ over every cached sequence."""
 from __future__ import annotations
 
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from radixserve.kvcache.pool import KVPool
@@ -56,7 +56,6 @@ def common_suffix(a: tuple[int, ...], b: list[int]) -> int:
     return m
 
 
-@settings(max_examples=150, deadline=None)
 @given(
     st.lists(st.integers(0, 3), min_size=16, max_size=16),
     ops,
