@@ -26,7 +26,7 @@ import torch
 
 from radixserve.core.info import TierStats
 from radixserve.kvcache.pool import KVPool
-from radixserve.kvcache.suffix_index import SuffixIndex
+from radixserve.kvcache.suffix_index import SuffixIndex, cached_after
 
 # Called with (token ids of the root-to-leaf path, their KV slots, where the leaf begins)
 # just before `evict` frees a leaf's slots: the leaf's ancestors are still cached then, so
@@ -243,11 +243,7 @@ class RadixCache:
             node, matched, on_edge = child, matched + m, m
         if matched < len(tokens) or not tokens:
             return []
-        out = list(node.key[on_edge:]) if node is not self.root else []
-        while len(out) < max_tokens and node.children:
-            node = max(node.children.values(), key=lambda c: c.last_access)
-            out.extend(node.key)
-        return out[:max_tokens]
+        return cached_after(node, on_edge - 1, max_tokens)  # on_edge >= 1: node is no root
 
     def suffix_continuation(
         self, token_ids: Sequence[int], max_tokens: int

@@ -72,15 +72,14 @@ class SuffixIndex:
     def __len__(self) -> int:
         return sum(1 if isinstance(e, int) else len(e) for e in self.ends.values())
 
-    def _filed(self, node: TreeNode, start: int, end: int) -> Iterator[tuple[int, int]]:
-        """(key, packed position) of `node`'s positions at depths start .. end - 1 that have
-        ORDER - 1 positions before them."""
-        first = start_depth(node)
-        before = list(islice(tokens_before(node, start - first - 1), ORDER - 1))[::-1]
-        run = before + node.key[start - first : end - first]
+    def _filed(self, node: TreeNode) -> Iterator[tuple[int, int]]:
+        """(key, packed position) of `node`'s positions that have ORDER - 1 positions before
+        them."""
+        before = list(islice(tokens_before(node, -1), ORDER - 1))[::-1]
+        run = before + node.key
         keys = map(gram, zip(*(run[i:] for i in range(ORDER))))
-        base = node.id << DEPTH_BITS
-        return zip(keys, range(base + start - len(before) + ORDER - 1, base + end))
+        base = (node.id << DEPTH_BITS) + start_depth(node)
+        return zip(keys, range(base - len(before) + ORDER - 1, base + len(node.key)))
 
     def _file(self, key: int, at: int) -> None:
         filed = self.ends.get(key)
@@ -104,23 +103,20 @@ class SuffixIndex:
     def add(self, node: TreeNode) -> None:
         """File the positions of `node`, a new leaf."""
         self.nodes[node.id] = node
-        first = start_depth(node)
-        for key, at in self._filed(node, first, first + len(node.key)):
+        for key, at in self._filed(node):
             self._file(key, at)
 
     def split(self, upper: TreeNode, lower: TreeNode) -> None:
         """`upper` took the first part of `lower`'s positions: move their entries to it."""
         self.nodes[upper.id] = upper
-        first = start_depth(upper)
         moved = (lower.id - upper.id) << DEPTH_BITS
-        for key, at in self._filed(upper, first, first + len(upper.key)):
+        for key, at in self._filed(upper):
             self._unfile(key, at + moved)
             self._file(key, at)
 
     def remove(self, leaf: TreeNode) -> None:
         """Forget the positions of `leaf`, still in the tree, about to be evicted."""
-        first = start_depth(leaf)
-        for key, at in self._filed(leaf, first, first + len(leaf.key)):
+        for key, at in self._filed(leaf):
             self._unfile(key, at)
         del self.nodes[leaf.id]
 
@@ -135,8 +131,7 @@ class SuffixIndex:
         for node in nodes:
             if node.parent is not None:
                 live[node.id] = node
-            first = start_depth(node)
-            for key, at in self._filed(node, first, first + len(node.key)):
+            for key, at in self._filed(node):
                 want.setdefault(key, set()).add(at)
         have = {k: {e} if isinstance(e, int) else set(e) for k, e in self.ends.items()}
         assert have == want, f"suffix index: {len(have)} keys filed, the tree has {len(want)}"
@@ -157,7 +152,7 @@ class SuffixIndex:
         for at in latest:
             node = self.nodes[at >> DEPTH_BITS]
             offset = (at & depth_mask) - start_depth(node)
-            after = _after(node, offset, max_tokens)
+            after = cached_after(node, offset, max_tokens)
             if not after:
                 continue
             m = 0
@@ -172,9 +167,9 @@ class SuffixIndex:
         return best[0], found
 
 
-def _after(node: TreeNode, offset: int, max_tokens: int) -> list[int]:
+def cached_after(node: TreeNode, offset: int, max_tokens: int) -> list[int]:
     """Up to `max_tokens` cached tokens after `node.key[offset]`, down the most recently
-    used branch."""
+    used branch (`offset` -1: from the node's first token)."""
     out = node.key[offset + 1 : offset + 1 + max_tokens]
     while len(out) < max_tokens and node.children:
         node = max(node.children.values(), key=lambda c: c.last_access)
