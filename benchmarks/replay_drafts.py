@@ -118,7 +118,8 @@ def replay(runs: list[Any], drafter: str, cap: int, k: int, a: float, b: float) 
                     draft = out[at : at + room]
                 elif room > 0:
                     seq = prompt + out[:at]
-                    match, draft = own[i].draft(seq, room)
+                    match, found = own[i].draft(seq, room)
+                    draft = found[0] if found else []  # the latest of the longest matches
                     if drafter == "own+siblings":
                         others = [o[: done[j]] for j, o in enumerate(outs) if j != i]
                         theirs, found = sibling_draft(seq, others, room)

@@ -5,6 +5,7 @@ n > 1, stop strings, logprobs, a regex, a small pool that retracts), drafts real
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from radixserve.kvcache.radix import RadixCache
 from radixserve.sampling.stop import StopChecker
 from radixserve.scheduler import draft_model, speculative
 from radixserve.scheduler.draft_model import DraftModel
+from radixserve.scheduler.draft_tree import ROOT, Draft
 from radixserve.scheduler.ngram import CANDIDATES, MAX_MATCH, MIN_MATCH, NgramIndex
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.speculative import MAX_PAUSE, MAX_ROWS, MIN_DRAFT, Speculator
@@ -83,6 +85,72 @@ def test_same_tokens_with_and_without_drafts(plain: Engine, spec: Engine, case: 
             assert got == pytest.approx(want, abs=1e-4)
     assert_all_free(spec)
     assert_all_free(plain)
+
+
+def random_tree(rng: random.Random, truth: list[int], k: int) -> tuple[Draft, int]:
+    """A tree of k nodes under random parents: a node under one on the path of `truth` (the
+    tokens plain decoding draws next) holds truth's next token half the time, else a token
+    off it; and the depth of truth's path in the tree."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    on_truth = {ROOT: 0}  # the nodes on truth's path, by depth
+    while len(tokens) < k:
+        parent = rng.choice([ROOT, *range(len(tokens))])
+        taken = {t for t, p in zip(tokens, parents) if p == parent}
+        depth = on_truth.get(parent)
+        want = truth[depth] if depth is not None and depth < len(truth) else None
+        if want is not None and want not in taken and rng.random() < 0.5:
+            on_truth[len(tokens)] = depth + 1 if depth is not None else 0
+            token = want
+        else:
+            token = rng.randrange(100, 20000)
+            if token in taken or token == want:
+                continue
+        tokens.append(token)
+        parents.append(parent)
+    return Draft(tokens, parents), max(on_truth.values())
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("case", ["greedy-batch", "seeded-batch", "greedy-n4", "seeded-n4"])
+def test_random_trees_keep_what_plain_decoding_draws(
+    plain: Engine, spec: Engine, case: str, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every step drafts random trees holding part of what plain decoding draws (the
+    oracle), on random branches: the output is the oracle's, and each step keeps exactly
+    the depth of the oracle's path in its tree."""
+    ids, params, kw = CASES[case]
+    reference = ids_of(plain.generate(input_ids=ids, sampling_params=params, **kw))
+    prompts_of = [ids] if isinstance(ids[0], int) else ids
+    n = params.get("n", 1)
+    truth = {
+        (tuple(p), i): reference[j * n + i] for j, p in enumerate(prompts_of) for i in range(n)
+    }
+    rng = random.Random(seed)
+    expected = 0  # tokens the trees' oracle paths hold
+
+    def propose(samples: list[Req], room: int) -> list[Draft]:
+        nonlocal expected
+        drafts = []
+        for req in samples:
+            out = req.output_ids
+            left = req.sampling.max_new_tokens - len(out) - 1
+            tree, depth = random_tree(
+                rng,
+                truth[(tuple(req.prompt_ids), req.index)][len(out) :],
+                min(rng.randint(1, 8), room, left),
+            )
+            drafts.append(tree)
+            room -= len(tree)
+            expected += depth
+        return drafts
+
+    monkeypatch.setattr(spec.scheduler.speculator, "propose", propose)
+    before = spec.scheduler.stats().accepted_draft_tokens_total
+    out = spec.generate(input_ids=ids, sampling_params=params, **kw)
+    assert ids_of(out) == reference
+    assert spec.scheduler.stats().accepted_draft_tokens_total - before == expected > 0
+    assert_all_free(spec)
 
 
 def test_a_repeated_request_is_drafted_from_the_radix_cache(plain: Engine, spec: Engine) -> None:
@@ -355,9 +423,10 @@ def test_a_draft_model_must_share_the_vocabulary(tiny_model_dir: Path, tmp_path:
 # ---------------------------------------------------------------- drafters alone
 
 
-def direct_draft(ids: list[int], k: int) -> tuple[int, list[int]]:
+def direct_draft(ids: list[int], k: int) -> tuple[int, list[list[int]]]:
     """NgramIndex.draft's rule by a direct search: of the latest CANDIDATES earlier
-    occurrences of the last two tokens, the longest match (up to MAX_MATCH), latest first."""
+    occurrences of the last two tokens, the longest matches (up to MAX_MATCH), latest
+    first."""
     last = len(ids) - 1
     if last < MIN_MATCH or k == 0:
         return 0, []
@@ -371,8 +440,8 @@ def direct_draft(ids: list[int], k: int) -> tuple[int, list[int]]:
 
     if not ends:
         return 0, []
-    best = max(reversed(ends), key=match)  # max keeps the first (latest) of equal ones
-    return match(best), ids[best + 1 : best + 1 + k]
+    best = max(map(match, ends))
+    return best, [ids[e + 1 : e + 1 + k] for e in reversed(ends) if match(e) == best]
 
 
 @given(st.lists(st.integers(0, 4), max_size=120), st.integers(1, 10), st.integers(0, 120))
@@ -386,7 +455,7 @@ def test_ngram_draft_follows_the_longest_of_the_latest_matches(
     assert index.draft(ids, k) == NgramIndex().draft(ids, k) == direct_draft(ids, k)
 
 
-def test_continuation_follows_the_most_recent_branch() -> None:
+def test_continuations_follow_every_branch_the_most_recent_first() -> None:
     pool = KVPool(64, 1, 1, 4, torch.float32)
     cache = RadixCache(pool)
 
@@ -397,13 +466,15 @@ def test_continuation_follows_the_most_recent_branch() -> None:
 
     insert([1, 2, 3, 4, 5])
     insert([1, 2, 3, 9, 9, 9])
-    assert cache.continuation([1, 2], 10) == [3, 9, 9, 9]  # the newer branch
-    assert cache.continuation([1, 2, 3, 4], 10) == [5]
-    assert cache.continuation([1, 2, 3, 4, 5], 10) == []  # nothing extends it
-    assert cache.continuation([1, 2, 7], 10) == []  # not cached
-    assert cache.continuation([1], 2) == [2, 3]
+    assert cache.continuations([1, 2], 10) == [[3, 9, 9, 9], [3, 4, 5]]  # the newer first
+    assert cache.continuations([1, 2], 2) == [[3, 9], [3, 4]]
+    assert cache.continuations([1, 2, 3, 4], 10) == [[5]]
+    assert cache.continuations([1, 2, 3, 4, 5], 10) == []  # nothing extends it
+    assert cache.continuations([1, 2, 7], 10) == []  # not cached
+    assert cache.continuations([1], 2) == [[2, 3]]
+    assert cache.continuations([1], 0) == []
     cache.match_prefix([1, 2, 3, 4])  # touched: now the most recent branch
-    assert cache.continuation([1, 2, 3], 10) == [4, 5]
+    assert cache.continuations([1, 2, 3], 10) == [[4, 5], [9, 9, 9]]
 
 
 def test_the_draft_length_follows_what_was_kept() -> None:
@@ -426,7 +497,7 @@ def test_the_draft_length_follows_what_was_kept() -> None:
         speculator.keep_only([req])
         [draft] = speculator.propose([req], room=64)
         if draft and kept is not None:
-            speculator.record(req, len(draft), kept)
+            speculator.record(req, draft, kept)
         return len(draft)
 
     assert step(kept=3) == 8  # the flag
@@ -471,7 +542,8 @@ def test_a_sample_is_drafted_from_text_cached_under_another_prefix() -> None:
             req.append_output(token)
         speculator.next_step(1)
         [found] = speculator.propose([req], room=64)
-        return found
+        assert found.parents == list(range(-1, len(found) - 1))  # one occurrence: a chain
+        return found.tokens
 
     # another prefix (a date), then the start of the same answer
     assert draft("radix", [9, 9, 3], answer[:5]) == answer[5:13]

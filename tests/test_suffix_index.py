@@ -82,18 +82,27 @@ def test_the_index_follows_the_tree_and_finds_the_longest_match(
         cache.check_integrity()  # asserts the index files exactly the tree's positions
     prefixes = cached_prefixes(cache)
     for ids in queries + [base[:cut] for cut in range(ORDER, 17)]:
-        match, found = cache.suffix_continuation(ids, k)
+        match, found = cache.suffix_continuations(ids, k)
         # the positions filed under the query's last ORDER tokens, and those with tokens after
         filed = [p for p in prefixes if len(ids) >= ORDER and p[-ORDER:] == tuple(ids[-ORDER:])]
         followed = [p for p in filed if any(q[: len(p)] == p and len(q) > len(p) for q in prefixes)]
         if not followed:
             assert (match, found) == (0, [])
             continue
-        assert ORDER <= match <= MAX_MATCH and 1 <= len(found) <= k
-        # some cached position matches `match` tokens and has `found` after it
-        assert any(
-            common_suffix(p, ids) >= match and p + tuple(found) in prefixes for p in followed
-        )
+        assert ORDER <= match <= MAX_MATCH and 1 <= len(found) <= CANDIDATES
+        # each is after a cached position that matches `match` tokens, no two after one
+        at = []
+        for after in found:
+            assert 1 <= len(after) <= k
+            at.append(
+                [
+                    p
+                    for p in followed
+                    if common_suffix(p, ids) >= match and p + tuple(after) in prefixes
+                ]
+            )
+            assert at[-1], after
+        assert len(found) <= len(set().union(*map(set, at)))
         if len(filed) <= CANDIDATES:  # every one was scored: the longest match won
             assert match == max(common_suffix(p, ids) for p in followed)
 
@@ -102,14 +111,14 @@ def test_a_lookup_follows_the_most_recent_branch_after_the_match() -> None:
     pool, cache = make_cache()
     insert(pool, cache, [7, 1, 2, 3, 4, 5])
     insert(pool, cache, [8, 1, 2, 3, 9, 9])  # the same run under another first token
-    assert cache.suffix_continuation([6, 1, 2, 3], 10) == (3, [9, 9])  # the latest
-    assert cache.suffix_continuation([7, 1, 2, 3], 10) == (4, [4, 5])  # the longer match
-    assert cache.suffix_continuation([5, 2, 3], 10) == (0, [])  # no run 5, 2, 3 cached
+    assert cache.suffix_continuations([6, 1, 2, 3], 10) == (3, [[9, 9], [4, 5]])  # latest first
+    assert cache.suffix_continuations([7, 1, 2, 3], 10) == (4, [[4, 5]])  # the longer match
+    assert cache.suffix_continuations([5, 2, 3], 10) == (0, [])  # no run 5, 2, 3 cached
     insert(pool, cache, [7, 1, 2, 3, 4, 6])  # splits [4, 5]; now the newer branch
-    assert cache.suffix_continuation([0, 2, 3, 4], 1) == (3, [6])
+    assert cache.suffix_continuations([0, 2, 3, 4], 1) == (3, [[6]])
     cache.check_integrity()
     assert cache.evict(100) == 13
-    assert cache.suffix_continuation([0, 1, 2, 3], 10) == (0, [])
+    assert cache.suffix_continuations([0, 1, 2, 3], 10) == (0, [])
     assert len(cache.suffixes or []) == 0
 
 
@@ -118,4 +127,4 @@ def test_no_index_unless_asked() -> None:
     cache = RadixCache(pool)
     insert(pool, cache, [1, 2, 3, 4, 5])
     assert cache.suffixes is None
-    assert cache.suffix_continuation([1, 2, 3], 4) == (0, [])
+    assert cache.suffix_continuations([1, 2, 3], 4) == (0, [])

@@ -136,13 +136,13 @@ class HiCache:
     def cached_length(self, token_ids: Sequence[int]) -> int:
         return self.tree.cached_length(token_ids)
 
-    def continuation(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        return self.tree.continuation(token_ids, max_tokens)
+    def continuations(self, token_ids: Sequence[int], max_tokens: int) -> list[list[int]]:
+        return self.tree.continuations(token_ids, max_tokens)
 
-    def suffix_continuation(
+    def suffix_continuations(
         self, token_ids: Sequence[int], max_tokens: int
-    ) -> tuple[int, list[int]]:
-        return self.tree.suffix_continuation(token_ids, max_tokens)
+    ) -> tuple[int, list[list[int]]]:
+        return self.tree.suffix_continuations(token_ids, max_tokens)
 
     def lock(self, node: TreeNode) -> None:
         self.tree.lock(node)

@@ -93,17 +93,17 @@ class PrefixCache(Protocol):
         """len(match_prefix(token_ids).indices) without changing anything (for ranking)."""
         ...
 
-    def continuation(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        """Up to `max_tokens` cached tokens that follow all of `token_ids` (a draft for
-        speculative decoding); []: none. Changes nothing."""
+    def continuations(self, token_ids: Sequence[int], max_tokens: int) -> list[list[int]]:
+        """The cached continuations of all of `token_ids`, one a branch, each up to
+        `max_tokens` tokens (drafts for speculative decoding); []: none. Changes nothing."""
         ...
 
-    def suffix_continuation(
+    def suffix_continuations(
         self, token_ids: Sequence[int], max_tokens: int
-    ) -> tuple[int, list[int]]:
-        """(match length, up to `max_tokens` tokens) after the best cached occurrence of the
-        end of `token_ids` (kvcache/suffix_index.py); (0, []): none, or no suffix index.
-        Changes nothing."""
+    ) -> tuple[int, list[list[int]]]:
+        """(match length, up to `max_tokens` tokens after each) of the best cached
+        occurrences of the end of `token_ids` (kvcache/suffix_index.py); (0, []): none, or
+        no suffix index. Changes nothing."""
         ...
 
     def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
@@ -185,12 +185,12 @@ class NoPrefixCache:
     def cached_length(self, token_ids: Sequence[int]) -> int:
         return 0
 
-    def continuation(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+    def continuations(self, token_ids: Sequence[int], max_tokens: int) -> list[list[int]]:
         return []
 
-    def suffix_continuation(
+    def suffix_continuations(
         self, token_ids: Sequence[int], max_tokens: int
-    ) -> tuple[int, list[int]]:
+    ) -> tuple[int, list[list[int]]]:
         return 0, []
 
     def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:

@@ -26,7 +26,7 @@ import torch
 
 from radixserve.core.info import TierStats
 from radixserve.kvcache.pool import KVPool
-from radixserve.kvcache.suffix_index import SuffixIndex, cached_after
+from radixserve.kvcache.suffix_index import CANDIDATES, SuffixIndex, cached_branches
 
 # Called with (token ids of the root-to-leaf path, their KV slots, where the leaf begins)
 # just before `evict` frees a leaf's slots: the leaf's ancestors are still cached then, so
@@ -234,23 +234,26 @@ class RadixCache:
         edges = list(self._edges(list(token_ids)))
         return edges[-1][0] if edges else self.root
 
-    def continuation(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        """Up to `max_tokens` cached tokens that follow all of `token_ids`, along the most
-        recently used branch; [] when no cached sequence extends `token_ids`. Read-only."""
+    def continuations(self, token_ids: Sequence[int], max_tokens: int) -> list[list[int]]:
+        """The cached continuations of all of `token_ids`: up to CANDIDATES branches, the
+        most recently used first, each up to `max_tokens` tokens; [] when no cached sequence
+        extends `token_ids`. Read-only."""
         tokens = list(token_ids)
         node, matched, on_edge = self.root, 0, 0
         for child, m in self._edges(tokens):
             node, matched, on_edge = child, matched + m, m
-        if matched < len(tokens) or not tokens:
+        if matched < len(tokens) or not tokens or max_tokens <= 0:
             return []
-        return cached_after(node, on_edge - 1, max_tokens)  # on_edge >= 1: node is no root
+        # on_edge >= 1: node is no root
+        found = cached_branches(node, on_edge - 1, max_tokens, CANDIDATES)
+        return [] if found == [[]] else found
 
-    def suffix_continuation(
+    def suffix_continuations(
         self, token_ids: Sequence[int], max_tokens: int
-    ) -> tuple[int, list[int]]:
-        """(match length, up to `max_tokens` tokens) after the cache's best occurrence of the
-        end of `token_ids` anywhere in the tree (suffix_index.py); (0, []) for none or when
-        the cache keeps no suffix index. Read-only."""
+    ) -> tuple[int, list[list[int]]]:
+        """(match length, up to `max_tokens` tokens after each) of the cache's best
+        occurrences of the end of `token_ids` anywhere in the tree (suffix_index.py); (0, [])
+        for none or when the cache keeps no suffix index. Read-only."""
         if self.suffixes is None:
             return 0, []
         return self.suffixes.lookup(token_ids, max_tokens)

@@ -7,11 +7,11 @@ new node, an evicted leaf takes its own away, a flush empties it. Depths never c
 an entry needs no update when the node holding it changes shape.
 
 `lookup` finds where the end of a sequence occurs in the cache: of the latest CANDIDATES
-positions filed under its last ORDER tokens, the one whose match with the sequence's end is
-longest (up to MAX_MATCH tokens, then the most recently used), and returns the cached
-tokens after it, down the most recently used branch. What it matches may be any sequence
-the cache holds: another request's answer, another sample's, the same text under another
-prefix (a system prompt that names the date), the sample's own prompt.
+positions filed under its last ORDER tokens, those whose match with the sequence's end is
+longest (up to MAX_MATCH tokens), and returns the cached tokens after each, down the most
+recently used branch, the most recently used position first. What it matches may be any
+sequence the cache holds: another request's answer, another sample's, the same text under
+another prefix (a system prompt that names the date), the sample's own prompt.
 """
 
 from __future__ import annotations
@@ -137,22 +137,21 @@ class SuffixIndex:
         assert have == want, f"suffix index: {len(have)} keys filed, the tree has {len(want)}"
         assert self.nodes == live, f"suffix index: {len(self.nodes)} nodes, the tree {len(live)}"
 
-    def lookup(self, token_ids: Sequence[int], max_tokens: int) -> tuple[int, list[int]]:
-        """(match length, up to `max_tokens` tokens that followed it) for the best cached
-        occurrence of the end of `token_ids` (module docstring); (0, []) for none."""
+    def lookup(self, token_ids: Sequence[int], max_tokens: int) -> tuple[int, list[list[int]]]:
+        """(match length, up to `max_tokens` tokens that followed each) for the best cached
+        occurrences of the end of `token_ids` (module docstring); (0, []) for none."""
         if len(token_ids) < ORDER or max_tokens <= 0:
             return 0, []
         filed = self.ends.get(gram(token_ids[-ORDER:]))
         if filed is None:
             return 0, []
         latest = [filed] if isinstance(filed, int) else islice(reversed(filed), CANDIDATES)
-        best: tuple[int, float] = (0, 0.0)
-        found: list[int] = []
+        found: list[tuple[int, float, list[int]]] = []  # (match, last use, continuation)
         depth_mask = (1 << DEPTH_BITS) - 1
         for at in latest:
             node = self.nodes[at >> DEPTH_BITS]
             offset = (at & depth_mask) - start_depth(node)
-            after = cached_after(node, offset, max_tokens)
+            after = cached_branches(node, offset, max_tokens, 1)[0]
             if not after:
                 continue
             m = 0
@@ -161,17 +160,26 @@ class SuffixIndex:
                     break
             else:
                 m += 1
-            score = (m, node.last_access)
-            if m >= ORDER and score > best:
-                best, found = score, after
-        return best[0], found
+            if m >= ORDER:
+                found.append((m, node.last_access, after))
+        if not found:
+            return 0, []
+        best = max(m for m, _, _ in found)
+        found.sort(key=lambda f: f[1], reverse=True)
+        return best, [after for m, _, after in found if m == best]
 
 
-def cached_after(node: TreeNode, offset: int, max_tokens: int) -> list[int]:
-    """Up to `max_tokens` cached tokens after `node.key[offset]`, down the most recently
-    used branch (`offset` -1: from the node's first token)."""
+def cached_branches(node: TreeNode, offset: int, max_tokens: int, limit: int) -> list[list[int]]:
+    """The cached continuations after `node.key[offset]` (`offset` -1: from the node's first
+    token), one a branch, up to `limit` of them, each up to `max_tokens` tokens; the most
+    recently used branch first."""
     out = node.key[offset + 1 : offset + 1 + max_tokens]
-    while len(out) < max_tokens and node.children:
-        node = max(node.children.values(), key=lambda c: c.last_access)
-        out.extend(node.key[: max_tokens - len(out)])
-    return out
+    if len(out) == max_tokens or not node.children:
+        return [out]
+    found: list[list[int]] = []
+    for child in sorted(node.children.values(), key=lambda c: c.last_access, reverse=True):
+        for rest in cached_branches(child, -1, max_tokens - len(out), limit - len(found)):
+            found.append(out + rest)
+        if len(found) == limit:
+            break
+    return found

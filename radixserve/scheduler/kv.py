@@ -98,12 +98,17 @@ class KVManager:
         cols = torch.tensor([r.kv_len for r, _ in work], dtype=torch.int64)  # (B,)
         self.req_pool.table[rows, cols] = slots
 
-    def trim(self, req: Req, end: int) -> None:
-        """Free the slots of positions kv_len .. end - 1, allocated but not kept (the part of
-        a speculative draft that was not accepted)."""
+    def settle_draft(self, req: Req, start: int, size: int, kept: list[int]) -> None:
+        """Positions start .. start + size - 1 hold the slots of a speculative draft's nodes;
+        keep those of the nodes `kept` (a path, in order) at positions start, start + 1, ..
+        and free the others."""
         assert req.row is not None, f"{req.rid} is not admitted"
-        if end > req.kv_len:
-            self.pool.free(self.req_pool.table[req.row, req.kv_len : end].clone())
+        drafted = self.req_pool.table[req.row, start : start + size].clone()
+        keep = torch.tensor(kept, dtype=torch.int64)
+        self.req_pool.table[req.row, start : start + len(kept)] = drafted[keep]
+        dropped = torch.ones(size, dtype=torch.bool)
+        dropped[keep] = False
+        self.pool.free(drafted[dropped])
 
     def path(self, req: Req) -> list[tuple[int, int]]:
         """The shared runs at the start of the request's K/V as (node id, tokens): its radix

@@ -14,24 +14,26 @@ class NgramIndex:
         self.ends: dict[tuple[int, int], list[int]] = {}
         self.indexed = 1  # pairs ending before this position are indexed
 
-    def draft(self, ids: list[int], k: int) -> tuple[int, list[int]]:
-        """(match length, up to `k` tokens that followed an earlier occurrence of the end of
-        `ids`): of the latest CANDIDATES occurrences of its last two tokens, the one whose
-        match with the end of `ids` is longest (up to MAX_MATCH tokens; the latest on a
-        tie); (0, []) for none. `ids` only ever grows between calls."""
+    def draft(self, ids: list[int], k: int) -> tuple[int, list[list[int]]]:
+        """(match length, up to `k` tokens that followed each) of the earlier occurrences of
+        the end of `ids` that match it longest (up to MAX_MATCH tokens) among the latest
+        CANDIDATES occurrences of its last two tokens, the latest first; (0, []) for none.
+        `ids` only ever grows between calls."""
         for end in range(self.indexed, len(ids)):
             self.ends.setdefault((ids[end - 1], ids[end]), []).append(end)
         self.indexed = max(self.indexed, len(ids))
         last = len(ids) - 1
         if last < MIN_MATCH:
             return 0, []
-        best_len, best_end = 0, -1
+        best_len = 0
+        found: list[list[int]] = []
         ends = self.ends[(ids[last - 1], ids[last])]  # its last entry is `last` itself
         for end in reversed(ends[-CANDIDATES - 1 : -1]):
             m = MIN_MATCH
             while m < MAX_MATCH and m <= end and ids[end - m] == ids[last - m]:
                 m += 1
             if m > best_len:
-                best_len, best_end = m, end
-        found = ids[best_end + 1 : best_end + 1 + k] if best_len else []
-        return (best_len, found) if found else (0, [])
+                best_len, found = m, []
+            if m == best_len:
+                found.append(ids[end + 1 : end + 1 + k])
+        return (best_len, found) if k > 0 and found else (0, [])

@@ -33,6 +33,7 @@ from radixserve.core.request import FinishReason, PromptLogprob, TokenizedReques
 from radixserve.kvcache.radix import TreeNode
 from radixserve.sampling.sampler import SamplingInfo
 from radixserve.sampling.stop import StopChecker
+from radixserve.scheduler.draft_tree import Draft
 from radixserve.scheduler.ngram import NgramIndex
 
 
@@ -60,9 +61,9 @@ class Req:
     new_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     input_logprobs: list[PromptLogprob] = field(default_factory=list)
     input_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
-    # Speculative decoding (speculative.py): this step's draft tokens, fed after the last
+    # Speculative decoding (speculative.py): this step's token tree, fed after the last
     # token.
-    draft: list[int] = field(default_factory=list)
+    draft: Draft = field(default_factory=Draft)
     ngrams: NgramIndex = field(default_factory=NgramIndex)  # its own tokens, for ngram drafts
     # Kept across steps (module docstring).
     all_ids: list[int] = field(init=False)  # prompt_ids + output_ids

@@ -54,6 +54,7 @@ from radixserve.kvcache.tree_view import snapshot
 from radixserve.sampling.stop import StopChecker
 from radixserve.scheduler.compiling import PendingCompiles
 from radixserve.scheduler.draft_model import DraftModel
+from radixserve.scheduler.draft_tree import ROOT, Draft
 from radixserve.scheduler.kv import KVManager
 from radixserve.scheduler.modules import EncodeChunk, SchemaDone
 from radixserve.scheduler.outputs import OutputProcessor
@@ -345,9 +346,10 @@ class Scheduler:
         """The step's batch (the work, then the encode chunks: their logits are not used),
         the token rows needing logits, and each work's first such row.
 
-        A drafted sample enters as 1 + k decode entries, entry j being the sequence up to
-        its j-th new token (the K/V of every entry is written before any attends): each row
-        attends as a plain decode step would, and its logits are those plain decoding
+        A sample drafted a tree of k nodes enters as 1 + k decode entries: its last token,
+        then each node as the sequence up to it (the sample's sequence, the node's ancestors,
+        the node: the K/V of every entry is written before any attends). Each row attends as
+        a plain decode step of that sequence would, so its logits are those plain decoding
         computes. The first entry has the sample's radix path; the others none, so that the
         tree backend does not group a sample's entries with one another."""
         entries = BatchBuilder()
@@ -360,10 +362,14 @@ class Scheduler:
             path = self.kv.path(r)
             first_row.append(len(rows))
             if r.draft:
-                ids = r.all_ids[start:] + r.draft
-                pos = r.positions(start, end)
-                for j in range(w.n):
-                    entries.add([ids[j]], [pos[j]], slots[: start + j + 1], path if j == 0 else [])
+                tree = r.draft
+                pos = r.positions(start, start + 1 + tree.depth)
+                entries.add(r.all_ids[start:], pos[:1], slots[: start + 1], path)
+                for node, token in enumerate(tree.tokens):
+                    up = [start + 1 + i for i in tree.path(node)]
+                    entries.add(
+                        [token], [pos[len(up)]], torch.cat([slots[: start + 1], slots[up]]), []
+                    )
                 rows.extend(range(t, t + w.n))
                 continue
             entries.add(r.all_ids[start:end], r.positions(start, end), slots, path)
@@ -457,29 +463,34 @@ class Scheduler:
                 self._end_if(req, self._take(req, token, lp, top))
 
     def _verify(self, drafted: list[tuple[Req, int]], logits: torch.Tensor) -> None:
-        """Draw each drafted sample's tokens position by position for as long as they equal
-        its draft (speculative.py); then free the K/V of the draft positions not kept, and
-        end the samples that finished."""
+        """Draw each drafted sample's tokens one position at a time, from its last token's
+        logits, then from those of the tree node holding the token just drawn, for as long as
+        one does (speculative.py); then keep the K/V of the nodes kept in their positions,
+        free the others', and end the samples that finished."""
         start = {req: req.kv_len for req, _ in drafted}
         first_row = dict(drafted)
+        kept: dict[Req, list[int]] = {req: [] for req, _ in drafted}
         ends: list[tuple[Req, FinishReason]] = []
-        live, i = drafted, 0
+        live = [(req, row, ROOT) for req, row in drafted]  # (sample, logits row, its node)
         while live:
-            drawn, failures = self.out.draw([(r, row + i) for r, row in live], logits)
+            drawn, failures = self.out.draw([(r, row) for r, row, _ in live], logits)
             ends += [(r, FinishReason("error", message, status)) for r, status, message in failures]
+            at = {r: node for r, _, node in live}
             going = []
             for req, token, lp, top in drawn:
                 reason = self._take(req, token, lp, top)
+                node = req.draft.child(at[req], token)
                 if reason is not None:
                     ends.append((req, reason))
-                elif i < len(req.draft) and token == req.draft[i]:
-                    req.kv_len += 1  # the draft token's K/V, computed this step, is kept
-                    going.append((req, first_row[req]))
-            live, i = going, i + 1
+                elif node is not None:
+                    kept[req].append(node)  # its K/V, computed this step, is kept
+                    going.append((req, first_row[req] + 1 + node, node))
+            live = going
         for req, _ in drafted:
-            self.kv.trim(req, start[req] + len(req.draft))
-            self.speculator.record(req, len(req.draft), req.kv_len - start[req])
-            req.draft = []
+            self.kv.settle_draft(req, start[req], len(req.draft), kept[req])
+            req.kv_len += len(kept[req])
+            self.speculator.record(req, req.draft, len(kept[req]))
+            req.draft = Draft()
         for req, reason in ends:
             if not req.finished:
                 self._end_if(req, reason)

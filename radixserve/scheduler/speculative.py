@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from radixserve.config import SPECULATIVE_ALGORITHMS
 from radixserve.kvcache.prefix_cache import PrefixCache
 from radixserve.scheduler.draft_model import DraftModel, ema
+from radixserve.scheduler.draft_tree import Draft, weighted_tree
 from radixserve.scheduler.req import Req
 
 MAX_PAUSE = 64  # steps a request whose drafts miss waits at most before drafting again
@@ -136,15 +137,16 @@ class Speculator:
     def _pace(self, rid: str) -> Pace:
         return self.paces.setdefault(rid, Pace(self.num_draft_tokens))
 
-    def propose(self, samples: list[Req], room: int) -> list[list[int]]:
-        """A draft for each of the decoding `samples` ([] for none), at most `room` tokens
-        in all, given out in order. A sample's last token's K/V is what the step computes."""
+    def propose(self, samples: list[Req], room: int) -> list[Draft]:
+        """A token tree for each of the decoding `samples` (empty for none), at most `room`
+        tokens in all, given out in order. A sample's last token's K/V is what the step
+        computes."""
         if self.drafter is not None:  # the radix cache's drafts cost no draft model steps
-            cached: list[list[int]] = []
+            cached: list[Draft] = []
             wants = []
             for req in samples:
                 k = self._budget(req, room)
-                cached.append(self.cache.continuation(req.all_ids, k) if k > 0 else [])
+                cached.append(weighted_tree(self.cache.continuations(req.all_ids, k), k))
                 wants.append((req, 0 if cached[-1] else k))
                 room -= k
             drafting = sum(k > 0 for _, k in wants)
@@ -155,24 +157,27 @@ class Speculator:
                 wants = [(req, 0) for req, _ in wants]
             modelled = self.drafter.draft(wants)
             self.modelled = {req for (req, k), m in zip(wants, modelled) if k > 0 and m}
-            return [c or m for c, m in zip(cached, modelled)]
+            return [c or Draft.chain(m) for c, m in zip(cached, modelled)]
         drafts = []
         for req in samples:
             k = self._budget(req, room)
-            draft = self._lookup(req, k) if k > 0 else []
+            draft = weighted_tree(self._lookup(req, k), k)
             drafts.append(draft)
             room -= len(draft)
         return drafts
 
-    def _lookup(self, req: Req, k: int) -> list[int]:
-        """Up to `k` tokens the model-free drafters propose for `req` (module docstring)."""
+    def _lookup(self, req: Req, k: int) -> list[list[int]]:
+        """The continuations of up to `k` tokens the model-free drafters find for `req`
+        (module docstring)."""
+        if k <= 0:
+            return []
         match = 0
-        found: list[int] = []
+        found: list[list[int]] = []
         if self.algorithm in ("auto", "radix"):
-            extends = self.cache.continuation(req.all_ids, k)
+            extends = self.cache.continuations(req.all_ids, k)
             if extends:
                 return extends
-            match, found = self.cache.suffix_continuation(req.all_ids, k)
+            match, found = self.cache.suffix_continuations(req.all_ids, k)
         if self.algorithm in ("auto", "ngram"):
             own_match, own = req.ngrams.draft(req.all_ids, k)
             if own_match >= match:
@@ -188,12 +193,13 @@ class Speculator:
         left = req.sampling.max_new_tokens - len(req.output_ids) - 1
         return max(0, min(pace.length, left, room))
 
-    def record(self, req: Req, proposed: int, accepted: int) -> None:
-        """`accepted` of `req`'s `proposed` draft tokens were kept this step."""
+    def record(self, req: Req, draft: Draft, accepted: int) -> None:
+        """`accepted` tokens of `req`'s `draft` were kept this step."""
+        proposed = len(draft)
         self.stats.proposed += proposed
         self.stats.accepted += accepted
         pace = self._pace(req.request.rid)
-        if accepted == proposed:
+        if accepted == draft.depth:
             pace.length = min(self.num_draft_tokens, 2 * pace.length)
         else:
             pace.length = min(self.num_draft_tokens, max(MIN_DRAFT, accepted + 1))
