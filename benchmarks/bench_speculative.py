@@ -253,6 +253,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="the speculating engine's (default: its default)",
     )
     ap.add_argument(
+        "--chains",
+        action="store_true",
+        help="also the speculating engine with --speculative-topk 1 (chains, no trees)",
+    )
+    ap.add_argument(
         "--gsm8k", default=None, metavar="PATH", help="GSM8K folder or jsonl (default: download)"
     )
     ap.add_argument(
@@ -285,6 +290,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "none": Engine(args.model, speculative_algorithm="none", **common),
         "auto": Engine(args.model, **{"speculative_algorithm": "auto", **common, **draft}),
     }
+    if args.chains:
+        chains = {"speculative_algorithm": "auto", **common, **draft, "speculative_topk": 1}
+        engines["chains"] = Engine(args.model, **chains)
     if args.prompts:  # token ids saved by --save-prompts (no data packages needed)
         saved = json.loads(args.prompts.read_text())
     else:
@@ -319,9 +327,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "draft_tokens": spec["draft_tokens"],
             "accepted_draft_tokens": spec["accepted_draft_tokens"],
             "same_tokens": all(
-                r["outputs"] == plain["outputs"] for r in runs["none"] + runs["auto"]
+                r["outputs"] == plain["outputs"] for runs_of in runs.values() for r in runs_of
             ),
         }
+        if "chains" in runs:
+            chained = best(runs["chains"])
+            row["chains_decode_tokens_per_s"] = round(chained["decode_tokens_per_s"], 2)
+            row["chains_draft_tokens"] = chained["draft_tokens"]
+            row["chains_accepted_draft_tokens"] = chained["accepted_draft_tokens"]
+            row["trees_over_chains"] = round(
+                spec["decode_tokens_per_s"] / chained["decode_tokens_per_s"], 3
+            )
+            print(
+                f"{name:11s} chains decode {row['chains_decode_tokens_per_s']:7.2f} tok/s "
+                f"accepted {chained['accepted_draft_tokens']}/{chained['draft_tokens']}; "
+                f"trees {row['trees_over_chains']:5.2f}x chains",
+                flush=True,
+            )
         if args.llamacpp and name in LOOKUP_WORKLOADS:
             gguf = args.model if args.model and args.model.endswith(".gguf") else embedded_gguf()
             lc = llamacpp_runs(str(gguf), prompts, args.max_new_tokens)
@@ -378,10 +400,12 @@ def plot(rows: list[dict[str, Any]], algorithm: str, out: Path) -> None:
     names = [r["workload"] for r in rows]
     x = range(len(rows))
     plain = [r["plain_decode_tokens_per_s"] for r in rows]
-    ax.bar([i - 0.2 for i in x], plain, 0.4, label="none")
-    ax.bar(
-        [i + 0.2 for i in x], [r["spec_decode_tokens_per_s"] for r in rows], 0.4, label=algorithm
-    )
+    bars = [("none", plain), (algorithm, [r["spec_decode_tokens_per_s"] for r in rows])]
+    if "chains_decode_tokens_per_s" in rows[0]:
+        bars.append((f"{algorithm}, chains", [r["chains_decode_tokens_per_s"] for r in rows]))
+    width = 0.8 / len(bars)
+    for j, (label, rates) in enumerate(bars):
+        ax.bar([i + (j - (len(bars) - 1) / 2) * width for i in x], rates, width, label=label)
     ax.set_xticks(list(x), names, rotation=30, ha="right")
     ax.set_ylabel("decode tokens/s")
     ax.legend()

@@ -86,6 +86,9 @@ HELP = {
     "speculative_draft_model_path": "a smaller model of the same vocabulary that drafts "
     "(a folder, file or name as for --model), with --speculative-algorithm draft-model",
     "speculative_num_draft_tokens": "most draft tokens a sample verifies per step",
+    "speculative_topk": "most branches under one token of a draft tree (1: chains); for a "
+    "draft model, the likeliest tokens it proposes at each step (SGLang's "
+    "--speculative-eagle-topk)",
     "attention_kernels": "attention ops under the backend: auto (triton on CUDA, native C++ "
     "on an AVX2 CPU, else cpu), native, cpu (torch), reference (readable torch), triton",
     "native_ops": "our C++ CPU kernels (RMSNorm/RoPE, quantized matmuls, sampling, attention); "

@@ -102,9 +102,11 @@ class EngineConfig:
     grammar_backend: str = "llguidance"  # constrained decoding (radixserve.constrained)
     # Speculative decoding (scheduler/speculative.py): "auto" (radix, else ngram), "ngram",
     # "radix", "draft-model" (radix, else the model at speculative_draft_model_path, which
-    # it needs) or "none"; at most this many draft tokens per sample and step
+    # it needs) or "none"; at most this many draft tokens per sample and step, in a token
+    # tree with at most speculative_topk branches under one node (1: chains)
     speculative_algorithm: str = "auto"
     speculative_num_draft_tokens: int = 8
+    speculative_topk: int = 4
     speculative_draft_model_path: str | None = None
     # Our C++ CPU kernels (RMSNorm/RoPE, quantized matmuls, sampling, attention), built on
     # first use; False: the same math as torch ops. Process-wide (see worker).
@@ -169,6 +171,7 @@ class EngineConfig:
             0 <= self.speculative_num_draft_tokens <= 64,
             "speculative_num_draft_tokens must be in [0, 64]",
         )
+        check(1 <= self.speculative_topk <= 16, "speculative_topk must be in [1, 16]")
         check(
             self.attention_kernels in ATTENTION_KERNELS,
             f"attention_kernels must be one of {ATTENTION_KERNELS}, got {self.attention_kernels!r}",

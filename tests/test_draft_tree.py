@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from radixserve.scheduler.draft_model import Growing
 from radixserve.scheduler.draft_tree import ROOT, Draft, weighted_tree
 
 
@@ -29,31 +30,56 @@ def test_a_tree_refuses_a_bad_shape() -> None:
         Draft([5, 6], [ROOT])
 
 
-def direct_tree(continuations: list[list[int]], k: int) -> list[tuple[int, ...]]:
-    """The k prefixes most continuations start with (first seen first among equal ones)."""
+def direct_tree(continuations: list[list[int]], k: int, topk: int) -> list[tuple[int, ...]]:
+    """The k prefixes most continuations start with (first seen first among equal ones),
+    each but the first token's under a kept one, at most topk under one."""
     count: dict[tuple[int, ...], int] = {}  # in first-seen order
     for seq in continuations:
         for end in range(1, len(seq) + 1):
             count[tuple(seq[:end])] = count.get(tuple(seq[:end]), 0) + 1
     order = sorted(enumerate(count), key=lambda e: (-count[e[1]], e[0]))
-    return [prefix for _, prefix in order[:k]]
+    kept: list[tuple[int, ...]] = []
+    for _, prefix in order:
+        up = prefix[:-1]
+        under = sum(1 for p in kept if p[:-1] == up)
+        if len(kept) < k and (not up or up in kept) and under < topk:
+            kept.append(prefix)
+    return kept
 
 
 @given(
     st.lists(st.lists(st.integers(0, 2), max_size=6), max_size=8),
     st.integers(0, 20),
+    st.integers(1, 3),
 )
 def test_the_weighted_tree_keeps_the_prefixes_most_continuations_take(
-    continuations: list[list[int]], k: int
+    continuations: list[list[int]], k: int, topk: int
 ) -> None:
-    tree = weighted_tree(continuations, k)
+    tree = weighted_tree(continuations, k, topk)
     paths = [tuple(tree.tokens[i] for i in tree.path(node)) for node in range(len(tree))]
-    assert paths == direct_tree(continuations, k)
+    assert paths == direct_tree(continuations, k, topk)
 
 
 def test_one_continuation_is_a_chain_and_agreeing_ones_outweigh_the_latest() -> None:
-    assert weighted_tree([[1, 2, 3, 4]], 3) == Draft.chain([1, 2, 3])
+    assert weighted_tree([[1, 2, 3, 4]], 3, 4) == Draft.chain([1, 2, 3])
     # the latest goes 9 9 9, two others 1 2, then apart: 1 2 first, then the latest's
     # (earlier among equally likely nodes)
-    tree = weighted_tree([[9, 9, 9], [1, 2, 3], [1, 2, 4]], 4)
+    tree = weighted_tree([[9, 9, 9], [1, 2, 3], [1, 2, 4]], 4, 4)
     assert tree.tokens == [1, 2, 9, 9] and tree.parents == [ROOT, 0, ROOT, 2]
+    # one branch a node: the likeliest chain
+    assert weighted_tree([[9, 9, 9], [1, 2, 3], [1, 2, 4]], 4, 1) == Draft.chain([1, 2, 3])
+
+
+def test_a_draft_model_tree_keeps_its_likeliest_tokens() -> None:
+    """Sure of its first token, torn over the second: the chain, then both runners-up."""
+    grow = Growing()
+    grow.add([(5, 0.9), (6, 0.05)])
+    assert grow.grows(4)
+    grow.add([(7, 0.4), (8, 0.35), (9, 0.2)])
+    assert grow.grows(4)  # a third chain token (at most 0.36) may beat 0.18
+    grow.add([(10, 0.1), (11, 0.05)])  # 0.036: below the 4th likeliest (0.18)
+    assert not grow.grows(4)
+    tree = grow.tree(4, 3)
+    assert tree.tokens == [5, 7, 8, 9] and tree.parents == [ROOT, 0, 0, 0]
+    assert grow.tree(4, 2) == Draft([5, 7, 8, 6], [ROOT, 0, 0, ROOT])
+    assert grow.tree(4, 1) == Draft.chain([5, 7, 10])

@@ -6,6 +6,7 @@ n > 1, stop strings, logprobs, a regex, a small pool that retracts), drafts real
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from hypothesis import strategies as st
 
 from benchmarks.make_gguf import build_tiny_model
 from radixserve import Engine
+from radixserve.cli import build_parser, config_from_args
+from radixserve.config import EngineConfig
 from radixserve.core.params import SamplingParams
 from radixserve.core.request import TokenizedRequest
 from radixserve.kvcache.pool import KVPool
@@ -29,6 +32,7 @@ from radixserve.scheduler.ngram import CANDIDATES, MAX_MATCH, MIN_MATCH, NgramIn
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.speculative import MAX_PAUSE, MAX_ROWS, MIN_DRAFT, Speculator
 
+TOPK = EngineConfig.speculative_topk
 GREEDY = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
 SEEDED = {"temperature": 0.8, "top_p": 0.95, "seed": 5, "max_new_tokens": 48, "ignore_eos": True}
 
@@ -322,10 +326,17 @@ def other_drafted(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 @pytest.mark.usefixtures("free_drafts")
 @pytest.mark.parametrize("case", list(CASES))
 def test_same_tokens_with_a_draft_model(
-    plain: Engine, self_drafted: Engine, other_drafted: Engine, case: str
+    plain: Engine,
+    self_drafted: Engine,
+    other_drafted: Engine,
+    case: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Greedy, a draft model of the same weights has its chain (each node's first child,
+    its likeliest) kept whole, and none of the leaves beside it."""
     ids, params, kw = CASES[case]
     reference = plain.generate(input_ids=ids, sampling_params=params, **kw)
+    chains = drafted_chains(self_drafted, monkeypatch)
     kept = []
     for engine in (self_drafted, other_drafted):
         before = engine.scheduler.stats()
@@ -342,8 +353,27 @@ def test_same_tokens_with_a_draft_model(
                 want = [lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]]
                 assert got == pytest.approx(want, abs=1e-4)
         if engine is self_drafted and params["temperature"] == 0 and case != "penalties":
-            assert kept[0] == proposed  # greedy drafts of the model itself
+            assert kept[0] == sum(chains) < proposed  # greedy drafts of the model itself
     assert kept[0] > kept[1]
+
+
+def drafted_chains(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, the length of the chain of first children of each tree `engine`
+    drafts."""
+    chains: list[int] = []
+    propose = engine.scheduler.speculator.propose
+
+    def recorded(samples: list[Req], room: int) -> list[Draft]:
+        drafts = propose(samples, room)
+        for tree in drafts:
+            at, n = ROOT, 0
+            while (at := next((i for i, p in enumerate(tree.parents) if p == at), -2)) >= 0:
+                n += 1
+            chains.append(n)
+        return drafts
+
+    monkeypatch.setattr(engine.scheduler.speculator, "propose", recorded)
+    return chains
 
 
 @pytest.mark.usefixtures("free_drafts")
@@ -372,8 +402,8 @@ def test_samples_of_one_prompt_share_its_draft_model_kv(
     held: list[int] = []
     draft = drafter.draft
 
-    def recorded(wants: list[tuple[Req, int]]) -> list[list[int]]:
-        out = draft(wants)
+    def recorded(wants: list[tuple[Req, int]], topk: int) -> list[Draft]:
+        out = draft(wants, topk)
         held.append(drafter.worker.pool.capacity - drafter.worker.pool.num_free)
         return out
 
@@ -390,7 +420,9 @@ def test_a_draft_model_drafts_only_where_it_pays(self_drafted: Engine) -> None:
     step's own cost is STEP_ROWS rows), not beside STEP_ROWS - 1 other rows."""
     assert self_drafted.scheduler.speculator.drafter is not None
     worker = self_drafted.scheduler.speculator.drafter.worker
-    speculator = Speculator("draft-model", 8, self_drafted.scheduler.cache, DraftModel(worker))
+    speculator = Speculator(
+        "draft-model", 8, TOPK, self_drafted.scheduler.cache, DraftModel(worker)
+    )
     params = SamplingParams(max_new_tokens=100)
     req = Req(TokenizedRequest("r", prompts(1)[0], params), 0, StopChecker(params, [], None))
     req.append_output(11)
@@ -418,6 +450,27 @@ def test_a_draft_model_must_share_the_vocabulary(tiny_model_dir: Path, tmp_path:
         make_engine(tiny_model_dir, "draft-model")
     with pytest.raises(ValueError, match="go together"):
         make_engine(tiny_model_dir, "auto", speculative_draft_model_path=str(tiny_model_dir))
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"speculative_topk": 0}, r"speculative_topk must be in \[1, 16\]"),
+        ({"speculative_topk": 17}, r"speculative_topk must be in \[1, 16\]"),
+        ({"speculative_num_draft_tokens": 65}, r"speculative_num_draft_tokens must be in"),
+    ],
+)
+def test_speculative_settings_are_checked(
+    kw: dict[str, Any], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """By the engine, and by the CLI as a usage error naming the setting."""
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kw)
+    parser = build_parser()
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
+    with pytest.raises(SystemExit):
+        config_from_args(parser.parse_args(["serve", *flags]), parser)
+    assert re.search(message, capsys.readouterr().err)
 
 
 # ---------------------------------------------------------------- drafters alone
@@ -484,7 +537,7 @@ def test_the_draft_length_follows_what_was_kept() -> None:
     MIN_DRAFT draft of which nothing was kept pauses the request 2, 4, ... steps; beside
     other rows, one kept too little to pay for its rows."""
     pool = KVPool(64, 1, 1, 4, torch.float32)
-    speculator = Speculator("ngram", 8, RadixCache(pool))
+    speculator = Speculator("ngram", 8, TOPK, RadixCache(pool))
     params = SamplingParams(max_new_tokens=1000)
     prompt = [*range(10, 90), 10]
     req = Req(TokenizedRequest("r", prompt, params), 0, StopChecker(params, [], None))
@@ -536,7 +589,7 @@ def test_a_sample_is_drafted_from_text_cached_under_another_prefix() -> None:
     params = SamplingParams(max_new_tokens=100)
 
     def draft(algorithm: str, prompt: list[int], output: list[int]) -> list[int]:
-        speculator = Speculator(algorithm, 8, cache)
+        speculator = Speculator(algorithm, 8, TOPK, cache)
         req = Req(TokenizedRequest("r", prompt, params), 0, StopChecker(params, [], None))
         for token in output:
             req.append_output(token)

@@ -2,12 +2,20 @@
 
 The draft model keeps the K/V of each drafting sample's sequence in a pool of its own; a
 sample's sequence starts with the K/V of the longest start it shares with another sample of
-its request (the prompt of n samples is computed once), held by both. Drafting k tokens for
-a batch of samples takes k steps of the draft model: the first feeds each sample the tokens
+its request (the prompt of n samples is computed once), held by both. Drafting for a batch
+of samples takes up to k steps of the draft model: the first feeds each sample the tokens
 it has not seen yet (at most CATCH_UP of them: a sample further behind gets no draft this
-step and catches up over the next ones), each later one feeds the token just drafted.
-Drafts are greedy. The K/V of draft tokens the target did not keep goes back to the pool on the next
-call, where the draft model's sequence and the sample's part ways.
+step and catches up over the next ones), each later one feeds the token just drafted, the
+draft model's likeliest.
+
+A draft is a token tree of k nodes (draft_tree.py): the greedy chain, and beside each of
+its tokens the draft model's next likeliest ones (up to topk in all), as leaves. A node's
+chance is the draft model's probability of its token times its parent's chance, and the
+tree keeps the k likeliest nodes: where the draft model is sure it is the chain, where it
+hesitates, the runners-up of its first tokens. Drafting stops once the next chain token
+could no longer be among the k likeliest. The K/V of draft tokens the target did not keep
+goes back to the pool on the next call, where the draft model's sequence and the sample's
+part ways.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve.core.batch import BatchBuilder
+from radixserve.scheduler.draft_tree import ROOT, Draft, likeliest
 from radixserve.scheduler.req import Req
 
 if TYPE_CHECKING:
@@ -41,6 +50,39 @@ class DraftSeq:
     ids: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     known: int = 0  # ids[:known] are the sample's own tokens (so they stay its)
+
+
+@dataclass
+class Growing:
+    """A draft tree being grown along the draft model's greedy chain."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    chances: list[float] = field(default_factory=list)  # of each node being kept
+    tail: int = ROOT  # the chain's last node
+    chance: float = 1.0  # the tail's
+    steps: int = 0  # chain tokens
+
+    def add(self, likeliest: list[tuple[int, float]]) -> None:
+        """The draft model's likeliest tokens after the tail (with their probabilities,
+        likeliest first): the first continues the chain, the others are leaves."""
+        parent, chance = self.tail, self.chance
+        self.tail = len(self.tokens)
+        self.steps += 1
+        for token, p in likeliest:
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.chances.append(chance * p)
+        self.chance = self.chances[self.tail]
+
+    def grows(self, k: int) -> bool:
+        """Whether a next chain token could be among the k likeliest nodes."""
+        if self.steps >= k:
+            return False
+        return len(self.tokens) < k or sorted(self.chances, reverse=True)[k - 1] < self.chance
+
+    def tree(self, k: int, topk: int) -> Draft:
+        return likeliest(self.tokens, self.parents, [-c for c in self.chances], k, topk)
 
 
 def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
@@ -67,11 +109,12 @@ class DraftModel:
         for req in [r for r in self.seqs if r not in live]:
             self._trim(self.seqs.pop(req), 0)
 
-    def draft(self, wants: list[tuple[Req, int]]) -> list[list[int]]:
-        """For each (sample, k): up to k tokens the draft model expects after the sample's
-        sequence ([] when k is 0, the sample is more than CATCH_UP tokens behind, another
-        sample of its request starts its sequence in this call, or the pool has no room)."""
-        drafts: list[list[int]] = [[] for _ in wants]
+    def draft(self, wants: list[tuple[Req, int]], topk: int) -> list[Draft]:
+        """For each (sample, k): a tree of up to k nodes, at most `topk` under one, of what
+        the draft model expects after the sample's sequence (empty when k is 0, the sample
+        is more than CATCH_UP tokens behind, another sample of its request starts its
+        sequence in this call, or the pool has no room)."""
+        growing = [Growing() for _ in wants]
         feeds: dict[int, list[int]] = {}  # by index into wants: the tokens to feed next
         started: set[int] = set()  # the requests (ids) a sample started a sequence of
         for i, (req, k) in enumerate(wants):
@@ -91,21 +134,26 @@ class DraftModel:
             if len(self.seqs[wants[i][0]].ids) + len(feed) == len(wants[i][0].all_ids)
         ]  # fmt: skip
         while feeds:
-            tokens = self._step(wants, feeds, caught_up)
+            tops = self._step(wants, feeds, caught_up, topk)
             feeds = {}
-            for i, token in zip(caught_up, tokens):
-                if token is not None:
-                    drafts[i].append(token)
-                    if len(drafts[i]) < wants[i][1]:
-                        feeds[i] = [token]
+            for i, top in zip(caught_up, tops):
+                if top is not None:
+                    growing[i].add(top)
+                    if growing[i].grows(wants[i][1]):
+                        feeds[i] = [top[0][0]]
             caught_up = list(feeds)
-        return drafts
+        return [g.tree(k, topk) for g, (_, k) in zip(growing, wants)]
 
     def _step(
-        self, wants: list[tuple[Req, int]], feeds: dict[int, list[int]], caught_up: list[int]
-    ) -> list[int | None]:
-        """One step of the draft model over `feeds`; the greedy next token of each sample in
-        `caught_up` (None for one the pool had no room for)."""
+        self,
+        wants: list[tuple[Req, int]],
+        feeds: dict[int, list[int]],
+        caught_up: list[int],
+        topk: int,
+    ) -> list[list[tuple[int, float]] | None]:
+        """One step of the draft model over `feeds`; for each sample in `caught_up`, its
+        `topk` likeliest next tokens and their probabilities, likeliest first (None for one
+        the pool had no room for)."""
         entries = BatchBuilder()
         last_row: dict[int, int] = {}
         for i, feed in feeds.items():
@@ -127,11 +175,12 @@ class DraftModel:
         batch = entries.build(self.worker.pool)
         rows = [last_row[i] for i in wanted] or [entries.num_tokens - 1]
         began = time.perf_counter()
-        best = self.worker.forward(batch, torch.tensor(rows)).argmax(dim=-1).tolist()
+        logits = self.worker.forward(batch, torch.tensor(rows))
+        probs, tokens = torch.softmax(logits.float(), dim=-1).topk(topk, dim=-1)
         if batch.is_decode:  # a step of drafted tokens, no catching up
             self.step_s = ema(self.step_s, time.perf_counter() - began)
-        token = dict(zip(wanted, best))
-        return [token.get(i) for i in caught_up]
+        top = {i: list(zip(t, p)) for i, t, p in zip(wanted, tokens.tolist(), probs.tolist())}
+        return [top.get(i) for i in caught_up]
 
     def _start(self, req: Req) -> None:
         """A sequence for `req`: the K/V of the longest start it shares with another sample

@@ -69,9 +69,10 @@ class Draft:
         return None
 
 
-def weighted_tree(continuations: Sequence[Sequence[int]], k: int) -> Draft:
-    """The k nodes of the trie of `continuations` that the most of them go through (module
-    docstring); among equal ones, those of earlier continuations first."""
+def weighted_tree(continuations: Sequence[Sequence[int]], k: int, topk: int) -> Draft:
+    """The k nodes of the trie of `continuations` that the most of them go through, at most
+    `topk` under one parent (module docstring); among equal ones, those of earlier
+    continuations first."""
     tokens: list[int] = []
     parents: list[int] = []
     counts: list[int] = []  # continuations through each trie node
@@ -87,6 +88,21 @@ def weighted_tree(continuations: Sequence[Sequence[int]], k: int) -> Draft:
             counts[nxt] += 1
             at = nxt
     # a node's count is at most its parent's, and it comes later: parents first
-    kept = sorted(range(len(tokens)), key=lambda i: (-counts[i], i))[: max(k, 0)]
-    index = {node: i for i, node in enumerate(kept)}
-    return Draft([tokens[n] for n in kept], [index.get(parents[n], ROOT) for n in kept])
+    return likeliest(tokens, parents, [-c for c in counts], k, topk)
+
+
+def likeliest(tokens: list[int], parents: list[int], cost: list[float], k: int, topk: int) -> Draft:
+    """The tree of the k nodes of lowest `cost` (the earlier of equal ones) of a larger
+    tree, at most `topk` under one parent; no node may cost less than its parent."""
+    index: dict[int, int] = {ROOT: ROOT}  # a kept node's index in the draft
+    branches = dict.fromkeys(range(ROOT, len(tokens)), 0)  # kept nodes under each
+    kept: list[int] = []
+    for node in sorted(range(len(tokens)), key=lambda i: (cost[i], i)):
+        if len(kept) >= k:
+            break
+        parent = parents[node]
+        if parent in index and branches[parent] < topk:
+            branches[parent] += 1
+            index[node] = len(kept)
+            kept.append(node)
+    return Draft([tokens[n] for n in kept], [index[parents[n]] for n in kept])

@@ -98,6 +98,7 @@ class Scheduler:
         self.speculator = Speculator(
             config.speculative_algorithm,
             config.speculative_num_draft_tokens,
+            config.speculative_topk,
             self.cache,
             None if parts.drafter is None else DraftModel(parts.drafter),
         )

@@ -95,6 +95,7 @@ class Speculator:
         self,
         algorithm: str,
         num_draft_tokens: int,
+        topk: int,
         cache: PrefixCache,
         drafter: DraftModel | None = None,
     ) -> None:
@@ -102,6 +103,7 @@ class Speculator:
         assert (algorithm == "draft-model") == (drafter is not None), algorithm
         self.algorithm = algorithm
         self.num_draft_tokens = num_draft_tokens
+        self.topk = topk  # branches under one node of a draft tree at most
         self.cache = cache
         self.drafter = drafter
         self.stats = DraftStats()
@@ -146,7 +148,8 @@ class Speculator:
             wants = []
             for req in samples:
                 k = self._budget(req, room)
-                cached.append(weighted_tree(self.cache.continuations(req.all_ids, k), k))
+                found = self.cache.continuations(req.all_ids, k)
+                cached.append(weighted_tree(found, k, self.topk))
                 wants.append((req, 0 if cached[-1] else k))
                 room -= k
             drafting = sum(k > 0 for _, k in wants)
@@ -155,13 +158,13 @@ class Speculator:
                 self.draft_rows = self.drafter.step_s / self.row_s / drafting
             if self.draft_rows * self.rows >= STEP_ROWS:  # would not pay even kept whole
                 wants = [(req, 0) for req, _ in wants]
-            modelled = self.drafter.draft(wants)
+            modelled = self.drafter.draft(wants, self.topk)
             self.modelled = {req for (req, k), m in zip(wants, modelled) if k > 0 and m}
-            return [c or Draft.chain(m) for c, m in zip(cached, modelled)]
+            return [c or m for c, m in zip(cached, modelled)]
         drafts = []
         for req in samples:
             k = self._budget(req, room)
-            draft = weighted_tree(self._lookup(req, k), k)
+            draft = weighted_tree(self._lookup(req, k), k, self.topk)
             drafts.append(draft)
             room -= len(draft)
         return drafts
