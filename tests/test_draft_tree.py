@@ -71,15 +71,18 @@ def test_one_continuation_is_a_chain_and_agreeing_ones_outweigh_the_latest() -> 
 
 
 def test_a_draft_model_tree_keeps_its_likeliest_tokens() -> None:
-    """Sure of its first token, torn over the second: the chain, then both runners-up."""
-    grow = Growing()
-    grow.add([(5, 0.9), (6, 0.05)])
+    """Half its draft tokens kept: the chain's first two, then the runners-up where the
+    draft model hesitated; drafting stops once a chain token could not make the cut."""
+    grow = Growing(agree=0.5)
+    grow.add([(5, 0.9), (6, 0.08)])  # chances 0.5 and 0.5 * 0.8 = 0.4
     assert grow.grows(4)
-    grow.add([(7, 0.4), (8, 0.35), (9, 0.2)])
-    assert grow.grows(4)  # a third chain token (at most 0.36) may beat 0.18
-    grow.add([(10, 0.1), (11, 0.05)])  # 0.036: below the 4th likeliest (0.18)
-    assert not grow.grows(4)
-    tree = grow.tree(4, 3)
-    assert tree.tokens == [5, 7, 8, 9] and tree.parents == [ROOT, 0, 0, 0]
-    assert grow.tree(4, 2) == Draft([5, 7, 8, 6], [ROOT, 0, 0, ROOT])
-    assert grow.tree(4, 1) == Draft.chain([5, 7, 10])
+    grow.add([(7, 0.5), (8, 0.3), (9, 0.1)])  # 0.25, then 0.5 * 0.5 * 0.6 = 0.15 and 0.05
+    assert grow.grows(4)  # the tail (0.25) is above the 4th likeliest (0.15)
+    grow.add([(10, 0.6), (11, 0.2)])  # 0.125
+    assert not grow.grows(4)  # the next chain token (at most 0.0625) would not
+    assert grow.tree(4, 3) == Draft([5, 6, 7, 8], [ROOT, ROOT, 0, 0])
+    assert grow.tree(5, 1) == Draft.chain([5, 7, 10])
+    sure = Growing(agree=0.95)  # a draft model the model agrees with: the chain
+    for _ in range(4):
+        sure.add([(5, 0.4), (6, 0.3)])
+    assert sure.tree(4, 4) == Draft.chain([5, 5, 5, 5])

@@ -388,6 +388,8 @@ def test_a_draft_model_drafts_in_a_pool_that_retracts(tiny_model_dir: Path, plai
     want = ids_of(plain.generate(input_ids=ids, sampling_params=GREEDY))
     assert ids_of(small.generate(input_ids=ids, sampling_params=GREEDY)) == want
     assert small.scheduler.stats().accepted_draft_tokens_total > 0
+    drafter = small.scheduler.speculator.drafter
+    assert drafter is not None and drafter.agree > 0.9  # its own weights: measured so
     assert_all_free(small)
 
 
@@ -550,7 +552,7 @@ def test_the_draft_length_follows_what_was_kept() -> None:
         speculator.keep_only([req])
         [draft] = speculator.propose([req], room=64)
         if draft and kept is not None:
-            speculator.record(req, draft, kept)
+            speculator.record(req, draft, list(range(kept)))  # a chain's first nodes
         return len(draft)
 
     assert step(kept=3) == 8  # the flag

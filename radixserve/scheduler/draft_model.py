@@ -10,10 +10,14 @@ draft model's likeliest.
 
 A draft is a token tree of k nodes (draft_tree.py): the greedy chain, and beside each of
 its tokens the draft model's next likeliest ones (up to topk in all), as leaves. A node's
-chance is the draft model's probability of its token times its parent's chance, and the
-tree keeps the k likeliest nodes: where the draft model is sure it is the chain, where it
-hesitates, the runners-up of its first tokens. Drafting stops once the next chain token
-could no longer be among the k likeliest. The K/V of draft tokens the target did not keep
+chance of being kept is its parent's times: for a chain token, the share of draft tokens
+the model has kept lately (measured, not the draft model's probability: a draft model that
+agrees with the model has its likeliest token kept even where it hesitates); for a leaf,
+the rest, times the draft model's probability of the leaf's token among all but the
+chain's. The tree keeps the k likeliest
+nodes: the chain where the model keeps most draft tokens, the runners-up of the first
+tokens where it keeps few. Drafting stops once the next chain token could no longer be
+among the k likeliest. The K/V of draft tokens the target did not keep
 goes back to the pool on the next call, where the draft model's sequence and the sample's
 part ways.
 """
@@ -36,6 +40,8 @@ if TYPE_CHECKING:
 
 CATCH_UP = 512  # tokens a sample's draft sequence advances by at most in one step
 EMA_WEIGHT = 0.2  # of a step's time in the running averages of step times
+AGREE_PRIOR = 0.5  # the share of draft tokens kept assumed before any was verified
+AGREE_WINDOW = 256  # draft positions verified that the share kept is measured over, about
 
 
 def ema(average: float | None, sample: float) -> float:
@@ -54,8 +60,10 @@ class DraftSeq:
 
 @dataclass
 class Growing:
-    """A draft tree being grown along the draft model's greedy chain."""
+    """A draft tree being grown along the draft model's greedy chain, given the share of
+    the draft model's likeliest tokens that the model keeps (`agree`)."""
 
+    agree: float
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     chances: list[float] = field(default_factory=list)  # of each node being kept
@@ -65,14 +73,21 @@ class Growing:
 
     def add(self, likeliest: list[tuple[int, float]]) -> None:
         """The draft model's likeliest tokens after the tail (with their probabilities,
-        likeliest first): the first continues the chain, the others are leaves."""
+        likeliest first): the first continues the chain, kept with chance `agree`; the
+        others are leaves, each kept with the rest times the draft model's probability of
+        it among the tokens but the first."""
         parent, chance = self.tail, self.chance
         self.tail = len(self.tokens)
         self.steps += 1
-        for token, p in likeliest:
+        others = 1 - likeliest[0][1]
+        for j, (token, p) in enumerate(likeliest):
             self.tokens.append(token)
             self.parents.append(parent)
-            self.chances.append(chance * p)
+            if j == 0:
+                share = self.agree
+            else:
+                share = (1 - self.agree) * p / others if others > 0 else 0.0
+            self.chances.append(chance * share)
         self.chance = self.chances[self.tail]
 
     def grows(self, k: int) -> bool:
@@ -102,6 +117,20 @@ class DraftModel:
         self.seqs: dict[Req, DraftSeq] = {}
         self.refs = torch.zeros(worker.pool.num_slots, dtype=torch.int32)  # seqs holding a slot
         self.step_s: float | None = None  # seconds a step feeding one token a sample takes
+        # of the draft positions verified lately, those the model kept (AGREE_PRIOR at start)
+        self.kept, self.tried = AGREE_PRIOR, 1.0
+
+    @property
+    def agree(self) -> float:
+        """The share of verified draft positions the model kept, lately."""
+        return self.kept / self.tried
+
+    def learn(self, kept: int, missed: bool) -> None:
+        """A draft had `kept` tokens kept, and then (`missed`) one position not."""
+        self.kept += kept
+        self.tried += kept + missed
+        if self.tried > AGREE_WINDOW:  # older positions count half
+            self.kept, self.tried = self.kept / 2, self.tried / 2
 
     def keep_only(self, samples: Iterable[Req]) -> None:
         """Free the sequences of samples not among `samples` (ended, retracted)."""
@@ -114,7 +143,7 @@ class DraftModel:
         the draft model expects after the sample's sequence (empty when k is 0, the sample
         is more than CATCH_UP tokens behind, another sample of its request starts its
         sequence in this call, or the pool has no room)."""
-        growing = [Growing() for _ in wants]
+        growing = [Growing(self.agree) for _ in wants]
         feeds: dict[int, list[int]] = {}  # by index into wants: the tokens to feed next
         started: set[int] = set()  # the requests (ids) a sample started a sequence of
         for i, (req, k) in enumerate(wants):

@@ -490,7 +490,7 @@ class Scheduler:
         for req, _ in drafted:
             self.kv.settle_draft(req, start[req], len(req.draft), kept[req])
             req.kv_len += len(kept[req])
-            self.speculator.record(req, req.draft, len(kept[req]))
+            self.speculator.record(req, req.draft, kept[req])
             req.draft = Draft()
         for req, reason in ends:
             if not req.finished:

@@ -1,36 +1,39 @@
 """Speculative decoding: drafts of a decoding sample's next tokens, verified in one step.
 
-A drafter proposes a chain of tokens that may follow a sample's sequence. The step feeds the
-sample's last token and the draft together (1 + k positions, every position's logits kept),
-then draws the sample's tokens one position at a time, exactly as plain decoding would from
-those logits, for as long as each drawn token equals the draft's token at its position. The
-first drawn token that differs, or that ends the sample, is the last one of the step; the
-K/V slots of the draft positions after it go back to the pool.
+A drafter proposes a token tree of what may follow a sample's sequence (draft_tree.py). The
+step feeds the sample's last token and the tree's nodes together (1 + k rows, every row's
+logits kept; the scheduler lays them out), then draws the sample's tokens one position at a
+time, exactly as plain decoding would: from the last token's logits, then from those of the
+node holding the token just drawn, for as long as a node holds it. The first drawn token no
+node holds, or that ends the sample, is the last one of the step; the K/V of the nodes kept
+moves into the sample's next positions and the rest goes back to the pool.
 
 Every token kept is the one plain decoding draws from the same logits with the same random
 number (a seeded sample's uniform is keyed by its output index), so greedy output is
-unchanged, and sampled output follows the model's distribution: drawing from p and going on
-while the draw equals the draft token d accepts d with probability p(d) and otherwise yields
-p conditioned on "not d", which is the speculative-sampling rule for a deterministic draft.
+unchanged, and sampled output follows the model's distribution: every token is drawn from
+the model's own probabilities, and the tree only decides which logits are ready (for a
+chain, this is the speculative-sampling rule for a deterministic draft: drawing from p and
+going on while the draw equals the draft token d accepts d with probability p(d)).
 Penalties, grammars (a draft token the grammar forbids is never drawn), stop conditions and
 logprobs apply per position as in plain decoding.
 
-Drafters (`--speculative-algorithm`):
+Drafters (`--speculative-algorithm`), each merging what it finds into a tree of at most
+`--speculative-topk` branches under a node (draft_tree.weighted_tree):
 - `ngram`: the sample's own prompt and output (prompt lookup, ngram.py): the tokens that
-  followed an earlier occurrence of its last tokens, the longest match among the latest;
-- `radix`: the prefix cache: a cached sequence that extends the sample's whole sequence
-  (another sample of the same prompt, a repeated request), along its most recent branch;
-  else the tokens that followed the sample's last tokens anywhere in the cache (its suffix
-  index, kvcache/suffix_index.py: another request's answer, the same text under another
-  prefix, such as a system prompt that names the date);
-- `draft-model`: a cached sequence that extends the sample's, else a smaller model of the
-  same vocabulary (draft_model.py);
-- `auto` (the default): radix's extending sequence, else the longer match of the cache's
+  followed earlier occurrences of its last tokens, the longest matches among the latest;
+- `radix`: the prefix cache: the cached sequences that extend the sample's whole sequence
+  (other samples of the same prompt, a repeated request), one a branch; else the tokens
+  that followed the sample's last tokens anywhere in the cache (its suffix index,
+  kvcache/suffix_index.py: another request's answer, the same text under another prefix,
+  such as a system prompt that names the date);
+- `draft-model`: the cached sequences that extend the sample's, else a smaller model of the
+  same vocabulary (draft_model.py: its greedy chain and its runners-up);
+- `auto` (the default): radix's extending sequences, else the longer match of the cache's
   suffix index and ngram (ngram on a tie); `none`: no speculation.
 
 Adaptive, per request (its samples together): a draft holds at most the request's pace,
-which starts at `--speculative-num-draft-tokens`, doubles (up to it) after a draft kept
-whole, and falls to one more than the tokens kept after a draft cut short, never below
+which starts at `--speculative-num-draft-tokens`, doubles (up to it) after a draft whose
+longest branch was kept whole, and falls to one more than the tokens kept otherwise, never below
 MIN_DRAFT: a long draft where drafts keep being kept, a short one where they fail early
 (each draft row costs a fraction of a step, so a short draft that often fails costs
 little). A step costs about as much as STEP_ROWS extra rows, so in a step of w rows
@@ -62,7 +65,7 @@ from dataclasses import dataclass
 from radixserve.config import SPECULATIVE_ALGORITHMS
 from radixserve.kvcache.prefix_cache import PrefixCache
 from radixserve.scheduler.draft_model import DraftModel, ema
-from radixserve.scheduler.draft_tree import Draft, weighted_tree
+from radixserve.scheduler.draft_tree import ROOT, Draft, weighted_tree
 from radixserve.scheduler.req import Req
 
 MAX_PAUSE = 64  # steps a request whose drafts miss waits at most before drafting again
@@ -196,9 +199,12 @@ class Speculator:
         left = req.sampling.max_new_tokens - len(req.output_ids) - 1
         return max(0, min(pace.length, left, room))
 
-    def record(self, req: Req, draft: Draft, accepted: int) -> None:
-        """`accepted` tokens of `req`'s `draft` were kept this step."""
-        proposed = len(draft)
+    def record(self, req: Req, draft: Draft, kept: list[int]) -> None:
+        """The nodes `kept` (a path) of `req`'s `draft` were kept this step."""
+        proposed, accepted = len(draft), len(kept)
+        if self.drafter is not None and req in self.modelled:
+            last = kept[-1] if kept else ROOT
+            self.drafter.learn(accepted, missed=last in draft.parents)
         self.stats.proposed += proposed
         self.stats.accepted += accepted
         pace = self._pace(req.request.rid)
