@@ -12,6 +12,8 @@ Drafters:
 - own: the sample's prompt and output so far (bench `ngram`, scheduler/ngram.py);
 - own+siblings: also the other samples' outputs so far, the longest match of the sample's
   last tokens first (what a suffix lookup over every sample could find);
+- own+siblings tree: every one of those longest matches, merged into a token tree of k
+  nodes, at most 4 under one (draft_tree.weighted_tree, the default --speculative-topk);
 - oracle: always right (the most any drafter could give at that cap and draft length).
 
 Prints decode speedup over no drafts for each drafter, cap and draft length, and writes
@@ -39,9 +41,11 @@ from bench_speculative import SC_SAMPLES, gsm8k_self_consistency  # noqa: E402
 from eval_gsm8k import STOP  # noqa: E402
 
 from radixserve import Engine  # noqa: E402
+from radixserve.scheduler.draft_tree import ROOT, weighted_tree  # noqa: E402
 from radixserve.scheduler.ngram import MAX_MATCH, MIN_MATCH, NgramIndex  # noqa: E402
 
-DRAFTERS = ("own", "own+siblings", "oracle")
+DRAFTERS = ("own", "own+siblings", "own+siblings tree", "oracle")
+TREE_TOPK = 4  # branches under a node of the tree drafter's trees
 CAPS = (16, 32, 48)
 LENGTHS = (2, 4, 8)
 
@@ -84,9 +88,9 @@ def fit(steps: list[tuple[int, float]]) -> tuple[float, float]:
     return a, b
 
 
-def sibling_draft(seq: list[int], others: list[list[int]], k: int) -> tuple[int, list[int]]:
-    """The tokens after the latest longest match (MIN_MATCH .. MAX_MATCH) of the end of
-    `seq` in `others`."""
+def sibling_draft(seq: list[int], others: list[list[int]], k: int) -> tuple[int, list[list[int]]]:
+    """The tokens after each longest match (MIN_MATCH .. MAX_MATCH) of the end of `seq` in
+    `others`, the latest of each other first."""
     best, found = 0, []
     for other in others:
         for end in range(len(other) - 2, -1, -1):
@@ -94,7 +98,9 @@ def sibling_draft(seq: list[int], others: list[list[int]], k: int) -> tuple[int,
             while m < MAX_MATCH and m <= end and other[end - m] == seq[-1 - m]:
                 m += 1
             if m >= MIN_MATCH and m > best:
-                best, found = m, other[end + 1 : end + 1 + k]
+                best, found = m, []
+            if m >= MIN_MATCH and m == best:
+                found.append(other[end + 1 : end + 1 + k])
     return best, found
 
 
@@ -114,22 +120,34 @@ def replay(runs: list[Any], drafter: str, cap: int, k: int, a: float, b: float) 
                 out, at = outs[i], done[i]
                 room = min(k, cap - rows, len(out) - at - 1)
                 draft: list[int] = []
+                found: list[list[int]] = []
                 if room > 0 and drafter == "oracle":
                     draft = out[at : at + room]
                 elif room > 0:
                     seq = prompt + out[:at]
                     match, found = own[i].draft(seq, room)
                     draft = found[0] if found else []  # the latest of the longest matches
-                    if drafter == "own+siblings":
+                    if drafter.startswith("own+siblings"):
                         others = [o[: done[j]] for j, o in enumerate(outs) if j != i]
-                        theirs, found = sibling_draft(seq, others, room)
+                        theirs, sibling = sibling_draft(seq, others, room)
                         if theirs > match:
-                            draft = found
-                rows += len(draft)
-                m = 0
-                while m < len(draft) and draft[m] == out[at + m]:
-                    m += 1
-                proposed, kept = proposed + len(draft), kept + m
+                            draft, found = sibling[0], sibling
+                        elif theirs == match:
+                            found = found + sibling
+                if drafter.endswith("tree"):
+                    tree = weighted_tree(found, room, TREE_TOPK)
+                    node, m = tree.child(ROOT, out[at]) if at < len(out) else None, 0
+                    while node is not None:
+                        m += 1
+                        node = tree.child(node, out[at + m]) if at + m < len(out) else None
+                    size = len(tree)
+                else:
+                    m = 0
+                    while m < len(draft) and draft[m] == out[at + m]:
+                        m += 1
+                    size = len(draft)
+                rows += size
+                proposed, kept = proposed + size, kept + m
                 progress[i] = at + 1 + m
             done = progress
             seconds += a + b * rows

@@ -25,8 +25,16 @@ def test_replay_counts_steps_and_kept_tokens() -> None:
     assert costly["tokens_per_s"] == pytest.approx(14 / 12)
 
 
-def test_a_sibling_draft_is_the_latest_longest_match() -> None:
+def test_sibling_drafts_are_the_longest_matches_latest_first() -> None:
     others = [[4, 7, 5, 1, 1], [0, 6, 7, 5, 2, 2, 6, 7, 5, 3]]
-    assert sibling_draft([9, 6, 7, 5], others, 2) == (3, [3])  # the latest of two 3-matches
-    assert sibling_draft([9, 4, 7, 5], others, 2) == (3, [1, 1])
+    assert sibling_draft([9, 6, 7, 5], others, 2) == (3, [[3], [2, 2]])  # two 3-matches
+    assert sibling_draft([9, 4, 7, 5], others, 2) == (3, [[1, 1]])
     assert sibling_draft([9, 9, 9, 5], others, 2) == (0, [])  # one token is no match
+
+
+def test_a_tree_of_agreeing_matches_replays_as_their_chain() -> None:
+    """Every match here continues alike, so the trees are the chains; a tree's kept tokens
+    are those down the branch the sample's own next tokens take."""
+    for cap, k in ((16, 4), (6, 8)):
+        chain = replay(RUNS, "own+siblings", cap=cap, k=k, a=1.0, b=0.0)
+        assert replay(RUNS, "own+siblings tree", cap=cap, k=k, a=1.0, b=0.0) == chain
