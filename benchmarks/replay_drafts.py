@@ -41,7 +41,7 @@ from bench_speculative import SC_SAMPLES, gsm8k_self_consistency  # noqa: E402
 from eval_gsm8k import STOP  # noqa: E402
 
 from radixserve import Engine  # noqa: E402
-from radixserve.scheduler.draft_tree import ROOT, weighted_tree  # noqa: E402
+from radixserve.scheduler.draft_tree import ROOT, Draft, weighted_tree  # noqa: E402
 from radixserve.scheduler.ngram import MAX_MATCH, MIN_MATCH, NgramIndex  # noqa: E402
 
 DRAFTERS = ("own", "own+siblings", "own+siblings tree", "oracle")
@@ -136,18 +136,15 @@ def replay(runs: list[Any], drafter: str, cap: int, k: int, a: float, b: float) 
                             found = found + sibling
                 if drafter.endswith("tree"):
                     tree = weighted_tree(found, room, TREE_TOPK)
-                    node, m = tree.child(ROOT, out[at]) if at < len(out) else None, 0
-                    while node is not None:
-                        m += 1
-                        node = tree.child(node, out[at + m]) if at + m < len(out) else None
-                    size = len(tree)
                 else:
-                    m = 0
-                    while m < len(draft) and draft[m] == out[at + m]:
-                        m += 1
-                    size = len(draft)
-                rows += size
-                proposed, kept = proposed + size, kept + m
+                    tree = Draft.chain(draft)
+                # kept: the tokens to come, down the branch that holds them
+                node: int | None = ROOT
+                m = 0
+                while at + m < len(out) and (node := tree.child(node, out[at + m])) is not None:
+                    m += 1
+                rows += len(tree)
+                proposed, kept = proposed + len(tree), kept + m
                 progress[i] = at + 1 + m
             done = progress
             seconds += a + b * rows

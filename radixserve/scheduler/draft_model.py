@@ -14,12 +14,11 @@ chance of being kept is its parent's times: for a chain token, the share of draf
 the model has kept lately (measured, not the draft model's probability: a draft model that
 agrees with the model has its likeliest token kept even where it hesitates); for a leaf,
 the rest, times the draft model's probability of the leaf's token among all but the
-chain's. The tree keeps the k likeliest
-nodes: the chain where the model keeps most draft tokens, the runners-up of the first
-tokens where it keeps few. Drafting stops once the next chain token could no longer be
-among the k likeliest. The K/V of draft tokens the target did not keep
-goes back to the pool on the next call, where the draft model's sequence and the sample's
-part ways.
+chain's. The tree keeps the k likeliest nodes: the chain where the model keeps most draft
+tokens, the runners-up of the first tokens where it keeps few. Drafting stops once the next
+chain token could no longer be among the k likeliest. The K/V of draft tokens the target
+did not keep goes back to the pool on the next call, where the draft model's sequence and
+the sample's part ways.
 """
 
 from __future__ import annotations
