@@ -145,14 +145,14 @@ def test_native_kernels_match_reference(fmt: str, m: int, wide: bool) -> None:
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_weight_streaming_rows_do_not_depend_on_the_rows_beside_them(fmt: str) -> None:
-    """Up to small_m rows (a decode batch, a draft's verification rows) each row of x gets
-    the bits it gets alone, whatever its position: 16-row, 8-row and single-row weight tasks,
-    x rows in passes of 16."""
+    """Each row of x (a decode batch, a draft's verification rows) gets the bits it gets
+    alone, whatever its position: 16-row, 8-row and single-row weight tasks, x rows in one
+    pass up to 16, then in passes of 32 (beyond small_m too)."""
     native = ops()
     assert native is not None
     k = widths(fmt)[1]
     blocks, _ = _weights(16 * 5 + 8 + 3, k, fmt, seed=7)
-    x = torch.randn(FORMATS[fmt].small_m, k, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(2 * 32 + 5, k, generator=torch.Generator().manual_seed(7))
     code = FORMATS[fmt].code
     alone = torch.cat([native.qmatmul_small(x[i : i + 1], blocks, code, k) for i in range(len(x))])
     for m in range(2, len(x) + 1):
@@ -276,14 +276,14 @@ def test_packing_refuses_what_it_cannot_tile() -> None:
 @pytest.mark.parametrize("fmt", list(X8_CODES))
 def test_int8_activation_rows_do_not_depend_on_the_rows_beside_them(fmt: str) -> None:
     """Each row of x and each weight row get the same bits in any position: 16-row, 8-row
-    and single-row weight tasks, x rows in passes of 16, any M."""
+    and single-row weight tasks, x rows in one pass up to 16, then in passes of 32."""
     native = ops()
     assert native is not None
     k, code = 768, X8_CODES[fmt]
     blocks, _ = _weights(16 * 3 + 8 + 3, k, fmt, seed=8)
-    x = torch.randn(40, k, generator=torch.Generator().manual_seed(8))
-    alone = torch.cat([native.qmatmul_small(x[i : i + 1], blocks, code, k) for i in range(40)])
-    for m in (2, 16, 17, 40):
+    x = torch.randn(69, k, generator=torch.Generator().manual_seed(8))
+    alone = torch.cat([native.qmatmul_small(x[i : i + 1], blocks, code, k) for i in range(69)])
+    for m in (2, 16, 17, 40, 69):
         assert torch.equal(native.qmatmul_small(x[:m], blocks, code, k), alone[:m]), m
     for n in (0, 5, 16, 51):  # weight rows alone: the single-row loop
         one = native.qmatmul_small(x, blocks[n : n + 1], code, k)

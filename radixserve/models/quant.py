@@ -9,7 +9,8 @@ over the memory bandwidth. Q4_1 stores 32 weights in 20 bytes (5 bits a weight) 
 block products are summed as exact integers (error <= amax / 65534 of each block: on
 SmolLM2, |logprob delta| 7.8e-4 mean against float32, benchmarks/eval_quant.py;
 tests/test_quant.py), by one of two kernels: up to the format's `small_m` rows, a
-weight-streaming kernel (each weight block widened once for up to 16 rows of x); above it, an
+weight-streaming kernel (each weight block widened once for up to 16 rows of x, or 32 above
+16 rows); above it, an
 int16 GEMM (x transposed 8 rows a vector, madd at twice the multiply-adds per instruction of
 a float32 FMA: ~1.2-1.5x dequantize + sgemm at 64-1024 rows, bench_quant.py). Both give
 a row the same bits (the same exact block sums, scaled and summed in the same order),
@@ -73,11 +74,13 @@ class Format:
     block_bytes: int
     # Rows of x up to which the weight-streaming kernel beats the int16 GEMM, which widens
     # each weight once per call into a buffer and fills whole groups of 16 (VNNI) or 8 rows
-    # of x: the legacy formats to 16 rows, Q8_0 (twice the bytes to widen) to 24; the
-    # K-quants, whose streaming kernel scales and reduces once a super-block, Q4_K and Q5_K
-    # to 24 and Q6_K to 32 (on the 1B shape's 16384 x 2048 gate/up at 24 rows the GEMM takes
+    # of x: the legacy formats and Q8_0 to 32 rows (above 16 the streaming kernel's passes
+    # hold 32 rows: on SmolLM2's and a 1B model's shapes the GEMM takes 1.3-1.75x its time
+    # at 17-24 rows, 0.99-1.09x at 32, 0.93-0.96x at 48; Zen 4 EPYC); the K-quants with
+    # int16 x, whose streaming kernel scales and reduces once a super-block, Q4_K and Q5_K to
+    # 24 and Q6_K to 32 (on the 1B shape's 16384 x 2048 gate/up at 24 rows the GEMM takes
     # 1.13x the streaming kernel's time for Q4_K, 1.5x for Q6_K; at 32 rows 0.92x and 1.34x;
-    # benchmarks/bench_quant.py, Zen 5 EPYC). Either kernel gives a row the same bits.
+    # Zen 5 EPYC); benchmarks/bench_quant.py. Either kernel gives a row the same bits.
     small_m: int
 
     def row_bytes(self, k: int) -> int:
@@ -87,14 +90,14 @@ class Format:
 FORMATS = {
     f.name: f
     for f in (
-        Format("q4_0", 0, BLOCK, 18, 16),
-        Format("q4_1", 1, BLOCK, 20, 16),
-        Format("q8_0", 2, BLOCK, 34, 24),
+        Format("q4_0", 0, BLOCK, 18, 32),
+        Format("q4_1", 1, BLOCK, 20, 32),
+        Format("q8_0", 2, BLOCK, 34, 32),
         Format("q4_k", 3, SUPER_BLOCK, 144, 24),
         Format("q5_k", 4, SUPER_BLOCK, 176, 24),
         Format("q6_k", 5, SUPER_BLOCK, 210, 32),
-        Format("q5_0", 6, BLOCK, 22, 16),
-        Format("q5_1", 7, BLOCK, 24, 16),
+        Format("q5_0", 6, BLOCK, 22, 32),
+        Format("q5_1", 7, BLOCK, 24, 32),
     )
 }
 # The format codes of Q4_K and Q6_K weights with x rounded to int8 per 256-block, as

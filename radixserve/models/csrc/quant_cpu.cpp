@@ -1044,11 +1044,18 @@ using GemmV = V16;
 using GemmV = V8;
 #endif
 
-constexpr int64_t kStreamRows = 16;  // rows of x per pass of dot_wrows over its weight rows
+// Rows of x per pass of dot_wrows / dot_wrows8 over a task's weight rows: up to kStreamRows
+// rows in one pass, more in passes of kWideRows. A pass widens (arranges) its weight blocks
+// once for all its rows, so wider passes repeat less of that work; but their accumulators
+// no longer fit in registers, which costs a decode batch of 16 or fewer (Zen 4, SmolLM2's
+// and a 1B model's shapes, benchmarks/bench_quant.py: passes of 32 take 0.75-0.9x the time
+// of passes of 16 at 17-64 rows for Q4_1 with int16 x and Q4_K / Q6_K with int8 x).
+constexpr int64_t kStreamRows = 16;
+constexpr int64_t kWideRows = 32;
 constexpr int64_t kPairRows = 8;     // rows of x from which dot_wrows transposes the weight blocks
 
 // out[r * ldo + i] = x row xr + r . weight row i of w, for the V::L weight rows from w and
-// r < M <= kStreamRows (kM: M where it is known at compile time, else 0). Per unit of
+// r < M <= kPass (kM: M where it is known at compile time, else 0). Per unit of
 // per_scale(fmt) blocks (a K-quant super-block: one scale of the weight row and of x) the
 // L rows' quants are widened once, times their integer sub-block scales, for the M rows of
 // x; for each row of x each weight row's unit sum accumulates in one int32 vector, the L
@@ -1061,7 +1068,7 @@ constexpr int64_t kPairRows = 8;     // rows of x from which dot_wrows transpose
 // same exact integer unit sums, scaled and summed in unit order, for any M, V and position
 // of the row in the batch: a row's result does not depend on the rows beside it, and the
 // AVX512-VNNI build (V16) equals the AVX2 one (V8) bit for bit.
-template <typename V, int64_t fmt, int kM>
+template <typename V, int64_t fmt, int kM, int64_t kPass = kStreamRows>
 void dot_wrows(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRows& x, int64_t xr, int64_t M, float* out,
                int64_t ldo) {
   constexpr int L = V::L;
@@ -1074,7 +1081,7 @@ void dot_wrows(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRows& x, 
   // DRAM): ask for the next task's bytes in order instead, a share per block.
   const char* next = reinterpret_cast<const char*>(w + L * row_bytes);
   const int64_t share = (L * row_bytes + nb - 1) / nb;
-  typename V::F acc[kStreamRows], off[kStreamRows];
+  typename V::F acc[kPass], off[kPass];
   for (int64_t r = 0; r < rows_x; ++r) acc[r] = off[r] = V::zero();
   typename V::Q wq[per][L];  // the unit's widened blocks
   typename V::I wt[per][kBlock / 2];  // ... transposed into pairs (rows_x >= kPairRows)
@@ -1149,15 +1156,17 @@ void dot_wrows(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRows& x, 
   for (int64_t r = 0; r < rows_x; ++r) V::storef(out + r * ldo, V::add(acc[r], off[r]));
 }
 
-// dot_wrows for every row of x (M of them), kStreamRows at a time.
+// dot_wrows for every row of x (M of them): in one pass up to kStreamRows, else kWideRows at
+// a time.
 template <typename V>
 void dot_wrows(const uint8_t* w, int64_t fmt, int64_t row_bytes, int64_t nb, const QRows& x, int64_t M, float* out,
                int64_t ldo) {
   with_format(fmt, [&](auto f) {
     constexpr int64_t F = decltype(f)::value;
     if (M == 1) return dot_wrows<V, F, 1>(w, row_bytes, nb, x, 0, 1, out, ldo);
-    for (int64_t r0 = 0; r0 < M; r0 += kStreamRows) {
-      dot_wrows<V, F, 0>(w, row_bytes, nb, x, r0, std::min(kStreamRows, M - r0), out + r0 * ldo, ldo);
+    if (M <= kStreamRows) return dot_wrows<V, F, 0>(w, row_bytes, nb, x, 0, M, out, ldo);
+    for (int64_t r0 = 0; r0 < M; r0 += kWideRows) {
+      dot_wrows<V, F, 0, kWideRows>(w, row_bytes, nb, x, r0, std::min(kWideRows, M - r0), out + r0 * ldo, ldo);
     }
   });
 }
@@ -1635,11 +1644,11 @@ void pack_rows(const uint8_t* w, int64_t fmt, int64_t N, int64_t units, uint8_t*
   });
 }
 // dot_wrows for K-quant weights and int8 x: the V::L weight rows from w (8 a task with AVX2,
-// 16 with AVX512-VNNI), r < M <= kStreamRows rows of x from xr. Per super-block the rows'
+// 16 with AVX512-VNNI), r < M <= kPass rows of x from xr. Per super-block the rows'
 // bytes are arranged once for the M rows of x (kquant_bytes), each (weight row, x row) gives
 // one int32 vector (kquant_dot: the rows' chains interleaved), the L vectors are reduced into
 // one and scaled once, Q4_K's offsets m_j * s_x added per sub-block: dot_rows8's operations.
-template <typename V, int64_t fmt, int kM, bool kPacked>
+template <typename V, int64_t fmt, int kM, bool kPacked, int64_t kPass = kStreamRows>
 void dot_wrows8(const uint8_t* w, int64_t row_bytes, int64_t nb, const Q8Rows& x, int64_t xr, int64_t M, float* out,
                 int64_t ldo) {
   constexpr int L = V::L;
@@ -1650,7 +1659,7 @@ void dot_wrows8(const uint8_t* w, int64_t row_bytes, int64_t nb, const Q8Rows& x
   // into L2 (into L1 they evicted the current task's rows: 1.4x slower from DRAM at one row)
   const char* next = reinterpret_cast<const char*>(w + L * row_bytes);
   const int64_t share = (L * row_bytes + units * L - 1) / (units * L);
-  typename V::F acc[kStreamRows], off[kStreamRows];
+  typename V::F acc[kPass], off[kPass];
   for (int64_t r = 0; r < rows_x; ++r) acc[r] = off[r] = V::zero();
   decltype(kquant_bytes<fmt>(V{}, w)) wb[L];
   for (int64_t u = 0; u < units; ++u) {
@@ -1687,8 +1696,10 @@ void dot_wrows8(const uint8_t* w, int64_t fmt, int64_t row_bytes, int64_t nb, co
   const auto run = [&](auto f) {
     constexpr int64_t F = decltype(f)::value;
     if (M == 1) return dot_wrows8<V, F, 1, kPacked>(w, row_bytes, nb, x, 0, 1, out, ldo);
-    for (int64_t r0 = 0; r0 < M; r0 += kStreamRows) {
-      dot_wrows8<V, F, 0, kPacked>(w, row_bytes, nb, x, r0, std::min(kStreamRows, M - r0), out + r0 * ldo, ldo);
+    if (M <= kStreamRows) return dot_wrows8<V, F, 0, kPacked>(w, row_bytes, nb, x, 0, M, out, ldo);
+    for (int64_t r0 = 0; r0 < M; r0 += kWideRows) {
+      dot_wrows8<V, F, 0, kPacked, kWideRows>(w, row_bytes, nb, x, r0, std::min(kWideRows, M - r0), out + r0 * ldo,
+                                              ldo);
     }
   };
   if (fmt == kQ6_K) run(std::integral_constant<int64_t, kQ6_K>{});
