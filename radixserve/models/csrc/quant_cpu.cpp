@@ -1046,10 +1046,10 @@ using GemmV = V8;
 
 // Rows of x per pass of dot_wrows / dot_wrows8 over a task's weight rows: up to kStreamRows
 // rows in one pass, more in passes of kWideRows. A pass widens (arranges) its weight blocks
-// once for all its rows, so wider passes repeat less of that work; but their accumulators
-// no longer fit in registers, which costs a decode batch of 16 or fewer (Zen 4, SmolLM2's
-// and a 1B model's shapes, benchmarks/bench_quant.py: passes of 32 take 0.75-0.9x the time
-// of passes of 16 at 17-64 rows for Q4_1 with int16 x and Q4_K / Q6_K with int8 x).
+// once for all its rows, so wider passes repeat less of that work, but their accumulators
+// no longer fit in registers: passes of 32 at every M ran 8-16 rows at 0.83-0.9x the speed
+// of passes of 16, and 17-64 rows 1.06-1.27x faster (Zen 4, SmolLM2's and a 1B model's
+// shapes, Q4_1 with int16 x and Q4_K / Q6_K with int8 x, the two builds side by side).
 constexpr int64_t kStreamRows = 16;
 constexpr int64_t kWideRows = 32;
 constexpr int64_t kPairRows = 8;     // rows of x from which dot_wrows transposes the weight blocks
