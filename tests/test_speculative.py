@@ -5,8 +5,12 @@ n > 1, stop strings, logprobs, a regex, a small pool that retracts), drafts real
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import random
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from benchmarks.make_gguf import build_tiny_model
-from radixserve import Engine
+from radixserve import Engine, kernels
 from radixserve.cli import build_parser, config_from_args
 from radixserve.config import EngineConfig
 from radixserve.core.params import SamplingParams
@@ -115,11 +119,7 @@ def random_tree(rng: random.Random, truth: list[int], k: int) -> tuple[Draft, in
     return Draft(tokens, parents), max(on_truth.values())
 
 
-@pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("case", ["greedy-batch", "seeded-batch", "greedy-n4", "seeded-n4"])
-def test_random_trees_keep_what_plain_decoding_draws(
-    plain: Engine, spec: Engine, case: str, seed: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def check_random_trees(plain: Engine, spec: Engine, case: str, seed: int) -> None:
     """Every step drafts random trees holding part of what plain decoding draws (the
     oracle), on random branches: the output is the oracle's, and each step keeps exactly
     the depth of the oracle's path in its tree."""
@@ -149,12 +149,56 @@ def test_random_trees_keep_what_plain_decoding_draws(
             expected += depth
         return drafts
 
-    monkeypatch.setattr(spec.scheduler.speculator, "propose", propose)
-    before = spec.scheduler.stats().accepted_draft_tokens_total
-    out = spec.generate(input_ids=ids, sampling_params=params, **kw)
+    speculator = spec.scheduler.speculator
+    speculator.propose = propose  # type: ignore[method-assign]
+    try:
+        before = spec.scheduler.stats().accepted_draft_tokens_total
+        out = spec.generate(input_ids=ids, sampling_params=params, **kw)
+    finally:
+        del speculator.propose
     assert ids_of(out) == reference
     assert spec.scheduler.stats().accepted_draft_tokens_total - before == expected > 0
     assert_all_free(spec)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("case", ["greedy-batch", "seeded-batch", "greedy-n4", "seeded-n4"])
+def test_random_trees_keep_what_plain_decoding_draws(
+    plain: Engine, spec: Engine, case: str, seed: int
+) -> None:
+    check_random_trees(plain, spec, case, seed)
+
+
+TRITON_TREE_CASES = ("greedy-batch", "seeded-n4")
+
+
+def run_triton_trees(model_dir: Path) -> None:
+    """Child side of the test below: random trees through the Triton attention kernels."""
+    plain = make_engine(model_dir, "none", attention_kernels="triton")
+    spec = make_engine(model_dir, "auto", attention_kernels="triton")
+    for case in TRITON_TREE_CASES:
+        check_random_trees(plain, spec, case, seed=0)
+        print(f"ok {case}", flush=True)
+    assert kernels.resolve_impl(torch.empty(0)) == "triton"
+    assert "radixserve.kernels.triton_ops" in sys.modules  # imported by the first op call
+
+
+@pytest.mark.slow  # the Triton kernels under the interpreter, in a subprocess (~1 min)
+def test_random_trees_through_the_triton_kernels(tiny_model_dir: Path) -> None:
+    """The Triton path (its kernels run by Triton's CPU interpreter) verifies tree rows as
+    the native kernels do: random trees give plain decoding's tokens and keep exactly the
+    oracle's depth. TRITON_INTERPRET must be set before triton is first imported, hence
+    the child process (this file run as a script)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (optional dependency)")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run(
+        [sys.executable, __file__, "--triton-trees", str(tiny_model_dir)],
+        env=env, cwd=root, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"child failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert proc.stdout.split() == [w for c in TRITON_TREE_CASES for w in ("ok", c)], proc.stdout
 
 
 def test_a_repeated_request_is_drafted_from_the_radix_cache(plain: Engine, spec: Engine) -> None:
@@ -609,3 +653,7 @@ def test_a_sample_is_drafted_from_text_cached_under_another_prefix() -> None:
     # 6 tokens either way: its own text
     own = [3, *answer[:5], 600, 601, 3]
     assert draft("auto", own, answer[:5]) == [600, 601, 3, *answer[:5]]
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--triton-trees"]:
+    run_triton_trees(Path(sys.argv[2]))
