@@ -9,15 +9,14 @@ over the memory bandwidth. Q4_1 stores 32 weights in 20 bytes (5 bits a weight) 
 block products are summed as exact integers (error <= amax / 65534 of each block: on
 SmolLM2, |logprob delta| 7.8e-4 mean against float32, benchmarks/eval_quant.py;
 tests/test_quant.py), by one of two kernels: up to the format's `small_m` rows, a
-weight-streaming kernel (each weight block widened once for up to 16 rows of x, or 32 above
-16 rows); above it, an
-int16 GEMM (x transposed 8 rows a vector, madd at twice the multiply-adds per instruction of
-a float32 FMA: ~1.2-1.5x dequantize + sgemm at 64-1024 rows, bench_quant.py). Both give
-a row the same bits (the same exact block sums, scaled and summed in the same order),
-whatever rows share its call. A bf16 model with BF16_TILED_M rows or more, on a CPU with
-fast bf16 matmuls, gets bf16 tiles and the bf16 GEMM instead (as if it held the
-dequantized weights in bf16); a build without AVX2 dequantizes float32 tiles into sgemm
-above `small_m`.
+weight-streaming kernel (each weight block widened once for up to 16 rows of x; above 16
+rows, once for 32); above it, an int16 GEMM (x transposed 8 rows a vector, madd at twice
+the multiply-adds per instruction of a float32 FMA: ~1.2-1.5x dequantize + sgemm at
+64-1024 rows, bench_quant.py). Both give a row the same bits (the same exact block sums,
+scaled and summed in the same order), whatever rows share its call. A bf16 model with
+BF16_TILED_M rows or more, on a CPU with fast bf16 matmuls, gets bf16 tiles and the bf16
+GEMM instead (as if it held the dequantized weights in bf16); a build without AVX2
+dequantizes float32 tiles into sgemm above `small_m`.
 
 Layout of a weight (N, K): a uint8 tensor (N, K / block * block_bytes), row n holding the
 blocks of output row n (32 weights a block; 256 a super-block for the K-quants). For the
