@@ -1054,6 +1054,16 @@ constexpr int64_t kStreamRows = 16;
 constexpr int64_t kWideRows = 32;
 constexpr int64_t kPairRows = 8;     // rows of x from which dot_wrows transposes the weight blocks
 
+// run(pass, r0, rows) over M > 1 rows of x: one pass of up to kStreamRows rows, else passes
+// of kWideRows (`pass`: the pass's capacity, an integral constant).
+template <typename Run>
+void in_passes(int64_t M, Run&& run) {
+  if (M <= kStreamRows) return run(std::integral_constant<int64_t, kStreamRows>{}, 0, M);
+  for (int64_t r0 = 0; r0 < M; r0 += kWideRows) {
+    run(std::integral_constant<int64_t, kWideRows>{}, r0, std::min(kWideRows, M - r0));
+  }
+}
+
 // out[r * ldo + i] = x row xr + r . weight row i of w, for the V::L weight rows from w and
 // r < M <= kPass (kM: M where it is known at compile time, else 0). Per unit of
 // per_scale(fmt) blocks (a K-quant super-block: one scale of the weight row and of x) the
@@ -1156,18 +1166,16 @@ void dot_wrows(const uint8_t* w, int64_t row_bytes, int64_t nb, const QRows& x, 
   for (int64_t r = 0; r < rows_x; ++r) V::storef(out + r * ldo, V::add(acc[r], off[r]));
 }
 
-// dot_wrows for every row of x (M of them): in one pass up to kStreamRows, else kWideRows at
-// a time.
+// dot_wrows for every row of x (M of them), in_passes.
 template <typename V>
 void dot_wrows(const uint8_t* w, int64_t fmt, int64_t row_bytes, int64_t nb, const QRows& x, int64_t M, float* out,
                int64_t ldo) {
   with_format(fmt, [&](auto f) {
     constexpr int64_t F = decltype(f)::value;
     if (M == 1) return dot_wrows<V, F, 1>(w, row_bytes, nb, x, 0, 1, out, ldo);
-    if (M <= kStreamRows) return dot_wrows<V, F, 0>(w, row_bytes, nb, x, 0, M, out, ldo);
-    for (int64_t r0 = 0; r0 < M; r0 += kWideRows) {
-      dot_wrows<V, F, 0, kWideRows>(w, row_bytes, nb, x, r0, std::min(kWideRows, M - r0), out + r0 * ldo, ldo);
-    }
+    in_passes(M, [&](auto pass, int64_t r0, int64_t rows) {
+      dot_wrows<V, F, 0, decltype(pass)::value>(w, row_bytes, nb, x, r0, rows, out + r0 * ldo, ldo);
+    });
   });
 }
 #endif
@@ -1696,11 +1704,9 @@ void dot_wrows8(const uint8_t* w, int64_t fmt, int64_t row_bytes, int64_t nb, co
   const auto run = [&](auto f) {
     constexpr int64_t F = decltype(f)::value;
     if (M == 1) return dot_wrows8<V, F, 1, kPacked>(w, row_bytes, nb, x, 0, 1, out, ldo);
-    if (M <= kStreamRows) return dot_wrows8<V, F, 0, kPacked>(w, row_bytes, nb, x, 0, M, out, ldo);
-    for (int64_t r0 = 0; r0 < M; r0 += kWideRows) {
-      dot_wrows8<V, F, 0, kPacked, kWideRows>(w, row_bytes, nb, x, r0, std::min(kWideRows, M - r0), out + r0 * ldo,
-                                              ldo);
-    }
+    in_passes(M, [&](auto pass, int64_t r0, int64_t rows) {
+      dot_wrows8<V, F, 0, kPacked, decltype(pass)::value>(w, row_bytes, nb, x, r0, rows, out + r0 * ldo, ldo);
+    });
   };
   if (fmt == kQ6_K) run(std::integral_constant<int64_t, kQ6_K>{});
   else run(std::integral_constant<int64_t, kQ4_K>{});
