@@ -1,5 +1,6 @@
 """Test-side drivers that run a model through ForwardBatch + KVPool without a scheduler, and
-the engine tests' check that a run leaked no KV slot.
+the engine tests' check that a run leaked no KV slot, and the runner of test scripts under
+Triton's CPU interpreter.
 
 Single request, no radix tree (paths=[[]]): the request's KV slots are allocated up front,
 slot i holding position i. Import from a test module as `from helpers import ...` (pytest's
@@ -8,9 +9,15 @@ default rootdir-relative import mode puts tests/ on sys.path).
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
+import pytest
 import torch
 
 from radixserve import Engine
@@ -109,3 +116,22 @@ def assert_all_free(engine: Engine) -> None:
     drafter = engine.scheduler.speculator.drafter  # a draft model's pool: the samples ended
     if drafter is not None:
         assert drafter.worker.pool.num_free == drafter.worker.pool.capacity
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_under_triton_interpreter(script: str, *args: str, timeout: float) -> str:
+    """Run test file `script` as a script (`args` after it) with TRITON_INTERPRET=1, which
+    must be set before triton itself is first imported (its own tl.* helpers are decorated
+    then), so a pytest process cannot set it; assert that it succeeded and return its
+    stdout. Skips where triton is not installed (an optional dependency)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (optional dependency)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, script, *args], env=env, cwd=ROOT, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"child failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return proc.stdout

@@ -31,6 +31,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from helpers import run_under_triton_interpreter
 
 from radixserve import kernels
 from radixserve.kernels import cpu, native, reference
@@ -317,10 +318,9 @@ def test_dispatch_selects_and_logs_once(
 
 
 # --------------------------------------------------------------------------- triton (interpreter)
-# TRITON_INTERPRET must be set before triton itself is first imported (its own tl.* helpers
-# are decorated then), which this pytest process cannot guarantee. So the checks below run in
-# a child process (this file run as a script) with the variable set; the parent asserts that
-# the child passed every check. Small shapes: the interpreter runs each program in Python.
+# The checks below run in a child process under TRITON_INTERPRET=1 (this file run as a
+# script, helpers.run_under_triton_interpreter); the parent asserts that the child passed
+# every check. Small shapes: the interpreter runs each program in Python.
 TRITON_DTYPES = (torch.float32, torch.float16)  # the interpreter's bf16 is broken
 
 
@@ -419,16 +419,9 @@ def run_triton_checks() -> None:
 
 @pytest.mark.slow  # the Triton kernels under the interpreter, in a subprocess (~8 s)
 def test_triton_interpreter() -> None:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (optional dependency)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__, "--triton-checks"], env=env, cwd=ROOT,
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, f"child failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    oks = [line for line in proc.stdout.splitlines() if line.startswith("ok ")]
-    assert len(oks) == len(TRITON_CHECKS) * len(TRITON_DTYPES), proc.stdout
+    out = run_under_triton_interpreter(__file__, "--triton-checks", timeout=300)
+    oks = [line for line in out.splitlines() if line.startswith("ok ")]
+    assert len(oks) == len(TRITON_CHECKS) * len(TRITON_DTYPES), out
 
 
 # --------------------------------------------------------------------------- benchmark smoke

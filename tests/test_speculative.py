@@ -5,18 +5,15 @@ n > 1, stop strings, logprobs, a regex, a small pool that retracts), drafts real
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import assert_all_free
+from helpers import assert_all_free, run_under_triton_interpreter
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -187,18 +184,9 @@ def run_triton_trees(model_dir: Path) -> None:
 def test_random_trees_through_the_triton_kernels(tiny_model_dir: Path) -> None:
     """The Triton path (its kernels run by Triton's CPU interpreter) verifies tree rows as
     the native kernels do: random trees give plain decoding's tokens and keep exactly the
-    oracle's depth. TRITON_INTERPRET must be set before triton is first imported, hence
-    the child process (this file run as a script)."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (optional dependency)")
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    proc = subprocess.run(
-        [sys.executable, __file__, "--triton-trees", str(tiny_model_dir)],
-        env=env, cwd=root, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, f"child failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    assert proc.stdout.split() == [w for c in TRITON_TREE_CASES for w in ("ok", c)], proc.stdout
+    oracle's depth; in a child process (this file run as a script)."""
+    out = run_under_triton_interpreter(__file__, "--triton-trees", str(tiny_model_dir), timeout=600)
+    assert out.split() == [w for c in TRITON_TREE_CASES for w in ("ok", c)], out
 
 
 def test_a_repeated_request_is_drafted_from_the_radix_cache(plain: Engine, spec: Engine) -> None:
