@@ -32,6 +32,7 @@ import hashlib
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -59,14 +60,27 @@ def native_ops_enabled() -> bool:
 
 def native_module(get: Getter) -> Getter:
     """Decorate a getter that `build`s one module: the build runs once per process (cached,
-    failure included); the getter returns the module while native ops are on, else None."""
+    failure included; a call made while another thread builds waits for that build); the
+    getter returns the module while native ops are on, else None."""
     built = functools.cache(get)
+    turn = threading.Lock()
 
     @functools.wraps(get)
     def getter() -> ModuleType | None:
-        return built() if _enabled else None
+        if not _enabled:
+            return None
+        with turn:
+            return built()
 
     return getter
+
+
+def build_in_background(*steps: Callable[[], object]) -> None:
+    """Run each step (a call that builds native modules through their getters) on a thread
+    of its own and return: the compilers are processes, so modules build side by side, and
+    with whatever the caller goes on to do."""
+    for step in steps:
+        threading.Thread(target=step, name="native build", daemon=True).start()
 
 
 def build_folder(module_name: str) -> Path:

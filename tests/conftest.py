@@ -26,6 +26,7 @@ from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: benchmarks/
 from benchmarks.make_gguf import build_tiny_model  # noqa: E402
+from radixserve.native_build import build_in_background  # noqa: E402
 
 # Property tests: a few examples each on a developer's machine, many in CI (.ci/run sets
 # CI=true; Hypothesis's own "ci" profile adds derandomize, no database, print_blob). No
@@ -40,24 +41,17 @@ STARTUP_TIMEOUT_S = 180.0
 
 @pytest.fixture(scope="session", autouse=True)
 def native_kernels_built() -> None:
-    """Compile every native CPU module once, before any test starts a server. On a fresh
-    machine each build takes ~25-35 s; a server child compiling them itself would spend its
-    whole start-up timeout on it. The children find them in the build cache. A child process
-    builds half of them while this one builds the rest: one compiler per core."""
+    """Compile every native CPU module once, before any test starts a server: a server child
+    compiling them itself would spend much of its start-up timeout on it, and the children
+    find them in the build cache. The four build side by side, as a worker's do."""
     from radixserve.kernels import native as attention
     from radixserve.models import native, quant
     from radixserve.sampling import sampler
 
-    other_half = (
-        "from radixserve.kernels import native; from radixserve.sampling import sampler; "
-        "native.ops(); sampler._native()"
-    )
-    child = subprocess.Popen([sys.executable, "-c", other_half])
-    quant.ops()
-    native.ops()
-    assert child.wait() == 0, "the child building the attention and sampler kernels failed"
-    attention.ops()  # loaded from the child's builds
-    sampler._native()
+    getters = (quant.ops, native.ops, attention.ops, sampler.native_ops)
+    build_in_background(*getters)
+    for getter in getters:
+        getter()  # waits for its build
 
 
 @pytest.fixture(scope="session")

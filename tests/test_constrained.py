@@ -153,7 +153,7 @@ def test_native_mask_equals_the_bias_formula(vocab: int) -> None:
     """sample_cpu.cpp's mask_logits_ (the sampler's CPU path) against token_mask_bias (its
     torch fallback) on random masks, all-allowed and all-forbidden bytes included, applied
     to a subset of the rows; the rows not listed and the allowed logits stay bit-exact."""
-    mod = sampler._native()
+    mod = sampler.native_ops()
     if mod is None:
         pytest.skip("native sampling kernels cannot be built here")
     g = torch.Generator().manual_seed(vocab)

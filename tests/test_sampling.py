@@ -235,7 +235,7 @@ def test_temperature_frequencies_match_softmax(temperature: float) -> None:
 
 
 def _torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sampler_module, "_native", lambda: None)
+    monkeypatch.setattr(sampler_module, "native_ops", lambda: None)
 
 
 def test_native_draw_is_built_and_matches_the_torch_formula(
@@ -244,7 +244,7 @@ def test_native_draw_is_built_and_matches_the_torch_formula(
     """The fused native draw (rows without filters) picks the torch formula's token for the
     same uniform: u at the middle of every CDF step, so float32 rounding cannot move it.
     5003 tokens: tails past the vectors and the scan blocks; -inf entries (masked tokens)."""
-    assert sampler_module._native() is not None, "the native sampler must build here"
+    assert sampler_module.native_ops() is not None, "the native sampler must build here"
     rows, vocab = 48, 5003
     logits = torch.randn(rows, vocab, generator=gen(11)) * 4
     logits[::3, ::7] = float("-inf")

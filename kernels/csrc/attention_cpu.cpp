@@ -22,8 +22,10 @@
 // query tile of kRows rows, with an online softmax (running max m, sum l, unnormalized O).
 // Long key ranges are split into chunks across threads (flash-decoding) and the chunks'
 // partial states merged by log-sum-exp afterwards. Everything accumulates in float32.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <atomic>

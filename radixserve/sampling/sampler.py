@@ -178,7 +178,7 @@ def sample(
     assert logits.dim() == 2 and logits.shape[0] == B, f"logits {tuple(logits.shape)} vs {B} infos"
     assert logits.dtype == torch.float32, f"sampler expects float32 logits, got {logits.dtype}"
     work = process_logits(logits, batch)  # (B, V); `logits` itself when nothing applies
-    native = _native() if work.device.type == "cpu" and work.stride(1) == 1 else None
+    native = native_ops() if work.device.type == "cpu" and work.stride(1) == 1 else None
     if native is not None and not batch.filters and (generator is not None or batch.all_seeded):
         next_ids = _pick_native(native, logits, work, batch, generator)
     else:
@@ -354,7 +354,7 @@ def apply_token_masks(work: torch.Tensor, rows: list[int], packed: torch.Tensor)
     token (constrained/mask.py), in place; allowed logits stay bit-exact. On CPU one native
     pass over the packed bytes (csrc/sample_cpu.cpp), else a (R, V) bias tensor added."""
     packed = packed.to(work.device)
-    native = _native() if work.device.type == "cpu" and work.dtype == torch.float32 else None
+    native = native_ops() if work.device.type == "cpu" and work.dtype == torch.float32 else None
     if native is not None and work.stride(1) == 1:
         native.mask_logits_(work, torch.tensor(rows, dtype=torch.int64), packed)
         return
@@ -382,7 +382,7 @@ def _per_row(values: list[float], like: torch.Tensor) -> torch.Tensor:
 
 
 @native_module
-def _native() -> ModuleType | None:
+def native_ops() -> ModuleType | None:
     """csrc/sample_cpu.cpp (steps 4 and 8 fused for rows without filters), or None where it
     does not build or native ops are off."""
     return build(
@@ -404,7 +404,7 @@ def _draw(
     u = _uniforms(infos, gen)  # (S,) float64 in [0, 1)
     filters = any(info.params.has_filters for info in infos)
     if not filters and logits.device.type == "cpu" and logits.stride(1) == 1:
-        native = _native()
+        native = native_ops()
         if native is not None:
             return native.sample_softmax(logits, temps, u)
     scaled = logits if bool((temps == 1.0).all()) else logits / temps.unsqueeze(1)  # (S, V)

@@ -27,10 +27,12 @@ from radixserve.cpus import default_threads
 from radixserve.distributed.parallel import TPGroup, agree_min, get_tp, rank_device
 from radixserve.isa import resolve_dtype
 from radixserve.kvcache.pool import KVPool
+from radixserve.models import native as fused_ops
 from radixserve.models.loader import int8_x_only, load_config, load_model
 from radixserve.models.quant import QuantLinear
 from radixserve.models.sharding import check_tp_size
-from radixserve.native_build import use_native_ops
+from radixserve.native_build import build_in_background, use_native_ops
+from radixserve.sampling import sampler
 from radixserve.worker.batch_sync import recv_batch, send_batch
 
 logger = logging.getLogger("radixserve.worker")
@@ -136,6 +138,8 @@ class ModelWorker:
                 torch.set_num_threads(config.threads or default_threads(rank, size))
             logger.info("%d CPU threads", torch.get_num_threads())
         select_fast_paths(config)
+        if not device.startswith("cuda") and config.native_ops:
+            build_cpu_kernels_in_background()
         int8_x = int8_x_only(
             model_path, config.quantization, config.quant_activations, size, device
         )
@@ -227,6 +231,15 @@ def select_fast_paths(config: EngineConfig) -> None:
         "fast paths: native CPU ops %s, attention kernels %s, packed linear %s",
         "on" if config.native_ops else "off", config.attention_kernels, config.packed_linear,
     )  # fmt: skip
+
+
+def build_cpu_kernels_in_background() -> None:
+    """Start building the native modules every CPU worker calls (attention ops, fused
+    RMSNorm/RoPE, sampler), so that a first start compiles them while the model loads,
+    side by side with the quantized kernels the loader builds. Cached builds just load."""
+    build_in_background(
+        lambda: kernels.resolve_impl(torch.empty(0)), fused_ops.ops, sampler.native_ops
+    )
 
 
 def is_quantized(model: torch.nn.Module) -> bool:

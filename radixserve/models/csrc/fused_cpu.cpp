@@ -1,8 +1,10 @@
 // Fused CPU ops for the decoder (radixserve/models/native.py): RMSNorm and RoPE on bf16 or
 // float32 rows (rows.h), each one call with the rounding of the torch formula it replaces,
 // instead of a chain of small ops.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <vector>
 
@@ -12,7 +14,7 @@ namespace {
 
 using bf16 = at::BFloat16;
 
-void check_rows(const torch::Tensor& x, const char* name) {
+void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu(), name, ": CPU tensor expected");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, name,
               ": bfloat16 or float32 expected, got ", x.scalar_type());
@@ -22,13 +24,13 @@ void check_rows(const torch::Tensor& x, const char* name) {
 }  // namespace
 
 // x (T, H) any row stride, weight (H,) of x's dtype -> new (T, H) contiguous.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm x");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
                   weight.numel() == x.size(1),
               "rms_norm weight: contiguous (", x.size(1), ",) of x's dtype expected");
   const int64_t rows = x.size(0), h = x.size(1), stride = x.stride(0);
-  auto out = torch::empty({rows, h}, x.options());
+  auto out = at::empty({rows, h}, x.options());
   const float e = static_cast<float>(eps);
   if (x.scalar_type() == at::kFloat) {
     rowops::rms_norm(x.data_ptr<float>(), stride, weight.data_ptr<float>(), rows, h, e, out.data_ptr<float>());
@@ -40,7 +42,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 
 // RoPE of the q and k heads of a fused qkv projection: qkv (T, >= (Hq + Hkv) * D) any row
 // stride, table (T, 2, D) contiguous, same dtype -> q (T, Hq, D), k (T, Hkv, D), new, contiguous.
-std::vector<torch::Tensor> rope_qk(const torch::Tensor& qkv, const torch::Tensor& table,
+std::vector<at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tensor& table,
                                    int64_t q_heads, int64_t kv_heads) {
   check_rows(qkv, "rope_qk qkv");
   TORCH_CHECK(table.scalar_type() == qkv.scalar_type() && table.is_contiguous() &&
@@ -49,8 +51,8 @@ std::vector<torch::Tensor> rope_qk(const torch::Tensor& qkv, const torch::Tensor
   const int64_t rows = qkv.size(0), d = table.size(2), stride = qkv.stride(0);
   TORCH_CHECK(d % 2 == 0 && (q_heads + kv_heads) * d <= qkv.size(1),
               "rope_qk: qkv has too few columns for the heads");
-  auto q = torch::empty({rows, q_heads, d}, qkv.options());
-  auto k = torch::empty({rows, kv_heads, d}, qkv.options());
+  auto q = at::empty({rows, q_heads, d}, qkv.options());
+  auto k = at::empty({rows, kv_heads, d}, qkv.options());
   if (qkv.scalar_type() == at::kFloat) {
     rowops::rope(qkv.data_ptr<float>(), stride, table.data_ptr<float>(), rows, q_heads, kv_heads, d,
                  q.data_ptr<float>(), k.data_ptr<float>());

@@ -52,8 +52,14 @@
 // at a time and the GEMM 16 rows of x per vector, each block sum one vpdpwssd (32 int16
 // multiply-adds into int32) instead of a madd and an add; their results equal the AVX2
 // paths' bit for bit (same integer sums, same float32 operations per lane, same order).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/silu.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
 #include <cstdint>

@@ -1,4 +1,4 @@
-// Temperature sampling fused into one pass per row (`_native` in sampler.py): the
+// Temperature sampling fused into one pass per row (`native_ops` in sampler.py): the
 // softmax's exponentials are drawn from by inverse CDF without the (B, V) probability and
 // cumulative-sum tensors of the torch formula, whose passes over a 49152-token vocabulary
 // cost more than the arithmetic; a decode batch's greedy and drawn rows together in one
@@ -8,8 +8,10 @@
 #if defined(RS_AVX2)
 #define CPU_CAPABILITY_AVX2
 #endif
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
@@ -103,15 +105,15 @@ int64_t draw_row(const float* l, int64_t n, float mx, float t, double u, std::ve
 
 // logits (S, V) float32 with unit column stride, temperatures (S,) float32 > 0, uniforms
 // (S,) float64 in [0, 1) -> token ids (S,) int64 drawn from softmax(logits / t).
-torch::Tensor sample_softmax(const torch::Tensor& logits, const torch::Tensor& temps, const torch::Tensor& u) {
+at::Tensor sample_softmax(const at::Tensor& logits, const at::Tensor& temps, const at::Tensor& u) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
                   logits.stride(1) == 1,
               "logits: float32 (S, V) on CPU with unit column stride expected");
   const int64_t s = logits.size(0), n = logits.size(1);
   TORCH_CHECK(n > 0, "logits: empty vocabulary");
-  const torch::Tensor t = temps.to(at::kFloat).contiguous(), uu = u.to(at::kDouble).contiguous();
+  const at::Tensor t = temps.to(at::kFloat).contiguous(), uu = u.to(at::kDouble).contiguous();
   TORCH_CHECK(t.numel() == s && uu.numel() == s, "one temperature and one uniform per row expected");
-  torch::Tensor out = torch::empty({s}, logits.options().dtype(at::kLong));
+  at::Tensor out = at::empty({s}, logits.options().dtype(at::kLong));
   const float* lp = logits.data_ptr<float>();
   const float* tp = t.data_ptr<float>();
   const double* up = uu.data_ptr<double>();
@@ -132,17 +134,17 @@ torch::Tensor sample_softmax(const torch::Tensor& logits, const torch::Tensor& t
 // row holds one); ids[r] is its first maximal index where temps[r] == 0 (torch's
 // max(dim).indices), else drawn from softmax(logits / t) as sample_softmax draws it. A row
 // without a finite maximum gets id 0: the caller rejects it by its maximum.
-std::tuple<torch::Tensor, torch::Tensor> decode_rows(const torch::Tensor& logits, const torch::Tensor& temps,
-                                                     const torch::Tensor& u) {
+std::tuple<at::Tensor, at::Tensor> decode_rows(const at::Tensor& logits, const at::Tensor& temps,
+                                                     const at::Tensor& u) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
                   logits.stride(1) == 1,
               "logits: float32 (B, V) on CPU with unit column stride expected");
   const int64_t b = logits.size(0), n = logits.size(1);
   TORCH_CHECK(n > 0, "logits: empty vocabulary");
-  const torch::Tensor t = temps.to(at::kFloat).contiguous(), uu = u.to(at::kDouble).contiguous();
+  const at::Tensor t = temps.to(at::kFloat).contiguous(), uu = u.to(at::kDouble).contiguous();
   TORCH_CHECK(t.numel() == b && uu.numel() == b, "one temperature and one uniform per row expected");
-  torch::Tensor ids = torch::empty({b}, logits.options().dtype(at::kLong));
-  torch::Tensor maxima = torch::empty({b}, logits.options());
+  at::Tensor ids = at::empty({b}, logits.options().dtype(at::kLong));
+  at::Tensor maxima = at::empty({b}, logits.options());
   const float* lp = logits.data_ptr<float>();
   const float* tp = t.data_ptr<float>();
   const double* up = uu.data_ptr<double>();
@@ -168,12 +170,12 @@ std::tuple<torch::Tensor, torch::Tensor> decode_rows(const torch::Tensor& logits
 // mask.py), by adding 0 / -inf as mask.py's token_mask_bias does (allowed logits stay
 // bit-exact), each mask byte's 8 addends read from a 256-entry table: one 8-float vector
 // add per byte, without the (R, V) bias tensor.
-void mask_logits_(torch::Tensor& logits, const torch::Tensor& rows, const torch::Tensor& packed) {
+void mask_logits_(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& packed) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
                   logits.stride(1) == 1,
               "logits: float32 (S, V) on CPU with unit column stride expected");
   const int64_t n = logits.size(1), width = (n + 7) / 8;
-  const torch::Tensor r = rows.to(at::kLong).contiguous(), m = packed.contiguous();
+  const at::Tensor r = rows.to(at::kLong).contiguous(), m = packed.contiguous();
   TORCH_CHECK(m.scalar_type() == at::kByte && m.dim() == 2 && m.size(0) == r.numel() && m.size(1) == width,
               "packed: uint8 (R, ceil(V / 8)) expected, one row per entry of rows");
   const int64_t* rp = r.data_ptr<int64_t>();
