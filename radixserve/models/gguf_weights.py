@@ -24,13 +24,14 @@ import ctypes
 import functools
 import math
 import mmap
+import struct
 import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from radixserve.models.config import ModelConfig
@@ -75,26 +76,145 @@ def hf_name(gguf_name: str) -> str:
     return f"model.layers.{int(layer)}.{LAYER_NAMES[rest]}"
 
 
+class GGUFTensor(NamedTuple):
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF's order: innermost dimension first
+    data: np.ndarray  # a view of the file's memory map: typed for F16 / F32 / F64 and the
+    # integer types, else bytes (rows, bytes per row), as the gguf package's reader gives it
+
+
 class GGUFTensors(NamedTuple):
     architecture: str  # general.architecture
-    tensors: list[ReaderTensor]  # their data: views of the file's memory map
+    tensors: list[GGUFTensor]
     data: np.memmap  # the whole file, mapped read-only (shared)
 
 
 def gguf_tensors(path: Path) -> GGUFTensors:
-    """The file's architecture and tensors. The last file's are kept: parsing a header with
-    its vocabulary takes ~2 s, and a load asks more than once; the rest of the header (~140
-    MB of Python objects for a 49k vocabulary) is dropped. A rewritten file is read again."""
+    """The file's architecture and tensors, from its header; the last file's are kept (a
+    load asks more than once). A rewritten file is read again. Raises ValueError naming what
+    is wrong with a file that is not a well-formed little-endian GGUF v2 / v3."""
     stat = path.stat()
     return _tensors(path.resolve(), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=1)
 def _tensors(path: Path, size: int, mtime_ns: int) -> GGUFTensors:
-    reader = GGUFReader(path)
-    field = reader.fields["general.architecture"]
-    architecture = bytes(field.parts[field.data[0]]).decode()
-    return GGUFTensors(architecture, list(reader.tensors), reader.data)
+    try:
+        return _read_header(np.memmap(path, mode="r"))
+    except (struct.error, IndexError) as e:
+        raise ValueError(f"{path}: GGUF header ends early or points past the file ({e})") from e
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+
+
+# GGUF metadata value types: sizes of the fixed-size ones; 8 is a string, 9 an array.
+_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_MAX_ARRAY_DEPTH = 4  # arrays of arrays nest this deep at most (files use 1)
+_TYPED = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
+          GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+          GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+          GGMLQuantizationType.I64: np.int64}  # fmt: skip
+
+
+class _Cursor:
+    """Reads little-endian fields from the header; struct.error past the end."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.data, self.pos = data.data, 0  # the array's buffer
+
+    def take(self, fmt: str) -> int:
+        (value,) = struct.unpack_from(fmt, self.data, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return int(value)
+
+    def string(self) -> str:
+        n = self.take("<Q")
+        self.skip(n)
+        return bytes(self.data[self.pos - n : self.pos]).decode()
+
+    def skip(self, n: int) -> None:
+        if self.pos + n > len(self.data):
+            raise IndexError(f"{n} bytes at offset {self.pos}")
+        self.pos += n
+
+    def skip_value(self, kind: int, depth: int = 0) -> None:
+        if kind in _VALUE_SIZES:
+            self.skip(_VALUE_SIZES[kind])
+        elif kind == _STRING:
+            self.skip(self.take("<Q"))
+        elif kind == _ARRAY and depth < _MAX_ARRAY_DEPTH:
+            item, count = self.take("<I"), self.take("<Q")
+            if item in _VALUE_SIZES:
+                self.skip(count * _VALUE_SIZES[item])
+            else:  # strings and arrays: each is a length then its bytes (a vocabulary: ~50k)
+                if count > len(self.data) - self.pos:  # each takes 8 bytes or more
+                    raise IndexError(f"{count} items at offset {self.pos}")
+                for _ in range(count):
+                    self.skip_value(item, depth + 1)
+        else:
+            raise ValueError(f"metadata value of unknown type {kind} (or nested too deep)")
+
+
+def _read_header(data: np.memmap) -> GGUFTensors:
+    """Walk the header (magic, version, counts, metadata, tensor infos) without building the
+    metadata's values (the vocabulary's strings would take seconds): only the architecture
+    and the alignment are kept."""
+    cur = _Cursor(data)
+    if bytes(data[:4]) != b"GGUF":
+        raise ValueError("not a GGUF file (no GGUF magic)")
+    cur.skip(4)
+    version = cur.take("<I")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} (read little-endian): only 2 and 3 are read")
+    n_tensors, n_metadata = cur.take("<Q"), cur.take("<Q")
+    architecture, alignment = "", 32
+    for _ in range(n_metadata):
+        key, kind = cur.string(), cur.take("<I")
+        if key == "general.architecture" and kind == _STRING:
+            architecture = cur.string()
+        elif key == "general.alignment" and kind == _UINT32:
+            alignment = cur.take("<I")
+        else:
+            cur.skip_value(kind)
+    if alignment == 0 or alignment % 8:
+        raise ValueError(f"general.alignment {alignment} is not a positive multiple of 8")
+    infos = []
+    for _ in range(n_tensors):
+        name, n_dims = cur.string(), cur.take("<I")
+        if not 1 <= n_dims <= 4:
+            raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
+        dims = tuple(cur.take("<Q") for _ in range(n_dims))
+        infos.append((name, dims, cur.take("<I"), cur.take("<Q")))
+    start = -(-cur.pos // alignment) * alignment
+    tensors, names = [], set()
+    for name, dims, kind, offset in infos:
+        if name in names:
+            raise ValueError(f"tensor {name!r} appears twice")
+        names.add(name)
+        tensors.append(_tensor(data, name, dims, kind, start + offset))
+    return GGUFTensors(architecture, tensors, data)
+
+
+def _tensor(data: np.memmap, name: str, dims: tuple[int, ...], kind: int, at: int) -> GGUFTensor:
+    try:
+        qtype = GGMLQuantizationType(kind)
+    except ValueError:
+        raise ValueError(f"tensor {name!r} has unknown GGML type {kind}") from None
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    shape = tuple(reversed(dims))  # numpy's order: outermost first
+    if 0 in dims or shape[-1] % block:
+        raise ValueError(f"tensor {name!r}: shape {dims} does not hold whole {qtype.name} blocks")
+    nbytes = math.prod(dims) // block * block_bytes
+    if at + nbytes > len(data):
+        raise ValueError(f"tensor {name!r}: its {nbytes} bytes at {at} run past the file")
+    raw = data[at : at + nbytes]
+    if qtype in _TYPED:
+        view = raw.view(_TYPED[qtype]).reshape(shape)
+    else:
+        view = raw.reshape(*shape[:-1], shape[-1] // block * block_bytes)
+    return GGUFTensor(name, qtype, dims, view)
 
 
 def release_pages(path: Path, tensor: torch.Tensor) -> bool:

@@ -234,6 +234,12 @@ def _use_packed_linear(
     return requested
 
 
+def import_tokenizer_modules() -> None:
+    """Import the transformers modules `load_tokenizer` runs (~1.5 s; the config classes'
+    shared imports come in with LlamaConfig), so that a process can do it while it waits."""
+    from transformers import AutoTokenizer, LlamaConfig  # noqa: F401
+
+
 def load_tokenizer(path: str | Path) -> Any:
     """The checkpoint's fast tokenizer (transformers AutoTokenizer, use_fast=True)."""
     from transformers import AutoTokenizer

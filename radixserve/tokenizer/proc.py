@@ -43,7 +43,7 @@ from radixserve.message.messages import (
     TokenDeltas,
     TokenizerReady,
 )
-from radixserve.models.loader import load_tokenizer
+from radixserve.models.loader import import_tokenizer_modules, load_tokenizer
 from radixserve.procutil import PARENT_POLL_MS, ParentWatch
 from radixserve.prompt.layout import Layout
 from radixserve.prompt.registry import SchemaRegistry
@@ -237,6 +237,7 @@ def run_tokenizer_process(ipc: IpcPaths) -> None:
     inbox = Inbox(ctx, ipc.tokenizer)
     to_sched, to_api = Outbox(ctx, ipc.scheduler), Outbox(ctx, ipc.api)
     try:
+        import_tokenizer_modules()  # while the scheduler loads the model
         ready = _wait_for_scheduler(inbox, watch)
         if ready is None:  # shut down (or orphaned) during start-up: pass it on
             to_sched.send(Shutdown())
