@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quant_shape_to_byte_shape
 
 from radixserve.models.config import ModelConfig
 from radixserve.models.quant import QuantWeight
@@ -213,7 +214,7 @@ def _tensor(data: np.memmap, name: str, dims: tuple[int, ...], kind: int, at: in
     if qtype in _TYPED:
         view = raw.view(_TYPED[qtype]).reshape(shape)
     else:
-        view = raw.reshape(*shape[:-1], shape[-1] // block * block_bytes)
+        view = raw.reshape(quant_shape_to_byte_shape(shape, qtype))
     return GGUFTensor(name, qtype, dims, view)
 
 
