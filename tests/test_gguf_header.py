@@ -26,6 +26,13 @@ def test_embedded_file_gives_the_gguf_readers_tensors() -> None:
         assert np.array_equal(a.data.view(np.uint8), b.data.view(np.uint8)), a.name
 
 
+def finish(w: gguf.GGUFWriter) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def small_gguf(path: Path) -> tuple[bytes, int]:
     """A valid file with a vocabulary-like string array, a nested array and a Q8_0 and an
     F32 tensor; its bytes and where the tensor data starts."""
@@ -36,10 +43,7 @@ def small_gguf(path: Path) -> tuple[bytes, int]:
     w.add_tensor("blk.0.attn_q.weight", np.ones((2, 32), dtype=np.float32))
     q8 = gguf.quants.quantize(np.ones((2, 32), dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
     w.add_tensor("blk.0.attn_k.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return path.read_bytes(), int(gguf.GGUFReader(path).tensors[0].data_offset)
 
 
@@ -109,3 +113,22 @@ def test_tensor_fields_are_checked(tmp_path: Path) -> None:
         bad.write_bytes(content)
         with pytest.raises(ValueError, match=message):
             gguf_tensors(bad)
+
+
+def test_arrays_nested_past_the_bound_are_a_value_error(tmp_path: Path) -> None:
+    """Metadata arrays of arrays nest 4 deep at most: a deeper one (or a crafted file
+    nesting thousands deep) is refused, not recursed into."""
+    for depth, ok in ((4, True), (5, False)):
+        value: object = [1]
+        for _ in range(depth - 1):
+            value = [value]
+        path = tmp_path / f"nested{depth}.gguf"
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_array("test.deep", value)
+        w.add_tensor("blk.0.attn_q.weight", np.ones((2, 32), dtype=np.float32))
+        finish(w)
+        if ok:
+            assert [t.name for t in gguf_tensors(path).tensors] == ["blk.0.attn_q.weight"]
+        else:
+            with pytest.raises(ValueError, match="nested too deep"):
+                gguf_tensors(path)
