@@ -44,13 +44,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import eval_data
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
-from benchmarks import eval_data  # noqa: E402
-from radixserve import Engine  # noqa: E402
-from radixserve.kvcache.hicache import pool_layout  # noqa: E402
-from radixserve.kvcache.tier_store import CHUNK_TOKENS  # noqa: E402
+from radixserve import Engine
+from radixserve.kvcache.hicache import pool_layout
+from radixserve.kvcache.tier_store import CHUNK_TOKENS
 
 GB = 1 << 30
 

@@ -39,22 +39,20 @@ import json
 import math
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script
-import torch  # noqa: E402
+import eval_data
+import torch
+from eval_gsm8k import STOP, extract_answer
 
-from benchmarks import eval_data  # noqa: E402
-from benchmarks.eval_gsm8k import STOP, extract_answer  # noqa: E402
-from radixserve import Engine  # noqa: E402
-from radixserve.attention.tree_plan import TreePlan  # noqa: E402
-from radixserve.core.batch import ForwardBatch  # noqa: E402
-from radixserve.core.params import SamplingParams  # noqa: E402
-from radixserve.core.request import TokenizedRequest  # noqa: E402
-from radixserve.prompt import pml  # noqa: E402
+from radixserve import Engine
+from radixserve.attention.tree_plan import TreePlan
+from radixserve.core.batch import ForwardBatch
+from radixserve.core.params import SamplingParams
+from radixserve.core.request import TokenizedRequest
+from radixserve.prompt import pml
 
 FIRST_TOKEN = {"temperature": 0, "max_new_tokens": 1}
 

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from make_gguf import random_blocks
 from roofline import measure_read_bandwidth
 
 from radixserve.isa import cpu_isa
 from radixserve.models import quant
+from radixserve.models.synthetic import random_blocks
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576), "1b_qkv": (3072, 2048), "1b_gate_up": (16384, 2048),

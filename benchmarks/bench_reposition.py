@@ -33,12 +33,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import bench_multiturn as mt
+import eval_data
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
-from benchmarks import bench_multiturn as mt  # noqa: E402
-from benchmarks import eval_data  # noqa: E402
-from radixserve import Engine  # noqa: E402
+from radixserve import Engine
 
 
 @dataclass

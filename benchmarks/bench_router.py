@@ -23,10 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import bench_serving
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_serving  # noqa: E402
 
 SETUPS = ("single", "round_robin", "cache_aware")
 STARTUP_S = 900.0

@@ -50,13 +50,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from make_gguf import build_tiny_model
 
 from radixserve.config import EngineConfig
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.params import SamplingParams
 from radixserve.core.request import TokenDelta, TokenizedRequest
 from radixserve.isa import cpu_isa
+from radixserve.models.synthetic import build_tiny_model
 from radixserve.scheduler.parts import SchedulerParts, load_parts
 from radixserve.scheduler.scheduler import Scheduler
 

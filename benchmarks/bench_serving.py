@@ -24,17 +24,14 @@ import argparse
 import asyncio
 import json
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import eval_data
 import httpx
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
-from benchmarks import eval_data  # noqa: E402
 
 PERCENTILES = (50, 90, 99)
 WARMUP_PROMPT = "A warm-up request, not measured."  # unrelated to every dataset

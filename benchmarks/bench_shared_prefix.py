@@ -32,7 +32,6 @@ import functools
 import json
 import queue
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -40,12 +39,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import eval_data
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
-from benchmarks import eval_data  # noqa: E402
-from radixserve.config import ATTENTION_BACKENDS  # noqa: E402
-from radixserve.isa import resolve_dtype  # noqa: E402
+from radixserve.config import ATTENTION_BACKENDS
+from radixserve.isa import resolve_dtype
 
 
 def prefix_ids(tokenizer: Any, tokens: int, data_path: str | None, synthetic: bool) -> list[int]:

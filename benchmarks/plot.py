@@ -22,7 +22,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")  # before pyplot: files only, never a window
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 BACKEND_STYLE = {  # stable colours and markers across figures
     "tree": ("tab:blue", "o"),

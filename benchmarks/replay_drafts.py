@@ -28,21 +28,17 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from bench_speculative import SC_SAMPLES, gsm8k_self_consistency
+from eval_gsm8k import STOP
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_speculative import SC_SAMPLES, gsm8k_self_consistency  # noqa: E402
-from eval_gsm8k import STOP  # noqa: E402
-
-from radixserve import Engine  # noqa: E402
-from radixserve.scheduler.draft_tree import ROOT, Draft, weighted_tree  # noqa: E402
-from radixserve.scheduler.ngram import MAX_MATCH, MIN_MATCH, NgramIndex  # noqa: E402
+from radixserve import Engine
+from radixserve.scheduler.draft_tree import ROOT, Draft, weighted_tree
+from radixserve.scheduler.ngram import MAX_MATCH, MIN_MATCH, NgramIndex
 
 DRAFTERS = ("own", "own+siblings", "own+siblings tree", "oracle")
 TREE_TOPK = 4  # branches under a node of the tree drafter's trees

@@ -1,8 +1,8 @@
 """Roofline probes: memory bandwidth and matmul FLOP/s of this machine, measured in-process.
 
-Reusable by every benchmark (run from the repo root, or put it on sys.path):
+Reusable by every benchmark (a sibling module of the scripts in benchmarks/):
 
-    from benchmarks.roofline import measure_roofline
+    from roofline import measure_roofline
     roof = measure_roofline()                    # ~2 s; quick=True for tests
     bound = roof.bound_s(nbytes, flops, torch.bfloat16)
     print(roof.describe())

@@ -24,9 +24,8 @@ import httpx
 import pytest
 from hypothesis import settings
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: benchmarks/
-from benchmarks.make_gguf import build_tiny_model  # noqa: E402
-from radixserve.native_build import build_in_background  # noqa: E402
+from radixserve.models.synthetic import build_tiny_model
+from radixserve.native_build import build_in_background
 
 # Property tests: a few examples each on a developer's machine, many in CI (.ci/run sets
 # CI=true; Hypothesis's own "ci" profile adds derandomize, no database, print_blob). No

@@ -128,7 +128,7 @@ def run_under_triton_interpreter(script: str, *args: str, timeout: float) -> str
     stdout. Skips where triton is not installed (an optional dependency)."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (optional dependency)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "benchmarks")}
     proc = subprocess.run(
         [sys.executable, script, *args], env=env, cwd=ROOT, capture_output=True, text=True,
         timeout=timeout,

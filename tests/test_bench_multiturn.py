@@ -5,12 +5,11 @@ earlier turns, so it prefills fewer tokens than the radix cache alone."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
+import bench_multiturn as bm
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the repo root: benchmarks/
-from benchmarks import bench_multiturn as bm  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "data" / "sharegpt_multiturn.json"
 

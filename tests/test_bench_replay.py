@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from benchmarks.replay_drafts import replay, sibling_draft
+from replay_drafts import replay, sibling_draft
 
 RUNS = [{"prompt": [1, 2, 3], "outputs": [[5, 6, 7, 5, 6, 7, 5, 6, 7], [9, 8, 7, 5, 6]]}]
 

@@ -5,12 +5,11 @@ the kept turns are moved instead of prefilled again."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
+import bench_reposition as br
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the repo root: benchmarks/
-from benchmarks import bench_reposition as br  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "data" / "sharegpt_multiturn.json"
 

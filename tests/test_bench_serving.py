@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
+import bench_serving as bs
+import eval_code as ec
+import eval_data
+import plot
 import pytest
 from conftest import API_KEY, ServerHandle
+from sandbox import Limits
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the repo root: benchmarks/
-from benchmarks import bench_serving as bs  # noqa: E402
-from benchmarks import eval_code as ec  # noqa: E402
-from benchmarks import eval_data, plot  # noqa: E402
-from benchmarks.sandbox import Limits  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -4,16 +4,14 @@ time, and the printed ratios are medians of per-round ones."""
 
 from __future__ import annotations
 
-import sys
 import threading
 from pathlib import Path
 
+import bench_shared_prefix as bsp
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import bench_shared_prefix as bsp  # noqa: E402
-from radixserve import Engine  # noqa: E402
+from radixserve import Engine
 
 B = 3
 

@@ -4,15 +4,11 @@ exactly the requested tokens, from the same prompt length, and every row is repo
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
+import bench_vs_llamacpp as bench
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the repo root: benchmarks/
-from benchmarks import bench_vs_llamacpp as bench  # noqa: E402
 
 B, P, N = 2, 64, 4
 TINY = [

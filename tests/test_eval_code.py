@@ -7,19 +7,17 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import sys
 from fractions import Fraction
 from math import comb
 from pathlib import Path
 
+import eval_code as ec
+import eval_data
+import eval_gsm8k as gsm
 import pytest
+from sandbox import Limits
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the repo root: benchmarks/
-from benchmarks import eval_code as ec  # noqa: E402
-from benchmarks import eval_data  # noqa: E402
-from benchmarks import eval_gsm8k as gsm  # noqa: E402
-from benchmarks.sandbox import Limits  # noqa: E402
 
 FIXTURE = ROOT / "benchmarks" / "data" / "apps_fixture.jsonl"
 LIMITS = Limits(wall_s=5, cpu_s=3, memory_mb=256)

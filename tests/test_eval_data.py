@@ -15,12 +15,11 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import eval_data
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).with_name("data")
-sys.path.insert(0, str(ROOT))  # the repo root: benchmarks/
-from benchmarks import eval_data  # noqa: E402
 
 
 class FileServer:

@@ -4,14 +4,9 @@ kernel check runs in tests/test_kernels.py under the Triton interpreter."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import gpu_check
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import gpu_check  # noqa: E402
 
 
 def test_a_divergence_passes_only_at_a_near_tie() -> None:

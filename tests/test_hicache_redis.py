@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from conftest import build_tiny_model, free_port, launch_server
+from conftest import free_port, launch_server
 from test_hicache import (
     POISONS,
     SECRET,
@@ -35,6 +35,7 @@ from radixserve.kvcache.hicache import HiCache, pool_layout
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.remote_store import PREFIX, RemoteStore
 from radixserve.kvcache.tier_store import HostStore, chunk_keys
+from radixserve.models.synthetic import build_tiny_model
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None,

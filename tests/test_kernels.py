@@ -389,7 +389,6 @@ def check_triton_through_dispatch(tops: ModuleType, dtype: torch.dtype) -> None:
 def check_triton_random_trees(tops: ModuleType, dtype: torch.dtype) -> None:
     """The GPU script's own tree check (benchmarks/gpu_check.py), small: pool slots read in
     place, segments resuming the previous state, split-K off / forced / automatic."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from gpu_check import check_random_trees
 
     worst = check_random_trees("cpu", dtype, cases=2, max_len=24, max_requests=4, seed=5)
@@ -465,16 +464,18 @@ def test_bench_tree_attention_quick(tmp_path: Path) -> None:
 # kernels read them by slot (SlotPlan), so the sweep runs with the torch kernels selected.
 PAD_SWEEP = (
     "import runpy, sys; from radixserve import kernels; kernels.set_impl('cpu'); "
-    "sys.argv = ['bench_backend.py', '--pad-sweep', '--batch', '4', '--repeat', '1']; "
-    "runpy.run_path('benchmarks/bench_backend.py', run_name='__main__')"
+    "path = sys.argv[1]; sys.argv = [path, '--pad-sweep', '--batch', '4', '--repeat', '1']; "
+    "runpy.run_path(path, run_name='__main__')"
 )
 
 
-def test_bench_backend_pad_sweep_quick() -> None:
+def test_bench_backend_pad_sweep_quick(tmp_path: Path) -> None:
     """The sweep behind PAD_MAX_WASTE runs and prints one timed row per length range."""
+    script = str(ROOT / "benchmarks" / "bench_backend.py")
     proc = subprocess.run(
-        [sys.executable, "-c", PAD_SWEEP], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+        [sys.executable, "-c", PAD_SWEEP, script], cwd=tmp_path, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split("|") for line in proc.stdout.splitlines() if line.strip().startswith("4 ")]
     assert len(rows) == 6, proc.stdout

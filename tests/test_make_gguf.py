@@ -5,15 +5,13 @@ every projection native."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+import make_gguf
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: benchmarks/
-from benchmarks import make_gguf  # noqa: E402
-from radixserve import Engine  # noqa: E402
-from radixserve.models.quant import QuantLinear  # noqa: E402
+from radixserve import Engine
+from radixserve.models.quant import QuantLinear
 
 TINY = make_gguf.Shape("llama", 256, 2, 4, 2, 512, 10000.0, tied=True)
 

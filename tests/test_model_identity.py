@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import build_tiny_model
 
 from radixserve.config import EngineConfig
 from radixserve.models.identity import (
@@ -20,6 +19,7 @@ from radixserve.models.identity import (
     model_identity,
 )
 from radixserve.models.resolve import SOURCE_FILE
+from radixserve.models.synthetic import build_tiny_model
 
 RUNTIME = {"dtype": "torch.float32", "tp_size": 1}
 

@@ -1,11 +1,16 @@
-"""Packaging: the lazy top-level exports, and no clash with names transformers probes."""
+"""Packaging: the lazy top-level exports, import names that clash with no dependency's, and
+the package's layering."""
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import radixserve
 
@@ -23,48 +28,81 @@ def test_import_is_light() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_no_top_level_kernels_package(tmp_path: Path) -> None:
-    # transformers probes an optional PyPI package called `kernels`: installed, ours lives
-    # only under radixserve.kernels (checked from a neutral cwd, as a user runs it).
-    code = "import importlib.util as u; print(u.find_spec('kernels'), u.find_spec('router'))"
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
-    )
-    assert out.stdout.strip() == "None None"
+REPO = Path(__file__).resolve().parents[1]
+# Folders on sys.path while the project runs: the clone's root (`python` and `python -c` started
+# there put the working directory first), tests/ (pytest's rootdir-relative import mode) and
+# benchmarks/ (a script's own folder; `pythonpath` for the tests of benchmark code).
+ON_SYS_PATH = (REPO, REPO / "tests", REPO / "benchmarks")
+
+# `kernels` is imported by transformers.integrations.hub_kernels (PyPI `kernels`, a dependency
+# of transformers 5); the top-level import of each is checked alongside the engine's start.
+TOUR = """
+import importlib.util, sys
+import transformers.activations
+from radixserve import Engine
+spec = importlib.util.find_spec("kernels")
+print(spec.origin if spec else None)
+print(repr(Engine().generate("Hi", {"max_new_tokens": 4})["text"]))
+"""
 
 
-def test_transformers_ignores_repo_folders() -> None:
-    # Even with the repo root on sys.path (a developer's cwd), transformers keys on package
-    # metadata and does not mistake our kernels/ folder for the `kernels` distribution.
-    repo = Path(__file__).resolve().parents[1]
-    code = "from transformers.utils import import_utils as iu; print(iu.is_kernels_available())"
+def _import_names(folder: Path) -> set[str]:
+    """The top-level names a folder on sys.path provides: its modules and regular packages
+    (a folder without __init__.py never hides a regular package later on sys.path)."""
+    modules = {p.stem for p in folder.glob("*.py")}
+    return modules | {p.parent.name for p in folder.glob("*/__init__.py")}
+
+
+def test_repository_folders_shadow_no_installed_import_name() -> None:
+    installed = importlib.metadata.packages_distributions()
+    assert "torch" in installed and "transformers" in installed, sorted(installed)[:20]
+    for folder in ON_SYS_PATH:
+        clashes = {
+            name: installed[name]
+            for name in _import_names(folder)
+            if installed.get(name, ["radixserve"]) != ["radixserve"]
+        }
+        assert not clashes, f"{folder} shadows installed packages: {clashes}"
+
+
+def test_the_root_holds_no_python() -> None:
+    """Every module is under radixserve/: from the root nothing else imports, whatever
+    PyPI adds."""
+    assert _import_names(REPO) == {"radixserve"}
+    staged = subprocess.run(
+        ["git", "ls-files", "--stage"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert len(staged) > 50, staged
+    assert [line for line in staged if line.startswith("120000")] == []  # no symbolic links
+
+
+@pytest.mark.parametrize("where", ["root", "elsewhere"])
+def test_tour_runs_from_the_clone_and_elsewhere(where: str, tmp_path: Path) -> None:
+    """`python -c` puts the working directory first on sys.path: from the clone's root the
+    engine starts, transformers imports, and `kernels` is the installed distribution."""
+    cwd = REPO if where == "root" else tmp_path
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo
+        [sys.executable, "-c", TOUR], capture_output=True, text=True, cwd=cwd, timeout=600
     )
-    assert out.stdout.strip() == "False"
+    assert out.returncode == 0, out.stderr[-3000:]
+    origin, text = out.stdout.splitlines()[-2:]
+    kernels = importlib.util.find_spec("kernels")
+    assert origin == str(kernels.origin if kernels else None)
+    assert not origin.startswith(str(REPO / "radixserve")), origin
+    assert len(text) > 2, text
 
 
 # ---------------------------------------------------------------- layering
 
-REPO = Path(__file__).resolve().parents[1]
-SOURCES = {
-    "radixserve": REPO / "radixserve",
-    "radixserve.kernels": REPO / "kernels",  # radixserve/kernels etc. link to these folders
-    "radixserve.frontend": REPO / "frontend",
-    "radixserve.router": REPO / "router",
-}
-
 
 def _modules() -> dict[str, Path]:
-    """Every module of the installed package, by dotted name (rglob does not follow the
-    links under radixserve/, so each linked folder is walked from its own root)."""
+    """Every module of the package, by dotted name."""
     mods = {}
-    for root, base in SOURCES.items():
-        for path in base.rglob("*.py"):
-            parts = list(path.relative_to(base).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            mods[".".join([root, *parts])] = path
+    for path in (REPO / "radixserve").rglob("*.py"):
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        mods[".".join(parts)] = path
     return mods
 
 
@@ -121,16 +159,15 @@ def test_no_two_packages_import_each_other() -> None:
 
 def test_no_merge_conflict_markers() -> None:
     """A conflict left in a docstring or a doc still imports and builds: look for it."""
-    repo = Path(__file__).resolve().parents[1]
     files = subprocess.run(
         ["git", "ls-files", "*.py", "*.md", "*.cpp", "*.toml", "*.html", "*.sh", ".ci/run"],
-        cwd=repo, capture_output=True, text=True, check=True,
+        cwd=REPO, capture_output=True, text=True, check=True,
     ).stdout.split()  # fmt: skip
     assert len(files) > 50, files
     marked = [
         f"{name}:{i}"
         for name in files
-        for i, line in enumerate((repo / name).read_text(encoding="utf-8").splitlines(), 1)
+        for i, line in enumerate((REPO / name).read_text(encoding="utf-8").splitlines(), 1)
         if line.startswith(("<<<<<<< ", ">>>>>>> ")) or line == "======="
     ]
     assert not marked, marked

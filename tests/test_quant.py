@@ -19,9 +19,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from helpers import alloc_slots, extend, greedy_generate, make_pool
 from test_model_sources import tiny_qwen2
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: benchmarks/
-from benchmarks.make_gguf import copy_tokenizer, embedded_gguf, random_blocks  # noqa: E402
-from radixserve import Engine, isa, kernels  # noqa: E402
+from radixserve import Engine, isa, kernels
 from radixserve.attention.flat import FlatBackend
 from radixserve.config import EngineConfig
 from radixserve.isa import cpu_isa, fast_cpu_bf16, quant_kernel_isa, resolve_dtype
@@ -50,7 +48,8 @@ from radixserve.models.quant import (
     pack,
     quantize,
 )
-from radixserve.models.resolve import gguf_source
+from radixserve.models.resolve import embedded_gguf, gguf_source
+from radixserve.models.synthetic import copy_tokenizer, random_blocks
 from radixserve.native_build import build, native_ops_enabled, use_native_ops
 from radixserve.worker.model_worker import file_mapped_bytes, kv_capacity
 

@@ -17,10 +17,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: benchmarks/
-from benchmarks import sandbox  # noqa: E402
-from benchmarks.sandbox import Limits, SandboxUnavailable, run_python  # noqa: E402
+import sandbox
+from sandbox import Limits, SandboxUnavailable, run_python
 
 FAST = Limits(wall_s=5, cpu_s=3, memory_mb=256, file_mb=1, nproc=8)
 # Replaces the audit hook's code with a no-op: what an adversary does first.

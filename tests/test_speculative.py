@@ -17,7 +17,6 @@ from helpers import assert_all_free, run_under_triton_interpreter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from benchmarks.make_gguf import build_tiny_model
 from radixserve import Engine, kernels
 from radixserve.cli import build_parser, config_from_args
 from radixserve.config import EngineConfig
@@ -25,6 +24,7 @@ from radixserve.core.params import SamplingParams
 from radixserve.core.request import TokenizedRequest
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.radix import RadixCache
+from radixserve.models.synthetic import build_tiny_model
 from radixserve.sampling.stop import StopChecker
 from radixserve.scheduler import draft_model, speculative
 from radixserve.scheduler.draft_model import DraftModel
