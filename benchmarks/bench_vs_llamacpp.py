@@ -60,7 +60,9 @@ from llamacpp_side import (
     TEMPERATURE,
     LlamaCpp,
     LlamaRun,
+    check_child,
     peak_rss_bytes,
+    supervise,
 )
 from roofline import (
     Roofline,
@@ -490,7 +492,10 @@ def memory_rows(args: argparse.Namespace, model: Path, prompt: list[int]) -> dic
         commands["llamacpp"] = [str(here / "llamacpp_side.py"), *common]
     out: dict[str, Any] = {}
     for side, cmd in commands.items():
-        done = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, check=True)
+        done = subprocess.run([sys.executable, *cmd], capture_output=True, text=True)
+        if done.returncode:
+            sys.stderr.write(done.stderr)  # the child's own account first
+        check_child(done.returncode, f"the {side} memory run", llamacpp=side == "llamacpp")
         out[side] = json.loads(done.stdout.strip().splitlines()[-1])
         print(f"{side}: load {out[side]['load_s']:.1f} s, peak RSS "
               f"{out[side]['peak_rss_bytes'] / 1e9:.2f} GB")  # fmt: skip
@@ -542,4 +547,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    cli = parse_args(None)
+    if not (cli.skip_llamacpp or cli.child):  # llama.cpp runs here: a signal in it is named
+        supervise(__file__, sys.argv[1:])
     main()

@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from eval_data import gsm8k, gsm8k_text, synthetic_text
+from llamacpp_side import supervise
 
 from radixserve import Engine
 from radixserve.isa import cpu_isa
@@ -124,7 +126,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data-path", default=None, help="GSM8K folder or jsonl; default: synthetic")
     ap.add_argument("--chunks", type=int, default=8)
@@ -136,7 +138,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--llamacpp", action="store_true", help="llama.cpp on the same file too")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
     model = str(args.model) if args.model else None
     results: dict[str, dict[str, Any]] = {}
     ref_lp: torch.Tensor | None = None
@@ -214,4 +220,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    if parse_args(None).llamacpp:  # llama.cpp runs here: a signal in it is named
+        supervise(__file__, sys.argv[1:])
     main()

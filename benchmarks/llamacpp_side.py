@@ -6,6 +6,11 @@ benchmark's llama.cpp memory row, llama.cpp alone in a process of its own.
 
 loads the model, samples `--new-tokens` after the prompt `--ids` in a context of their length
 (flash attention on) and prints {"load_s", "peak_rss_bytes"} (VmHWM) as one JSON line.
+
+A signal raised in llama.cpp's native code (SIGILL from a natively built llama-cpp-python on a
+VM that shows AMX flags without enabling AMX tile state) kills the process it hits, so a
+script that loads llama.cpp runs its work under `supervise`: a child process does the work and
+the parent names the signal, with the rebuild command for SIGILL (`check_child`).
 """
 
 from __future__ import annotations
@@ -14,6 +19,10 @@ import argparse
 import ctypes
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -24,6 +33,17 @@ from typing import Any
 TEMPERATURE = 0.7
 FLASH = {"off": 0, "on": 1}  # LLAMA_FLASH_ATTN_TYPE_DISABLED / _ENABLED
 I32 = ctypes.c_int32  # llama_token, llama_pos and llama_seq_id are all int32
+SUPERVISED = "RADIXSERVE_BENCH_SUPERVISED"  # set in the child that does a supervised script's work
+# llama.cpp's x86 CMake options (ggml/CMakeLists.txt) that GGML_NATIVE=OFF leaves off, each with
+# the /proc/cpuinfo flags it compiles for; AVX2, FMA and F16C stay on by default.
+OPT_IN_ISA = {
+    "GGML_AVX_VNNI": ("avx_vnni",),
+    "GGML_AVX512": ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"),
+    "GGML_AVX512_VBMI": ("avx512vbmi",),
+    "GGML_AVX512_VNNI": ("avx512_vnni",),
+    "GGML_AVX512_BF16": ("avx512_bf16",),
+}
+NO_AMX = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
 
 
 @dataclass
@@ -168,6 +188,68 @@ def peak_rss_bytes() -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+# ---------------------------------------------------------------- a signal, named
+
+
+def cpu_flags() -> set[str]:
+    """This machine's CPU flags from /proc/cpuinfo (none where there is no such file)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return next((set(ln.split(":", 1)[1].split()) for ln in lines if ln.startswith("flags")), set())
+
+
+def rebuild_command(flags: set[str]) -> str:
+    """The pip command that rebuilds llama-cpp-python for the CPU with `flags`, without
+    -march=native and without AMX."""
+    on = [f"-D{option}=ON" for option, need in OPT_IN_ISA.items() if flags.issuperset(need)]
+    cmake = ["-DGGML_NATIVE=OFF", *on, *(f"-D{option}=OFF" for option in NO_AMX)]
+    return (
+        f'CMAKE_ARGS="{" ".join(cmake)}" pip install --force-reinstall --no-deps '
+        "--no-cache-dir --no-binary llama-cpp-python llama-cpp-python"
+    )
+
+
+def check_child(returncode: int, what: str, llamacpp: bool) -> None:
+    """Return when the child process `what` exited 0. Otherwise exit this process with its
+    status, 128 + N where signal N killed it, after a line on stderr naming the signal; for
+    SIGILL in a process that ran llama.cpp (`llamacpp`), with the command that rebuilds
+    llama-cpp-python without the instructions that trap."""
+    if returncode == 0:
+        return
+    if returncode > 0:
+        sys.exit(returncode)
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:  # a real-time signal has no name of its own
+        name = f"signal {-returncode}"
+    print(f"\n{what} died by {name}.", file=sys.stderr)
+    if llamacpp and returncode == -signal.SIGILL:
+        print(
+            "llama-cpp-python built natively (GGML_NATIVE, its default) uses every instruction\n"
+            "set the CPU shows; some VMs show amx_tile / amx_int8 without enabling AMX tile\n"
+            "state, and ggml's AMX kernels then trap. Rebuild it without AMX (its -DGGML_AVX*\n"
+            "options are this machine's /proc/cpuinfo flags; drop any that another CPU lacks):\n"
+            f"  {rebuild_command(cpu_flags())}",
+            file=sys.stderr,
+        )
+    sys.exit(128 - returncode)
+
+
+def supervise(script: str, argv: list[str]) -> None:
+    """Run `script` with `argv` again in a child process that does the work (its output
+    inherited, Python's traceback dumped at a fatal signal) and exit with the child's status
+    through `check_child`. In that child (SUPERVISED set) return at once: the caller goes on
+    to do the work."""
+    if os.environ.get(SUPERVISED):
+        return
+    env = {**os.environ, SUPERVISED: "1", "PYTHONFAULTHANDLER": "1"}
+    done = subprocess.run([sys.executable, script, *argv], env=env)
+    check_child(done.returncode, f"{Path(script).name} (llama.cpp in its process)", True)
+    sys.exit(0)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,11 +4,16 @@ exactly the requested tokens, from the same prompt length, and every row is repo
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import bench_vs_llamacpp as bench
 import pytest
+from llamacpp_side import SUPERVISED, cpu_flags, rebuild_command
 
 B, P, N = 2, 64, 4
 TINY = [
@@ -17,6 +22,15 @@ TINY = [
 ]
 ROW_NAMES = [f"W(B={B},P={P})", f"prefill P={P}", f"decode B=1 P={P}"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# A script that runs its work under `supervise`, as the benchmarks do where llama.cpp loads;
+# the work is dying by the signal named in argv[1].
+DIES_BY_SIGNAL = """
+import os, signal, sys
+from llamacpp_side import supervise
+supervise(__file__, sys.argv[1:])
+os.kill(os.getpid(), signal.Signals[sys.argv[1]])
+"""
+NO_AMX = "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 
 
 def expected_tokens(row: dict[str, Any]) -> list[int]:
@@ -108,3 +122,44 @@ def test_prompt_is_exact_and_prefix_closed(tmp_path: Path) -> None:
         assert len(long) == 300 and len(short) == 100
         assert long[:100] == short
     assert bench.prompt_ids(tok, 40, str(data))[:9] == tok.encode("Question:")
+
+
+def run_dying(tmp_path: Path, name: str) -> subprocess.CompletedProcess[str]:
+    """DIES_BY_SIGNAL run as a script, its work process killed by signal `name`."""
+    script = tmp_path / "dies.py"
+    script.write_text(DIES_BY_SIGNAL)
+    env = {**os.environ, "PYTHONPATH": str(Path(bench.__file__).parent)}
+    env.pop(SUPERVISED, None)
+    return subprocess.run(
+        [sys.executable, str(script), name],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_sigill_is_named_with_the_rebuild_command(tmp_path: Path) -> None:
+    done = run_dying(tmp_path, "SIGILL")
+    assert done.returncode == 128 + signal.SIGILL == 132, done.stderr
+    assert "Fatal Python error: Illegal instruction" in done.stderr  # the child's traceback
+    assert "dies.py (llama.cpp in its process) died by SIGILL." in done.stderr
+    assert f"  {rebuild_command(cpu_flags())}\n" in done.stderr
+    assert 'CMAKE_ARGS="-DGGML_NATIVE=OFF ' in done.stderr and NO_AMX in done.stderr
+
+
+def test_sigsegv_is_named_without_the_rebuild_command(tmp_path: Path) -> None:
+    done = run_dying(tmp_path, "SIGSEGV")
+    assert done.returncode == 128 + signal.SIGSEGV == 139, done.stderr
+    assert "dies.py (llama.cpp in its process) died by SIGSEGV." in done.stderr
+    assert "CMAKE_ARGS" not in done.stderr
+
+
+def test_rebuild_command_follows_cpu_flags() -> None:
+    tail = "pip install --force-reinstall --no-deps --no-cache-dir --no-binary llama-cpp-python"
+    avx512 = {"avx2", "avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw", "avx512_vnni"}
+    assert rebuild_command({"avx2", "fma", "f16c", "amx_tile", "amx_int8"}) == (
+        f'CMAKE_ARGS="-DGGML_NATIVE=OFF {NO_AMX}" {tail} llama-cpp-python'
+    )
+    assert rebuild_command(avx512 | {"avx_vnni", "amx_tile"}) == (
+        'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON '
+        f'-DGGML_AVX512_VNNI=ON {NO_AMX}" {tail} llama-cpp-python'
+    )
+    assert "-DGGML_AVX512=ON" not in rebuild_command(avx512 - {"avx512bw"})  # all five or none
