@@ -11,12 +11,14 @@ import os
 # anything imports torch; subprocesses inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +91,13 @@ def pid_alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
 
 
+def child_pid(log: str, name: str) -> int:
+    """The pid of the server's child process `name` ("scheduler", "tokenizer"), from its log."""
+    m = re.search(rf"radixserve-{name}\[(\d+)\]", log)
+    assert m, log[-2000:]
+    return int(m.group(1))
+
+
 @dataclass
 class ServerHandle:
     url: str
@@ -105,6 +114,28 @@ class ServerHandle:
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
+
+    @contextmanager
+    def scheduler_stopped(self) -> Iterator[None]:
+        """The scheduler process stopped (SIGSTOP, every thread) for the block: no request
+        makes progress, so a client's timeout is reached on any machine, while the api
+        server and the tokenizer go on; what they send waits in the scheduler's socket and
+        is received in order once it continues (SIGCONT). Nothing in the block may wait
+        for the scheduler (/get_server_info, /metrics, an answer)."""
+        pid = child_pid(self.log_text(), "scheduler")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    def wait_aborts_sent(self, rids: list[str], timeout: float = 60) -> None:
+        """Wait until the api server has sent the scheduler an abort for each of `rids`
+        (its log line `aborting rid ...`)."""
+        deadline = time.monotonic() + timeout
+        while missing := [r for r in rids if f"aborting rid {r!r}" not in self.log_text()]:
+            assert time.monotonic() < deadline, f"no abort sent for {missing}"
+            time.sleep(0.05)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         if self.proc.poll() is None:

@@ -34,7 +34,7 @@ from radixserve.kvcache import remote_store
 from radixserve.kvcache.hicache import HiCache, pool_layout
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.remote_store import PREFIX, RemoteStore
-from radixserve.kvcache.tier_store import HostStore, chunk_keys
+from radixserve.kvcache.tier_store import CHUNK_TOKENS, HostStore, chunk_keys
 from radixserve.models.synthetic import build_tiny_model
 
 pytestmark = pytest.mark.skipif(
@@ -262,6 +262,14 @@ def chat(client: httpx.Client, messages: list[dict[str, str]]) -> dict:
     return r.json()
 
 
+def wait_records(client: Any, count: int, timeout: float = 60) -> None:
+    """At least `count` K/V records in Redis: a server's write-through is asynchronous."""
+    deadline = time.monotonic() + timeout
+    while len(client.keys(PREFIX + "*")) < count:
+        assert time.monotonic() < deadline, f"{len(client.keys(PREFIX + '*'))} < {count} records"
+        time.sleep(0.05)
+
+
 def messages_text(messages: list[dict[str, str]]) -> str:
     return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
 
@@ -281,7 +289,9 @@ def test_two_servers_share_a_conversation(
                 {"role": "assistant", "content": first["text"]},
                 {"role": "user", "content": "And the longest one?"},
             ]
-            time.sleep(0.5)  # the write-through is asynchronous
+            # The first prompt's whole chunks, written through by server 0.
+            chunks = first["meta_info"]["prompt_tokens"] // CHUNK_TOKENS
+            wait_records(redis_server.client(), chunks)
             second = chat(c1, history)
         meta = second["meta_info"]
         new_tokens = meta["prompt_tokens"] - first["meta_info"]["prompt_tokens"]
@@ -321,7 +331,7 @@ def test_a_poisoned_shared_record_never_stops_the_server(
     try:
         with server.client() as c:
             expected = c.post("/generate", json=body).json()["output_ids"]
-            time.sleep(0.5)  # the write-through is asynchronous
+            wait_records(client, 6)
             good = {k: client.get(k) for k in client.keys(PREFIX + "*")}
             assert len(good) == 6  # 100 prompt tokens: 6 whole chunks
             for poison in POISONS:

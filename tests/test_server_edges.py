@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from conftest import API_KEY
+from conftest import API_KEY, ServerHandle
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 LONG = {"temperature": 0, "max_new_tokens": 600, "ignore_eos": True}
@@ -177,14 +177,18 @@ def test_body_size_limit(client):
 
 def test_client_disconnect_mid_stream_aborts_and_frees_kv(client, server):
     before = server_info(client)["scheduler"]["generation_tokens_total"]
-    body = {"text": "disconnect me", "stream": True, "sampling_params": LONG}
+    body = {"text": "disconnect me", "rid": "gone", "stream": True, "sampling_params": LONG}
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as c:
         with c.stream("POST", "/generate", json=body) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
-    # The connection is closed after the first chunk: the request must be aborted, not run
-    # to its 600 tokens.
+            # The connection is closed after the first chunk, with the scheduler stopped
+            # until the abort is sent: it must stop the request, not let it run its 600
+            # tokens, however fast this machine decodes.
+            with server.scheduler_stopped():
+                r.close()
+                server.wait_aborts_sent([body["rid"]])
     wait_idle(client, timeout=30)
     generated = server_info(client)["scheduler"]["generation_tokens_total"] - before
     assert generated < 300, generated
@@ -199,10 +203,14 @@ STORM_PROMPTS = [
 ]
 
 
-async def _storm(url: str, headers: dict) -> tuple[list[list[int]], int]:
+async def _storm(server: ServerHandle) -> tuple[list[list[int]], int]:
     """Run good requests next to bad, aborted and disconnected ones; return the good
-    outputs (output_ids, in STORM_PROMPTS order) and the number of 400 answers."""
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as c:
+    outputs (output_ids, in STORM_PROMPTS order) and the number of 400 answers.
+
+    Everything is sent while the scheduler is stopped, until the clients that give up have
+    timed out and their requests have been aborted (so those timeouts are reached on any
+    machine); then the scheduler receives it all at once."""
+    async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120) as c:
 
         async def good(prompt: str, stream: bool) -> list[int]:
             body = {"text": prompt, "sampling_params": GREEDY, "stream": stream}
@@ -238,7 +246,7 @@ async def _storm(url: str, headers: dict) -> tuple[list[list[int]], int]:
                     break  # leave after the first line: closes the connection
 
         async def disconnected_plain(k: int) -> None:
-            body = {"text": f"impatient {k}", "sampling_params": LONG}
+            body = {"text": f"impatient {k}", "rid": f"impatient-{k}", "sampling_params": LONG}
             with pytest.raises(httpx.ReadTimeout):
                 await c.post("/generate", json=body, timeout=1.0)
 
@@ -250,9 +258,13 @@ async def _storm(url: str, headers: dict) -> tuple[list[list[int]], int]:
             [bad(b) for b in bad_bodies]
             + [aborted(f"storm-abort-{k}") for k in range(2)]
             + [disconnected_stream(k) for k in range(2)]
-            + [disconnected_plain(k) for k in range(2)]
         )
-        results = await asyncio.gather(*goods, *others)
+        with server.scheduler_stopped():
+            tasks = [asyncio.ensure_future(x) for x in (*goods, *others)]
+            await asyncio.gather(*(disconnected_plain(k) for k in range(2)))
+            rids = [f"impatient-{k}" for k in range(2)]
+            await asyncio.to_thread(server.wait_aborts_sent, rids)
+        results = await asyncio.gather(*tasks)
         statuses = results[len(goods) : len(goods) + len(bad_bodies)]
         aborts = results[len(goods) + len(bad_bodies) : len(goods) + len(bad_bodies) + 2]
         assert aborts == ["abort", "abort"]
@@ -267,7 +279,7 @@ def test_storm_leaks_nothing_and_good_outputs_match_alone(client, server):
         alone.append(r.json()["output_ids"])
         assert_kv_fully_free(client)
     before = server_info(client)["scheduler"]["generation_tokens_total"]
-    outputs, n_400 = asyncio.run(_storm(server.url, server.headers))
+    outputs, n_400 = asyncio.run(_storm(server))
     assert n_400 == 9
     assert outputs == alone
     info = wait_idle(client)

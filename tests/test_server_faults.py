@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from conftest import children_of, launch_server
-from test_server_lifecycle import child_pid, ipc_dir, wait_gone
+from conftest import child_pid, children_of, launch_server
+from test_server_lifecycle import ipc_dir, wait_gone
 
 from radixserve.server import launcher
 

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from conftest import launch_server
+from conftest import ServerHandle, launch_server
 
 RUNNING = 4  # --max-running-requests: a fifth sample waits in the queue
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
@@ -114,51 +114,31 @@ def test_abort_request_of_a_running_stream(client, n):
     wait_clean(client)
 
 
-def _occupy(leak_server, started: threading.Event) -> threading.Thread:
-    """RUNNING long streams that hold every running slot until aborted."""
-
-    def run(k: int) -> None:
-        with leak_server.client() as c:
-            body = {**body_for("/generate", 100 + k, 1, True, LONG), "rid": f"occupy-{k}"}
-            with c.stream("POST", "/generate", json=body) as r:
-                for _ in data_lines(r):
-                    started.set()
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(RUNNING)]
-    for t in threads:
-        t.start()
-    return threads
-
-
 @pytest.mark.parametrize("n", [1, 2])
 def test_abort_request_of_a_queued_request_answers_its_client(leak_server, client, n):
-    started = threading.Event()
-    occupiers = _occupy(leak_server, started)
-    assert started.wait(60)
-    while tables(client)["running"] < RUNNING:
-        time.sleep(0.05)
+    """The request reaches the stopped scheduler with its abort behind it: once it goes on
+    it queues the request and aborts it before any step can admit it."""
     answer: dict[str, httpx.Response] = {}
-    body = {**body_for("/generate", 2, n, False, GREEDY), "rid": f"queued-{n}"}
+    rid = f"queued-{n}"
+    body = {**body_for("/generate", 2, n, False, GREEDY), "rid": rid}
 
     def wait_for_answer() -> None:
         with leak_server.client() as c:
             answer["r"] = c.post("/generate", json=body)
 
     waiter = threading.Thread(target=wait_for_answer)
-    waiter.start()
-    deadline = time.monotonic() + 30
-    while tables(client)["queued"] == 0:
-        assert time.monotonic() < deadline, "the request never queued"
-        time.sleep(0.02)
-    client.post("/abort_request", json={"rid": f"queued-{n}"})
-    waiter.join(10)
+    with leak_server.scheduler_stopped():
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while f"aborting rid {rid!r}" not in leak_server.log_text():  # a no-op until it is sent
+            assert time.monotonic() < deadline, "the request never reached the api server"
+            client.post("/abort_request", json={"rid": rid})
+            time.sleep(0.02)
+    waiter.join(30)
     assert not waiter.is_alive(), "the client of an aborted queued request was left hanging"
     out = answer["r"].json()
     outs = out if isinstance(out, list) else [out]
     assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort"] * n
-    client.post("/abort_request", json={"abort_all": True})
-    for t in occupiers:
-        t.join(30)
     wait_clean(client)
 
 
@@ -172,12 +152,24 @@ def test_client_disconnect_mid_stream(leak_server, client, route, n):
     wait_clean(client)
 
 
+def generated(c: httpx.Client) -> int:
+    return c.get("/get_server_info").json()["scheduler"]["generation_tokens_total"]
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_client_timeout(leak_server, client, n):
-    with leak_server.client() as c, pytest.raises(httpx.ReadTimeout):
-        params = {**LONG, "max_new_tokens": 900}  # several seconds of decoding
-        c.post("/generate", json=body_for("/generate", 4, n, False, params), timeout=0.3)
+    """A client gives up on a plain request: the api server aborts it, so it stops long
+    before its 900 tokens. The scheduler is stopped until the abort is on its way, so the
+    client's timeout is reached however fast this machine decodes."""
+    params = {**LONG, "max_new_tokens": 900}
+    body = {**body_for("/generate", 4, n, False, params), "rid": f"impatient-{n}"}
+    before = generated(client)
+    with leak_server.scheduler_stopped():
+        with leak_server.client() as c, pytest.raises(httpx.ReadTimeout):
+            c.post("/generate", json=body, timeout=0.3)
+        leak_server.wait_aborts_sent([body["rid"]])
     wait_clean(client)
+    assert generated(client) - before < params["max_new_tokens"]
 
 
 def test_rid_clash_is_refused_and_the_first_request_is_untouched(client):
@@ -225,20 +217,31 @@ def test_pattern_that_fails_to_compile(client, n):
 def test_client_gone_while_its_pattern_compiles(leak_server, client):
     fields = {f"field_{i}": {"type": "string"} for i in range(30)}
     schema = json.dumps({"type": "object", "properties": fields, "required": list(fields)})
-    body = {"text": "x", "sampling_params": {"json_schema": schema, "n": 2}}
-    with leak_server.client() as c, pytest.raises(httpx.ReadTimeout):
-        c.post("/generate", json=body, timeout=0.05)
+    body = {"text": "x", "rid": "compiling", "sampling_params": {"json_schema": schema, "n": 2}}
+    # Stopped, the scheduler receives the request and its abort together once it goes on:
+    # the abort reaches a request whose grammar has just been sent to compile.
+    with leak_server.scheduler_stopped():
+        with leak_server.client() as c, pytest.raises(httpx.ReadTimeout):
+            c.post("/generate", json=body, timeout=0.3)
+        leak_server.wait_aborts_sent([body["rid"]])
     wait_clean(client)
 
 
 # ---------------------------------------------------------------- the abort storm
 
 
-async def _storm(url: str) -> tuple[int, int]:
+STORM_TOKENS = 800
+
+
+async def _storm(server: ServerHandle) -> tuple[int, int]:
     """40 streams cut after 1-3 chunks and 20 requests whose clients time out, every other
-    one with n = 2, over all three generation routes. Returns (streams cut, timeouts)."""
-    params = {**LONG, "max_new_tokens": 800}
-    async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+    one with n = 2, over all three generation routes. Returns (streams cut, timeouts).
+
+    The scheduler is stopped while the 60 requests arrive and until the 20 timeouts have
+    been aborted, so each timeout is reached on any machine; then all 60 and the 20 aborts
+    reach it at once, and the streams run until they are cut."""
+    params = {**LONG, "max_new_tokens": STORM_TOKENS}
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
 
         async def cut(k: int) -> bool:
             route = ROUTES[k % 3]
@@ -254,24 +257,30 @@ async def _storm(url: str) -> tuple[int, int]:
 
         async def timeout(k: int) -> bool:
             route = ROUTES[k % 3]
+            body = {**body_for(route, 100 + k, 1 + k % 2, False, params), "rid": f"gone-{k}"}
             try:
-                await c.post(
-                    route, json=body_for(route, 100 + k, 1 + k % 2, False, params), timeout=1.0
-                )
+                await c.post(route, json=body, timeout=1.0)
             except httpx.ReadTimeout:
                 return True
             return False
 
-        results = await asyncio.gather(*map(cut, range(40)), *map(timeout, range(20)))
-    return sum(results[:40]), sum(results[40:])
+        with server.scheduler_stopped():
+            cuts = [asyncio.ensure_future(cut(k)) for k in range(40)]
+            timeouts = await asyncio.gather(*map(timeout, range(20)))
+            rids = [f"gone-{k}" for k in range(20)]
+            await asyncio.to_thread(server.wait_aborts_sent, rids)
+        return sum(await asyncio.gather(*cuts)), sum(timeouts)
 
 
 def test_abort_storm_leaves_every_table_clean_within_10s(leak_server, client):
     reference = client.post("/generate", json={"text": "the reference", "sampling_params": GREEDY})
     wait_clean(client)
-    cut, timed_out = asyncio.run(_storm(leak_server.url))
+    before = generated(client)
+    cut, timed_out = asyncio.run(_storm(leak_server))
     assert (cut, timed_out) == (40, 20)
     wait_clean(client, timeout=10)
+    # Cut and timed out, the 60 requests stopped early: far below their 60 x 800 tokens.
+    assert generated(client) - before < 60 * STORM_TOKENS // 4
     assert "radixserve_kv_held_tokens 0.0" in client.get("/metrics").text
     again = client.post("/generate", json={"text": "the reference", "sampling_params": GREEDY})
     assert again.json()["output_ids"] == reference.json()["output_ids"]

@@ -16,19 +16,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import children_of, launch_server, pid_alive
+from conftest import child_pid, children_of, launch_server, pid_alive
 
 
 def ipc_dir(log: str) -> Path:
     m = re.search(r"IPC sockets in (\S+)", log)
     assert m, log[-2000:]
     return Path(m.group(1))
-
-
-def child_pid(log: str, name: str) -> int:
-    m = re.search(rf"radixserve-{name}\[(\d+)\]", log)
-    assert m, log[-2000:]
-    return int(m.group(1))
 
 
 def wait_gone(pids: list[int], timeout: float = 10) -> None:

@@ -211,6 +211,7 @@ class RequestManager:
             return
         if caller not in ("admin", pending.owner):
             raise ApiError(403, f"rid {rid!r} was sent with another API key", "rid")
+        logger.info("aborting rid %r", rid)
         self.send(AbortReq(rid))
 
     async def first_event(self, pending: Pending) -> None:
