@@ -34,10 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 # benchmarks/ (a script's own folder; `pythonpath` for the tests of benchmark code).
 ON_SYS_PATH = (REPO, REPO / "tests", REPO / "benchmarks")
 
-# `kernels` is imported by transformers.integrations.hub_kernels (PyPI `kernels`, a dependency
-# of transformers 5); the top-level import of each is checked alongside the engine's start.
+# transformers 5 imports the PyPI `kernels` (transformers.activations -> integrations.hub_kernels);
+# the tour prints where `kernels` comes from and what the engine wrote.
 TOUR = """
-import importlib.util, sys
+import importlib.util
 import transformers.activations
 from radixserve import Engine
 spec = importlib.util.find_spec("kernels")
@@ -86,9 +86,9 @@ def test_tour_runs_from_the_clone_and_elsewhere(where: str, tmp_path: Path) -> N
     )
     assert out.returncode == 0, out.stderr[-3000:]
     origin, text = out.stdout.splitlines()[-2:]
-    kernels = importlib.util.find_spec("kernels")
+    kernels = importlib.util.find_spec("kernels")  # the installed distribution, or none
     assert origin == str(kernels.origin if kernels else None)
-    assert not origin.startswith(str(REPO / "radixserve")), origin
+    assert kernels is None or "site-packages" in origin, origin
     assert len(text) > 2, text
 
 
