@@ -129,11 +129,14 @@ class ServerHandle:
         finally:
             os.kill(pid, signal.SIGCONT)
 
+    def abort_sent(self, rid: str) -> bool:
+        """Whether the api server has sent the scheduler an abort of `rid` (its log line)."""
+        return f"aborting rid {rid!r}" in self.log_text()
+
     def wait_aborts_sent(self, rids: list[str], timeout: float = 60) -> None:
-        """Wait until the api server has sent the scheduler an abort for each of `rids`
-        (its log line `aborting rid ...`)."""
+        """Wait until the api server has sent the scheduler an abort for each of `rids`."""
         deadline = time.monotonic() + timeout
-        while missing := [r for r in rids if f"aborting rid {r!r}" not in self.log_text()]:
+        while missing := [r for r in rids if not self.abort_sent(r)]:
             assert time.monotonic() < deadline, f"no abort sent for {missing}"
             time.sleep(0.05)
 
