@@ -471,7 +471,7 @@ def test_native_rms_norm_matches_torch_formula() -> None:
 
 def test_native_float32_ops_match_torch() -> None:
     """float32 rows: RoPE bit for bit; RMSNorm within float32 rounding of the sum order."""
-    from radixserve.models.llama import apply_rope
+    from radixserve.models.rope import apply_rope
 
     fused = native_ops_or_skip()
     gen = torch.Generator().manual_seed(3)
@@ -493,7 +493,7 @@ def test_native_float32_ops_match_torch() -> None:
 
 def test_native_rope_matches_torch_ops() -> None:
     """Fused RoPE of the q and k heads == the torch-op path (apply_rope), bit for bit."""
-    from radixserve.models.llama import apply_rope
+    from radixserve.models.rope import apply_rope
 
     fused = native_ops_or_skip()
     gen = torch.Generator().manual_seed(1)

@@ -261,9 +261,9 @@ def test_embedded_model_moved_keys_equal_the_keys_at_the_new_position() -> None:
 
 
 def rope_freqs(engine: Any) -> torch.Tensor:
-    from radixserve.models.llama import rope_inv_freq
+    from radixserve.models.rope import inv_freq
 
-    return rope_inv_freq(engine.scheduler.worker.model_config)
+    return inv_freq(engine.scheduler.worker.model_config.rope)
 
 
 REPLY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}

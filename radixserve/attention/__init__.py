@@ -36,6 +36,7 @@ class NoAttentionBackend(AttentionBackend):
         layer: int,
         batch: ForwardBatch,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         batch.kv_pool.write(layer, batch.out_cache_loc, k, v)
         return torch.zeros_like(q)  # (T, Hq, D)

@@ -37,8 +37,10 @@ class AttentionBackend(ABC):
         layer: int,
         batch: ForwardBatch,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         """Write k/v at `batch.out_cache_loc` of `layer`, attend, return (T, q_heads, head_dim).
 
-        Query row t of request r at position p attends keys at positions 0..p of request r.
+        Query row t of request r at position p attends keys at positions 0..p of request r
+        (with a `window` W > 0: positions max(0, p - W + 1)..p, attention/window.py).
         """

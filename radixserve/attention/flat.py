@@ -21,6 +21,7 @@ import torch
 
 from radixserve import kernels
 from radixserve.attention.base import AttentionBackend
+from radixserve.attention.window import window_attention, window_plan
 from radixserve.core.batch import ForwardBatch
 
 # Decode steps use the padded grid while its cells are at most this many times the real keys
@@ -167,9 +168,12 @@ class FlatBackend(AttentionBackend):
         layer: int,
         batch: ForwardBatch,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         pool = batch.kv_pool
         pool.write(layer, batch.out_cache_loc, k, v)
+        if window and (wplan := window_plan(batch, window)) is not None:
+            return window_attention(wplan, q, pool.k[layer], pool.v[layer], scale)
         plan = batch.attn_plan
         assert isinstance(plan, PrivatePlan), f"plan() not run for this batch: {type(plan)}"
         out, _ = plan.attend(q, pool.k[layer], pool.v[layer], scale)

@@ -49,6 +49,9 @@ class ForwardBatch:
     kv_pool: KVStore
     # Backend-specific per-step plan, set by AttentionBackend.plan() and read by every layer.
     attn_plan: object = field(default=None, repr=False)
+    # Sliding-window layers' plans by window, made by their first layer in the step
+    # (attention/window.py) and read by the others.
+    window_plans: dict[int, object] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.seq_lens)

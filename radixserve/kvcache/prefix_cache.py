@@ -252,7 +252,8 @@ def make_prefix_cache(
     only place that reads those fields. `model_identity` (models/identity.py) names the K/V
     in the tiers: servers of the same model and `hicache_secret` share it. `rope_inv_freq`
     (head_dim / 2,) float32, the model's RoPE frequencies, is needed by
-    `hicache_reposition` to move keys."""
+    `hicache_reposition` to move keys: None for a model whose layers do not all rotate every
+    key dim by one table (ValueError when reposition is on)."""
     if config.disable_radix_cache:
         return NoPrefixCache(pool)
     index_suffixes = config.speculative_algorithm in ("auto", "radix")
@@ -282,7 +283,12 @@ def make_prefix_cache(
     namespace = hmac.new(codec.secret, model_identity.encode(), hashlib.sha256).hexdigest()
     mover = None
     if config.hicache_reposition:
-        assert rope_inv_freq is not None, "hicache_reposition needs the model's rope_inv_freq"
+        if rope_inv_freq is None:
+            raise ValueError(
+                "--hicache-reposition needs a model whose layers all rotate every key dim by "
+                "one RoPE table; this model's layers differ (sliding-window bases, layers "
+                "without RoPE, partial rotary or longrope)"
+            )
         index_tokens = pool.capacity + tier_bytes // layout.chunk_bytes * CHUNK_TOKENS
         mover = Mover(RunIndex(index_tokens), rope_inv_freq)
         namespace += "|moved"  # moved (approximate) K/V never reaches an exact server

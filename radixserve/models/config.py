@@ -1,36 +1,66 @@
 """ModelConfig: the architecture facts the model and the engine need, read once from HF JSON.
 
-Supported: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM (one implementation,
-radixserve.models.llama). Everything is validated in `from_hf`; unsupported features raise
-ValueError naming what is supported, so a bad checkpoint fails at load, not mid-request.
+Supported (`SUPPORTED_ARCHITECTURES`): Llama, Qwen2, Mistral, Qwen3, Gemma 2 and 3 (text),
+Phi-3 / Phi-4-mini and SmolLM3, all run by one decoder (radixserve.models.llama) whose
+per-family differences are the fields below, set by one small reader per family (`FAMILIES`):
 
-Sliding-window attention (Mistral v0.1 `sliding_window`, Qwen2 `use_sliding_window`) is
-IGNORED: we always attend the full context. That is exact while a sequence is no longer than
-the window (Mistral v0.2+ and Qwen2 default configs disable the window anyway); a warning is
-logged when a checkpoint declares a window shorter than its context length.
+    Qwen3     per-head RMSNorm of q and k before RoPE (`qk_norm`)
+    Gemma 2/3 RMSNorm weights applied as 1 + w (`norm_offset`), norms after attention and
+              around the MLP (`sandwich_norms`), GeGLU with tanh GELU (`hidden_act`),
+              embeddings times sqrt(hidden) (`embed_scale`), query scale
+              `query_pre_attn_scalar` ** -0.5, final-logit soft-capping; Gemma 3 adds q/k
+              norms and a second RoPE base for its sliding-window layers (`local_rope_theta`)
+    Phi-3     fused qkv / gate_up checkpoint tensors (split by the loader), partial rotary
+              (`rotary_dim`), longrope scaling
+    SmolLM3   layers without RoPE (`rope_layers`)
+
+Sliding-window layers (`layer_types`, `sliding_window`: Gemma, Mistral v0.1, Qwen2/Qwen3 with
+`use_sliding_window`) attend only the last `sliding_window` positions, as transformers does.
+
+Everything is validated in `from_hf`: a field whose value changes the math and is not
+implemented raises ValueError naming the field and value, so a checkpoint fails at load,
+never with a silently wrong answer.
 """
 
 from __future__ import annotations
 
-import logging
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-logger = logging.getLogger(__name__)
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-ROPE_SCALING_TYPES = ("llama3", "linear")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM",
+)  # fmt: skip
+ROPE_SCALING_TYPES = ("llama3", "linear", "longrope")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. `linear` uses only `factor`; `llama3` uses all fields."""
+    """RoPE frequency scaling. `linear` uses only `factor`; `llama3` its factor, band factors
+    and original context; `longrope` its short / long per-frequency factors, original context
+    and attention factor (cos and sin are multiplied by it)."""
 
-    type: str  # "llama3" | "linear"
+    type: str  # "llama3" | "linear" | "longrope"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class Rope:
+    """One RoPE table's parameters: the first `rotary_dim` dims of each head rotate."""
+
+    theta: float
+    scaling: RopeScaling | None
+    rotary_dim: int
 
 
 @dataclass(frozen=True)
@@ -44,7 +74,7 @@ class ModelConfig:
     intermediate_size: int
     vocab_size: int
     rms_norm_eps: float
-    rope_theta: float
+    rope_theta: float  # the full-attention layers' RoPE (all layers' unless local_rope_theta)
     rope_scaling: RopeScaling | None
     max_position_embeddings: int  # context length; the RoPE cache covers positions below it
     tie_word_embeddings: bool
@@ -52,6 +82,18 @@ class ModelConfig:
     o_bias: bool  # o_proj bias (Llama `attention_bias` only; never Qwen2)
     mlp_bias: bool  # gate/up/down bias (Llama `mlp_bias`)
     eos_token_ids: tuple[int, ...] = ()
+    layer_types: tuple[str, ...] = ()  # per layer FULL or SLIDING; () = every layer FULL
+    sliding_window: int = 0  # keys a sliding layer's query sees, itself included
+    local_rope_theta: float | None = None  # sliding layers' RoPE base (no scaling), if own
+    rotary_dim: int = 0  # dims of a head that rotate; 0 = head_dim
+    rope_layers: tuple[bool, ...] = ()  # per layer: applies RoPE; () = every layer does
+    qk_norm: bool = False  # RMSNorm over head_dim of each q and k head, before RoPE
+    norm_offset: float = 0.0  # every RMSNorm multiplies by (norm_offset + weight)
+    sandwich_norms: bool = False  # norm the attention output and the MLP's input and output
+    hidden_act: str = "silu"  # the MLP's gate activation (HIDDEN_ACTS)
+    embed_scale: float = 1.0  # token embeddings are multiplied by it (in the model dtype)
+    query_pre_attn_scalar: float = 0.0  # attention scale is its ** -0.5; 0 = head_dim's
+    final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0 = none
 
     def __post_init__(self) -> None:
         assert self.architecture in SUPPORTED_ARCHITECTURES, self.architecture
@@ -59,6 +101,11 @@ class ModelConfig:
             f"num_heads={self.num_heads} not a multiple of num_kv_heads={self.num_kv_heads}"
         )
         assert self.head_dim % 2 == 0, f"RoPE needs an even head_dim, got {self.head_dim}"
+        assert self.rotary_dim % 2 == 0 and self.rotary_dim <= self.head_dim, self.rotary_dim
+        assert len(self.layer_types) in (0, self.num_layers), self.layer_types
+        assert len(self.rope_layers) in (0, self.num_layers), self.rope_layers
+        assert self.hidden_act in HIDDEN_ACTS, self.hidden_act
+        assert SLIDING not in self.layer_types or self.sliding_window > 0, self.sliding_window
 
     @property
     def q_size(self) -> int:
@@ -68,26 +115,74 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def rope(self) -> Rope:
+        """The full-attention layers' RoPE."""
+        return Rope(self.rope_theta, self.rope_scaling, self.rotary_dim or self.head_dim)
+
+    @property
+    def local_rope(self) -> Rope | None:
+        """The sliding layers' own RoPE, or None when they use `rope`."""
+        if self.local_rope_theta is None:
+            return None
+        return Rope(self.local_rope_theta, None, self.rotary_dim or self.head_dim)
+
+    def window(self, layer: int) -> int:
+        """Keys layer `layer`'s queries see at most (0: the whole sequence)."""
+        sliding = self.layer_types and self.layer_types[layer] == SLIDING
+        return self.sliding_window if sliding else 0
+
+    def has_rope(self, layer: int) -> bool:
+        return not self.rope_layers or self.rope_layers[layer]
+
+    @property
+    def uniform_rope(self) -> bool:
+        """Every layer rotates every dim of K by the same table (cached K can be re-rotated
+        to a new position, and the fused native layers apply)."""
+        return (
+            self.local_rope_theta is None
+            and all(self.rope_layers or [True])
+            and self.rope.rotary_dim == self.head_dim
+            and (self.rope_scaling is None or self.rope_scaling.type != "longrope")
+        )
+
+    @property
+    def llama_layers(self) -> bool:
+        """Every layer is Llama's: the fused native layer halves compute it."""
+        return (
+            self.uniform_rope
+            and not (self.qk_norm or self.sandwich_norms or self.norm_offset)
+            and self.hidden_act == "silu"
+            and self.embed_scale == 1.0
+        )
+
     @classmethod
     def from_hf(
         cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None
     ) -> ModelConfig:
         """Build from a config.json dict (and optionally generation_config.json for eos ids).
 
-        Raises ValueError on an unsupported architecture, activation or RoPE scaling type.
+        Raises ValueError naming the field of an unsupported architecture, activation, RoPE
+        scaling or other feature.
         """
         arch = _architecture(cfg)
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        theta, scaling = _rope(cfg)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        num_layers = int(cfg["num_hidden_layers"])
         attention_bias = bool(cfg.get("attention_bias", False))
-        _warn_sliding_window(cfg)
-        return cls(
+        layer_types = _layer_types(cfg, arch, num_layers)
+        theta, scaling, rotary_dim = _rope(_rope_params(cfg, FULL), cfg, head_dim)
+        base = dict(
             architecture=arch,
             hidden_size=hidden,
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             intermediate_size=int(cfg["intermediate_size"]),
             vocab_size=int(cfg["vocab_size"]),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -99,7 +194,11 @@ class ModelConfig:
             o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             eos_token_ids=_eos_ids(cfg, generation_config or {}),
+            layer_types=layer_types if SLIDING in layer_types else (),
+            sliding_window=int(cfg["sliding_window"]) if SLIDING in layer_types else 0,
+            rotary_dim=rotary_dim if rotary_dim != head_dim else 0,
         )
+        return cls(**{**base, **FAMILIES.get(arch, _no_fields)(cfg)})
 
 
 def _architecture(cfg: dict[str, Any]) -> str:
@@ -109,40 +208,104 @@ def _architecture(cfg: dict[str, Any]) -> str:
         raise ValueError(
             f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+    if act not in HIDDEN_ACTS:
+        raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(HIDDEN_ACTS)}")
     return str(arch)
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """(theta, scaling) from transformers-5 `rope_parameters` or old `rope_theta`/`rope_scaling`."""
+def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[str, ...]:
+    """Each layer's attention kind: the config's `layer_types`, or what transformers derives
+    for the family when the file predates that field."""
+    if cfg.get("layer_types"):
+        types = tuple(str(t) for t in cfg["layer_types"])
+        bad = sorted(set(types) - {FULL, SLIDING})
+        if bad or len(types) != num_layers:
+            raise ValueError(f"unsupported layer_types {list(types)}: {num_layers} of {FULL!r}"
+                             f" / {SLIDING!r} expected")  # fmt: skip
+        return types if cfg.get("sliding_window") else (FULL,) * num_layers
+    window = cfg.get("sliding_window")
+    if not window or not cfg.get("use_sliding_window", True):  # Mistral has no flag
+        return (FULL,) * num_layers
+    if arch.startswith("Gemma"):
+        every = int(cfg.get("sliding_window_pattern") or (6 if arch.startswith("Gemma3") else 2))
+        return tuple(FULL if (i + 1) % every == 0 else SLIDING for i in range(num_layers))
+    first = int(cfg.get("max_window_layers", 0)) if arch.startswith("Qwen") else 0
+    return tuple(SLIDING if i >= first else FULL for i in range(num_layers))
+
+
+def _rope_params(cfg: dict[str, Any], layer_type: str) -> dict[str, Any]:
+    """The `rope_parameters` of layers of `layer_type`, from transformers-5's layout (flat or
+    per layer type) or the older `rope_theta` / `rope_scaling` fields."""
     params = cfg.get("rope_parameters")
     if params is None:  # pre-v5 layout: theta at top level, scaling in its own dict
         params = dict(cfg.get("rope_scaling") or {})
         params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    if "full_attention" in params and isinstance(params["full_attention"], dict):
-        params = params["full_attention"]  # per-layer-type layout; all our layers are full
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("partial_rotary_factor != 1.0 is not supported")
+        return params
+    if isinstance(params.get(layer_type), dict):
+        return dict(params[layer_type])
+    return dict(params)
+
+
+def _rope(
+    params: dict[str, Any], cfg: dict[str, Any], head_dim: int
+) -> tuple[float, RopeScaling | None, int]:
+    """(theta, scaling, rotary_dim) of one rope_parameters dict."""
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"unsupported partial_rotary_factor {partial}: {rotary_dim} rotary dims")
     theta = float(params.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in (None, "default"):
-        return theta, None
+        return theta, None, rotary_dim
     if kind not in ROPE_SCALING_TYPES:
         raise ValueError(
             f"unsupported rope scaling type {kind!r}; supported: default, "
             f"{', '.join(ROPE_SCALING_TYPES)}"
         )
     if kind == "linear":
-        return theta, RopeScaling(type="linear", factor=float(params["factor"]))
-    return theta, RopeScaling(
-        type="llama3",
-        factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        return theta, RopeScaling(type="linear", factor=float(params["factor"])), rotary_dim
+    if kind == "longrope":
+        return theta, _longrope(params, cfg, rotary_dim), rotary_dim
+    return (
+        theta,
+        RopeScaling(
+            type="llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        ),
+        rotary_dim,
     )
+
+
+def _longrope(params: dict[str, Any], cfg: dict[str, Any], rotary_dim: int) -> RopeScaling:
+    """Phi-3's longrope, with transformers' defaults for the factor and attention factor."""
+    context = int(cfg.get("max_position_embeddings", 2048))
+    original = int(
+        params.get("original_max_position_embeddings")
+        or cfg.get("original_max_position_embeddings")
+        or context
+    )
+    factor = params.get("factor") or context / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    short, long = (
+        tuple(map(float, params["short_factor"])),
+        tuple(map(float, params["long_factor"])),
+    )
+    if len(short) != rotary_dim // 2 or len(long) != rotary_dim // 2:
+        raise ValueError(
+            f"longrope short_factor / long_factor have {len(short)} / {len(long)} entries; "
+            f"{rotary_dim // 2} (rotary dims / 2) expected"
+        )
+    return RopeScaling(
+        type="longrope", factor=float(factor), original_max_position_embeddings=original,
+        short_factor=short, long_factor=long, attention_factor=float(attention),
+    )  # fmt: skip
 
 
 def _eos_ids(cfg: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
@@ -155,14 +318,57 @@ def _eos_ids(cfg: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _warn_sliding_window(cfg: dict[str, Any]) -> None:
-    window = cfg.get("sliding_window")
-    enabled = cfg.get("use_sliding_window", True)  # Mistral has no flag: a window means on
-    context = int(cfg.get("max_position_embeddings", 2048))
-    if window and enabled and int(window) < context:
-        logger.warning(
-            "sliding_window=%s < context %s is ignored: full attention is used, which "
-            "differs from the checkpoint's training once a sequence exceeds the window",
-            window,
-            context,
-        )
+def _refuse(cfg: dict[str, Any], field: str, allowed: tuple[Any, ...]) -> None:
+    """ValueError naming `field` when the config sets it to a value we do not implement."""
+    if cfg.get(field) not in allowed:
+        raise ValueError(f"unsupported {field}={cfg[field]!r}: only {allowed} is implemented")
+
+
+def _no_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {}
+
+
+def _qwen3(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {"qk_norm": True}
+
+
+def _gemma(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 and 3 (text): see the module docstring."""
+    _refuse(cfg, "attn_logit_softcapping", (None, 0, 0.0))
+    _refuse(cfg, "use_bidirectional_attention", (None, False))
+    fields: dict[str, Any] = dict(
+        norm_offset=1.0,
+        sandwich_norms=True,
+        embed_scale=float(cfg["hidden_size"]) ** 0.5,
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 0.0),
+        final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
+        hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
+    )
+    if cfg["architectures"][0] == "Gemma3ForCausalLM":
+        params = cfg.get("rope_parameters") or {}
+        local = params.get(SLIDING)
+        if not isinstance(local, dict):  # the older layout: a base, never scaled
+            local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 1e4)}
+        theta, scaling, _ = _rope(local, cfg, int(cfg.get("head_dim") or 2))
+        if scaling is not None:
+            raise ValueError(f"unsupported sliding-layer rope scaling {local!r}: default only")
+        fields |= {"qk_norm": True, "local_rope_theta": theta}
+    return fields
+
+
+def _smollm3(cfg: dict[str, Any]) -> dict[str, Any]:
+    flags = cfg.get("no_rope_layers")  # 1 = the layer applies RoPE (transformers' meaning)
+    if not flags:
+        return {}
+    if len(flags) != int(cfg["num_hidden_layers"]):
+        raise ValueError(f"no_rope_layers has {len(flags)} entries for "
+                         f"{cfg['num_hidden_layers']} layers")  # fmt: skip
+    return {"rope_layers": tuple(bool(f) for f in flags)}
+
+
+FAMILIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "Qwen3ForCausalLM": _qwen3,
+    "Gemma2ForCausalLM": _gemma,
+    "Gemma3ForCausalLM": _gemma,
+    "SmolLM3ForCausalLM": _smollm3,
+}

@@ -1,14 +1,19 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral) written for serving.
+"""The decoder every supported family runs (Llama, Qwen2, Mistral, Qwen3, Gemma 2 / 3, Phi-3,
+SmolLM3), written for serving; the families' differences are ModelConfig fields
+(radixserve/models/config.py names them).
 
 Layout: the tokens of every request in the step are flattened into one (T, hidden) matrix,
 request-major, with no batch or padding dimension; `batch.positions` (T,) gives each token's
-absolute position and indexes the precomputed RoPE cache. Attention (and the KV pool) is the
-backend's business: each layer hands it q (T, Hq, D) and k/v (T, Hkv, D) after RoPE.
+absolute position and indexes the precomputed RoPE tables (models/rope.py). Attention (and
+the KV pool) is the backend's business: each layer hands it q (T, Hq, D) and k/v (T, Hkv, D)
+after RoPE, with its sliding window (0 = none).
 
 Weights are stored fused for speed (the loader concatenates HF tensors at load time):
     qkv_proj.weight      (q_size + 2 * kv_size, hidden) = cat(q_proj, k_proj, v_proj)
     gate_up_proj.weight  (2 * intermediate, hidden)     = cat(gate_proj, up_proj)
-Per layer: x -> RMSNorm -> attention -> +residual -> RMSNorm -> SwiGLU MLP -> +residual.
+Per layer: x -> RMSNorm -> attention -> +residual -> RMSNorm -> gated MLP -> +residual
+(with `sandwich_norms`, Gemma's: the attention output and the MLP output are normed too
+before their residual adds, and the MLP's input norm is `pre_feedforward_layernorm`).
 Numerics follow HF transformers op for op (RMSNorm variance in float32, RoPE cos/sin computed
 in float32 then cast to the model dtype): with the same SDPA attention kernel HF uses, float32
 and plain-bf16 logits came out bit-identical to HF's in our tests.
@@ -16,7 +21,6 @@ and plain-bf16 logits came out bit-identical to HF's in our tests.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -30,65 +34,8 @@ from radixserve.distributed.parallel import all_reduce
 from radixserve.models import native, quant
 from radixserve.models.config import ModelConfig
 from radixserve.models.quant import NativeLinear, QuantLinear
+from radixserve.models.rope import apply_partial_rope, rope_qk, rope_table
 from radixserve.models.sharding import local_config
-
-
-def rope_inv_freq(config: ModelConfig) -> Tensor:
-    """(head_dim / 2,) float32 inverse frequencies, with linear or llama3 scaling applied."""
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    s = config.rope_scaling
-    if s is None:
-        return inv_freq
-    if s.type == "linear":
-        return inv_freq / s.factor
-    # llama3: keep high frequencies (short wavelengths), divide low ones by `factor`, and
-    # interpolate smoothly in between (wavelengths measured against the original context).
-    old_ctx = s.original_max_position_embeddings
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_ctx / s.low_freq_factor, inv_freq / s.factor, inv_freq)
-    smooth = (old_ctx / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    medium = ~(wavelen < old_ctx / s.high_freq_factor) & ~(wavelen > old_ctx / s.low_freq_factor)
-    return torch.where(medium, smoothed, scaled)
-
-
-def rope_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> Tensor:
-    """(max_position_embeddings, 2, head_dim) cache: row p = [[cos | cos], [-sin | sin]] of p * f.
-
-    Computed in float32 and then cast, as HF does, so bf16 models round cos/sin identically
-    (negation is exact, so the signed sine rounds like HF's).
-    """
-    pos = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-    freqs = torch.outer(pos, rope_inv_freq(config))  # (P, D/2)
-    cos, sin = freqs.cos(), freqs.sin()
-    table = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1)
-    return table.to(device=device, dtype=dtype)  # (P, 2, D)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE (HF/NeoX layout): x (T, H, D), cos = [cos | cos] and sin = [-sin | sin]
-    (T, 1, D) -> new (T, H, D) contiguous. Per element the same products and sum as HF's
-    x * cos + rotate_half(x) * sin (x2 * -sin == -x2 * sin exactly), in four ops."""
-    t, h, d = x.shape
-    swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)  # [x2 | x1]
-    return x * cos + swapped * sin
-
-
-def rope_qk(qkv: Tensor, cos_sin: Tensor, q_heads: int, kv_heads: int) -> tuple[Tensor, Tensor]:
-    """RoPE on the q and k heads of a fused projection qkv (T, >= (Hq + Hkv) * D) with table
-    rows cos_sin (T, 2, D) -> q (T, Hq, D) contiguous, k (T, Hkv, D).
-
-    bf16 / float32 rows on CPU go through the fused native op (same rounding, one call)."""
-    if native.applies(qkv) and (fused := native.ops()) is not None:
-        q, k = fused.rope_qk(qkv, cos_sin, q_heads, kv_heads)
-        return q, k
-    t, d = qkv.shape[0], cos_sin.shape[-1]
-    # q and k rotated in one pass: their columns are adjacent in the fused projection.
-    qk = qkv[:, : (q_heads + kv_heads) * d].view(t, q_heads + kv_heads, d)
-    qk = apply_rope(qk, cos_sin[:, None, 0], cos_sin[:, None, 1])  # (T, Hq + Hkv, D)
-    # Backends get a contiguous q; k only goes into the pool, so a view does.
-    return qk[:, :q_heads].contiguous(), qk[:, q_heads:]
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -106,13 +53,20 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """HF's RMSNorm; with `offset` (Gemma's) the weight applies as (offset + w), multiplied in
+    float32 before the cast back, as Gemma's norm does."""
+
+    def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        if not self.offset:
+            return rms_norm(x, self.weight, self.eps)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return (normed * (self.offset + self.weight.float())).to(x.dtype)
 
 
 def packed_linear_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -164,6 +118,9 @@ class Linear(nn.Module):
         del self.weight
 
 
+Ropes = dict[str, Tensor]  # "global" / "local" -> (T, 2, rotary_dim) rows of this step
+
+
 class LlamaAttention(nn.Module):
     # Under tensor parallelism `config` is one rank's shard (its heads) and o_proj's
     # partial sums are all-reduced over the `tp_size` ranks.
@@ -174,21 +131,47 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attn_scale
+        self.window = config.window(layer_idx)
+        # Which RoPE table this layer's q and k rotate by (None: no RoPE).
+        self.rope: str | None = None
+        if config.has_rope(layer_idx):
+            self.rope = "local" if self.window and config.local_rope is not None else "global"
+        self.full_rotary = config.rope.rotary_dim == config.head_dim
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
         qkv_out = config.q_size + 2 * config.kv_size
         self.qkv_proj = Linear(config.hidden_size, qkv_out, bias=config.qkv_bias)
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_bias)
 
     def forward(
-        self, x: Tensor, cos_sin: Tensor, batch: ForwardBatch, attn: AttentionBackend
+        self, x: Tensor, ropes: Ropes, batch: ForwardBatch, attn: AttentionBackend
     ) -> Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, q + 2 kv)
-        q, k = rope_qk(qkv, cos_sin, self.num_heads, self.num_kv_heads)  # (T, Hq|Hkv, D)
+        cos_sin = ropes[self.rope] if self.rope else None  # (T, 2, R)
+        if cos_sin is not None and self.q_norm is None and self.full_rotary:
+            q, k = rope_qk(qkv, cos_sin, self.num_heads, self.num_kv_heads)  # (T, Hq|Hkv, D)
+        else:
+            q, k = self._normed_rotated(qkv, cos_sin)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, -1)  # view
-        out = attn.forward(q, k, v, self.layer_idx, batch, self.scale)  # (T, Hq, D)
+        out = attn.forward(q, k, v, self.layer_idx, batch, self.scale, self.window)
         out = self.o_proj(out.reshape(t, self.q_size))  # (T, hidden)
         return out if self.tp_size == 1 else all_reduce(out)
+
+    def _normed_rotated(self, qkv: Tensor, cos_sin: Tensor | None) -> tuple[Tensor, Tensor]:
+        """q (T, Hq, D) contiguous and k (T, Hkv, D) of the fused projection, each head
+        RMS-normed (q/k norms) and rotated (partial or no RoPE) as the config says."""
+        t, d = qkv.shape[0], self.head_dim
+        q = qkv[:, : self.q_size].reshape(t, self.num_heads, d)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, self.num_kv_heads, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over D, per head
+        if cos_sin is not None:
+            q, k = apply_partial_rope(q, cos_sin), apply_partial_rope(k, cos_sin)
+        return q.contiguous(), k
 
 
 class LlamaMLP(nn.Module):
@@ -200,10 +183,12 @@ class LlamaMLP(nn.Module):
         inter, bias = config.intermediate_size, config.mlp_bias
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=bias)
         self.down_proj = Linear(inter, config.hidden_size, bias=bias)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # GeGLU, else SwiGLU
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, I) each
-        out = self.down_proj(F.silu(gate) * up)  # (T, hidden)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        out = self.down_proj(act * up)  # (T, hidden)
         return out if self.tp_size == 1 else all_reduce(out)
 
 
@@ -225,19 +210,31 @@ class NativeLayer:
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, tp_size: int = 1) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        size, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_offset
+        self.input_layernorm = RMSNorm(size, eps, offset)
         self.self_attn = LlamaAttention(config, layer_idx, tp_size)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Llama: the MLP's input norm; with sandwich norms, the attention output's.
+        self.post_attention_layernorm = RMSNorm(size, eps, offset)
         self.mlp = LlamaMLP(config, tp_size)
+        self.pre_feedforward_layernorm: RMSNorm | None = None
+        self.post_feedforward_layernorm: RMSNorm | None = None
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(size, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(size, eps, offset)
         self.native: NativeLayer | None = None  # see LlamaForCausalLM.use_native_layers
 
     def forward(
-        self, h: Tensor, cos_sin: Tensor, batch: ForwardBatch, attn: AttentionBackend
+        self, h: Tensor, ropes: Ropes, batch: ForwardBatch, attn: AttentionBackend
     ) -> Tensor:
         if self.native is not None:
-            return self._native_forward(self.native, h, cos_sin, batch, attn)
-        h = h + self.self_attn(self.input_layernorm(h), cos_sin, batch, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+            return self._native_forward(self.native, h, ropes["global"], batch, attn)
+        a = self.self_attn(self.input_layernorm(h), ropes, batch, attn)
+        pre, post = self.pre_feedforward_layernorm, self.post_feedforward_layernorm
+        if pre is None or post is None:
+            h = h + a
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.post_attention_layernorm(a)
+        return h + post(self.mlp(pre(h)))
 
     def native_layer(self, ops: ModuleType) -> NativeLayer | None:
         """This layer's weights for the native calls, or None where a projection is not
@@ -271,7 +268,7 @@ class LlamaDecoderLayer(nn.Module):
         q, k, v = n.ops.pre_attention(
             h, n.input_norm, n.eps, n.qkv, cos_sin, a.num_heads, a.num_kv_heads, kv_like
         )
-        out = attn.forward(q, k, v, a.layer_idx, batch, a.scale)  # (T, Hq, D)
+        out = attn.forward(q, k, v, a.layer_idx, batch, a.scale, a.window)  # (T, Hq, D)
         return n.ops.post_attention(
             h, out.reshape(h.shape[0], a.q_size), n.o, n.post_norm, n.eps, n.gate_up, n.down
         )
@@ -285,7 +282,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, tp_size) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -293,8 +290,10 @@ class LlamaForCausalLM(nn.Module):
 
     Parameter names mirror HF except the fused `qkv_proj` and `gate_up_proj`; with tied
     embeddings there is no `lm_head` and logits use `model.embed_tokens.weight`.
-    The RoPE cache is a non-persistent buffer (not in state_dict); after loading weights
-    onto a device, call `build_rope_cache()` (the loader does).
+    The RoPE tables are non-persistent buffers (not in state_dict): `rope` for the full
+    layers (and all layers without `local_rope_theta`), `rope_local` for the sliding layers
+    of a family with their own base (else empty); after loading weights onto a device, call
+    `build_rope_cache()` (the loader does).
 
     Tensor parallel (`tp_size` > 1, see radixserve.distributed.parallel): the layers hold one
     rank's shard of the projections (built from `local_config`) and all-reduce after o_proj
@@ -312,21 +311,32 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tied_head_packed: Tensor | None = None  # packed copy of the tied embedding
         self.register_buffer("rope", torch.empty(0), persistent=False)
+        self.register_buffer("rope_local", torch.empty(0), persistent=False)
         if self.model.norm.weight.device.type != "meta":
             self.build_rope_cache()
 
     def build_rope_cache(self) -> None:
-        """(Re)compute the RoPE cache on the device and in the dtype of the weights."""
+        """(Re)compute the RoPE tables on the device and in the dtype of the weights."""
         w = self.model.norm.weight  # always a plain tensor in the model dtype
-        self.rope = rope_cache(self.config, w.dtype, w.device)
+        c = self.config
+        self.rope = rope_table(c.rope, c.max_position_embeddings, w.dtype, w.device)
+        self.rope_local = torch.empty(0, dtype=w.dtype, device=w.device)
+        if c.local_rope is not None:
+            self.rope_local = rope_table(c.local_rope, c.max_position_embeddings, w.dtype, w.device)
 
     def embed(self, ids: Tensor) -> Tensor:
         """Token ids (T,) -> (T, hidden) in the model dtype (a quantized table dequantizes
         just those rows)."""
-        table = self.model.embed_tokens
-        if isinstance(table, QuantLinear):
-            return table.rows(ids).to(self.model.norm.weight.dtype)
-        return F.embedding(ids, table.weight)
+        table, dtype = self.model.embed_tokens, self.model.norm.weight.dtype
+        rows = (
+            table.rows(ids).to(dtype)
+            if isinstance(table, QuantLinear)
+            else F.embedding(ids, table.weight)
+        )
+        if self.config.embed_scale == 1.0:
+            return rows
+        # As HF: the scale rounded to float32, then to the model dtype.
+        return rows * torch.tensor(self.config.embed_scale, dtype=torch.float32).to(dtype)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> Tensor:
@@ -336,21 +346,24 @@ class LlamaForCausalLM(nn.Module):
         pool (through the backend). Positions must be < max_position_embeddings.
         """
         assert self.rope.shape[0] > 0, "RoPE cache not built: call build_rope_cache()"
-        cos_sin = self.rope[batch.positions]  # (T, 2, D): [cos | cos], [-sin | sin] rows
+        # (T, 2, R) rows: [cos | cos], [-sin | sin] at each token's position
+        ropes = {"global": self.rope[batch.positions]}
+        if self.rope_local.numel():
+            ropes["local"] = self.rope_local[batch.positions]
         h = self.embed(batch.input_ids)  # (T, hidden)
         for layer in self.model.layers:
-            h = layer(h, cos_sin, batch, attn)
+            h = layer(h, ropes, batch, attn)
         return self.model.norm(h)
 
     def use_native_layers(self) -> bool:
         """Run each decoder layer as two native calls around attention where that is the
-        same math: CPU, float32 activations, one rank, every projection quantized and the
-        quantized kernels built. A batch-1 decode step makes ~25 small torch ops and Python
-        calls a layer otherwise (measured ~1/3 of the step at 1K context on the AVX2 EPYC).
-        Returns whether it applies."""
+        same math: Llama's layers (`ModelConfig.llama_layers`), CPU, float32 activations, one
+        rank, every projection quantized and the quantized kernels built. A batch-1 decode
+        step makes ~25 small torch ops and Python calls a layer otherwise (measured ~1/3 of
+        the step at 1K context on the AVX2 EPYC). Returns whether it applies."""
         ops, norm = quant.ops(), self.model.norm.weight
         on_cpu_f32 = norm.device.type == "cpu" and norm.dtype == torch.float32
-        if ops is None or self.tp_size > 1 or not on_cpu_f32:
+        if ops is None or self.tp_size > 1 or not on_cpu_f32 or not self.config.llama_layers:
             return False
         layers = [ly for ly in self.model.layers if isinstance(ly, LlamaDecoderLayer)]
         natives = [layer.native_layer(ops) for layer in layers]
@@ -375,12 +388,18 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden (n, hidden) -> logits (n, vocab) float32 (matmul in the model dtype, as HF)."""
+        """hidden (n, hidden) -> logits (n, vocab) float32 (matmul in the model dtype, as HF),
+        soft-capped as cap * tanh(logits / cap) where the config has a final cap."""
+        logits = self._head(hidden).float()
+        cap = self.config.final_logit_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
+
+    def _head(self, hidden: Tensor) -> Tensor:
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
+            return self.lm_head(hidden)
         if isinstance(self.model.embed_tokens, QuantLinear):  # tied to a quantized table
-            return self.model.embed_tokens(hidden).float()
+            return self.model.embed_tokens(hidden)
         if self.tied_head_packed is not None:
             w = self.tied_head_packed
-            return torch.ops.mkldnn._linear_pointwise(hidden, w, None, "none", [], "").float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
+            return torch.ops.mkldnn._linear_pointwise(hidden, w, None, "none", [], "")
+        return F.linear(hidden, self.model.embed_tokens.weight)

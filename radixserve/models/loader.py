@@ -119,6 +119,7 @@ def load_model(
             _warn_dequantized(gguf, dequantized, weights, dtype)
     else:
         weights.update(_read_safetensors(path, dtype))
+    weights = split_fused(weights, config)
     _check_names(set(weights), hf_weight_names(config), path)
     if tp_size > 1:
         weights.update(shard_hf_weights(_plain(weights), config, tp_rank, tp_size))
@@ -281,9 +282,12 @@ def hf_weight_names(config: ModelConfig) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     if not config.tie_word_embeddings:
         names.add("lm_head.weight")
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] * config.sandwich_norms
+    norms += ["self_attn.q_norm", "self_attn.k_norm"] * config.qk_norm
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        names |= {f"{p}{norm}.weight" for norm in norms}
         for proj, bias in [("q", config.qkv_bias), ("k", config.qkv_bias), ("v", config.qkv_bias),
                            ("o", config.o_bias)]:  # fmt: skip
             names |= _linear(p + f"self_attn.{proj}_proj", bias)
@@ -328,6 +332,37 @@ def fuse_weights(
                 if names[0] in out:
                     out[f"{p}{fused}.{kind}"] = _concat_rows([out.pop(n) for n in names], dtype)
     return out
+
+
+# Checkpoints (Phi-3's) that store q/k/v and gate/up already fused: split into HF's unfused
+# names, so sharding and fusing treat every family alike. (fused name, parts, rows of each)
+FUSED_IN_CHECKPOINT = (
+    ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj"), ("q_size", "kv_size", "kv_size")),
+    ("mlp.gate_up_proj", ("gate_proj", "up_proj"), ("intermediate_size", "intermediate_size")),
+)
+
+
+def split_fused(hf: dict[str, Weight], config: ModelConfig) -> dict[str, Weight]:
+    """`hf` with every checkpoint-fused projection split row-wise into its parts (quantized
+    blocks split by rows too: rows are independent in every block format)."""
+    out = dict(hf)
+    for i in range(config.num_layers):
+        for fused, parts, sizes in FUSED_IN_CHECKPOINT:
+            w = out.pop(f"model.layers.{i}.{fused}.weight", None)
+            if w is None:
+                continue
+            module = fused.rpartition(".")[0]
+            rows = [getattr(config, size) for size in sizes]
+            for part, piece in zip(parts, _split_rows(w, rows), strict=True):
+                out[f"model.layers.{i}.{module}.{part}.weight"] = piece
+    return out
+
+
+def _split_rows(w: Weight, rows: list[int]) -> list[Weight]:
+    if isinstance(w, torch.Tensor):
+        return list(w.split(rows))
+    assert isinstance(w, QuantWeight), f"a fused checkpoint tensor of parts: {type(w)}"
+    return [QuantWeight(b, w.fmt, w.in_features) for b in w.blocks.split(rows)]
 
 
 def _concat_rows(parts: list[Weight], dtype: torch.dtype) -> Weight:

@@ -4,7 +4,9 @@ into a GGUF being written. Nothing here is downloaded."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGUFReader, GGUFWriter
@@ -12,31 +14,67 @@ from gguf import GGUFReader, GGUFWriter
 from radixserve.models.quant import FORMATS
 from radixserve.models.resolve import EMBEDDED_GGUF, embedded_gguf
 
+# Tiny configs of each family (transformers config class, its fields beyond TINY): small
+# windows, partial rotary, longrope's original context and no-RoPE layers placed where a
+# test's prompts of ~20-60 tokens cross them.
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=1024)  # fmt: skip
+SLIDING, FULL = "sliding_attention", "full_attention"
+TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {"num_hidden_layers": 2}),
+    "qwen3": ("Qwen3Config", {"num_hidden_layers": 2, "head_dim": 32}),
+    "gemma3": ("Gemma3TextConfig", {
+        "num_hidden_layers": 4, "head_dim": 32, "query_pre_attn_scalar": 24,
+        "sliding_window": 16, "layer_types": [SLIDING, FULL, SLIDING, SLIDING],
+        "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+                            FULL: {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}},
+    }),
+    "gemma2": ("Gemma2Config", {
+        "num_hidden_layers": 2, "head_dim": 16, "sliding_window": 16,
+        "attn_logit_softcapping": None, "final_logit_softcapping": 5.0,
+    }),
+    "phi3": ("Phi3Config", {
+        "num_hidden_layers": 2, "partial_rotary_factor": 0.5,
+        "original_max_position_embeddings": 64,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                            "short_factor": [1.0, 1.1, 1.3, 1.7],
+                            "long_factor": [2.0, 3.0, 4.0, 5.0]},
+    }),
+    "smollm3": ("SmolLM3Config", {"num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 0]}),
+}  # fmt: skip
 
-def build_tiny_model(folder: Path, seed: int = 0) -> Path:
-    """A seeded random tiny Llama checkpoint (hidden 64, 2 layers, 1024 positions) + the
-    embedded SmolLM2 tokenizer, saved HF-style into `folder`, which is returned."""
+
+def build_tiny_model(folder: Path, seed: int = 0, family: str = "llama") -> Path:
+    """A seeded random tiny checkpoint of `family` (TINY_FAMILIES; hidden 64, 1024 positions)
+    + the embedded SmolLM2 tokenizer, saved HF-style into `folder`, which is returned."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(embedded_gguf().parent, gguf_file=EMBEDDED_GGUF)
+    tok = embedded_tokenizer()
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    cls, fields = TINY_FAMILIES[family]
+    config = getattr(transformers, cls)(
+        **TINY,
+        **fields,
         vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
         tie_word_embeddings=True,
         initializer_range=0.5,  # large weights: peaked logits, so greedy has clear winners
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
+        pad_token_id=None,  # no padding row: every family initialises every embedding row
     )
-    LlamaForCausalLM(config).save_pretrained(folder)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+@functools.cache
+def embedded_tokenizer() -> Any:
+    """The embedded model's tokenizer (read from its GGUF once per process: seconds)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_gguf().parent, gguf_file=EMBEDDED_GGUF)
 
 
 def copy_tokenizer(reader: GGUFReader, writer: GGUFWriter) -> None:

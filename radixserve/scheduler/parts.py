@@ -23,9 +23,9 @@ from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.prefix_cache import PrefixCache, make_prefix_cache
 from radixserve.models.config import ModelConfig
 from radixserve.models.identity import model_identity
-from radixserve.models.llama import rope_inv_freq
 from radixserve.models.loader import load_tokenizer
 from radixserve.models.resolve import resolve_model_path
+from radixserve.models.rope import inv_freq
 from radixserve.worker.model_worker import ModelWorker
 
 
@@ -62,7 +62,8 @@ def build_parts(
     """The cache and grammar compiler that go with a worker and tokenizer."""
     mc = worker.model_config
     identity = tier_identity(config, model_path, worker) if config.hicache_enabled else ""
-    cache = make_prefix_cache(config, worker.pool, identity, rope_inv_freq(mc))
+    freqs = inv_freq(mc.rope) if mc.uniform_rope else None
+    cache = make_prefix_cache(config, worker.pool, identity, freqs)
     grammars = GrammarCompiler(
         tokenizer, mc.eos_token_ids, mc.vocab_size, backend=config.grammar_backend
     )

@@ -1,0 +1,131 @@
+"""Sliding-window attention from the causal kernels: a layer whose queries see only the last
+`window` positions (themselves included), exact, in at most two pool-kernel calls.
+
+A query at position p sees keys at positions [p - W + 1, p] (W = window), as transformers'
+sliding mask. The kernels know only bottom-right causal blocks, so each request's queries
+(positions p0 .. L - 1, L = its sequence length) are cut into blocks they can run exactly:
+
+    head   the queries at positions < W: one causal block over keys [0, min(L, W));
+    chunk  C <= W queries [a, a + C), a >= W: row a + i needs keys [a + i - W + 1, a + i]
+           recent: keys [a + C - W, a + C), bottom-right causal: row a + i sees
+                   [a + C - W, a + i] (all of row a + C - 1's window);
+           old:    rows a .. a + C - 2 also need keys [a + i - W + 1, a + C - W), the last
+                   C - 1 - i of the C - 1 keys [a - W + 1, a + C - W): with both the rows
+                   and the keys in reverse order, a square causal block.
+
+The recent blocks cover every query row once, in row order (one `pool_private_attention`
+call); the old blocks (gathered rows, reversed) run first, and their (out, lse) enters the
+recent call as its `prior`, merged exactly by log-sum-exp. A decode step (C = 1) is one
+block of the last W keys. Sliding layers read no shared segment: each request reads only
+its own window, so a shared prefix older than the window is never read by them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve import kernels
+from radixserve.core.batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Causal blocks for `kernels.pool_private_attention`: block b's queries are rows
+    q_offsets[b]:q_offsets[b + 1] of its q, its keys slots[kv_offsets[b]:kv_offsets[b + 1]]."""
+
+    slots: torch.Tensor  # (S,) int64 pool slots
+    q_offsets: torch.Tensor  # (B + 1,) int64
+    kv_offsets: torch.Tensor  # (B + 1,) int64
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    recent: Blocks  # over q's rows in order
+    old_rows: torch.Tensor  # (n,) int64 rows of q, reversed within each chunk
+    old: Blocks | None  # over q[old_rows]; None when no chunk has old keys
+
+
+class _Builder:
+    """Collects blocks: (slots, number of queries) pairs."""
+
+    def __init__(self) -> None:
+        self.slots: list[torch.Tensor] = []
+        self.q_lens: list[int] = []
+
+    def add(self, slots: torch.Tensor, q_len: int) -> None:
+        self.slots.append(slots)
+        self.q_lens.append(q_len)
+
+    def build(self, device: torch.device) -> Blocks:
+        def offsets(lens: list[int]) -> torch.Tensor:
+            return torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to(device)
+
+        cat = torch.cat(self.slots).to(device)
+        return Blocks(cat, offsets(self.q_lens), offsets([s.numel() for s in self.slots]))
+
+
+def window_plan(batch: ForwardBatch, window: int) -> WindowPlan | None:
+    """The step's plan for layers of `window` (built once per step and kept on the batch),
+    or None when no query's window leaves out a key (every sequence fits in the window)."""
+    if max(batch.seq_lens, default=0) <= window:
+        return None
+    plan = batch.window_plans.get(window)
+    if plan is None:
+        plan = batch.window_plans[window] = _plan(batch, window)
+    assert isinstance(plan, WindowPlan), type(plan)
+    return plan
+
+
+def _plan(batch: ForwardBatch, w: int) -> WindowPlan:
+    recent, old = _Builder(), _Builder()
+    old_rows: list[torch.Tensor] = []
+    row = 0  # the first query row of the current request
+    for kv, q_len in zip(batch.kv_indices, batch.extend_lens, strict=True):
+        length = kv.numel()
+        p0 = length - q_len  # the first query's position
+        head = max(0, min(w, length) - p0)
+        if head:
+            recent.add(kv[: min(w, length)], head)
+        for a in range(p0 + head, length, w):
+            c = min(w, length - a)
+            recent.add(kv[a + c - w : a + c], c)
+            if c > 1:
+                old.add(kv[a - w + 1 : a + c - w].flip(0), c - 1)
+                first = row + a - p0  # row of position a
+                old_rows.append(torch.arange(first + c - 2, first - 1, -1))
+        row += q_len
+    device = batch.kv_pool.k[0].device
+    rows = torch.cat(old_rows).to(device) if old_rows else torch.zeros(0, dtype=torch.int64)
+    return WindowPlan(recent.build(device), rows, old.build(device) if old_rows else None)
+
+
+def window_attention(
+    plan: WindowPlan,
+    q: torch.Tensor,  # (T, Hq, D)
+    kc: torch.Tensor,  # (num_slots, Hkv, D) one layer's pool keys
+    vc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Each query row over its window's keys -> (T, Hq, D)."""
+    prior = None
+    if plan.old is not None:
+        o, lse = _run(plan.old, q.index_select(0, plan.old_rows), kc, vc, scale)
+        out = q.new_zeros(q.shape)  # rows without old keys: an empty state (lse -inf)
+        lses = q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32)
+        prior = out.index_copy_(0, plan.old_rows, o), lses.index_copy_(0, plan.old_rows, lse)
+    return _run(plan.recent, q, kc, vc, scale, prior)[0]
+
+
+def _run(
+    b: Blocks,
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    scale: float,
+    prior: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return kernels.pool_private_attention(
+        q, kc, vc, b.slots, b.q_offsets, b.kv_offsets, scale, prior
+    )
