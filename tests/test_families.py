@@ -167,3 +167,23 @@ def test_unsupported_fields_are_named() -> None:
         ModelConfig.from_hf(phi3)
     with pytest.raises(ValueError, match="hidden_act 'relu2'"):
         ModelConfig.from_hf({**base, "architectures": ["Qwen3ForCausalLM"], "hidden_act": "relu2"})
+
+
+@pytest.mark.slow  # a two-process engine per family: ~5-9 s each
+@pytest.mark.parametrize("family", ["gemma3", "phi3"])  # every per-family difference but RoPE
+def test_tensor_parallel_greedy_matches_hf(checkpoints: dict[str, Path], family: str) -> None:
+    """Two ranks (each 2 q heads, 1 KV head, half the MLP; q/k norms and the sandwich norms
+    replicated, Phi-3's fused tensors split before sharding): HF's greedy tokens."""
+    from radixserve.distributed.parallel import get_tp
+
+    hf = hf_model(checkpoints[family])
+    ps = prompts(seed=FAMILIES.index(family))[:4]
+    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    engine = Engine(str(checkpoints[family]), tp_size=2, **ENGINE)
+    try:
+        out = engine.generate(input_ids=ps, sampling_params=params)
+        assert [o["output_ids"] for o in out] == [hf_greedy(hf, p) for p in ps]
+    finally:
+        tp = get_tp()
+        engine.worker.close()
+    assert tp is not None and [p.exitcode for p in tp.followers] == [0]
