@@ -170,7 +170,7 @@ def test_unsupported_fields_are_named() -> None:
 
 
 @pytest.mark.slow  # a two-process engine per family: ~5-9 s each
-@pytest.mark.parametrize("family", ["gemma3", "phi3"])  # every per-family difference but RoPE
+@pytest.mark.parametrize("family", FAMILIES)
 def test_tensor_parallel_greedy_matches_hf(checkpoints: dict[str, Path], family: str) -> None:
     """Two ranks (each 2 q heads, 1 KV head, half the MLP; q/k norms and the sandwich norms
     replicated, Phi-3's fused tensors split before sharding): HF's greedy tokens."""
