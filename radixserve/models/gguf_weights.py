@@ -3,19 +3,27 @@ Q8_0 / Q4_K / Q5_K / Q6_K tensors in their block layout (radixserve/models/quant
 dequantizing them, used in place from the file's memory map (no copy: a model takes about
 its file's size in memory, shared with the page cache).
 
-Two things differ from an HF checkpoint, and are undone here:
-- names: `blk.{i}.attn_q.weight` is `model.layers.{i}.self_attn.q_proj.weight`, and so on;
-- llama.cpp's converter reorders the rows of q_proj / k_proj of "llama"-architecture files
-  (HF's rotate-half RoPE layout -> GGML's interleaved one). Rows are independent in every
-  block format, so the inverse row permutation applies to quantized bytes as well (those
-  two tensors are the only copies).
+Three things differ from an HF checkpoint, and are undone here:
+- names: `blk.{i}.attn_q.weight` is `model.layers.{i}.self_attn.q_proj.weight`, and so on
+  (`hf_name`; a few differ by architecture: Gemma 3's `ffn_norm` is the norm before its MLP,
+  Phi-3's `attn_qkv` / `ffn_up` are its fused qkv_proj / gate_up_proj, stored as HF has them);
+- llama.cpp's converter reorders the rows of q_proj / k_proj (weights and biases) of
+  "llama" and "smollm3" files, whose RoPE it runs interleaved (HF's rotate-half RoPE layout
+  -> GGML's interleaved one). Rows are independent in every block format, so the inverse row
+  permutation applies to quantized bytes as well (those two tensors are the only copies);
+- it stores Gemma 3's RMSNorm weights as 1 + w (HF computes x * (1 + w) from w): 1 is
+  subtracted again (norms are 1-D F32 tensors, never kept in blocks).
 Other GGUF tensor types (F16, BF16, Q2_K, Q3_K, IQ*, ...) are dequantized to `dtype` by the
 `gguf` package, as transformers does; `dequantized` lists them (the loader warns).
 
-Llama 3.1+ files carry `rope_freqs.weight`: not a weight but the per-frequency divisors of
-Llama-3 RoPE scaling, which llama.cpp's converter writes instead of the scaling parameters.
-`llama3_rope_parameters` recovers those parameters (the conversion puts them in config.json);
-the weight reader skips the tensor.
+Some tensors are RoPE parameters, not weights, and are skipped (`NOT_WEIGHTS`); they belong
+in config.json. Llama 3.1+ files carry `rope_freqs.weight`: the per-frequency divisors of
+Llama-3 RoPE scaling, which llama.cpp's converter writes instead of the scaling parameters
+(`gguf_config.llama3_rope_parameters` recovers those). Phi-3 files carry longrope's
+per-frequency factors as `rope_factors_long.weight` / `rope_factors_short.weight`.
+
+`gguf_metadata` reads the header's key-value metadata (gguf_config.py turns it into HF's
+config.json for the architectures it knows).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import mmap
 import struct
 import warnings
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -35,7 +43,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quant_shape_to_byte_shape
 
-from radixserve.models.config import ModelConfig
 from radixserve.models.quant import QuantWeight
 
 NATIVE = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1",
@@ -52,10 +59,26 @@ LAYER_NAMES = {
     **{f"ffn_{g}.{kind}": f"mlp.{g}_proj.{kind}"
        for g in ("gate", "up", "down") for kind in ("weight", "bias")},
 }  # fmt: skip
+QK_NORMS: dict[str, str | None] = {"attn_q_norm.weight": "self_attn.q_norm.weight",
+                                   "attn_k_norm.weight": "self_attn.k_norm.weight"}  # fmt: skip
+# Per architecture, the layer tensors whose HF name is not LAYER_NAMES' (None: a tensor the
+# architecture does not have). Gemma 3's four norms: llama.cpp's `ffn_norm` is HF's
+# pre_feedforward_layernorm there, its `post_attention_norm` HF's post_attention_layernorm.
+ARCH_LAYER_NAMES: dict[str, dict[str, str | None]] = {
+    "qwen3": QK_NORMS,
+    "gemma3": {**QK_NORMS, "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+               "post_attention_norm.weight": "post_attention_layernorm.weight",
+               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight",
+             "ffn_up.weight": "mlp.gate_up_proj.weight",  # rows: gate, then up (as HF's)
+             **dict.fromkeys(["attn_q.weight", "attn_k.weight", "attn_v.weight",
+                              "ffn_gate.weight"])},
+}  # fmt: skip
+PERMUTED = ("llama", "smollm3")  # llama.cpp runs their RoPE interleaved: q/k rows reordered
+NORM_OFFSET = {"gemma3": 1.0}  # llama.cpp's converter stores these norms as offset + w
 ROPE_FREQS = "rope_freqs.weight"
-# Llama-3 scaling's parameters besides its factor: the same in every Llama 3.1 / 3.2 / 3.3.
-LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}  # fmt: skip
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3 longrope
+NOT_WEIGHTS = (ROPE_FREQS, *ROPE_FACTORS)
 TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -67,14 +90,26 @@ TOP_NAMES = {
 Weight = torch.Tensor | QuantWeight | tuple[QuantWeight, ...]
 
 
-def hf_name(gguf_name: str) -> str:
-    """GGUF tensor name -> HF name; KeyError for a tensor our models do not use."""
+class HeadCounts(Protocol):
+    """What the weight reader needs of a model config (ModelConfig has them)."""
+
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+
+
+def hf_name(gguf_name: str, architecture: str = "llama") -> str:
+    """GGUF tensor name -> HF name in `architecture`'s files; KeyError naming a tensor our
+    models do not use."""
     if gguf_name in TOP_NAMES:
         return TOP_NAMES[gguf_name]
-    blk, layer, rest = gguf_name.split(".", 2)
-    if blk != "blk" or rest not in LAYER_NAMES:
-        raise KeyError(gguf_name)
-    return f"model.layers.{int(layer)}.{LAYER_NAMES[rest]}"
+    blk, layer, rest = (gguf_name.split(".", 2) + ["", ""])[:3]  # blk.{i}.{rest}
+    names = {**LAYER_NAMES, **ARCH_LAYER_NAMES.get(architecture, {})}
+    name = names.get(rest) if blk == "blk" and layer.isdigit() else None
+    if name is None:
+        raise KeyError(f"{gguf_name} (a tensor radixserve does not read in {architecture} files)")
+    return f"model.layers.{int(layer)}.{name}"
 
 
 class GGUFTensor(NamedTuple):
@@ -109,8 +144,11 @@ def _tensors(path: Path, size: int, mtime_ns: int) -> GGUFTensors:
         raise ValueError(f"{path}: {e}") from e
 
 
-# GGUF metadata value types: sizes of the fixed-size ones; 8 is a string, 9 an array.
-_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# GGUF metadata value types: struct formats of the fixed-size ones (u8, i8, u16, i16, u32,
+# i32, f32, bool, u64, i64, f64); 8 is a string, 9 an array.
+_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+            10: "<Q", 11: "<q", 12: "<d"}  # fmt: skip
+_VALUE_SIZES = {kind: struct.calcsize(fmt) for kind, fmt in _FORMATS.items()}
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
 _MAX_ARRAY_DEPTH = 4  # arrays of arrays nest this deep at most (files use 1)
 _TYPED = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
@@ -140,6 +178,22 @@ class _Cursor:
             raise IndexError(f"{n} bytes at offset {self.pos}")
         self.pos += n
 
+    def value(self, kind: int, depth: int = 0) -> Any:
+        """One metadata value: a number, bool or str, or a list of them (nested lists for
+        arrays of arrays)."""
+        if kind in _FORMATS:
+            (value,) = struct.unpack_from(_FORMATS[kind], self.data, self.pos)
+            self.pos += _VALUE_SIZES[kind]
+            return value
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY and depth < _MAX_ARRAY_DEPTH:
+            item, count = self.take("<I"), self.take("<Q")
+            if count > len(self.data) - self.pos:  # each item takes a byte or more
+                raise IndexError(f"{count} items at offset {self.pos}")
+            return [self.value(item, depth + 1) for _ in range(count)]
+        raise ValueError(f"metadata value of unknown type {kind} (or nested too deep)")
+
     def skip_value(self, kind: int, depth: int = 0) -> None:
         if kind in _VALUE_SIZES:
             self.skip(_VALUE_SIZES[kind])
@@ -158,10 +212,8 @@ class _Cursor:
             raise ValueError(f"metadata value of unknown type {kind} (or nested too deep)")
 
 
-def _read_header(data: np.memmap) -> GGUFTensors:
-    """Walk the header (magic, version, counts, metadata, tensor infos) without building the
-    metadata's values (the vocabulary's strings would take seconds): only the architecture
-    and the alignment are kept."""
+def _open_header(data: np.ndarray) -> tuple[_Cursor, int, int]:
+    """A cursor after the magic, version and counts; (cursor, tensors, metadata entries)."""
     cur = _Cursor(data)
     if bytes(data[:4]) != b"GGUF":
         raise ValueError("not a GGUF file (no GGUF magic)")
@@ -169,7 +221,35 @@ def _read_header(data: np.memmap) -> GGUFTensors:
     version = cur.take("<I")
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version} (read little-endian): only 2 and 3 are read")
-    n_tensors, n_metadata = cur.take("<Q"), cur.take("<Q")
+    return cur, cur.take("<Q"), cur.take("<Q")
+
+
+def gguf_metadata(path: Path) -> dict[str, Any]:
+    """The file's metadata, key -> value (numbers, bools, strings and lists of them; F32
+    values as the Python float they are exactly), except the `tokenizer.*` arrays (the
+    vocabulary: tens of thousands of strings). Raises ValueError naming what is wrong with a
+    file that is not a well-formed GGUF."""
+    try:
+        cur, _, n_metadata = _open_header(np.memmap(path, mode="r"))
+        out = {}
+        for _ in range(n_metadata):
+            key, kind = cur.string(), cur.take("<I")
+            if kind == _ARRAY and key.startswith("tokenizer."):
+                cur.skip_value(kind)
+            else:
+                out[key] = cur.value(kind)
+        return out
+    except (struct.error, IndexError) as e:
+        raise ValueError(f"{path}: GGUF header ends early or points past the file ({e})") from e
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+
+
+def _read_header(data: np.memmap) -> GGUFTensors:
+    """Walk the header (magic, version, counts, metadata, tensor infos) without building the
+    metadata's values (the vocabulary's strings would take seconds): only the architecture
+    and the alignment are kept."""
+    cur, n_tensors, n_metadata = _open_header(data)
     architecture, alignment = "", 32
     for _ in range(n_metadata):
         key, kind = cur.string(), cur.take("<I")
@@ -253,20 +333,21 @@ def matrix_formats(path: Path) -> set[str]:
 
 
 def read_gguf_weights(
-    path: Path, config: ModelConfig, dtype: torch.dtype, quantized: bool = True
+    path: Path, config: HeadCounts, dtype: torch.dtype, quantized: bool = True
 ) -> tuple[dict[str, Weight], dict[str, int]]:
     """HF name -> weight, and the quantized types dequantized here -> their count. With
     `quantized`, matrices in a NATIVE format stay quantized (QuantWeight, a view of the
     file's memory map); everything else is a tensor in `dtype`. Raises KeyError naming a
     tensor we do not know."""
     file = gguf_tensors(path)
-    permuted = file.architecture == "llama"  # only llama.cpp's "llama" files reorder q/k
+    permuted = file.architecture in PERMUTED
+    offset = NORM_OFFSET.get(file.architecture, 0.0)
     out: dict[str, Weight] = {}
     dequantized: dict[str, int] = {}
     for t in file.tensors:
-        if t.name == ROPE_FREQS:  # RoPE scaling, in the config (llama3_rope_parameters)
+        if t.name in NOT_WEIGHTS:  # RoPE parameters, in the config
             continue
-        name = hf_name(t.name)
+        name = hf_name(t.name, file.architecture)
         heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(
             name.split(".")[-2] if permuted else "", 0
         )
@@ -282,6 +363,8 @@ def read_gguf_weights(
         shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims innermost first
         values = gguf_dequantize(t.data, t.tensor_type).reshape(shape)
         w = torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy
+        if offset and name.endswith("norm.weight"):
+            w -= offset  # in float32, before any rounding to `dtype`
         out[name] = (unpermute_rows(w, heads) if heads else w).to(dtype)
     return out, dequantized
 
@@ -292,35 +375,6 @@ def mapped(data: np.ndarray) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(data.view(np.uint8))
-
-
-def llama3_rope_parameters(path: Path, theta: float, head_dim: int) -> dict[str, Any] | None:
-    """The Llama-3 `rope_parameters` a GGUF's `rope_freqs.weight` was made from, or None when
-    the file has no such tensor. Raises ValueError when the divisors are not Llama-3 scaling
-    with the standard parameters (LLAMA3_ROPE; the factor is the largest divisor)."""
-    tensor = next((t for t in gguf_tensors(path).tensors if t.name == ROPE_FREQS), None)
-    if tensor is None:
-        return None
-    got = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
-    params = {"rope_type": "llama3", "rope_theta": theta, "factor": float(got.max()), **LLAMA3_ROPE}
-    want = llama3_divisors(params, head_dim)
-    if want.shape != got.shape or not np.allclose(want, got, rtol=1e-5):
-        raise ValueError(
-            f"{path}: rope_freqs.weight is not Llama-3 RoPE scaling with {LLAMA3_ROPE}: unsupported"
-        )
-    return params
-
-
-def llama3_divisors(params: dict[str, Any], head_dim: int) -> np.ndarray:
-    """Per rotary frequency (head_dim / 2), what Llama-3 scaling divides it by (1 for short
-    wavelengths, `factor` for long ones, a smooth blend between): llama.cpp's rope_freqs."""
-    freqs = params["rope_theta"] ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    old = params["original_max_position_embeddings"]
-    low, high, factor = params["low_freq_factor"], params["high_freq_factor"], params["factor"]
-    wavelen = 2 * math.pi / freqs
-    smooth = (old / wavelen - low) / (high - low)
-    blend = 1 / ((1 - smooth) / factor + smooth)
-    return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, blend))
 
 
 def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:

