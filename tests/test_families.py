@@ -1,7 +1,8 @@
-"""Every family the decoder runs (Qwen3, Gemma 3, Gemma 2, Phi-3, SmolLM3) against HF
-transformers (the oracle) on tiny random checkpoints built here (models/synthetic.py
-TINY_FAMILIES: sliding windows of 16, partial rotary and longrope past an original context
-of 64, layers without RoPE), in float32. Tolerances:
+"""Every family the decoder runs beyond Llama (Qwen3, Gemma 3, Gemma 2, Phi-3, SmolLM3, and
+the sliding windows of Qwen2 and Mistral) against HF transformers (the oracle) on tiny
+random checkpoints built here (models/synthetic.py TINY_FAMILIES: sliding windows of 16,
+partial rotary and longrope past an original context of 64, layers without RoPE), in
+float32. Tolerances:
     logits: max abs diff <= 1e-4 x the largest |logit| (measured ~1e-7 relative)
     greedy tokens: identical to HF generate(do_sample=False), 8 prompts x 32 tokens
 The server runs them as it runs Llama: tree attention with every shared segment kept,
@@ -27,7 +28,7 @@ from radixserve.models import load_model
 from radixserve.models.config import ModelConfig
 from radixserve.models.synthetic import build_tiny_model
 
-FAMILIES = ["qwen3", "gemma3", "gemma2", "phi3", "smollm3"]
+FAMILIES = ["qwen3", "gemma3", "gemma2", "phi3", "smollm3", "qwen2", "mistral"]
 REL_TOL = 1e-4
 NEW_TOKENS = 32
 ENGINE: dict[str, Any] = {"dtype": "float32", "max_total_tokens": 4096}
@@ -95,6 +96,8 @@ def test_config_reads_the_family(checkpoints: dict[str, Path], family: str) -> N
         "gemma2": dict(sandwich_norms=True, final_logit_softcap=5.0, sliding_window=16),
         "phi3": dict(rotary_dim=8),
         "smollm3": dict(rope_layers=(True, True, True, False)),
+        "qwen2": dict(layer_types=("full_attention", "sliding_attention"), sliding_window=16),
+        "mistral": dict(layer_types=("sliding_attention",) * 2, sliding_window=16),
     }[family]  # fmt: skip
     assert {k: getattr(cfg, k) for k in expect} == expect
     if family == "phi3":

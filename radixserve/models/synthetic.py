@@ -22,6 +22,11 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_ke
 SLIDING, FULL = "sliding_attention", "full_attention"
 TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {"num_hidden_layers": 2}),
+    "qwen2": ("Qwen2Config", {  # layer 0 full, layer 1 sliding
+        "num_hidden_layers": 2, "use_sliding_window": True, "sliding_window": 16,
+        "max_window_layers": 1,
+    }),
+    "mistral": ("MistralConfig", {"num_hidden_layers": 2, "sliding_window": 16}),
     "qwen3": ("Qwen3Config", {"num_hidden_layers": 2, "head_dim": 32}),
     "gemma3": ("Gemma3TextConfig", {
         "num_hidden_layers": 4, "head_dim": 32, "query_pre_attn_scalar": 24,
