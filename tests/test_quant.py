@@ -49,7 +49,7 @@ from radixserve.models.quant import (
     quantize,
 )
 from radixserve.models.resolve import embedded_gguf, gguf_source
-from radixserve.models.synthetic import copy_tokenizer, random_blocks
+from radixserve.models.synthetic import build_tiny_model, copy_tokenizer, random_blocks
 from radixserve.native_build import build, native_ops_enabled, use_native_ops
 from radixserve.worker.model_worker import file_mapped_bytes, kv_capacity
 
@@ -604,15 +604,22 @@ def test_kv_cache_dtype_auto_is_fp16_under_quantized_weights(tiny_model_dir: Pat
         EngineConfig(kv_cache_dtype="int8")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "phi3", "smollm3"])
 def test_native_layers_compute_the_module_path(
     arch: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """A quantized float32 model runs each decoder layer as two native calls around
     attention (quant_cpu.cpp pre/post_attention): the module path's math and roundings, so
     the logits of a 300-token extend (the MLP in two row blocks) and of a following decode
-    step (the one-row kernel) are identical, for Llama and for Qwen2's qkv bias."""
-    folder = tiny_model_dir if arch == "llama" else tiny_qwen2(tmp_path / "qwen2", tiny_model_dir)
+    step (the one-row kernel) are identical, for Llama, Qwen2's qkv bias, and every other
+    family's layer: q/k norms, Gemma's (1 + w) sandwich norms, GeGLU and sliding layers'
+    own RoPE, partial rotary, layers without RoPE."""
+    if arch == "llama":
+        folder = tiny_model_dir
+    elif arch == "qwen2":
+        folder = tiny_qwen2(tmp_path / "qwen2", tiny_model_dir)
+    else:
+        folder = build_tiny_model(tmp_path / arch, family=arch)
     model, _ = load_model(folder, torch.float32, quantization="int8")
     layers = list(model.model.layers)
     natives = [layer.native for layer in layers]

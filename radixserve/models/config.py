@@ -142,22 +142,12 @@ class ModelConfig:
     @property
     def uniform_rope(self) -> bool:
         """Every layer rotates every dim of K by the same table (cached K can be re-rotated
-        to a new position, and the fused native layers apply)."""
+        to a new position)."""
         return (
             self.local_rope_theta is None
             and all(self.rope_layers or [True])
             and self.rope.rotary_dim == self.head_dim
             and (self.rope_scaling is None or self.rope_scaling.type != "longrope")
-        )
-
-    @property
-    def llama_layers(self) -> bool:
-        """Every layer is Llama's: the fused native layer halves compute it."""
-        return (
-            self.uniform_rope
-            and not (self.qk_norm or self.sandwich_norms or self.norm_offset)
-            and self.hidden_act == "silu"
-            and self.embed_scale == 1.0
         )
 
     @classmethod

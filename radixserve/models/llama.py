@@ -65,6 +65,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.offset:
             return rms_norm(x, self.weight, self.eps)
+        if x.dtype == torch.float32:  # Gemma's float32 products, in the (fused) row op
+            return rms_norm(x, self.offset + self.weight, self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return (normed * (self.offset + self.weight.float())).to(x.dtype)
 
@@ -167,8 +169,9 @@ class LlamaAttention(nn.Module):
         t, d = qkv.shape[0], self.head_dim
         q = qkv[:, : self.q_size].reshape(t, self.num_heads, d)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, self.num_kv_heads, d)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # over D, per head
+        if self.q_norm is not None and self.k_norm is not None:  # over D, per head
+            q = self.q_norm(q.reshape(-1, d)).view(t, self.num_heads, d)
+            k = self.k_norm(k.reshape(-1, d)).view(t, self.num_kv_heads, d)
         if cos_sin is not None:
             q, k = apply_partial_rope(q, cos_sin), apply_partial_rope(k, cos_sin)
         return q.contiguous(), k
@@ -195,16 +198,23 @@ class LlamaMLP(nn.Module):
 @dataclass(frozen=True)
 class NativeLayer:
     """A decoder layer's weights as the native layer halves take them (quant_cpu.cpp
-    `pre_attention` / `post_attention`): every projection quantized, float32 activations."""
+    `pre_attention` / `post_attention`): every projection quantized, float32 activations.
+    Norm weights are the factors the norms multiply by (Gemma's 1 + w); an absent norm is an
+    empty tensor."""
 
     ops: ModuleType
     eps: float
     input_norm: Tensor
     qkv: NativeLinear
+    q_norm: Tensor  # (D,) or empty
+    k_norm: Tensor
     o: NativeLinear
-    post_norm: Tensor
+    attn_out_norm: Tensor  # (hidden,) with sandwich norms, else empty
+    mlp_norm: Tensor  # the MLP's input norm
     gate_up: NativeLinear
     down: NativeLinear
+    mlp_out_norm: Tensor  # (hidden,) with sandwich norms, else empty
+    gelu: bool
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -227,7 +237,7 @@ class LlamaDecoderLayer(nn.Module):
         self, h: Tensor, ropes: Ropes, batch: ForwardBatch, attn: AttentionBackend
     ) -> Tensor:
         if self.native is not None:
-            return self._native_forward(self.native, h, ropes["global"], batch, attn)
+            return self._native_forward(self.native, h, ropes, batch, attn)
         a = self.self_attn(self.input_layernorm(h), ropes, batch, attn)
         pre, post = self.pre_feedforward_layernorm, self.post_feedforward_layernorm
         if pre is None or post is None:
@@ -248,30 +258,46 @@ class LlamaDecoderLayer(nn.Module):
             and isinstance(down, QuantLinear)
         ):
             return None
-        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        post, pre_mlp = self.post_attention_layernorm, self.pre_feedforward_layernorm
         return NativeLayer(
-            ops, norm1.eps, norm1.weight, qkv.native_arg(), o.native_arg(), norm2.weight,
-            gate_up.native_arg(), down.native_arg(),
+            ops, self.input_layernorm.eps, _factors(self.input_layernorm), qkv.native_arg(),
+            _factors(a.q_norm), _factors(a.k_norm), o.native_arg(),
+            _factors(post if pre_mlp is not None else None), _factors(pre_mlp or post),
+            gate_up.native_arg(), down.native_arg(), _factors(self.post_feedforward_layernorm),
+            m.gelu,
         )  # fmt: skip
 
     def _native_forward(
         self,
         n: NativeLayer,
         h: Tensor,
-        cos_sin: Tensor,
+        ropes: Ropes,
         batch: ForwardBatch,
         attn: AttentionBackend,
     ) -> Tensor:
         """The same layer in two native calls around attention (the module path's math)."""
         a = self.self_attn
         kv_like = batch.kv_pool.k[a.layer_idx]  # k and v come back in the pool's dtype
+        table = ropes[a.rope] if a.rope else NO_TENSOR  # (T, 2, R) or none
         q, k, v = n.ops.pre_attention(
-            h, n.input_norm, n.eps, n.qkv, cos_sin, a.num_heads, a.num_kv_heads, kv_like
-        )
+            h, n.input_norm, n.eps, n.qkv, table, a.num_heads, a.num_kv_heads, a.head_dim,
+            n.q_norm, n.k_norm, kv_like,
+        )  # fmt: skip
         out = attn.forward(q, k, v, a.layer_idx, batch, a.scale, a.window)  # (T, Hq, D)
         return n.ops.post_attention(
-            h, out.reshape(h.shape[0], a.q_size), n.o, n.post_norm, n.eps, n.gate_up, n.down
-        )
+            h, out.reshape(h.shape[0], a.q_size), n.o, n.mlp_norm, n.eps, n.gate_up, n.down,
+            n.attn_out_norm, n.mlp_out_norm, n.gelu,
+        )  # fmt: skip
+
+
+NO_TENSOR = torch.empty(0)  # an absent norm or RoPE table, for the native layer halves
+
+
+def _factors(norm: RMSNorm | None) -> Tensor:
+    """What `norm` multiplies the normalised rows by, float32 (Gemma's: 1 + w), or empty."""
+    if norm is None:
+        return NO_TENSOR
+    return (norm.offset + norm.weight.float()) if norm.offset else norm.weight
 
 
 class LlamaModel(nn.Module):
@@ -357,13 +383,13 @@ class LlamaForCausalLM(nn.Module):
 
     def use_native_layers(self) -> bool:
         """Run each decoder layer as two native calls around attention where that is the
-        same math: Llama's layers (`ModelConfig.llama_layers`), CPU, float32 activations, one
-        rank, every projection quantized and the quantized kernels built. A batch-1 decode
+        same math: CPU, float32 activations, one rank, every projection quantized and the
+        quantized kernels built. A batch-1 decode
         step makes ~25 small torch ops and Python calls a layer otherwise (measured ~1/3 of
         the step at 1K context on the AVX2 EPYC). Returns whether it applies."""
         ops, norm = quant.ops(), self.model.norm.weight
         on_cpu_f32 = norm.device.type == "cpu" and norm.dtype == torch.float32
-        if ops is None or self.tp_size > 1 or not on_cpu_f32 or not self.config.llama_layers:
+        if ops is None or self.tp_size > 1 or not on_cpu_f32:
             return False
         layers = [ly for ly in self.model.layers if isinstance(ly, LlamaDecoderLayer)]
         natives = [layer.native_layer(ops) for layer in layers]

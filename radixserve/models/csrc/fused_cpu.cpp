@@ -54,10 +54,10 @@ std::vector<at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tensor& table,
   auto q = at::empty({rows, q_heads, d}, qkv.options());
   auto k = at::empty({rows, kv_heads, d}, qkv.options());
   if (qkv.scalar_type() == at::kFloat) {
-    rowops::rope(qkv.data_ptr<float>(), stride, table.data_ptr<float>(), rows, q_heads, kv_heads, d,
+    rowops::rope(qkv.data_ptr<float>(), stride, table.data_ptr<float>(), rows, q_heads, kv_heads, d, d,
                  q.data_ptr<float>(), k.data_ptr<float>());
   } else {
-    rowops::rope(qkv.data_ptr<bf16>(), stride, table.data_ptr<bf16>(), rows, q_heads, kv_heads, d,
+    rowops::rope(qkv.data_ptr<bf16>(), stride, table.data_ptr<bf16>(), rows, q_heads, kv_heads, d, d,
                  q.data_ptr<bf16>(), k.data_ptr<bf16>());
   }
   return {q, k};

@@ -57,6 +57,7 @@
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/silu.h>
 #include <torch/csrc/utils/pybind.h>
@@ -2052,44 +2053,76 @@ at::Tensor qlinear(const at::Tensor& x, const LinearArg& arg) {
 }
 
 // h (T, H) float32 -> [q (T, Hq, D) float32, k, v (T, Hkv, D) in kv_like's dtype]: RMSNorm,
-// the fused qkv projection, RoPE of q and k from `table` rows (T, 2, D) ([cos | cos],
-// [-sin | sin]); k and v rounded to the KV pool's dtype once, here.
+// the quantized qkv projection, each q and k head RMS-normed by q_norm / k_norm (D,) when
+// they are not empty, then RoPE on the first R dims of each head with table (T, 2, R) (an
+// empty table: no RoPE).
 std::vector<at::Tensor> pre_attention(const at::Tensor& h, const at::Tensor& norm_w, double eps,
                                       const LinearArg& qkv_arg, const at::Tensor& table, int64_t q_heads,
-                                      int64_t kv_heads, const at::Tensor& kv_like) {
+                                      int64_t kv_heads, int64_t d, const at::Tensor& q_norm,
+                                      const at::Tensor& k_norm, const at::Tensor& kv_like) {
   check_f32(h, 2, "h");
-  check_f32(table, 3, "table");
-  const int64_t t = h.size(0), d = table.size(2);
-  TORCH_CHECK(table.size(0) == t && table.size(1) == 2 && d % 2 == 0, "table: (T, 2, D) expected");
+  const int64_t t = h.size(0);
   const at::Tensor qkv = apply(qlinear_arg(qkv_arg), rms_norm_f32(h, norm_w, eps));  // (T, (Hq + 2 Hkv) D)
   TORCH_CHECK(qkv.size(1) == (q_heads + 2 * kv_heads) * d, "qkv width ", qkv.size(1), " != (Hq + 2 Hkv) * D");
+  TORCH_CHECK(q_norm.numel() == k_norm.numel(), "q_norm and k_norm: both or neither");
+  const bool rotate = table.numel() > 0;
+  if (rotate) {
+    check_f32(table, 3, "table");
+    TORCH_CHECK(table.size(0) == t && table.size(1) == 2 && table.size(2) % 2 == 0 && table.size(2) <= d,
+                "table: (T, 2, R <= D) expected");
+  }
+  const int64_t r = rotate ? table.size(2) : 0;
   at::Tensor q = at::empty({t, q_heads, d}, h.options());
   at::Tensor k = at::empty({t, kv_heads, d}, h.options());
-  rowops::rope(qkv.data_ptr<float>(), qkv.size(1), table.data_ptr<float>(), t, q_heads, kv_heads, d,
-               q.data_ptr<float>(), k.data_ptr<float>());
+  if (q_norm.numel() == 0) {  // straight from the projection's rows
+    rowops::rope(qkv.data_ptr<float>(), qkv.size(1), table.data_ptr<float>(), t, q_heads, kv_heads, d, r,
+                 q.data_ptr<float>(), k.data_ptr<float>());
+  } else {  // normed heads first (in place in contiguous copies), then rotated
+    at::Tensor qn = qkv.narrow(1, 0, q_heads * d).contiguous();
+    at::Tensor kn = qkv.narrow(1, q_heads * d, kv_heads * d).contiguous();
+    check_f32(q_norm, 1, "q_norm");
+    check_f32(k_norm, 1, "k_norm");
+    rowops::rms_norm(qn.data_ptr<float>(), d, q_norm.data_ptr<float>(), t * q_heads, d, static_cast<float>(eps),
+                     qn.data_ptr<float>());
+    rowops::rms_norm(kn.data_ptr<float>(), d, k_norm.data_ptr<float>(), t * kv_heads, d, static_cast<float>(eps),
+                     kn.data_ptr<float>());
+    float* none = nullptr;  // the other kind of head: there are 0 of them
+    rowops::rope(qn.data_ptr<float>(), q_heads * d, table.data_ptr<float>(), t, q_heads, 0, d, r,
+                 q.data_ptr<float>(), none);
+    rowops::rope(kn.data_ptr<float>(), kv_heads * d, table.data_ptr<float>(), t, 0, kv_heads, d, r, none,
+                 k.data_ptr<float>());
+  }
   const at::Tensor v = qkv.narrow(1, (q_heads + kv_heads) * d, kv_heads * d).view({t, kv_heads, d});
   const auto kv_dtype = kv_like.scalar_type();
   return {q, k.to(kv_dtype), v.to(kv_dtype)};
 }
 
 // h (T, H) float32, attn (T, Hq * D) float32 (the attention output) -> the layer's output
-// h + o + mlp(norm(h + o)), o = o_proj(attn), mlp = down(silu(gate) * up).
+// h + a + m(h + a): a = o_proj(attn), m(x) = down(act(gate) * up) of mlp_norm(x), act SiLU or
+// (`gelu`) tanh-approximated GELU; with Gemma's sandwich norms (attn_out_norm, mlp_out_norm
+// not empty) a and m's output are RMS-normed by them before their residual adds.
 at::Tensor post_attention(const at::Tensor& h, const at::Tensor& attn, const LinearArg& o_arg,
-                          const at::Tensor& norm_w, double eps, const LinearArg& gate_up_arg,
-                          const LinearArg& down_arg) {
+                          const at::Tensor& mlp_norm, double eps, const LinearArg& gate_up_arg,
+                          const LinearArg& down_arg, const at::Tensor& attn_out_norm,
+                          const at::Tensor& mlp_out_norm, bool gelu) {
   check_f32(h, 2, "h");
   TORCH_CHECK(attn.scalar_type() == at::kFloat && attn.dim() == 2, "attn: (T, Hq * D) float32 expected");
-  at::Tensor h1 = apply(qlinear_arg(o_arg), attn.contiguous()).add_(h);
+  TORCH_CHECK(attn_out_norm.numel() == mlp_out_norm.numel(), "sandwich norms: both or neither");
+  const bool sandwich = attn_out_norm.numel() > 0;
+  at::Tensor a = apply(qlinear_arg(o_arg), attn.contiguous());
+  at::Tensor h1 = (sandwich ? rms_norm_f32(a, attn_out_norm, eps) : a).add_(h);
   const QLinear gate_up = qlinear_arg(gate_up_arg), down = qlinear_arg(down_arg);
   // The MLP a block of rows at a time: its activations are a prefill step's largest (64 MB
   // of gate/up at 1,024 rows of the 1B shape), and a row's bits do not depend on the rows
   // beside it; each block reads the weights once more (~1 % of a prefill).
   for (int64_t r0 = 0; r0 < h1.size(0); r0 += kMlpRows) {
     at::Tensor rows = h1.narrow(0, r0, std::min(kMlpRows, h1.size(0) - r0));
-    const at::Tensor gu = apply(gate_up, rms_norm_f32(rows, norm_w, eps));
+    const at::Tensor gu = apply(gate_up, rms_norm_f32(rows, mlp_norm, eps));
     const int64_t inter = gu.size(1) / 2;
-    const at::Tensor act = at::silu(gu.narrow(1, 0, inter)).mul_(gu.narrow(1, inter, inter));
-    rows.add_(apply(down, act));
+    const at::Tensor gate = gu.narrow(1, 0, inter);
+    const at::Tensor act = (gelu ? at::gelu(gate, "tanh") : at::silu(gate)).mul_(gu.narrow(1, inter, inter));
+    const at::Tensor m = apply(down, act);
+    rows.add_(sandwich ? rms_norm_f32(m, mlp_out_norm, eps) : m);
   }
   return h1;
 }
@@ -2117,5 +2150,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant", &dequant, "rows of a block-quantized weight as float32");
   m.def("qlinear", &qlinear, "x @ W.T + bias for a quantized linear of one or more parts");
   m.def("pre_attention", &pre_attention, "RMSNorm, quantized qkv projection and RoPE of a decoder layer");
-  m.def("post_attention", &post_attention, "o_proj, residual, RMSNorm, quantized SwiGLU MLP, residual");
+  m.def("post_attention", &post_attention, "o_proj, residual, RMSNorm, quantized gated MLP, residual");
 }

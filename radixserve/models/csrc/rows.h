@@ -36,26 +36,28 @@ void rms_norm(const T* xp, int64_t stride, const T* wp, int64_t rows, int64_t h,
 }
 
 // Rotate-half RoPE of the first q_heads + kv_heads heads (head dim d) of each row of x (row
-// stride `stride`), table rows (2, d) per row: [cos | cos], [-sin | sin]; HF's rounding
-// T(T(x * cos) + T(swap(x) * sin)), swap(x) = [x2 | x1]. Into q (rows, q_heads, d) and k
-// (rows, kv_heads, d).
+// stride `stride`) on the first r <= d dims of each head (the rest copied: partial rotary),
+// table rows (2, r) per row: [cos | cos], [-sin | sin]; HF's rounding
+// T(T(x * cos) + T(swap(x) * sin)), swap(x) = [x2 | x1] within the r dims. Into q (rows,
+// q_heads, d) and k (rows, kv_heads, d).
 template <typename T>
 void rope(const T* xp, int64_t stride, const T* tp, int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t d,
-          T* qp, T* kp) {
-  const int64_t half = d / 2;
+          int64_t r, T* qp, T* kp) {
+  const int64_t half = r / 2;
   at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* cos = tp + r * 2 * d;
-      const T* sin = cos + d;
+    for (int64_t row = begin; row < end; ++row) {
+      const T* cos = tp + row * 2 * r;
+      const T* sin = cos + r;
       for (int64_t h = 0; h < q_heads + kv_heads; ++h) {
-        const T* x = xp + r * stride + h * d;
-        T* o = h < q_heads ? qp + (r * q_heads + h) * d : kp + (r * kv_heads + h - q_heads) * d;
-        for (int64_t j = 0; j < d; ++j) {
+        const T* x = xp + row * stride + h * d;
+        T* o = h < q_heads ? qp + (row * q_heads + h) * d : kp + (row * kv_heads + h - q_heads) * d;
+        for (int64_t j = 0; j < r; ++j) {
           const float sw = static_cast<float>(x[j < half ? j + half : j - half]);
           const T a = static_cast<T>(static_cast<float>(x[j]) * static_cast<float>(cos[j]));
           const T b = static_cast<T>(sw * static_cast<float>(sin[j]));
           o[j] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
         }
+        for (int64_t j = r; j < d; ++j) o[j] = x[j];
       }
     }
   });
