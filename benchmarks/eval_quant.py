@@ -18,8 +18,9 @@ weight-streaming kernels).
 With `--model FILE` (a GGUF; default the embedded model) and `--llamacpp`, llama.cpp
 (llama-cpp-python, the bench extra) reads the same file and text: its perplexity and greedy
 continuations (the same token ids fed, argmax of its logits) are a row of their own, and
-`vs_llamacpp` compares radixserve's `auto` modes with it: the perplexity ratio and the
-greedy continuations identical to llama.cpp's.
+`vs_llamacpp` compares radixserve's `auto` modes with it: the perplexity ratio, the share of
+positions whose top-1 token under teacher forcing is llama.cpp's, and the greedy
+continuations identical to llama.cpp's.
 
     python benchmarks/eval_quant.py --data-path path/to/gsm8k --json out.json
     python benchmarks/eval_quant.py --model models/smollm2-135m-Q4_K_M.gguf \\
@@ -58,15 +59,18 @@ def texts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
     return [ids[i * n : (i + 1) * n] for i in range(args.chunks)]
 
 
-def logprobs(engine: Engine, chunks: list[list[int]]) -> torch.Tensor:
-    """Teacher-forced logprob of every token after the first: (chunks, tokens - 1)."""
+def logprobs(engine: Engine, chunks: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced logprob of every token after the first, and the id the model ranked
+    first at its position: (chunks, tokens - 1) each."""
     res = engine.generate(
         input_ids=chunks, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-        logprob_start_len=0,
+        logprob_start_len=0, top_logprobs_num=1,
     )  # fmt: skip
     rows = res if isinstance(res, list) else [res]
     vals = [e[0] for r in rows for e in r["meta_info"]["input_token_logprobs"] if e[0] is not None]
-    return torch.tensor(vals, dtype=torch.float64).view(len(chunks), -1)
+    tops = [t[0][1] for r in rows for t in r["meta_info"]["input_top_logprobs"] if t]
+    shape = (len(chunks), -1)
+    return torch.tensor(vals, dtype=torch.float64).view(shape), torch.tensor(tops).view(shape)
 
 
 def stepped_logprobs(engine: Engine, chunks: list[list[int]], step: int) -> torch.Tensor:
@@ -99,15 +103,16 @@ class LlamaCppRef:
             str(model), n_ctx=n_ctx, logits_all=True, n_threads=threads, verbose=False
         )
 
-    def logprobs(self, chunks: list[list[int]]) -> torch.Tensor:
-        rows = []
+    def logprobs(self, chunks: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, tops = [], []
         for ids in chunks:
             self.llm.reset()
             self.llm.eval(ids)
             logits = torch.from_numpy(self.llm.scores[: len(ids) - 1]).double()  # (T - 1, V)
             lp = logits.log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
             rows.append(lp)
-        return torch.stack(rows)
+            tops.append(logits.argmax(-1))
+        return torch.stack(rows), torch.stack(tops)
 
     def greedy(self, prompts: list[list[int]], n: int) -> list[list[int]]:
         outs = []
@@ -148,14 +153,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ref_lp: torch.Tensor | None = None
     ref_steps: torch.Tensor | None = None
     ref_out: list[list[int]] | None = None
-    outputs: dict[str, tuple[torch.Tensor, list[list[int]]]] = {}
+    outputs: dict[str, tuple[torch.Tensor, torch.Tensor, list[list[int]]]] = {}
     chunks: list[list[int]] = []  # the text, tokenized by the first engine
     runs = ("none", *[m for m in args.modes if m != "none"], *(["llama.cpp"] * args.llamacpp))
     for mode in runs:
         if mode == "llama.cpp":
             assert args.model is not None, "--llamacpp needs --model FILE.gguf"
             ref = LlamaCppRef(args.model, args.chunk_tokens + args.greedy_tokens, args.threads)
-            lp = ref.logprobs(chunks)
+            lp, top = ref.logprobs(chunks)
             assert ref_steps is not None  # (`none` ran first)
             steps = lp[:, : ref_steps.shape[1]]  # one way of running it: a chunk a forward
             out = ref.greedy([c[:64] for c in chunks], args.greedy_tokens)
@@ -166,11 +171,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 quant_activations=activations,
             )  # fmt: skip
             chunks = texts(args, engine.tokenizer)
-            lp = logprobs(engine, chunks)
+            lp, top = logprobs(engine, chunks)
             steps = stepped_logprobs(engine, chunks, args.step)
             out = greedy(engine, [c[:64] for c in chunks], args.greedy_tokens)
             engine.shutdown()
-        outputs[mode] = (lp, out)
+        outputs[mode] = (lp, top, out)
         ref_lp = lp if ref_lp is None else ref_lp
         ref_steps = lp[:, : steps.shape[1]] if ref_steps is None else ref_steps  # none, one pass
         ref_out = out if ref_out is None else ref_out
@@ -204,10 +209,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for mode in ("auto", "auto-int16"):
         if "llama.cpp" not in outputs or mode not in outputs:
             continue
-        (ours, our_out), (theirs, their_out) = outputs[mode], outputs["llama.cpp"]
+        (ours, our_top, our_out) = outputs[mode]
+        (theirs, their_top, their_out) = outputs["llama.cpp"]
         vs = {
             "perplexity_ratio": float(torch.exp(-ours.mean()) / torch.exp(-theirs.mean())),
             "mean_abs_logprob_delta": float((ours - theirs).abs().mean()),
+            # teacher forcing: the share of positions where both rank the same token first
+            "top1_agreement": float((our_top == their_top).double().mean()),
             "greedy_identical": sum(a == b for a, b in zip(our_out, their_out)),
             "greedy_prompts": len(our_out),
         }
