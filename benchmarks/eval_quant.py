@@ -155,13 +155,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ref_out: list[list[int]] | None = None
     outputs: dict[str, tuple[torch.Tensor, torch.Tensor, list[list[int]]]] = {}
     chunks: list[list[int]] = []  # the text, tokenized by the first engine
-    runs = ("none", *[m for m in args.modes if m != "none"], *(["llama.cpp"] * args.llamacpp))
+    # The first run is the reference: `none` when asked for (a float32 copy of every weight:
+    # 4x a Q8_0 model's memory), else the first mode.
+    first = ["none"] if "none" in args.modes else []
+    runs = (*first, *[m for m in args.modes if m != "none"], *(["llama.cpp"] * args.llamacpp))
     for mode in runs:
         if mode == "llama.cpp":
             assert args.model is not None, "--llamacpp needs --model FILE.gguf"
             ref = LlamaCppRef(args.model, args.chunk_tokens + args.greedy_tokens, args.threads)
             lp, top = ref.logprobs(chunks)
-            assert ref_steps is not None  # (`none` ran first)
+            assert ref_steps is not None  # (the reference ran first)
             steps = lp[:, : ref_steps.shape[1]]  # one way of running it: a chunk a forward
             out = ref.greedy([c[:64] for c in chunks], args.greedy_tokens)
         else:
@@ -177,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             engine.shutdown()
         outputs[mode] = (lp, top, out)
         ref_lp = lp if ref_lp is None else ref_lp
-        ref_steps = lp[:, : steps.shape[1]] if ref_steps is None else ref_steps  # none, one pass
+        ref_steps = lp[:, : steps.shape[1]] if ref_steps is None else ref_steps  # one pass
         ref_out = out if ref_out is None else ref_out
         delta, step_delta = (lp - ref_lp).abs(), (steps - ref_steps).abs()
         prefixes = [common_prefix(a, b) for a, b in zip(out, ref_out)]
