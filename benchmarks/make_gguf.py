@@ -1,20 +1,32 @@
-"""GGUF files of the sizes users serve, for benchmarks, quantized by llama.cpp's own quantizer.
+"""GGUF files of the sizes users serve, for benchmarks: random weights written straight in
+llama.cpp's quantized layouts, or F16 quantized by llama.cpp's own quantizer.
 
-    python benchmarks/make_gguf.py --shape llama-3.2-1b --types Q4_K_M Q4_0 --out models/
+    python benchmarks/make_gguf.py --shape gemma-3-12b --types Q4_K_M --out models/
+    python benchmarks/make_gguf.py --shape llama-3.2-1b --types Q4_K_M --via-f16 --out models/
     python benchmarks/make_gguf.py --shape smollm2-135m --types Q4_K_M Q6_K --out models/
 
-Random-weight shapes (`SHAPES`: Llama-3.2-1B / 3B, Llama-3.1-8B, Qwen2.5-1.5B) are written
-as F16 with the `gguf` package, weights N(0, 0.02) and unit norms, with the embedded
-SmolLM2 tokenizer and chat template (its 49152-token vocabulary: the embedding and output
-are smaller than the real models' 128k-token ones), then quantized with
-`llama_cpp.llama_model_quantize` (the bench extra's llama-cpp-python): both systems read the
-same file, and speed depends on shapes, not values. `smollm2-135m` is the embedded model's
-real weights (its Q4_1/Q8_0 tensors dequantized to F16, in the file's own layout),
-quantized the same way, for quality checks against llama.cpp. K-quants need rows of a
-multiple of 256 weights: llama.cpp gives SmolLM2's 576-wide tensors another type.
+Random-weight shapes (`SHAPES`: Llama-3.2-1B / 3B, Llama-3.1-8B, Qwen2.5-1.5B, Qwen3-0.6B /
+8B, Gemma-3-4B / 12B (text), Phi-4-mini, SmolLM3-3B) are each model's published config.json
+sizes, written with llama.cpp's converter's metadata keys and tensor names
+(radixserve/models/gguf_layout.py) and the embedded SmolLM2 tokenizer and chat template: its
+49152-token vocabulary, so the embedding and output are smaller than the real models' (128k
+to 262k tokens). Norms are 1 (Gemma's stored 1 + w with w = 0), biases 0. Both systems read
+the same file, and their speed depends on shapes and types, not values. Two ways to write one:
 
-Tensors are streamed to disk one at a time (an 8B F16 is 16 GB: it is never held in
-memory); the F16 intermediate is deleted unless F16 is one of the --types.
+- direct (the default for Q4_0, Q8_0, Q4_K_M, Q5_K_M, Q6_K): every matrix is random blocks
+  (`synthetic.random_blocks`: random quants, finite fp16 scales) in the type llama.cpp's
+  quantizer would give it in that file (`tensor_type`: Q4_K_M's Q6_K tensors, the fallbacks
+  for rows that are not whole 256-weight super-blocks), 1-D tensors F32. No F16
+  intermediate: a 12B Q4_K_M takes under a minute and only its own 6.6 GB of disk. For
+  speed runs.
+- `--via-f16`: an F16 file of N(0, 0.02) weights, then `llama_cpp.llama_model_quantize` (the
+  bench extra's llama-cpp-python): realistic value distributions (what quality or numerics
+  checks want), at the cost of the F16 file (24 GB for a 12B) and minutes of quantizing.
+
+`smollm2-135m` is the embedded model's real weights (its Q4_1/Q8_0 tensors dequantized to
+F16, in the file's own layout), always quantized by llama.cpp, for quality checks against
+it. Tensors are streamed to disk one at a time (never the whole model in memory); an F16
+intermediate is deleted unless F16 is one of the --types.
 """
 
 from __future__ import annotations
@@ -24,99 +36,218 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFWriter, ReaderTensor
-from gguf.quants import dequantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter, ReaderTensor
+from gguf.quants import dequantize, quant_shape_to_byte_shape
 
+from radixserve.models.gguf_layout import (
+    gguf_architecture,
+    rope_tensors,
+    tensor_dims,
+    write_metadata,
+)
+from radixserve.models.gguf_weights import NATIVE
 from radixserve.models.resolve import embedded_gguf
-from radixserve.models.synthetic import copy_tokenizer
+from radixserve.models.synthetic import copy_tokenizer, random_blocks
 
+T = GGMLQuantizationType
 # llama.cpp's llama_ftype values (include/llama.h)
 FTYPES = {"F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+# The direct writer's file types -> the type of most matrices (llama_ftype_get_default_type)
+BASE_TYPES = {"Q4_0": T.Q4_0, "Q8_0": T.Q8_0, "Q4_K_M": T.Q4_K, "Q5_K_M": T.Q5_K, "Q6_K": T.Q6_K}
+MIXED = ("Q4_K_M", "Q5_K_M")  # their attn_v / attn_qkv / ffn_down: Q6_K in some layers
+MORE_BITS = ("attn_v", "attn_qkv", "ffn_down")
+# A K-quant whose rows are not whole super-blocks: llama.cpp's replacement (then F16 where
+# even that does not divide the row)
+FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+VALUES = {T.F16: np.float16, T.F32: np.float32}  # the types stored as plain values
+CONTEXT = 8192  # the Llama / Qwen2.5 shapes: positions without their RoPE scaling
 
 
-@dataclass(frozen=True)
-class Shape:
-    arch: str  # GGUF general.architecture: "llama" or "qwen2"
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    rope_theta: float
-    tied: bool  # output projection tied to the token embedding (no output.weight)
-    qkv_bias: bool = False
+def shape(
+    model_type: str, sizes: tuple[int, int, int, int, int], context: int, theta: float,
+    eps: float, tied: bool, **fields: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """config.json fields: sizes = (hidden, layers, heads, KV heads, FFN), RoPE base `theta`
+    unscaled unless `fields` has rope_parameters."""
+    hidden, layers, heads, kv_heads, ffn = sizes
+    return {"model_type": model_type, "hidden_size": hidden, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "intermediate_size": ffn, "max_position_embeddings": context, "rms_norm_eps": eps,
+            "tie_word_embeddings": tied,
+            "rope_parameters": {"rope_type": "default", "rope_theta": theta}, **fields}  # fmt: skip
 
 
-SHAPES = {
-    "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, 500000.0, tied=True),
-    "llama-3.2-3b": Shape("llama", 3072, 28, 24, 8, 8192, 500000.0, tied=True),
-    "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, 500000.0, tied=False),
-    "qwen2.5-1.5b": Shape("qwen2", 1536, 28, 12, 2, 8960, 1000000.0, tied=True, qkv_bias=True),
-}
-CONTEXT = 8192
+def gemma3_rope(scale: float) -> dict[str, Any]:
+    """Gemma 3: global layers RoPE base 1e6 linearly scaled, sliding layers base 10000."""
+    return {"full_attention": {"rope_type": "linear", "factor": scale, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}  # fmt: skip
+
+
+def longrope(rotary: int, head_dim: int, original: int) -> dict[str, Any]:
+    """Phi-3 longrope, `rotary` of `head_dim` dims rotating, over `original` positions. The
+    short factors are 1 (as Phi-4-mini's); the long ones a geometric ramp from 1 to 48, the
+    range of Phi-4-mini's published ones but not their values (speed does not depend on
+    them)."""
+    n = rotary // 2
+    return {"rope_type": "longrope", "rope_theta": 10000.0,
+            "partial_rotary_factor": rotary / head_dim,
+            "original_max_position_embeddings": original, "short_factor": [1.0] * n,
+            "long_factor": np.geomspace(1.0, 48.0, n).round(4).tolist()}  # fmt: skip
+
+
+# Each model's config.json on the Hugging Face Hub (Gemma 3: its text_config), the fields that
+# llama.cpp's converter reads; the vocabulary is the embedded one (above). A file's
+# general.name is its stem: no name may contain "phi3" or "phi-3", for which llama.cpp sets
+# attributes of Phi-3's own tokens (</s>, <s>, <unk>; the embedded vocabulary lacks them, and
+# loading fails with "error loading model vocabulary: unordered_map::at").
+SHAPES: dict[str, dict[str, Any]] = {
+    # meta-llama/Llama-3.2-1B, -3B, Llama-3.1-8B (Llama-3 RoPE scaling left out)
+    "llama-3.2-1b": shape("llama", (2048, 16, 32, 8, 8192), CONTEXT, 5e5, 1e-5, tied=True),
+    "llama-3.2-3b": shape("llama", (3072, 28, 24, 8, 8192), CONTEXT, 5e5, 1e-5, tied=True),
+    "llama-3.1-8b": shape("llama", (4096, 32, 32, 8, 14336), CONTEXT, 5e5, 1e-5, tied=False),
+    # Qwen/Qwen2.5-1.5B: q/k/v biases
+    "qwen2.5-1.5b": shape("qwen2", (1536, 28, 12, 2, 8960), CONTEXT, 1e6, 1e-6, tied=True),
+    # Qwen/Qwen3-0.6B, Qwen3-8B: head_dim 128 (0.6B: 16 heads x 128 > hidden 1024), q/k norms
+    "qwen3-0.6b": shape("qwen3", (1024, 28, 16, 8, 3072), 40960, 1e6, 1e-6, tied=True,
+                        head_dim=128),
+    "qwen3-8b": shape("qwen3", (4096, 36, 32, 8, 12288), 40960, 1e6, 1e-6, tied=False,
+                      head_dim=128),
+    # google/gemma-3-4b-it, gemma-3-12b-it: head_dim 256 (queries scaled by it), window 1024 on
+    # 5 of every 6 layers (llama.cpp's default pattern), global RoPE linearly scaled by 8
+    "gemma-3-4b": shape("gemma3_text", (2560, 34, 8, 4, 10240), 131072, 1e6, 1e-6, tied=True,
+                        head_dim=256, query_pre_attn_scalar=256, sliding_window=1024,
+                        rope_parameters=gemma3_rope(8.0)),
+    "gemma-3-12b": shape("gemma3_text", (3840, 48, 16, 8, 15360), 131072, 1e6, 1e-6, tied=True,
+                         head_dim=256, query_pre_attn_scalar=256, sliding_window=1024,
+                         rope_parameters=gemma3_rope(8.0)),
+    # microsoft/Phi-4-mini-instruct: 96 of 128 head dims rotate, longrope over 4096 positions
+    "phi-4-mini": shape("phi3", (3072, 32, 24, 8, 8192), 131072, 1e4, 1e-5, tied=True,
+                        sliding_window=262144, original_max_position_embeddings=4096,
+                        rope_parameters=longrope(96, 128, 4096)),
+    # HuggingFaceTB/SmolLM3-3B: every 4th layer without RoPE
+    "smollm3-3b": shape("smollm3", (2048, 36, 16, 4, 11008), 65536, 5e6, 1e-6, tied=True),
+}  # fmt: skip
+
+
+def hf_config(fields: dict[str, Any], vocab: int) -> Any:
+    """The transformers config of `fields` (config.json's) with the embedded vocabulary."""
+    from transformers import AutoConfig
+
+    rest = {k: v for k, v in fields.items() if k != "model_type"}
+    no_ids = dict.fromkeys(["bos_token_id", "eos_token_id", "pad_token_id"])  # the tokenizer's
+    return AutoConfig.for_model(fields["model_type"], vocab_size=vocab, **no_ids, **rest)
+
+
+# ---------------------------------------------------------------- llama.cpp's type mix
+
+
+def more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of the layers, and every third
+    between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def tensor_type(name: str, dims: tuple[int, ...], ftype: str, layers: int, tied: bool) -> T:
+    """The type llama.cpp's quantizer (llama_tensor_get_type, no importance matrix) gives
+    tensor `name` of `dims` (numpy order) in an `ftype` file of `layers` layers. 1-D tensors
+    stay F32. The output matrix (the embedding when tied) is Q6_K, Q8_0 in a Q8_0 file or
+    where the base type does not divide its rows. Q4_K_M / Q5_K_M make attn_v / attn_qkv and
+    ffn_down Q6_K in the `more_bits` layers (llama.cpp counts them in layer order)."""
+    if len(dims) == 1:
+        return T.F32
+    if ftype == "F16":
+        return T.F16
+    base, cols = BASE_TYPES[ftype], dims[-1]
+    parts = name.split(".")  # blk.{i}.{kind}.weight, or {kind}.weight
+    kind = parts[-2]
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        qtype = T.Q8_0 if cols % GGML_QUANT_SIZES[base][0] or base == T.Q8_0 else T.Q6_K
+    elif ftype in MIXED and kind in MORE_BITS and more_bits(int(parts[1]), layers):
+        qtype = T.Q6_K
+    else:
+        qtype = base
+    return fallback(qtype, cols)
+
+
+def fallback(qtype: T, cols: int) -> T:
+    """`qtype`, or llama.cpp's replacement where it does not divide a row of `cols`."""
+    if cols % GGML_QUANT_SIZES[qtype][0] == 0:
+        return qtype
+    qtype = FALLBACK.get(qtype, T.F16)
+    return qtype if cols % GGML_QUANT_SIZES[qtype][0] == 0 else T.F16
+
+
+# ---------------------------------------------------------------- tensors, streamed
 
 
 @dataclass(frozen=True)
 class Tensor:
     name: str
-    dims: tuple[int, ...]  # GGUF's row-major order: (rows, cols)
-    dtype: type[np.generic]
-    fill: Callable[[], np.ndarray]  # the array, made when it is written
+    dims: tuple[int, ...]  # numpy order: (rows, cols) for a matrix
+    qtype: T
+    fill: Callable[[], np.ndarray]  # made when written: values, or (rows, row bytes) blocks
 
 
-def random_tensors(shape: Shape, vocab: int, seed: int) -> Iterator[Tensor]:
-    """Every tensor of a random model of `shape`: matrices N(0, 0.02) F16, norms 1, biases 0."""
-    rng = np.random.default_rng(seed)
-    head_dim = shape.hidden // shape.heads
-
-    def normal(name: str, *dims: int) -> Tensor:
-        def fill() -> np.ndarray:
-            return (rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(np.float16)
-
-        return Tensor(name, dims, np.float16, fill)
-
-    def const(name: str, rows: int, value: float) -> Tensor:
-        return Tensor(name, (rows,), np.float32, lambda: np.full(rows, value, dtype=np.float32))
-
-    yield normal("token_embd.weight", vocab, shape.hidden)
-    yield const("output_norm.weight", shape.hidden, 1.0)
-    if not shape.tied:
-        yield normal("output.weight", vocab, shape.hidden)
-    q, kv = shape.heads * head_dim, shape.kv_heads * head_dim
-    for i in range(shape.layers):
-        b = f"blk.{i}."
-        yield const(b + "attn_norm.weight", shape.hidden, 1.0)
-        yield const(b + "ffn_norm.weight", shape.hidden, 1.0)
-        for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
-            yield normal(b + name + ".weight", rows, shape.hidden)
-            if shape.qkv_bias:
-                yield const(b + name + ".bias", rows, 0.0)
-        yield normal(b + "attn_output.weight", shape.hidden, q)
-        yield normal(b + "ffn_gate.weight", shape.ffn, shape.hidden)
-        yield normal(b + "ffn_up.weight", shape.ffn, shape.hidden)
-        yield normal(b + "ffn_down.weight", shape.hidden, shape.ffn)
+def random_tensors(cfg: Any, ftype: str, seed: int) -> Iterator[Tensor]:
+    """Every tensor of a random model of `cfg` in `ftype`'s types: RoPE tensors as the
+    converter writes them, norms 1, biases 0, matrices N(0, 0.02) in F16 or random blocks."""
+    layers, tied = cfg.num_hidden_layers, cfg.tie_word_embeddings
+    for name, x in rope_tensors(cfg).items():
+        yield Tensor(name, x.shape, T.F32, x.copy)
+    for i, (name, dims) in enumerate(tensor_dims(cfg).items()):
+        qtype = tensor_type(name, dims, ftype, layers, tied)
+        yield Tensor(name, dims, qtype, filler(name, dims, qtype, seed * 100_003 + i))
 
 
-def write_random_f16(shape: Shape, out: Path, seed: int) -> None:
+def filler(name: str, dims: tuple[int, ...], qtype: T, seed: int) -> Callable[[], np.ndarray]:
+    """What makes tensor `name`'s values (or blocks) when it is written."""
+    if len(dims) == 1:
+        value = 0.0 if name.endswith(".bias") else 1.0
+        return lambda: np.full(dims, value, dtype=np.float32)
+    if qtype == T.F16:
+        g = np.random.default_rng(seed)
+        return lambda: (g.standard_normal(dims, dtype=np.float32) * 0.02).astype(np.float16)
+    rows, cols = dims
+    return lambda: random_blocks(rows, cols, NATIVE[qtype], seed)
+
+
+def stream(w: GGUFWriter, tensors: list[Tensor]) -> None:
+    """Write the header (every tensor's name, shape and type), then each tensor as it is
+    made."""
+    for t in tensors:
+        block, block_bytes = GGML_QUANT_SIZES[t.qtype]
+        nbytes = int(np.prod(t.dims)) // block * block_bytes
+        if t.qtype in VALUES:
+            w.add_tensor_info(t.name, t.dims, np.dtype(VALUES[t.qtype]), nbytes)
+        else:  # blocks: the writer takes their (rows, row bytes) shape
+            rows = quant_shape_to_byte_shape(t.dims, t.qtype)
+            w.add_tensor_info(t.name, rows, np.dtype(np.uint8), nbytes, raw_dtype=t.qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in tensors:
+        w.write_tensor_data(t.fill())
+    w.close()
+
+
+def write_random(fields: dict[str, Any], ftype: str, out: Path, seed: int) -> None:
+    """A random model of config.json `fields` as an `ftype` file (F16 or a direct type)."""
     reader = GGUFReader(embedded_gguf())
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
-    w = GGUFWriter(str(out), shape.arch)
+    cfg = hf_config(fields, len(reader.fields["tokenizer.ggml.tokens"].contents()))
+    w = GGUFWriter(str(out), gguf_architecture(cfg))
     w.add_name(out.stem)
-    w.add_context_length(CONTEXT)
-    w.add_embedding_length(shape.hidden)
-    w.add_block_count(shape.layers)
-    w.add_feed_forward_length(shape.ffn)
-    w.add_head_count(shape.heads)
-    w.add_head_count_kv(shape.kv_heads)
-    w.add_rope_dimension_count(shape.hidden // shape.heads)
-    w.add_rope_freq_base(shape.rope_theta)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(vocab)
-    w.add_file_type(FTYPES["F16"])
+    write_metadata(w, cfg)
+    w.add_file_type(FTYPES[ftype])
+    if ftype != "F16":
+        w.add_quantization_version(2)  # GGML_QNT_VERSION, as llama.cpp's quantizer writes
     copy_tokenizer(reader, w)
-    stream(w, list(random_tensors(shape, vocab, seed)))
+    stream(w, list(random_tensors(cfg, ftype, seed)))
+
+
+# ---------------------------------------------------------------- the embedded model
 
 
 def smollm2_tensors(reader: GGUFReader) -> Iterator[Tensor]:
@@ -124,14 +255,14 @@ def smollm2_tensors(reader: GGUFReader) -> Iterator[Tensor]:
     the file's order and layout (its q/k rows keep llama.cpp's order)."""
     for t in reader.tensors:
         dims = tuple(int(s) for s in reversed(t.shape))
-        dtype = np.float32 if len(dims) == 1 else np.float16
+        qtype, dtype = (T.F32, np.float32) if len(dims) == 1 else (T.F16, np.float16)
 
         def fill(
             t: ReaderTensor = t, dims: tuple[int, ...] = dims, dtype: type = dtype
         ) -> np.ndarray:
             return dequantize(t.data, t.tensor_type).reshape(dims).astype(dtype)
 
-        yield Tensor(t.name, dims, dtype, fill)
+        yield Tensor(t.name, dims, qtype, fill)
 
 
 def write_smollm2_f16(out: Path) -> None:
@@ -146,17 +277,7 @@ def write_smollm2_f16(out: Path) -> None:
     stream(w, list(smollm2_tensors(reader)))
 
 
-def stream(w: GGUFWriter, tensors: list[Tensor]) -> None:
-    """Write the header (every tensor's name and shape), then each tensor as it is made."""
-    for t in tensors:
-        nbytes = int(np.prod(t.dims)) * np.dtype(t.dtype).itemsize
-        w.add_tensor_info(t.name, t.dims, np.dtype(t.dtype), nbytes)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for t in tensors:
-        w.write_tensor_data(t.fill())
-    w.close()
+# ---------------------------------------------------------------- main
 
 
 def quantize(src: Path, dst: Path, ftype: str, threads: int) -> None:
@@ -169,27 +290,49 @@ def quantize(src: Path, dst: Path, ftype: str, threads: int) -> None:
     assert rc == 0, f"llama_model_quantize({src.name} -> {ftype}) returned {rc}"
 
 
-def make(shape_name: str, types: list[str], out_dir: Path, seed: int, threads: int) -> list[Path]:
+def timed(path: Path, start: float) -> Path:
+    print(f"{path.name}: {path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - start:.0f} s")
+    return path
+
+
+def make(
+    shape_name: str, types: list[str], out_dir: Path, seed: int, threads: int,
+    via_f16: bool = False,
+) -> list[Path]:  # fmt: skip
+    """The files of `shape_name` in `types` under `out_dir` ({shape}-{type}.gguf): random
+    shapes written directly where they can be (unless `via_f16`), the rest quantized by
+    llama.cpp from one F16 file."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    random = shape_name in SHAPES
+    direct = [t for t in types if random and not via_f16 and t in BASE_TYPES]
+    made = {}
+    for t in direct:
+        made[t], start = out_dir / f"{shape_name}-{t}.gguf", time.perf_counter()
+        write_random(SHAPES[shape_name], t, made[t], seed)
+        timed(made[t], start)
+    rest = [t for t in types if t not in direct]
+    if rest:
+        made |= from_f16(shape_name, rest, out_dir, seed, threads)
+    return [made[t] for t in types]
+
+
+def from_f16(
+    shape_name: str, types: list[str], out_dir: Path, seed: int, threads: int
+) -> dict[str, Path]:
+    """One F16 file (kept only if F16 is in `types`), quantized by llama.cpp to the rest."""
     f16 = out_dir / f"{shape_name}-F16.gguf"
     start = time.perf_counter()
-    if shape_name == "smollm2-135m":
-        write_smollm2_f16(f16)
+    if shape_name in SHAPES:
+        write_random(SHAPES[shape_name], "F16", f16, seed)
     else:
-        write_random_f16(SHAPES[shape_name], f16, seed)
-    print(f"{f16.name}: {f16.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - start:.0f} s")
-    made = []
+        write_smollm2_f16(f16)
+    made = {"F16": timed(f16, start)}
     for t in types:
-        if t == "F16":
-            made.append(f16)
-            continue
-        dst = out_dir / f"{shape_name}-{t}.gguf"
-        start = time.perf_counter()
-        quantize(f16, dst, t, threads)
-        print(
-            f"{dst.name}: {dst.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - start:.0f} s"
-        )
-        made.append(dst)
+        if t != "F16":
+            made[t] = out_dir / f"{shape_name}-{t}.gguf"
+            start = time.perf_counter()
+            quantize(f16, made[t], t, threads)
+            timed(made[t], start)
     if "F16" not in types:
         f16.unlink()
     return made
@@ -199,11 +342,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", required=True, choices=[*SHAPES, "smollm2-135m"])
     ap.add_argument("--types", nargs="+", default=["Q4_K_M"], choices=list(FTYPES))
+    ap.add_argument(
+        "--via-f16",
+        action="store_true",
+        help="quantize an F16 file with llama.cpp (realistic values; slow, big)",
+    )
     ap.add_argument("--out", type=Path, default=Path("models"))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp's quantizer's")
     args = ap.parse_args()
-    make(args.shape, args.types, args.out, args.seed, args.threads)
+    make(args.shape, args.types, args.out, args.seed, args.threads, args.via_f16)
 
 
 if __name__ == "__main__":

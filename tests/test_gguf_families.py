@@ -1,11 +1,12 @@
 """GGUF files of llama.cpp's qwen3, gemma3, phi3 and smollm3 architectures
 (radixserve/models/gguf_config.py, gguf_weights.py), written here from tiny random HF models
 the way llama.cpp's converter writes them (its tensor names through the `gguf` package's own
-name map, its metadata keys, q/k rows permuted for smollm3, Gemma norms stored as 1 + w, Phi-3's
-fused tensors and longrope factor tensors): the converted folder's config.json equals the HF
-model's config on every field that changes the math, and the weights read from the file
-equal its state_dict exactly (F32 tensors). A Q8_0 matrix stays in blocks under its HF name;
-metadata the HF config cannot express raises ValueError naming the key and value."""
+name map, its metadata keys and longrope factor tensors from radixserve/models/gguf_layout.py,
+q/k rows permuted for smollm3, Gemma norms stored as 1 + w, Phi-3's fused tensors): the
+converted folder's config.json equals the HF model's config on every field that changes the
+math, and the weights read from the file equal its state_dict exactly (F32 tensors). A Q8_0
+matrix stays in blocks under its HF name; metadata the HF config cannot express raises
+ValueError naming the key and value."""
 
 from __future__ import annotations
 
@@ -35,11 +36,11 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from radixserve.models import resolve_model_path
 from radixserve.models.gguf_config import config_from_metadata
+from radixserve.models.gguf_layout import gguf_architecture, rope_tensors, write_metadata
 from radixserve.models.gguf_weights import read_gguf_weights
 from radixserve.models.quant import QuantLinear, QuantWeight, dequantize
 
 F32, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
-GGUF_ARCH = {"qwen3": "qwen3", "gemma3_text": "gemma3", "phi3": "phi3", "smollm3": "smollm3"}
 # The tiny tokenizer: the 256 byte-level symbols, two merges, UNK, BOS and EOS.
 TOKENS = [*bytes_to_unicode().values(), "Ġt", "he", "<unk>", "<|bos|>", "<|eos|>"]
 VOCAB, UNK, BOS, EOS = len(TOKENS), len(TOKENS) - 3, len(TOKENS) - 2, len(TOKENS) - 1
@@ -131,9 +132,11 @@ def write_gguf(
     """`model` as llama.cpp's converter writes it, + `extra` metadata; 2-D layer tensors in
     `quant`."""
     cfg = model.config
-    arch = GGUF_ARCH[cfg.model_type]
+    arch = gguf_architecture(cfg)
     w = gguf.GGUFWriter(str(out), arch)
-    (write_phi3_metadata if arch == "phi3" else write_metadata)(w, cfg, arch)
+    write_metadata(w, cfg)
+    for name, x in rope_tensors(cfg).items():
+        w.add_tensor(name, x)
     for key, value in (extra or {}).items():
         w.add_float32(f"{arch}.{key}", value)
     write_tokenizer(w)
@@ -147,53 +150,6 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return out
-
-
-def write_metadata(w: gguf.GGUFWriter, cfg: Any, arch: str) -> None:
-    """TextModel.set_gguf_parameters' keys (+ LlamaModel's for smollm3, + Gemma3Model's)."""
-    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    if rope["rope_type"] == "linear":
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(rope["factor"])
-    w.add_rope_freq_base(rope["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if getattr(cfg, "head_dim", None) is not None:
-        w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
-    if arch == "smollm3":
-        w.add_vocab_size(cfg.vocab_size)
-        w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    if arch == "gemma3":
-        w.add_sliding_window(cfg.sliding_window)
-
-
-def write_phi3_metadata(w: gguf.GGUFWriter, cfg: Any, arch: str) -> None:
-    """Phi3MiniModel.set_gguf_parameters' keys and generate_extra_tensors' RoPE factors."""
-    rope = cfg.rope_parameters
-    rotary = int(rope["partial_rotary_factor"] * cfg.hidden_size) // cfg.num_attention_heads
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(rotary)
-    w.add_rope_freq_base(rope["rope_theta"])
-    w.add_sliding_window(cfg.sliding_window or 0)
-    scale = cfg.max_position_embeddings / rope["original_max_position_embeddings"]
-    w.add_rope_scaling_attn_factors(
-        np.sqrt(1 + np.log(scale) / np.log(rope["original_max_position_embeddings"]))
-    )
-    w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
-    w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
 
 def write_tokenizer(w: gguf.GGUFWriter) -> None:

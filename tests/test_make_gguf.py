@@ -1,53 +1,223 @@
-"""benchmarks/make_gguf.py at a tiny shape: the F16 file it streams loads in radixserve (and
-generates), with the shape's config and the embedded tokenizer; where llama-cpp-python is
-installed (the bench extra), its quantizer turns that file into a Q4_K_M that loads with
-every projection native."""
+"""benchmarks/make_gguf.py at tiny shapes of each architecture it writes: the tensors it lays
+out are the converter's (names and shapes, against the `gguf` package's name map on tiny HF
+models); its Q4_K_M type mix is llama.cpp's rule (layer by layer, the fallbacks for rows that
+are not whole super-blocks) and, where llama-cpp-python is installed (the bench extra), what
+llama.cpp's own quantizer picks. The files written directly in blocks load in radixserve with
+every projection native and generate, as do the F16 files; llama.cpp loads and evaluates
+each architecture's direct file (its metadata is what llama.cpp expects), and
+benchmarks/bench_vs_llamacpp.py runs it on both sides."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import bench_vs_llamacpp as bench
 import make_gguf
+import numpy as np
 import pytest
+from gguf import GGMLQuantizationType, GGUFReader
+from make_gguf import T
+from test_bench_vs_llamacpp import TINY as BENCH_ARGS
+from test_bench_vs_llamacpp import check_radixserve
+from test_gguf_families import FAMILIES, llama_cpp_tensors
 
 from radixserve import Engine
+from radixserve.models.gguf_layout import gguf_architecture, tensor_dims
 from radixserve.models.quant import QuantLinear
 
-TINY = make_gguf.Shape("llama", 256, 2, 4, 2, 512, 10000.0, tied=True)
+# Tiny versions of each architecture, hidden 256 (whole K-quant super-blocks). Qwen2: q/k/v
+# biases; Qwen3: untied,
+# head_dim 128 (2 x hidden in q), FFN 384 (ffn_down's rows are 1.5 super-blocks: llama.cpp's
+# fallbacks); Gemma 3: 7 layers, the 6th global; SmolLM3: 4 layers, the last without RoPE.
+# No name holds "phi3" (make_gguf.SHAPES' comment).
+TINY = {
+    "tiny-llama": make_gguf.shape("llama", (256, 2, 4, 2, 512), 1024, 1e4, 1e-5, tied=True),
+    "tiny-qwen2": make_gguf.shape("qwen2", (256, 2, 4, 2, 512), 1024, 1e6, 1e-6, tied=True),
+    "tiny-qwen3": make_gguf.shape("qwen3", (256, 4, 4, 2, 384), 1024, 1e6, 1e-6, tied=False,
+                                  head_dim=128),
+    "tiny-gemma3": make_gguf.shape("gemma3_text", (256, 7, 4, 2, 512), 1024, 1e6, 1e-6,
+                                   tied=True, head_dim=64, query_pre_attn_scalar=64,
+                                   sliding_window=16, rope_parameters=make_gguf.gemma3_rope(8.0)),
+    "tiny-phi-4-mini": make_gguf.shape("phi3", (256, 2, 4, 2, 512), 1024, 1e4, 1e-5, tied=True,
+                                       sliding_window=2048, original_max_position_embeddings=256,
+                                       rope_parameters=make_gguf.longrope(48, 64, 256)),
+    "tiny-smollm3": make_gguf.shape("smollm3", (256, 4, 4, 2, 512), 1024, 5e6, 1e-6, tied=True),
+}  # fmt: skip
+VOCAB = 49152  # the embedded tokenizer's
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
 
-@pytest.fixture
-def tiny_f16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path / "cache"))
-    out = tmp_path / "tiny-F16.gguf"
-    make_gguf.write_random_f16(TINY, out, seed=0)
-    return out
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One radixserve cache for the module: the embedded tokenizer is converted once."""
+    folder = tmp_path_factory.mktemp("make_gguf")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RADIXSERVE_CACHE", str(folder / "cache"))
+        yield folder
 
 
-@pytest.mark.slow  # converts the 49k-token vocabulary and loads the file (~12 s)
-def test_random_f16_file_loads_and_generates(tiny_f16: Path) -> None:
-    engine = Engine(str(tiny_f16), dtype="float32", max_total_tokens=256)
+def written(cache: Path, name: str, ftype: str) -> Path:
+    """The tiny `name` file of `ftype` (written once per module)."""
+    path = cache / f"{name}-{ftype}.gguf"
+    if not path.exists():
+        make_gguf.write_random(TINY[name], ftype, path, seed=0)
+    return path
+
+
+def types(path: Path) -> dict[str, str]:
+    return {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+
+
+def quant_linears(engine: Engine) -> list[QuantLinear]:
+    return [m for m in engine.worker.model.modules() if isinstance(m, QuantLinear)]
+
+
+# ---------------------------------------------------------------- layout and type mix
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tensor_layout_is_the_converters(family: str) -> None:
+    """gguf_layout's names and shapes = those of tiny HF models named by the gguf package's
+    map (test_gguf_families' converter)."""
+    model = FAMILIES[family]()
+    arch = gguf_architecture(model.config)
+    want = {name: x.shape for name, x in llama_cpp_tensors(model, arch)}
+    assert tensor_dims(model.config) == want
+
+
+def test_no_file_name_makes_llama_cpp_look_for_phi3s_tokens() -> None:
+    """llama.cpp sets attributes of Phi-3's own tokens in any file whose general.name holds
+    "phi3" or "phi-3"; the embedded vocabulary lacks them (loading fails)."""
+    assert not [name for name in [*make_gguf.SHAPES, *TINY] if re.search("phi-?3", name)]
+
+
+def test_q4_k_m_mix_follows_llama_cpps_rule_at_a_real_shape() -> None:
+    """Llama-3.1-8B (32 layers): attn_v and ffn_down Q6_K in the first and last 4 layers
+    and every third between (use_more_bits), the untied output Q6_K, the rest Q4_K."""
+    cfg = make_gguf.hf_config(make_gguf.SHAPES["llama-3.1-8b"], VOCAB)
+    dims = tensor_dims(cfg)
+    got = {name: make_gguf.tensor_type(name, d, "Q4_K_M", 32, tied=False)
+           for name, d in dims.items()}  # fmt: skip
+    six = {0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31}
+    for i in range(32):
+        for kind in ("attn_v", "ffn_down"):
+            assert got[f"blk.{i}.{kind}.weight"] == (T.Q6_K if i in six else T.Q4_K), (i, kind)
+        assert got[f"blk.{i}.attn_q.weight"] == T.Q4_K and got[f"blk.{i}.ffn_norm.weight"] == T.F32
+    assert got["output.weight"] == T.Q6_K and got["token_embd.weight"] == T.Q4_K
+
+
+def test_rows_that_are_not_whole_blocks_take_llama_cpps_fallbacks() -> None:
+    """576 weights a row (SmolLM2's hidden): Q4_K -> Q5_0, Q6_K -> Q8_0; a tied embedding
+    Q8_0; 48 (not whole 32-blocks either) F16."""
+    q4km = make_gguf.tensor_type
+    assert q4km("blk.0.attn_q.weight", (576, 576), "Q4_K_M", 30, tied=True) == T.Q5_0
+    assert q4km("blk.0.attn_v.weight", (192, 576), "Q4_K_M", 30, tied=True) == T.Q8_0
+    assert q4km("token_embd.weight", (VOCAB, 576), "Q4_K_M", 30, tied=True) == T.Q8_0
+    assert q4km("token_embd.weight", (VOCAB, 576), "Q4_0", 30, tied=True) == T.Q8_0
+    assert q4km("token_embd.weight", (VOCAB, 512), "Q4_0", 30, tied=True) == T.Q6_K
+    assert make_gguf.fallback(T.Q4_K, 48) == T.F16
+
+
+@pytest.mark.slow  # an F16 file per architecture, quantized 5 ways by llama.cpp (~30 s)
+@pytest.mark.parametrize("name", TINY)
+def test_direct_types_are_those_llama_cpps_quantizer_picks(name: str, cache: Path) -> None:
+    pytest.importorskip("llama_cpp")  # the bench extra
+    f16 = written(cache, name, "F16")
+    cfg = make_gguf.hf_config(TINY[name], VOCAB)
+    for ftype in make_gguf.BASE_TYPES:
+        out = cache / f"{name}-{ftype}-by-llama-cpp.gguf"
+        make_gguf.quantize(f16, out, ftype, threads=2)
+        got = types(out)
+        want = {n: make_gguf.tensor_type(n, d, ftype, cfg.num_hidden_layers,
+                                         cfg.tie_word_embeddings).name
+                for n, d in tensor_dims(cfg).items()}  # fmt: skip
+        assert {n: got[n] for n in want} == want, ftype
+        out.unlink()
+
+
+# ---------------------------------------------------------------- the files in radixserve
+
+
+def check_loads_and_generates(path: Path, fields: dict[str, Any]) -> Engine:
+    engine = Engine(str(path), dtype="float32", max_total_tokens=256)
     mc = engine.worker.model_config
-    assert (mc.hidden_size, mc.num_layers, mc.num_heads, mc.num_kv_heads) == (256, 2, 4, 2)
-    assert mc.intermediate_size == 512 and mc.vocab_size == len(engine.tokenizer)
+    sizes = (fields["hidden_size"], fields["num_hidden_layers"],
+             fields["num_attention_heads"], fields["num_key_value_heads"])  # fmt: skip
+    assert (mc.hidden_size, mc.num_layers, mc.num_heads, mc.num_kv_heads) == sizes
+    assert mc.intermediate_size == fields["intermediate_size"]
+    assert mc.vocab_size == VOCAB
+    # Gemma's tokenizer class adds its <mask>, which the SmolLM2 vocabulary lacks
+    assert len(engine.tokenizer) == VOCAB + (mc.architecture == "Gemma3ForCausalLM")
     chat = engine.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert chat.endswith("<|im_start|>assistant\n")  # the embedded tokenizer's template
-    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-    assert len(engine.generate(chat, params)["output_ids"]) == 8
+    assert len(engine.generate(chat, GREEDY)["output_ids"]) == 8
+    return engine
 
 
-@pytest.mark.slow  # a second tokenizer conversion and llama.cpp's quantizer: ~25 s
-def test_llama_cpp_quantizes_it_to_q4_k_m_and_every_projection_loads_native(
-    tiny_f16: Path, tmp_path: Path
+@pytest.mark.slow  # a file written and loaded per architecture (~5 s each)
+@pytest.mark.parametrize("name", TINY)
+def test_direct_q4_k_m_file_runs_every_projection_native(name: str, cache: Path) -> None:
+    """4 QuantLinear a layer (qkv, o, gate/up, down), the output (+ the untied embedding),
+    in Q4_K_M's formats (Qwen3's narrow ffn_down in Q5_0 / Q8_0)."""
+    fields = TINY[name]
+    engine = check_loads_and_generates(written(cache, name, "Q4_K_M"), fields)
+    linears = quant_linears(engine)
+    tied = fields["tie_word_embeddings"]
+    assert len(linears) == 4 * fields["num_hidden_layers"] + (1 if tied else 2)
+    formats = {f.name for m in linears for f in m.formats}
+    assert {"q4_k", "q6_k"} <= formats <= {"q4_k", "q6_k", "q5_0", "q8_0"}, formats
+
+
+@pytest.mark.slow  # a file written and loaded per architecture (~5 s each)
+@pytest.mark.parametrize("name", TINY)
+def test_f16_file_loads_and_generates(name: str, cache: Path) -> None:
+    check_loads_and_generates(written(cache, name, "F16"), TINY[name])
+
+
+@pytest.mark.slow  # llama.cpp's quantizer (~10 s)
+def test_via_f16_llama_cpp_quantizes_to_q4_k_m_and_every_projection_loads_native(
+    cache: Path,
 ) -> None:
     pytest.importorskip("llama_cpp")  # the bench extra
-    q4km = tmp_path / "tiny-Q4_K_M.gguf"
-    make_gguf.quantize(tiny_f16, q4km, "Q4_K_M", threads=2)
+    q4km = cache / "via-f16-Q4_K_M.gguf"
+    make_gguf.quantize(written(cache, "tiny-llama", "F16"), q4km, "Q4_K_M", threads=2)
     engine = Engine(str(q4km), dtype="float32", max_total_tokens=256)
-    model = engine.worker.model
-    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    linears = quant_linears(engine)
     assert len(linears) == 2 * 4 + 1  # 4 projections a layer, the tied embedding
-    formats = {f.name for m in linears for f in m.formats}
-    assert {"q4_k", "q6_k"} <= formats, formats
-    params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
-    assert len(engine.generate("Hello", params)["output_ids"]) == 4
+    assert {"q4_k", "q6_k"} <= {f.name for m in linears for f in m.formats}
+    assert len(engine.generate("Hello", GREEDY)["output_ids"]) == 8
+
+
+# ---------------------------------------------------------------- the files in llama.cpp
+
+
+@pytest.mark.slow  # a file written and loaded per architecture (~4 s each)
+@pytest.mark.parametrize("name", TINY)
+def test_llama_cpp_evaluates_the_direct_file(name: str, cache: Path) -> None:
+    """llama.cpp takes each architecture's metadata and tensors: finite logits over the
+    whole vocabulary at every position."""
+    llama_cpp = pytest.importorskip("llama_cpp")  # the bench extra
+    path = written(cache, name, "Q4_K_M")
+    assert types(path)["blk.0.attn_output.weight"] == GGMLQuantizationType.Q4_K.name
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False)
+    llm.eval(list(range(1, 9)))
+    scores = np.asarray(llm.scores[: llm.n_tokens])  # (8, vocab)
+    assert scores.shape == (8, VOCAB) and np.isfinite(scores).all()
+    assert (np.abs(scores).max(axis=1) > 0).all()  # every row written
+
+
+@pytest.mark.slow  # both engines through the benchmark at its test sizes (~15 s each)
+@pytest.mark.parametrize("name", [n for n in TINY if n != "tiny-llama"])
+def test_bench_vs_llamacpp_takes_the_direct_file(name: str, cache: Path) -> None:
+    """Nothing in the benchmark assumes Llama: each architecture's file runs on both sides,
+    every row with the tokens asked for."""
+    pytest.importorskip("llama_cpp")  # the bench extra
+    model = bench.main([*BENCH_ARGS, "--no-memory", "--model", str(written(cache, name, "Q4_K_M"))])
+    (res,) = model["models"]
+    check_radixserve(res)
+    for row in res["rows"]:
+        want = [row["new_tokens"]] * row["batch"]
+        assert row["llamacpp_tokens_per_seq"] == {"off": want, "on": want}, row["name"]

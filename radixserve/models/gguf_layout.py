@@ -1,0 +1,154 @@
+"""What llama.cpp's converter (convert_hf_to_gguf.py) writes for an HF model, from its
+transformers config alone: the GGUF architecture, the `{arch}.*` metadata keys, the RoPE
+parameter tensors and the name and shape of every weight tensor. For files made in place
+(tests, benchmarks/make_gguf.py); radixserve/models/gguf_config.py reads these keys back.
+
+    architecture  HF model_type -> general.architecture (GGUF_ARCHITECTURES)
+    metadata      TextModel.set_gguf_parameters' keys (block count, context, sizes, heads,
+                  RoPE base and linear scaling, RMS epsilon, head_dim as key/value length);
+                  + LlamaModel's vocabulary size and rotary dimensions (llama, smollm3);
+                  + Gemma3Model's sliding window; Phi3MiniModel writes its own (partial
+                  rotary dimensions, original context, longrope attention factor, window)
+    RoPE tensors  Phi-3 longrope's factors: rope_factors_long / _short.weight (F32)
+    weights       HF tensors under llama.cpp's names (`tensor_dims`); Phi-3's q/k/v and
+                  gate/up stay fused (attn_qkv, ffn_up: gate rows, then up rows)
+
+Values are the caller's: the converter stores Gemma's RMSNorm weights as 1 + w, and permutes
+the q/k rows of llama and smollm3 (radixserve/models/gguf_weights.py undoes both).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from gguf import GGUFWriter, RopeScalingType
+
+# HF model_type -> llama.cpp's architecture name for it.
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                      "gemma3_text": "gemma3", "phi3": "phi3", "smollm3": "smollm3"}  # fmt: skip
+LLAMA_KEYS = ("llama", "smollm3")  # LlamaModel's converter (SmolLM3Model is one) adds keys
+# Per-layer norms besides attn_norm: llama.cpp's name -> the size it normalizes ("hidden"
+# or "head": q/k norms act on each head). Gemma 3's ffn_norm is its pre-feedforward norm.
+LAYER_NORMS = {
+    "gemma3": {"attn_q_norm": "head", "attn_k_norm": "head", "post_attention_norm": "hidden",
+               "ffn_norm": "hidden", "post_ffw_norm": "hidden"},
+    "qwen3": {"attn_q_norm": "head", "attn_k_norm": "head", "ffn_norm": "hidden"},
+}  # fmt: skip
+PLAIN_NORMS = {"ffn_norm": "hidden"}
+
+
+def gguf_architecture(cfg: Any) -> str:
+    """llama.cpp's architecture for the transformers config `cfg`; ValueError for a model
+    type not listed in GGUF_ARCHITECTURES."""
+    if cfg.model_type not in GGUF_ARCHITECTURES:
+        raise ValueError(f"no llama.cpp architecture listed for model_type {cfg.model_type!r}")
+    return GGUF_ARCHITECTURES[cfg.model_type]
+
+
+def write_metadata(w: GGUFWriter, cfg: Any) -> None:
+    """The `{arch}.*` keys llama.cpp's converter writes for `cfg` (`w` made for
+    gguf_architecture(cfg))."""
+    if w.arch == "phi3":
+        _phi3_metadata(w, cfg)
+    else:
+        _text_metadata(w, cfg)
+
+
+def _text_metadata(w: GGUFWriter, cfg: Any) -> None:
+    """TextModel.set_gguf_parameters' keys (+ LlamaModel's, + Gemma3Model's window)."""
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma: global's
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    if rope["rope_type"] == "linear":
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if getattr(cfg, "head_dim", None) is not None:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    if w.arch in LLAMA_KEYS:
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    if w.arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
+
+
+def _phi3_metadata(w: GGUFWriter, cfg: Any) -> None:
+    """Phi3MiniModel.set_gguf_parameters' keys."""
+    rope = cfg.rope_parameters
+    rotary = int(rope["partial_rotary_factor"] * cfg.hidden_size) // cfg.num_attention_heads
+    original = rope["original_max_position_embeddings"]
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(rotary)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_sliding_window(cfg.sliding_window or 0)
+    scale = cfg.max_position_embeddings / original
+    w.add_rope_scaling_attn_factors(np.sqrt(1 + np.log(scale) / np.log(original)))
+
+
+def rope_tensors(cfg: Any) -> dict[str, np.ndarray]:
+    """The RoPE parameters the converter writes as F32 tensors (Phi3MiniModel's
+    generate_extra_tensors: longrope's per-frequency factors), name -> values; {} for the
+    other architectures."""
+    rope = cfg.rope_parameters
+    if cfg.model_type != "phi3" or rope.get("rope_type") != "longrope":
+        return {}
+    return {
+        "rope_factors_long.weight": np.array(rope["long_factor"], dtype=np.float32),
+        "rope_factors_short.weight": np.array(rope["short_factor"], dtype=np.float32),
+    }
+
+
+def tensor_dims(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """Every weight tensor the converter writes for `cfg` (RoPE tensors aside): llama.cpp's
+    name -> dims in numpy order ((rows, cols) for a matrix: out, in features). No output
+    matrix when the embedding is tied."""
+    arch = gguf_architecture(cfg)
+    hidden, vocab = cfg.hidden_size, cfg.vocab_size
+    dims: dict[str, tuple[int, ...]] = {"token_embd.weight": (vocab, hidden)}
+    for i in range(cfg.num_hidden_layers):
+        dims |= {f"blk.{i}.{name}": d for name, d in _layer_dims(cfg, arch).items()}
+    dims["output_norm.weight"] = (hidden,)
+    if not cfg.tie_word_embeddings:
+        dims["output.weight"] = (vocab, hidden)
+    return dims
+
+
+def _layer_dims(cfg: Any, arch: str) -> dict[str, tuple[int, ...]]:
+    """One layer's tensors, names without the `blk.{i}.` prefix."""
+    hidden, ffn = cfg.hidden_size, cfg.intermediate_size
+    head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    sizes = {"hidden": hidden, "head": head_dim}
+    dims: dict[str, tuple[int, ...]] = {"attn_norm.weight": (hidden,)}
+    norms = LAYER_NORMS.get(arch, PLAIN_NORMS)
+    dims |= {f"{name}.weight": (sizes[size],) for name, size in norms.items()}
+    if arch == "phi3":
+        dims |= {"attn_qkv.weight": (q + 2 * kv, hidden), "ffn_up.weight": (2 * ffn, hidden)}
+    else:
+        rows = {"attn_q": q, "attn_k": kv, "attn_v": kv}
+        dims |= {f"{name}.weight": (n, hidden) for name, n in rows.items()}
+        dims |= {f"{name}.weight": (ffn, hidden) for name in ("ffn_gate", "ffn_up")}
+        dims |= {f"{name}.bias": (n,) for name, n in _biases(cfg, arch, rows).items()}
+    dims |= {"attn_output.weight": (hidden, q), "ffn_down.weight": (hidden, ffn)}
+    if getattr(cfg, "attention_bias", False):  # Qwen2's config has no such field: no o bias
+        dims["attn_output.bias"] = (hidden,)
+    return dims
+
+
+def _biases(cfg: Any, arch: str, rows: dict[str, int]) -> dict[str, int]:
+    """q/k/v biases: Qwen2 always has them, the others as `attention_bias` says."""
+    return rows if arch == "qwen2" or getattr(cfg, "attention_bias", False) else {}
