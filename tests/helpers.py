@@ -13,9 +13,10 @@ import importlib.util
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -135,3 +136,20 @@ def run_under_triton_interpreter(script: str, *args: str, timeout: float) -> str
     )  # fmt: skip
     assert proc.returncode == 0, f"child failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     return proc.stdout
+
+
+def finish_gguf(w: Any, tensors: Iterable[tuple[str, Any]], quant: Any) -> None:
+    """Add `tensors` ((llama.cpp name, float32 numpy array) pairs) to GGUFWriter `w`, the
+    2-D layer tensors quantized to `quant` by the gguf package (F32: none), and write the
+    file."""
+    import gguf
+
+    for name, x in tensors:
+        if x.ndim == 2 and name.startswith("blk.") and quant != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, gguf.quants.quantize(x, quant), raw_dtype=quant)
+        else:
+            w.add_tensor(name, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -19,6 +19,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from helpers import finish_gguf
 from test_model_sources import llama_cpp_permute
 from transformers import (
     AutoConfig,
@@ -140,15 +141,7 @@ def write_gguf(
     for key, value in (extra or {}).items():
         w.add_float32(f"{arch}.{key}", value)
     write_tokenizer(w)
-    for name, x in llama_cpp_tensors(model, arch):
-        if x.ndim == 2 and name.startswith("blk.") and quant != F32:
-            w.add_tensor(name, gguf.quants.quantize(x, quant), raw_dtype=quant)
-        else:
-            w.add_tensor(name, x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w, llama_cpp_tensors(model, arch), quant)
     return out
 
 

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import launch_server
+from helpers import finish_gguf
 
 from radixserve import Engine
 from radixserve.models import resolve_model_path
@@ -194,24 +196,20 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, quant: gguf.GGMLQuantizationT
         "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
         "post_attention_layernorm": "ffn_norm",
     }  # fmt: skip
-    for hf_name, t in load_file(hf_dir / "model.safetensors").items():
-        x = t.float().numpy()
-        if hf_name.startswith("model.layers."):
+
+    def tensors() -> Iterator[tuple[str, np.ndarray]]:
+        for hf_name, t in load_file(hf_dir / "model.safetensors").items():
+            x = t.float().numpy()
+            if not hf_name.startswith("model.layers."):
+                yield names[hf_name], x
+                continue
             _, _, i, rest = hf_name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
             if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 x = llama_cpp_permute(x, heads if module.endswith("q_proj") else kv_heads)
-            name = f"blk.{i}.{names[module]}.{kind}"
-        else:
-            name = names[hf_name]
-        if x.ndim == 2 and name.startswith("blk.") and quant != F32:
-            w.add_tensor(name, gguf.quants.quantize(x, quant), raw_dtype=quant)
-        else:
-            w.add_tensor(name, x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+            yield f"blk.{i}.{names[module]}.{kind}", x
+
+    finish_gguf(w, tensors(), quant)
     return out
 
 

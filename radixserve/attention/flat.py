@@ -21,6 +21,7 @@ import torch
 
 from radixserve import kernels
 from radixserve.attention.base import AttentionBackend
+from radixserve.attention.slots import SlotPlan, slot_plan
 from radixserve.attention.window import window_attention, window_plan
 from radixserve.core.batch import ForwardBatch
 
@@ -74,37 +75,7 @@ class PaddedPlan:
         return kernels.decode_attention(q, self.k_buf, self.v_buf, self.kv_lens, scale)
 
 
-@dataclass(frozen=True)
-class SlotPlan:
-    """Request r's keys are slots[kv_offsets[r]:kv_offsets[r+1]] of the pool, its queries rows
-    q_offsets[r]:q_offsets[r+1]; the kernel reads those pool rows in place."""
-
-    slots: torch.Tensor  # (S,) int64, requests concatenated, position order
-    q_offsets: torch.Tensor  # (B + 1,) int64 cumulative q_lens
-    kv_offsets: torch.Tensor  # (B + 1,) int64 cumulative kv_lens
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        kc: torch.Tensor,
-        vc: torch.Tensor,
-        scale: float,
-        prior: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q (T, Hq, D) against one layer's pool k/v (num_slots, Hkv, D) -> (T, Hq, D), (T, Hq);
-        merged with `prior` (out, lse of the same rows over other keys) when given."""
-        return kernels.pool_private_attention(
-            q, kc, vc, self.slots, self.q_offsets, self.kv_offsets, scale, prior
-        )
-
-
 PrivatePlan = GatherPlan | PaddedPlan | SlotPlan
-
-
-def _offsets(lens: list[int], device: torch.device) -> torch.Tensor:
-    out = torch.zeros(len(lens) + 1, dtype=torch.int64)
-    out[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0)
-    return out.to(device)
 
 
 def private_plan(
@@ -123,8 +94,7 @@ def private_plan(
     kv_lens = [s.numel() for s in slots]
     dev, dt, row = pool_k.device, pool_k.dtype, pool_k.shape[1:]
     if kernels.reads_pool_in_place(pool_k):
-        cat = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
-        return SlotPlan(cat.to(dev), _offsets(q_lens, dev), _offsets(kv_lens, dev))
+        return slot_plan(slots, q_lens, dev)
     longest = max(kv_lens, default=0)
     if all(n == 1 for n in q_lens) and len(slots) * longest <= pad_max_waste * sum(kv_lens):
         grid = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True, padding_value=0)

@@ -18,7 +18,7 @@ import torch
 
 from radixserve import kernels
 from radixserve.attention.base import AttentionBackend
-from radixserve.attention.flat import SlotPlan
+from radixserve.attention.slots import SlotPlan
 from radixserve.attention.tree_plan import SharedSegment, TreePlan, build_plan
 from radixserve.attention.window import window_attention, window_plan
 from radixserve.core.batch import ForwardBatch

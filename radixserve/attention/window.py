@@ -26,29 +26,19 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve import kernels
+from radixserve.attention.slots import SlotPlan, slot_plan
 from radixserve.core.batch import ForwardBatch
 
 
 @dataclass(frozen=True)
-class Blocks:
-    """Causal blocks for `kernels.pool_private_attention`: block b's queries are rows
-    q_offsets[b]:q_offsets[b + 1] of its q, its keys slots[kv_offsets[b]:kv_offsets[b + 1]]."""
-
-    slots: torch.Tensor  # (S,) int64 pool slots
-    q_offsets: torch.Tensor  # (B + 1,) int64
-    kv_offsets: torch.Tensor  # (B + 1,) int64
-
-
-@dataclass(frozen=True)
 class WindowPlan:
-    recent: Blocks  # over q's rows in order
+    recent: SlotPlan  # over q's rows in order
     old_rows: torch.Tensor  # (n,) int64 rows of q, reversed within each chunk
-    old: Blocks | None  # over q[old_rows]; None when no chunk has old keys
+    old: SlotPlan | None  # over q[old_rows]; None when no chunk has old keys
 
 
-class _Builder:
-    """Collects blocks: (slots, number of queries) pairs."""
+class _Blocks:
+    """Causal blocks being collected: each its key slots and its number of queries."""
 
     def __init__(self) -> None:
         self.slots: list[torch.Tensor] = []
@@ -57,13 +47,6 @@ class _Builder:
     def add(self, slots: torch.Tensor, q_len: int) -> None:
         self.slots.append(slots)
         self.q_lens.append(q_len)
-
-    def build(self, device: torch.device) -> Blocks:
-        def offsets(lens: list[int]) -> torch.Tensor:
-            return torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to(device)
-
-        cat = torch.cat(self.slots).to(device)
-        return Blocks(cat, offsets(self.q_lens), offsets([s.numel() for s in self.slots]))
 
 
 def window_plan(batch: ForwardBatch, window: int) -> WindowPlan | None:
@@ -79,7 +62,7 @@ def window_plan(batch: ForwardBatch, window: int) -> WindowPlan | None:
 
 
 def _plan(batch: ForwardBatch, w: int) -> WindowPlan:
-    recent, old = _Builder(), _Builder()
+    recent, old = _Blocks(), _Blocks()
     old_rows: list[torch.Tensor] = []
     row = 0  # the first query row of the current request
     for kv, q_len in zip(batch.kv_indices, batch.extend_lens, strict=True):
@@ -98,7 +81,8 @@ def _plan(batch: ForwardBatch, w: int) -> WindowPlan:
         row += q_len
     device = batch.kv_pool.k[0].device
     rows = torch.cat(old_rows).to(device) if old_rows else torch.zeros(0, dtype=torch.int64)
-    return WindowPlan(recent.build(device), rows, old.build(device) if old_rows else None)
+    old_plan = slot_plan(old.slots, old.q_lens, device) if old_rows else None
+    return WindowPlan(slot_plan(recent.slots, recent.q_lens, device), rows, old_plan)
 
 
 def window_attention(
@@ -111,21 +95,8 @@ def window_attention(
     """Each query row over its window's keys -> (T, Hq, D)."""
     prior = None
     if plan.old is not None:
-        o, lse = _run(plan.old, q.index_select(0, plan.old_rows), kc, vc, scale)
+        o, lse = plan.old.attend(q.index_select(0, plan.old_rows), kc, vc, scale)
         out = q.new_zeros(q.shape)  # rows without old keys: an empty state (lse -inf)
         lses = q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32)
         prior = out.index_copy_(0, plan.old_rows, o), lses.index_copy_(0, plan.old_rows, lse)
-    return _run(plan.recent, q, kc, vc, scale, prior)[0]
-
-
-def _run(
-    b: Blocks,
-    q: torch.Tensor,
-    kc: torch.Tensor,
-    vc: torch.Tensor,
-    scale: float,
-    prior: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return kernels.pool_private_attention(
-        q, kc, vc, b.slots, b.q_offsets, b.kv_offsets, scale, prior
-    )
+    return plan.recent.attend(q, kc, vc, scale, prior)[0]

@@ -58,12 +58,7 @@ def write_metadata(w: GGUFWriter, cfg: Any) -> None:
 def _text_metadata(w: GGUFWriter, cfg: Any) -> None:
     """TextModel.set_gguf_parameters' keys (+ LlamaModel's, + Gemma3Model's window)."""
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma: global's
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    _sizes(w, cfg)
     if rope["rope_type"] == "linear":
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
@@ -79,18 +74,23 @@ def _text_metadata(w: GGUFWriter, cfg: Any) -> None:
         w.add_sliding_window(cfg.sliding_window)
 
 
+def _sizes(w: GGUFWriter, cfg: Any) -> None:
+    """The keys every converter writes: depth, context, widths and head counts."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+
+
 def _phi3_metadata(w: GGUFWriter, cfg: Any) -> None:
     """Phi3MiniModel.set_gguf_parameters' keys."""
     rope = cfg.rope_parameters
     rotary = int(rope["partial_rotary_factor"] * cfg.hidden_size) // cfg.num_attention_heads
     original = rope["original_max_position_embeddings"]
-    w.add_context_length(cfg.max_position_embeddings)
+    _sizes(w, cfg)
     w.add_rope_scaling_orig_ctx_len(original)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_dimension_count(rotary)
     w.add_rope_freq_base(rope["rope_theta"])
