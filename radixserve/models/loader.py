@@ -313,6 +313,15 @@ def _check_names(found: set[str], expected: set[str], path: Path) -> None:
         )
 
 
+# The projections the model holds fused: (fused name, its HF parts in row order, the config
+# field giving each part's rows). Checkpoints that store them fused already (Phi-3's) are
+# split into the parts first (`split_fused`), so sharding and fusing treat every family alike.
+FUSED = (
+    ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj"), ("q_size", "kv_size", "kv_size")),
+    ("mlp.gate_up_proj", ("gate_proj", "up_proj"), ("intermediate_size", "intermediate_size")),
+)
+
+
 def fuse_weights(
     hf: dict[str, Weight], config: ModelConfig, dtype: torch.dtype
 ) -> dict[str, Weight]:
@@ -324,22 +333,13 @@ def fuse_weights(
     out = {k: v for k, v in hf.items() if k != "lm_head.weight" or not config.tie_word_embeddings}
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        for fused, parts in [("self_attn.qkv_proj", ("q", "k", "v")),
-                             ("mlp.gate_up_proj", ("gate", "up"))]:  # fmt: skip
+        for fused, parts, _ in FUSED:
             module = fused.split(".")[0]
             for kind in ("weight", "bias"):
-                names = [f"{p}{module}.{x}_proj.{kind}" for x in parts]
+                names = [f"{p}{module}.{x}.{kind}" for x in parts]
                 if names[0] in out:
                     out[f"{p}{fused}.{kind}"] = _concat_rows([out.pop(n) for n in names], dtype)
     return out
-
-
-# Checkpoints (Phi-3's) that store q/k/v and gate/up already fused: split into HF's unfused
-# names, so sharding and fusing treat every family alike. (fused name, parts, rows of each)
-FUSED_IN_CHECKPOINT = (
-    ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj"), ("q_size", "kv_size", "kv_size")),
-    ("mlp.gate_up_proj", ("gate_proj", "up_proj"), ("intermediate_size", "intermediate_size")),
-)
 
 
 def split_fused(hf: dict[str, Weight], config: ModelConfig) -> dict[str, Weight]:
@@ -347,7 +347,7 @@ def split_fused(hf: dict[str, Weight], config: ModelConfig) -> dict[str, Weight]
     blocks split by rows too: rows are independent in every block format)."""
     out = dict(hf)
     for i in range(config.num_layers):
-        for fused, parts, sizes in FUSED_IN_CHECKPOINT:
+        for fused, parts, sizes in FUSED:
             w = out.pop(f"model.layers.{i}.{fused}.weight", None)
             if w is None:
                 continue
