@@ -29,11 +29,15 @@ from radixserve.kvcache.pool import KVPool
 from radixserve.models.llama import LlamaForCausalLM
 
 
-def make_pool(model: LlamaForCausalLM, num_tokens: int) -> KVPool:
-    """A KV pool for `num_tokens` tokens (+ scratch slot 0) in the model's dtype."""
+def make_pool(model: LlamaForCausalLM, num_tokens: int, sliding_rows: bool = False) -> KVPool:
+    """A KV pool for `num_tokens` tokens (+ scratch slot 0) in the model's dtype; with
+    `sliding_rows`, the model's sliding-window layers keep rows of their own (as a worker's
+    pool does)."""
     cfg = model.config
     dtype = model.model.norm.weight.dtype  # (the embedding may be a quantized table)
-    return KVPool(num_tokens + 1, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+    windows = [cfg.window(i) for i in range(cfg.num_layers)] if sliding_rows else []
+    return KVPool(num_tokens + 1, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype,
+                  windows=windows)  # fmt: skip
 
 
 def alloc_slots(pool: KVPool, n: int) -> torch.Tensor:
@@ -66,6 +70,7 @@ def extend(
         kv_indices=[slots[:end]],
         paths=[[]],
         kv_pool=pool,
+        swa_kv_indices=None if pool.swa_of is None else [pool.swa_of[slots[:end]]],
     )
     backend.plan(batch)
     return model.compute_logits(model.forward(batch, backend))
@@ -114,6 +119,7 @@ def assert_all_free(engine: Engine) -> None:
     assert engine.flush_cache()
     pool = engine.scheduler.kv.pool
     assert pool.num_free == pool.capacity
+    assert pool.swa_used == 0
     drafter = engine.scheduler.speculator.drafter  # a draft model's pool: the samples ended
     if drafter is not None:
         assert drafter.worker.pool.num_free == drafter.worker.pool.capacity

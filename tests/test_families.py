@@ -113,9 +113,9 @@ def test_logits_match_hf_through_prefill_extend_and_decode(
     window (16) and longrope's original context (64)."""
     model, _ = load_model(checkpoints[family], torch.float32)
     ids = torch.randint(100, 20000, (80,), generator=torch.Generator().manual_seed(5)).tolist()
-    pool = make_pool(model, 80)
-    slots = alloc_slots(pool, 80)[torch.randperm(80)]  # scattered slots
-    for backend in (FlatBackend(), TreeBackend()):
+    for backend, sliding_rows in ((FlatBackend(), False), (TreeBackend(), True)):
+        pool = make_pool(model, 80, sliding_rows)
+        slots = alloc_slots(pool, 80)[torch.randperm(80)]  # scattered slots
         parts = [extend(model, backend, pool, slots, ids[:20], 0)]
         parts.append(extend(model, backend, pool, slots, ids[20:45], 20))
         parts += [extend(model, backend, pool, slots, [ids[p]], p) for p in range(45, 80)]

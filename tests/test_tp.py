@@ -98,10 +98,13 @@ def test_shard_partitions_every_projection(tiny_model_dir: Path) -> None:
     assert shards[1]["model.embed_tokens.weight"] is hf["model.embed_tokens.weight"]
 
 
-def test_batch_encoding_round_trips() -> None:
-    """Three requests: two share radix nodes 7 and 9, one has no path; mixed extend lengths."""
-    pool = KVPool(64, 1, 1, 2, torch.float32)
+@pytest.mark.parametrize("sliding", [False, True])
+def test_batch_encoding_round_trips(sliding: bool) -> None:
+    """Three requests: two share radix nodes 7 and 9, one has no path; mixed extend lengths;
+    with a sliding layer, its rows too."""
+    pool = KVPool(64, 1, 1, 2, torch.float32, windows=[4] if sliding else [])
     kv = [torch.tensor([5, 6, 7, 8, 20]), torch.tensor([5, 6, 7, 30, 31, 32]), torch.tensor([40])]
+    rows = [s + 100 for s in kv] if sliding else None
     batch = ForwardBatch(
         input_ids=torch.tensor([11, 12, 13, 14]),
         positions=torch.tensor([4, 4, 5, 0]),
@@ -111,11 +114,20 @@ def test_batch_encoding_round_trips() -> None:
         kv_indices=kv,
         paths=[[(7, 2), (9, 1)], [(7, 2), (9, 1), (12, 1)], []],
         kv_pool=pool,
+        swa_kv_indices=rows,
     )
     header, body = encode_batch(batch)
-    assert header.tolist() == [1, 3, 4, 5, 12]  # forward, requests, tokens, path nodes, kv
-    assert body.numel() == 3 * 4 + 3 * 3 + 12 + 2 * 5
+    n_swa = 12 if sliding else 0
+    # forward, requests, tokens, path nodes, kv, sliding rows
+    assert header.tolist() == [1, 3, 4, 5, 12, n_swa]
+    assert body.numel() == 3 * 4 + 3 * 3 + 12 + 2 * 5 + n_swa
     got = decode_batch(header, body, pool)
+    if rows is not None:
+        assert got.swa_kv_indices is not None and got.swa_out_cache_loc is not None
+        assert all(torch.equal(a, b) for a, b in zip(got.swa_kv_indices, rows, strict=True))
+        assert got.swa_out_cache_loc.tolist() == [120, 131, 132, 140]
+    else:
+        assert got.swa_kv_indices is None
     for name in ("input_ids", "positions", "out_cache_loc"):
         assert torch.equal(getattr(got, name), getattr(batch, name)), name
     assert (got.seq_lens, got.extend_lens, got.paths) == (

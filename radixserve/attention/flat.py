@@ -22,7 +22,7 @@ import torch
 from radixserve import kernels
 from radixserve.attention.base import AttentionBackend
 from radixserve.attention.slots import SlotPlan, slot_plan
-from radixserve.attention.window import window_attention, window_plan
+from radixserve.attention.window import sliding_attention
 from radixserve.core.batch import ForwardBatch
 
 # Decode steps use the padded grid while its cells are at most this many times the real keys
@@ -140,10 +140,10 @@ class FlatBackend(AttentionBackend):
         scale: float,
         window: int = 0,
     ) -> torch.Tensor:
+        if window and (out := sliding_attention(q, k, v, layer, batch, window, scale)) is not None:
+            return out
         pool = batch.kv_pool
         pool.write(layer, batch.out_cache_loc, k, v)
-        if window and (wplan := window_plan(batch, window)) is not None:
-            return window_attention(wplan, q, pool.k[layer], pool.v[layer], scale)
         plan = batch.attn_plan
         assert isinstance(plan, PrivatePlan), f"plan() not run for this batch: {type(plan)}"
         out, _ = plan.attend(q, pool.k[layer], pool.v[layer], scale)

@@ -20,7 +20,7 @@ from radixserve import kernels
 from radixserve.attention.base import AttentionBackend
 from radixserve.attention.slots import SlotPlan
 from radixserve.attention.tree_plan import SharedSegment, TreePlan, build_plan
-from radixserve.attention.window import window_attention, window_plan
+from radixserve.attention.window import sliding_attention
 from radixserve.core.batch import ForwardBatch
 
 
@@ -95,12 +95,12 @@ class TreeBackend(AttentionBackend):
     ) -> torch.Tensor:
         plan = batch.attn_plan
         assert isinstance(plan, TreePlan), f"plan() not run for this batch: {type(plan)}"
+        if window and (out := sliding_attention(q, k, v, layer, batch, window, scale)) is not None:
+            return out  # no shared segment
         pool = batch.kv_pool
         # Write first: an extend's queries must see their own (and earlier) new keys.
         pool.write(layer, batch.out_cache_loc, k, v)
         kc, vc = pool.k[layer], pool.v[layer]  # (num_slots, Hkv, D)
-        if window and (wplan := window_plan(batch, window)) is not None:
-            return window_attention(wplan, q, kc, vc, scale)  # no shared segment
         if plan.in_place:
             return _fused_in_place(plan, q, kc, vc, scale)
         out, lse = plan.private.attend(q, kc, vc, scale)  # (T, Hq, D), (T, Hq)

@@ -18,6 +18,10 @@ call); the old blocks (gathered rows, reversed) run first, and their (out, lse) 
 recent call as its `prior`, merged exactly by log-sum-exp. A decode step (C = 1) is one
 block of the last W keys. Sliding layers read no shared segment: each request reads only
 its own window, so a shared prefix older than the window is never read by them.
+
+Where the pool keeps sliding layers' rows apart (`ForwardBatch.swa_kv_indices`), every
+step of a sliding layer runs here, over those rows; else a step whose sequences all fit in
+the window attends as a full layer does.
 """
 
 from __future__ import annotations
@@ -49,23 +53,38 @@ class _Blocks:
         self.q_lens.append(q_len)
 
 
-def window_plan(batch: ForwardBatch, window: int) -> WindowPlan | None:
-    """The step's plan for layers of `window` (built once per step and kept on the batch),
-    or None when no query's window leaves out a key (every sequence fits in the window)."""
-    if max(batch.seq_lens, default=0) <= window:
+def sliding_attention(
+    q: torch.Tensor,  # (T, Hq, D)
+    k: torch.Tensor,  # (T, Hkv, D) the new tokens'
+    v: torch.Tensor,
+    layer: int,
+    batch: ForwardBatch,
+    window: int,
+    scale: float,
+) -> torch.Tensor | None:
+    """A sliding layer's step: write the new K/V and attend each query's window -> (T, Hq,
+    D); or None, with nothing written, when the layer's rows are the slots and no query's
+    window leaves out a key (the backend then runs it as a full layer)."""
+    rows = batch.swa_kv_indices
+    if rows is None and max(batch.seq_lens, default=0) <= window:
         return None
+    pool = batch.kv_pool
+    new = batch.out_cache_loc if batch.swa_out_cache_loc is None else batch.swa_out_cache_loc
+    pool.write(layer, new, k, v)
     plan = batch.window_plans.get(window)
     if plan is None:
         plan = batch.window_plans[window] = _plan(batch, window)
     assert isinstance(plan, WindowPlan), type(plan)
-    return plan
+    return window_attention(plan, q, pool.k[layer], pool.v[layer], scale)
 
 
 def _plan(batch: ForwardBatch, w: int) -> WindowPlan:
+    """Blocks over the sliding rows (or the slots) of every request (module docstring)."""
     recent, old = _Blocks(), _Blocks()
     old_rows: list[torch.Tensor] = []
     row = 0  # the first query row of the current request
-    for kv, q_len in zip(batch.kv_indices, batch.extend_lens, strict=True):
+    seqs = batch.kv_indices if batch.swa_kv_indices is None else batch.swa_kv_indices
+    for kv, q_len in zip(seqs, batch.extend_lens, strict=True):
         length = kv.numel()
         p0 = length - q_len  # the first query's position
         head = max(0, min(w, length) - p0)

@@ -7,7 +7,9 @@ Region table for request r of a batch (lengths in tokens, positions 0-based):
     |<-- path: sum of path[r] lengths --->|      |   new tokens: their K/V are written
     |   (radix nodes, or prompt modules)  |      |   this step at out_cache_loc, and they
     |                                     |      |   are the queries of this step
-    kv_indices[r] holds the KV slot of every position 0 .. seq_lens[r]-1.
+    kv_indices[r] holds the KV slot of every position 0 .. seq_lens[r]-1, and with a pool
+    whose sliding-window layers keep rows of their own, swa_kv_indices[r] their rows (0 for
+    positions no query of the step can see: kvcache/pool.py).
 
 Decode is the case extend_lens[r] == 1 for every r.
 """
@@ -26,10 +28,12 @@ class KVStore(Protocol):
     k[layer], v[layer]: (num_slots, kv_heads, head_dim); `write` stores one layer's new K/V
     (each (T, kv_heads, head_dim)) at `slots` (T,) int64, after waiting for rows still
     being loaded into that layer: a backend reads a layer's rows only after its `write`.
+    `swa_of`: the sliding layers' row of each slot, or None when they use the slots.
     """
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+    swa_of: torch.Tensor | None
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
@@ -52,6 +56,10 @@ class ForwardBatch:
     # Sliding-window layers' plans by window, made by their first layer in the step
     # (attention/window.py) and read by the others.
     window_plans: dict[int, object] = field(default_factory=dict, repr=False)
+    # Per request: the sliding layers' rows (kv_pool.swa_of of kv_indices), or None when
+    # those layers use the slots; and the new tokens' rows, request-major.
+    swa_kv_indices: list[torch.Tensor] | None = None
+    swa_out_cache_loc: torch.Tensor | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         n = len(self.seq_lens)
@@ -60,6 +68,10 @@ class ForwardBatch:
             f"kv={len(self.kv_indices)}, paths={len(self.paths)}"
         )
         assert sum(self.extend_lens) == self.input_ids.numel() == self.out_cache_loc.numel()
+        if self.swa_kv_indices is not None:
+            assert len(self.swa_kv_indices) == n, f"{len(self.swa_kv_indices)} sliding rows"
+            rows = new_slots(self.swa_kv_indices, self.extend_lens)
+            self.swa_out_cache_loc = rows.to(self.out_cache_loc.device, non_blocking=True)
 
     @property
     def num_requests(self) -> int:
@@ -106,15 +118,22 @@ class BatchBuilder:
         self.paths.append(path)
 
     def build(self, pool: KVStore) -> ForwardBatch:
+        swa_of = pool.swa_of
         return ForwardBatch(
             input_ids=torch.tensor(self.ids, dtype=torch.int64),
             positions=torch.tensor(self.positions, dtype=torch.int64),
-            out_cache_loc=torch.cat(
-                [s[len(s) - n :] for s, n in zip(self.kv_indices, self.extend_lens)]
-            ),
+            out_cache_loc=new_slots(self.kv_indices, self.extend_lens),
             seq_lens=self.seq_lens,
             extend_lens=self.extend_lens,
             kv_indices=self.kv_indices,
             paths=self.paths,
             kv_pool=pool,
+            swa_kv_indices=None if swa_of is None else [swa_of[s] for s in self.kv_indices],
         )
+
+
+def new_slots(kv_indices: list[torch.Tensor], extend_lens: list[int]) -> torch.Tensor:
+    """The last extend_lens[r] entries of each kv_indices[r], concatenated: the new tokens'."""
+    if not kv_indices:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.cat([s[len(s) - n :] for s, n in zip(kv_indices, extend_lens, strict=True)])

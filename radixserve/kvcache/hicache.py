@@ -37,6 +37,11 @@ rows are copied out of the pool (the old sequence's radix path) and the tiers (t
 sequence's chunk keys), its keys rotated to [q, ...), and it is loaded and inserted like a
 tier hit (`tier_tokens["moved"]`).
 
+Sliding-window layers (kvcache/pool.py): a chunk whose tokens all hold their sliding rows is
+kept whole; one whose tokens lost some goes to the local tiers under a key of its own
+(namespace + GLOBAL_ONLY), and when it comes back its tokens get no sliding rows, so the
+match stops where the radix tree's would (radix.py). The remote tier keeps whole chunks.
+
 Exactness: a chunk holds the pool's rows bit for bit, so a promoted prefix gives the same
 outputs as the same prefix still in the pool. A record a tier cannot trust is a miss
 (recomputed), never loaded.
@@ -60,6 +65,7 @@ from radixserve.kvcache.tier_store import CHUNK_TOKENS, ChunkLayout, TierStore, 
 
 C = CHUNK_TOKENS
 READ_WAIT_S = 5.0  # a match waits at most this long for a chunk the prefetch reader is reading
+GLOBAL_ONLY = "|global"  # namespace suffix of chunks whose sliding-window rows are not kept
 
 
 def pool_layout(pool: KVPool) -> ChunkLayout:
@@ -164,6 +170,9 @@ class HiCache:
             self.tree.unlock(node)
         return freed + self.tree.evict(num_tokens - freed)
 
+    def trim_swa(self, spared: set[int]) -> int:
+        return self.tree.trim_swa(spared)
+
     # -- promotion -----------------------------------------------------------------------
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
@@ -175,31 +184,53 @@ class HiCache:
         return self._match_moved(tokens, m)
 
     def _match_in_place(self, tokens: list[int]) -> MatchResult:
-        """The pool's match, then the chunks of the lower tiers that continue it."""
-        m = self.tree.match_prefix(tokens)
+        """The pool's match, then the chunks of the lower tiers that continue it; the
+        result stops where the sliding layers' K/V allows (radix.py)."""
+        m = self.tree.match_prefix(tokens, whole=True)
         p = len(m.indices)
-        self.device.hit_tokens += p
         keys = chunk_keys(self.namespace, tokens)
         k0 = p // C
-        found = self._fetch(tokens, keys, k0)
+        found = self._fetch(tokens, keys, k0, self._global_keys(tokens))
         slots = self._alloc(len(found) * C - (p - k0 * C), m.last_node)
         if slots is None:
-            return m
+            return self._usable(m, tokens[:p], [])
         n_chunks = (p - k0 * C + len(slots) + C - 1) // C
         q = p + len(slots)
         # chunk k0 + k covers [(k0 + k) * C, (k0 + k + 1) * C); the slots take [p, q)
+        spans = [(max((k0 + k) * C, p), min((k0 + k + 1) * C, q)) for k in range(n_chunks)]
         parts = [
-            chunk[:, :, max(p - (k0 + k) * C, 0) : q - (k0 + k) * C]
-            for k, (_, chunk) in enumerate(found[:n_chunks])
+            chunk[:, :, start - (k0 + k) * C : end - (k0 + k) * C]
+            for k, ((_, chunk, _), (start, end)) in enumerate(zip(found, spans))
         ]
+        for (_, _, whole), (start, end) in zip(found, spans):
+            if not whole:  # before the load: its sliding layers write to the scratch row
+                self.pool.free_swa(slots[start - p : end - p])
         self.pool.load(slots, parts, background=self.layerwise)
         result = self.tree.insert(tokens[:q], torch.cat([m.indices, slots]))
-        tiers = dict(m.tier_tokens)
-        for k, (name, _) in enumerate(found[:n_chunks]):
-            start, end = max((k0 + k) * C, p), min((k0 + k + 1) * C, q)
-            tiers[name] = tiers.get(name, 0) + end - start
-            self._tier(name).hit_tokens += end - start
+        loaded = [(name, span) for (name, _, _), span in zip(found, spans)]
+        return self._usable(result, tokens[:q], loaded)
+
+    def _usable(
+        self, m: MatchResult, tokens: list[int], loaded: list[tuple[str, tuple[int, int]]]
+    ) -> MatchResult:
+        """`m`, the tree's whole match of `tokens`, cut where the sliding layers' K/V allows,
+        with the tokens it reuses counted by tier: `loaded` the (tier, [start, end)) runs
+        just loaded, the rest was in the pool."""
+        result = self.tree.match_prefix(tokens) if self.pool.window else m
+        n = len(result.indices)
+        tiers: dict[str, int] = {}
+        device = min(n, loaded[0][1][0] if loaded else n)
+        for name, (start, end) in [("device", (0, device)), *loaded]:
+            used = min(end, n) - start
+            if used > 0:
+                tiers[name] = tiers.get(name, 0) + used
+                (self.device if name == "device" else self._tier(name)).hit_tokens += used
         return MatchResult(result.indices, result.last_node, tiers)
+
+    def _global_keys(self, tokens: list[int]) -> list[str] | None:
+        """The keys of `tokens`' chunks kept without sliding rows; None for a model without
+        sliding-window layers."""
+        return chunk_keys(self.namespace + GLOBAL_ONLY, tokens) if self.pool.window else None
 
     def _match_moved(self, tokens: list[int], m: MatchResult) -> MatchResult:
         """Positional decoupling (reposition.py): continue `m` at q with a run of tokens
@@ -233,7 +264,7 @@ class HiCache:
         at = max(p, start)  # rows of old[start:at) are in parts
         keys = chunk_keys(self.namespace, old[:end])
         k0 = at // C
-        for k, (_, chunk) in enumerate(self._fetch(old, keys, k0) if at < end else []):
+        for k, (_, chunk, _) in enumerate(self._fetch(old, keys, k0) if at < end else []):
             lo, hi = (k0 + k) * C, min((k0 + k + 1) * C, end)
             parts.append(chunk[:, :, at - lo : hi - lo])
             at = hi
@@ -242,14 +273,25 @@ class HiCache:
             return torch.empty((lay.num_layers, 2, 0, lay.kv_heads, lay.head_dim), dtype=lay.dtype)
         return torch.cat(parts, dim=2)
 
-    def _fetch(self, tokens: list[int], keys: list[str], k0: int) -> list[tuple[str, torch.Tensor]]:
-        """The leading run of chunks k0, k0+1, ... that some tier holds, with the tier's name."""
-        found: list[tuple[str, torch.Tensor]] = []
+    def _fetch(
+        self,
+        tokens: list[int],
+        keys: list[str],
+        k0: int,
+        global_keys: list[str] | None = None,
+    ) -> list[tuple[str, torch.Tensor, bool]]:
+        """The leading run of chunks k0, k0+1, ... that some tier holds: the tier's name, the
+        chunk, and whether it is whole (else found under `global_keys`: its sliding rows are
+        not kept)."""
+        found: list[tuple[str, torch.Tensor, bool]] = []
         for k in range(k0, len(keys)):
-            hit = self._fetch_local(keys[k], tokens[k * C : (k + 1) * C])
+            chunk_tokens = tokens[k * C : (k + 1) * C]
+            hit, whole = self._fetch_local(keys[k], chunk_tokens), True
+            if hit is None and global_keys is not None:
+                hit, whole = self._fetch_local(global_keys[k], chunk_tokens), False
             if hit is None:
                 break
-            found.append(hit)
+            found.append((*hit, whole))
         k = k0 + len(found)
         if self.remote is not None and k < len(keys):
             start = time.perf_counter()
@@ -257,7 +299,7 @@ class HiCache:
                 keys[k:], [tokens[i * C : (i + 1) * C] for i in range(k, len(keys))]
             )
             self._count_load(self.remote.counters, len(chunks), start)
-            found.extend(("remote", chunk) for chunk in chunks)
+            found.extend(("remote", chunk, True) for chunk in chunks)
         return found
 
     def _fetch_local(self, key: str, tokens: list[int]) -> tuple[str, torch.Tensor] | None:
@@ -381,16 +423,17 @@ class HiCache:
         if not self.local:
             return
         keys = chunk_keys(self.namespace, tokens)
-        todo = [
-            k
-            for k in range(start // C, len(keys))
-            if not any(tier.contains(keys[k]) for tier in self.local)
-        ]
+        global_keys = self._global_keys(tokens)
+        todo: list[tuple[int, str]] = []
+        for k in range(start // C, len(keys)):
+            key = keys[k] if global_keys is None or self._whole(slots, k) else global_keys[k]
+            if not any(tier.contains(keys[k]) or tier.contains(key) for tier in self.local):
+                todo.append((k, key))
         if not todo:
             return
-        rows = self._gather(torch.cat([slots[k * C : (k + 1) * C] for k in todo]))
-        for j, k in enumerate(todo):
-            self.local[0].put(keys[k], tokens[k * C : (k + 1) * C], rows[:, :, j * C : (j + 1) * C])
+        rows = self._gather(torch.cat([slots[k * C : (k + 1) * C] for k, _ in todo]))
+        for j, (k, key) in enumerate(todo):
+            self.local[0].put(key, tokens[k * C : (k + 1) * C], rows[:, :, j * C : (j + 1) * C])
 
     def _gather(self, slots: torch.Tensor) -> torch.Tensor:
         """The pool's rows at `slots`, copied into one new buffer with one index_select per
@@ -401,9 +444,15 @@ class HiCache:
             (lay.num_layers, 2, len(slots), lay.kv_heads, lay.head_dim), dtype=lay.dtype
         )
         for i in range(lay.num_layers):
-            torch.index_select(pool.k[i], 0, slots, out=out[i, 0])
-            torch.index_select(pool.v[i], 0, slots, out=out[i, 1])
+            rows = pool.layer_slots(i, slots)
+            torch.index_select(pool.k[i], 0, rows, out=out[i, 0])
+            torch.index_select(pool.v[i], 0, rows, out=out[i, 1])
         return out
+
+    def _whole(self, slots: torch.Tensor, k: int) -> bool:
+        """Whether the pool holds every layer's K/V of chunk k of `slots`: a token whose
+        sliding rows were freed (kvcache/pool.py) has none to write to a tier."""
+        return bool(self.pool.has_swa(slots[k * C : (k + 1) * C]).all())
 
     def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
         result = self.tree.insert(token_ids, kv_indices)
@@ -412,9 +461,13 @@ class HiCache:
         if self.remote is not None:
             tokens = list(token_ids)
             keys = chunk_keys(self.namespace, tokens)
-            todo = [k for k, key in enumerate(keys) if not self.remote.known(key)]
+            slots = result.indices
+            todo = [
+                k
+                for k, key in enumerate(keys)
+                if not self.remote.known(key) and self._whole(slots, k)
+            ]
             if todo:
-                slots = result.indices
                 rows = self._gather(torch.cat([slots[k * C : (k + 1) * C] for k in todo]))
                 for j, k in enumerate(todo):
                     chunk = rows[:, :, j * C : (j + 1) * C]

@@ -4,6 +4,12 @@ Layout (page size 1):
     k[layer], v[layer] : (num_slots, kv_heads, head_dim)   one row per cached token
     req_to_token       : (max_requests, max_context_len) int64, req_to_token[r, pos] = kv slot
 
+Sliding-window layers (a model's `windows`) keep their rows apart, at slots of their own:
+`swa_of[slot]` is the sliding layers' row of a token's slot, 0 when the token has none
+(never given one, or freed once no query can see it: `free_swa`). Their rows are handed out
+with the token's and reused as soon as freed, so the memory they touch follows the windows
+of the running requests (and what the prefix cache keeps), not the context.
+
 Slot 0 is never handed out: it is a scratch row that padded writes may target safely.
 The pools only hand out and take back indices; which indices are in use by whom is the
 business of the radix cache and the scheduler (`check_integrity` there counts them).
@@ -14,6 +20,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -33,11 +40,65 @@ def _zeros(
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
+class FreeSlots:
+    """A free list of slots 1 .. num_slots - 1 (slot 0 is scratch).
+
+    Contract: `take(n)` returns `n` distinct free slots or None (never a partial result);
+    `give(slots)` returns slots and asserts none was already free.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        self.is_free = torch.ones(num_slots, dtype=torch.bool)
+        self.is_free[0] = False
+        # A stack of free slots, descending when sorted: pops hand out ascending runs.
+        self._stack: list[int] = list(range(num_slots - 1, 0, -1))
+        self._sorted = True  # no give() since the stack was last sorted
+
+    def __len__(self) -> int:
+        return len(self._stack)
+
+    def take(self, n: int, in_order: bool = True) -> torch.Tensor | None:
+        if n > len(self._stack):
+            return None
+        if in_order and n >= SORTED_ALLOC and not self._sorted:
+            self._sort()
+        taken = [self._stack.pop() for _ in range(n)]
+        slots = torch.tensor(taken, dtype=torch.int64)
+        self.is_free[slots] = False
+        return slots
+
+    def give(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        assert not bool(self.is_free[slots].any()), "double free of KV slots"
+        assert int(slots.min()) > 0, "slot 0 is scratch and never allocated"
+        self.is_free[slots] = True
+        self._stack.extend(slots.flip(0).tolist())
+        self._sorted = False
+
+    def _sort(self) -> None:
+        """Free slots in address order again. Freed decode slots of a batch interleave (one
+        per sample per step), so without this a long prompt allocated later is scattered
+        over the pool, and every decode step then reads its K/V rows at random: at 4096
+        tokens the batch-1 attention read 5.9 GB/s scattered against 13.6 contiguous (AVX2
+        EPYC). A few ms for 300k slots, paid only by allocations of SORTED_ALLOC+ slots."""
+        self._stack = self.is_free.nonzero().flatten().flip(0).tolist()
+        self._sorted = True
+
+
+_Load = tuple[int, torch.Tensor, torch.Tensor, list[torch.Tensor]]  # job, slots, rows, parts
+
+
 class KVPool:
     """Per-layer K/V storage and a free list of token slots.
 
     Contract: `alloc(n)` returns `n` distinct free slots or None (never a partial result);
-    `free(slots)` returns slots to the free list and asserts none was already free.
+    `free(slots)` returns slots to the free list and asserts none was already free. With
+    sliding layers (`windows`, one per layer, 0 for a full layer) each allocated slot gets a
+    sliding row too (`swa_of`), and `free` returns both; `free_swa` returns only the sliding
+    rows of tokens no query will see again. `k[layer]`/`v[layer]` of a sliding layer are
+    indexed by sliding rows: `write` takes the rows of the layer it writes
+    (`ForwardBatch.swa_out_cache_loc` for a sliding layer).
 
     Layer-wise loading (`load(..., background=True)`): rows from a lower KV tier are written
     by a loader thread, layer 0 first, while the step computes; `write(layer, ...)` (each
@@ -55,67 +116,112 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        windows: Sequence[int] = (),
     ) -> None:
         assert num_slots >= 2, f"KV pool needs at least 2 slots, got {num_slots}"
+        assert not windows or len(windows) == num_layers, f"{len(windows)} windows"
         self.num_slots = num_slots
         self.capacity = num_slots - 1  # slot 0 is scratch
         shape = (num_slots, kv_heads, head_dim)
         on_cpu = torch.device(device).type == "cpu"
         self.k = [_zeros(shape, dtype, device, on_cpu) for _ in range(num_layers)]
         self.v = [_zeros(shape, dtype, device, on_cpu) for _ in range(num_layers)]
-        self._is_free = torch.ones(num_slots, dtype=torch.bool)
-        self._is_free[0] = False
-        # A stack of free slots, descending when sorted: pops hand out ascending runs.
-        self._free: list[int] = list(range(num_slots - 1, 0, -1))
-        self._sorted = True  # no free() since the stack was last sorted
+        self._slots = FreeSlots(num_slots)
+        self.window = max(windows, default=0)  # the widest sliding layer's; 0: none
+        self.sliding = [w > 0 for w in windows] or [False] * num_layers
+        # the sliding row of each slot (0: none); None without sliding layers
+        self.swa_of = torch.zeros(num_slots, dtype=torch.int64) if self.window else None
+        self._swa = FreeSlots(num_slots)  # sliding rows: as many as slots
         self._loads_started = 0  # background loads handed to the loader (scheduler thread)
         self._layer_loaded = [0] * num_layers  # per layer: loads that have written it
         self._loaded = threading.Condition()
-        self._load_queue: queue.Queue[tuple[int, torch.Tensor, list[torch.Tensor]]] | None = None
+        self._load_queue: queue.Queue[_Load] | None = None
         self._load_error: BaseException | None = None
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._slots)
+
+    def is_free(self, slots: torch.Tensor) -> torch.Tensor:
+        """(n,) bool: which of `slots` are free."""
+        return self._slots.is_free[slots]
 
     def can_alloc(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= len(self._slots)
 
     def alloc(self, n: int, in_order: bool = True) -> torch.Tensor | None:
-        """Take `n` free slots, or return None when fewer than `n` are free. `in_order=False`
-        skips the sort that an allocation of SORTED_ALLOC+ slots starts with: for slots that
-        many samples take one each (a decode step's), exactly those n alloc(1) calls take."""
-        if n > len(self._free):
-            return None
-        if in_order and n >= SORTED_ALLOC and not self._sorted:
-            self._sort_free()
-        taken = [self._free.pop() for _ in range(n)]
-        slots = torch.tensor(taken, dtype=torch.int64)
-        self._is_free[slots] = False
+        """Take `n` free slots (each with a sliding row), or return None when fewer than `n`
+        are free. `in_order=False` skips the sort that an allocation of SORTED_ALLOC+ slots
+        starts with: for slots that many samples take one each (a decode step's), exactly
+        those n alloc(1) calls take."""
+        slots = self._slots.take(n, in_order)
+        if slots is not None and self.swa_of is not None:
+            rows = self._swa.take(n, in_order)
+            assert rows is not None, "fewer sliding rows than slots are free"
+            self.swa_of[slots] = rows
         return slots
 
     def free(self, slots: torch.Tensor) -> None:
-        if slots.numel() == 0:
-            return
-        assert not bool(self._is_free[slots].any()), "double free of KV slots"
-        assert int(slots.min()) > 0, "slot 0 is scratch and never allocated"
-        self._is_free[slots] = True
-        self._free.extend(slots.flip(0).tolist())
-        self._sorted = False
+        self.free_swa(slots)
+        self._slots.give(slots)
 
-    def _sort_free(self) -> None:
-        """Free slots in address order again. Freed decode slots of a batch interleave (one
-        per sample per step), so without this a long prompt allocated later is scattered
-        over the pool, and every decode step then reads its K/V rows at random: at 4096
-        tokens the batch-1 attention read 5.9 GB/s scattered against 13.6 contiguous (AVX2
-        EPYC). A few ms for 300k slots, paid only by allocations of SORTED_ALLOC+ slots."""
-        self._free = self._is_free.nonzero().flatten().flip(0).tolist()
-        self._sorted = True
+    # -- sliding rows --------------------------------------------------------------------
+
+    @property
+    def swa_used(self) -> int:
+        """Sliding rows held (0 without sliding layers)."""
+        return 0 if self.swa_of is None else self.capacity - len(self._swa)
+
+    def has_swa(self, slots: torch.Tensor) -> torch.Tensor:
+        """(n,) bool: which of `slots` hold their sliding layers' K/V (all, without such
+        layers)."""
+        if self.swa_of is None:
+            return torch.ones(slots.shape, dtype=torch.bool)
+        return self.swa_of[slots] > 0
+
+    def free_swa(self, slots: torch.Tensor) -> int:
+        """Give back the sliding rows of `slots` (those that have one); returns how many."""
+        if self.swa_of is None or slots.numel() == 0:
+            return 0
+        rows = self.swa_of[slots]
+        held = rows[rows > 0]
+        self._swa.give(held)
+        self.swa_of[slots] = 0
+        return held.numel()
+
+    def adopt_swa(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """Where slot dst[i] has no sliding row and src[i] has one, move it over (the same
+        token's K/V computed twice: src is about to be freed). Returns the moved mask."""
+        if self.swa_of is None:
+            return torch.zeros(dst.shape, dtype=torch.bool)
+        move = (self.swa_of[dst] == 0) & (self.swa_of[src] > 0)
+        self.swa_of[dst[move]] = self.swa_of[src[move]]
+        self.swa_of[src[move]] = 0
+        return move
+
+    def check_swa(self) -> None:
+        """Every sliding row held belongs to exactly one allocated slot."""
+        if self.swa_of is None:
+            return
+        holders = (self.swa_of > 0).nonzero().flatten()
+        rows = self.swa_of[holders]
+        assert rows.numel() == self.swa_used, f"{rows.numel()} rows held, {self.swa_used} taken"
+        assert int(rows.unique().numel()) == rows.numel(), "a sliding row held twice"
+        assert not bool(self._swa.is_free[rows].any()), "a held sliding row is free"
+        assert not bool(self._slots.is_free[holders].any()), "a free slot holds a sliding row"
+
+    def layer_slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The rows of `layer` that hold the tokens at `slots`."""
+        if self.swa_of is not None and self.sliding[layer]:
+            return self.swa_of[slots]
+        return slots
+
+    # -- writing -------------------------------------------------------------------------
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K/V rows (T, kv_heads, head_dim) of `layer` at `slots` (T,), rounded to the
-        pool's dtype when it is narrower (see EngineConfig.kv_cache_dtype); first waits
-        until the background loads have written `layer`."""
+        """Store K/V rows (T, kv_heads, head_dim) of `layer` at its rows `slots` (T,), rounded
+        to the pool's dtype when it is narrower (see EngineConfig.kv_cache_dtype); first
+        waits until the background loads have written `layer`."""
         self._wait_layer(layer)
         self._write(layer, slots, k, v)
 
@@ -131,35 +237,41 @@ class KVPool:
         head_dim) tensors whose concatenation along dim 2 has T rows. In the background:
         returns at once and the loader thread writes them layer by layer (see the class
         docstring); else written here, all layers, before returning."""
+        rows = slots if self.swa_of is None else self.swa_of[slots]  # read now, not later
         if not background:
             self.wait_loads()
-            for layer in range(len(self.k)):
-                self._write(layer, slots, *self._rows(parts, layer))
+            self._load_layers(slots, rows, parts)
             return
         if self._load_queue is None:
             self._load_queue = queue.Queue()
             threading.Thread(target=self._load_loop, name="kv-loader", daemon=True).start()
         self._loads_started += 1
-        self._load_queue.put((self._loads_started, slots, parts))
+        self._load_queue.put((self._loads_started, slots, rows, parts))
 
-    @staticmethod
-    def _rows(parts: list[torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k = torch.cat([p[layer, 0] for p in parts])  # (T, kv_heads, head_dim)
-        v = torch.cat([p[layer, 1] for p in parts])
-        return k, v
+    def _load_layers(
+        self, slots: torch.Tensor, rows: torch.Tensor, parts: list[torch.Tensor], job: int = 0
+    ) -> None:
+        """Write every layer's part (layer 0 first); with a `job`, mark each layer loaded."""
+        for layer in range(len(self.k)):
+            try:
+                at = rows if self.sliding[layer] else slots
+                k = torch.cat([p[layer, 0] for p in parts])  # (T, kv_heads, head_dim)
+                v = torch.cat([p[layer, 1] for p in parts])
+                self._write(layer, at, k, v)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting step
+                if not job:
+                    raise
+                self._load_error = e
+            if job:
+                with self._loaded:
+                    self._layer_loaded[layer] = job
+                    self._loaded.notify_all()
 
     def _load_loop(self) -> None:
         assert self._load_queue is not None
         while True:
-            job, slots, parts = self._load_queue.get()
-            for layer in range(len(self.k)):
-                try:
-                    self._write(layer, slots, *self._rows(parts, layer))
-                except BaseException as e:  # noqa: BLE001 - handed to the waiting step
-                    self._load_error = e
-                with self._loaded:
-                    self._layer_loaded[layer] = job
-                    self._loaded.notify_all()
+            job, slots, rows, parts = self._load_queue.get()
+            self._load_layers(slots, rows, parts, job)
 
     def _wait_layer(self, layer: int) -> None:
         if self._layer_loaded[layer] < self._loads_started:  # int reads: no lock needed

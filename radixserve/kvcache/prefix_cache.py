@@ -133,6 +133,11 @@ class PrefixCache(Protocol):
         """Free every slot the cache holds. Asserts that nothing is locked."""
         ...
 
+    def trim_swa(self, spared: set[int]) -> int:
+        """Free sliding-window layers' rows of cached tokens that no likely match needs, but
+        the `spared` nodes' (ids) (RadixCache.trim_swa); returns how many it freed."""
+        ...
+
     def tier_stats(self) -> dict[str, TierStats]:
         """Counters of each KV tier by name ({} without lower tiers)."""
         ...
@@ -218,6 +223,9 @@ class NoPrefixCache:
 
     def flush(self) -> None:
         """Nothing is held, so nothing to free."""
+
+    def trim_swa(self, spared: set[int]) -> int:
+        return 0
 
     def tier_stats(self) -> dict[str, TierStats]:
         return {}

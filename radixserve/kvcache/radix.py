@@ -11,6 +11,13 @@ Slot accounting (asserted by `check_integrity`):
                      free list       unlocked nodes  locked nodes      slots requests hold
                                                                         outside the tree
 
+Sliding-window layers (a pool with `swa_of`, kvcache/pool.py): a cached token may have lost
+its sliding rows (freed once out of every running request's window, or by `trim_swa`: kept
+only near the ends where matches stop). A match ending at L needs them for the last
+`pool.window` tokens before L (the first query after the prefix sees those), so
+`match_prefix` stops at the longest such L; the global layers' K/V of the whole prefix is
+reused all the same. `swa_tokens` counts the cached tokens that still have them.
+
 The tree is single-threaded: the scheduler owns it and calls it between model steps.
 `RadixCache` is the `PrefixCache` (prefix_cache.py) that shares every cached prefix.
 """
@@ -46,7 +53,7 @@ class TreeNode:
     `id` is unique within one cache and never reused, so it can name a node in a batch plan.
     """
 
-    __slots__ = ("id", "key", "value", "children", "parent", "lock_ref", "last_access")
+    __slots__ = ("id", "key", "value", "children", "parent", "lock_ref", "last_access", "anchor")
 
     def __init__(
         self,
@@ -63,6 +70,9 @@ class TreeNode:
         self.parent = parent  # None for the root and for nodes evicted or flushed
         self.lock_ref = 0
         self.last_access = last_access
+        # a prompt ends with this node: the window before its end keeps its sliding rows
+        # (RadixCache.trim_swa); a split leaves it on the lower half, which keeps the end
+        self.anchor = False
 
     @property
     def is_leaf(self) -> bool:
@@ -92,6 +102,10 @@ class MatchResult:
 
 
 LRU_SLACK = 64  # stale heap entries tolerated beyond the live ones before a rebuild
+# Tokens beyond the window that trim_swa keeps before an end: a match cut back a little
+# (to a lower tier's chunk boundary, or one token before a prompt's end) still finds its
+# window's sliding rows.
+SWA_TAIL_SLACK = 64
 
 
 def _empty_slots() -> torch.Tensor:
@@ -100,6 +114,23 @@ def _empty_slots() -> torch.Tensor:
 
 def _cat(values: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(values) if values else _empty_slots()
+
+
+def _near_end(node: TreeNode, reach: int) -> bool:
+    """Whether `node` ends fewer than `reach` tokens before the end of the first node at or
+    below it that is a leaf, a branch or an anchor (down its one-child chain)."""
+    below = 0
+    while len(node.children) == 1 and not node.anchor:
+        node = next(iter(node.children.values()))
+        below += len(node.key)
+        if below >= reach:
+            return False
+    return True
+
+
+def _values(nodes: list[TreeNode]) -> torch.Tensor:
+    """The slots of `nodes` (a path), concatenated."""
+    return _cat([n.value for n in nodes])
 
 
 def check_insert_args(num_tokens: int, kv_indices: torch.Tensor) -> None:
@@ -196,6 +227,8 @@ class RadixCache:
         self.path_version = 0  # splits so far: a path read at this version is still exact
         self._leaves: set[TreeNode] = set()  # the evictable leaves (see Algorithm)
         self._lru: list[tuple[float, int, TreeNode]] = []  # heap over them, lazy entries
+        self.swa_tokens = 0  # cached tokens whose sliding rows are held (module docstring)
+        self._swa_nodes: set[TreeNode] = set()  # every node holding some (and maybe others)
 
     # -- sizes -----------------------------------------------------------------------------
 
@@ -213,16 +246,39 @@ class RadixCache:
 
     # -- lookup and insertion -------------------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        """Longest cached prefix of `token_ids`: its KV slots and the node ending it.
+    def match_prefix(self, token_ids: Sequence[int], whole: bool = False) -> MatchResult:
+        """Longest cached prefix of `token_ids`: its KV slots and the node ending it; with
+        sliding-window layers, the longest whose window before its end has their K/V
+        (module docstring), unless `whole` (what the tree holds, for a caller that adds
+        those rows).
 
         Splits a node when the match ends inside its edge; sets last_access of every node on
         the matched path. No match: empty indices at the root.
         """
         if len(token_ids) == 0:
             return MatchResult(_empty_slots(), self.root)
-        node, values, n = self._descend(list(token_ids), self._clock())
-        return MatchResult(_cat(values), node, {"device": n} if n else {})
+        tokens, now = list(token_ids), self._clock()
+        nodes, n = self._descend(tokens, now)
+        usable = n if whole else self._swa_usable(_values(nodes))
+        if usable < n:  # the sliding layers' K/V is missing in the last window before n
+            nodes, n = self._descend(tokens[:usable], now)
+        return MatchResult(
+            _values(nodes), nodes[-1] if nodes else self.root, {"device": n} if n else {}
+        )
+
+    def _swa_usable(self, slots: torch.Tensor) -> int:
+        """The longest prefix of `slots` whose last pool.window tokens (or all, if fewer)
+        hold their sliding rows: the runs of such tokens, the last one long enough."""
+        n, w = slots.numel(), self.pool.window
+        if not w or n == 0:
+            return n
+        missing = (~self.pool.has_swa(slots)).nonzero().flatten()
+        if missing.numel() == 0:
+            return n
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), missing + 1])
+        ends = torch.cat([missing, torch.tensor([n])])
+        ok = ((ends - starts) >= w) | (starts == 0)
+        return int(ends[ok.nonzero().flatten()[-1]])
 
     def cached_length(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens of `token_ids` are cached. Read-only: no split, no LRU touch
@@ -271,14 +327,26 @@ class RadixCache:
         if not tokens:
             return MatchResult(_empty_slots(), self.root)
         now = self._clock()
-        node, values, pos = self._descend(tokens, now)
-        cached = _cat(values)  # (pos,) the tree's slots for tokens[:pos]
+        nodes, pos = self._descend(tokens, now)
+        node = nodes[-1] if nodes else self.root
+        cached = _values(nodes)  # (pos,) the tree's slots for tokens[:pos]
         given = kv_indices[:pos]
-        self.pool.free(given[given != cached])  # duplicates; equal slots are the tree's own
+        twice = given != cached  # duplicates; equal slots are the tree's own
+        if self.pool.window and bool(twice.any()):
+            self._adopt_swa(nodes, cached[twice], given[twice])
+        self.pool.free(given[twice])
         if pos == len(tokens):
             return MatchResult(cached, node)
         leaf = self._add_leaf(node, tokens[pos:], kv_indices[pos:].clone(), now)
         return MatchResult(torch.cat([cached, leaf.value]), leaf)
+
+    def _adopt_swa(self, path: list[TreeNode], cached: torch.Tensor, given: torch.Tensor) -> None:
+        """The caller's duplicates `given` give their sliding rows to the tree's `cached`
+        tokens (on `path`) that lack them."""
+        moved = int(self.pool.adopt_swa(cached, given).sum())
+        self.swa_tokens += moved
+        for node in path if moved else []:
+            self._push_swa(node)
 
     def _edges(self, tokens: list[int]) -> Iterator[tuple[TreeNode, int]]:
         """(child, tokens matched on its edge) along the longest cached prefix of `tokens`,
@@ -294,22 +362,22 @@ class RadixCache:
                 return
             node, pos = child, pos + m
 
-    def _descend(self, tokens: list[int], now: float) -> tuple[TreeNode, list[torch.Tensor], int]:
+    def _descend(self, tokens: list[int], now: float) -> tuple[list[TreeNode], int]:
         """Walk down the longest cached prefix of `tokens`, splitting where it ends mid-edge.
 
-        Returns (deepest matched node, values of the matched nodes root-first, matched length).
+        Returns (the matched nodes root-first, matched length).
         """
-        node, values, pos = self.root, [], 0
-        node.last_access = now
+        nodes, pos = [], 0
+        self.root.last_access = now
         for child, m in list(self._edges(tokens)):  # list first: a split mutates the tree
             if m < len(child.key):
                 child = self._split(child, m)  # the new upper node: exactly the matched part
             child.last_access = now
             if child in self._leaves:  # its old heap entry is stale now
                 self._push_lru(child)
-            values.append(child.value)
-            node, pos = child, pos + m
-        return node, values, pos
+            nodes.append(child)
+            pos += m
+        return nodes, pos
 
     def _split(self, node: TreeNode, k: int) -> TreeNode:
         """Cut `node`'s edge after `k` tokens; returns the new upper node (fresh id).
@@ -330,6 +398,7 @@ class RadixCache:
         node.value = node.value[k:]
         if self.suffixes is not None:
             self.suffixes.split(upper, node)
+        self._push_swa(upper)
         return upper
 
     def _add_leaf(
@@ -344,6 +413,9 @@ class RadixCache:
         self._update_evictable(leaf)
         if self.suffixes is not None:
             self.suffixes.add(leaf)
+        if self.pool.window:
+            self.swa_tokens += int(self.pool.has_swa(value).sum())
+            self._push_swa(leaf)
         return leaf
 
     # -- locking ---------------------------------------------------------------------------
@@ -408,6 +480,9 @@ class RadixCache:
             self._on_evict(*self._path_kv(leaf))
         if self.suffixes is not None:
             self.suffixes.remove(leaf)
+        if self.pool.window:
+            self.swa_tokens -= int(self.pool.has_swa(leaf.value).sum())
+            self._swa_nodes.discard(leaf)
         self.pool.free(leaf.value)
         del parent.children[leaf.key[0]]
         self._evictable -= len(leaf.key)
@@ -441,6 +516,29 @@ class RadixCache:
                 return node
         return None
 
+    # -- sliding rows (module docstring) -------------------------------------------------
+
+    def trim_swa(self, spared: set[int]) -> int:
+        """Free the sliding rows of cached tokens that no likely match needs: every node's but
+        those within SWA_TAIL tokens before the end of a leaf, a branch or an anchor (a
+        prompt's end), and the `spared` ones (ids: the running requests' windows). Returns
+        how many rows it freed."""
+        reach = self.pool.window + SWA_TAIL_SLACK
+        freed = 0
+        for node in list(self._swa_nodes):
+            if node.parent is None:  # evicted or flushed
+                self._swa_nodes.discard(node)
+            elif node.id not in spared and not _near_end(node, reach):
+                n = self.pool.free_swa(node.value)
+                self.swa_tokens -= n
+                freed += n
+                self._swa_nodes.discard(node)
+        return freed
+
+    def _push_swa(self, node: TreeNode) -> None:
+        if self.pool.window:
+            self._swa_nodes.add(node)
+
     def _path_kv(self, node: TreeNode) -> tuple[list[int], torch.Tensor, int]:
         """(tokens, slots) of the path from the root to `node`, and where `node` begins."""
         keys: list[list[int]] = []
@@ -466,6 +564,8 @@ class RadixCache:
         self.num_nodes = 1
         self._leaves.clear()
         self._lru.clear()
+        self.swa_tokens = 0
+        self._swa_nodes.clear()
         if self.suffixes is not None:
             self.suffixes.clear()
 
@@ -514,6 +614,7 @@ class RadixCache:
         )
         self._check_lru()
         self._check_slots(_cat(values), in_use_elsewhere)
+        self._check_swa(_cat(values))
         if self.suffixes is not None:
             self.suffixes.check(self._iter_nodes())
 
@@ -529,6 +630,22 @@ class RadixCache:
         live = {(access, node_id) for access, node_id, _ in self._lru}
         missing = [n for n in self._leaves if (n.last_access, n.id) not in live]
         assert not missing, f"evictable leaves without a heap entry: {missing}"
+
+    def _check_swa(self, slots: torch.Tensor) -> None:
+        """swa_tokens counts the cached tokens with sliding rows, and trim_swa sees every
+        node that has some."""
+        if not self.pool.window:
+            return
+        held = int(self.pool.has_swa(slots).sum())
+        assert held == self.swa_tokens, f"swa_tokens {self.swa_tokens}, the tree holds {held}"
+        lost = [
+            n
+            for n in self._iter_nodes()
+            if n is not self.root
+            and n not in self._swa_nodes
+            and bool(self.pool.has_swa(n.value).any())
+        ]
+        assert not lost, f"nodes with sliding rows out of the LRU: {lost}"
 
     def _check_children(self, node: TreeNode) -> None:
         child_locks = 0
@@ -549,8 +666,7 @@ class RadixCache:
         if slots.numel() > 0:
             assert int(slots.min()) > 0, "scratch slot 0 is in the tree"
             assert int(slots.unique().numel()) == slots.numel(), "a KV slot appears twice"
-            # KVPool has no public membership query; its free mask is read, never written.
-            free_in_tree = slots[pool._is_free[slots]]
+            free_in_tree = slots[pool.is_free(slots)]
             assert free_in_tree.numel() == 0, f"tree slots free in pool: {free_in_tree.tolist()}"
         total = pool.num_free + self.total_size + in_use_elsewhere
         assert total == pool.capacity, (

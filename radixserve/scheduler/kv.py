@@ -15,6 +15,7 @@ import torch
 
 from radixserve.kvcache.pool import KVPool, ReqToTokenPool
 from radixserve.kvcache.prefix_cache import PrefixCache
+from radixserve.kvcache.radix import TreeNode
 from radixserve.scheduler.modules import ModuleStore
 from radixserve.scheduler.req import Req
 
@@ -25,6 +26,34 @@ class KVManager:
         self.req_pool = req_pool
         self.cache = cache
         self.modules = ModuleStore()
+        self._swa_mark = 0  # sliding rows held when the cache is trimmed next (trim_swa)
+
+    def trim_swa(self, running: list[Req]) -> None:
+        """Free the sliding-window layers' K/V that no query will read: a running sample's
+        next queries (positions >= kv_len) see no key before kv_len - window + 1. Its own
+        older tokens' go at once; the cache's (but near the ends where matches stop, and
+        the nodes a running sample's window reaches) whenever a window's worth more rows
+        are held than after the last such trim."""
+        window = self.pool.window
+        if not window:
+            return
+        for r in running:
+            first = r.kv_len - window + 1  # the first position the next queries see
+            own = max(r.tree_len, r.swa_from)
+            if r.row is not None and first > own:
+                self.pool.free_swa(self.req_pool.table[r.row, own:first])
+                r.swa_from = first
+        if self.pool.swa_used <= self._swa_mark:
+            return
+        spared: set[int] = set()
+        for r in running:
+            node, end = r.last_node, r.tree_len
+            while node is not None and node is not self.cache.root and end > r.kv_len - window:
+                spared.add(node.id)
+                end -= len(node.key)
+                node = node.parent
+        self.cache.trim_swa(spared)
+        self._swa_mark = self.pool.swa_used + window
 
     @property
     def available(self) -> int:
@@ -142,11 +171,25 @@ class KVManager:
             f"{req.rid}: the cache kept {n} of {req.kv_len} tokens, {req.tree_len} already"
         )
         self.req_pool.table[req.row, :n] = match.indices
+        if n == len(req.prompt_ids):  # where a later match of the prompt stops
+            self._anchor(match.last_node)
         self.cache.lock(match.last_node)
         self.cache.unlock(req.last_node)
         if match.last_node is not req.last_node:
             req.last_node, req.path = match.last_node, None
         req.tree_len = n
+
+    def _anchor(self, node: TreeNode) -> None:
+        """Mark `node` the end of a prompt (RadixCache.trim_swa keeps the sliding-window K/V
+        before it) in place of the prompt ends above it: an earlier turn's prompt is seldom
+        sent again once the conversation went on."""
+        if node is self.cache.root:
+            return
+        node.anchor = True
+        above = node.parent
+        while above is not None and above is not self.cache.root:
+            above.anchor = False
+            above = above.parent
 
     def fork(self, parent: Req, child: Req) -> bool:
         """Let `child` share all of `parent`'s K/V through the cache's lock on it. False when
@@ -179,6 +222,7 @@ class KVManager:
         self.cache.unlock(req.last_node)
         self.req_pool.free(req.row)
         req.row, req.last_node, req.tree_len, req.kv_len = None, None, 0, 0
+        req.swa_from = 0
         req.path = None
 
     def owned_by_requests(self, reqs: list[Req]) -> int:
@@ -189,6 +233,7 @@ class KVManager:
         request that `path` would still return equal to a fresh walk."""
         held = self.owned_by_requests(reqs) + self.modules.num_slots
         self.cache.check_integrity(in_use_elsewhere=held)
+        self.pool.check_swa()
         for r in reqs:
             use = r.request.modules
             if r.path is None or (use is None and r.path_version != self.cache.path_version):

@@ -47,6 +47,7 @@ class Req:
     kv_len: int = 0
     tree_len: int = 0
     last_node: TreeNode | None = None  # locked while admitted
+    swa_from: int = 0  # own positions before it have no sliding-window K/V (KVManager.trim_swa)
     cached_tokens: int = -1  # prompt tokens found in the cache at first admission
     cached_tiers: dict[str, int] = field(default_factory=dict)  # those tokens by KV tier
     fork_pending: bool = False  # n > 1: fork the other samples once the prompt is done

@@ -251,6 +251,7 @@ class Scheduler:
     def _schedule(self) -> tuple[list[Work], list[EncodeChunk]]:
         """The running samples' next inputs, a chunk of a schema being encoded (its slots
         are pinned already), then admissions, within the step's prefill budget."""
+        self.kv.trim_swa(self.running)
         retracted = self._make_room()
         work = [Work(r, self._next_len(r)) for r in self.running]
         self.kv.extend_each([(w.req, w.n) for w in work])

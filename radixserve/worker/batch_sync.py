@@ -3,13 +3,14 @@
 Every rank owns a KV pool with the SAME slot numbering (rank 0's scheduler allocates, the
 followers only mirror), so the batch rank 0 built describes every rank's pool. Per step:
 
-    header (HEADER_LEN,) int64: [op, n_req, n_tok, n_path, n_kv]
+    header (HEADER_LEN,) int64: [op, n_req, n_tok, n_path, n_kv, n_swa]
         op = OP_FORWARD: a body follows;  op = OP_STOP: no body, the follower loop ends
-    body (3*n_tok + 3*n_req + n_kv + 2*n_path,) int64, in this order:
+    body (3*n_tok + 3*n_req + n_kv + 2*n_path + n_swa,) int64, in this order:
         | input_ids | positions | out_cache_loc |     each n_tok
         | seq_lens | extend_lens | path_lens |        each n_req (path_lens[r] = len(paths[r]))
         | kv_indices of all requests, concatenated |  n_kv = sum(seq_lens)
         | path node ids | path token counts |          each n_path = sum(path_lens)
+        | swa_kv_indices, concatenated |               n_swa = n_kv, or 0 when None
 
 Both go over `TPGroup.ctrl` (gloo, CPU tensors). Followers block in the header broadcast
 between steps; the attention plan is recomputed on every rank from the received batch.
@@ -24,7 +25,7 @@ from radixserve.core.batch import ForwardBatch
 from radixserve.distributed.parallel import TPGroup
 from radixserve.kvcache.pool import KVPool
 
-HEADER_LEN = 5
+HEADER_LEN = 6
 OP_STOP, OP_FORWARD = 0, 1
 
 
@@ -41,6 +42,8 @@ def encode_batch(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
     n_tok, n_req = batch.input_ids.numel(), batch.num_requests
     nodes = [node for path in batch.paths for node in path]  # (node_id, num_tokens)
     kv = torch.cat(batch.kv_indices) if n_req else torch.empty(0, dtype=torch.int64)
+    swa = batch.swa_kv_indices
+    rows = torch.cat(swa) if swa and n_req else torch.empty(0, dtype=torch.int64)
     lens = batch.seq_lens + batch.extend_lens + [len(p) for p in batch.paths]
     node_ints = [node for node, _ in nodes] + [n for _, n in nodes]
     parts = [
@@ -50,11 +53,14 @@ def encode_batch(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         torch.tensor(lens, dtype=torch.int64),
         kv,
         torch.tensor(node_ints, dtype=torch.int64),
+        rows,
     ]
     assert all(p.dtype == torch.int64 and p.device.type == "cpu" for p in parts), [
         (p.dtype, p.device) for p in parts
     ]
-    header = torch.tensor([OP_FORWARD, n_req, n_tok, len(nodes), kv.numel()], dtype=torch.int64)
+    header = torch.tensor(
+        [OP_FORWARD, n_req, n_tok, len(nodes), kv.numel(), rows.numel()], dtype=torch.int64
+    )
     return header, torch.cat(parts)
 
 
@@ -81,17 +87,17 @@ def recv_batch(tp: TPGroup, pool: KVPool) -> ForwardBatch | None:
 
 
 def body_len(header: torch.Tensor) -> int:
-    op, n_req, n_tok, n_path, n_kv = header.tolist()
+    op, n_req, n_tok, n_path, n_kv, n_swa = header.tolist()
     assert op == OP_FORWARD, f"unknown batch op {op}"
-    return 3 * n_tok + 3 * n_req + n_kv + 2 * n_path
+    return 3 * n_tok + 3 * n_req + n_kv + 2 * n_path + n_swa
 
 
 def decode_batch(header: torch.Tensor, body: torch.Tensor, pool: KVPool) -> ForwardBatch:
     """The batch `encode_batch` encoded, over `pool`. Its tensors are views of `body`."""
-    _, n_req, n_tok, n_path, n_kv = header.tolist()
+    _, n_req, n_tok, n_path, n_kv, n_swa = header.tolist()
     assert body.numel() == body_len(header), f"body {body.numel()} for header {header.tolist()}"
-    sizes = [n_tok, n_tok, n_tok, 3 * n_req, n_kv, 2 * n_path]
-    ids, pos, locs, lens, kv, nodes = body.split(sizes)
+    sizes = [n_tok, n_tok, n_tok, 3 * n_req, n_kv, 2 * n_path, n_swa]
+    ids, pos, locs, lens, kv, nodes, rows = body.split(sizes)
     lens_l = lens.tolist()
     seq_lens, extend_lens, path_lens = (lens_l[i * n_req : (i + 1) * n_req] for i in range(3))
     node_ids, node_tokens = nodes[:n_path].tolist(), nodes[n_path:].tolist()
@@ -110,4 +116,5 @@ def decode_batch(header: torch.Tensor, body: torch.Tensor, pool: KVPool) -> Forw
         kv_indices=list(kv.split(seq_lens)),
         paths=paths,
         kv_pool=pool,
+        swa_kv_indices=list(rows.split(seq_lens)) if pool.swa_of is not None else None,
     )

@@ -164,8 +164,9 @@ class ModelWorker:
         capacity, free = kv_capacity(config, per_token * sharing, mapped)
         if self.tp is not None:  # same slot numbering on every rank needs the same size
             capacity = agree_min(capacity, self.tp)
+        windows = [mc.window(i) for i in range(mc.num_layers)]
         self.pool = KVPool(capacity + 1, mc.num_layers, kv_heads, mc.head_dim,
-                           self.kv_dtype, device)  # fmt: skip
+                           self.kv_dtype, device, windows)  # fmt: skip
         logger.info(
             "KV pool: %d tokens, %.2f GB (%d B/token)%s, %s of %.2f GB free after the weights "
             "(%.2f GB of them used in place from the file); attention backend %s",
