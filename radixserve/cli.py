@@ -50,6 +50,9 @@ HELP = {
     "(native attention kernels convert on load), else the compute dtype",
     "device": "torch device of the model worker (cpu, cuda)",
     "max_total_tokens": "KV pool size in tokens (default: from --mem-fraction)",
+    "max_swa_tokens": "tokens whose sliding-window layers' K/V the pool holds at once, for "
+    "models with such layers (default: --max-total-tokens when given, else half the tokens "
+    "the budget holds at every layer's cost, the full layers taking the rest)",
     "mem_fraction": "fraction of free memory for the KV pool when --max-total-tokens is unset",
     "chunked_prefill_size": "most prompt tokens of one request per prefill step",
     "max_prefill_tokens": "most new tokens of one extend batch",

@@ -54,6 +54,9 @@ NATIVE_OPS_DEFAULT = env_default("RADIXSERVE_NATIVE_OPS", {"0": False, "1": True
 PACKED_LINEAR_DEFAULT = env_default("RADIXSERVE_PACKED_LINEAR", {"0": "off", "1": "on"}, "auto")
 
 
+DECODE_RESERVE = 16  # KV slots per admitted sample kept free for its first decode steps
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     # As the user passes it: an HF folder, a .gguf file or a hub id (radixserve.models.resolve);
@@ -69,6 +72,10 @@ class EngineConfig:
     quant_activations: str = QUANT_ACTIVATIONS_DEFAULT
     device: str = "cpu"
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction
+    # tokens whose sliding-window layers' K/V the pool holds at once (models with such
+    # layers, kvcache/pool.py); None: as many as max_total_tokens when that is set, else
+    # from mem_fraction (worker/model_worker.py kv_capacity)
+    max_swa_tokens: int | None = None
     mem_fraction: float = 0.3  # of available host/GPU memory, when max_total_tokens is None
     chunked_prefill_size: int = 2048  # max prompt tokens of one request per prefill step
     max_prefill_tokens: int = 8192  # max new tokens of a whole extend batch
@@ -195,6 +202,10 @@ class EngineConfig:
             "max_prefill_tokens must be >= chunked_prefill_size",
         )
         check(self.max_running_requests >= 1, "max_running_requests must be >= 1")
+        check(
+            self.max_swa_tokens is None or self.max_swa_tokens >= 16,
+            f"max_swa_tokens must be >= 16, got {self.max_swa_tokens}",
+        )
         check(self.max_queued_requests >= 1, "max_queued_requests must be >= 1")
         check(self.tp_size >= 1, "tp_size must be >= 1")
         check(self.threads is None or self.threads >= 1, f"threads must be >= 1: {self.threads}")
@@ -237,6 +248,13 @@ class EngineConfig:
         for name in ("max_queued_tokens", "max_connections"):
             value = getattr(self, name)
             check(value is None or value >= 1, f"{name} must be >= 1, got {value}")
+
+    def swa_rows_needed(self, window: int) -> int:
+        """Sliding-window rows (kvcache/pool.py) one running sample may hold at once: its own
+        window, the cache nodes its window reaches (a window and a prompt chunk at most),
+        its next prompt chunk, its drafts and DECODE_RESERVE."""
+        chunk = self.chunked_prefill_size
+        return 2 * (window + chunk) + self.speculative_num_draft_tokens + DECODE_RESERVE
 
     @property
     def hicache_enabled(self) -> bool:

@@ -494,11 +494,19 @@ def test_kv_pool_is_sized_from_memory_left_after_the_weights(
     assert 0.8 * gguf.stat().st_size < mapped <= gguf.stat().st_size
     assert file_mapped_bytes(plain) == 0
     config = EngineConfig(mem_fraction=0.5)
-    tokens, free = kv_capacity(config, 1000, mapped)
+    tokens, rows, free = kv_capacity(config, 1000, 0, mapped)
     assert free <= psutil.virtual_memory().available - mapped + (64 << 20)  # (other processes)
-    assert tokens == int(free * 0.5) // 1000
+    assert tokens == int(free * 0.5) // 1000 and rows is None
+    # sliding-window layers (600 of each token's 1000 bytes): half the tokens the budget
+    # holds at every layer's cost keep their rows, the full layers take the rest
+    tokens, rows, free = kv_capacity(config, 400, 600, mapped)
+    budget = int(free * 0.5)
+    assert rows == budget // 2 // 1000 and tokens == (budget - rows * 600) // 400
     fixed = EngineConfig(max_total_tokens=4096)
-    assert kv_capacity(fixed, 1000, mapped)[0] == 4096
+    assert kv_capacity(fixed, 1000, 0, mapped)[:2] == (4096, None)
+    assert kv_capacity(fixed, 400, 600, mapped)[:2] == (4096, None)  # a row per slot
+    with pytest.raises(ValueError, match="max_swa_tokens"):
+        kv_capacity(EngineConfig(max_swa_tokens=10**15), 400, 600, mapped)
 
 
 def test_quantized_smollm2_logits_match_dequantized(smollm2_pair: tuple) -> None:

@@ -2,7 +2,7 @@
 (kvcache/pool.py), freed out of the running samples' windows and beyond the cache's share
 (KVManager.trim_swa), and radix matches that stop where the window before their end lacks
 them (kvcache/radix.py). Exactness against HF transformers' greedy tokens in float32, on the
-tiny Gemma 3 of models/synthetic.py (window 16, layers 0-2 sliding, layer 3 global)."""
+tiny Gemma 3 of models/synthetic.py (window 16; layer 1 global, the other three sliding)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import transformers
 from helpers import assert_all_free
 
 from radixserve import Engine
+from radixserve.config import EngineConfig
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.radix import SWA_TAIL_SLACK, RadixCache
 from radixserve.models.synthetic import build_tiny_model
@@ -110,13 +111,18 @@ def test_match_stops_where_the_window_before_its_end_lacks_sliding_rows() -> Non
 
 
 def test_trim_keeps_the_window_before_an_anchor_and_spared_nodes() -> None:
+    """A spared node and one ending at an anchor keep their rows; short of rows, only the
+    spared ones do."""
     pool, cache, ids, slots = cached_path(256)
     upper = cache.match_prefix(ids[:100]).last_node
     assert cache.trim_swa(spared={upper.id}) == 0
     upper.anchor = True  # a prompt ends there
     assert cache.trim_swa(spared=set()) == 0
     upper.anchor = False
-    assert cache.trim_swa(spared=set()) == 100
+    lower = cache.match_prefix(ids).last_node
+    assert cache.trim_swa(spared={lower.id}, keep_ends=False) == 100  # rows are short
+    assert cache.trim_swa(spared=set(), keep_ends=False) == 100
+    assert pool.swa_used == 0
     cache.check_integrity()
 
 
@@ -143,8 +149,8 @@ def test_long_generation_keeps_only_the_windows_and_matches_hf(gemma3: Path, hf:
     held: list[int] = []
     trim = kv.trim_swa
 
-    def trim_and_count(running: list[Any]) -> None:
-        trim(running)
+    def trim_and_count(pressed: bool = False) -> None:
+        trim(pressed)
         held.append(pool.swa_used)
 
     kv.trim_swa = trim_and_count  # type: ignore[method-assign]
@@ -207,5 +213,25 @@ def test_host_tier_keeps_chunks_without_sliding_rows_apart_and_matches_hf(
     # its first 150 tokens are in the pool again (the other prompt computed them)
     assert again["meta_info"]["cached_tokens_details"] == {"device": 150, "host": 138}
     assert again["output_ids"] == out["output_ids"]
+    engine.check_integrity()
+    assert_all_free(engine)
+
+
+def test_few_sliding_rows_queue_samples_and_match_hf(gemma3: Path, hf: Any) -> None:
+    """Sliding-window K/V for only the tokens one running sample may need (88): three
+    samples of 120-token prompts take turns (the cache's rows are freed, samples are
+    retracted and come back) and give HF's tokens. Fewer rows are refused, naming the
+    setting."""
+    need = EngineConfig(**ENGINE).swa_rows_needed(WINDOW)
+    assert need == 88
+    with pytest.raises(ValueError, match="max_swa_tokens: 87 tokens"):
+        Engine(str(gemma3), max_swa_tokens=need - 1, **ENGINE)
+    engine = Engine(str(gemma3), max_swa_tokens=need, **ENGINE)
+    pool = engine.scheduler.kv.pool
+    assert (pool.capacity, pool.swa_capacity) == (2048, 88)
+    assert pool.k[0].shape[0] == 89 and pool.k[1].shape[0] == 2049  # sliding, global
+    prompts = [tokens(120, seed=10 + i) for i in range(3)]
+    outs = engine.generate(input_ids=prompts, sampling_params=greedy(24))
+    assert [o["output_ids"] for o in outs] == [hf_greedy(hf, p, 24) for p in prompts]
     engine.check_integrity()
     assert_all_free(engine)

@@ -139,6 +139,10 @@ class HiCache:
     def path_version(self) -> int:
         return self.tree.path_version
 
+    @property
+    def swa_tokens(self) -> int:
+        return self.tree.swa_tokens
+
     def cached_length(self, token_ids: Sequence[int]) -> int:
         return self.tree.cached_length(token_ids)
 
@@ -170,8 +174,8 @@ class HiCache:
             self.tree.unlock(node)
         return freed + self.tree.evict(num_tokens - freed)
 
-    def trim_swa(self, spared: set[int]) -> int:
-        return self.tree.trim_swa(spared)
+    def trim_swa(self, spared: set[int], keep_ends: bool = True) -> int:
+        return self.tree.trim_swa(spared, keep_ends)
 
     # -- promotion -----------------------------------------------------------------------
 
@@ -326,7 +330,8 @@ class HiCache:
         if self.pool.num_free < n:
             self.evict(n - self.pool.num_free)
         self.tree.unlock(keep)
-        return self.pool.alloc(min(n, self.pool.num_free))
+        free = min(self.pool.num_free, self.pool.swa_free)
+        return self.pool.alloc(min(n, free)) if free else None
 
     def _tier(self, name: str) -> TierStats:
         if name == "remote":

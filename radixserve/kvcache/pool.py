@@ -4,11 +4,12 @@ Layout (page size 1):
     k[layer], v[layer] : (num_slots, kv_heads, head_dim)   one row per cached token
     req_to_token       : (max_requests, max_context_len) int64, req_to_token[r, pos] = kv slot
 
-Sliding-window layers (a model's `windows`) keep their rows apart, at slots of their own:
+Sliding-window layers (a model's `windows`) keep their K/V apart, in `swa_rows` rows:
 `swa_of[slot]` is the sliding layers' row of a token's slot, 0 when the token has none
-(never given one, or freed once no query can see it: `free_swa`). Their rows are handed out
-with the token's and reused as soon as freed, so the memory they touch follows the windows
-of the running requests (and what the prefix cache keeps), not the context.
+(never given one, or freed once no query can see it: `free_swa`). A row is handed out with
+its token's slot and reused as soon as freed, so these layers need rows for the windows of
+the running requests (and what the prefix cache keeps near its ends), not the context:
+`swa_rows` may be far below the slots.
 
 Slot 0 is never handed out: it is a scratch row that padded writes may target safely.
 The pools only hand out and take back indices; which indices are in use by whom is the
@@ -117,21 +118,30 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         windows: Sequence[int] = (),
+        swa_rows: int | None = None,
     ) -> None:
+        """`windows`: each layer's (0: a full layer); `swa_rows`: how many sliding rows
+        (None: one per slot)."""
         assert num_slots >= 2, f"KV pool needs at least 2 slots, got {num_slots}"
         assert not windows or len(windows) == num_layers, f"{len(windows)} windows"
         self.num_slots = num_slots
         self.capacity = num_slots - 1  # slot 0 is scratch
-        shape = (num_slots, kv_heads, head_dim)
-        on_cpu = torch.device(device).type == "cpu"
-        self.k = [_zeros(shape, dtype, device, on_cpu) for _ in range(num_layers)]
-        self.v = [_zeros(shape, dtype, device, on_cpu) for _ in range(num_layers)]
-        self._slots = FreeSlots(num_slots)
         self.window = max(windows, default=0)  # the widest sliding layer's; 0: none
         self.sliding = [w > 0 for w in windows] or [False] * num_layers
+        rows = num_slots if swa_rows is None or not self.window else swa_rows + 1
+        assert rows >= 2, f"KV pool needs at least 1 sliding row, got {swa_rows}"
+        self.swa_capacity = rows - 1  # row 0 is scratch
+        on_cpu = torch.device(device).type == "cpu"
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        for sliding in self.sliding:
+            shape = (rows if sliding else num_slots, kv_heads, head_dim)
+            self.k.append(_zeros(shape, dtype, device, on_cpu))
+            self.v.append(_zeros(shape, dtype, device, on_cpu))
+        self._slots = FreeSlots(num_slots)
         # the sliding row of each slot (0: none); None without sliding layers
         self.swa_of = torch.zeros(num_slots, dtype=torch.int64) if self.window else None
-        self._swa = FreeSlots(num_slots)  # sliding rows: as many as slots
+        self._swa = FreeSlots(rows)
         self._loads_started = 0  # background loads handed to the loader (scheduler thread)
         self._layer_loaded = [0] * num_layers  # per layer: loads that have written it
         self._loaded = threading.Condition()
@@ -147,17 +157,20 @@ class KVPool:
         return self._slots.is_free[slots]
 
     def can_alloc(self, n: int) -> bool:
-        return n <= len(self._slots)
+        return n <= min(len(self._slots), self.swa_free)
 
     def alloc(self, n: int, in_order: bool = True) -> torch.Tensor | None:
         """Take `n` free slots (each with a sliding row), or return None when fewer than `n`
-        are free. `in_order=False` skips the sort that an allocation of SORTED_ALLOC+ slots
-        starts with: for slots that many samples take one each (a decode step's), exactly
-        those n alloc(1) calls take."""
+        are free (slots or rows). `in_order=False` skips the sort that an allocation of
+        SORTED_ALLOC+ slots starts with: for slots that many samples take one each (a decode
+        step's), exactly those n alloc(1) calls take."""
+        if not self.can_alloc(n):
+            return None
         slots = self._slots.take(n, in_order)
-        if slots is not None and self.swa_of is not None:
+        assert slots is not None
+        if self.swa_of is not None:
             rows = self._swa.take(n, in_order)
-            assert rows is not None, "fewer sliding rows than slots are free"
+            assert rows is not None
             self.swa_of[slots] = rows
         return slots
 
@@ -168,9 +181,14 @@ class KVPool:
     # -- sliding rows --------------------------------------------------------------------
 
     @property
+    def swa_free(self) -> int:
+        """Sliding rows free (as many as free slots without sliding layers)."""
+        return len(self._swa) if self.swa_of is not None else len(self._slots)
+
+    @property
     def swa_used(self) -> int:
         """Sliding rows held (0 without sliding layers)."""
-        return 0 if self.swa_of is None else self.capacity - len(self._swa)
+        return 0 if self.swa_of is None else self.swa_capacity - len(self._swa)
 
     def has_swa(self, slots: torch.Tensor) -> torch.Tensor:
         """(n,) bool: which of `slots` hold their sliding layers' K/V (all, without such

@@ -79,6 +79,11 @@ class PrefixCache(Protocol):
         ...
 
     @property
+    def swa_tokens(self) -> int:
+        """Cached tokens holding sliding-window rows (kvcache/pool.py)."""
+        ...
+
+    @property
     def path_version(self) -> int:
         """Changes whenever the `path` of a node still in the cache may have changed (a
         split); a path read at the same version is still exact."""
@@ -133,9 +138,10 @@ class PrefixCache(Protocol):
         """Free every slot the cache holds. Asserts that nothing is locked."""
         ...
 
-    def trim_swa(self, spared: set[int]) -> int:
-        """Free sliding-window layers' rows of cached tokens that no likely match needs, but
-        the `spared` nodes' (ids) (RadixCache.trim_swa); returns how many it freed."""
+    def trim_swa(self, spared: set[int], keep_ends: bool = True) -> int:
+        """Free sliding-window layers' rows of cached tokens but the `spared` nodes' (ids)
+        and, with `keep_ends`, those near the ends where matches stop (RadixCache.trim_swa);
+        returns how many it freed."""
         ...
 
     def tier_stats(self) -> dict[str, TierStats]:
@@ -178,6 +184,10 @@ class NoPrefixCache:
 
     @property
     def total_size(self) -> int:
+        return 0
+
+    @property
+    def swa_tokens(self) -> int:
         return 0
 
     @property
@@ -224,7 +234,7 @@ class NoPrefixCache:
     def flush(self) -> None:
         """Nothing is held, so nothing to free."""
 
-    def trim_swa(self, spared: set[int]) -> int:
+    def trim_swa(self, spared: set[int], keep_ends: bool = True) -> int:
         return 0
 
     def tier_stats(self) -> dict[str, TierStats]:

@@ -518,17 +518,17 @@ class RadixCache:
 
     # -- sliding rows (module docstring) -------------------------------------------------
 
-    def trim_swa(self, spared: set[int]) -> int:
-        """Free the sliding rows of cached tokens that no likely match needs: every node's but
-        those within SWA_TAIL tokens before the end of a leaf, a branch or an anchor (a
-        prompt's end), and the `spared` ones (ids: the running requests' windows). Returns
-        how many rows it freed."""
+    def trim_swa(self, spared: set[int], keep_ends: bool = True) -> int:
+        """Free the sliding rows of cached tokens: every node's but the `spared` ones' (ids:
+        the running requests' windows) and, with `keep_ends`, those that a likely match
+        needs, within window + SWA_TAIL_SLACK tokens before the end of a leaf, a branch or
+        an anchor (a prompt's end). Returns how many rows it freed."""
         reach = self.pool.window + SWA_TAIL_SLACK
         freed = 0
         for node in list(self._swa_nodes):
             if node.parent is None:  # evicted or flushed
                 self._swa_nodes.discard(node)
-            elif node.id not in spared and not _near_end(node, reach):
+            elif node.id not in spared and not (keep_ends and _near_end(node, reach)):
                 n = self.pool.free_swa(node.value)
                 self.swa_tokens -= n
                 freed += n

@@ -26,49 +26,61 @@ class KVManager:
         self.req_pool = req_pool
         self.cache = cache
         self.modules = ModuleStore()
+        self.admitted: set[Req] = set()  # samples holding a table row
         self._swa_mark = 0  # sliding rows held when the cache is trimmed next (trim_swa)
 
-    def trim_swa(self, running: list[Req]) -> None:
-        """Free the sliding-window layers' K/V that no query will read: a running sample's
+    def trim_swa(self, pressed: bool = False) -> None:
+        """Free the sliding-window layers' K/V that no query will read: an admitted sample's
         next queries (positions >= kv_len) see no key before kv_len - window + 1. Its own
-        older tokens' go at once; the cache's (but near the ends where matches stop, and
-        the nodes a running sample's window reaches) whenever a window's worth more rows
-        are held than after the last such trim."""
+        older tokens' go at once. The cache's, but those of the nodes an admitted sample's
+        window reaches and those near the ends where matches stop, go whenever a window's
+        worth more rows are held than after the last such trim; `pressed` (rows are short),
+        near the ends too."""
         window = self.pool.window
         if not window:
             return
-        for r in running:
+        for r in self.admitted:
             first = r.kv_len - window + 1  # the first position the next queries see
             own = max(r.tree_len, r.swa_from)
             if r.row is not None and first > own:
                 self.pool.free_swa(self.req_pool.table[r.row, own:first])
                 r.swa_from = first
-        if self.pool.swa_used <= self._swa_mark:
+        if self.pool.swa_used <= self._swa_mark and not pressed:
             return
         spared: set[int] = set()
-        for r in running:
+        for r in self.admitted:
             node, end = r.last_node, r.tree_len
             while node is not None and node is not self.cache.root and end > r.kv_len - window:
                 spared.add(node.id)
                 end -= len(node.key)
                 node = node.parent
-        self.cache.trim_swa(spared)
+        self.cache.trim_swa(spared, keep_ends=not pressed)
         self._swa_mark = self.pool.swa_used + window
 
     @property
     def available(self) -> int:
-        """Slots obtainable now: free plus evictable."""
-        return self.pool.num_free + self.cache.evictable_size
+        """Slots obtainable now: free plus evictable (each with a sliding row, where the
+        cache's and the free ones are enough)."""
+        slots = self.pool.num_free + self.cache.evictable_size
+        if not self.pool.window:
+            return slots
+        return min(slots, self.pool.swa_free + self.cache.swa_tokens)
 
     def slots(self, req: Req, end: int | None = None) -> torch.Tensor:
         assert req.row is not None, f"{req.rid} is not admitted"
         return self.req_pool.table[req.row, : req.kv_len if end is None else end]
 
     def reserve(self, n: int) -> bool:
-        """Make `n` slots free (evicting unlocked cache leaves if needed); False if impossible."""
+        """Make `n` slots free, each with a sliding row (evicting unlocked cache leaves if
+        needed, and the cache's sliding rows that no running window reaches first); False
+        if impossible."""
         if self.pool.num_free < n:
             self.cache.evict(n - self.pool.num_free)
-        return self.pool.num_free >= n
+        if self.pool.swa_free < n:
+            self.trim_swa(pressed=True)
+            while self.pool.swa_free < n and self.cache.evict(n - self.pool.swa_free) > 0:
+                pass
+        return self.pool.can_alloc(n)
 
     def admit(self, req: Req) -> bool:
         """Give a waiting sample a table row and its cached prefix (locked). False: no row."""
@@ -84,6 +96,7 @@ class KVManager:
         self.req_pool.table[row, :n] = match.indices
         req.row, req.last_node, req.tree_len, req.kv_len = row, match.last_node, n, n
         req.path = None
+        self.admitted.add(req)
         if req.cached_tokens < 0:
             req.cached_tokens = min(n, len(req.prompt_ids))
             req.cached_tiers = dict(match.tier_tokens)
@@ -96,6 +109,7 @@ class KVManager:
         self.req_pool.table[row, :n] = slots
         req.row, req.last_node, req.tree_len, req.kv_len = row, self.cache.root, n, n
         req.path = None
+        self.admitted.add(req)
         if req.cached_tokens < 0:
             req.cached_tokens = n
 
@@ -204,6 +218,7 @@ class KVManager:
         self.req_pool.table[row, : parent.kv_len] = self.slots(parent)
         child.row, child.last_node, child.path = row, parent.last_node, None
         child.tree_len = child.kv_len = parent.kv_len
+        self.admitted.add(child)
         child.cached_tokens = parent.cached_tokens
         child.cached_tiers = parent.cached_tiers
         return True
@@ -223,6 +238,7 @@ class KVManager:
         self.req_pool.free(req.row)
         req.row, req.last_node, req.tree_len, req.kv_len = None, None, 0, 0
         req.swa_from = 0
+        self.admitted.discard(req)
         req.path = None
 
     def owned_by_requests(self, reqs: list[Req]) -> int:

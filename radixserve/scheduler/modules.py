@@ -105,7 +105,8 @@ class ModuleStore:
         context, MAX_SCHEMAS are registered, or the pool cannot hold it."""
         self._check_new(schema, context_len)
         need = sum(len(m.token_ids) for m in schema.modules)
-        pinned, cap = self.num_slots + need, int(kv.pool.capacity * MAX_SCHEMA_SHARE)
+        room = min(kv.pool.capacity, kv.pool.swa_capacity)  # modules keep their sliding rows
+        pinned, cap = self.num_slots + need, int(room * MAX_SCHEMA_SHARE)
         if pinned > cap:
             raise ValueError(
                 f"schema {schema.name!r}: schemas would pin {pinned} KV slots, at most "

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from radixserve.attention.tree_plan import batched_nodes
-from radixserve.config import EngineConfig
+from radixserve.config import DECODE_RESERVE, EngineConfig
 from radixserve.constrained.backend import CompiledGrammar, UnservablePattern
 from radixserve.core.batch import BatchBuilder, ForwardBatch
 from radixserve.core.info import CacheTreeView, ModelInfo, SchedulerStats
@@ -66,7 +66,6 @@ from radixserve.scheduler.speculative import MAX_ROWS, Speculator
 logger = logging.getLogger("radixserve.scheduler")
 
 DEFER_SHARED_TOKENS = 32  # see policy.shares_uncached_prefix
-DECODE_RESERVE = 16  # slots per admitted sample kept free for its first decode steps
 COMPILE_POLL_S = 0.05  # an otherwise idle step waits this long for a pattern to compile
 
 
@@ -93,6 +92,14 @@ class Scheduler:
         self.cache = parts.cache
         req_pool = ReqToTokenPool(config.max_running_requests, self.context_len + 1)
         self.kv = KVManager(self.worker.pool, req_pool, self.cache)
+        pool = self.worker.pool
+        need = config.swa_rows_needed(pool.window)
+        if pool.window and pool.swa_capacity < min(need, pool.capacity):
+            raise ValueError(
+                f"max_swa_tokens: {pool.swa_capacity} tokens of sliding-window K/V, a running "
+                f"sample may hold {need} (window {pool.window}, chunked_prefill_size "
+                f"{config.chunked_prefill_size}); raise it"
+            )
         self.max_queued_tokens = config.max_queued_tokens or 4 * self.worker.pool.capacity
         self.out = OutputProcessor(mc.vocab_size, config.random_seed)
         self.speculator = Speculator(
@@ -251,7 +258,7 @@ class Scheduler:
     def _schedule(self) -> tuple[list[Work], list[EncodeChunk]]:
         """The running samples' next inputs, a chunk of a schema being encoded (its slots
         are pinned already), then admissions, within the step's prefill budget."""
-        self.kv.trim_swa(self.running)
+        self.kv.trim_swa()
         retracted = self._make_room()
         work = [Work(r, self._next_len(r)) for r in self.running]
         self.kv.extend_each([(w.req, w.n) for w in work])

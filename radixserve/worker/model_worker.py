@@ -36,6 +36,9 @@ from radixserve.sampling import sampler
 from radixserve.worker.batch_sync import recv_batch, send_batch
 
 logger = logging.getLogger("radixserve.worker")
+# Of the tokens a KV budget holds at every layer's cost, the share that keeps sliding-window
+# K/V (kv_capacity): the full layers of a Gemma 3 (6 of 34) then hold 3.3x as many tokens.
+SWA_ROWS_SHARE = 0.5
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters (malloc.h)
@@ -60,22 +63,42 @@ def keep_freed_host_memory() -> None:
         logger.info("host allocator: freed memory kept for reuse (no mmap, no trim)")
 
 
-def kv_capacity(config: EngineConfig, bytes_per_token: int, mapped_weights: int) -> tuple[int, int]:
-    """KV pool size in tokens, and the bytes it was sized from: --max-total-tokens, else
-    mem_fraction of the memory left after the weights are loaded.
+def kv_capacity(
+    config: EngineConfig, full_bytes: int, row_bytes: int, mapped_weights: int, window: int = 0
+) -> tuple[int, int | None, int]:
+    """KV pool size: (slots, sliding rows (None: one per slot), the bytes they were sized
+    from). --max-total-tokens (and --max-swa-tokens), else mem_fraction of the memory left
+    after the weights are loaded: for a model with sliding-window layers (the widest
+    `window`), SWA_ROWS_SHARE of the slots that budget buys at every layer's cost become
+    rows (at least what one running sample may need) and the full layers take the rest of
+    the budget (kvcache/pool.py).
 
-    `bytes_per_token`: what one token costs in the memory measured (on CPU, all TP ranks'
-    shards together: they share the host's memory). `mapped_weights`: bytes of weights used
-    in place from a file mapping, which the OS still counts as available (page cache, or
-    not read yet) although every step reads them.
+    `full_bytes`, `row_bytes`: what one token costs in the full and the sliding layers, in
+    the memory measured (on CPU, all TP ranks' shards together: they share the host's
+    memory). `mapped_weights`: bytes of weights used in place from a file mapping, which
+    the OS still counts as available (page cache, or not read yet) although every step
+    reads them.
     """
     if config.device.startswith("cuda"):
         free, _ = torch.cuda.mem_get_info()
     else:
         free = max(psutil.virtual_memory().available - mapped_weights, 0)
     if config.max_total_tokens is not None:
-        return config.max_total_tokens, free
-    return max(int(free * config.mem_fraction) // bytes_per_token, 16), free
+        return config.max_total_tokens, config.max_swa_tokens, free
+    budget = int(free * config.mem_fraction)
+    if not row_bytes:
+        return max(budget // full_bytes, 16), None, free
+    rows = config.max_swa_tokens
+    if rows is None:
+        share = int(SWA_ROWS_SHARE * budget) // (full_bytes + row_bytes)
+        rows = max(share, config.swa_rows_needed(window))
+    left = budget - rows * row_bytes
+    if left < 0:
+        raise ValueError(
+            f"max_swa_tokens: {rows} rows take {rows * row_bytes / 1e9:.2f} GB, more than "
+            f"the KV budget ({budget / 1e9:.2f} GB); lower it or raise --mem-fraction"
+        )
+    return (max(left // full_bytes, rows) if full_bytes else rows), rows, free
 
 
 def file_mapped_bytes(model: torch.nn.Module) -> int:
@@ -158,20 +181,28 @@ class ModelWorker:
         mc = self.model_config
         kv_heads = mc.num_kv_heads // size  # this rank's shard of the KV heads
         itemsize = torch.empty((), dtype=self.kv_dtype).element_size()
-        per_token = 2 * mc.num_layers * kv_heads * mc.head_dim * itemsize
+        windows = [mc.window(i) for i in range(mc.num_layers)]
+        layer_bytes = 2 * kv_heads * mc.head_dim * itemsize
+        row_bytes = layer_bytes * sum(w > 0 for w in windows)
+        full_bytes = layer_bytes * mc.num_layers - row_bytes
         sharing = 1 if device.startswith("cuda") else size  # CPU ranks share host memory
         mapped = file_mapped_bytes(self.model) if not device.startswith("cuda") else 0
-        capacity, free = kv_capacity(config, per_token * sharing, mapped)
+        capacity, rows, free = kv_capacity(
+            config, full_bytes * sharing, row_bytes * sharing, mapped, max(windows)
+        )
         if self.tp is not None:  # same slot numbering on every rank needs the same size
             capacity = agree_min(capacity, self.tp)
-        windows = [mc.window(i) for i in range(mc.num_layers)]
+            rows = None if rows is None else agree_min(rows, self.tp)
         self.pool = KVPool(capacity + 1, mc.num_layers, kv_heads, mc.head_dim,
-                           self.kv_dtype, device, windows)  # fmt: skip
+                           self.kv_dtype, device, windows, rows)  # fmt: skip
+        per_token = full_bytes + row_bytes
+        kv_bytes = capacity * full_bytes + self.pool.swa_capacity * row_bytes
         logger.info(
-            "KV pool: %d tokens, %.2f GB (%d B/token)%s, %s of %.2f GB free after the weights "
-            "(%.2f GB of them used in place from the file); attention backend %s",
+            "KV pool: %d tokens%s, %.2f GB (%d B/token)%s, %s of %.2f GB free after the "
+            "weights (%.2f GB of them used in place from the file); attention backend %s",
             capacity,
-            capacity * per_token / 1e9,
+            f" ({self.pool.swa_capacity} with sliding-window K/V)" if row_bytes else "",
+            kv_bytes / 1e9,
             per_token,
             f" on TP rank {rank} of {size}" if size > 1 else "",
             "--max-total-tokens" if config.max_total_tokens else f"{config.mem_fraction:g}",
