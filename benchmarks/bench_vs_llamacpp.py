@@ -20,7 +20,9 @@ Rows:
   excluded: radixserve (N - 1) / (t(N) - t(1)); llama.cpp (N - 1) / (its N - 1 timed steps).
 - load and peak RSS: each side in a fresh child process loads the model, prefills the
   longest decode prompt and decodes `--new-tokens`: load seconds and peak RSS (VmHWM), its
-  default KV sizing included (radixserve's pool; llama.cpp's context of that length).
+  default KV sizing included (radixserve's pool; llama.cpp's context of that length, flash
+  attention on), and that run's prefill seconds and decode tok/s. `--memory-only` runs
+  these alone (long prompts: one prefill per side).
 - the decode row's weight-read roofline: the file's bytes / the read bandwidth measured in
   the same run, as tok/s (each step reads every weight once).
 Nothing is cached between runs: radixserve's radix cache is flushed (`Engine.flush_cache`,
@@ -73,7 +75,8 @@ from roofline import (
 )
 
 from radixserve.isa import fast_cpu_bf16
-from radixserve.models.resolve import embedded_gguf
+from radixserve.models.loader import load_tokenizer
+from radixserve.models.resolve import embedded_gguf, resolve_model_path
 
 THRESHOLDS = {3.0: "tab:green", 2.0: "tab:olive", 0.8: "tab:red"}  # speedup bars on the plot
 
@@ -402,6 +405,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--plot", default=None, help="PNG; one per model after the first (-1, -2)")
     ap.add_argument("--model", type=Path, nargs="+", default=None, help="GGUF files")
     ap.add_argument("--no-memory", action="store_true", help="skip the load / peak RSS rows")
+    ap.add_argument("--memory-only", action="store_true", help="only the load / peak RSS rows")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ids", default="", help=argparse.SUPPRESS)  # --child's prompt
     return ap.parse_args(argv)
@@ -462,6 +466,10 @@ def warm_up(radix: Radix, ids: list[int]) -> None:
 def run_model(args: argparse.Namespace, model: Path, roof: Roofline | None) -> dict[str, Any]:
     """Every row for one model file, both sides side by side (printed, returned)."""
     print(f"\n=== {model} ({model.stat().st_size / 1e9:.2f} GB)")
+    if args.memory_only:
+        tokenizer = load_tokenizer(resolve_model_path(str(model), None))
+        ids = prompt_ids(tokenizer, max(args.decode_prompt), args.data_path)
+        return {"model": str(model), "memory": memory_rows(args, model, ids)}
     radix, llama, info = setup(args, model)
     note = check_capacity(args, radix, llama)
     longest = max([*args.prefix, *args.prefill, *args.decode_prompt])
@@ -502,10 +510,15 @@ def memory_rows(args: argparse.Namespace, model: Path, prompt: list[int]) -> dic
             sys.stderr.write(done.stderr)  # the child's own account first
         check_child(done.returncode, f"the {side} memory run", llamacpp=side == "llamacpp")
         out[side] = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"{side}: load {out[side]['load_s']:.1f} s, peak RSS "
-              f"{out[side]['peak_rss_bytes'] / 1e9:.2f} GB")  # fmt: skip
+        r = out[side]
+        print(f"{side}: load {r['load_s']:.1f} s, peak RSS {r['peak_rss_bytes'] / 1e9:.2f} GB, "
+              f"prefill {len(prompt)} in {r['prefill_s']:.1f} s, decode "
+              f"{r['decode_tok_s']:.2f} tok/s")  # fmt: skip
     if len(out) == 2:
-        out["rss_ratio"] = out["radixserve"]["peak_rss_bytes"] / out["llamacpp"]["peak_rss_bytes"]
+        radix, llama = out["radixserve"], out["llamacpp"]
+        out["rss_ratio"] = radix["peak_rss_bytes"] / llama["peak_rss_bytes"]
+        out["decode_speedup"] = radix["decode_tok_s"] / llama["decode_tok_s"]
+        print(f"RSS {out['rss_ratio']:.2f}x, decode {out['decode_speedup']:.2f}x")
     return out
 
 
@@ -517,8 +530,13 @@ def child(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     radix = Radix(model, engine_args(args.engine_arg))
     load_s = time.perf_counter() - start
-    radix.generate([int(t) for t in args.ids.split(",")], 1, args.new_tokens)
-    print(json.dumps({"load_s": load_s, "peak_rss_bytes": peak_rss_bytes()}))
+    run = radix.generate([int(t) for t in args.ids.split(",")], 1, args.new_tokens)
+    pool = radix.engine.scheduler.kv.pool
+    print(json.dumps({
+        "load_s": load_s, "peak_rss_bytes": peak_rss_bytes(), "prefill_s": run.first_token_s,
+        "decode_tok_s": (args.new_tokens - 1) / run.decode_s, "kv_tokens": pool.capacity,
+        "kv_sliding_tokens": pool.swa_capacity if pool.window else None,
+    }))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -5,7 +5,8 @@ benchmark's llama.cpp memory row, llama.cpp alone in a process of its own.
     python benchmarks/llamacpp_side.py --model FILE.gguf --ids 1,2,3 --new-tokens 128
 
 loads the model, samples `--new-tokens` after the prompt `--ids` in a context of their length
-(flash attention on) and prints {"load_s", "peak_rss_bytes"} (VmHWM) as one JSON line.
+(flash attention on) and prints {"load_s", "peak_rss_bytes"} (VmHWM), "prefill_s" and
+"decode_tok_s" as one JSON line.
 
 A signal raised in llama.cpp's native code (SIGILL from a natively built llama-cpp-python on a
 VM that shows AMX flags without enabling AMX tile state) kills the process it hits, so a
@@ -264,8 +265,10 @@ def main(argv: list[str] | None = None) -> None:
     llama = LlamaCpp(args.model, args.threads, None)
     load_s = time.perf_counter() - start
     with llama.warm_context(prompt, 1, args.new_tokens, "on") as ctx:
-        llama.generate(ctx, prompt, 1, args.new_tokens, seed=0)
-    print(json.dumps({"load_s": load_s, "peak_rss_bytes": peak_rss_bytes()}))
+        run = llama.generate(ctx, prompt, 1, args.new_tokens, seed=0)
+    decode_tok_s = (args.new_tokens - 1) / run.decode_s
+    print(json.dumps({"load_s": load_s, "peak_rss_bytes": peak_rss_bytes(),
+                      "prefill_s": run.prefill_s, "decode_tok_s": decode_tok_s}))  # fmt: skip
 
 
 if __name__ == "__main__":
