@@ -28,7 +28,8 @@ SSE = b'data: {"text": "ok"}\n\ndata: [DONE]\n\n'
 
 class StubWorker(ThreadingHTTPServer):
     """/health 200, /metrics, and 200 to every POST, whose (path, body) it keeps in `posts`;
-    a body asking for a stream gets one SSE event."""
+    a body asking for a stream gets one SSE event, and then, if its text is "break", the
+    connection drops mid-stream."""
 
     def __init__(self) -> None:
         self.posts: list[tuple[str, bytes]] = []
@@ -41,7 +42,9 @@ class StubWorker(ThreadingHTTPServer):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 stub.posts.append((self.path, body))
-                if b'"stream": true' in body:
+                if b'"text": "break"' in body:
+                    self._break()
+                elif b'"stream": true' in body:
                     self._send(SSE, "text/event-stream")
                 else:
                     self._send(b'{"text": "ok"}', "application/json")
@@ -52,6 +55,17 @@ class StubWorker(ThreadingHTTPServer):
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+
+            def _break(self) -> None:
+                """One chunk of a chunked stream, then the connection closes."""
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                event = SSE.split(b"\n\n")[0] + b"\n\n"
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                self.wfile.flush()
+                self.close_connection = True
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -131,3 +145,15 @@ def test_only_the_admin_key_learns_the_workers(router: ServerHandle, stub: StubW
         )
         assert metrics.status_code == (200 if named else 403)
         assert (stub.url in metrics.text) == named
+
+
+def test_a_broken_stream_does_not_name_its_worker(router: ServerHandle, stub: StubWorker) -> None:
+    """The error event of a stream whose worker failed mid-way names no URL (the router's
+    log does)."""
+    r = post(router, "/generate", b'{"text": "break", "stream": true}', INFERENCE)
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[0] == '{"text": "ok"}' and events[-1] == "[DONE]", r.text
+    assert "the worker failed mid-stream" in events[-2]
+    port = stub.url.rsplit(":", 1)[1]
+    assert port not in r.text
+    assert f"stream on {stub.url} failed mid-stream" in router.log_text()

@@ -121,10 +121,9 @@ class Proxy:
             parts, size = [], 0
             async for chunk in resp.aiter_raw():
                 size += len(chunk)
-                if size > MAX_ANSWER_BYTES:
-                    raise ApiError(
-                        502, f"worker {worker.url} answered over {MAX_ANSWER_BYTES} bytes"
-                    )
+                if size > MAX_ANSWER_BYTES:  # the client learns no worker URL (admin only)
+                    logger.warning("%s answered over %d bytes", worker.url, MAX_ANSWER_BYTES)
+                    raise ApiError(502, f"the worker answered over {MAX_ANSWER_BYTES} bytes")
                 parts.append(chunk)
             return resp.status_code, resp.headers, b"".join(parts)
         finally:
@@ -195,8 +194,9 @@ class Proxy:
                     raise WorkerDown(repr(value))
                 sent = value
                 yield value
-        except WorkerDown as e:
-            yield _error_event(sent, f"worker {worker.url} failed mid-stream: {e}")
+        except WorkerDown as e:  # the client learns no worker URL (admin only)
+            logger.warning("stream on %s failed mid-stream: %s", worker.url, e)
+            yield _error_event(sent, "the worker failed mid-stream")
         finally:
             _stop(pump, lease)
 
