@@ -425,7 +425,8 @@ class Scheduler:
         on the step's path): every running sample was in its batch, so each one's request
         ends with finish "error" (500), its slots and table row returned (`KVManager.release`
         frees those of the failed step too); a schema whose chunks the step encoded is
-        dropped. The scheduler goes on with the next step."""
+        dropped. The scheduler goes on with the next step (with TP ranks, whose collectives
+        may be half done, the model worker refuses that step: the process ends)."""
         logger.exception("step failed: its requests end with an error")
         message = f"internal error: {type(error).__name__}: {error}"
         for rid in dict.fromkeys(r.rid for r in self.running):
