@@ -23,6 +23,7 @@ from radixserve.config import (
     ATTENTION_KERNELS,
     DTYPE_CHOICES,
     GRAMMAR_BACKENDS,
+    HICACHE_REMOTE_ENV,
     HICACHE_SECRET_ENV,
     PACKED_LINEAR,
     POLICIES,
@@ -67,11 +68,12 @@ HELP = {
     "hicache_dir": "directory keeping K/V pushed out of the host tier (needs --hicache-size)",
     "hicache_disk_size": "GB of chunk files kept in --hicache-dir",
     "hicache_remote": "redis://host:port shared by servers of the same model: K/V is written "
-    "through and read back from it",
+    "through and read back from it (default: $RADIXSERVE_HICACHE_REMOTE; prefer the variable "
+    "to the flag for a URL with a password)",
     "hicache_secret": "key of the MAC on every K/V record in the disk and Redis tiers: servers "
     "share K/V only with the same key (default: $RADIXSERVE_HICACHE_SECRET, else random per "
     "process: nothing shared across servers or restarts); prefer the variable to the flag",
-    "hicache_remote_ttl": "seconds a chunk stays in the remote tier (default: until evicted)",
+    "hicache_remote_ttl": "seconds a chunk stays in the remote tier (default: one day)",
     "hicache_ttl": "seconds a conversation's K/V stays in the host and disk tiers after it was "
     "last used (default: until evicted)",
     "hicache_layerwise": "load a lower-tier hit into the pool layer by layer on a loader "
@@ -107,6 +109,8 @@ HELP = {
     "host": "address to listen on",
     "port": "port to listen on",
     "api_key": "require 'Authorization: Bearer <key>' on every route but /health",
+    "allow_unauthenticated": "listen on an address other than loopback with no API key "
+    "(refused otherwise)",
     "web_ui": "serve the web console at / (chat playground, live radix tree, plots)",
     "log_level": "debug, info, warning or error",
 }
@@ -129,6 +133,8 @@ ROUTER_HELP = {
     "api_key": "require 'Authorization: Bearer <key>' on every route but /health, and send "
     "it to the workers",
     "sessions": "X-Session-ID values remembered (least recently used forgotten)",
+    "allow_unauthenticated": "listen on an address other than loopback with no API key "
+    "(refused otherwise)",
     "host": "address to listen on",
     "port": "port to listen on",
     "log_level": "debug, info, warning or error",
@@ -216,11 +222,13 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 
 
 def worker_argv(config: EngineConfig, rank: int | None = None) -> list[str]:
-    """`serve` flags that rebuild `config` but its secrets (they go by environment, `main`)
-    and where it listens (the workers serve the router on loopback), those differing from
-    the defaults only. Worker `rank` gets its own disk tier folder under --hicache-dir."""
+    """`serve` flags that rebuild `config` but its secrets and the Redis tier's URL (they go
+    by environment, `main`) and where it listens (the workers serve the router on
+    loopback), those differing from the defaults only. Worker `rank` gets its own disk tier
+    folder under --hicache-dir."""
     argv = []
-    skip = ("host", "port", "allowed_hosts", *SECRET_FIELDS)
+    where = ("host", "port", "allowed_hosts", "allow_unauthenticated")
+    skip = (*where, "hicache_remote", *SECRET_FIELDS)
     for f in dataclasses.fields(EngineConfig):
         value = getattr(config, f.name)
         if f.name == "hicache_dir" and value is not None and rank is not None:
@@ -239,6 +247,7 @@ def worker_env(config: EngineConfig) -> dict[str, str]:
     """The secrets `worker_argv` leaves out, as the environment variables a worker reads."""
     secrets = {
         HICACHE_SECRET_ENV: config.hicache_secret,
+        HICACHE_REMOTE_ENV: config.hicache_remote,
         API_KEY_ENV: config.api_key,
         ADMIN_API_KEY_ENV: config.admin_api_key,
     }
@@ -260,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         router = _config_or_exit(parser, lambda: RouterConfig(
             host=config.host, port=config.port, policy=args.router_policy,
             allowed_hosts=config.allowed_hosts, log_level=config.log_level,
+            allow_unauthenticated=config.allow_unauthenticated,
         ))  # fmt: skip
         return run_data_parallel([worker_argv(config, r) for r in range(args.dp_size)], router)
     if args.command == "serve":

@@ -15,7 +15,8 @@ from typing import TypeVar
 
 import torch
 
-from radixserve.keys import ADMIN_API_KEY_ENV, API_KEY_ENV, env_key
+from radixserve.keys import ADMIN_API_KEY_ENV, API_KEY_ENV, check_exposure, env_key
+from radixserve.redact import redact
 
 _T = TypeVar("_T")
 
@@ -33,6 +34,7 @@ CONTROL_CONNECTIONS = 64  # connections kept for /health, /get_server_info, abor
 # Fields never shown (/get_server_info, logs) nor put on a command line the server builds.
 SECRET_FIELDS = ("api_key", "admin_api_key", "hicache_secret")
 HICACHE_SECRET_ENV = "RADIXSERVE_HICACHE_SECRET"
+HICACHE_REMOTE_ENV = "RADIXSERVE_HICACHE_REMOTE"  # its URL may carry the Redis password
 PACKED_LINEAR = ("auto", "on", "off")
 # Attention op implementations (radixserve.kernels, which documents each): "auto" picks
 # triton on CUDA, the native C++ kernels on an AVX2 CPU where they build, else "cpu".
@@ -91,8 +93,8 @@ class EngineConfig:
     hicache_size: float = 0.0
     hicache_dir: str | None = None
     hicache_disk_size: float = 16.0  # GB of chunk files kept in hicache_dir
-    hicache_remote: str | None = None
-    hicache_remote_ttl: int | None = None  # seconds a chunk stays in Redis (None: forever)
+    hicache_remote: str | None = None  # None: $RADIXSERVE_HICACHE_REMOTE (see remote_url)
+    hicache_remote_ttl: int | None = 86400  # seconds a chunk stays in Redis (None: forever)
     hicache_ttl: float | None = None  # seconds a chunk stays in the host/disk tiers (None: forever)
     hicache_prefetch_window: int = 8  # waiting samples whose KV is pulled up early (0: off)
     hicache_layerwise: bool = True  # load a hit layer by layer during the step (False: before)
@@ -129,6 +131,7 @@ class EngineConfig:
     port: int = 30000
     api_key: str | None = None  # the inference key (radixserve/server/guard.py)
     admin_api_key: str | None = None  # the admin key: also other tenants' data, server state
+    allow_unauthenticated: bool = False  # serve an address other than loopback with no key
     allowed_hosts: tuple[str, ...] = ()  # Host names served ("*": any); () = loopback names
     # when bound to loopback, else any
     web_ui: bool = True  # GET / serves the web console (chat playground, cache tree, plots)
@@ -215,10 +218,10 @@ class EngineConfig:
             self.hicache_dir is None or self.hicache_size > 0,
             "hicache_dir needs hicache_size > 0 (the disk tier is fed from the host tier)",
         )
+        remote = self.remote_url()
         check(
-            self.hicache_remote is None
-            or self.hicache_remote.startswith(("redis://", "rediss://")),
-            f"hicache_remote must be a redis:// or rediss:// URL, got {self.hicache_remote!r}",
+            remote is None or remote.startswith(("redis://", "rediss://")),
+            f"hicache_remote must be a redis:// or rediss:// URL, got {redact(str(remote))!r}",
         )
         check(
             not (self.disable_radix_cache and self.hicache_enabled),
@@ -237,9 +240,16 @@ class EngineConfig:
             "the hicache tiers (--hicache-size, --hicache-remote, --hicache-reposition) work "
             "with --tp-size 1 only: each TP rank holds a shard of the K/V heads",
         )
+        secret = env_key(self.hicache_secret, HICACHE_SECRET_ENV)
         check(
-            self.hicache_secret is None or len(self.hicache_secret) >= 16,
-            "hicache_secret must be at least 16 characters",
+            secret is None or len(secret) >= 16,
+            f"hicache_secret (or ${HICACHE_SECRET_ENV}) must be at least 16 characters",
+        )
+        check_exposure(
+            self.host,
+            bool(self.inference_key() or self.admin_key()),
+            "anyone could run requests, read the cache and change server state",
+            self.allow_unauthenticated,
         )
         check(
             self.hicache_prefetch_window >= 0,
@@ -258,7 +268,12 @@ class EngineConfig:
 
     @property
     def hicache_enabled(self) -> bool:
-        return self.hicache_size > 0 or self.hicache_remote is not None or self.hicache_reposition
+        return self.hicache_size > 0 or self.remote_url() is not None or self.hicache_reposition
+
+    def remote_url(self) -> str | None:
+        """The Redis tier's URL: `hicache_remote`, else $RADIXSERVE_HICACHE_REMOTE (which
+        keeps a password in it off the process list)."""
+        return env_key(self.hicache_remote, HICACHE_REMOTE_ENV)
 
     def hicache_key(self) -> bytes:
         """The tiers' MAC key (see `hicache_secret`); a random one when none is set, so call

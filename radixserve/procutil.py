@@ -19,6 +19,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import uvicorn
+
 from radixserve.redact import RedactingFilter
 
 LOG_FORMAT = "%(asctime)s %(processName)s[%(process)d] %(levelname)s %(name)s: %(message)s"
@@ -32,6 +34,13 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
     for handler in logging.getLogger().handlers:
         handler.addFilter(RedactingFilter())
+
+
+def uvicorn_config(app: Any, **kw: Any) -> uvicorn.Config:
+    """uvicorn's config without uvicorn's own log handlers: its loggers (`uvicorn`,
+    `uvicorn.error`, `uvicorn.access`) propagate to the handler `configure_logging` set up,
+    so an access line's `/?key=...` and an exception's text are masked like any record."""
+    return uvicorn.Config(app, log_config=None, **kw)
 
 
 def child_main(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,10 @@ import torch
 from radixserve import Engine
 from radixserve.constrained import (
     BACKENDS,
+    CompiledGrammar,
     GrammarBackend,
     GrammarCompiler,
+    grammar,
     make_grammar_backend,
     pack_token_mask,
     token_bytes,
@@ -333,6 +336,39 @@ def test_compile_async_runs_off_the_calling_thread(compiler: GrammarCompiler) ->
     assert compiler.compile_async(SamplingParams()).result() is None
     bad = compiler.compile_async(SamplingParams(regex="(a{1000}){1000}"))
     assert isinstance(bad.exception(timeout=30), InvalidRequest)
+
+
+def test_compiles_run_on_a_bounded_number_of_threads(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Patterns that never finish building hold COMPILE_THREADS threads, however many
+    arrive; the others wait their turn, and one that waited past its deadline is dropped
+    unbuilt."""
+    comp = GrammarCompiler(tokenizer, [tokenizer.eos_token_id], len(tokenizer))
+    release = threading.Event()
+    built: list[str] = []
+
+    def stuck(field: str, text: str) -> CompiledGrammar:
+        built.append(text)
+        release.wait()
+        raise InvalidRequest(f"{field}: released")
+
+    monkeypatch.setattr(comp, "_build", stuck)
+    before = set(threading.enumerate())
+    futures = [comp.compile_async(SamplingParams(regex=f"slow{i}")) for i in range(2)]
+    deadline = time.monotonic() + 30
+    while len(built) < 2:  # both threads are building
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    monkeypatch.setattr(grammar, "COMPILE_TIMEOUT_S", -1.0)  # past its deadline once queued
+    futures += [comp.compile_async(SamplingParams(regex=f"slow{i}")) for i in range(2, 12)]
+    started = [t for t in set(threading.enumerate()) - before if t.name == "grammar-compile"]
+    assert len(started) == 2, started  # grammar.COMPILE_THREADS
+    release.set()
+    for f in futures[2:]:
+        assert isinstance(f.exception(timeout=30), TimeoutError)
+    assert built == ["slow0", "slow1"]
+    assert all(isinstance(f.exception(timeout=30), InvalidRequest) for f in futures[:2])
 
 
 def test_index_cache_is_lru(tokenizer: Any) -> None:

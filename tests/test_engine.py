@@ -4,6 +4,7 @@ in a mixed continuous batch, after a radix hit, after retraction, chunked, cache
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,35 @@ def test_fork_shares_prompt(engine: Engine) -> None:
     assert len({tuple(o["output_ids"]) for o in outs}) > 1, "samples of a fork must differ"
     again = engine.generate(input_ids=ids, sampling_params=params)
     assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]  # seeded
+    assert_all_free(engine)
+
+
+def fail_forward(engine: Engine, monkeypatch: pytest.MonkeyPatch, nth: int) -> None:
+    """From now on, the `nth` call of the engine's model forward raises (once)."""
+    forward = engine.worker.forward
+    calls = itertools.count(1)
+
+    def faulty(batch: Any, rows: torch.Tensor) -> torch.Tensor:
+        if next(calls) == nth:
+            raise RuntimeError("injected fault")
+        return forward(batch, rows)
+
+    monkeypatch.setattr(engine.worker, "forward", faulty)
+
+
+@pytest.mark.parametrize("nth", [1, 4])  # a prefill, a decode step
+def test_a_step_that_raises_fails_its_requests_and_the_engine_goes_on(
+    engine: Engine, reference: list[list[int]], monkeypatch: pytest.MonkeyPatch, nth: int
+) -> None:
+    """The forward of a step raises: the requests of that step end with an error naming it
+    (500: a RuntimeError from the engine), every slot and table row they held comes back,
+    and the next request is served."""
+    fail_forward(engine, monkeypatch, nth)
+    with pytest.raises(RuntimeError, match="internal error: RuntimeError: injected fault"):
+        engine.generate(input_ids=prompts(3, seed=9), sampling_params=GREEDY)
+    assert engine.scheduler.kv.req_pool.num_free == engine.config.max_running_requests
+    assert_all_free(engine)
+    assert run_alone(engine, prompts(1)[0]) == reference[0]
     assert_all_free(engine)
 
 

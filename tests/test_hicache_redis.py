@@ -29,7 +29,7 @@ from test_hicache import (
     rows_at,
 )
 
-from radixserve.config import HICACHE_SECRET_ENV
+from radixserve.config import HICACHE_REMOTE_ENV, HICACHE_SECRET_ENV, EngineConfig
 from radixserve.kvcache import remote_store
 from radixserve.kvcache.hicache import HiCache, pool_layout
 from radixserve.kvcache.pool import KVPool
@@ -225,6 +225,25 @@ def engine_on(model: Path, url: str, secret: str) -> Any:
 def remote_cached(engine: Any, prompt: list[int]) -> int:
     out = engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 4})
     return int(out["meta_info"]["cached_tokens_details"].get("remote", 0))
+
+
+def test_records_expire_and_the_url_can_come_from_the_environment(
+    tiny_model_dir: Path, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """$RADIXSERVE_HICACHE_REMOTE names the tier (the URL with its password stays off any
+    command line), and every record written there expires, by default a day later."""
+    from radixserve import Engine
+
+    monkeypatch.setenv(HICACHE_REMOTE_ENV, redis_server.url)
+    engine = Engine(str(tiny_model_dir), dtype="float32", max_total_tokens=256)
+    engine.generate(input_ids=list(range(100, 180)), sampling_params={"max_new_tokens": 2})
+    client = redis_server.client()
+    deadline = time.monotonic() + 60
+    while not (keys := client.keys(PREFIX + "*")):  # written through off the step
+        assert time.monotonic() < deadline, "nothing was written to Redis"
+        time.sleep(0.05)
+    ttls = [client.ttl(k) for k in keys]
+    assert all(0 < t <= EngineConfig.hicache_remote_ttl == 86400 for t in ttls), ttls
 
 
 @pytest.mark.slow  # engines of two models on one Redis: ~8 s

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from radixserve.config import EngineConfig
+from radixserve.config import HICACHE_SECRET_ENV, EngineConfig
 from radixserve.models.identity import (
     SAMPLES,
     WHOLE_BYTES,
@@ -79,5 +79,15 @@ def test_tensor_parallel_with_tiers_is_refused_at_start() -> None:
         with pytest.raises(ValueError, match="tp-size 1 only"):
             EngineConfig(tp_size=2, **tiers)  # type: ignore[arg-type]
     EngineConfig(tp_size=2)
-    with pytest.raises(ValueError, match="hicache_secret must be at least 16"):
+    with pytest.raises(ValueError, match="hicache_secret .*must be at least 16"):
         EngineConfig(hicache_secret="short")
+
+
+def test_the_secret_from_the_environment_is_held_to_the_same_length(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(HICACHE_SECRET_ENV, "short")
+    with pytest.raises(ValueError, match=r"\$RADIXSERVE_HICACHE_SECRET\) must be at least 16"):
+        EngineConfig()
+    monkeypatch.setenv(HICACHE_SECRET_ENV, "sixteen characters")
+    assert EngineConfig().hicache_key() == b"sixteen characters"

@@ -4,6 +4,8 @@ text, config values and log records (tracebacks included)."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 
@@ -49,6 +51,37 @@ def test_log_records_lose_their_passwords(caplog: pytest.LogCaptureFixture) -> N
         caplog.handler.removeFilter(caplog.handler.filters[-1])
     assert "pw-in-args" not in caplog.text and "pw-in-trace" not in caplog.text
     assert "redis://:***@h:1" in caplog.text and "ConnectionError" in caplog.text
+
+
+UVICORN_LOGS = """
+import logging
+
+from radixserve.procutil import configure_logging, uvicorn_config
+
+configure_logging("info")
+uvicorn_config("app:app", log_level="info")  # where uvicorn sets up its loggers
+try:
+    raise RuntimeError("cannot reach redis://:pw-in-trace@h:1")
+except RuntimeError:
+    logging.getLogger("uvicorn.error").exception("Exception in ASGI application")
+access = '%s - "%s %s HTTP/%s" %d'
+logging.getLogger("uvicorn.access").info(access, "127.0.0.1:1", "GET", "/?key=the-key", "1.1", 200)
+logging.getLogger("uvicorn").info("tier redis://:pw-in-message@h:1")
+"""
+
+
+def test_uvicorns_own_log_lines_lose_their_passwords() -> None:
+    """The server's and the router's uvicorn (procutil.uvicorn_config) log through the
+    redacting handler: the access line's console key, an exception's text."""
+    run = subprocess.run(
+        [sys.executable, "-c", UVICORN_LOGS], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    log = run.stderr
+    assert "Exception in ASGI application" in log and "RuntimeError" in log, log
+    assert '"GET /?key=*** HTTP/1.1" 200' in log and "tier redis://:***@h:1" in log, log
+    for secret in ("pw-in-trace", "the-key", "pw-in-message"):
+        assert secret not in log, log
 
 
 def test_worker_urls_with_credentials_are_refused_without_echoing_them() -> None:

@@ -169,3 +169,20 @@ def test_dp_workers_get_the_serve_flags() -> None:
     assert again == dataclasses.replace(config, api_key=None, admin_api_key=None, allowed_hosts=())
     router = parser.parse_args(["router", "--worker-urls", "http://a:1", "http://b:2"])
     assert router.worker_urls == ["http://a:1", "http://b:2"]
+
+
+def test_dp_workers_get_the_redis_url_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Redis tier's URL carries its password: never on a worker's command line."""
+    from radixserve.cli import worker_argv, worker_env
+    from radixserve.config import HICACHE_REMOTE_ENV, EngineConfig
+
+    url = "redis://:the-redis-password@127.0.0.1:6379/0"
+    config = EngineConfig(hicache_remote=url, hicache_remote_ttl=60)
+    assert worker_argv(config) == ["--hicache-remote-ttl", "60"]
+    assert worker_env(config) == {HICACHE_REMOTE_ENV: url}
+    monkeypatch.setenv(HICACHE_REMOTE_ENV, url)  # as a worker reads it
+    assert EngineConfig().remote_url() == url and EngineConfig().hicache_enabled
+    monkeypatch.setenv(HICACHE_REMOTE_ENV, "http://:the-redis-password@host")
+    with pytest.raises(ValueError, match="redis:// or rediss://") as refused:
+        EngineConfig()
+    assert "the-redis-password" not in str(refused.value)

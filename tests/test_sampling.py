@@ -488,6 +488,21 @@ def test_same_seed_same_sequence_regardless_of_batch_and_resume() -> None:
     assert shared == alone
 
 
+def test_a_seeded_row_draws_the_same_beside_rows_with_filters() -> None:
+    """A row without top_k / top_p / min_p draws the same token alone as beside a row that
+    has them, however close u comes to a CDF step: near-uniform logits over 49152 tokens,
+    and 240 seeds (among them some whose u falls within float32 rounding of a step: those
+    drew the neighbouring token when a filtered neighbour moved the batch to another path)."""
+    vocab, seeds = 49152, range(400, 640)
+    flat = (torch.randn(1, vocab, generator=gen(0)) * 0.01).expand(len(seeds), vocab)
+    rows = [SamplingInfo(SamplingParams(temperature=1.0, seed=s)) for s in seeds]
+    alone = sample(flat.contiguous(), rows).next_ids
+    neighbour = SamplingInfo(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1))
+    logits = torch.cat([flat, torch.randn(1, vocab, generator=gen(1))])
+    beside = sample(logits, [*rows, neighbour]).next_ids[: len(seeds)]
+    assert beside.tolist() == alone.tolist()
+
+
 def test_different_seeds_and_sample_indices_differ() -> None:
     steps, vocab = 20, 500
     step_logits = torch.randn(steps, vocab, generator=gen(7)) * 0.5  # flat: many likely tokens

@@ -92,6 +92,47 @@ def test_killed_child_under_load(tiny_model_dir, tmp_path, victim):
     assert f"{victim} process exited with code -9" in h.log_text()
 
 
+FAULT_TOKEN = 4242
+FAULTY_FORWARD = f"""
+from radixserve.worker import model_worker
+
+forward = model_worker.ModelWorker.forward
+
+
+def faulty(self, batch, rows):
+    if {FAULT_TOKEN} in batch.input_ids.tolist():
+        raise RuntimeError("injected fault")
+    return forward(self, batch, rows)
+
+
+model_worker.ModelWorker.forward = faulty
+"""
+
+
+def test_a_step_that_raises_fails_its_request_and_the_server_goes_on(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The server's model forward raises for any batch holding FAULT_TOKEN (a sitecustomize
+    on the children's path): that request is answered 500 naming the error, the scheduler
+    checks its KV accounting as it goes idle, and the next request is served."""
+    (tmp_path / "sitecustomize.py").write_text(FAULTY_FORWARD)
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    h = launch_server(tiny_model_dir, tmp_path, env={"PYTHONPATH": path})
+    try:
+        params = {"temperature": 0, "max_new_tokens": 8}
+        with httpx.Client(base_url=h.url, timeout=60) as c:
+            r = c.post("/generate", json={"input_ids": [5, FAULT_TOKEN], "sampling_params": params})
+            assert r.status_code == 500, r.text
+            assert "internal error: RuntimeError: injected fault" in r.text
+            for _ in range(2):  # the first one after the failure, and one more
+                r = c.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": params})
+                assert r.status_code == 200, r.text
+                assert len(r.json()["output_ids"]) == 8
+    finally:
+        assert h.stop() == 0, h.log_text()[-4000:]
+    assert "step failed: its requests end with an error" in h.log_text()
+
+
 class FakeChild:
     """A child process as the launcher's `_stop_children` sees it."""
 

@@ -17,6 +17,8 @@ import httpx
 import pytest
 from conftest import ServerHandle, free_port, launch_server
 
+from radixserve.cli import build_parser, config_from_args
+from radixserve.config import EngineConfig
 from radixserve.keys import ADMIN_API_KEY_ENV, API_KEY_ENV
 from radixserve.router.config import RouterConfig
 
@@ -113,6 +115,39 @@ def test_router_refuses_a_public_address_without_a_key(monkeypatch: pytest.Monke
     assert RouterConfig(host="0.0.0.0", admin_api_key=ADMIN).host == "0.0.0.0"
     monkeypatch.setenv(API_KEY_ENV, INFERENCE)
     assert RouterConfig(host="0.0.0.0").inference_key() == INFERENCE
+
+
+def test_a_server_refuses_a_public_address_without_a_key(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As the router: refused at start (a usage error) unless a key is set or the operator
+    says --allow-unauthenticated; `serve --dp-size` passes that to its router."""
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.delenv(ADMIN_API_KEY_ENV, raising=False)
+    with pytest.raises(ValueError, match="on 0.0.0.0 with no API key, anyone could run"):
+        EngineConfig(host="0.0.0.0")
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        config_from_args(parser.parse_args(["serve", "--host", "0.0.0.0"]), parser)
+    assert "--allow-unauthenticated" in capsys.readouterr().err
+    open_args = parser.parse_args(["serve", "--host", "0.0.0.0", "--allow-unauthenticated"])
+    assert config_from_args(open_args, parser).allow_unauthenticated
+    assert RouterConfig(host="0.0.0.0", allow_unauthenticated=True).host == "0.0.0.0"
+    assert EngineConfig(host="0.0.0.0", api_key=INFERENCE).host == "0.0.0.0"
+    monkeypatch.setenv(ADMIN_API_KEY_ENV, ADMIN)
+    assert EngineConfig(host="0.0.0.0").admin_key() == ADMIN
+
+
+@pytest.mark.parametrize("env", [API_KEY_ENV, ADMIN_API_KEY_ENV])
+def test_a_key_set_but_empty_is_an_error(monkeypatch: pytest.MonkeyPatch, env: str) -> None:
+    """Not "no key": an empty variable is a template left unfilled."""
+    monkeypatch.setenv(env, "")
+    for config in (EngineConfig, RouterConfig):
+        with pytest.raises(ValueError, match=f"{env} is set but empty"):
+            config()
+    monkeypatch.delenv(env)
+    with pytest.raises(ValueError, match=f"the flag for {API_KEY_ENV} is set but empty"):
+        EngineConfig(api_key=" ")
 
 
 def wait_answering(h: ServerHandle, timeout: float = 60) -> None:

@@ -5,8 +5,12 @@ n > 1, stop strings, logprobs, a regex, a small pool that retracts), drafts real
 
 from __future__ import annotations
 
+import itertools
+import json
+import logging
 import random
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -484,6 +488,84 @@ def test_a_draft_model_must_share_the_vocabulary(tiny_model_dir: Path, tmp_path:
         make_engine(tiny_model_dir, "draft-model")
     with pytest.raises(ValueError, match="go together"):
         make_engine(tiny_model_dir, "auto", speculative_draft_model_path=str(tiny_model_dir))
+
+
+def test_a_draft_model_must_give_each_id_the_same_token(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Same vocabulary size, two token ids swapped: refused, naming the id and both tokens."""
+    shutil.copytree(tiny_model_dir, tmp_path, dirs_exist_ok=True)
+    tokenizer = json.loads((tmp_path / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    by_id = {i: token for token, i in vocab.items()}
+    vocab[by_id[1000]], vocab[by_id[1001]] = 1001, 1000
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    want = f"token id 1000 is {by_id[1001]!r} in the draft model's tokenizer, {by_id[1000]!r}"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        make_engine(tiny_model_dir, "draft-model", speculative_draft_model_path=str(tmp_path))
+
+
+@pytest.mark.usefixtures("free_drafts")
+def test_drafts_stop_where_the_draft_models_context_ends(
+    tiny_model_dir: Path,
+    plain: Engine,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The model's own weights with a context of 64 positions: samples that run past it
+    get the draft model's drafts until then and none after, with the same tokens."""
+    shutil.copytree(tiny_model_dir, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    with caplog.at_level(logging.WARNING):
+        short = make_engine(
+            tiny_model_dir, "draft-model", speculative_draft_model_path=str(tmp_path)
+        )
+    assert "the draft model's context is 64 positions, the model's 1024" in caplog.text
+    drafter = short.scheduler.speculator.drafter
+    assert drafter is not None
+    ends: list[int] = []  # of each draft: its sample's tokens and the draft's depth
+    draft = drafter.draft
+
+    def recorded(wants: list[tuple[Req, int]], topk: int) -> list[Draft]:
+        trees = draft(wants, topk)
+        ends.extend(req.seq_len + tree.depth for (req, _), tree in zip(wants, trees) if tree)
+        return trees
+
+    monkeypatch.setattr(drafter, "draft", recorded)
+    ids = prompts(3)  # 16, 21 and 26 tokens, then 48 each
+    out = short.generate(input_ids=ids, sampling_params=GREEDY)
+    assert ids_of(out) == ids_of(plain.generate(input_ids=ids, sampling_params=GREEDY))
+    # the last drafted token the draft model was fed sits at position seq_len + depth - 2
+    assert ends and max(ends) - 2 <= 63
+    assert short.scheduler.stats().accepted_draft_tokens_total > 0
+    assert_all_free(short)
+
+
+def test_a_draft_model_step_that_raises_fails_its_requests_only(
+    plain: Engine, self_drafted: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The draft model's forward raises: the requests of that step end with an error naming
+    it, both pools' slots come back, and the next request is served with drafts."""
+    drafter = self_drafted.scheduler.speculator.drafter
+    assert drafter is not None
+    forward = drafter.worker.forward
+    calls = itertools.count()
+
+    def faulty(batch: Any, rows: torch.Tensor) -> torch.Tensor:
+        if next(calls) == 3:
+            raise RuntimeError("injected fault")
+        return forward(batch, rows)
+
+    monkeypatch.setattr(drafter.worker, "forward", faulty)
+    with pytest.raises(RuntimeError, match="internal error: RuntimeError: injected fault"):
+        self_drafted.generate(input_ids=prompts(2, seed=7), sampling_params=GREEDY)
+    assert_all_free(self_drafted)
+    ids = prompts(1, seed=8)[0]
+    out = self_drafted.generate(input_ids=ids, sampling_params=GREEDY)
+    assert ids_of(out) == ids_of(plain.generate(input_ids=ids, sampling_params=GREEDY))
+    assert_all_free(self_drafted)
 
 
 @pytest.mark.parametrize(

@@ -5,17 +5,22 @@ cache.
     GrammarCompiler            one per tokenizer and backend
       .compile(params)         -> CompiledGrammar | None; LRU cache per (field, pattern);
                                   InvalidRequest (a ValueError) naming the field
-      .compile_async(params)   -> Future of the same, built on a daemon thread
+      .compile_async(params)   -> Future of the same, built on one of COMPILE_THREADS
+                                  daemon threads
       .new_state(params)       -> GrammarState | None, one per sample (n > 1: one each)
 
 Backends release the GIL while they build, so `compile_async` keeps the scheduler stepping;
-the scheduler gives up on a compile after COMPILE_TIMEOUT_S. The backend itself (its view of
-the vocabulary: ~0.3-1 s for 49k tokens) is built on the first compile.
+the scheduler gives up on a compile after COMPILE_TIMEOUT_S. A compile cannot be stopped, so
+at most COMPILE_THREADS run at once, whatever patterns keep arriving: the others wait their
+turn in order, and one still waiting COMPILE_TIMEOUT_S after it was asked for is dropped
+unbuilt (its future raises TimeoutError). The backend itself (its view of the vocabulary:
+~0.3-1 s for 49k tokens) is built on the first compile.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -37,8 +42,12 @@ logger = logging.getLogger("radixserve.constrained")
 DEFAULT_BACKEND = "llguidance"  # fastest measured (docs/benchmarks.md, bench_grammar.py)
 DEFAULT_CACHE_SIZE = 64  # compiled patterns kept (LRU)
 COMPILE_TIMEOUT_S = 10.0  # the scheduler refuses a request whose pattern compiles longer
+COMPILE_THREADS = 2  # patterns compiled at once (each thread stays, for the next ones)
 
 __all__ = ["COMPILE_TIMEOUT_S", "GrammarCompiler", "GrammarError"]
+
+
+Job = tuple[SamplingParams, Future[CompiledGrammar | None], float]
 
 
 class GrammarCompiler:
@@ -69,6 +78,9 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self._building: dict[tuple[str, str], Future[CompiledGrammar | None]] = {}
+        # (params, their future, when it is no longer worth building), oldest first
+        self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self._threads = 0  # compile threads started (at most COMPILE_THREADS)
 
     def compile(self, params: SamplingParams) -> CompiledGrammar | None:
         """The compiled constraint of `params` (None when it has none).
@@ -93,10 +105,9 @@ class GrammarCompiler:
         return grammar
 
     def compile_async(self, params: SamplingParams) -> Future[CompiledGrammar | None]:
-        """`compile(params)` on a daemon thread; already done when there is nothing to build
-        (no constraint, or a cached one). Requests with a pattern being built share its one
-        future. The future raises what `compile` raised; a thread past its deadline is
-        abandoned (it cannot be stopped) and ends on its own."""
+        """`compile(params)` on a compile thread (module docstring); already done when there
+        is nothing to build (no constraint, or a cached one). Requests with a pattern being
+        built or waiting share its one future. The future raises what `compile` raised."""
         future: Future[CompiledGrammar | None] = Future()
         key = params.constraint
         if key is None:
@@ -108,20 +119,30 @@ class GrammarCompiler:
             cached = key in self._cache
             if not cached:
                 self._building[key] = future
+                start_thread = self._threads < COMPILE_THREADS
+                self._threads += start_thread
         if cached:
             future.set_result(self.compile(params))
             return future
+        self._jobs.put((params, future, time.monotonic() + COMPILE_TIMEOUT_S))
+        if start_thread:  # daemon: a compile that never ends must not hold the process
+            threading.Thread(target=self._work, name="grammar-compile", daemon=True).start()
+        return future
 
-        def run() -> None:
+    def _work(self) -> None:
+        """A compile thread: build the waiting patterns, oldest first, forever."""
+        while True:
+            params, future, deadline = self._jobs.get()
+            key = params.constraint
+            assert key is not None, "only params with a pattern are queued"
             try:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not started within {COMPILE_TIMEOUT_S:.0f} s")
                 future.set_result(self.compile(params))
             except BaseException as e:  # Rust panics are BaseExceptions: report them too
                 future.set_exception(e)
             with self._lock:
                 del self._building[key]
-
-        threading.Thread(target=run, name="grammar-compile", daemon=True).start()
-        return future
 
     def new_state(self, params: SamplingParams) -> GrammarState | None:
         """A fresh state at the pattern's start for one sample; None if unconstrained."""

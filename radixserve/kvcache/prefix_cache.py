@@ -294,8 +294,9 @@ def make_prefix_cache(
         if disk is not None:
             local.append(disk)
     remote = None
-    if config.hicache_remote is not None:
-        remote = RemoteStore(config.hicache_remote, codec, config.hicache_remote_ttl)
+    url = config.remote_url()
+    if url is not None:
+        remote = RemoteStore(url, codec, config.hicache_remote_ttl)
     # Keyed by the secret too: servers with other secrets never overwrite each other's
     # records, and keys cannot be computed (a popular prompt's chunk targeted) without it.
     namespace = hmac.new(codec.secret, model_identity.encode(), hashlib.sha256).hexdigest()

@@ -31,17 +31,30 @@ from radixserve.router.policy import make_policy
 from radixserve.router.pool import WorkerPool
 from radixserve.router.proxy import Forward, Proxy
 from radixserve.router.tree import ids_key
-from radixserve.server.guard import ApiKeyMiddleware, CrossSiteGuard, allowed_hosts, require_admin
-from radixserve.server.protocol import MAX_BODY_BYTES, ApiError, api_error_handler
+from radixserve.server.guard import (
+    ApiKeyMiddleware,
+    CrossSiteGuard,
+    allowed_hosts,
+    require_admin,
+    role,
+)
+from radixserve.server.protocol import MAX_BODY_BYTES, ApiError, api_error_handler, parse_body
 
 logger = logging.getLogger("radixserve.router")
 
 ROUTED = ("/generate", "/v1/completions", "/v1/chat/completions")
 ANY_WORKER = ("/v1/models", "/get_model_info", "/health_generate")
 SESSION_HEADER = "x-session-id"
-# What an inference key does not reach here (radixserve/server/guard.py): the worker set,
-# every worker's cache, their configs; abort_all is checked in the fan-out.
-ADMIN_ROUTES = (("*", "/workers"), ("*", "/flush_cache"), ("GET", "/get_server_info"))
+# What an inference key does not reach here (radixserve/server/guard.py): the worker set
+# and what names the workers (/metrics labels them by URL; the X-Radixserve-Worker header
+# is left off for it), every worker's cache, their configs; abort_all is checked in the
+# fan-out.
+ADMIN_ROUTES = (
+    ("*", "/workers"),
+    ("*", "/flush_cache"),
+    ("GET", "/get_server_info"),
+    ("GET", "/metrics"),
+)
 MAX_KEY_CHARS = 1 << 16  # a prompt's routing key is cut here (the tree holds prefixes)
 
 
@@ -115,16 +128,19 @@ async def _read(request: Request) -> bytes:
     return bytes(body)
 
 
+def _parse(body: bytes) -> Any:
+    """The body as the workers parse it (400 naming what is wrong: not JSON, nested too
+    deep, a value no worker takes); None for an empty one (the worker answers that)."""
+    return parse_body(body) if body.strip() else None
+
+
 async def _routed(request: Request) -> Response:
     body = await _read(request)
-    try:
-        parsed = json.loads(body)
-    except ValueError:  # the worker answers with the 400 that names the problem
-        parsed = None
+    parsed = _parse(body)
     path = request.url.path
     fwd = Forward(
         "POST", path, body, dict(request.headers), routing_key(path, parsed),
-        request.headers.get(SESSION_HEADER),
+        request.headers.get(SESSION_HEADER), role(request) == "admin",
     )  # fmt: skip
     proxy: Proxy = request.app.state.proxy
     if isinstance(parsed, dict) and parsed.get("stream") is True:
@@ -133,7 +149,10 @@ async def _routed(request: Request) -> Response:
 
 
 async def _any_worker(request: Request) -> Response:
-    fwd = Forward("GET", request.url.path, b"", dict(request.headers), None)
+    fwd = Forward(
+        "GET", request.url.path, b"", dict(request.headers), None,
+        show_worker=role(request) == "admin",
+    )  # fmt: skip
     return await request.app.state.proxy.forward(fwd)
 
 
@@ -142,10 +161,10 @@ async def _fan_out(request: Request) -> Response:
     status (a busy worker's 400 for /flush_cache), with each worker's answer."""
     pool: WorkerPool = request.app.state.pool
     body = await _read(request)
-    if request.url.path == "/abort_request" and b"abort_all" in body:
-        with suppress(ValueError, AttributeError):
-            if json.loads(body).get("abort_all") is True:
-                require_admin(request, "abort_all")
+    parsed = _parse(body)
+    if request.url.path == "/abort_request" and isinstance(parsed, dict):
+        if parsed.get("abort_all") is True:
+            require_admin(request, "abort_all")
     headers = {k: v for k, v in request.headers.items() if k in ("authorization", "content-type")}
 
     async def one(url: str) -> tuple[int, Any]:
@@ -214,12 +233,10 @@ async def _workers(request: Request) -> Response:
     pool: WorkerPool = request.app.state.pool
     if request.method == "GET":
         return JSONResponse({"workers": _worker_list(pool)})
-    try:
-        url = json.loads(await _read(request))["url"]
-    except (ValueError, TypeError, KeyError):
-        raise ApiError(400, 'the body must be {"url": "http://host:port"}', "url") from None
+    parsed = _parse(await _read(request))
+    url = parsed.get("url") if isinstance(parsed, dict) else None
     if not isinstance(url, str):
-        raise ApiError(400, "url must be a string like http://host:port", "url")
+        raise ApiError(400, 'the body must be {"url": "http://host:port"}', "url")
     if request.method == "DELETE":
         if not pool.remove(url):
             raise ApiError(404, f"no worker {url!r}", "url")

@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from radixserve.keys import ADMIN_API_KEY_ENV, API_KEY_ENV, env_key
+from radixserve.keys import ADMIN_API_KEY_ENV, API_KEY_ENV, check_exposure, env_key
 from radixserve.redact import redact
-from radixserve.server.guard import LOOPBACK_NAMES
 
 ROUTING_POLICIES = ("cache_aware", "round_robin", "random", "least_load")
 
@@ -32,6 +31,7 @@ class RouterConfig:
     api_key: str | None = None  # the inference key (radixserve/server/guard.py); the workers
     # take the same keys, and the router forwards each client's
     admin_api_key: str | None = None
+    allow_unauthenticated: bool = False  # serve an address other than loopback with no key
     allowed_hosts: tuple[str, ...] = ()  # Host names served ("*": any), as on a worker
     log_level: str = "info"
     sessions: int = 65536  # sticky session ids remembered (least recently used forgotten)
@@ -56,12 +56,12 @@ class RouterConfig:
         for name, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{name} must be positive, not {value}")
-        if self.host not in LOOPBACK_NAMES and not (self.inference_key() or self.admin_key()):
-            raise ValueError(
-                f"a router on {self.host} would let anyone add workers and read every prompt: "
-                "give --api-key and --admin-api-key (or their RADIXSERVE_* variables), or "
-                "bind to 127.0.0.1"
-            )
+        check_exposure(
+            self.host,
+            bool(self.inference_key() or self.admin_key()),
+            "anyone could add workers and read every prompt",
+            self.allow_unauthenticated,
+        )
 
     def inference_key(self) -> str | None:
         return env_key(self.api_key, API_KEY_ENV)

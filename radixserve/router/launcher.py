@@ -16,7 +16,7 @@ from dataclasses import replace
 import uvicorn
 
 from radixserve.cpus import physical_cores, pinned_env, share
-from radixserve.procutil import configure_logging
+from radixserve.procutil import configure_logging, uvicorn_config
 from radixserve.router.app import build_app
 from radixserve.router.config import RouterConfig
 
@@ -46,7 +46,7 @@ def run_router(config: RouterConfig) -> int:
     configure_logging(config.log_level)
     app = build_app(config)
     server = _Server(
-        uvicorn.Config(
+        uvicorn_config(
             app, host=config.host, port=config.port, log_level="warning",
             timeout_graceful_shutdown=5,
         )

@@ -37,7 +37,8 @@ logger = logging.getLogger("radixserve.router")
 T = TypeVar("T")
 FORWARDED_HEADERS = ("authorization", "content-type")
 ANSWER_HEADERS = ("content-type", "retry-after", "www-authenticate")
-WORKER_HEADER = "X-Radixserve-Worker"  # on every forwarded answer: the worker that gave it
+# on every answer forwarded to an admin caller: the worker that gave it
+WORKER_HEADER = "X-Radixserve-Worker"
 QUEUE_CHUNKS = 64  # a stream's chunks buffered between its worker and its client
 MAX_ANSWER_BYTES = 64 << 20  # a non-streamed answer; past it the client gets a 502
 
@@ -56,6 +57,10 @@ class Forward:
     headers: dict[str, str]
     key: str | None  # the routing key (prompt); None: any worker will do
     session: str | None = None
+    show_worker: bool = False  # the caller may learn the worker's URL (the admin key)
+
+    def answer_headers(self, worker: Worker) -> dict[str, str]:
+        return {WORKER_HEADER: worker.url} if self.show_worker else {}
 
 
 async def until_down(worker: Worker, aw: Awaitable[T]) -> T:
@@ -106,7 +111,7 @@ class Proxy:
                 except (httpx.TransportError, WorkerDown) as e:
                     logger.info("request to %s failed, trying another worker: %r", worker.url, e)
                     continue
-            return _answer(status, headers, body, worker)
+            return _answer(status, headers, body, fwd.answer_headers(worker))
         raise AssertionError("unreachable: _attempts raises when it runs out")
 
     async def _read(self, worker: Worker, fwd: Forward) -> tuple[int, httpx.Headers, bytes]:
@@ -116,10 +121,9 @@ class Proxy:
             parts, size = [], 0
             async for chunk in resp.aiter_raw():
                 size += len(chunk)
-                if size > MAX_ANSWER_BYTES:
-                    raise ApiError(
-                        502, f"worker {worker.url} answered over {MAX_ANSWER_BYTES} bytes"
-                    )
+                if size > MAX_ANSWER_BYTES:  # the client learns no worker URL (admin only)
+                    logger.warning("%s answered over %d bytes", worker.url, MAX_ANSWER_BYTES)
+                    raise ApiError(502, f"the worker answered over {MAX_ANSWER_BYTES} bytes")
                 parts.append(chunk)
             return resp.status_code, resp.headers, b"".join(parts)
         finally:
@@ -135,7 +139,8 @@ class Proxy:
             try:
                 kind, status, headers = await until_down(worker, queue.get())
                 if kind == "head" and status != 200:  # the worker's refusal: pass it on
-                    return _answer(status, headers, await _drain(worker, queue), worker)
+                    refusal = await _drain(worker, queue)
+                    return _answer(status, headers, refusal, fwd.answer_headers(worker))
                 if kind == "head":
                     kind, first, _ = await until_down(worker, queue.get())
                     if kind == "data":
@@ -147,7 +152,7 @@ class Proxy:
                         return StreamingResponse(
                             relay,
                             media_type="text/event-stream",
-                            headers={WORKER_HEADER: worker.url},
+                            headers=fwd.answer_headers(worker),
                             background=cleanup,
                         )
                     status = first  # the error (or end) that came before any data
@@ -189,8 +194,9 @@ class Proxy:
                     raise WorkerDown(repr(value))
                 sent = value
                 yield value
-        except WorkerDown as e:
-            yield _error_event(sent, f"worker {worker.url} failed mid-stream: {e}")
+        except WorkerDown as e:  # the client learns no worker URL (admin only)
+            logger.warning("stream on %s failed mid-stream: %s", worker.url, e)
+            yield _error_event(sent, "the worker failed mid-stream")
         finally:
             _stop(pump, lease)
 
@@ -216,10 +222,10 @@ async def _stop_later(pump: asyncio.Task, lease: Lease) -> None:
     _stop(pump, lease)
 
 
-def _answer(status: int, headers: httpx.Headers, content: bytes, worker: Worker) -> Response:
+def _answer(status: int, headers: httpx.Headers, content: bytes, own: dict[str, str]) -> Response:
+    """The worker's answer with its `headers` that clients need, and the router's `own`."""
     kept = {k: v for k, v in headers.items() if k.lower() in ANSWER_HEADERS}
-    kept[WORKER_HEADER] = worker.url
-    return Response(content, status_code=status, headers=kept)
+    return Response(content, status_code=status, headers={**kept, **own})
 
 
 def _error_event(sent: bytes, message: str) -> bytes:

@@ -36,8 +36,10 @@ native pass over the rows (`_pick_native`); `_pick_torch` is the reference path 
 the same tokens.
 
 Determinism: for a row with a seed, u for output token i (i = len(output_ids)) is a 64-bit
-hash of (seed, sample_index, i) -- a pure function, so the token depends only on that key and
-the row's own logits: not on the other rows of the batch nor on retraction and resumption.
+hash of (seed, sample_index, i) -- a pure function, and each row's draw path (native or
+torch, `_draw`) follows from its own parameters, so the token depends only on that key and
+the row's own logits and parameters: not on the other rows of the batch (their top_k /
+top_p / min_p included) nor on retraction and resumption.
 Rows without a seed take u from the caller's torch.Generator (the scheduler's, seeded with
 EngineConfig.random_seed: the same seed and the same request stream give the same tokens).
 
@@ -395,22 +397,39 @@ def _draw(
 ) -> torch.Tensor:
     """Steps 4-8 for non-greedy rows: logits (S, V) -> token ids (S,) int64.
 
-    Without top_k / top_p / min_p on CPU, one native pass per row does the same draw as the
-    torch formula below (same u, weights exp((l - max) / T) in float32: the same token
-    unless u falls within float32 rounding of a CDF step), without its (S, V) temporaries:
-    64 x 49152 logits 4.5 -> 1.2-1.7 ms (Zen 4 EPYC, 2 threads, native and AVX2 settings).
+    Each row's path is its own, whatever the others use: on CPU a row without top_k / top_p /
+    min_p is drawn by one native pass (the same draw as `_draw_torch`: same u, weights
+    exp((l - max) / T) in float32, so the same token unless u falls within float32 rounding
+    of a CDF step), the others by `_draw_torch`; so a seeded row draws the same token beside
+    any neighbours. The native pass skips the (S, V) temporaries: 64 x 49152 logits 4.5 ->
+    1.2-1.7 ms (Zen 4 EPYC, 2 threads, native and AVX2 settings).
     """
-    temps = _per_row([info.params.temperature for info in infos], logits)  # (S,)
+    params = [info.params for info in infos]
+    temps = _per_row([p.temperature for p in params], logits)  # (S,)
     u = _uniforms(infos, gen)  # (S,) float64 in [0, 1)
-    filters = any(info.params.has_filters for info in infos)
-    if not filters and logits.device.type == "cpu" and logits.stride(1) == 1:
-        native = native_ops()
-        if native is not None:
-            return native.sample_softmax(logits, temps, u)
+    native = native_ops() if logits.device.type == "cpu" and logits.stride(1) == 1 else None
+    filtered = [r for r, p in enumerate(params) if p.has_filters]
+    if native is None or len(filtered) == len(params):
+        return _draw_torch(logits, temps, u, params)
+    if not filtered:
+        return native.sample_softmax(logits, temps, u)
+    plain = [r for r, p in enumerate(params) if not p.has_filters]
+    f, n = torch.tensor(filtered), torch.tensor(plain)  # (F,), (S - F,) row indices
+    out = torch.empty(len(params), dtype=torch.int64)  # (S,)
+    out[f] = _draw_torch(logits[f], temps[f], u[f], [params[r] for r in filtered])
+    out[n] = native.sample_softmax(logits[n], temps[n], u[n])
+    return out
+
+
+def _draw_torch(
+    logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor, params: list[SamplingParams]
+) -> torch.Tensor:
+    """Steps 4-8 in torch ops (the reference draw): logits (S, V), temperatures (S,) and
+    uniforms (S,) float64 -> token ids (S,) int64."""
     scaled = logits if bool((temps == 1.0).all()) else logits / temps.unsqueeze(1)  # (S, V)
     probs = torch.softmax(scaled, dim=-1)  # (S, V)
-    if filters:
-        probs = _filter(probs, [info.params for info in infos])
+    if any(p.has_filters for p in params):
+        probs = _filter(probs, params)
     # Inverse CDF uses only differences of neighbouring cdf entries, so float32 rounding
     # errors do not accumulate: each token's probability is off by <= ~2 ulp(1) = 1.2e-7.
     cdf = probs.cumsum(dim=-1)  # (S, V)

@@ -113,6 +113,7 @@ class DraftModel:
 
     def __init__(self, worker: StepWorker) -> None:
         self.worker = worker
+        self.max_positions = worker.model_config.max_position_embeddings
         self.seqs: dict[Req, DraftSeq] = {}
         self.refs = torch.zeros(worker.pool.num_slots, dtype=torch.int32)  # seqs holding a slot
         self.step_s: float | None = None  # seconds a step feeding one token a sample takes
@@ -141,7 +142,11 @@ class DraftModel:
         """For each (sample, k): a tree of up to k nodes, at most `topk` under one, of what
         the draft model expects after the sample's sequence (empty when k is 0, the sample
         is more than CATCH_UP tokens behind, another sample of its request starts its
-        sequence in this call, or the pool has no room)."""
+        sequence in this call, or the pool has no room); fewer nodes where the draft
+        model's context ends (max_position_embeddings), none past it."""
+        # positions past the draft model's context have no RoPE row: a draft of k tokens
+        # feeds the sample's tokens and k - 1 drafted ones, up to position seq_len + k - 2
+        wants = [(req, min(k, self.max_positions + 1 - req.seq_len)) for req, k in wants]
         growing = [Growing(self.agree) for _ in wants]
         feeds: dict[int, list[int]] = {}  # by index into wants: the tokens to feed next
         started: set[int] = set()  # the requests (ids) a sample started a sequence of

@@ -126,6 +126,7 @@ class KVManager:
         assert req.row is not None
         start = req.kv_len + skip
         self.req_pool.table[req.row, start : start + n] = slots
+        req.alloc_end = start + n
 
     def extend_each(self, work: list[tuple[Req, int]]) -> None:
         """`extend(req, n)` for each pair, in order. When every n is 1 (a decode step) the
@@ -140,6 +141,8 @@ class KVManager:
         rows = torch.tensor([r.row for r, _ in work], dtype=torch.int64)  # (B,)
         cols = torch.tensor([r.kv_len for r, _ in work], dtype=torch.int64)  # (B,)
         self.req_pool.table[rows, cols] = slots
+        for req, _ in work:
+            req.alloc_end = req.kv_len + 1
 
     def settle_draft(self, req: Req, start: int, size: int, kept: list[int]) -> None:
         """Positions start .. start + size - 1 hold the slots of a speculative draft's nodes;
@@ -152,6 +155,7 @@ class KVManager:
         dropped = torch.ones(size, dtype=torch.bool)
         dropped[keep] = False
         self.pool.free(drafted[dropped])
+        req.alloc_end = start + len(kept)
 
     def path(self, req: Req) -> list[tuple[int, int]]:
         """The shared runs at the start of the request's K/V as (node id, tokens): its radix
@@ -225,11 +229,12 @@ class KVManager:
 
     def release(self, req: Req) -> None:
         """Finished, aborted or retracted: the cache keeps what it takes of its K/V (see
-        `cache_prefix`); the rest goes back to the pool now."""
+        `cache_prefix`); the rest, and the slots of a step that failed before it was
+        processed (positions kv_len .. alloc_end - 1), go back to the pool now."""
         if req.row is None:
             return
         self.cache_prefix(req)
-        self.pool.free(self.slots(req)[req.tree_len :].clone())
+        self.pool.free(self.slots(req, max(req.kv_len, req.alloc_end))[req.tree_len :].clone())
         self._drop(req)
 
     def _drop(self, req: Req) -> None:
@@ -239,7 +244,7 @@ class KVManager:
         req.row, req.last_node, req.tree_len, req.kv_len = None, None, 0, 0
         req.swa_from = 0
         self.admitted.discard(req)
-        req.path = None
+        req.path, req.alloc_end = None, 0
 
     def owned_by_requests(self, reqs: list[Req]) -> int:
         return sum(r.kv_len - r.tree_len for r in reqs if r.row is not None)
@@ -251,6 +256,7 @@ class KVManager:
         self.cache.check_integrity(in_use_elsewhere=held)
         self.pool.check_swa()
         for r in reqs:
+            assert r.alloc_end <= r.kv_len, f"{r.rid}: slots to {r.alloc_end}, K/V to {r.kv_len}"
             use = r.request.modules
             if r.path is None or (use is None and r.path_version != self.cache.path_version):
                 continue  # read again at its next use

@@ -149,7 +149,7 @@ class ModuleStore:
         users = self.in_use(name, requests)
         if users:
             raise ValueError(f"schema {name!r} is used by {users} queued or running samples")
-        return self.remove(name)
+        return self.remove(name, f"schema {name!r} was deleted while it was being encoded")
 
     def describe(self) -> list[dict[str, object]]:
         """Every registered schema: name, each module's tokens, positions it spans, and
@@ -219,14 +219,14 @@ class ModuleStore:
         self.schemas[name] = entry
         on_done(None)
 
-    def remove(self, name: str) -> torch.Tensor:
-        """Forget schema `name` (encoded or not: its registration then hears why); returns
+    def remove(self, name: str, why: str) -> torch.Tensor:
+        """Forget schema `name` (encoded or not: its registration then hears `why`); returns
         its slots for the caller to free."""
         entry = self.schemas.pop(name, None)
         if entry is None:
             entry = self.encoding.pop(name)
             assert entry.on_done is not None
-            entry.on_done(f"schema {name!r} was deleted while it was being encoded")
+            entry.on_done(why)
         self._node_ids = {k: v for k, v in self._node_ids.items() if k[0] != name}
         return torch.cat([torch.empty(0, dtype=torch.int64), *entry.slots.values()])
 

@@ -9,6 +9,7 @@ worker and reads the tokenizer itself, not through the scheduler.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,6 +28,8 @@ from radixserve.models.loader import load_tokenizer
 from radixserve.models.resolve import resolve_model_path
 from radixserve.models.rope import inv_freq
 from radixserve.worker.model_worker import ModelWorker
+
+logger = logging.getLogger("radixserve.scheduler.parts")
 
 
 class StepWorker(Protocol):
@@ -90,17 +93,18 @@ def load_parts(config: EngineConfig) -> SchedulerParts:
     parts = build_parts(config, str(path), tokenizer, ModelWorker(config, str(path)))
     if config.speculative_draft_model_path is not None:
         try:
-            parts.drafter = load_drafter(config, parts.worker)
+            parts.drafter = load_drafter(config, parts.worker, tokenizer)
         except BaseException:
             parts.worker.close()
             raise
     return parts
 
 
-def load_drafter(config: EngineConfig, target: StepWorker) -> ModelWorker:
+def load_drafter(config: EngineConfig, target: StepWorker, tokenizer: Any) -> ModelWorker:
     """The draft model: its own worker (one rank, flat attention, its file's weight format,
     the model's dtype) over a KV pool of as many tokens as the target's. Raises ValueError
-    when its vocabulary is not the target's."""
+    when its vocabulary or tokenizer (`tokenizer` is the model's) is not the model's. A
+    shorter context than the model's is logged: drafts stop where it ends."""
     assert config.speculative_draft_model_path is not None
     path = resolve_model_path(config.speculative_draft_model_path, None)
     draft_config = dataclasses.replace(
@@ -112,11 +116,42 @@ def load_drafter(config: EngineConfig, target: StepWorker) -> ModelWorker:
         max_total_tokens=target.pool.capacity,
     )
     worker = ModelWorker(draft_config, str(path))
-    got, want = worker.model_config.vocab_size, target.model_config.vocab_size
-    if got != want:
+    try:
+        check_draft_model(worker.model_config, target.model_config)
+        check_same_tokens(load_tokenizer(path), tokenizer)
+    except BaseException:
         worker.close()
-        raise ValueError(
-            f"speculative_draft_model_path: the draft model's vocabulary has {got} tokens, "
-            f"the model's {want}: a draft model must share the model's tokenizer"
-        )
+        raise
     return worker
+
+
+def check_draft_model(draft: ModelConfig, model: ModelConfig) -> None:
+    """ValueError unless the draft model's vocabulary is the model's size; a warning when
+    its context is shorter than the model's."""
+    if draft.vocab_size != model.vocab_size:
+        raise ValueError(
+            f"speculative_draft_model_path: the draft model's vocabulary has "
+            f"{draft.vocab_size} tokens, the model's {model.vocab_size}: a draft model must "
+            "share the model's tokenizer"
+        )
+    if draft.max_position_embeddings < model.max_position_embeddings:
+        logger.warning(
+            "the draft model's context is %d positions, the model's %d: no drafts past position %d",
+            draft.max_position_embeddings,
+            model.max_position_embeddings,
+            draft.max_position_embeddings,
+        )
+
+
+def check_same_tokens(draft: Any, model: Any) -> None:
+    """ValueError unless the draft model's tokenizer gives each token id the model's token
+    string (a vocabulary of the same size can still number its tokens otherwise)."""
+    ids = list(range(max(len(draft), len(model))))
+    pairs = zip(draft.convert_ids_to_tokens(ids), model.convert_ids_to_tokens(ids))
+    for i, (got, want) in enumerate(pairs):
+        if got != want:
+            raise ValueError(
+                f"speculative_draft_model_path: token id {i} is {got!r} in the draft model's "
+                f"tokenizer, {want!r} in the model's: a draft model must share the model's "
+                "tokenizer"
+            )

@@ -14,8 +14,13 @@ modules' slots, owned by the ModuleStore: tree_len = module_tokens, last_node = 
 and nothing of the request goes into the prefix cache. Such a sample's token i sits at
 `positions(i, i + 1)`, not at position i.
 
+While a step computes, req_to_token[row, kv_len:alloc_end] holds the slots allocated for
+its new inputs (and draft); processing the step moves kv_len up to alloc_end, and a sample
+ended by a failed step frees them (`KVManager.release`).
+
 Invariants: tree_len <= kv_len < len(all_ids) while running (the last token's K/V is
-computed by the step that consumes it); a waiting sample has row None and kv_len 0.
+computed by the step that consumes it); alloc_end <= kv_len between steps; a waiting sample
+has row None and kv_len 0.
 
 State kept across steps, never rebuilt per step: `all_ids` (the prompt copied once, each
 output token appended beside output_ids by `append_output`), `path` (the shared segments
@@ -46,6 +51,7 @@ class Req:
     row: int | None = None  # req_to_token row while admitted
     kv_len: int = 0
     tree_len: int = 0
+    alloc_end: int = 0  # end of the slots allocated for the step being computed
     last_node: TreeNode | None = None  # locked while admitted
     swa_from: int = 0  # own positions before it have no sliding-window K/V (KVManager.trim_swa)
     cached_tokens: int = -1  # prompt tokens found in the cache at first admission

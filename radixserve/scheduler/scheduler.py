@@ -10,7 +10,10 @@ arrival key and resume later with identical results).
 Isolation: whatever goes wrong with ONE request while it is served (its pattern will not
 compile, its logits hold NaN/inf, its masks leave no token, an exception on its path after
 the forward pass) ends all its samples with finish "error" (status 400 when the request
-asked for it, 500 otherwise); the batch and every other request go on.
+asked for it, 500 otherwise); the batch and every other request go on. An exception that
+cannot be pinned on one request (the forward pass raised) fails the requests of that step
+(500 naming it); the scheduler goes on. Only an AssertionError, a broken invariant of the
+cache or pool, propagates and ends the process.
 
 Public surface (the in-process Engine and the scheduler process use nothing else):
 
@@ -401,20 +404,43 @@ class Scheduler:
         self._poll_compiles()
         if not (self.waiting or self.running or self.finished_outputs or self.kv.modules.encoding):
             self.compiling.wait(COMPILE_POLL_S)  # only compiles pending: do not spin
-        work, chunks = self._schedule()
-        if work or chunks:
-            batch, rows, first_row = self._build_batch(work, chunks)
-            start = time.perf_counter()
-            logits = self.worker.forward(batch, rows)
-            self.speculator.timed(time.perf_counter() - start, batch.input_ids.numel())
-            self.last_batch = batch
-            self.computed_tokens_total += batch.input_ids.numel()
-            self._process(work, logits, first_row)
-            self.kv.modules.encoded(chunks)
+        chunks: list[EncodeChunk] = []
+        try:
+            work, chunks = self._schedule()
+            if work or chunks:
+                self._forward(work, chunks)
+        except AssertionError:  # a broken invariant of the cache or pool: the process ends
+            raise
+        except Exception as e:
+            self._fail_step(e, chunks)
         self.speculator.keep_only(self.running)
         outputs, self.finished_outputs = self.finished_outputs, []
         outputs.extend(self.out.collect(r) for r in self.running if r.new_ids)
         return outputs
+
+    def _forward(self, work: list[Work], chunks: list[EncodeChunk]) -> None:
+        batch, rows, first_row = self._build_batch(work, chunks)
+        start = time.perf_counter()
+        logits = self.worker.forward(batch, rows)
+        self.speculator.timed(time.perf_counter() - start, batch.input_ids.numel())
+        self.last_batch = batch
+        self.computed_tokens_total += batch.input_ids.numel()
+        self._process(work, logits, first_row)
+        self.kv.modules.encoded(chunks)
+
+    def _fail_step(self, error: Exception, chunks: list[EncodeChunk]) -> None:
+        """Isolation for a step that raised (the model's forward, the draft model's, a bug
+        on the step's path): every running sample was in its batch, so each one's request
+        ends with finish "error" (500), its slots and table row returned (`KVManager.release`
+        frees those of the failed step too); a schema whose chunks the step encoded is
+        dropped. The scheduler goes on with the next step (with TP ranks, whose collectives
+        may be half done, the model worker refuses that step: the process ends)."""
+        logger.exception("step failed: its requests end with an error")
+        message = f"internal error: {type(error).__name__}: {error}"
+        for rid in dict.fromkeys(r.rid for r in self.running):
+            self._fail(rid, 500, message)
+        for name in dict.fromkeys(c.schema for c in chunks):
+            self.kv.pool.free(self.kv.modules.remove(name, message))
 
     def _process(self, work: list[Work], logits: torch.Tensor, first_row: list[int]) -> None:
         sampled: list[tuple[Req, int]] = []  # (sample, logits row) to draw a token for

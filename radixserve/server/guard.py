@@ -25,11 +25,11 @@ from urllib.parse import parse_qs, urlsplit
 from fastapi import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from radixserve.keys import LOOPBACK_NAMES
 from radixserve.server.protocol import ApiError
 
 ROLE_KEY = "radixserve.role"
 PUBLIC_PATHS = frozenset({"/health"})  # reachable without a key (load balancers)
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 

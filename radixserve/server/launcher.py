@@ -37,7 +37,7 @@ from radixserve.config import EngineConfig
 from radixserve.cpus import environ, physical_cores, pinned_env, share
 from radixserve.message.ipc import IpcPaths, make_ipc_dir, remove_ipc_dir
 from radixserve.message.messages import Shutdown
-from radixserve.procutil import child_main, configure_logging
+from radixserve.procutil import child_main, configure_logging, uvicorn_config
 from radixserve.scheduler.proc import run_scheduler_process
 from radixserve.server.app import build_app
 from radixserve.server.manager import ChildDied, RequestManager
@@ -163,7 +163,7 @@ async def _serve(config: EngineConfig, ipc: IpcPaths, procs: dict[str, BaseProce
             logger.error("start-up failed: %s", e)
             return 1
         server = _Uvicorn(
-            uvicorn.Config(
+            uvicorn_config(
                 build_app(manager, config, metrics),
                 host=config.host,
                 port=config.port,
