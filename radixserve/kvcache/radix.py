@@ -259,12 +259,12 @@ class RadixCache:
             return MatchResult(_empty_slots(), self.root)
         tokens, now = list(token_ids), self._clock()
         nodes, n = self._descend(tokens, now)
-        usable = n if whole else self._swa_usable(_values(nodes))
+        slots = _values(nodes)
+        usable = n if whole else self._swa_usable(slots)
         if usable < n:  # the sliding layers' K/V is missing in the last window before n
             nodes, n = self._descend(tokens[:usable], now)
-        return MatchResult(
-            _values(nodes), nodes[-1] if nodes else self.root, {"device": n} if n else {}
-        )
+            slots = slots[:n]
+        return MatchResult(slots, nodes[-1] if nodes else self.root, {"device": n} if n else {})
 
     def _swa_usable(self, slots: torch.Tensor) -> int:
         """The longest prefix of `slots` whose last pool.window tokens (or all, if fewer)
@@ -645,7 +645,7 @@ class RadixCache:
             and n not in self._swa_nodes
             and bool(self.pool.has_swa(n.value).any())
         ]
-        assert not lost, f"nodes with sliding rows out of the LRU: {lost}"
+        assert not lost, f"nodes with sliding rows that trim_swa does not see: {lost}"
 
     def _check_children(self, node: TreeNode) -> None:
         child_locks = 0

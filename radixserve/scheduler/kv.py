@@ -42,15 +42,16 @@ class KVManager:
         for r in self.admitted:
             first = r.kv_len - window + 1  # the first position the next queries see
             own = max(r.tree_len, r.swa_from)
-            if r.row is not None and first > own:
-                self.pool.free_swa(self.req_pool.table[r.row, own:first])
+            if first > own:
+                self.pool.free_swa(self.slots(r, first)[own:])
                 r.swa_from = first
         if self.pool.swa_used <= self._swa_mark and not pressed:
             return
         spared: set[int] = set()
         for r in self.admitted:
             node, end = r.last_node, r.tree_len
-            while node is not None and node is not self.cache.root and end > r.kv_len - window:
+            while node is not self.cache.root and end > r.kv_len - window:
+                assert node is not None and node.parent is not None, f"{r.rid} left the tree"
                 spared.add(node.id)
                 end -= len(node.key)
                 node = node.parent
