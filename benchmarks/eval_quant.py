@@ -20,7 +20,9 @@ With `--model FILE` (a GGUF; default the embedded model) and `--llamacpp`, llama
 continuations (the same token ids fed, argmax of its logits) are a row of their own, and
 `vs_llamacpp` compares radixserve's `auto` modes with it: the perplexity ratio, the share of
 positions whose top-1 token under teacher forcing is llama.cpp's, and the greedy
-continuations identical to llama.cpp's.
+continuations identical to llama.cpp's; `llamacpp_flash_top1_agreement` is the same share
+between llama.cpp's own two attention paths (flash attention off and on): the agreement a
+model's near-ties allow.
 
     python benchmarks/eval_quant.py --data-path path/to/gsm8k --json out.json
     python benchmarks/eval_quant.py --model models/smollm2-135m-Q4_K_M.gguf \\
@@ -96,12 +98,13 @@ def greedy(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
 class LlamaCppRef:
     """llama.cpp on the same GGUF: teacher-forced logprobs and greedy continuations."""
 
-    def __init__(self, model: Path, n_ctx: int, threads: int) -> None:
+    def __init__(self, model: Path, n_ctx: int, threads: int, flash: bool = False) -> None:
         import llama_cpp  # the bench extra
 
         self.llm = llama_cpp.Llama(
-            str(model), n_ctx=n_ctx, logits_all=True, n_threads=threads, verbose=False
-        )
+            str(model), n_ctx=n_ctx, logits_all=True, n_threads=threads, verbose=False,
+            flash_attn=flash,
+        )  # fmt: skip
 
     def logprobs(self, chunks: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         rows, tops = [], []
@@ -167,6 +170,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             assert ref_steps is not None  # (the reference ran first)
             steps = lp[:, : ref_steps.shape[1]]  # one way of running it: a chunk a forward
             out = ref.greedy([c[:64] for c in chunks], args.greedy_tokens)
+            del ref
+            flash = LlamaCppRef(args.model, args.chunk_tokens, args.threads, flash=True)
+            flash_top = flash.logprobs(chunks)[1]
+            del flash
         else:
             activations = "int16" if mode == "auto-int16" else "int8"
             engine = Engine(
@@ -209,6 +216,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res: dict[str, Any] = {"isa": cpu_isa(), "model": model or "embedded",
                            "tokens": int(ref_lp.numel()) if ref_lp is not None else 0,
                            "modes": results}  # fmt: skip
+    if "llama.cpp" in outputs:
+        # llama.cpp against itself: the share of positions where its two attention paths
+        # (flash attention off and on) rank the same token first. Where the model's
+        # next-token distribution is nearly flat, rounding alone moves the top-1 token, and
+        # no implementation agrees with llama.cpp more often than llama.cpp does with itself.
+        self_top1 = float((flash_top == outputs["llama.cpp"][1]).double().mean())
+        res["llamacpp_flash_top1_agreement"] = self_top1
+        print(f"llama.cpp flash attention on vs off: top-1 agreement {self_top1:.4f}")
     for mode in ("auto", "auto-int16"):
         if "llama.cpp" not in outputs or mode not in outputs:
             continue

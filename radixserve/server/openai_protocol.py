@@ -9,7 +9,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.core.limits import MAX_MESSAGES, MAX_PROMPTS, MAX_TOP_LOGPROBS
+from radixserve.core.limits import (
+    MAX_MESSAGES,
+    MAX_PROMPTS,
+    MAX_TEMPLATE_KWARGS,
+    MAX_TEMPLATE_VALUE_CHARS,
+    MAX_TOP_LOGPROBS,
+)
 from radixserve.core.params import CONSTRAINT_FIELDS, SamplingParams
 from radixserve.message.messages import GenerateReq
 from radixserve.server.openai_tools import Tools, parse_tools
@@ -59,6 +65,7 @@ CHAT_FIELDS = COMMON_FIELDS | {
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "chat_template_kwargs",  # vLLM / SGLang: extra variables of the chat template
 }
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -302,6 +309,34 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return [_message(m, i) for i, m in enumerate(raw)]
 
 
+# Names the renderer sets itself (or transformers' apply_chat_template takes as arguments).
+TEMPLATE_OWN_NAMES = frozenset(
+    {"messages", "conversation", "tools", "documents", "add_generation_prompt", "tokenize",
+     "chat_template", "continue_final_message", "return_dict", "return_tensors", "padding",
+     "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"}
+)  # fmt: skip
+TEMPLATE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
+    """`chat_template_kwargs`: variables for the model's chat template (Qwen3's and
+    SmolLM3's `enable_thinking`, say), each a name and a JSON scalar."""
+    kwargs = get(body, "chat_template_kwargs", "dict")
+    if kwargs is None:
+        return None
+    name = "chat_template_kwargs"
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise bad(f"{name} has {len(kwargs)} entries, at most {MAX_TEMPLATE_KWARGS}", name)
+    for key, value in kwargs.items():
+        if not TEMPLATE_NAME.fullmatch(key) or key in TEMPLATE_OWN_NAMES:
+            raise bad(f"{name}: {key[:64]!r} is not a template variable a request can set", name)
+        if not isinstance(value, (str, bool, int, float)) and value is not None:
+            raise bad(f"{name}.{key} must be a string, number, boolean or null", name)
+        if isinstance(value, str) and len(value) > MAX_TEMPLATE_VALUE_CHARS:
+            raise bad(f"{name}.{key} is longer than {MAX_TEMPLATE_VALUE_CHARS} characters", name)
+    return dict(kwargs)
+
+
 def parse_chat(body: dict[str, Any]) -> OpenAIBatch:
     check_fields(body, CHAT_FIELDS)
     extra, renames = _constraints(body)
@@ -321,6 +356,9 @@ def parse_chat(body: dict[str, Any]) -> OpenAIBatch:
     if pml is not None and (body.get("messages") is not None or body.get("tools") is not None):
         raise bad("pml: give either messages (and tools) or pml, a PML <prompt>", "pml")
     messages = None if pml is not None else _messages(body)
+    template_kwargs = _template_kwargs(body)
+    if pml is not None and template_kwargs is not None:
+        raise bad("chat_template_kwargs: a pml prompt is not rendered by the chat template", "pml")
     limit = get(body, "max_completion_tokens", "int")
     if limit is not None and body.get("max_tokens") is None:
         body = {**body, "max_tokens": limit}
@@ -343,5 +381,6 @@ def parse_chat(body: dict[str, Any]) -> OpenAIBatch:
         stream=stream,
         max_new_tokens_auto=auto_limit,
         tools=None if tools is None else tools.definitions,
+        template_kwargs=template_kwargs,
     )
     return OpenAIBatch([req], model, stream, include_usage, logprobs, renames, tools=tools)

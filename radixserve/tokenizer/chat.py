@@ -29,21 +29,25 @@ class ChatTemplateError(ValueError):
 
 
 def render_chat(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of `messages` followed by the assistant's generation prompt.
 
-    Messages were validated by the api server (role, content: str, tool_calls, tool_call_id).
+    Messages were validated by the api server (role, content: str, tool_calls, tool_call_id),
+    and so were `template_kwargs`, the template's extra variables (`enable_thinking`, say).
     The template adds the special tokens itself, so the rendered text is encoded without
     adding more.
     """
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise ChatTemplateError("messages: this model's tokenizer has no chat template")
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(template_kwargs or {})
     if has_tool_format(template):
         messages = [_native(m) for m in messages]
-        extra = {"tools": tools} if tools else {}
+        extra |= {"tools": tools} if tools else {}
     else:
         messages = _plain(messages, tools)
     try:

@@ -119,7 +119,7 @@ class TokenizerWorker:
         none: what only this process knows. ValueError names the bad field."""
         use = None
         if req.messages is not None:
-            ids = render_chat(self.tok, req.messages, req.tools)
+            ids = render_chat(self.tok, req.messages, req.tools, req.template_kwargs)
         elif req.pml is not None:
             ids, use = self.schemas.token_ids(req.pml, req.module_reuse)
         elif req.text is not None:
