@@ -1,4 +1,4 @@
-"""GGUF files of llama.cpp's qwen3, gemma3, phi3 and smollm3 architectures
+"""GGUF files of llama.cpp's qwen3, gemma2, gemma3, phi3 and smollm3 architectures
 (radixserve/models/gguf_config.py, gguf_weights.py), written here from tiny random HF models
 the way llama.cpp's converter writes them (its tensor names through the `gguf` package's own
 name map, its metadata keys and longrope factor tensors from radixserve/models/gguf_layout.py,
@@ -24,6 +24,8 @@ from helpers import finish_gguf
 from test_model_sources import llama_cpp_permute
 from transformers import (
     AutoConfig,
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     Phi3Config,
@@ -56,6 +58,9 @@ MATH = ["model_type", "hidden_size", "num_hidden_layers", "intermediate_size",
 FAMILY_MATH = {
     "qwen3": ["head_dim", "attention_bias", "hidden_act", "use_sliding_window",
               "sliding_window", "layer_types"],
+    "gemma2": ["head_dim", "attention_bias", "hidden_activation", "query_pre_attn_scalar",
+               "sliding_window", "layer_types", "final_logit_softcapping",
+               "attn_logit_softcapping"],
     "gemma3_text": ["head_dim", "attention_bias", "hidden_activation", "query_pre_attn_scalar",
                     "sliding_window", "layer_types", "final_logit_softcapping",
                     "attn_logit_softcapping", "use_bidirectional_attention"],
@@ -72,7 +77,7 @@ def randomized(model: PreTrainedModel, seed: int) -> PreTrainedModel:
     """Every parameter random (biases and norms too). Gemma's norm weights w on a 1/64 grid,
     so that 1 + w and back is exact in float32 (real ones are bf16, for which it is too)."""
     g = torch.Generator().manual_seed(seed)
-    gemma = model.config.model_type == "gemma3_text"
+    gemma = model.config.model_type in ("gemma2", "gemma3_text")
     for name, p in model.named_parameters():
         if gemma and name.endswith("norm.weight"):
             p.data = torch.randint(-32, 32, p.shape, generator=g).float() / 64
@@ -106,6 +111,17 @@ def tiny_gemma3(vocab: int = VOCAB) -> PreTrainedModel:
     return randomized(Gemma3ForCausalLM(config), 2)
 
 
+def tiny_gemma2(vocab: int = VOCAB) -> PreTrainedModel:
+    """3 layers: sliding (window 16), global, sliding; soft caps low enough to bite on
+    random weights."""
+    config = Gemma2Config(**sizes(vocab), num_hidden_layers=3, head_dim=32,
+                          query_pre_attn_scalar=32, sliding_window=16,
+                          max_position_embeddings=512, attn_logit_softcapping=1.5,
+                          final_logit_softcapping=5.0)  # fmt: skip
+    assert config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    return randomized(Gemma2ForCausalLM(config), 5)
+
+
 def tiny_phi3(vocab: int = VOCAB) -> PreTrainedModel:
     """Partial rotary (8 of 16 dims), longrope (4 short / long factors), context 256 over an
     original 64 (so the attention factor is not 1)."""
@@ -126,7 +142,8 @@ def tiny_smollm3(vocab: int = VOCAB) -> PreTrainedModel:
     return randomized(SmolLM3ForCausalLM(config), 4)
 
 
-FAMILIES = {"qwen3": tiny_qwen3, "gemma3": tiny_gemma3, "phi3": tiny_phi3, "smollm3": tiny_smollm3}
+FAMILIES = {"qwen3": tiny_qwen3, "gemma2": tiny_gemma2, "gemma3": tiny_gemma3, "phi3": tiny_phi3,
+            "smollm3": tiny_smollm3}  # fmt: skip
 
 
 # ---------------------------------------------------------------- llama.cpp's converter
@@ -174,8 +191,8 @@ def llama_cpp_tensors(model: PreTrainedModel, arch: str) -> list[tuple[str, np.n
         if hf == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         x = t.float().numpy().copy()
-        if arch == "gemma3" and hf.endswith("norm.weight"):
-            x += 1  # Gemma3Model.norm_shift
+        if arch in ("gemma2", "gemma3") and hf.endswith("norm.weight"):
+            x += 1  # the converter's Gemma norm shift
         heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
         proj = hf.split(".")[-2]
         if arch == "smollm3" and proj in heads:

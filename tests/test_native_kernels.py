@@ -151,6 +151,54 @@ def test_pool_private_matches_reference(hkv: int, group: int, dtype: torch.dtype
         close(got, want)
 
 
+CAP = 0.8  # below most scores here (randn rows, scale d ** -0.5): the cap changes them
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_soft_capped_scores_match_reference(dtype: torch.dtype) -> None:
+    """softcap c: every score s becomes c * tanh(s / c) (Gemma 2), on every path of the
+    kernel (dot-product and transposed-K tiles, the bf16 vdpbf16ps path, threads split and
+    merged), for segments and causal private parts, merged with a capped prior."""
+    for i, (n, length, d) in enumerate(SEGMENT_CASES):
+        pool = Pool(300 + i, length, 3, d, dtype)
+        slots, q = pool.take(length), pool.queries(n, 9)
+        k, v = pool.k[slots], pool.v[slots]
+        got = native.pool_segment_attention(q, pool.k, pool.v, slots, d**-0.5, softcap=CAP)
+        close(got, reference.segment_attention(q, k, v, d**-0.5, softcap=CAP))
+        if length > 1:  # (one key: any score gets all the weight)
+            plain = reference.segment_attention(q, k, v, d**-0.5)
+            assert (got[1] - plain[1]).abs().max() > 0.1  # the cap is not a no-op here
+    for i, (q_lens, kv_lens, d) in enumerate(PRIVATE_CASES):
+        pool = Pool(400 + i, sum(kv_lens), 3, d, dtype)
+        slots, q = pool.take(sum(kv_lens)), pool.queries(sum(q_lens), 9)
+        qo, ko = native._offsets(q_lens), native._offsets(kv_lens)
+        prior = native.pool_segment_attention(q, pool.k, pool.v, slots[:5], 0.3, softcap=CAP)
+        got = native.pool_private_attention(
+            q, pool.k, pool.v, slots, qo, ko, 0.3, prior=prior, softcap=CAP
+        )
+        k, v = pool.k[slots], pool.v[slots]
+        own = reference.private_attention(q, k, v, q_lens, kv_lens, 0.3, softcap=CAP)
+        want = reference.merge_states(
+            torch.stack([prior[0], own[0]]), torch.stack([prior[1], own[1]])
+        )
+        close(got, want)
+
+
+def test_soft_capped_calls_of_other_impls_run_on_the_reference(restore_impl: None) -> None:
+    """PyTorch's flash kernel has no cap: under the "cpu" impl a capped call runs on the
+    reference, an uncapped one stays on the flash kernel."""
+    pool = Pool(8, 300, 3, 64, torch.float32)
+    slots, q = pool.take(300), pool.queries(4, 9)
+    kv_off = torch.tensor([0, 100, 150, 151, 300])
+    kernels.set_impl("cpu")
+    assert not kernels.reads_pool_in_place(q)
+    got = kernels.pool_decode_attention(q, pool.k, pool.v, slots, kv_off, 0.125, softcap=CAP)
+    kernels.set_impl("native")
+    close(got, kernels.pool_decode_attention(q, pool.k, pool.v, slots, kv_off, 0.125, softcap=CAP))
+    uncapped = kernels.pool_decode_attention(q, pool.k, pool.v, slots, kv_off, 0.125)
+    assert (got[0] - uncapped[0]).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("impl", ["native", "reference"])
 def test_prior_state_is_merged(impl: str, dtype: torch.dtype, restore_impl: None) -> None:
@@ -292,6 +340,7 @@ def run_child_checks() -> None:
         for hkv, group in GQA:
             test_pool_segment_matches_reference(hkv, group, dtype)
             test_pool_private_matches_reference(hkv, group, dtype)
+        test_soft_capped_scores_match_reference(dtype)
     print(f"ok build {ops.isa}", flush=True)
 
 

@@ -37,6 +37,7 @@ class NoAttentionBackend(AttentionBackend):
         batch: ForwardBatch,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         batch.kv_pool.write(layer, batch.out_cache_loc, k, v)
         return torch.zeros_like(q)  # (T, Hq, D)

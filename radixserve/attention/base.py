@@ -38,9 +38,11 @@ class AttentionBackend(ABC):
         batch: ForwardBatch,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Write k/v at `batch.out_cache_loc` of `layer`, attend, return (T, q_heads, head_dim).
 
         Query row t of request r at position p attends keys at positions 0..p of request r
-        (with a `window` W > 0: positions max(0, p - W + 1)..p, attention/window.py).
+        (with a `window` W > 0: positions max(0, p - W + 1)..p, attention/window.py), each
+        score scaled by `scale` and, with `softcap` c > 0, capped at c * tanh(s / c).
         """

@@ -44,15 +44,16 @@ class GatherPlan:
     v_buf: torch.Tensor
 
     def attend(
-        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float,
+        softcap: float = 0.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """q (T, Hq, D) against one layer's pool k/v (num_slots, Hkv, D) -> (T, Hq, D), (T, Hq).
 
         index_select, not kc[slots]: the row gather is ~5x faster than advanced indexing."""
         torch.index_select(kc, 0, self.slots, out=self.k_buf)
         torch.index_select(vc, 0, self.slots, out=self.v_buf)
         return kernels.private_attention(
-            q, self.k_buf, self.v_buf, self.q_lens, self.kv_lens, scale
+            q, self.k_buf, self.v_buf, self.q_lens, self.kv_lens, scale, softcap
         )
 
 
@@ -67,12 +68,13 @@ class PaddedPlan:
     v_buf: torch.Tensor
 
     def attend(
-        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float,
+        softcap: float = 0.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """q (B, Hq, D) against one layer's pool k/v (num_slots, Hkv, D) -> (B, Hq, D), (B, Hq)."""
         torch.index_select(kc, 0, self.grid, out=self.k_buf.view(-1, *kc.shape[1:]))
         torch.index_select(vc, 0, self.grid, out=self.v_buf.view(-1, *vc.shape[1:]))
-        return kernels.decode_attention(q, self.k_buf, self.v_buf, self.kv_lens, scale)
+        return kernels.decode_attention(q, self.k_buf, self.v_buf, self.kv_lens, scale, softcap)
 
 
 PrivatePlan = GatherPlan | PaddedPlan | SlotPlan
@@ -139,12 +141,17 @@ class FlatBackend(AttentionBackend):
         batch: ForwardBatch,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        if window and (out := sliding_attention(q, k, v, layer, batch, window, scale)) is not None:
+        if (
+            window
+            and (out := sliding_attention(q, k, v, layer, batch, window, scale, softcap))
+            is not None
+        ):
             return out
         pool = batch.kv_pool
         pool.write(layer, batch.out_cache_loc, k, v)
         plan = batch.attn_plan
         assert isinstance(plan, PrivatePlan), f"plan() not run for this batch: {type(plan)}"
-        out, _ = plan.attend(q, pool.k[layer], pool.v[layer], scale)
+        out, _ = plan.attend(q, pool.k[layer], pool.v[layer], scale, softcap=softcap)
         return out

@@ -28,11 +28,12 @@ class SlotPlan:
         vc: torch.Tensor,
         scale: float,
         prior: tuple[torch.Tensor, torch.Tensor] | None = None,
+        softcap: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q (T, Hq, D) against one layer's pool k/v (num_slots, Hkv, D) -> (T, Hq, D), (T, Hq);
         merged with `prior` (out, lse of the same rows over other keys) when given."""
         return kernels.pool_private_attention(
-            q, kc, vc, self.slots, self.q_offsets, self.kv_offsets, scale, prior
+            q, kc, vc, self.slots, self.q_offsets, self.kv_offsets, scale, prior, softcap
         )
 
 

@@ -92,21 +92,26 @@ class TreeBackend(AttentionBackend):
         batch: ForwardBatch,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         plan = batch.attn_plan
         assert isinstance(plan, TreePlan), f"plan() not run for this batch: {type(plan)}"
-        if window and (out := sliding_attention(q, k, v, layer, batch, window, scale)) is not None:
+        if (
+            window
+            and (out := sliding_attention(q, k, v, layer, batch, window, scale, softcap))
+            is not None
+        ):
             return out  # no shared segment
         pool = batch.kv_pool
         # Write first: an extend's queries must see their own (and earlier) new keys.
         pool.write(layer, batch.out_cache_loc, k, v)
         kc, vc = pool.k[layer], pool.v[layer]  # (num_slots, Hkv, D)
         if plan.in_place:
-            return _fused_in_place(plan, q, kc, vc, scale)
-        out, lse = plan.private.attend(q, kc, vc, scale)  # (T, Hq, D), (T, Hq)
+            return _fused_in_place(plan, q, kc, vc, scale, softcap)
+        out, lse = plan.private.attend(q, kc, vc, scale, softcap=softcap)  # (T, Hq, D), (T, Hq)
         if not plan.segments:
             return out
-        return _merge_shared(plan, q, kc, vc, out, lse, scale)
+        return _merge_shared(plan, q, kc, vc, out, lse, scale, softcap)
 
 
 def _fused_in_place(
@@ -115,6 +120,7 @@ def _fused_in_place(
     kc: torch.Tensor,  # (num_slots, Hkv, D) one layer's keys
     vc: torch.Tensor,
     scale: float,
+    softcap: float,
 ) -> torch.Tensor:
     """Segments in plan order, each merged into its rows' running state by the kernel, then
     the private part from the full state -> (T, Hq, D)."""
@@ -123,15 +129,15 @@ def _fused_in_place(
     for seg in plan.segments:
         everyone = seg.q_range == (0, q.shape[0])
         if state is None and everyone:
-            state = kernels.pool_segment_attention(q, kc, vc, seg.slots, scale)
+            state = kernels.pool_segment_attention(q, kc, vc, seg.slots, scale, softcap=softcap)
             continue
         if state is None:  # rows without a shared part yet: empty state (lse -inf)
             state = (
                 q.new_zeros(q.shape),
                 q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32),
             )
-        state = _segment_into(state, seg, q, kc, vc, scale)
-    return plan.private.attend(q, kc, vc, scale, prior=state)[0]
+        state = _segment_into(state, seg, q, kc, vc, scale, softcap)
+    return plan.private.attend(q, kc, vc, scale, prior=state, softcap=softcap)[0]
 
 
 def _segment_into(
@@ -141,19 +147,20 @@ def _segment_into(
     kc: torch.Tensor,
     vc: torch.Tensor,
     scale: float,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The segment's rows of `state` merged with its attention (in place in `state`)."""
     out, lse = state
     if seg.q_range:
         rows = slice(*seg.q_range)
         o, s = kernels.pool_segment_attention(
-            q[rows], kc, vc, seg.slots, scale, prior=(out[rows], lse[rows])
+            q[rows], kc, vc, seg.slots, scale, prior=(out[rows], lse[rows]), softcap=softcap
         )
         out[rows], lse[rows] = o, s
         return out, lse
     prior = out.index_select(0, seg.q_rows), lse.index_select(0, seg.q_rows)
     qs = q.index_select(0, seg.q_rows)
-    o, s = kernels.pool_segment_attention(qs, kc, vc, seg.slots, scale, prior=prior)
+    o, s = kernels.pool_segment_attention(qs, kc, vc, seg.slots, scale, prior, softcap)
     return out.index_copy_(0, seg.q_rows, o), lse.index_copy_(0, seg.q_rows, s)
 
 
@@ -164,13 +171,14 @@ def _segment(
     kc: torch.Tensor,  # (num_slots, Hkv, D) one layer's keys
     vc: torch.Tensor,
     scale: float,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One kept segment's attention (gathering kernels): as a slice view, or gathered."""
     if seg.kv_range:
         ks, vs = kc[seg.kv_range[0] : seg.kv_range[1]], vc[seg.kv_range[0] : seg.kv_range[1]]
     else:
         ks, vs = kc.index_select(0, seg.slots), vc.index_select(0, seg.slots)  # (L, Hkv, D)
-    return kernels.segment_attention(qs, ks, vs, scale)
+    return kernels.segment_attention(qs, ks, vs, scale, softcap)
 
 
 def _merge_shared(
@@ -181,6 +189,7 @@ def _merge_shared(
     out: torch.Tensor,  # (T, Hq, D) private part's output
     lse: torch.Tensor,  # (T, Hq) float32
     scale: float,
+    softcap: float,
 ) -> torch.Tensor:
     """Attend every kept segment once and merge it with the private part, row by row."""
     rows = plan.merge_rows
@@ -195,7 +204,7 @@ def _merge_shared(
             qs = q[seg.q_range[0] : seg.q_range[1]]  # (n, Hq, D) view
         else:
             qs = q.index_select(0, seg.q_rows)
-        o, s = _segment(plan, seg, qs, kc, vc, scale)  # (n, Hq, D), (n, Hq)
+        o, s = _segment(plan, seg, qs, kc, vc, scale, softcap)  # (n, Hq, D), (n, Hq)
         part_o, part_s = outs[seg.level + 1], lses[seg.level + 1]  # (M, Hq, D), (M, Hq) views
         if seg.merge_range:
             part_o[seg.merge_range[0] : seg.merge_range[1]] = o

@@ -61,6 +61,7 @@ def sliding_attention(
     batch: ForwardBatch,
     window: int,
     scale: float,
+    softcap: float = 0.0,
 ) -> torch.Tensor | None:
     """A sliding layer's step: write the new K/V and attend each query's window -> (T, Hq,
     D); or None, with nothing written, when the layer's rows are the slots and no query's
@@ -75,7 +76,7 @@ def sliding_attention(
     if plan is None:
         plan = batch.window_plans[window] = _plan(batch, window)
     assert isinstance(plan, WindowPlan), type(plan)
-    return window_attention(plan, q, pool.k[layer], pool.v[layer], scale)
+    return window_attention(plan, q, pool.k[layer], pool.v[layer], scale, softcap)
 
 
 def _plan(batch: ForwardBatch, w: int) -> WindowPlan:
@@ -110,12 +111,14 @@ def window_attention(
     kc: torch.Tensor,  # (num_slots, Hkv, D) one layer's pool keys
     vc: torch.Tensor,
     scale: float,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Each query row over its window's keys -> (T, Hq, D)."""
     prior = None
     if plan.old is not None:
-        o, lse = plan.old.attend(q.index_select(0, plan.old_rows), kc, vc, scale)
+        qs = q.index_select(0, plan.old_rows)
+        o, lse = plan.old.attend(qs, kc, vc, scale, softcap=softcap)
         out = q.new_zeros(q.shape)  # rows without old keys: an empty state (lse -inf)
         lses = q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32)
         prior = out.index_copy_(0, plan.old_rows, o), lses.index_copy_(0, plan.old_rows, lse)
-    return plan.recent.attend(q, kc, vc, scale, prior)[0]
+    return plan.recent.attend(q, kc, vc, scale, prior, softcap)[0]

@@ -17,6 +17,11 @@ int64 (B + 1,) cumulative counts starting at 0):
   slots[kv_offsets[b]:kv_offsets[b+1]], bottom-right causal as private_attention
 - pool_decode_attention(q (B,Hq,D), k_cache, v_cache, slots (S,), kv_offsets, scale): one
   query per request (pool_private_attention with q_offsets = arange(B + 1))
+Every attention op takes `softcap` (default 0, none): with c > 0 each score s (after the
+scale) becomes c * tanh(s / c) before the softmax, as Gemma 2's layers do. The "native" and
+"reference" impls cap; under the others a capped call runs on the reference (logged once).
+The cap is per score, so the LSE merge of capped parts stays exact.
+
 Each pool op takes an optional `prior` = (out, lse) of the same query rows over other keys
 and then returns the exact LSE merge of that state and its own (a shared segment's result
 passed to the private part, say): the "native" and "triton" impls fuse it (their online
@@ -72,6 +77,7 @@ logger = logging.getLogger("radixserve.kernels")
 State = tuple[torch.Tensor, torch.Tensor]  # out (rows, Hq, D), lse (rows, Hq) float32
 _impl = "auto"
 _logged: set[tuple[str, str]] = set()  # (requested, resolved) pairs already logged
+CAPPING = ("native", "reference")  # the impls whose kernels cap scores
 
 
 def set_impl(name: str) -> None:
@@ -116,8 +122,13 @@ def reads_pool_in_place(t: torch.Tensor) -> bool:
     return resolve_impl(t) in ("native", "triton")
 
 
-def _module(t: torch.Tensor) -> ModuleType:
+def _module(t: torch.Tensor, softcap: float = 0.0) -> ModuleType:
     name = resolve_impl(t)
+    if softcap and name not in CAPPING:
+        if (name, "reference") not in _logged:
+            _logged.add((name, "reference"))
+            logger.info("soft-capped attention runs on the reference kernels (not %s)", name)
+        name = "reference"
     if (_impl, name) not in _logged:
         _logged.add((_impl, name))
         logger.info("attention kernels: %s (requested %r, tensors on %s)", name, _impl, t.device)
@@ -132,11 +143,17 @@ def _module(t: torch.Tensor) -> ModuleType:
     return triton_ops
 
 
+def _cap(softcap: float) -> dict[str, float]:
+    """The keyword of a capped call: only the capping impls take it (`_module` sends every
+    capped call to one of them)."""
+    return {"softcap": softcap} if softcap else {}
+
+
 def segment_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (n, Hq, D) against one shared segment k/v (L, Hkv, D), no mask -> (n, Hq, D), (n, Hq)."""
-    return _module(q).segment_attention(q, k, v, scale)
+    return _module(q, softcap).segment_attention(q, k, v, scale, **_cap(softcap))
 
 
 def private_attention(
@@ -146,10 +163,12 @@ def private_attention(
     q_lens: list[int],
     kv_lens: list[int],
     scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per request: its q_len queries are the LAST q_len positions of its kv_len keys
     (bottom-right causal alignment): query i sees keys 0 .. kv_len - q_len + i."""
-    return _module(q).private_attention(q, k, v, q_lens, kv_lens, scale)
+    mod = _module(q, softcap)
+    return mod.private_attention(q, k, v, q_lens, kv_lens, scale, **_cap(softcap))
 
 
 def decode_attention(
@@ -158,11 +177,12 @@ def decode_attention(
     v: torch.Tensor,
     kv_lens: list[int],
     scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode over a padded grid: request b's query sees k[b, :kv_lens[b]] (1 <= kv_len <= L);
     what lies past kv_lens[b] gets no weight but must be finite (implementations may mask
     rather than skip it). One call for a whole decode batch of mixed lengths."""
-    return _module(q).decode_attention(q, k, v, kv_lens, scale)
+    return _module(q, softcap).decode_attention(q, k, v, kv_lens, scale, **_cap(softcap))
 
 
 def merge_states(
@@ -180,14 +200,15 @@ def pool_segment_attention(
     slots: torch.Tensor,  # (L,) int64, the segment's keys
     scale: float,
     prior: State | None = None,  # (n, Hq, D), (n, Hq) float32
+    softcap: float = 0.0,
 ) -> State:
     """segment_attention over k_cache[slots] / v_cache[slots] -> (n, Hq, D), (n, Hq), merged
     with `prior` when given."""
-    mod = _module(q)
-    if reads_pool_in_place(q):
-        return mod.pool_segment_attention(q, k_cache, v_cache, slots, scale, prior)
+    mod = _module(q, softcap)
+    if mod is not reference and reads_pool_in_place(q):
+        return mod.pool_segment_attention(q, k_cache, v_cache, slots, scale, prior, **_cap(softcap))
     k, v = k_cache.index_select(0, slots), v_cache.index_select(0, slots)  # (L, Hkv, D)
-    return _merged(mod, prior, mod.segment_attention(q, k, v, scale))
+    return _merged(mod, prior, mod.segment_attention(q, k, v, scale, **_cap(softcap)))
 
 
 def pool_private_attention(
@@ -199,17 +220,19 @@ def pool_private_attention(
     kv_offsets: torch.Tensor,  # (B + 1,) int64
     scale: float,
     prior: State | None = None,  # (T, Hq, D), (T, Hq) float32
+    softcap: float = 0.0,
 ) -> State:
     """private_attention with request b's keys slots[kv_offsets[b]:kv_offsets[b + 1]] and
     queries q[q_offsets[b]:q_offsets[b + 1]] -> (T, Hq, D), (T, Hq), merged with `prior`."""
-    mod = _module(q)
-    if reads_pool_in_place(q):
+    mod = _module(q, softcap)
+    if mod is not reference and reads_pool_in_place(q):
         return mod.pool_private_attention(
-            q, k_cache, v_cache, slots, q_offsets, kv_offsets, scale, prior
+            q, k_cache, v_cache, slots, q_offsets, kv_offsets, scale, prior, **_cap(softcap)
         )
     q_lens, kv_lens = q_offsets.diff().tolist(), kv_offsets.diff().tolist()
     k, v = k_cache.index_select(0, slots), v_cache.index_select(0, slots)  # (S, Hkv, D)
-    return _merged(mod, prior, mod.private_attention(q, k, v, q_lens, kv_lens, scale))
+    state = mod.private_attention(q, k, v, q_lens, kv_lens, scale, **_cap(softcap))
+    return _merged(mod, prior, state)
 
 
 def pool_decode_attention(
@@ -220,10 +243,13 @@ def pool_decode_attention(
     kv_offsets: torch.Tensor,  # (B + 1,) int64; every request has >= 1 key
     scale: float,
     prior: State | None = None,  # (B, Hq, D), (B, Hq) float32
+    softcap: float = 0.0,
 ) -> State:
     """Decode: request b's query attends its keys slots[kv_offsets[b]:kv_offsets[b + 1]]."""
     q_offsets = torch.arange(q.shape[0] + 1, dtype=torch.int64, device=kv_offsets.device)
-    return pool_private_attention(q, k_cache, v_cache, slots, q_offsets, kv_offsets, scale, prior)
+    return pool_private_attention(
+        q, k_cache, v_cache, slots, q_offsets, kv_offsets, scale, prior, softcap
+    )
 
 
 def _merged(mod: ModuleType, prior: State | None, state: State) -> State:

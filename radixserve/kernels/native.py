@@ -9,6 +9,7 @@ k_cache / v_cache (num_slots, Hkv, D) and int64 slot indices instead of gathered
   (bottom-right causal). Decode is q_offsets == arange(B + 1).
   prior: None, or (out, lse) of the same query rows over other keys; the result is then the
   exact LSE merge of both, fused: the kernel starts its online softmax from that state.
+  softcap: c > 0 caps every score s at c * tanh(s / c) (Gemma 2); 0 = none.
 - segment_attention, private_attention, decode_attention, merge_states: the dense contract
   of kernels/__init__.py, run by the same kernels (dense K/V is a pool whose slots are
   0..L-1).
@@ -41,7 +42,7 @@ from types import ModuleType
 import torch
 
 from radixserve.isa import cpu_isa
-from radixserve.kernels import cpu
+from radixserve.kernels import cpu, reference
 from radixserve.native_build import build, native_module
 
 SOURCE = Path(__file__).with_name("csrc") / "attention_cpu.cpp"
@@ -106,6 +107,12 @@ def _prior(prior: State | None) -> dict[str, torch.Tensor]:
     return {} if prior is None else {"prior_out": prior[0], "prior_lse": prior[1]}
 
 
+def _torch_ops(softcap: float) -> ModuleType:
+    """The torch path for tensors the C++ kernels do not take: PyTorch's flash attention, or
+    the reference where scores are capped (the flash kernel has no cap)."""
+    return reference if softcap else cpu
+
+
 # ---------------------------------------------------------------------------- pool ops
 def pool_segment_attention(
     q: torch.Tensor,  # (n, Hq, D)
@@ -114,15 +121,19 @@ def pool_segment_attention(
     slots: torch.Tensor,  # (L,) int64
     scale: float,
     prior: State | None = None,
+    softcap: float = 0.0,
 ) -> State:
     """q against the segment's keys k_cache[slots], no mask -> (n, Hq, D), (n, Hq) float32,
     merged with `prior` when given."""
     if not supports(q, k_cache):
         k, v = _gather(k_cache, slots), _gather(v_cache, slots)
-        return merge_two(prior, cpu.segment_attention(q, k, v, scale))
+        dense = _torch_ops(softcap).segment_attention
+        return merge_two(prior, dense(q, k, v, scale, **_cap(softcap)))
     mod = ops()
     assert mod is not None
-    out, lse = mod.segment_attention(q, k_cache, v_cache, slots, scale, **_prior(prior))
+    out, lse = mod.segment_attention(
+        q, k_cache, v_cache, slots, scale, **_prior(prior), softcap=softcap
+    )
     return out, lse
 
 
@@ -135,19 +146,27 @@ def pool_private_attention(
     kv_offsets: torch.Tensor,  # (B + 1,) int64, its keys: slots[kv_offsets[b]:..[b+1]]
     scale: float,
     prior: State | None = None,
+    softcap: float = 0.0,
 ) -> State:
     """Bottom-right causal attention per request -> (T, Hq, D), (T, Hq) float32, merged with
     `prior` when given."""
     if not supports(q, k_cache):
         q_lens, kv_lens = q_offsets.diff().tolist(), kv_offsets.diff().tolist()
         k, v = _gather(k_cache, slots), _gather(v_cache, slots)
-        return merge_two(prior, cpu.private_attention(q, k, v, q_lens, kv_lens, scale))
+        dense = _torch_ops(softcap).private_attention
+        return merge_two(prior, dense(q, k, v, q_lens, kv_lens, scale, **_cap(softcap)))
     mod = ops()
     assert mod is not None
     out, lse = mod.private_attention(
-        q, k_cache, v_cache, slots, q_offsets, kv_offsets, scale, **_prior(prior)
-    )
+        q, k_cache, v_cache, slots, q_offsets, kv_offsets, scale, **_prior(prior),
+        softcap=softcap,
+    )  # fmt: skip
     return out, lse
+
+
+def _cap(softcap: float) -> dict[str, float]:
+    """The keyword of a capped call (the flash path, never capped, takes none)."""
+    return {"softcap": softcap} if softcap else {}
 
 
 # ---------------------------------------------------------------------------- dense ops
@@ -157,12 +176,12 @@ def _rows(k: torch.Tensor) -> torch.Tensor:
 
 
 def segment_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (n, Hq, D) against one shared segment k/v (L, Hkv, D), no mask -> (n, Hq, D), (n, Hq)."""
     cpu._check_qkv(q, k, v)
     slots = torch.arange(k.shape[0], dtype=torch.int64)
-    return pool_segment_attention(q, _rows(k), _rows(v), slots, scale)
+    return pool_segment_attention(q, _rows(k), _rows(v), slots, scale, softcap=softcap)
 
 
 def private_attention(
@@ -172,19 +191,22 @@ def private_attention(
     q_lens: list[int],
     kv_lens: list[int],
     scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense private attention (kernels/__init__.py contract) on the native kernels."""
     cpu._check_qkv(q, k, v)
     cpu._check_lens(q, k, q_lens, kv_lens)
     slots = torch.arange(k.shape[0], dtype=torch.int64)
     return pool_private_attention(
-        q, _rows(k), _rows(v), slots, _offsets(q_lens), _offsets(kv_lens), scale
-    )
+        q, _rows(k), _rows(v), slots, _offsets(q_lens), _offsets(kv_lens), scale,
+        softcap=softcap,
+    )  # fmt: skip
 
 
 def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: list[int], scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: list[int], scale: float,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Padded-grid decode (kernels/__init__.py contract): the grid (B, L, Hkv, D) is read as a
     pool of B * L rows; request b's slots are b * L + [0, kv_len); padding is never read."""
     b, length = k.shape[0], k.shape[1]
@@ -196,7 +218,9 @@ def decode_attention(
     kc = k.reshape(b * length, *k.shape[2:])  # (B*L, Hkv, D): a view for a padded grid
     vc = v.reshape(b * length, *v.shape[2:])
     q_off = torch.arange(b + 1, dtype=torch.int64)
-    return pool_private_attention(q, kc, vc, slots, q_off, _offsets(kv_lens), scale)
+    return pool_private_attention(
+        q, kc, vc, slots, q_off, _offsets(kv_lens), scale, softcap=softcap
+    )
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,7 @@
 """Readable torch reference for the attention ops: the oracle every fast path is tested against.
 
-All math in float32; outputs cast back to the query dtype, LSE stays float32.
+All math in float32; outputs cast back to the query dtype, LSE stays float32. With `softcap`
+c > 0 every score s (after the scale) becomes c * tanh(s / c) before the softmax (Gemma 2).
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ def _attend(
     v: torch.Tensor,  # (L, kv_heads, head_dim)
     scale: float,
     mask: torch.Tensor | None,  # (n, L) bool, True = may attend; None = all
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     group = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(group, dim=1)  # (L, q_heads, D)
     vf = v.float().repeat_interleave(group, dim=1)
     s = torch.einsum("nhd,lhd->hnl", q.float(), kf) * scale  # (q_heads, n, L)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # (q_heads, n)
@@ -28,10 +32,10 @@ def _attend(
 
 
 def segment_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (n, Hq, D) against one shared segment k/v (L, Hkv, D), no mask -> (n, Hq, D), (n, Hq)."""
-    return _attend(q, k, v, scale, None)
+    return _attend(q, k, v, scale, None, softcap)
 
 
 def private_attention(
@@ -41,6 +45,7 @@ def private_attention(
     q_lens: list[int],
     kv_lens: list[int],
     scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per request: its q_len queries are the LAST q_len positions of its kv_len keys
     (bottom-right causal alignment): query i sees keys 0 .. kv_len - q_len + i."""
@@ -49,7 +54,7 @@ def private_attention(
     for ql, kl in zip(q_lens, kv_lens):
         qi = torch.arange(ql)[:, None] + (kl - ql)
         mask = torch.arange(kl)[None, :] <= qi
-        o, lse = _attend(q[q0 : q0 + ql], k[k0 : k0 + kl], v[k0 : k0 + kl], scale, mask)
+        o, lse = _attend(q[q0 : q0 + ql], k[k0 : k0 + kl], v[k0 : k0 + kl], scale, mask, softcap)
         outs.append(o)
         lses.append(lse)
         q0, k0 = q0 + ql, k0 + kl
@@ -62,9 +67,13 @@ def decode_attention(
     v: torch.Tensor,
     kv_lens: list[int],
     scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Request b's query attends k[b, :kv_lens[b]]; the padding after it is never read."""
-    parts = [_attend(q[b : b + 1], k[b, :n], v[b, :n], scale, None) for b, n in enumerate(kv_lens)]
+    parts = [
+        _attend(q[b : b + 1], k[b, :n], v[b, :n], scale, None, softcap)
+        for b, n in enumerate(kv_lens)
+    ]
     return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
 
 

@@ -8,7 +8,8 @@ per-family differences are the fields below, set by one small reader per family 
     Gemma 2/3 RMSNorm weights applied as 1 + w (`norm_offset`), norms after attention and
               around the MLP (`sandwich_norms`), GeGLU with tanh GELU (`hidden_act`),
               embeddings times sqrt(hidden) (`embed_scale`), query scale
-              `query_pre_attn_scalar` ** -0.5, final-logit soft-capping; Gemma 3 adds q/k
+              `query_pre_attn_scalar` ** -0.5, final-logit and (Gemma 2) attention-score
+              soft-capping (`attn_softcap`); Gemma 3 adds q/k
               norms and a second RoPE base for its sliding-window layers (`local_rope_theta`)
     Phi-3     fused qkv / gate_up checkpoint tensors (split by the loader), partial rotary
               (`rotary_dim`), longrope scaling
@@ -94,6 +95,7 @@ class ModelConfig:
     embed_scale: float = 1.0  # token embeddings are multiplied by it (in the model dtype)
     query_pre_attn_scalar: float = 0.0  # attention scale is its ** -0.5; 0 = head_dim's
     final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0 = none
+    attn_softcap: float = 0.0  # attention scores = cap * tanh(scores / cap); 0 = none
 
     def __post_init__(self) -> None:
         assert self.architecture in SUPPORTED_ARCHITECTURES, self.architecture
@@ -131,10 +133,16 @@ class ModelConfig:
             return None
         return Rope(self.local_rope_theta, None, self.rotary_dim or self.head_dim)
 
+    def sliding(self, layer: int) -> bool:
+        """Whether layer `layer` is a sliding-window layer (its own RoPE base in Gemma 3)."""
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING
+
     def window(self, layer: int) -> int:
-        """Keys layer `layer`'s queries see at most (0: the whole sequence)."""
-        sliding = self.layer_types and self.layer_types[layer] == SLIDING
-        return self.sliding_window if sliding else 0
+        """Keys layer `layer`'s queries see at most (0: the whole sequence). A window no
+        shorter than the context never leaves a key out (Phi-4-mini's 262144 over 131072
+        positions): 0."""
+        binds = self.sliding_window < self.max_position_embeddings
+        return self.sliding_window if self.sliding(layer) and binds else 0
 
     def has_rope(self, layer: int) -> bool:
         return not self.rope_layers or self.rope_layers[layer]
@@ -324,7 +332,6 @@ def _qwen3(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _gemma(cfg: dict[str, Any]) -> dict[str, Any]:
     """Gemma 2 and 3 (text): see the module docstring."""
-    _refuse(cfg, "attn_logit_softcapping", (None, 0, 0.0))
     _refuse(cfg, "use_bidirectional_attention", (None, False))
     fields: dict[str, Any] = dict(
         norm_offset=1.0,
@@ -332,6 +339,7 @@ def _gemma(cfg: dict[str, Any]) -> dict[str, Any]:
         embed_scale=float(cfg["hidden_size"]) ** 0.5,
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 0.0),
         final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
+        attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
         hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
     )
     if cfg["architectures"][0] == "Gemma3ForCausalLM":

