@@ -22,7 +22,8 @@ continuations (the same token ids fed, argmax of its logits) are a row of their 
 positions whose top-1 token under teacher forcing is llama.cpp's, and the greedy
 continuations identical to llama.cpp's; `llamacpp_flash_top1_agreement` is the same share
 between llama.cpp's own two attention paths (flash attention off and on): the agreement a
-model's near-ties allow.
+model's near-ties allow; `top1_agreement_where_llamacpp_is_stable` is radixserve's share on
+the positions where those two paths agree (no near-tie llama.cpp's own rounding flips).
 
     python benchmarks/eval_quant.py --data-path path/to/gsm8k --json out.json
     python benchmarks/eval_quant.py --model models/smollm2-135m-Q4_K_M.gguf \\
@@ -234,6 +235,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "mean_abs_logprob_delta": float((ours - theirs).abs().mean()),
             # teacher forcing: the share of positions where both rank the same token first
             "top1_agreement": float((our_top == their_top).double().mean()),
+            "top1_agreement_where_llamacpp_is_stable": float(
+                (our_top == their_top)[flash_top == their_top].double().mean()
+            ),
             "greedy_identical": sum(a == b for a, b in zip(our_out, their_out)),
             "greedy_prompts": len(our_out),
         }
