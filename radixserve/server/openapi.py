@@ -22,6 +22,7 @@ from radixserve.core.limits import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
+    MAX_TEMPLATE_KWARGS,
     MAX_TOP_LOGPROBS,
     REPETITION_PENALTY_RANGE,
 )
@@ -320,6 +321,14 @@ CHAT = {
             "description": "none, auto (default with tools), required, or a named function",
         },
         "parallel_tool_calls": _bool("more than one call per answer (default true)"),
+        "chat_template_kwargs": _nullable(
+            {
+                "type": "object",
+                "maxProperties": MAX_TEMPLATE_KWARGS,
+                "additionalProperties": {"type": ["string", "number", "boolean", "null"]},
+            },
+            "the chat template's own variables (enable_thinking, say)",
+        ),
     },
 }
 
