@@ -29,7 +29,6 @@ from test_gguf_families import (
     Q8_0,
     VOCAB,
     as_converted,
-    cache,  # noqa: F401 (a fixture)
     heads,
     hf_weights,
     metadata,
@@ -67,6 +66,13 @@ def _one_thread() -> Iterator[None]:
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe")
     return {f: build_tiny_model(root / f, seed=i, family=f) for i, f in enumerate(FAMILIES)}
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A temp folder, also the cache that GGUF files are converted into."""
+    monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path / "cache"))
+    return tmp_path
 
 
 def hf_model(path: Path) -> Any:
@@ -243,8 +249,8 @@ def test_unsupported_fields_are_named(arch: str, field: str, value: Any) -> None
     cfg = {**MOE_BASE, "architectures": [arch], field: value}
     with pytest.raises(ValueError, match=re.escape(f"unsupported {field}={value!r}")):
         ModelConfig.from_hf(cfg)
-    ModelConfig.from_hf({**MOE_BASE, "architectures": [arch], "router_jitter_noise": 0.1,
-                         "output_router_logits": True})  # harmless at inference; fmt: skip
+    harmless = {"router_jitter_noise": 0.1, "output_router_logits": True}  # training only
+    ModelConfig.from_hf({**MOE_BASE, "architectures": [arch], **harmless})
 
 
 def test_more_experts_per_token_than_experts_is_refused() -> None:
@@ -312,7 +318,7 @@ def stacked(model: Any) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("arch", GGUF_FAMILIES)
-def test_gguf_config_and_weights_equal_the_hf_models(arch: str, cache: Path) -> None:  # noqa: F811
+def test_gguf_config_and_weights_equal_the_hf_models(arch: str, cache: Path) -> None:
     model = GGUF_FAMILIES[arch]()
     file = write_gguf(model, cache / f"tiny-{arch}.gguf")
     folder = resolve_model_path(str(file))
@@ -331,7 +337,7 @@ def test_gguf_config_and_weights_equal_the_hf_models(arch: str, cache: Path) -> 
 @pytest.mark.parametrize("quant", [F32, Q8_0])
 @pytest.mark.parametrize("arch", GGUF_FAMILIES)
 def test_a_gguf_file_runs_as_its_hf_model(
-    arch: str, quant: gguf.GGMLQuantizationType, cache: Path  # noqa: F811
+    arch: str, quant: gguf.GGMLQuantizationType, cache: Path
 ) -> None:
     """The file through the engine's loader gives the HF model's logits (prefill, extend,
     decodes). Q8_0: attention matrices stay in blocks, the 3-D experts are dequantized into

@@ -32,9 +32,10 @@ now conversion/*.py: TextModel.set_gguf_parameters and each family's class) and 
                 renormalised; q/k norms over the whole projection (their tensors' sizes)
 
 Every `{arch}.*` key must be read by the family's reader: any other key (Gemma 3's logit
-soft-capping, expert counts outside a MoE architecture, shared experts, a pooling type, YaRN parameters, ...) changes the math in a way
-the config would not say, so it raises ValueError naming the key and its value, as does a
-value the HF model cannot express (an unknown RoPE scaling type, partial rotary in Qwen3).
+soft-capping, expert counts outside a MoE architecture, shared experts, a pooling type, YaRN
+parameters, ...) changes the math in a way the config would not say, so it raises ValueError
+naming the key and its value, as does a value the HF model cannot express (an unknown RoPE
+scaling type, partial rotary in Qwen3).
 """
 
 from __future__ import annotations

@@ -188,7 +188,8 @@ def _expert_dims(cfg: Any) -> dict[str, tuple[int, ...]]:
     e, hidden = cfg.num_experts, cfg.hidden_size
     rows = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
     return {"ffn_gate_inp.weight": (e, hidden), "ffn_gate_exps.weight": (e, rows, hidden),
-            "ffn_up_exps.weight": (e, rows, hidden), "ffn_down_exps.weight": (e, hidden, rows)}
+            "ffn_up_exps.weight": (e, rows, hidden),
+            "ffn_down_exps.weight": (e, hidden, rows)}  # fmt: skip
 
 
 def _biases(cfg: Any, arch: str, rows: dict[str, int]) -> dict[str, int]:

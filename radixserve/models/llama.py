@@ -1,6 +1,6 @@
 """The decoder every supported family runs (Llama, Qwen2, Mistral, Qwen3, Gemma 2 / 3, Phi-3,
-SmolLM3, and the mixtures of experts Qwen3-MoE, OLMoE, Mixtral), written for serving; the families' differences are ModelConfig fields
-(radixserve/models/config.py names them).
+SmolLM3, and the mixtures of experts Qwen3-MoE, OLMoE, Mixtral), written for serving; the
+families' differences are ModelConfig fields (radixserve/models/config.py names them).
 
 Layout: the tokens of every request in the step are flattened into one (T, hidden) matrix,
 request-major, with no batch or padding dimension; `batch.positions` (T,) gives each token's
