@@ -31,6 +31,7 @@ from test_gguf_families import (
     as_converted,
     heads,
     hf_weights,
+    llama_cpp_tensors,
     metadata,
     randomized,
     sizes,
@@ -43,6 +44,7 @@ from radixserve.attention.tree import TreeBackend
 from radixserve.models import load_model, resolve_model_path
 from radixserve.models.config import ModelConfig
 from radixserve.models.gguf_config import config_from_metadata
+from radixserve.models.gguf_layout import tensor_dims
 from radixserve.models.gguf_weights import read_gguf_weights
 from radixserve.models.llama import LlamaForCausalLM
 from radixserve.models.moe import MoE, route
@@ -315,6 +317,17 @@ def stacked(model: Any) -> dict[str, torch.Tensor]:
     """The HF model's weights under the loader's stacked expert names."""
     return {k.removesuffix(".weight") if ".experts." in k else k: v
             for k, v in as_converted(hf_weights(model)).items()}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", GGUF_FAMILIES)
+def test_tensor_layout_is_the_converters(arch: str) -> None:
+    """gguf_layout's names and shapes (benchmarks' files) = the converter's: router, stacked
+    experts, whole-projection q/k norms of OLMoE."""
+    model = GGUF_FAMILIES[arch]()
+    want = {name: x.shape for name, x in llama_cpp_tensors(model, arch)}
+    assert tensor_dims(model.config) == want
+    assert want["blk.0.ffn_down_exps.weight"] == (8, 64, model.config.moe_intermediate_size
+                                                  if arch == "qwen3moe" else 64)  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", GGUF_FAMILIES)

@@ -156,18 +156,17 @@ def _layer_dims(cfg: Any, arch: str, layer: int) -> dict[str, tuple[int, ...]]:
     dims: dict[str, tuple[int, ...]] = {"attn_norm.weight": (hidden,)}
     norms = LAYER_NORMS.get(arch, PLAIN_NORMS)
     dims |= {f"{name}.weight": (sizes[size],) for name, size in norms.items()}
+    moe = layer in _moe_layers(cfg)
     if arch == "phi3":
         dims |= {"attn_qkv.weight": (q + 2 * kv, hidden), "ffn_up.weight": (2 * ffn, hidden)}
     else:
         rows = {"attn_q": q, "attn_k": kv, "attn_v": kv}
         dims |= {f"{name}.weight": (n, hidden) for name, n in rows.items()}
+        if not moe:
+            dims |= {f"{name}.weight": (ffn, hidden) for name in ("ffn_gate", "ffn_up")}
         dims |= {f"{name}.bias": (n,) for name, n in _biases(cfg, arch, rows).items()}
     dims["attn_output.weight"] = (hidden, q)
-    if layer in _moe_layers(cfg):
-        dims |= _expert_dims(cfg)
-    else:
-        dims |= {f"{name}.weight": (ffn, hidden) for name in ("ffn_gate", "ffn_up")}
-        dims["ffn_down.weight"] = (hidden, ffn)
+    dims |= _expert_dims(cfg) if moe else {"ffn_down.weight": (hidden, ffn)}
     if getattr(cfg, "attention_bias", False):  # Qwen2's config has no such field: no o bias
         dims["attn_output.bias"] = (hidden,)
     return dims
