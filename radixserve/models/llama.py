@@ -234,10 +234,12 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, layer_idx, tp_size)
         # Llama: the MLP's input norm; with sandwich norms, the attention output's.
         self.post_attention_layernorm = RMSNorm(size, eps, offset)
-        self.mlp: LlamaMLP | MoE = LlamaMLP(config, tp_size)
+        self.mlp: LlamaMLP | MoE
         if config.is_moe(layer_idx):
             router = Linear(size, config.num_experts, bias=False)
             self.mlp = MoE(config, router, tp_size)
+        else:
+            self.mlp = LlamaMLP(config, tp_size)
         self.pre_feedforward_layernorm: RMSNorm | None = None
         self.post_feedforward_layernorm: RMSNorm | None = None
         if config.sandwich_norms:

@@ -293,7 +293,7 @@ def hf_weight_names(config: ModelConfig) -> set[str]:
                            ("o", config.o_bias)]:  # fmt: skip
             names |= _linear(p + f"self_attn.{proj}_proj", bias)
         if config.is_moe(i):
-            names |= expert_names(config, i)
+            names |= expert_names(i)
             continue
         for proj in ("gate", "up", "down"):
             names |= _linear(p + f"mlp.{proj}_proj", config.mlp_bias)

@@ -30,7 +30,7 @@ PARTS = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def expert_names(config: ModelConfig, layer: int) -> set[str]:
+def expert_names(layer: int) -> set[str]:
     """The stacked names of layer `layer`'s router and experts."""
     p = f"model.layers.{layer}.mlp."
     return {p + "gate.weight"} | {f"{p}experts.{part}" for part in PARTS}
