@@ -146,12 +146,14 @@ def run_under_triton_interpreter(script: str, *args: str, timeout: float) -> str
 
 def finish_gguf(w: Any, tensors: Iterable[tuple[str, Any]], quant: Any) -> None:
     """Add `tensors` ((llama.cpp name, float32 numpy array) pairs) to GGUFWriter `w`, the
-    2-D layer tensors quantized to `quant` by the gguf package (F32: none), and write the
-    file."""
+    2-D and 3-D (stacked experts) layer tensors quantized to `quant` by the gguf package
+    (F32: none; a router `ffn_gate_inp` stays F32, as llama.cpp's converter keeps it), and
+    write the file."""
     import gguf
 
     for name, x in tensors:
-        if x.ndim == 2 and name.startswith("blk.") and quant != gguf.GGMLQuantizationType.F32:
+        matrix = x.ndim in (2, 3) and name.startswith("blk.") and ".ffn_gate_inp." not in name
+        if matrix and quant != gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, gguf.quants.quantize(x, quant), raw_dtype=quant)
         else:
             w.add_tensor(name, x)

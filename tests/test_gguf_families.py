@@ -187,7 +187,7 @@ def llama_cpp_tensors(model: PreTrainedModel, arch: str) -> list[tuple[str, np.n
     cfg = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
     out = []
-    for hf, t in model.state_dict().items():
+    for hf, t in as_converted(model.state_dict()).items():
         if hf == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         x = t.float().numpy().copy()
@@ -198,6 +198,24 @@ def llama_cpp_tensors(model: PreTrainedModel, arch: str) -> list[tuple[str, np.n
         if arch == "smollm3" and proj in heads:
             x = llama_cpp_permute(x, heads[proj])
         out.append((names.get_name(hf, try_suffixes=(".weight", ".bias")), x))
+    return out
+
+
+def as_converted(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with transformers' fused experts (`mlp.experts.gate_up_proj` (E, 2I, hidden),
+    `mlp.experts.down_proj`) as the stacked `mlp.experts.{gate,up,down}_proj.weight` that
+    llama.cpp's converter stacks from the per-expert tensors a checkpoint holds (and names
+    through the gguf package's map)."""
+    out = {}
+    for name, t in state.items():
+        stem, _, part = name.rpartition(".")
+        if stem.endswith("mlp.experts") and part == "gate_up_proj":
+            gate, up = t.chunk(2, dim=1)
+            out[f"{stem}.gate_proj.weight"], out[f"{stem}.up_proj.weight"] = gate, up
+        elif stem.endswith("mlp.experts") and part == "down_proj":
+            out[f"{stem}.down_proj.weight"] = t
+        else:
+            out[name] = t
     return out
 
 

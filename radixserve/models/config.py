@@ -1,8 +1,9 @@
 """ModelConfig: the architecture facts the model and the engine need, read once from HF JSON.
 
 Supported (`SUPPORTED_ARCHITECTURES`): Llama, Qwen2, Mistral, Qwen3, Gemma 2 and 3 (text),
-Phi-3 / Phi-4-mini and SmolLM3, all run by one decoder (radixserve.models.llama) whose
-per-family differences are the fields below, set by one small reader per family (`FAMILIES`):
+Phi-3 / Phi-4-mini, SmolLM3 and the mixtures of experts Qwen3-MoE, OLMoE and Mixtral, all run
+by one decoder (radixserve.models.llama) whose per-family differences are the fields below,
+set by one small reader per family (`FAMILIES`):
 
     Qwen3     per-head RMSNorm of q and k before RoPE (`qk_norm`)
     Gemma 2/3 RMSNorm weights applied as 1 + w (`norm_offset`), norms after attention and
@@ -14,6 +15,14 @@ per-family differences are the fields below, set by one small reader per family 
     Phi-3     fused qkv / gate_up checkpoint tensors (split by the loader), partial rotary
               (`rotary_dim`), longrope scaling
     SmolLM3   layers without RoPE (`rope_layers`)
+    Qwen3-MoE, OLMoE, Mixtral
+              a mixture-of-experts MLP (radixserve.models.moe) in place of the dense one:
+              `num_experts` SwiGLU experts of `moe_intermediate_size`, a router picking
+              `num_experts_per_tok` of them per token (softmax, then top-k, renormalised with
+              `norm_topk_prob`); Qwen3-MoE keeps dense MLPs in some layers (`moe_layers`) and
+              has Qwen3's q/k norms; OLMoE norms q and k over the whole projection
+              (`qk_norm_full`); Mixtral weights the experts' outputs in float32
+              (`routing_weights_f32`)
 
 Sliding-window layers (`layer_types`, `sliding_window`: Gemma, Mistral v0.1, Qwen2/Qwen3 with
 `use_sliding_window`) attend only the last `sliding_window` positions, as transformers does.
@@ -33,6 +42,7 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM",
+    "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "MixtralForCausalLM",
 )  # fmt: skip
 ROPE_SCALING_TYPES = ("llama3", "linear", "longrope")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
@@ -96,6 +106,13 @@ class ModelConfig:
     query_pre_attn_scalar: float = 0.0  # attention scale is its ** -0.5; 0 = head_dim's
     final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0 = none
     attn_softcap: float = 0.0  # attention scores = cap * tanh(scores / cap); 0 = none
+    qk_norm_full: bool = False  # the q/k norms span the whole projection, not each head
+    num_experts: int = 0  # experts of a mixture-of-experts MLP; 0 = a dense model
+    num_experts_per_tok: int = 0  # experts each token is routed to (top-k)
+    moe_intermediate_size: int = 0  # each expert's gate/up rows
+    norm_topk_prob: bool = False  # the top-k routing weights are renormalised to sum to 1
+    routing_weights_f32: bool = False  # weights multiply expert outputs in float32
+    moe_layers: tuple[bool, ...] = ()  # per layer: its MLP is the experts; () = every layer
 
     def __post_init__(self) -> None:
         assert self.architecture in SUPPORTED_ARCHITECTURES, self.architecture
@@ -108,6 +125,10 @@ class ModelConfig:
         assert len(self.rope_layers) in (0, self.num_layers), self.rope_layers
         assert self.hidden_act in HIDDEN_ACTS, self.hidden_act
         assert SLIDING not in self.layer_types or self.sliding_window > 0, self.sliding_window
+        assert len(self.moe_layers) in (0, self.num_layers), self.moe_layers
+        assert 0 < self.num_experts_per_tok <= self.num_experts or not self.num_experts, (
+            f"{self.num_experts_per_tok} experts per token of {self.num_experts}"
+        )
 
     @property
     def q_size(self) -> int:
@@ -143,6 +164,10 @@ class ModelConfig:
         positions): 0."""
         binds = self.sliding_window < self.max_position_embeddings
         return self.sliding_window if self.sliding(layer) and binds else 0
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the mixture of experts (else the dense MLP)."""
+        return self.num_experts > 0 and (not self.moe_layers or self.moe_layers[layer])
 
     def has_rope(self, layer: int) -> bool:
         return not self.rope_layers or self.rope_layers[layer]
@@ -228,7 +253,9 @@ def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[str, 
     if arch.startswith("Gemma"):
         every = int(cfg.get("sliding_window_pattern") or (6 if arch.startswith("Gemma3") else 2))
         return tuple(FULL if (i + 1) % every == 0 else SLIDING for i in range(num_layers))
-    first = int(cfg.get("max_window_layers", 0)) if arch.startswith("Qwen") else 0
+    # Qwen2 / Qwen3: layers from max_window_layers on slide; Qwen3-MoE: every layer does.
+    dense_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    first = int(cfg.get("max_window_layers", 0)) if dense_qwen else 0
     return tuple(SLIDING if i >= first else FULL for i in range(num_layers))
 
 
@@ -364,7 +391,65 @@ def _smollm3(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"rope_layers": tuple(bool(f) for f in flags)}
 
 
+# Config fields of mixtures of experts that change the math and are not implemented, with the
+# values that mean "absent": shared experts, other scoring or grouped routing, scaled weights.
+MOE_REFUSED: dict[str, tuple[Any, ...]] = {
+    "shared_expert_intermediate_size": (None, 0),
+    "n_shared_experts": (None, 0),
+    "num_shared_experts": (None, 0),
+    "moe_shared_expert_intermediate_size": (None, 0),
+    "scoring_func": (None, "softmax"),
+    "topk_method": (None, "greedy"),
+    "n_group": (None, 0, 1),
+    "topk_group": (None, 0, 1),
+    "routed_scaling_factor": (None, 1.0),
+    "first_k_dense_replace": (None, 0),
+}
+
+
+def _experts(cfg: dict[str, Any], intermediate: int, renormalise: bool) -> dict[str, Any]:
+    """The fields every mixture of experts sets: its experts' count and size and the router's
+    top-k (`router_jitter_noise`, `output_router_logits` and aux-loss fields act only in
+    training)."""
+    for field, absent in MOE_REFUSED.items():
+        _refuse(cfg, field, absent)
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if not 0 < top_k <= experts:
+        raise ValueError(f"unsupported num_experts_per_tok={top_k} with {experts} experts")
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": intermediate, "norm_topk_prob": renormalise}  # fmt: skip
+
+
+def _qwen3_moe(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE: Qwen3's q/k norms; layer i has experts unless it is in `mlp_only_layers` or
+    (i + 1) is not a multiple of `decoder_sparse_step` (transformers' rule)."""
+    n, step = int(cfg["num_hidden_layers"]), int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+    renormalise = bool(cfg.get("norm_topk_prob", False))
+    return {"qk_norm": True, **_experts(cfg, int(cfg["moe_intermediate_size"]), renormalise),
+            "moe_layers": () if all(sparse) else sparse}  # fmt: skip
+
+
+def _olmoe(cfg: dict[str, Any]) -> dict[str, Any]:
+    """OLMoE: q/k RMSNorm over the whole projection; experts of `intermediate_size`."""
+    _refuse(cfg, "clip_qkv", (None,))
+    renormalise = bool(cfg.get("norm_topk_prob", False))
+    fields = _experts(cfg, int(cfg["intermediate_size"]), renormalise)
+    return {"qk_norm": True, "qk_norm_full": True, **fields}
+
+
+def _mixtral(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Mixtral: top-k of the logits, softmax over those k (= softmax, top-k, renormalise),
+    the weights kept in float32."""
+    return {**_experts(cfg, int(cfg["intermediate_size"]), True), "routing_weights_f32": True}
+
+
 FAMILIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "Qwen3MoeForCausalLM": _qwen3_moe,
+    "OlmoeForCausalLM": _olmoe,
+    "MixtralForCausalLM": _mixtral,
     "Qwen3ForCausalLM": _qwen3,
     "Gemma2ForCausalLM": _gemma,
     "Gemma3ForCausalLM": _gemma,

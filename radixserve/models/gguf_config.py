@@ -1,7 +1,7 @@
 """GGUF metadata -> the HF config.json of the checkpoint a file was converted from, for the
 llama.cpp architectures whose files transformers cannot turn into an exact HF config
-(`READERS`: qwen3, gemma2, gemma3, phi3, smollm3), and the RoPE parameters llama.cpp writes as
-tensors.
+(`READERS`: qwen3, gemma2, gemma3, phi3, smollm3, qwen3moe, olmoe), and the RoPE parameters
+llama.cpp writes as tensors.
 
 What a file says, and where it says it, follows llama.cpp's converter (convert_hf_to_gguf.py,
 now conversion/*.py: TextModel.set_gguf_parameters and each family's class) and its loader
@@ -25,11 +25,17 @@ now conversion/*.py: TextModel.set_gguf_parameters and each family's class) and 
                 and .rope.scaling.attn_factor; .attention.sliding_window (0: none)
     smollm3     RoPE skipped in every 4th layer (llama.cpp fixes n_no_rope_layer_step = 4: no
                 key says it)
+    qwen3moe    .expert_count, .expert_used_count, .expert_feed_forward_length (each expert's
+                rows); top-k weights renormalised (llama.cpp's graph fixes it); a layer
+                without `ffn_gate_inp` is dense
+    olmoe       .expert_count, .expert_used_count; experts of .feed_forward_length rows, not
+                renormalised; q/k norms over the whole projection (their tensors' sizes)
 
 Every `{arch}.*` key must be read by the family's reader: any other key (Gemma 3's logit
-soft-capping, expert counts, a pooling type, YaRN parameters, ...) changes the math in a way
-the config would not say, so it raises ValueError naming the key and its value, as does a
-value the HF model cannot express (an unknown RoPE scaling type, partial rotary in Qwen3).
+soft-capping, expert counts outside a MoE architecture, shared experts, a pooling type, YaRN
+parameters, ...) changes the math in a way the config would not say, so it raises ValueError
+naming the key and its value, as does a value the HF model cannot express (an unknown RoPE
+scaling type, partial rotary in Qwen3).
 """
 
 from __future__ import annotations
@@ -52,7 +58,8 @@ from radixserve.models.gguf_weights import (
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "gemma3": "Gemma3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}  # fmt: skip
+                 "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                 "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}  # fmt: skip
 TOKEN_IDS = {"tokenizer.ggml.bos_token_id": "bos_token_id",
              "tokenizer.ggml.eos_token_id": "eos_token_id",
              "tokenizer.ggml.padding_token_id": "pad_token_id"}  # fmt: skip
@@ -67,6 +74,10 @@ GEMMA3_27B_LAYERS = 62  # llama.cpp scales its queries by (hidden / heads) ** -0
 GEMMA2_27B_LAYERS, GEMMA2_PERIOD = 46, 2  # likewise; layer i slides when i % 2 == 0
 GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 SMOLLM3_NO_ROPE_STEP = 4  # llama.cpp: layer i skips RoPE when (i + 1) % 4 == 0
+SOFTMAX_GATING = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+# Whether llama.cpp renormalises the top-k routing weights (its graph fixes it per
+# architecture: build_moe_ffn's norm_w), which is HF's norm_topk_prob.
+RENORMALISED = {"qwen3moe": True, "olmoe": False}
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -227,6 +238,45 @@ def _qwen3(m: Metadata) -> dict[str, Any]:
     return {"model_type": "qwen3", **cfg, "rope_parameters": _rope(m, cfg["head_dim"])}
 
 
+def _experts(m: Metadata) -> dict[str, Any]:
+    """A mixture of experts' counts and routing. Softmax gating and llama.cpp's fixed
+    renormalisation are all it runs: a file saying otherwise is refused."""
+    if m.get("expert_gating_func", SOFTMAX_GATING) != SOFTMAX_GATING:
+        raise m.refuse("expert_gating_func", "only softmax routing is implemented")
+    renormalised = RENORMALISED[m.arch]
+    if bool(m.get("expert_weights_norm", renormalised)) != renormalised:
+        raise m.refuse("expert_weights_norm", f"llama.cpp's {m.arch} graph fixes it at "
+                       f"{renormalised}")  # fmt: skip
+    return {"num_experts": int(m.need("expert_count")),
+            "num_experts_per_tok": int(m.need("expert_used_count")),
+            "norm_topk_prob": renormalised}  # fmt: skip
+
+
+def _qwen3moe(m: Metadata) -> dict[str, Any]:
+    """Qwen3-MoE: Qwen3's keys, the experts' and their rows (.expert_feed_forward_length);
+    a layer without a router (`ffn_gate_inp`) is a dense MLP of .feed_forward_length."""
+    cfg = _base(m)
+    n = cfg["num_hidden_layers"]
+    dense = [i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" not in m.shapes]
+    return {
+        "model_type": "qwen3_moe", **cfg, **_experts(m),
+        "moe_intermediate_size": int(m.need("expert_feed_forward_length")),
+        "mlp_only_layers": dense, "decoder_sparse_step": 1, "use_sliding_window": False,
+        "rope_parameters": _rope(m, cfg["head_dim"]),
+    }  # fmt: skip
+
+
+def _olmoe(m: Metadata) -> dict[str, Any]:
+    """OLMoE: experts of .feed_forward_length rows; head_dim is hidden / heads (its q/k norms
+    span hidden and hidden / heads * KV heads)."""
+    cfg = _base(m)
+    head_dim = cfg.pop("head_dim")
+    if head_dim != cfg["hidden_size"] // cfg["num_attention_heads"]:
+        raise m.refuse("attention.key_length", "OLMoE's head_dim is hidden / heads")
+    return {"model_type": "olmoe", **cfg, **_experts(m), "clip_qkv": None,
+            "rope_parameters": _rope(m, head_dim)}  # fmt: skip
+
+
 def _smollm3(m: Metadata) -> dict[str, Any]:
     cfg = _base(m)
     n = cfg["num_hidden_layers"]
@@ -349,6 +399,7 @@ def _longrope_attention(context: int, original: int) -> float:
 
 READERS: dict[str, Callable[[Metadata], dict[str, Any]]] = {
     "qwen3": _qwen3, "gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3, "smollm3": _smollm3,
+    "qwen3moe": _qwen3moe, "olmoe": _olmoe,
 }  # fmt: skip
 
 

@@ -8,11 +8,14 @@ parameter tensors and the name and shape of every weight tensor. For files made 
                   RoPE base and linear scaling, RMS epsilon, head_dim as key/value length);
                   + LlamaModel's vocabulary size and rotary dimensions (llama, smollm3);
                   + Gemma3Model's sliding window, Gemma2Model's and its soft caps;
+                  + the expert counts (and Qwen2MoeModel's expert rows) of qwen3moe / olmoe;
                   Phi3MiniModel writes its own (partial
                   rotary dimensions, original context, longrope attention factor, window)
     RoPE tensors  Phi-3 longrope's factors: rope_factors_long / _short.weight (F32)
     weights       HF tensors under llama.cpp's names (`tensor_dims`); Phi-3's q/k/v and
-                  gate/up stay fused (attn_qkv, ffn_up: gate rows, then up rows)
+                  gate/up stay fused (attn_qkv, ffn_up: gate rows, then up rows); a mixture
+                  of experts' experts stacked per layer (ffn_{gate,up,down}_exps, (E, rows,
+                  cols)) beside its router ffn_gate_inp
 
 Values are the caller's: the converter stores Gemma's RMSNorm weights as 1 + w, and permutes
 the q/k rows of llama and smollm3 (radixserve/models/gguf_weights.py undoes both).
@@ -27,7 +30,8 @@ from gguf import GGUFWriter, RopeScalingType
 
 # HF model_type -> llama.cpp's architecture name for it.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-                      "gemma3_text": "gemma3", "phi3": "phi3", "smollm3": "smollm3"}  # fmt: skip
+                      "gemma3_text": "gemma3", "phi3": "phi3", "smollm3": "smollm3",
+                      "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}  # fmt: skip
 LLAMA_KEYS = ("llama", "smollm3")  # LlamaModel's converter (SmolLM3Model is one) adds keys
 # Per-layer norms besides attn_norm: llama.cpp's name -> the size it normalizes ("hidden"
 # or "head": q/k norms act on each head). Gemma 3's ffn_norm is its pre-feedforward norm.
@@ -36,7 +40,10 @@ LAYER_NORMS = {
     "gemma2": GEMMA_NORMS,
     "gemma3": {"attn_q_norm": "head", "attn_k_norm": "head", **GEMMA_NORMS},
     "qwen3": {"attn_q_norm": "head", "attn_k_norm": "head", "ffn_norm": "hidden"},
+    "qwen3moe": {"attn_q_norm": "head", "attn_k_norm": "head", "ffn_norm": "hidden"},
+    "olmoe": {"attn_q_norm": "q", "attn_k_norm": "kv", "ffn_norm": "hidden"},  # whole rows
 }  # fmt: skip
+OLMOE_RMS_EPS = 1e-5  # OlmoeModel.set_gguf_parameters writes this, whatever the config says
 PLAIN_NORMS = {"ffn_norm": "hidden"}
 
 
@@ -78,6 +85,13 @@ def _text_metadata(w: GGUFWriter, cfg: Any) -> None:
         w.add_sliding_window(cfg.sliding_window)
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if w.arch in ("qwen3moe", "olmoe"):  # TextModel's expert keys, + Qwen2MoeModel's rows
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+    if w.arch == "qwen3moe":
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if w.arch == "olmoe":
+        w.add_layer_norm_rms_eps(OLMOE_RMS_EPS)
 
 
 def _sizes(w: GGUFWriter, cfg: Any) -> None:
@@ -126,33 +140,55 @@ def tensor_dims(cfg: Any) -> dict[str, tuple[int, ...]]:
     hidden, vocab = cfg.hidden_size, cfg.vocab_size
     dims: dict[str, tuple[int, ...]] = {"token_embd.weight": (vocab, hidden)}
     for i in range(cfg.num_hidden_layers):
-        dims |= {f"blk.{i}.{name}": d for name, d in _layer_dims(cfg, arch).items()}
+        dims |= {f"blk.{i}.{name}": d for name, d in _layer_dims(cfg, arch, i).items()}
     dims["output_norm.weight"] = (hidden,)
     if not cfg.tie_word_embeddings:
         dims["output.weight"] = (vocab, hidden)
     return dims
 
 
-def _layer_dims(cfg: Any, arch: str) -> dict[str, tuple[int, ...]]:
-    """One layer's tensors, names without the `blk.{i}.` prefix."""
+def _layer_dims(cfg: Any, arch: str, layer: int) -> dict[str, tuple[int, ...]]:
+    """Layer `layer`'s tensors, names without the `blk.{i}.` prefix."""
     hidden, ffn = cfg.hidden_size, cfg.intermediate_size
     head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
     q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
-    sizes = {"hidden": hidden, "head": head_dim}
+    sizes = {"hidden": hidden, "head": head_dim, "q": q, "kv": kv}
     dims: dict[str, tuple[int, ...]] = {"attn_norm.weight": (hidden,)}
     norms = LAYER_NORMS.get(arch, PLAIN_NORMS)
     dims |= {f"{name}.weight": (sizes[size],) for name, size in norms.items()}
+    moe = layer in _moe_layers(cfg)
     if arch == "phi3":
         dims |= {"attn_qkv.weight": (q + 2 * kv, hidden), "ffn_up.weight": (2 * ffn, hidden)}
     else:
         rows = {"attn_q": q, "attn_k": kv, "attn_v": kv}
         dims |= {f"{name}.weight": (n, hidden) for name, n in rows.items()}
-        dims |= {f"{name}.weight": (ffn, hidden) for name in ("ffn_gate", "ffn_up")}
+        if not moe:
+            dims |= {f"{name}.weight": (ffn, hidden) for name in ("ffn_gate", "ffn_up")}
         dims |= {f"{name}.bias": (n,) for name, n in _biases(cfg, arch, rows).items()}
-    dims |= {"attn_output.weight": (hidden, q), "ffn_down.weight": (hidden, ffn)}
+    dims["attn_output.weight"] = (hidden, q)
+    dims |= _expert_dims(cfg) if moe else {"ffn_down.weight": (hidden, ffn)}
     if getattr(cfg, "attention_bias", False):  # Qwen2's config has no such field: no o bias
         dims["attn_output.bias"] = (hidden,)
     return dims
+
+
+def _moe_layers(cfg: Any) -> set[int]:
+    """The layers with experts (transformers' rule: Qwen3-MoE's mlp_only_layers and
+    decoder_sparse_step; every layer of the others)."""
+    if not getattr(cfg, "num_experts_per_tok", 0):
+        return set()
+    dense, step = set(getattr(cfg, "mlp_only_layers", [])), getattr(cfg, "decoder_sparse_step", 1)
+    n = cfg.num_hidden_layers
+    return {i for i in range(n) if i not in dense and (i + 1) % step == 0}
+
+
+def _expert_dims(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """A MoE layer's router (F32 in llama.cpp's files) and stacked experts."""
+    e, hidden = cfg.num_experts, cfg.hidden_size
+    rows = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    return {"ffn_gate_inp.weight": (e, hidden), "ffn_gate_exps.weight": (e, rows, hidden),
+            "ffn_up_exps.weight": (e, rows, hidden),
+            "ffn_down_exps.weight": (e, hidden, rows)}  # fmt: skip
 
 
 def _biases(cfg: Any, arch: str, rows: dict[str, int]) -> dict[str, int]:

@@ -14,7 +14,9 @@ Three things differ from an HF checkpoint, and are undone here:
 - it stores Gemma 3's RMSNorm weights as 1 + w (HF computes x * (1 + w) from w): 1 is
   subtracted again (norms are 1-D F32 tensors, never kept in blocks).
 Other GGUF tensor types (F16, BF16, Q2_K, Q3_K, IQ*, ...) are dequantized to `dtype` by the
-`gguf` package, as transformers does; `dequantized` lists them (the loader warns).
+`gguf` package, as transformers does; `dequantized` lists them (the loader warns). So are a
+mixture of experts' 3-D expert tensors (`ffn_{gate,up,down}_exps`, (E, rows, cols)) in any
+format: the experts run as float tensors.
 
 Some tensors are RoPE parameters, not weights, and are skipped (`NOT_WEIGHTS`); they belong
 in config.json. Llama 3.1+ files carry `rope_freqs.weight`: the per-frequency divisors of
@@ -58,6 +60,9 @@ LAYER_NAMES = {
        for kind in ("weight", "bias")},
     **{f"ffn_{g}.{kind}": f"mlp.{g}_proj.{kind}"
        for g in ("gate", "up", "down") for kind in ("weight", "bias")},
+    # a mixture of experts' router and stacked experts (radixserve/models/moe_weights.py)
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    **{f"ffn_{g}_exps.weight": f"mlp.experts.{g}_proj" for g in ("gate", "up", "down")},
 }  # fmt: skip
 QK_NORMS: dict[str, str | None] = {"attn_q_norm.weight": "self_attn.q_norm.weight",
                                    "attn_k_norm.weight": "self_attn.k_norm.weight"}  # fmt: skip
@@ -71,6 +76,8 @@ GEMMA_NORMS: dict[str, str | None] = {
 # pre_feedforward_layernorm there, its `post_attention_norm` HF's post_attention_layernorm.
 ARCH_LAYER_NAMES: dict[str, dict[str, str | None]] = {
     "qwen3": QK_NORMS,
+    "qwen3moe": QK_NORMS,
+    "olmoe": QK_NORMS,
     "gemma2": GEMMA_NORMS,
     "gemma3": {**QK_NORMS, **GEMMA_NORMS},
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight",

@@ -1,6 +1,6 @@
 """The decoder every supported family runs (Llama, Qwen2, Mistral, Qwen3, Gemma 2 / 3, Phi-3,
-SmolLM3), written for serving; the families' differences are ModelConfig fields
-(radixserve/models/config.py names them).
+SmolLM3, and the mixtures of experts Qwen3-MoE, OLMoE, Mixtral), written for serving; the
+families' differences are ModelConfig fields (radixserve/models/config.py names them).
 
 Layout: the tokens of every request in the step are flattened into one (T, hidden) matrix,
 request-major, with no batch or padding dimension; `batch.positions` (T,) gives each token's
@@ -12,6 +12,7 @@ Weights are stored fused for speed (the loader concatenates HF tensors at load t
     qkv_proj.weight      (q_size + 2 * kv_size, hidden) = cat(q_proj, k_proj, v_proj)
     gate_up_proj.weight  (2 * intermediate, hidden)     = cat(gate_proj, up_proj)
 Per layer: x -> RMSNorm -> attention -> +residual -> RMSNorm -> gated MLP -> +residual
+(the MLP is a mixture of experts in a MoE layer: radixserve/models/moe.py)
 (with `sandwich_norms`, Gemma's: the attention output and the MLP output are normed too
 before their residual adds, and the MLP's input norm is `pre_feedforward_layernorm`).
 Numerics follow HF transformers op for op (RMSNorm variance in float32, RoPE cos/sin computed
@@ -33,6 +34,7 @@ from radixserve.core.batch import ForwardBatch
 from radixserve.distributed.parallel import all_reduce
 from radixserve.models import native, quant
 from radixserve.models.config import ModelConfig
+from radixserve.models.moe import MoE
 from radixserve.models.quant import NativeLinear, QuantLinear
 from radixserve.models.rope import apply_partial_rope, rope_qk, rope_table
 from radixserve.models.sharding import local_config
@@ -143,9 +145,12 @@ class LlamaAttention(nn.Module):
             self.rope = "local" if local else "global"
         self.full_rotary = config.rope.rotary_dim == config.head_dim
         self.q_norm = self.k_norm = None
+        self.qk_norm_full = config.qk_norm_full  # over the whole projection (OLMoE)
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
+            eps, offset = config.rms_norm_eps, config.norm_offset
+            full = config.qk_norm_full
+            self.q_norm = RMSNorm(config.q_size if full else config.head_dim, eps, offset)
+            self.k_norm = RMSNorm(config.kv_size if full else config.head_dim, eps, offset)
         qkv_out = config.q_size + 2 * config.kv_size
         self.qkv_proj = Linear(config.hidden_size, qkv_out, bias=config.qkv_bias)
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_bias)
@@ -169,9 +174,11 @@ class LlamaAttention(nn.Module):
         """q (T, Hq, D) contiguous and k (T, Hkv, D) of the fused projection, each head
         RMS-normed (q/k norms) and rotated (partial or no RoPE) as the config says."""
         t, d = qkv.shape[0], self.head_dim
-        q = qkv[:, : self.q_size].reshape(t, self.num_heads, d)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, self.num_kv_heads, d)
-        if self.q_norm is not None and self.k_norm is not None:  # over D, per head
+        q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+        if self.qk_norm_full and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over all heads of each row
+        q, k = q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d)
+        if self.q_norm is not None and self.k_norm is not None and not self.qk_norm_full:
             q = self.q_norm(q.reshape(-1, d)).view(t, self.num_heads, d)
             k = self.k_norm(k.reshape(-1, d)).view(t, self.num_kv_heads, d)
         if cos_sin is not None:
@@ -227,7 +234,12 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, layer_idx, tp_size)
         # Llama: the MLP's input norm; with sandwich norms, the attention output's.
         self.post_attention_layernorm = RMSNorm(size, eps, offset)
-        self.mlp = LlamaMLP(config, tp_size)
+        self.mlp: LlamaMLP | MoE
+        if config.is_moe(layer_idx):
+            router = Linear(size, config.num_experts, bias=False)
+            self.mlp = MoE(config, router, tp_size)
+        else:
+            self.mlp = LlamaMLP(config, tp_size)
         self.pre_feedforward_layernorm: RMSNorm | None = None
         self.post_feedforward_layernorm: RMSNorm | None = None
         if config.sandwich_norms:
@@ -252,6 +264,8 @@ class LlamaDecoderLayer(nn.Module):
         """This layer's weights for the native calls, or None where a projection is not
         quantized."""
         a, m = self.self_attn, self.mlp
+        if not isinstance(m, LlamaMLP) or a.qk_norm_full:  # the native halves lack these
+            return None
         qkv, o, gate_up, down = a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj
         if not (
             isinstance(qkv, QuantLinear)
@@ -385,8 +399,9 @@ class LlamaForCausalLM(nn.Module):
 
     def use_native_layers(self) -> bool:
         """Run each decoder layer as two native calls around attention where that is the
-        same math: CPU, float32 activations, one rank, every projection quantized and the
-        quantized kernels built. A batch-1 decode
+        same math: CPU, float32 activations, one rank, every projection quantized, no
+        mixture-of-experts layer (those run on the module path: the whole model stays on it)
+        and the quantized kernels built. A batch-1 decode
         step makes ~25 small torch ops and Python calls a layer otherwise (measured ~1/3 of
         the step at 1K context on the AVX2 EPYC). Returns whether it applies."""
         ops, norm = quant.ops(), self.model.norm.weight

@@ -2,8 +2,8 @@
 (safetensors), or a GGUF's converted folder, whose quantized tensors are read from the file.
 
 - `load_model` reads config.json and safetensors (single file or sharded index) directly with
-  the safetensors library, or the GGUF's quantized weights, fuses q/k/v and gate/up, and
-  checks the weight names exactly.
+  the safetensors library, or the GGUF's quantized weights, stacks a mixture of experts'
+  tensors (moe_weights.py), fuses q/k/v and gate/up, and checks the weight names exactly.
 - `load_tokenizer` returns the checkpoint's fast HF tokenizer.
 """
 
@@ -22,6 +22,7 @@ from radixserve.models import native, quant
 from radixserve.models.config import ModelConfig
 from radixserve.models.gguf_weights import Weight, matrix_formats, read_gguf_weights, release_pages
 from radixserve.models.llama import LlamaForCausalLM, packed_linear_supported
+from radixserve.models.moe_weights import expert_names, fuse_experts, stack_experts
 from radixserve.models.quant import X8_CODES, QuantLinear, QuantWeight, dequantize, quantize
 from radixserve.models.resolve import gguf_source
 from radixserve.models.sharding import shard_hf_weights
@@ -119,7 +120,7 @@ def load_model(
             _warn_dequantized(gguf, dequantized, weights, dtype)
     else:
         weights.update(_read_safetensors(path, dtype))
-    weights = split_fused(weights, config)
+    weights = stack_experts(split_fused(weights, config), config)
     _check_names(set(weights), hf_weight_names(config), path)
     if tp_size > 1:
         weights.update(shard_hf_weights(_plain(weights), config, tp_rank, tp_size))
@@ -291,6 +292,9 @@ def hf_weight_names(config: ModelConfig) -> set[str]:
         for proj, bias in [("q", config.qkv_bias), ("k", config.qkv_bias), ("v", config.qkv_bias),
                            ("o", config.o_bias)]:  # fmt: skip
             names |= _linear(p + f"self_attn.{proj}_proj", bias)
+        if config.is_moe(i):
+            names |= expert_names(i)
+            continue
         for proj in ("gate", "up", "down"):
             names |= _linear(p + f"mlp.{proj}_proj", config.mlp_bias)
     return names
@@ -325,7 +329,8 @@ FUSED = (
 def fuse_weights(
     hf: dict[str, Weight], config: ModelConfig, dtype: torch.dtype
 ) -> dict[str, Weight]:
-    """HF names -> our names: q/k/v -> qkv_proj, gate/up -> gate_up_proj (concat on dim 0).
+    """HF names -> our names: q/k/v -> qkv_proj, gate/up -> gate_up_proj (concat on dim 0),
+    stacked experts' gate/up -> experts.gate_up_proj (radixserve/models/moe_weights.py).
 
     Quantized parts stay as they are, a tuple (QuantLinear runs them part by part: no copy
     of a memory-mapped file, and parts may differ in format); a mix of quantized and plain
@@ -339,7 +344,7 @@ def fuse_weights(
                 names = [f"{p}{module}.{x}.{kind}" for x in parts]
                 if names[0] in out:
                     out[f"{p}{fused}.{kind}"] = _concat_rows([out.pop(n) for n in names], dtype)
-    return out
+    return fuse_experts(out, config)
 
 
 def split_fused(hf: dict[str, Weight], config: ModelConfig) -> dict[str, Weight]:

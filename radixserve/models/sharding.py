@@ -10,6 +10,9 @@ Ranks 0..N-1 each hold 1/N of every attention and MLP projection; everything els
                  outputs are summed with all_reduce
     gate_up_proj column-parallel over the intermediate dimension
     down_proj    row-parallel over the intermediate dimension, then all_reduce
+    experts      every expert as the MLP: its gate / up (E, I, hidden) split over I (dim 1),
+                 its down (E, hidden, I) over I (dim 2); the router is replicated and the
+                 experts' partial sums are all-reduced
 
 A row-parallel bias is added once: rank 0 keeps it, the other ranks get zeros.
 """
@@ -24,13 +27,19 @@ from radixserve.models.config import ModelConfig
 
 
 def check_tp_size(config: ModelConfig, tp_size: int) -> None:
-    """ValueError unless `tp_size` divides the q heads, KV heads and intermediate size."""
+    """ValueError unless `tp_size` divides the q heads, KV heads and intermediate size (and
+    the experts'), or when q/k norms span the whole projection (OLMoE's: every rank would
+    need every head's sum of squares)."""
+    if tp_size > 1 and config.qk_norm_full:
+        raise ValueError(f"--tp-size {tp_size}: {config.architecture}'s q/k norms span all "
+                         "heads; it runs on one rank (--tp-size 1)")  # fmt: skip
     parts = {
         "attention heads": config.num_heads,
         "KV heads": config.num_kv_heads,
         "intermediate size": config.intermediate_size,
+        "expert intermediate size": config.moe_intermediate_size,
     }
-    bad = {name: n for name, n in parts.items() if n % tp_size}
+    bad = {name: n for name, n in parts.items() if tp_size and n % tp_size}
     if tp_size < 1 or bad:
         raise ValueError(
             f"--tp-size {tp_size} must divide the model's attention heads "
@@ -51,6 +60,7 @@ def local_config(config: ModelConfig, tp_size: int) -> ModelConfig:
         num_heads=config.num_heads // tp_size,
         num_kv_heads=config.num_kv_heads // tp_size,
         intermediate_size=config.intermediate_size // tp_size,
+        moe_intermediate_size=config.moe_intermediate_size // tp_size,
     )
 
 
@@ -71,10 +81,14 @@ def shard_hf_weights(
     column = {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows,
               "gate_proj": inter, "up_proj": inter}  # fmt: skip
     row = {"o_proj": q_rows, "down_proj": inter}
+    moe = _part(config.moe_intermediate_size, rank, size)
     out: dict[str, torch.Tensor] = {}
     for name, t in hf.items():
         proj, kind = name.split(".")[-2:]
-        if proj in column:
+        if proj == "experts":  # stacked experts: (E, I, hidden) or down's (E, hidden, I)
+            a, b = moe
+            out[name] = (t[:, :, a:b] if kind == "down_proj" else t[:, a:b]).contiguous()
+        elif proj in column:
             a, b = column[proj]
             out[name] = t[a:b].contiguous()  # weight (out, in) and bias (out,) alike
         elif proj in row and kind == "weight":

@@ -46,6 +46,16 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                             "long_factor": [2.0, 3.0, 4.0, 5.0]},
     }),
     "smollm3": ("SmolLM3Config", {"num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 0]}),
+    # mixtures of experts: 8 experts, 2 a token; Qwen3-MoE's layer 1 a dense MLP
+    "qwen3_moe": ("Qwen3MoeConfig", {
+        "num_hidden_layers": 3, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1],
+    }),
+    "olmoe": ("OlmoeConfig", {"num_hidden_layers": 2, "num_experts": 8,
+                              "num_experts_per_tok": 2, "intermediate_size": 32}),
+    "mixtral": ("MixtralConfig", {"num_hidden_layers": 2, "num_local_experts": 8,
+                                  "num_experts_per_tok": 2, "intermediate_size": 32,
+                                  "sliding_window": 16}),
 }  # fmt: skip
 
 
@@ -60,8 +70,7 @@ def build_tiny_model(folder: Path, seed: int = 0, family: str = "llama") -> Path
     torch.manual_seed(seed)
     cls, fields = TINY_FAMILIES[family]
     config = getattr(transformers, cls)(
-        **TINY,
-        **fields,
+        **{**TINY, **fields},
         vocab_size=len(tok),
         tie_word_embeddings=True,
         initializer_range=0.5,  # large weights: peaked logits, so greedy has clear winners
