@@ -11,6 +11,8 @@ probe works, which is what `tenant` prevents."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ServerHandle, launch_server
+from conftest import ServerHandle, free_port, launch_server, wait_healthy
 
 ALICE = "alice-key-0123456789"
 ALICE_2 = "alice-second-key-0123"
@@ -289,3 +291,31 @@ def test_prompt_modules_tell_a_tenant_nothing_of_another(isolated: ServerHandle)
             assert imported(BOB, False) > module
         finally:
             assert c.delete("/schemas/tenants", headers=bearer(ADMIN)).status_code == 200
+
+
+# ---------------------------------------------------------------- through the router
+
+
+def test_the_router_takes_the_tenants_keys_and_the_worker_keeps_them_apart(
+    isolated: ServerHandle, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text(KEYS)
+    port = free_port()
+    cmd = [sys.executable, "-m", "radixserve", "router", "--port", str(port),
+           "--worker-urls", isolated.url, "--admin-api-key", ADMIN, "--api-keys-file",
+           str(keys), "--cache-isolation", "tenant", "--health-interval-s", "0.5"]  # fmt: skip
+    log = tmp_path / "router.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    router = ServerHandle(f"http://127.0.0.1:{port}", proc, log, ADMIN)
+    try:
+        wait_healthy(router, timeout=60)
+        ids = fresh_ids(40)
+        assert cached(router, ALICE, ids) == 0
+        assert cached(router, BOB, ids) == 0
+        assert cached(router, ALICE_2, ids) == len(ids) - 1
+        r = httpx.post(router.url + "/generate", json={"text": "hi"}, headers=bearer("x" * 20))
+        assert r.status_code == 401
+    finally:
+        assert router.stop() == 0, router.log_text()[-3000:]
