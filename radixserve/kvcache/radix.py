@@ -285,13 +285,12 @@ class RadixCache:
         self, token_ids: Sequence[int], whole: bool = False, *, salt: CacheSalt = SHARED
     ) -> MatchResult:
         """Longest cached prefix of `token_ids` in `salt`'s part: its KV slots and the node
-        ending it; with
-        sliding-window layers, the longest whose window before its end has their K/V
-        (module docstring), unless `whole` (what the tree holds, for a caller that adds
-        those rows).
+        ending it; with sliding-window layers, the longest whose window before its end has
+        their K/V (module docstring), unless `whole` (what the tree holds, for a caller that
+        adds those rows).
 
         Splits a node when the match ends inside its edge; sets last_access of every node on
-        the matched path. No match: empty indices at the root.
+        the matched path. No match: empty indices at `root` (the shared part's).
         """
         top = self._roots.get(salt)
         if len(token_ids) == 0 or top is None:
