@@ -33,7 +33,7 @@ from radixserve.config import (
     SPECULATIVE_ALGORITHMS,
     EngineConfig,
 )
-from radixserve.keys import ADMIN_API_KEY_ENV, API_KEY_ENV
+from radixserve.keys import ADMIN_API_KEY_ENV, API_KEY_ENV, CACHE_ISOLATION
 from radixserve.router.config import ROUTING_POLICIES, RouterConfig
 
 HELP = {
@@ -108,7 +108,16 @@ HELP = {
     "random_seed": "seed of the sampling generator of requests without a seed",
     "host": "address to listen on",
     "port": "port to listen on",
-    "api_key": "require 'Authorization: Bearer <key>' on every route but /health",
+    "api_key": "require 'Authorization: Bearer <key>' on every route but /health; its "
+    "holders are the tenant 'default'",
+    "admin_api_key": "the key of every route, admin ones included (flush, abort_all, schemas, "
+    "server info, every tenant's cache tree and metrics)",
+    "api_keys_file": "file of 'KEY TENANT' lines (# comments): inference keys of several "
+    "tenants, each stopping and seeing only its own requests (keys of 16+ characters; "
+    "default: $RADIXSERVE_API_KEYS_FILE)",
+    "cache_isolation": "none: requests share cached K/V (a request's cache_salt still "
+    "separates it); tenant: no cached K/V, tier record or radix draft is shared across "
+    "tenants",
     "allow_unauthenticated": "listen on an address other than loopback with no API key "
     "(refused otherwise)",
     "web_ui": "serve the web console at / (chat playground, live radix tree, plots)",
@@ -132,6 +141,9 @@ ROUTER_HELP = {
     "max_attempts": "workers one request is tried on before 503",
     "api_key": "require 'Authorization: Bearer <key>' on every route but /health, and send "
     "it to the workers",
+    "admin_api_key": "the key of every route (the workers' admin key: /metrics is read with it)",
+    "api_keys_file": "inference keys of several tenants, as the workers' --api-keys-file",
+    "cache_isolation": "tenant: route by tenant and prompt (the workers' --cache-isolation)",
     "sessions": "X-Session-ID values remembered (least recently used forgotten)",
     "allow_unauthenticated": "listen on an address other than loopback with no API key "
     "(refused otherwise)",
@@ -149,6 +161,7 @@ CHOICES: dict[str, Sequence[str]] = {
     "attention_kernels": ATTENTION_KERNELS,
     "grammar_backend": GRAMMAR_BACKENDS,
     "speculative_algorithm": SPECULATIVE_ALGORITHMS,
+    "cache_isolation": CACHE_ISOLATION,
     "packed_linear": PACKED_LINEAR,
     "log_level": ("debug", "info", "warning", "error"),
 }
@@ -199,7 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --dp-size > 1: the router's policy",
     )  # fmt: skip
     router = sub.add_parser("router", help="route requests across workers (cache-aware)")
-    _add_config_flags(router, RouterConfig, ROUTER_HELP, {"policy": ROUTING_POLICIES})
+    choices: dict[str, Sequence[str]] = {
+        "policy": ROUTING_POLICIES,
+        "cache_isolation": CACHE_ISOLATION,
+    }
+    _add_config_flags(router, RouterConfig, ROUTER_HELP, choices)
     return parser
 
 
@@ -270,6 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             host=config.host, port=config.port, policy=args.router_policy,
             allowed_hosts=config.allowed_hosts, log_level=config.log_level,
             allow_unauthenticated=config.allow_unauthenticated,
+            api_keys_file=config.api_keys_file, cache_isolation=config.cache_isolation,
         ))  # fmt: skip
         return run_data_parallel([worker_argv(config, r) for r in range(args.dp_size)], router)
     if args.command == "serve":

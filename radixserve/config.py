@@ -15,7 +15,15 @@ from typing import TypeVar
 
 import torch
 
-from radixserve.keys import ADMIN_API_KEY_ENV, API_KEY_ENV, check_exposure, env_key
+from radixserve.keys import (
+    ADMIN_API_KEY_ENV,
+    API_KEY_ENV,
+    API_KEYS_FILE_ENV,
+    CACHE_ISOLATION,
+    check_exposure,
+    env_key,
+    tenant_keys,
+)
 from radixserve.redact import redact
 
 _T = TypeVar("_T")
@@ -131,6 +139,12 @@ class EngineConfig:
     port: int = 30000
     api_key: str | None = None  # the inference key (radixserve/server/guard.py)
     admin_api_key: str | None = None  # the admin key: also other tenants' data, server state
+    # `KEY TENANT` lines (radixserve/keys.py): inference keys of several tenants, beside
+    # api_key (tenant "default"); None: $RADIXSERVE_API_KEYS_FILE, else none
+    api_keys_file: str | None = None
+    # "tenant": each tenant's requests are salted with its name (CacheSalt): no cached K/V
+    # is shared across tenants; "none": shared (a request's cache_salt still separates it)
+    cache_isolation: str = "none"
     allow_unauthenticated: bool = False  # serve an address other than loopback with no key
     allowed_hosts: tuple[str, ...] = ()  # Host names served ("*": any); () = loopback names
     # when bound to loopback, else any
@@ -245,9 +259,13 @@ class EngineConfig:
             secret is None or len(secret) >= 16,
             f"hicache_secret (or ${HICACHE_SECRET_ENV}) must be at least 16 characters",
         )
+        check(
+            self.cache_isolation in CACHE_ISOLATION,
+            f"cache_isolation must be one of {CACHE_ISOLATION}, got {self.cache_isolation!r}",
+        )
         check_exposure(
             self.host,
-            bool(self.inference_key() or self.admin_key()),
+            bool(self.tenant_keys() or self.admin_key()),
             "anyone could run requests, read the cache and change server state",
             self.allow_unauthenticated,
         )
@@ -286,6 +304,21 @@ class EngineConfig:
 
     def admin_key(self) -> str | None:
         return env_key(self.admin_api_key, ADMIN_API_KEY_ENV)
+
+    def keys_file(self) -> str | None:
+        """The api keys file: `api_keys_file`, else $RADIXSERVE_API_KEYS_FILE."""
+        return env_key(self.api_keys_file, API_KEYS_FILE_ENV)
+
+    def tenant_keys(self) -> dict[str, str]:
+        """{key: tenant} of every inference key, the keys file read now (radixserve/keys.py);
+        ValueError naming the line of a bad one."""
+        return tenant_keys(self.keys_file(), self.inference_key(), self.admin_key())
+
+    @property
+    def several_tenants(self) -> bool:
+        """Tenants come from a keys file: what one tenant sees of the server (the aggregate
+        metrics, the cache tree) is only its own unless it holds the admin key."""
+        return self.keys_file() is not None
 
     @property
     def packed_linear_request(self) -> bool | None:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from radixserve.config import EngineConfig
+from radixserve.core.request import SHARED
 from radixserve.kvcache.disk_store import DiskStore
 from radixserve.kvcache.hicache import HiCache, pool_layout
 from radixserve.kvcache.pool import KVPool
@@ -174,7 +175,7 @@ def test_evict_spares_what_a_queued_request_needs() -> None:
     a, b = TOKENS[:32], list(range(7000, 7032))
     cache.insert(a, computed(pool, a)[0])  # older: LRU would evict it first
     cache.insert(b, computed(pool, b, seed=1)[0])
-    cache.prefetch([a + [5]])  # a request for `a` is waiting
+    cache.prefetch([(a + [5], SHARED)])  # a request for `a` is waiting
     assert cache.evict(32) == 32
     assert cache.cached_length(a) == 32 and cache.cached_length(b) == 0
     assert cache.evict(32) == 32  # nothing else left: the queued one's path goes too
@@ -373,13 +374,13 @@ def test_prefetch_pulls_a_waiting_prefix_up_from_disk(tmp_path: Path) -> None:
     _, old, ref = spilled_to_disk(tmp_path)
     old.close()
     pool, cache = restarted(tmp_path)
-    cache.prefetch([TOKENS + [1]])  # the scheduler's look-ahead over its waiting queue
+    cache.prefetch([(TOKENS + [1], SHARED)])  # the scheduler's look-ahead over its waiting queue
     cache.drain()
     assert cache.prefetched == 3 and pool.num_free == pool.capacity  # the pool is untouched
     m = cache.match_prefix(TOKENS + [1])
     assert m.tier_tokens == {"host": 48}  # from memory now, not from disk
     assert torch.equal(rows_at(pool, m.indices), ref[:, :, :48])
-    cache.prefetch([TOKENS + [1]])  # in the pool now: nothing to fetch
+    cache.prefetch([(TOKENS + [1], SHARED)])  # in the pool now: nothing to fetch
     assert not cache._wanted
     cache.check_integrity()
     cache.close()
@@ -391,7 +392,7 @@ def test_admission_waits_for_the_prefetch_reader_instead_of_reading_twice(
     _, old, ref = spilled_to_disk(tmp_path)
     old.close()
     pool, cache = restarted(tmp_path)
-    cache.prefetch([TOKENS + [1]])
+    cache.prefetch([(TOKENS + [1], SHARED)])
     m = cache.match_prefix(TOKENS + [1])  # at once: the reader may still be reading
     assert m.tier_tokens == {"host": 48}
     assert cache.tier_stats()["disk"].loads == 0  # read once, by the reader

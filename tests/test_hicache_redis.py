@@ -30,6 +30,7 @@ from test_hicache import (
 )
 
 from radixserve.config import HICACHE_REMOTE_ENV, HICACHE_SECRET_ENV, EngineConfig
+from radixserve.core.request import SHARED
 from radixserve.kvcache import remote_store
 from radixserve.kvcache.hicache import HiCache, pool_layout
 from radixserve.kvcache.pool import KVPool
@@ -143,7 +144,7 @@ def test_prefetch_pulls_a_waiting_prefix_up_from_redis(redis_server: RedisServer
     layout = pool_layout(pool)
     host = HostStore(64 * layout.chunk_bytes, layout, None)
     b = HiCache(pool, [host], RemoteStore(redis_server.url, codec(pool)), "test")
-    b.prefetch([TOKENS[:40] + [1]])  # waiting: chunks 0 and 1 (chunk 2 ends past the prompt)
+    b.prefetch([(TOKENS[:40] + [1], SHARED)])  # waiting: chunks 0, 1 (2 ends past the prompt)
     b.drain()
     assert b.prefetched == 2 and pool.num_free == pool.capacity  # the pool is untouched
     assert b.tier_stats()["remote"].loads == 0  # read ahead by the reader, not by a match

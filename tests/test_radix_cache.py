@@ -1,5 +1,7 @@
 """RadixCache: exact unit cases (splits, duplicates, locks, LRU order) and a seeded
-state-machine property test against a plain dict model, with check_integrity after every step.
+state-machine property test against a plain dict model, with check_integrity after every step;
+the machine inserts and matches under three salts (the shared part and two others), which
+the model keeps apart.
 NoPrefixCache (the cache off): the same interface, sharing nothing; and the one factory.
 """
 
@@ -16,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radixserve.config import EngineConfig
+from radixserve.core.request import SHARED, CacheSalt
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.prefix_cache import NoPrefixCache, make_prefix_cache
 from radixserve.kvcache.radix import LRU_SLACK, MatchResult, RadixCache, TreeNode
@@ -62,12 +65,12 @@ def scan_evict_order(cache: RadixCache, n: int) -> list[int]:
     child is gone. Reads the tree only."""
     children: dict[int, int] = {}
     heap = []
-    stack = [cache.root]
+    stack = list(cache.roots().values())
     while stack:
         node = stack.pop()
         children[node.id] = len(node.children)
         stack.extend(node.children.values())
-        if not node.children and node.lock_ref == 0 and node is not cache.root:
+        if not node.children and node.lock_ref == 0 and not node.is_root:
             heap.append((node.last_access, node.id, node))
     heapq.heapify(heap)
     freed: list[int] = []
@@ -77,7 +80,7 @@ def scan_evict_order(cache: RadixCache, n: int) -> list[int]:
         parent = leaf.parent
         assert parent is not None
         children[parent.id] -= 1
-        if parent is not cache.root and children[parent.id] == 0 and parent.lock_ref == 0:
+        if not parent.is_root and children[parent.id] == 0 and parent.lock_ref == 0:
             heapq.heappush(heap, (parent.last_access, parent.id, parent))
     return freed
 
@@ -511,6 +514,8 @@ def test_lru_heap_stays_bounded_under_lock_churn() -> None:
 
 CAPACITY = 24
 TOKENS = st.lists(st.integers(0, 2), min_size=0, max_size=7)
+SALTS = st.sampled_from([SHARED, CacheSalt("a"), CacheSalt("a", "x")])
+Key = tuple[CacheSalt, tuple[int, ...]]  # the model's: (salt, cached token prefix)
 
 
 @dataclass
@@ -519,6 +524,7 @@ class Request:
     node: TreeNode  # locked; covers tokens[: len(tree_slots)]
     tree_slots: torch.Tensor
     own: torch.Tensor  # slots of tokens[len(tree_slots):], held outside the tree
+    salt: CacheSalt = SHARED
     extra: list[int] = field(default_factory=list)
 
 
@@ -527,15 +533,15 @@ class RadixMachine(RuleBasedStateMachine):
         super().__init__()
         self.pool = make_pool(CAPACITY)
         self.cache = RadixCache(self.pool)
-        self.model: dict[tuple[int, ...], int] = {}  # cached token prefix -> KV slot of its last
-        self.locks: list[tuple[TreeNode, list[int]]] = []
+        self.model: dict[Key, int] = {}  # (salt, cached token prefix) -> KV slot of its last
+        self.locks: list[tuple[TreeNode, list[int], CacheSalt]] = []
         self.requests: list[Request] = []
         self.kept: list[tuple[TreeNode, int, list[tuple[int, int]]]] = []  # (node, version, path)
 
-    def expected(self, tokens: list[int]) -> list[int]:
+    def expected(self, tokens: list[int], salt: CacheSalt) -> list[int]:
         out = []
         for i in range(len(tokens)):
-            slot = self.model.get(tuple(tokens[: i + 1]))
+            slot = self.model.get((salt, tuple(tokens[: i + 1])))
             if slot is None:
                 break
             out.append(slot)
@@ -546,15 +552,15 @@ class RadixMachine(RuleBasedStateMachine):
             self.checked_evict(n - self.pool.num_free)
         return self.pool.alloc(n)
 
-    def record_insert(self, tokens: list[int], kv: torch.Tensor) -> MatchResult:
+    def record_insert(self, tokens: list[int], kv: torch.Tensor, salt: CacheSalt) -> MatchResult:
         """Insert and check the result against the model, then update the model."""
         free_before = self.pool.num_free
         want, dups = [], 0
         for i, slot in enumerate(kv.tolist()):
-            cached = self.model.setdefault(tuple(tokens[: i + 1]), slot)
+            cached = self.model.setdefault((salt, tuple(tokens[: i + 1])), slot)
             dups += cached != slot
             want.append(cached)
-        res = self.cache.insert(tokens, kv)
+        res = self.cache.insert(tokens, kv, salt=salt)
         assert res.indices.tolist() == want
         assert self.pool.num_free == free_before + dups
         assert sum(n for _, n in self.cache.path(res.last_node)) == len(tokens)
@@ -571,62 +577,70 @@ class RadixMachine(RuleBasedStateMachine):
         gone = {p for p, s in self.model.items() if s in newly}
         assert len(gone) == freed
         # Removal is closed under extension: a prefix goes only with everything below it.
-        for p in gone:
-            assert all(q in gone for q in self.model if q[: len(p)] == p), (p, gone)
+        for salt, p in gone:
+            below = [q for q in self.model if q[0] == salt and q[1][: len(p)] == p]
+            assert all(q in gone for q in below), (p, gone)
         for p in gone:
             del self.model[p]
 
-    @rule(tokens=TOKENS)
-    def insert_fresh(self, tokens: list[int]) -> None:
+    @rule(tokens=TOKENS, salt=SALTS)
+    def insert_fresh(self, tokens: list[int], salt: CacheSalt) -> None:
         kv = self.alloc(len(tokens))
         if kv is not None:
-            self.record_insert(tokens, kv)
+            self.record_insert(tokens, kv, salt)
 
-    @rule(tokens=TOKENS)
-    def cached_length(self, tokens: list[int]) -> None:
+    @rule(tokens=TOKENS, salt=SALTS)
+    def cached_length(self, tokens: list[int], salt: CacheSalt) -> None:
         """The read-only lookup agrees with the model and changes nothing (no split, no LRU)."""
-        before = tree_snapshot(self.cache.root)
-        assert self.cache.cached_length(tokens) == len(self.expected(tokens))
-        assert tree_snapshot(self.cache.root) == before
+        before = [tree_snapshot(r) for r in self.cache.roots().values()]
+        assert self.cache.cached_length(tokens, salt=salt) == len(self.expected(tokens, salt))
+        assert [tree_snapshot(r) for r in self.cache.roots().values()] == before
 
-    @rule(tokens=TOKENS)
-    def match(self, tokens: list[int]) -> None:
-        m = self.cache.match_prefix(tokens)
-        assert m.indices.tolist() == self.expected(tokens)
+    @rule(tokens=TOKENS, salt=SALTS)
+    def match(self, tokens: list[int], salt: CacheSalt) -> None:
+        m = self.cache.match_prefix(tokens, salt=salt)
+        assert m.indices.tolist() == self.expected(tokens, salt)
         assert path_slots(m.last_node) == m.indices.tolist()
+        assert m.last_node is self.cache.root or m.last_node.salt == salt
 
-    @rule(tokens=TOKENS)
-    def lock(self, tokens: list[int]) -> None:
-        m = self.cache.match_prefix(tokens)
+    @rule(tokens=TOKENS, salt=SALTS)
+    def continuations(self, tokens: list[int], salt: CacheSalt) -> None:
+        """Every cached continuation is one of the model's sequences of the same salt."""
+        for branch in self.cache.continuations(tokens, 4, salt=salt):
+            assert (salt, tuple(tokens + branch)) in self.model, (salt, tokens, branch)
+
+    @rule(tokens=TOKENS, salt=SALTS)
+    def lock(self, tokens: list[int], salt: CacheSalt) -> None:
+        m = self.cache.match_prefix(tokens, salt=salt)
         self.cache.lock(m.last_node)
-        self.locks.append((m.last_node, tokens[: len(m.indices)]))
+        self.locks.append((m.last_node, tokens[: len(m.indices)], salt))
 
     @precondition(lambda self: self.locks)
     @rule(pick=st.integers(0, 99))
     def unlock(self, pick: int) -> None:
-        node, _ = self.locks.pop(pick % len(self.locks))
+        node, _, _ = self.locks.pop(pick % len(self.locks))
         self.cache.unlock(node)
 
     @rule(n=st.integers(0, CAPACITY + 2))
     def evict(self, n: int) -> None:
         self.checked_evict(n)
 
-    @rule(tokens=TOKENS.filter(bool))
-    def start_request(self, tokens: list[int]) -> None:
-        m = self.cache.match_prefix(tokens)
+    @rule(tokens=TOKENS.filter(bool), salt=SALTS)
+    def start_request(self, tokens: list[int], salt: CacheSalt) -> None:
+        m = self.cache.match_prefix(tokens, salt=salt)
         self.cache.lock(m.last_node)
         own = self.alloc(len(tokens) - len(m.indices))
         if own is None:
             self.cache.unlock(m.last_node)
             return
-        self.requests.append(Request(tokens, m.last_node, m.indices, own))
+        self.requests.append(Request(tokens, m.last_node, m.indices, own, salt))
 
     @precondition(lambda self: self.requests)
     @rule(pick=st.integers(0, 99))
     def prefill_done(self, pick: int) -> None:
         """insert(prompt) -> switch to the tree's slots, lock the new node, unlock the old."""
         req = self.requests[pick % len(self.requests)]
-        res = self.record_insert(req.tokens, torch.cat([req.tree_slots, req.own]))
+        res = self.record_insert(req.tokens, torch.cat([req.tree_slots, req.own]), req.salt)
         self.cache.lock(res.last_node)
         self.cache.unlock(req.node)
         req.node, req.tree_slots, req.own = res.last_node, res.indices, res.indices[:0]
@@ -640,7 +654,7 @@ class RadixMachine(RuleBasedStateMachine):
         if out_slots is None:
             output, out_slots = [], req.own[:0]
         kv = torch.cat([req.tree_slots, req.own, out_slots])
-        self.record_insert(req.tokens + output, kv)
+        self.record_insert(req.tokens + output, kv, req.salt)
         self.cache.unlock(req.node)
 
     @precondition(lambda self: not self.locks and not self.requests)
@@ -654,16 +668,19 @@ class RadixMachine(RuleBasedStateMachine):
     def consistent(self) -> None:
         self.cache.check_integrity(in_use_elsewhere=sum(r.own.numel() for r in self.requests))
         assert self.cache.total_size == len(self.model)
-        assert all(p[:-1] in self.model for p in self.model if len(p) > 1)
-        for node, tokens in self.locks:
+        assert all((s, p[:-1]) in self.model for s, p in self.model if len(p) > 1)
+        salts = {s for s, _ in self.model}
+        assert set(self.cache.roots()) == salts | {SHARED}  # a part lives while it holds tokens
+        for node, tokens, salt in self.locks:
             assert node.lock_ref > 0 or node is self.cache.root
             assert sum(n for _, n in self.cache.path(node)) == len(tokens)
-            assert path_slots(node) == self.expected(tokens)[: len(tokens)]
+            assert path_slots(node) == self.expected(tokens, salt)[: len(tokens)]
         for req in self.requests:
             assert req.node.lock_ref > 0 or req.node is self.cache.root
             assert sum(n for _, n in self.cache.path(req.node)) == req.tree_slots.numel()
             assert path_slots(req.node) == req.tree_slots.tolist()
-            assert self.expected(req.tokens)[: req.tree_slots.numel()] == req.tree_slots.tolist()
+            want = self.expected(req.tokens, req.salt)[: req.tree_slots.numel()]
+            assert want == req.tree_slots.tolist()
 
     @invariant()
     def kept_paths_are_exact_while_the_version_holds(self) -> None:
@@ -673,11 +690,11 @@ class RadixMachine(RuleBasedStateMachine):
         for node, read_at, path in self.kept:
             if read_at == version and node.parent is not None:
                 assert self.cache.path(node) == path, (node, path, self.cache.path(node))
-        held = [n for n, _ in self.locks] + [r.node for r in self.requests]
+        held = [n for n, _, _ in self.locks] + [r.node for r in self.requests]
         self.kept = [(n, version, self.cache.path(n)) for n in held]
 
     def teardown(self) -> None:
-        for node, _ in self.locks:
+        for node, _, _ in self.locks:
             self.cache.unlock(node)
         for req in self.requests:
             self.pool.free(req.own)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from radixserve.core.request import CacheSalt
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -73,11 +75,15 @@ class CacheNodeView:
     batched: bool  # part of a shared segment tree attention read once in the last step
     tier: str  # where its K/V lives: "device" (the KV pool attention reads)
     text: str = ""  # preview_ids decoded (the tokenizer process fills it in)
+    salt: CacheSalt | None = None  # set on the root of a salted part (no tokens of its own)
 
 
 @dataclass
 class CacheTreeView:
-    """A bounded snapshot of the radix tree: the nodes nearest the root, breadth first."""
+    """A bounded snapshot of the radix tree: the nodes nearest the root, breadth first.
+
+    Scoped to one tenant (`tenant` set): only its salts' parts, and the counts are those of
+    the nodes shown; `stats` is blank but for the pool's capacity."""
 
     nodes: list[CacheNodeView]
     total_nodes: int  # in the whole tree, root included
@@ -87,3 +93,4 @@ class CacheTreeView:
     locked_tokens: int
     stats: SchedulerStats
     attention_backend: str
+    tenant: str | None = None

@@ -22,6 +22,7 @@ MAX_TEMPLATE_KWARGS = 16  # entries of `chat_template_kwargs`
 MAX_TEMPLATE_VALUE_CHARS = 4096  # length of one string value in `chat_template_kwargs`
 MAX_STOP_TOKEN_IDS = 1024  # entries of `stop_token_ids`
 MAX_RID_CHARS = 256  # a client-chosen request id
+MAX_CACHE_SALT_CHARS = 256  # a request's `cache_salt` (its part of the prefix cache)
 MAX_PATTERN_CHARS = 65536  # length of a `regex` / `json_schema` / `ebnf` text
 MAX_LOGIT_BIAS = 1024  # entries of `logit_bias`
 MAX_JSON_DEPTH = 16  # nesting of a request body (the deepest valid one has 6 levels)

@@ -6,10 +6,35 @@ prompt's KV; each sample reports under the same `rid` with its own `index` (0..n
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 
 from radixserve.core.modules import ModuleUse
 from radixserve.core.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class CacheSalt:
+    """The part of the prefix cache a request reads and writes: requests share cached K/V
+    (radix nodes, lower-tier records, radix drafts) only when their salts are equal.
+
+    `tenant`: the tenant's name under `--cache-isolation tenant`, else ""; `salt`: the
+    request's own `cache_salt` ("" for none). Both empty: the shared part, the default."""
+
+    tenant: str = ""
+    salt: str = ""
+
+    @property
+    def shared(self) -> bool:
+        return not (self.tenant or self.salt)
+
+    def digest(self) -> str:
+        """A fixed-length name of the salt (64 hex digits): what other key text may follow."""
+        return hashlib.sha256(json.dumps([self.tenant, self.salt]).encode()).hexdigest()
+
+
+SHARED = CacheSalt()
 
 
 @dataclass
@@ -23,6 +48,7 @@ class TokenizedRequest:
     # Prompt modules: input_ids open with these modules' tokens, whose K/V is registered
     # (see core/modules.py); None: an ordinary prompt at positions 0 .. len - 1.
     modules: ModuleUse | None = None
+    salt: CacheSalt = SHARED  # the part of the prefix cache it shares (CacheSalt)
 
     @property
     def module_tokens(self) -> int:

@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from radixserve.config import EngineConfig
+from radixserve.core.limits import MAX_CACHE_SALT_CHARS
 from radixserve.core.modules import ModuleUse
 from radixserve.core.params import SamplingParams
-from radixserve.core.request import FinishReason, TokenDelta, TokenizedRequest
+from radixserve.core.request import SHARED, CacheSalt, FinishReason, TokenDelta, TokenizedRequest
 from radixserve.core.result import native_result
 from radixserve.prompt.pml import Prompt as PmlPrompt
 from radixserve.prompt.pml import Schema
@@ -33,6 +34,16 @@ logger = logging.getLogger("radixserve.engine")
 Prompt = str | Sequence[str] | None
 Pml = str | PmlPrompt | Sequence[str | PmlPrompt] | None
 Params = dict[str, Any] | Sequence[dict[str, Any]] | None
+
+
+def _salt(cache_salt: str | None) -> CacheSalt:
+    if cache_salt is None:
+        return SHARED
+    if not isinstance(cache_salt, str) or not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS:
+        raise ValueError(
+            f"cache_salt: must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters"
+        )
+    return CacheSalt(salt=cache_salt)
 
 
 class Engine:
@@ -56,6 +67,7 @@ class Engine:
         top_logprobs_num: int = 0,
         pml: Pml = None,
         module_reuse: bool = True,
+        cache_salt: str | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Generate for one prompt (a dict back, or a list of n dicts when n > 1) or a batch
         of prompts (a flat list: n results per prompt, prompt-major).
@@ -63,6 +75,9 @@ class Engine:
         `pml`: prompts importing prompt modules of a registered schema (PML text or
         `radixserve.prompt.prompt(...)` trees), instead of `prompt` / `input_ids`;
         `module_reuse=False` prefills their expanded text instead (the exact fallback).
+
+        `cache_salt`: the prompts share cached K/V (and radix drafts) only with requests of
+        the same salt (a non-empty string of at most MAX_CACHE_SALT_CHARS characters).
 
         meta_info["first_token_latency"]: seconds from the call to the sample's first token
         (its time to first token; None if it produced none).
@@ -77,6 +92,7 @@ class Engine:
             single, ids = self._prompts(prompt, input_ids)
             prompts = [(x, None) for x in ids]
         params = self._params(sampling_params, len(prompts))
+        salt = _salt(cache_salt)
         reqs = [
             TokenizedRequest(
                 rid=f"engine-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
@@ -86,6 +102,7 @@ class Engine:
                 logprob_start_len=logprob_start_len if return_logprob else -1,
                 top_logprobs_num=top_logprobs_num,
                 modules=use,
+                salt=salt,
             )
             for (ids, use), sp in zip(prompts, params)
         ]

@@ -42,6 +42,11 @@ kept whole; one whose tokens lost some goes to the local tiers under a key of it
 (namespace + GLOBAL_ONLY), and when it comes back its tokens get no sliding rows, so the
 match stops where the radix tree's would (radix.py). The remote tier keeps whole chunks.
 
+Parts (`CacheSalt`, radix.py): a salted request's chunks are keyed under the namespace
+extended by its salt's digest (`namespace_of`), so a record written under one salt is never
+found under another, in any tier, whichever server wrote it; the run index of positional
+decoupling files runs by salt too.
+
 Exactness: a chunk holds the pool's rows bit for bit, so a promoted prefix gives the same
 outputs as the same prefix still in the pool. A record a tier cannot trust is a miss
 (recomputed), never loaded.
@@ -57,6 +62,7 @@ from collections.abc import Sequence
 import torch
 
 from radixserve.core.info import TierStats
+from radixserve.core.request import SHARED, CacheSalt
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.radix import MatchResult, RadixCache, TreeNode
 from radixserve.kvcache.remote_store import RemoteStore
@@ -66,6 +72,13 @@ from radixserve.kvcache.tier_store import CHUNK_TOKENS, ChunkLayout, TierStore, 
 C = CHUNK_TOKENS
 READ_WAIT_S = 5.0  # a match waits at most this long for a chunk the prefetch reader is reading
 GLOBAL_ONLY = "|global"  # namespace suffix of chunks whose sliding-window rows are not kept
+
+
+def namespace_of(namespace: str, salt: CacheSalt) -> str:
+    """The chunk-key namespace of `salt`'s part: `namespace` for the shared part, else with
+    the salt's fixed-length digest added (so a suffix such as GLOBAL_ONLY after it cannot
+    make two salts' namespaces equal)."""
+    return namespace if salt.shared else f"{namespace}|salt:{salt.digest()}"
 
 
 def pool_layout(pool: KVPool) -> ChunkLayout:
@@ -119,6 +132,9 @@ class HiCache:
     def root(self) -> TreeNode:
         return self.tree.root
 
+    def roots(self) -> dict[CacheSalt, TreeNode]:
+        return self.tree.roots()
+
     @property
     def num_nodes(self) -> int:
         return self.tree.num_nodes
@@ -143,16 +159,18 @@ class HiCache:
     def swa_tokens(self) -> int:
         return self.tree.swa_tokens
 
-    def cached_length(self, token_ids: Sequence[int]) -> int:
-        return self.tree.cached_length(token_ids)
+    def cached_length(self, token_ids: Sequence[int], *, salt: CacheSalt = SHARED) -> int:
+        return self.tree.cached_length(token_ids, salt=salt)
 
-    def continuations(self, token_ids: Sequence[int], max_tokens: int) -> list[list[int]]:
-        return self.tree.continuations(token_ids, max_tokens)
+    def continuations(
+        self, token_ids: Sequence[int], max_tokens: int, *, salt: CacheSalt = SHARED
+    ) -> list[list[int]]:
+        return self.tree.continuations(token_ids, max_tokens, salt=salt)
 
     def suffix_continuations(
-        self, token_ids: Sequence[int], max_tokens: int
+        self, token_ids: Sequence[int], max_tokens: int, *, salt: CacheSalt = SHARED
     ) -> tuple[int, list[list[int]]]:
-        return self.tree.suffix_continuations(token_ids, max_tokens)
+        return self.tree.suffix_continuations(token_ids, max_tokens, salt=salt)
 
     def lock(self, node: TreeNode) -> None:
         self.tree.lock(node)
@@ -179,25 +197,25 @@ class HiCache:
 
     # -- promotion -----------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+    def match_prefix(self, token_ids: Sequence[int], *, salt: CacheSalt = SHARED) -> MatchResult:
         self._land_prefetched()
         tokens = list(token_ids)
-        m = self._match_in_place(tokens)
+        m = self._match_in_place(tokens, salt)
         if self.mover is None or len(m.indices) + WINDOW > len(tokens):
             return m
-        return self._match_moved(tokens, m)
+        return self._match_moved(tokens, m, salt)
 
-    def _match_in_place(self, tokens: list[int]) -> MatchResult:
-        """The pool's match, then the chunks of the lower tiers that continue it; the
-        result stops where the sliding layers' K/V allows (radix.py)."""
-        m = self.tree.match_prefix(tokens, whole=True)
+    def _match_in_place(self, tokens: list[int], salt: CacheSalt) -> MatchResult:
+        """The pool's match, then the chunks of the lower tiers that continue it (all under
+        `salt`); the result stops where the sliding layers' K/V allows (radix.py)."""
+        m = self.tree.match_prefix(tokens, whole=True, salt=salt)
         p = len(m.indices)
-        keys = chunk_keys(self.namespace, tokens)
+        keys = chunk_keys(namespace_of(self.namespace, salt), tokens)
         k0 = p // C
-        found = self._fetch(tokens, keys, k0, self._global_keys(tokens))
+        found = self._fetch(tokens, keys, k0, self._global_keys(tokens, salt))
         slots = self._alloc(len(found) * C - (p - k0 * C), m.last_node)
         if slots is None:
-            return self._usable(m, tokens[:p], [])
+            return self._usable(m, tokens[:p], [], salt)
         n_chunks = (p - k0 * C + len(slots) + C - 1) // C
         q = p + len(slots)
         # chunk k0 + k covers [(k0 + k) * C, (k0 + k + 1) * C); the slots take [p, q)
@@ -210,17 +228,21 @@ class HiCache:
             if not whole:  # before the load: its sliding layers write to the scratch row
                 self.pool.free_swa(slots[start - p : end - p])
         self.pool.load(slots, parts, background=self.layerwise)
-        result = self.tree.insert(tokens[:q], torch.cat([m.indices, slots]))
+        result = self.tree.insert(tokens[:q], torch.cat([m.indices, slots]), salt=salt)
         loaded = [(name, span) for (name, _, _), span in zip(found, spans)]
-        return self._usable(result, tokens[:q], loaded)
+        return self._usable(result, tokens[:q], loaded, salt)
 
     def _usable(
-        self, m: MatchResult, tokens: list[int], loaded: list[tuple[str, tuple[int, int]]]
+        self,
+        m: MatchResult,
+        tokens: list[int],
+        loaded: list[tuple[str, tuple[int, int]]],
+        salt: CacheSalt,
     ) -> MatchResult:
-        """`m`, the tree's whole match of `tokens`, cut where the sliding layers' K/V allows,
-        with the tokens it reuses counted by tier: `loaded` the (tier, [start, end)) runs
-        just loaded, the rest was in the pool."""
-        result = self.tree.match_prefix(tokens) if self.pool.window else m
+        """`m`, the tree's whole match of `tokens` under `salt`, cut where the sliding
+        layers' K/V allows, with the tokens it reuses counted by tier: `loaded` the (tier,
+        [start, end)) runs just loaded, the rest was in the pool."""
+        result = self.tree.match_prefix(tokens, salt=salt) if self.pool.window else m
         n = len(result.indices)
         tiers: dict[str, int] = {}
         device = min(n, loaded[0][1][0] if loaded else n)
@@ -231,21 +253,24 @@ class HiCache:
                 (self.device if name == "device" else self._tier(name)).hit_tokens += used
         return MatchResult(result.indices, result.last_node, tiers)
 
-    def _global_keys(self, tokens: list[int]) -> list[str] | None:
+    def _global_keys(self, tokens: list[int], salt: CacheSalt) -> list[str] | None:
         """The keys of `tokens`' chunks kept without sliding rows; None for a model without
         sliding-window layers."""
-        return chunk_keys(self.namespace + GLOBAL_ONLY, tokens) if self.pool.window else None
+        if not self.pool.window:
+            return None
+        return chunk_keys(namespace_of(self.namespace, salt) + GLOBAL_ONLY, tokens)
 
-    def _match_moved(self, tokens: list[int], m: MatchResult) -> MatchResult:
+    def _match_moved(self, tokens: list[int], m: MatchResult, salt: CacheSalt) -> MatchResult:
         """Positional decoupling (reposition.py): continue `m` at q with a run of tokens
-        cached at another position, its keys turned to the new one. `m` unchanged if no run
-        of WINDOW+ tokens is found with its K/V still in the pool or a tier."""
+        cached at another position under the same `salt`, its keys turned to the new one.
+        `m` unchanged if no run of WINDOW+ tokens is found with its K/V still in the pool or
+        a tier."""
         assert self.mover is not None
         q = len(m.indices)
-        run = self.mover.index.find(tokens, q)
+        run = self.mover.index.find(tokens, q, salt)
         if run is None:
             return m
-        rows = self._rows_of(run.old, run.start, run.start + run.length)
+        rows = self._rows_of(run.old, run.start, run.start + run.length, salt)
         if rows.shape[2] < WINDOW:
             return m
         slots = self._alloc(rows.shape[2], m.last_node)
@@ -254,19 +279,19 @@ class HiCache:
         moved = self.mover.move(rows[:, :, : len(slots)], q - run.start)
         self.pool.load(slots, [moved], background=self.layerwise)
         q_end = q + len(slots)
-        result = self.tree.insert(tokens[:q_end], torch.cat([m.indices, slots]))
+        result = self.tree.insert(tokens[:q_end], torch.cat([m.indices, slots]), salt=salt)
         self.mover.moved_tokens += len(slots)
         return MatchResult(result.indices, result.last_node, {**m.tier_tokens, "moved": len(slots)})
 
-    def _rows_of(self, old: list[int], start: int, end: int) -> torch.Tensor:
+    def _rows_of(self, old: list[int], start: int, end: int, salt: CacheSalt) -> torch.Tensor:
         """A copy of the K/V of old[start:end) (layers, 2, n, kv_heads, head_dim), n <= end -
         start: the leading rows that the pool (old's radix path) and then the tiers' chunks
-        (old's keys) still hold."""
-        m = self.tree.match_prefix(old[:end])
+        (old's keys), under `salt`, still hold."""
+        m = self.tree.match_prefix(old[:end], salt=salt)
         p = len(m.indices)
         parts = [self._gather(m.indices[start:])] if p > start else []
         at = max(p, start)  # rows of old[start:at) are in parts
-        keys = chunk_keys(self.namespace, old[:end])
+        keys = chunk_keys(namespace_of(self.namespace, salt), old[:end])
         k0 = at // C
         for k, (_, chunk, _) in enumerate(self._fetch(old, keys, k0) if at < end else []):
             lo, hi = (k0 + k) * C, min((k0 + k + 1) * C, end)
@@ -341,24 +366,25 @@ class HiCache:
 
     # -- prefetch ------------------------------------------------------------------------
 
-    def prefetch(self, queued: Sequence[Sequence[int]]) -> None:
+    def prefetch(self, queued: Sequence[tuple[Sequence[int], CacheSalt]]) -> None:
         """The scheduler's look-ahead over its waiting queue (next to be admitted first):
         their cached paths are what `evict` spares while it can, and the chunks of theirs
         that only the disk tier or Redis holds start moving up into the host tier, in the
         background (the reader thread)."""
         self._land_prefetched()
-        self._queued = [self.tree.deepest_node(t) for t in queued]
+        self._queued = [self.tree.deepest_node(t, salt=salt) for t, salt in queued]
         if self._prefetches:
-            for token_ids in queued:
-                self._pull_up(list(token_ids))
+            for token_ids, salt in queued:
+                self._pull_up(list(token_ids), salt)
 
-    def _pull_up(self, tokens: list[int]) -> None:
-        """Hand the reader the chunks of `tokens` beyond the pool's match that the host tier
-        lacks, in order (it reads them from disk, then the rest with one Redis MGET)."""
-        keys = chunk_keys(self.namespace, tokens)
+    def _pull_up(self, tokens: list[int], salt: CacheSalt) -> None:
+        """Hand the reader the chunks of `tokens` (under `salt`) beyond the pool's match that
+        the host tier lacks, in order (it reads them from disk, then the rest with one Redis
+        MGET)."""
+        keys = chunk_keys(namespace_of(self.namespace, salt), tokens)
         host, lower = self.local[0], self.local[1:]
         todo: list[tuple[str, list[int]]] = []
-        for k in range(self.tree.cached_length(tokens) // C, len(keys)):
+        for k in range(self.tree.cached_length(tokens, salt=salt) // C, len(keys)):
             key = keys[k]
             if key in self._wanted or host.contains(key):
                 continue
@@ -420,15 +446,16 @@ class HiCache:
 
     # -- demotion and write-through ------------------------------------------------------
 
-    def _demote(self, tokens: list[int], slots: torch.Tensor, start: int) -> None:
-        """RadixCache's evict hook: keep the leaf's whole chunks in the first local tier.
+    def _demote(self, tokens: list[int], slots: torch.Tensor, start: int, salt: CacheSalt) -> None:
+        """RadixCache's evict hook: keep the leaf's whole chunks in the first local tier,
+        under the keys of its part's `salt`.
 
         Runs in the step (the slots are freed right after): one gather of the new chunks'
         rows; the host tier keeps views of it, and the disk writer encodes them later."""
         if not self.local:
             return
-        keys = chunk_keys(self.namespace, tokens)
-        global_keys = self._global_keys(tokens)
+        keys = chunk_keys(namespace_of(self.namespace, salt), tokens)
+        global_keys = self._global_keys(tokens, salt)
         todo: list[tuple[int, str]] = []
         for k in range(start // C, len(keys)):
             key = keys[k] if global_keys is None or self._whole(slots, k) else global_keys[k]
@@ -459,13 +486,15 @@ class HiCache:
         sliding rows were freed (kvcache/pool.py) has none to write to a tier."""
         return bool(self.pool.has_swa(slots[k * C : (k + 1) * C]).all())
 
-    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
-        result = self.tree.insert(token_ids, kv_indices)
+    def insert(
+        self, token_ids: Sequence[int], kv_indices: torch.Tensor, *, salt: CacheSalt = SHARED
+    ) -> MatchResult:
+        result = self.tree.insert(token_ids, kv_indices, salt=salt)
         if self.mover is not None:
-            self.mover.index.add(token_ids)
+            self.mover.index.add(token_ids, salt)
         if self.remote is not None:
             tokens = list(token_ids)
-            keys = chunk_keys(self.namespace, tokens)
+            keys = chunk_keys(namespace_of(self.namespace, salt), tokens)
             slots = result.indices
             todo = [
                 k

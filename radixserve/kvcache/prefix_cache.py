@@ -11,6 +11,10 @@ later requests starting with the same tokens. Two implementations:
     pool when the request ends.
 `make_prefix_cache` is the only code that reads `EngineConfig.disable_radix_cache` and the
 hicache fields; callers hold a `PrefixCache` and never ask which one it is.
+
+Every lookup and insert takes the caller's `CacheSalt` (core/request.py): a cache shares K/V
+only between requests of equal salts, in the pool, in the lower tiers and in the drafts it
+proposes. The salt defaults to the shared part.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 
 from radixserve.config import EngineConfig
 from radixserve.core.info import TierStats
+from radixserve.core.request import SHARED, CacheSalt
 from radixserve.kvcache.disk_store import DiskStore
 from radixserve.kvcache.hicache import HiCache, pool_layout
 from radixserve.kvcache.pool import KVPool
@@ -49,13 +54,19 @@ class PrefixCache(Protocol):
       - A MatchResult's `indices` stay valid while its `last_node` is locked; `evict` never
         frees a locked node's slots; `evict` and `flush` free only slots the cache holds.
       - `lock`/`unlock`/`path` take only nodes this cache handed out and still holds, else
-        raise AssertionError; on the root they are no-ops (path: []).
+        raise AssertionError; on a root they are no-ops (path: []).
+      - Nothing is shared across salts: a lookup under one salt finds, proposes and counts
+        only what requests of the same salt inserted.
       - Single-threaded: the scheduler calls it between model steps.
     """
 
     @property
     def root(self) -> TreeNode:
-        """Never evicted; a NoPrefixCache's has no children."""
+        """The shared part's root: never evicted; a NoPrefixCache's has no children."""
+        ...
+
+    def roots(self) -> dict[CacheSalt, TreeNode]:
+        """The root of every part by salt, `root` included (radix.py). Do not modify."""
         ...
 
     @property
@@ -89,32 +100,39 @@ class PrefixCache(Protocol):
         split); a path read at the same version is still exact."""
         ...
 
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        """The longest cached prefix of `token_ids`: its slots, and the node ending it (the
-        root when nothing matches). May reorganise nodes; frees and allocates nothing."""
+    def match_prefix(self, token_ids: Sequence[int], *, salt: CacheSalt = SHARED) -> MatchResult:
+        """The longest cached prefix of `token_ids` under `salt`: its slots, and the node
+        ending it (`root` when nothing matches). May reorganise nodes; frees and allocates
+        nothing."""
         ...
 
-    def cached_length(self, token_ids: Sequence[int]) -> int:
-        """len(match_prefix(token_ids).indices) without changing anything (for ranking)."""
+    def cached_length(self, token_ids: Sequence[int], *, salt: CacheSalt = SHARED) -> int:
+        """len(match_prefix(token_ids, salt).indices) without changing anything (for
+        ranking)."""
         ...
 
-    def continuations(self, token_ids: Sequence[int], max_tokens: int) -> list[list[int]]:
-        """The cached continuations of all of `token_ids`, one a branch, each up to
-        `max_tokens` tokens (drafts for speculative decoding); []: none. Changes nothing."""
+    def continuations(
+        self, token_ids: Sequence[int], max_tokens: int, *, salt: CacheSalt = SHARED
+    ) -> list[list[int]]:
+        """The cached continuations of all of `token_ids` under `salt`, one a branch, each
+        up to `max_tokens` tokens (drafts for speculative decoding); []: none. Changes
+        nothing."""
         ...
 
     def suffix_continuations(
-        self, token_ids: Sequence[int], max_tokens: int
+        self, token_ids: Sequence[int], max_tokens: int, *, salt: CacheSalt = SHARED
     ) -> tuple[int, list[list[int]]]:
         """(match length, up to `max_tokens` tokens after each) of the best cached
-        occurrences of the end of `token_ids` (kvcache/suffix_index.py); (0, []): none, or
-        no suffix index. Changes nothing."""
+        occurrences of the end of `token_ids` under `salt` (kvcache/suffix_index.py); (0,
+        []): none, or no suffix index. Changes nothing."""
         ...
 
-    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
-        """Offer `token_ids` whose K/V sit at `kv_indices`; returns the slots the cache now
-        holds for the prefix it kept and the node ending that prefix (see the contract).
-        Raises AssertionError if kv_indices is not (len(token_ids),) int64."""
+    def insert(
+        self, token_ids: Sequence[int], kv_indices: torch.Tensor, *, salt: CacheSalt = SHARED
+    ) -> MatchResult:
+        """Offer `token_ids` whose K/V sit at `kv_indices`, under `salt`; returns the slots
+        the cache now holds for the prefix it kept and the node ending that prefix (see the
+        contract). Raises AssertionError if kv_indices is not (len(token_ids),) int64."""
         ...
 
     def lock(self, node: TreeNode) -> None:
@@ -148,10 +166,10 @@ class PrefixCache(Protocol):
         """Counters of each KV tier by name ({} without lower tiers)."""
         ...
 
-    def prefetch(self, queued: Sequence[Sequence[int]]) -> None:
-        """A hint, once per step: the token ids of the waiting requests next to be admitted
-        (first first). A cache with slower tiers may start moving their prefixes closer and
-        spare them in `evict`. Frees and allocates nothing; raises nothing."""
+    def prefetch(self, queued: Sequence[tuple[Sequence[int], CacheSalt]]) -> None:
+        """A hint, once per step: the token ids and salts of the waiting requests next to be
+        admitted (first first). A cache with slower tiers may start moving their prefixes
+        closer and spare them in `evict`. Frees and allocates nothing; raises nothing."""
         ...
 
     def check_integrity(self, in_use_elsewhere: int = 0) -> None:
@@ -194,21 +212,28 @@ class NoPrefixCache:
     def path_version(self) -> int:
         return 0
 
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+    def roots(self) -> dict[CacheSalt, TreeNode]:
+        return {SHARED: self.root}
+
+    def match_prefix(self, token_ids: Sequence[int], *, salt: CacheSalt = SHARED) -> MatchResult:
         return self._nothing()
 
-    def cached_length(self, token_ids: Sequence[int]) -> int:
+    def cached_length(self, token_ids: Sequence[int], *, salt: CacheSalt = SHARED) -> int:
         return 0
 
-    def continuations(self, token_ids: Sequence[int], max_tokens: int) -> list[list[int]]:
+    def continuations(
+        self, token_ids: Sequence[int], max_tokens: int, *, salt: CacheSalt = SHARED
+    ) -> list[list[int]]:
         return []
 
     def suffix_continuations(
-        self, token_ids: Sequence[int], max_tokens: int
+        self, token_ids: Sequence[int], max_tokens: int, *, salt: CacheSalt = SHARED
     ) -> tuple[int, list[list[int]]]:
         return 0, []
 
-    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
+    def insert(
+        self, token_ids: Sequence[int], kv_indices: torch.Tensor, *, salt: CacheSalt = SHARED
+    ) -> MatchResult:
         check_insert_args(len(token_ids), kv_indices)
         return self._nothing()
 
@@ -240,7 +265,7 @@ class NoPrefixCache:
     def tier_stats(self) -> dict[str, TierStats]:
         return {}
 
-    def prefetch(self, queued: Sequence[Sequence[int]]) -> None:
+    def prefetch(self, queued: Sequence[tuple[Sequence[int], CacheSalt]]) -> None:
         """Nothing is kept, so nothing to fetch."""
 
     def check_integrity(self, in_use_elsewhere: int = 0) -> None:

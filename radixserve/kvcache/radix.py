@@ -18,6 +18,19 @@ only near the ends where matches stop). A match ending at L needs them for the l
 `match_prefix` stops at the longest such L; the global layers' K/V of the whole prefix is
 reused all the same. `swa_tokens` counts the cached tokens that still have them.
 
+Parts (`CacheSalt`, core/request.py): the tree is a forest over one pool, one root per salt.
+Requests share nodes only when their salts are equal: every lookup starts at the root of the
+caller's salt, so no match, continuation or suffix draft reaches another part. The shared
+part's root (`root`, the default salt) is permanent; another part's root is made by the
+first insert under its salt and dropped with its last node. Eviction is one LRU over all
+parts, so a part's size is bounded only by the pool.
+
+    roots:   root (shared)     root (tenant "a")     root (tenant "a", salt "u1")   ...
+              |     |                  |                       |
+            [...] [...]              [...]                   [...]
+
+Roots hold no tokens; a node knows its root (`top`) and its root's salt (`salt`).
+
 The tree is single-threaded: the scheduler owns it and calls it between model steps.
 `RadixCache` is the `PrefixCache` (prefix_cache.py) that shares every cached prefix.
 """
@@ -32,28 +45,35 @@ from dataclasses import dataclass, field
 import torch
 
 from radixserve.core.info import TierStats
+from radixserve.core.request import SHARED, CacheSalt
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.suffix_index import CANDIDATES, SuffixIndex, cached_branches
 
-# Called with (token ids of the root-to-leaf path, their KV slots, where the leaf begins)
-# just before `evict` frees a leaf's slots: the leaf's ancestors are still cached then, so
-# the hook may read the K/V of the whole path (a HiCache demotes it to a lower tier).
-EvictHook = Callable[[list[int], torch.Tensor, int], None]
+# Called with (token ids of the root-to-leaf path, their KV slots, where the leaf begins,
+# the part's salt) just before `evict` frees a leaf's slots: the leaf's ancestors are still
+# cached then, so the hook may read the K/V of the whole path (a HiCache demotes it to a
+# lower tier, under its salt).
+EvictHook = Callable[[list[int], torch.Tensor, int, CacheSalt], None]
 
 
 class TreeNode:
     """One edge of the radix tree: a run of tokens and the KV slots that hold them.
 
     Invariants (asserted by `RadixCache.check_integrity`):
-      - root: empty key and value, no parent, lock_ref == 0 (locks stop below the root);
-      - other nodes: len(key) == value.numel() > 0 and parent.children[key[0]] is self;
+      - a root: empty key and value, no parent, lock_ref == 0 (locks stop below a root),
+        `top` itself;
+      - other nodes: len(key) == value.numel() > 0 and parent.children[key[0]] is self,
+        the parent's `top` and `salt`;
       - lock_ref == (locks taken on this node) + sum(child.lock_ref), so a parent's count is
         >= the sum of its children's and an unlocked node has only unlocked descendants;
       - `value` is never written in place: the two halves of a split share its storage.
     `id` is unique within one cache and never reused, so it can name a node in a batch plan.
     """
 
-    __slots__ = ("id", "key", "value", "children", "parent", "lock_ref", "last_access", "anchor")
+    __slots__ = (
+        "id", "key", "value", "children", "parent", "lock_ref", "last_access", "anchor",
+        "top", "salt",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -62,6 +82,8 @@ class TreeNode:
         value: torch.Tensor,
         parent: TreeNode | None,
         last_access: float,
+        top: TreeNode | None = None,
+        salt: CacheSalt = SHARED,
     ) -> None:
         self.id = node_id
         self.key = key
@@ -73,10 +95,16 @@ class TreeNode:
         # a prompt ends with this node: the window before its end keeps its sliding rows
         # (RadixCache.trim_swa); a split leaves it on the lower half, which keeps the end
         self.anchor = False
+        self.top: TreeNode = self if top is None else top  # the root of its part (a root: itself)
+        self.salt: CacheSalt = salt if top is None else top.salt  # the part's salt
 
     @property
     def is_leaf(self) -> bool:
         return not self.children
+
+    @property
+    def is_root(self) -> bool:
+        return self.top is self
 
     def __repr__(self) -> str:
         return (
@@ -204,7 +232,9 @@ class RadixCache:
         It never evicts.
       - `evict` and `flush` return slots to the pool; nodes they remove get `parent = None` and
         any MatchResult pointing into them is stale.
-      - Slots of a locked node are never evicted; `lock`/`unlock` on the root are no-ops.
+      - Slots of a locked node are never evicted; `lock`/`unlock` on a root are no-ops.
+      - Every lookup and insert reads and writes only the part of its `salt` (module
+        docstring); a MatchResult that matched nothing ends at `root`, whatever the salt.
     """
 
     def __init__(
@@ -221,9 +251,10 @@ class RadixCache:
         self._clock = clock if clock is not None else _counter_clock()
         self._ids = itertools.count()
         self.root = TreeNode(next(self._ids), [], _empty_slots(), None, self._clock())
+        self._roots: dict[CacheSalt, TreeNode] = {SHARED: self.root}  # one per part
         self._evictable = 0  # tokens in nodes with lock_ref == 0
         self._locked = 0  # tokens in nodes with lock_ref > 0
-        self.num_nodes = 1  # root included
+        self.num_nodes = 1  # roots included
         self.path_version = 0  # splits so far: a path read at this version is still exact
         self._leaves: set[TreeNode] = set()  # the evictable leaves (see Algorithm)
         self._lru: list[tuple[float, int, TreeNode]] = []  # heap over them, lazy entries
@@ -246,23 +277,30 @@ class RadixCache:
 
     # -- lookup and insertion -------------------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int], whole: bool = False) -> MatchResult:
-        """Longest cached prefix of `token_ids`: its KV slots and the node ending it; with
-        sliding-window layers, the longest whose window before its end has their K/V
-        (module docstring), unless `whole` (what the tree holds, for a caller that adds
-        those rows).
+    def roots(self) -> dict[CacheSalt, TreeNode]:
+        """The root of every part by salt, the shared `root` included. Do not modify."""
+        return self._roots
+
+    def match_prefix(
+        self, token_ids: Sequence[int], whole: bool = False, *, salt: CacheSalt = SHARED
+    ) -> MatchResult:
+        """Longest cached prefix of `token_ids` in `salt`'s part: its KV slots and the node
+        ending it; with sliding-window layers, the longest whose window before its end has
+        their K/V (module docstring), unless `whole` (what the tree holds, for a caller that
+        adds those rows).
 
         Splits a node when the match ends inside its edge; sets last_access of every node on
-        the matched path. No match: empty indices at the root.
+        the matched path. No match: empty indices at `root` (the shared part's).
         """
-        if len(token_ids) == 0:
+        top = self._roots.get(salt)
+        if len(token_ids) == 0 or top is None:
             return MatchResult(_empty_slots(), self.root)
         tokens, now = list(token_ids), self._clock()
-        nodes, n = self._descend(tokens, now)
+        nodes, n = self._descend(tokens, now, top)
         slots = _values(nodes)
         usable = n if whole else self._swa_usable(slots)
         if usable < n:  # the sliding layers' K/V is missing in the last window before n
-            nodes, n = self._descend(tokens[:usable], now)
+            nodes, n = self._descend(tokens[:usable], now, top)
             slots = slots[:n]
         return MatchResult(slots, nodes[-1] if nodes else self.root, {"device": n} if n else {})
 
@@ -280,23 +318,27 @@ class RadixCache:
         ok = ((ends - starts) >= w) | (starts == 0)
         return int(ends[ok.nonzero().flatten()[-1]])
 
-    def cached_length(self, token_ids: Sequence[int]) -> int:
-        """How many leading tokens of `token_ids` are cached. Read-only: no split, no LRU touch
-        (for ranking candidates; `match_prefix` is for the one that is admitted)."""
-        return sum(m for _, m in self._edges(list(token_ids)))
+    def cached_length(self, token_ids: Sequence[int], *, salt: CacheSalt = SHARED) -> int:
+        """How many leading tokens of `token_ids` are cached in `salt`'s part. Read-only: no
+        split, no LRU touch (for ranking candidates; `match_prefix` is for the one that is
+        admitted)."""
+        return sum(m for _, m in self._edges(list(token_ids), salt))
 
-    def deepest_node(self, token_ids: Sequence[int]) -> TreeNode:
-        """The deepest node sharing a prefix with `token_ids` (the root if none). Read-only."""
-        edges = list(self._edges(list(token_ids)))
+    def deepest_node(self, token_ids: Sequence[int], *, salt: CacheSalt = SHARED) -> TreeNode:
+        """The deepest node of `salt`'s part sharing a prefix with `token_ids` (`root` if
+        none). Read-only."""
+        edges = list(self._edges(list(token_ids), salt))
         return edges[-1][0] if edges else self.root
 
-    def continuations(self, token_ids: Sequence[int], max_tokens: int) -> list[list[int]]:
-        """The cached continuations of all of `token_ids`: up to CANDIDATES branches, the
-        most recently used first, each up to `max_tokens` tokens; [] when no cached sequence
-        extends `token_ids`. Read-only."""
+    def continuations(
+        self, token_ids: Sequence[int], max_tokens: int, *, salt: CacheSalt = SHARED
+    ) -> list[list[int]]:
+        """The cached continuations of all of `token_ids` in `salt`'s part: up to CANDIDATES
+        branches, the most recently used first, each up to `max_tokens` tokens; [] when no
+        cached sequence extends `token_ids`. Read-only."""
         tokens = list(token_ids)
         node, matched, on_edge = self.root, 0, 0
-        for child, m in self._edges(tokens):
+        for child, m in self._edges(tokens, salt):
             node, matched, on_edge = child, matched + m, m
         if matched < len(tokens) or not tokens or max_tokens <= 0:
             return []
@@ -305,17 +347,21 @@ class RadixCache:
         return [] if found == [[]] else found
 
     def suffix_continuations(
-        self, token_ids: Sequence[int], max_tokens: int
+        self, token_ids: Sequence[int], max_tokens: int, *, salt: CacheSalt = SHARED
     ) -> tuple[int, list[list[int]]]:
         """(match length, up to `max_tokens` tokens after each) of the cache's best
-        occurrences of the end of `token_ids` anywhere in the tree (suffix_index.py); (0, [])
-        for none or when the cache keeps no suffix index. Read-only."""
-        if self.suffixes is None:
+        occurrences of the end of `token_ids` anywhere in `salt`'s part (suffix_index.py);
+        (0, []) for none or when the cache keeps no suffix index. Read-only."""
+        top = self._roots.get(salt)
+        if self.suffixes is None or top is None:
             return 0, []
-        return self.suffixes.lookup(token_ids, max_tokens)
+        return self.suffixes.lookup(token_ids, max_tokens, top)
 
-    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> MatchResult:
-        """Cache `token_ids` whose K/V sit at `kv_indices`; takes ownership of `kv_indices`.
+    def insert(
+        self, token_ids: Sequence[int], kv_indices: torch.Tensor, *, salt: CacheSalt = SHARED
+    ) -> MatchResult:
+        """Cache `token_ids` whose K/V sit at `kv_indices` in `salt`'s part; takes ownership
+        of `kv_indices`.
 
         Positions already cached keep the tree's slots; caller slots there that differ from the
         tree's are duplicates and are freed to the pool. Returns the tree's slots for ALL of
@@ -327,8 +373,9 @@ class RadixCache:
         if not tokens:
             return MatchResult(_empty_slots(), self.root)
         now = self._clock()
-        nodes, pos = self._descend(tokens, now)
-        node = nodes[-1] if nodes else self.root
+        top = self._roots.get(salt) or self._new_root(salt, now)
+        nodes, pos = self._descend(tokens, now, top)
+        node = nodes[-1] if nodes else top
         cached = _values(nodes)  # (pos,) the tree's slots for tokens[:pos]
         given = kv_indices[:pos]
         twice = given != cached  # duplicates; equal slots are the tree's own
@@ -348,11 +395,22 @@ class RadixCache:
         for node in path if moved else []:
             self._push_swa(node)
 
-    def _edges(self, tokens: list[int]) -> Iterator[tuple[TreeNode, int]]:
-        """(child, tokens matched on its edge) along the longest cached prefix of `tokens`,
-        root first; only the last edge may be matched partway. Reads the tree only."""
-        node, pos = self.root, 0
-        while pos < len(tokens):
+    def _new_root(self, salt: CacheSalt, now: float) -> TreeNode:
+        """The root of a new part (`insert` adds a leaf under it at once)."""
+        top = TreeNode(next(self._ids), [], _empty_slots(), None, now, salt=salt)
+        self._roots[salt] = top
+        self.num_nodes += 1
+        return top
+
+    def _edges(
+        self, tokens: list[int], part: CacheSalt | TreeNode
+    ) -> Iterator[tuple[TreeNode, int]]:
+        """(child, tokens matched on its edge) along the longest cached prefix of `tokens`
+        below the root `part` (or that of the salt `part`; nothing if it has none), root
+        first; only the last edge may be matched partway. Reads the tree only."""
+        node = part if isinstance(part, TreeNode) else self._roots.get(part)
+        pos = 0
+        while node is not None and pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
                 return
@@ -362,14 +420,15 @@ class RadixCache:
                 return
             node, pos = child, pos + m
 
-    def _descend(self, tokens: list[int], now: float) -> tuple[list[TreeNode], int]:
-        """Walk down the longest cached prefix of `tokens`, splitting where it ends mid-edge.
+    def _descend(self, tokens: list[int], now: float, top: TreeNode) -> tuple[list[TreeNode], int]:
+        """Walk down the longest cached prefix of `tokens` below the root `top`, splitting
+        where it ends mid-edge.
 
         Returns (the matched nodes root-first, matched length).
         """
         nodes, pos = [], 0
-        self.root.last_access = now
-        for child, m in list(self._edges(tokens)):  # list first: a split mutates the tree
+        top.last_access = now
+        for child, m in list(self._edges(tokens, top)):  # list first: a split mutates the tree
             if m < len(child.key):
                 child = self._split(child, m)  # the new upper node: exactly the matched part
             child.last_access = now
@@ -387,7 +446,9 @@ class RadixCache:
         """
         parent = node.parent
         assert parent is not None and 0 < k < len(node.key), f"bad split {node} at {k}"
-        upper = TreeNode(next(self._ids), node.key[:k], node.value[:k], parent, node.last_access)
+        upper = TreeNode(
+            next(self._ids), node.key[:k], node.value[:k], parent, node.last_access, node.top
+        )
         upper.lock_ref = node.lock_ref
         upper.children[node.key[k]] = node
         parent.children[node.key[0]] = upper
@@ -405,7 +466,7 @@ class RadixCache:
         self, parent: TreeNode, key: list[int], value: torch.Tensor, now: float
     ) -> TreeNode:
         assert key[0] not in parent.children, f"token {key[0]} already under {parent}"
-        leaf = TreeNode(next(self._ids), key, value, parent, now)
+        leaf = TreeNode(next(self._ids), key, value, parent, now, parent.top)
         parent.children[key[0]] = leaf
         self._evictable += len(key)
         self.num_nodes += 1
@@ -421,11 +482,11 @@ class RadixCache:
     # -- locking ---------------------------------------------------------------------------
 
     def lock(self, node: TreeNode) -> None:
-        """lock_ref += 1 on `node` and every ancestor below the root; pins their slots.
+        """lock_ref += 1 on `node` and every ancestor below its root; pins their slots.
 
         Raises AssertionError if `node` is no longer in the tree (evicted or flushed).
         """
-        while node is not self.root:
+        while not node.is_root:
             parent = node.parent
             assert parent is not None, f"lock of a node not in the tree: {node}"
             if node.lock_ref == 0:
@@ -437,7 +498,7 @@ class RadixCache:
 
     def unlock(self, node: TreeNode) -> None:
         """Undo one `lock(node)`. Raises AssertionError if a lock_ref on the path is 0."""
-        while node is not self.root:
+        while not node.is_root:
             parent = node.parent
             assert parent is not None, f"unlock of a node not in the tree: {node}"
             assert node.lock_ref > 0, f"unlock of an unlocked node: {node}"
@@ -449,9 +510,10 @@ class RadixCache:
             node = parent
 
     def path(self, node: TreeNode) -> list[tuple[int, int]]:
-        """[(node.id, len(node.key)), ...] from the root's child down to `node`, root excluded."""
+        """[(node.id, len(node.key)), ...] from its root's child down to `node`, root
+        excluded."""
         out: list[tuple[int, int]] = []
-        while node is not self.root:
+        while not node.is_root:
             parent = node.parent
             assert parent is not None, f"path of a node not in the tree: {node}"
             out.append((node.id, len(node.key)))
@@ -477,7 +539,7 @@ class RadixCache:
         parent = leaf.parent
         assert parent is not None and leaf.is_leaf and leaf.lock_ref == 0, f"bad evict {leaf}"
         if self._on_evict is not None:
-            self._on_evict(*self._path_kv(leaf))
+            self._on_evict(*self._path_kv(leaf), leaf.salt)
         if self.suffixes is not None:
             self.suffixes.remove(leaf)
         if self.pool.window:
@@ -490,12 +552,15 @@ class RadixCache:
         leaf.parent = None
         self._leaves.discard(leaf)
         self._update_evictable(parent)
+        if parent.is_root and not parent.children and parent is not self.root:
+            del self._roots[parent.salt]  # the part's last node: the part goes too
+            self.num_nodes -= 1
 
     # -- the evictable leaves (see Algorithm) ---------------------------------------------
 
     def _update_evictable(self, node: TreeNode) -> None:
         """Put `node` in the evictable set (and the heap) or take it out, as it is now."""
-        if node.lock_ref == 0 and not node.children and node is not self.root:
+        if node.lock_ref == 0 and not node.children and not node.is_root:
             if node not in self._leaves:
                 self._leaves.add(node)
                 self._push_lru(node)
@@ -543,7 +608,7 @@ class RadixCache:
         """(tokens, slots) of the path from the root to `node`, and where `node` begins."""
         keys: list[list[int]] = []
         values: list[torch.Tensor] = []
-        while node is not self.root:
+        while not node.is_root:
             assert node.parent is not None, f"path of a node not in the tree: {node}"
             keys.append(node.key)
             values.append(node.value)
@@ -554,12 +619,13 @@ class RadixCache:
     def flush(self) -> None:
         """Free every cached slot and empty the tree. Asserts that nothing is locked."""
         assert self._locked == 0, f"flush with {self._locked} locked tokens"
-        nodes = [n for n in self._iter_nodes() if n is not self.root]
+        nodes = [n for n in self._iter_nodes() if not n.is_root]
         self.pool.free(_cat([n.value for n in nodes]))
         for n in nodes:
             n.parent = None
             n.children = {}
         self.root.children = {}
+        self._roots = {SHARED: self.root}
         self._evictable = 0
         self.num_nodes = 1
         self._leaves.clear()
@@ -572,12 +638,12 @@ class RadixCache:
     def tier_stats(self) -> dict[str, TierStats]:
         return {}
 
-    def prefetch(self, queued: Sequence[Sequence[int]]) -> None:
+    def prefetch(self, queued: Sequence[tuple[Sequence[int], CacheSalt]]) -> None:
         """Everything this cache holds is in the pool already."""
 
     def _iter_nodes(self) -> Iterator[TreeNode]:
-        """Every node of the tree, root included, parents before children."""
-        stack = [self.root]
+        """Every node of every part, roots included, parents before children."""
+        stack = list(self._roots.values())
         while stack:
             node = stack.pop()
             yield node
@@ -591,9 +657,12 @@ class RadixCache:
         `in_use_elsewhere`: slots the caller holds outside the tree (e.g. running requests'
         uncached tokens). Raises AssertionError with the offending values.
         """
-        root = self.root
-        assert root.parent is None and not root.key and root.value.numel() == 0, f"bad {root}"
-        assert root.lock_ref == 0, f"root must never be locked: {root}"
+        assert self._roots[SHARED] is self.root, "the shared part's root was replaced"
+        for salt, root in self._roots.items():
+            assert root.parent is None and not root.key and root.value.numel() == 0, f"bad {root}"
+            assert root.lock_ref == 0, f"a root must never be locked: {root}"
+            assert root.is_root and root.salt == salt, f"{root} filed under {salt}"
+            assert root is self.root or root.children, f"the part of {salt} is empty"
         evictable = locked = 0
         ids: set[int] = set()
         values: list[torch.Tensor] = []
@@ -601,7 +670,7 @@ class RadixCache:
             assert node.id not in ids, f"node id {node.id} appears twice"
             ids.add(node.id)
             self._check_children(node)
-            if node is not root:
+            if not node.is_root:
                 values.append(node.value)
                 if node.lock_ref == 0:
                     evictable += len(node.key)
@@ -620,9 +689,7 @@ class RadixCache:
 
     def _check_lru(self) -> None:
         """The evictable set is exactly the unlocked leaves, each with a live heap entry."""
-        scan = {
-            n for n in self._iter_nodes() if n.is_leaf and n.lock_ref == 0 and n is not self.root
-        }
+        scan = {n for n in self._iter_nodes() if n.is_leaf and n.lock_ref == 0 and not n.is_root}
         assert scan == self._leaves, (
             f"evictable set {sorted(n.id for n in self._leaves)}, "
             f"unlocked leaves {sorted(n.id for n in scan)}"
@@ -641,9 +708,7 @@ class RadixCache:
         lost = [
             n
             for n in self._iter_nodes()
-            if n is not self.root
-            and n not in self._swa_nodes
-            and bool(self.pool.has_swa(n.value).any())
+            if not n.is_root and n not in self._swa_nodes and bool(self.pool.has_swa(n.value).any())
         ]
         assert not lost, f"nodes with sliding rows that trim_swa does not see: {lost}"
 
@@ -651,6 +716,7 @@ class RadixCache:
         child_locks = 0
         for first, child in node.children.items():
             assert child.parent is node, f"{child} under {node} has parent {child.parent}"
+            assert child.top is node.top and child.salt == node.salt, f"{child} left its part"
             assert child.key and child.key[0] == first, f"{child} keyed by {first}"
             assert child.value.dtype == torch.int64 and child.value.shape == (len(child.key),), (
                 f"{child}: value {tuple(child.value.shape)} {child.value.dtype}, "
@@ -658,7 +724,7 @@ class RadixCache:
             )
             assert child.lock_ref >= 0, f"negative lock_ref: {child}"
             child_locks += child.lock_ref
-        if node is not self.root:
+        if not node.is_root:
             assert node.lock_ref >= child_locks, f"{node} below its children's {child_locks}"
 
     def _check_slots(self, slots: torch.Tensor, in_use_elsewhere: int) -> None:

@@ -13,7 +13,8 @@ still in the pool or a lower tier under the old conversation's keys. This module
     N[q : q + n] == O[a0 : a0 + n]; their K/V is O's, moved by delta = q - a0 positions.
 
 Finding O and a0 (`RunIndex`): every sequence the cache is offered is indexed by the
-content of its W-token windows at offsets 0, W, 2W, ... (no position in the key). A run of
+content of its W-token windows at offsets 0, W, 2W, ... (no position in the key) and by its
+`CacheSalt`: a run is found only under the salt it was offered with. A run of
 N starting at q that O holds at a0 contains one of O's windows within its first W tokens
 (offset s, q <= s < q + W, O's window at a = a0 + s - q), so `find` looks up the W windows
 of N starting at q .. q + W - 1, checks the tokens between q and s against O's before a,
@@ -38,6 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from radixserve.core.request import SHARED, CacheSalt
 
 WINDOW = 16  # tokens per indexed window; also the shortest run worth moving
 
@@ -69,17 +72,19 @@ class Run:
 class RunIndex:
     """Position-independent index over the token sequences a cache was offered.
 
-    `add(tokens)` indexes the sequence's windows at offsets 0, W, 2W, ... (a window's last
-    sequence wins: a conversation's longer sequences replace its shorter ones, which are
-    then freed); `find(tokens, q)` returns the longest indexed run equal to tokens[q:] that
-    starts exactly at q, or None. Bounded: at most `max_tokens // W` windows, least recently
-    added or found dropped first. Single-threaded, like the cache that owns it.
+    `add(tokens, salt)` indexes the sequence's windows at offsets 0, W, 2W, ... (a window's
+    last sequence wins: a conversation's longer sequences replace its shorter ones, which
+    are then freed); `find(tokens, q, salt)` returns the longest run indexed under `salt`
+    equal to tokens[q:] that starts exactly at q, or None. Bounded: at most
+    `max_tokens // W` windows, least recently added or found dropped first.
+    Single-threaded, like the cache that owns it.
     """
 
     def __init__(self, max_tokens: int) -> None:
         self.max_windows = max(max_tokens // WINDOW, 1)
-        # window tokens -> (the sequence holding it, the window's offset there)
-        self._windows: OrderedDict[tuple[int, ...], tuple[list[int], int]] = OrderedDict()
+        # (salt, window tokens) -> (the sequence holding it, the window's offset there)
+        self._windows: OrderedDict[tuple[CacheSalt, tuple[int, ...]], tuple[list[int], int]]
+        self._windows = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._windows)
@@ -87,20 +92,21 @@ class RunIndex:
     def clear(self) -> None:
         self._windows.clear()
 
-    def add(self, tokens: Sequence[int]) -> None:
+    def add(self, tokens: Sequence[int], salt: CacheSalt = SHARED) -> None:
         seq = list(tokens)
         for a in range(0, len(seq) - WINDOW + 1, WINDOW):
-            window = tuple(seq[a : a + WINDOW])
+            window = (salt, tuple(seq[a : a + WINDOW]))
             self._windows[window] = (seq, a)
             self._windows.move_to_end(window)
         while len(self._windows) > self.max_windows:
             self._windows.popitem(last=False)
 
-    def find(self, tokens: Sequence[int], q: int) -> Run | None:
-        """The longest run tokens[q : q + n] (n >= WINDOW) some indexed sequence holds."""
+    def find(self, tokens: Sequence[int], q: int, salt: CacheSalt = SHARED) -> Run | None:
+        """The longest run tokens[q : q + n] (n >= WINDOW) some sequence indexed under
+        `salt` holds."""
         best: Run | None = None
         for s in range(q, min(q + WINDOW, len(tokens) - WINDOW + 1)):
-            window = tuple(tokens[s : s + WINDOW])
+            window = (salt, tuple(tokens[s : s + WINDOW]))
             hit = self._windows.get(window)
             if hit is None:
                 continue

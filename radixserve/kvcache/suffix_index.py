@@ -6,6 +6,9 @@ step with the tree: a new leaf files its positions, a split moves the upper half
 new node, an evicted leaf takes its own away, a flush empties it. Depths never change, so
 an entry needs no update when the node holding it changes shape.
 
+Positions are filed per part of the cache (radix.py): a filing key holds the id of the root
+of the node's part, so a lookup under one salt never sees another part's positions.
+
 `lookup` finds where the end of a sequence occurs in the cache: of the latest CANDIDATES
 positions filed under its last ORDER tokens, those whose match with the sequence's end is
 longest (up to MAX_MATCH tokens), and returns the cached tokens after each, down the most
@@ -28,6 +31,7 @@ MAX_MATCH = 8  # tokens a candidate's match is scored on
 CANDIDATES = 16  # latest positions under the sequence's last ORDER tokens that are scored
 TOKEN_BITS = 21  # a filing key packs ORDER token ids of this many bits (vocabularies < 2M)
 DEPTH_BITS = 32  # a position packs (node id, depth) as id << DEPTH_BITS | depth
+ROOT_BITS = 64  # a filing key packs (run, root id) as gram << ROOT_BITS | root id
 
 # A run of ORDER tokens, packed: its positions, one int or a dict of them in filing order.
 # Ints, so that the garbage collector has no object a position to walk (a dict only for
@@ -35,13 +39,14 @@ DEPTH_BITS = 32  # a position packs (node id, depth) as id << DEPTH_BITS | depth
 Filed = dict[int, "int | dict[int, None]"]
 
 
-def gram(tokens: Sequence[int]) -> int:
-    """ORDER token ids as one int (a key may stand for other runs if an id has more than
-    TOKEN_BITS bits: lookups compare tokens)."""
+def gram(tokens: Sequence[int], top: TreeNode) -> int:
+    """ORDER token ids of the part under root `top` as one int (a key may stand for other
+    runs if an id has more than TOKEN_BITS bits: lookups compare tokens; never for another
+    part: its low ROOT_BITS bits are the root's id)."""
     key = 0
     for t in tokens:
         key = key << TOKEN_BITS | t
-    return key
+    return key << ROOT_BITS | top.id
 
 
 def start_depth(node: TreeNode) -> int:
@@ -77,7 +82,7 @@ class SuffixIndex:
         them."""
         before = list(islice(tokens_before(node, -1), ORDER - 1))[::-1]
         run = before + node.key
-        keys = map(gram, zip(*(run[i:] for i in range(ORDER))))
+        keys = (gram(g, node.top) for g in zip(*(run[i:] for i in range(ORDER))))
         base = (node.id << DEPTH_BITS) + start_depth(node)
         return zip(keys, range(base - len(before) + ORDER - 1, base + len(node.key)))
 
@@ -137,12 +142,15 @@ class SuffixIndex:
         assert have == want, f"suffix index: {len(have)} keys filed, the tree has {len(want)}"
         assert self.nodes == live, f"suffix index: {len(self.nodes)} nodes, the tree {len(live)}"
 
-    def lookup(self, token_ids: Sequence[int], max_tokens: int) -> tuple[int, list[list[int]]]:
+    def lookup(
+        self, token_ids: Sequence[int], max_tokens: int, top: TreeNode
+    ) -> tuple[int, list[list[int]]]:
         """(match length, up to `max_tokens` tokens that followed each) for the best cached
-        occurrences of the end of `token_ids` (module docstring); (0, []) for none."""
+        occurrences of the end of `token_ids` in the part under root `top` (module
+        docstring); (0, []) for none."""
         if len(token_ids) < ORDER or max_tokens <= 0:
             return 0, []
-        filed = self.ends.get(gram(token_ids[-ORDER:]))
+        filed = self.ends.get(gram(token_ids[-ORDER:], top))
         if filed is None:
             return 0, []
         latest = [filed] if isinstance(filed, int) else islice(reversed(filed), CANDIDATES)

@@ -29,7 +29,7 @@ import msgspec
 from radixserve.core.info import CacheTreeView, ModelInfo, SchedulerStats
 from radixserve.core.modules import CompiledSchema
 from radixserve.core.params import SamplingParams
-from radixserve.core.request import TextDelta, TokenDelta, TokenizedRequest
+from radixserve.core.request import SHARED, CacheSalt, TextDelta, TokenDelta, TokenizedRequest
 
 
 class Message(msgspec.Struct, tag=True, array_like=True):
@@ -64,7 +64,8 @@ class GenerateReq(Message):
 
     `sampling` was parsed (and checked) once, by the api server; later processes only add
     what they alone know. `max_new_tokens_auto`: the client gave no limit, so the tokenizer
-    sets max_new_tokens to what is left of the context.
+    sets max_new_tokens to what is left of the context. `salt`: the part of the prefix cache
+    it shares (its tenant's under --cache-isolation tenant, and its own cache_salt).
     """
 
     rid: str
@@ -82,6 +83,7 @@ class GenerateReq(Message):
     template_kwargs: dict[str, Any] | None = None  # chat: the template's extra variables
     pml: str | None = None
     module_reuse: bool = True
+    salt: CacheSalt = SHARED
 
 
 class ScheduleReq(Message):
@@ -150,9 +152,12 @@ class ServerInfoResp(Message):
 
 
 class CacheTreeReq(Message):
+    """`tenant`: only the parts of that tenant's salts (kvcache/tree_view.py); None: all."""
+
     seq: int
     max_nodes: int
     max_depth: int
+    tenant: str | None = None
 
 
 class CacheTreeResp(Message):

@@ -8,7 +8,10 @@ Fanned out to every healthy worker: /flush_cache, /abort_request. The router's o
 DELETE /workers (list, add, remove: `{"url": "http://host:port"}`).
 
 A request carrying an `X-Session-ID` header goes to the worker its session went to last
-(while that worker is up). `n > 1` and batches are one request, so they stay on one worker.
+(while that worker is up). A request is routed by its prompt within its part of the
+workers' caches: its `cache_salt`, and its tenant under `--cache-isolation tenant`, open its
+routing key, so no tenant's prompts steer another's requests. `n > 1` and batches are one
+request, so they stay on one worker.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from radixserve.server.guard import (
     allowed_hosts,
     require_admin,
     role,
+    tenant,
 )
 from radixserve.server.protocol import MAX_BODY_BYTES, ApiError, api_error_handler, parse_body
 
@@ -76,6 +80,15 @@ def routing_key(path: str, body: Any) -> str:
     return prompt[:MAX_KEY_CHARS] if isinstance(prompt, str) else ""
 
 
+def salted_key(request: Request, body: Any, key: str) -> str:
+    """`key` behind the request's part of the workers' caches: its `cache_salt` and, under
+    --cache-isolation tenant, its tenant (each as JSON, so no two parts spell the same)."""
+    given = body.get("cache_salt") if isinstance(body, dict) else None
+    isolated = request.app.state.config.cache_isolation == "tenant"
+    part = [tenant(request) if isolated else "", given if isinstance(given, str) else ""]
+    return key if part == ["", ""] else json.dumps(part) + key
+
+
 def build_app(config: RouterConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -109,7 +122,7 @@ def build_app(config: RouterConfig) -> FastAPI:
     app.add_api_route("/workers", _workers, methods=["GET", "POST", "DELETE"])
     app.add_exception_handler(ApiError, api_error_handler)
     app.add_middleware(
-        ApiKeyMiddleware, inference_key=config.inference_key(), admin_key=config.admin_key(),
+        ApiKeyMiddleware, tenant_keys=config.tenant_keys(), admin_key=config.admin_key(),
         admin_routes=ADMIN_ROUTES,
     )  # fmt: skip
     app.add_middleware(CrossSiteGuard, hosts=allowed_hosts(config.host, config.allowed_hosts))
@@ -139,7 +152,8 @@ async def _routed(request: Request) -> Response:
     parsed = _parse(body)
     path = request.url.path
     fwd = Forward(
-        "POST", path, body, dict(request.headers), routing_key(path, parsed),
+        "POST", path, body, dict(request.headers),
+        salted_key(request, parsed, routing_key(path, parsed)),
         request.headers.get(SESSION_HEADER), role(request) == "admin",
     )  # fmt: skip
     proxy: Proxy = request.app.state.proxy

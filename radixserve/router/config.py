@@ -5,7 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from radixserve.keys import ADMIN_API_KEY_ENV, API_KEY_ENV, check_exposure, env_key
+from radixserve.keys import (
+    ADMIN_API_KEY_ENV,
+    API_KEY_ENV,
+    API_KEYS_FILE_ENV,
+    CACHE_ISOLATION,
+    check_exposure,
+    env_key,
+    tenant_keys,
+)
 from radixserve.redact import redact
 
 ROUTING_POLICIES = ("cache_aware", "round_robin", "random", "least_load")
@@ -31,6 +39,10 @@ class RouterConfig:
     api_key: str | None = None  # the inference key (radixserve/server/guard.py); the workers
     # take the same keys, and the router forwards each client's
     admin_api_key: str | None = None
+    api_keys_file: str | None = None  # several tenants' keys, as on a worker (keys.py)
+    # "tenant": a request is routed by its tenant and prompt (the workers share no cached
+    # K/V across tenants), as on a worker
+    cache_isolation: str = "none"
     allow_unauthenticated: bool = False  # serve an address other than loopback with no key
     allowed_hosts: tuple[str, ...] = ()  # Host names served ("*": any), as on a worker
     log_level: str = "info"
@@ -56,9 +68,13 @@ class RouterConfig:
         for name, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{name} must be positive, not {value}")
+        if self.cache_isolation not in CACHE_ISOLATION:
+            raise ValueError(
+                f"cache_isolation must be one of {CACHE_ISOLATION}, not {self.cache_isolation!r}"
+            )
         check_exposure(
             self.host,
-            bool(self.inference_key() or self.admin_key()),
+            bool(self.tenant_keys() or self.admin_key()),
             "anyone could add workers and read every prompt",
             self.allow_unauthenticated,
         )
@@ -68,6 +84,11 @@ class RouterConfig:
 
     def admin_key(self) -> str | None:
         return env_key(self.admin_api_key, ADMIN_API_KEY_ENV)
+
+    def tenant_keys(self) -> dict[str, str]:
+        """{key: tenant} of every inference key (radixserve/keys.py), the file read now."""
+        keys_file = env_key(self.api_keys_file, API_KEYS_FILE_ENV)
+        return tenant_keys(keys_file, self.inference_key(), self.admin_key())
 
 
 def check_worker_url(url: str) -> str:

@@ -160,7 +160,9 @@ class WorkerPool:
 
     @property
     def auth(self) -> dict[str, str]:
-        key = self.config.inference_key()
+        """The key /metrics is read with: the admin key (a worker with several tenants shows
+        the load to it alone), else the inference key."""
+        key = self.config.admin_key() or self.config.inference_key()
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     @property

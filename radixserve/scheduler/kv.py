@@ -6,7 +6,8 @@ Every slot is always owned by exactly one of: the pool's free list, the prefix c
 admitted request — `check_integrity` counts them. With a NoPrefixCache tree_len stays 0: the
 request owns all its K/V and frees it when it ends. A sample importing prompt modules starts
 with tree_len = kv_len = its module tokens, whose slots the ModuleStore owns (pinned, counted
-as in use elsewhere); its own K/V is never offered to the prefix cache.
+as in use elsewhere); its own K/V is never offered to the prefix cache. A sample matches and
+offers its K/V under its request's salt (`Req.salt`): only samples of the same salt share it.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ class KVManager:
         spared: set[int] = set()
         for r in self.admitted:
             node, end = r.last_node, r.tree_len
-            while node is not self.cache.root and end > r.kv_len - window:
-                assert node is not None and node.parent is not None, f"{r.rid} left the tree"
+            assert node is not None, f"{r.rid} is admitted without a cache node"
+            while not node.is_root and end > r.kv_len - window:
+                assert node.parent is not None, f"{r.rid} left the tree"
                 spared.add(node.id)
                 end -= len(node.key)
                 node = node.parent
@@ -91,7 +93,7 @@ class KVManager:
         if req.request.modules is not None:
             self._admit_modules(req, row)
             return True
-        match = self.cache.match_prefix(req.all_ids[: req.reuse_limit()])
+        match = self.cache.match_prefix(req.all_ids[: req.reuse_limit()], salt=req.salt)
         self.cache.lock(match.last_node)
         n = len(match.indices)
         self.req_pool.table[row, :n] = match.indices
@@ -184,7 +186,7 @@ class KVManager:
         assert req.row is not None and req.last_node is not None
         if req.request.modules is not None:
             return  # module K/V sits at other positions than its tokens' index: not a prefix
-        match = self.cache.insert(req.all_ids[: req.kv_len], self.slots(req).clone())
+        match = self.cache.insert(req.all_ids[: req.kv_len], self.slots(req).clone(), salt=req.salt)
         n = len(match.indices)
         assert req.tree_len <= n <= req.kv_len, (
             f"{req.rid}: the cache kept {n} of {req.kv_len} tokens, {req.tree_len} already"
@@ -202,11 +204,11 @@ class KVManager:
         """Mark `node` the end of a prompt (RadixCache.trim_swa keeps the sliding-window K/V
         before it) in place of the prompt ends above it: an earlier turn's prompt is seldom
         sent again once the conversation went on."""
-        if node is self.cache.root:
+        if node.is_root:
             return
         node.anchor = True
         above = node.parent
-        while above is not None and above is not self.cache.root:
+        while above is not None and not above.is_root:
             above.anchor = False
             above = above.parent
 

@@ -122,7 +122,8 @@ class SchedulerProcess:
         self.out.send(ServerInfoResp(msg.seq, self.sched.stats(), len(self.loop.active)))
 
     def on_cache_tree(self, msg: CacheTreeReq) -> None:
-        self.out.send(CacheTreeResp(msg.seq, self.sched.cache_tree(msg.max_nodes, msg.max_depth)))
+        view = self.sched.cache_tree(msg.max_nodes, msg.max_depth, msg.tenant)
+        self.out.send(CacheTreeResp(msg.seq, view))
 
     def on_schema(self, msg: SchemaReq) -> None:
         """Register / delete / list prompt-module schemas (400 with the reason). A register

@@ -34,7 +34,13 @@ from dataclasses import InitVar, dataclass, field
 
 from radixserve.constrained.backend import GrammarState
 from radixserve.core.params import SamplingParams
-from radixserve.core.request import FinishReason, PromptLogprob, TokenizedRequest, TokenLogprob
+from radixserve.core.request import (
+    CacheSalt,
+    FinishReason,
+    PromptLogprob,
+    TokenizedRequest,
+    TokenLogprob,
+)
 from radixserve.kvcache.radix import TreeNode
 from radixserve.sampling.sampler import SamplingInfo
 from radixserve.sampling.stop import StopChecker
@@ -99,6 +105,11 @@ class Req:
     @property
     def sampling(self) -> SamplingParams:
         return self.request.sampling
+
+    @property
+    def salt(self) -> CacheSalt:
+        """The part of the prefix cache it reads and writes."""
+        return self.request.salt
 
     @property
     def prompt_ids(self) -> list[int]:

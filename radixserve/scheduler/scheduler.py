@@ -25,7 +25,7 @@ Public surface (the in-process Engine and the scheduler process use nothing else
     sched.flush_cache() -> bool           # False while requests are running or queued
     sched.has_work() -> bool
     sched.stats() -> SchedulerStats
-    sched.cache_tree(max_nodes, max_depth) -> CacheTreeView  # the web console's tree view
+    sched.cache_tree(max_nodes, max_depth, tenant) -> CacheTreeView  # the console's tree view
     sched.register_schema(CompiledSchema, on_done)  # prompt modules: pin, encode over the
                                           # next steps, then on_done(None); ValueError
     sched.remove_schema(name)             # ValueError: unknown, or requests use it
@@ -327,7 +327,7 @@ class Scheduler:
         # look ahead: the cache starts moving their KV up its tiers and spares it in evict
         prefixed = (r for r in order if r.request.modules is None)  # stops at the window
         ahead = itertools.islice(prefixed, self.config.hicache_prefetch_window)
-        self.cache.prefetch([r.all_ids[: r.reuse_limit()] for r in ahead])
+        self.cache.prefetch([(r.all_ids[: r.reuse_limit()], r.salt) for r in ahead])
         for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
@@ -640,13 +640,18 @@ class Scheduler:
             tiers=self.cache.tier_stats(),
         )
 
-    def cache_tree(self, max_nodes: int, max_depth: int) -> CacheTreeView:
+    def cache_tree(
+        self, max_nodes: int, max_depth: int, tenant: str | None = None
+    ) -> CacheTreeView:
         """A bounded snapshot of the prefix cache's tree (`kvcache/tree_view.py`), with the
-        running samples' paths and the nodes the last step's tree attention batched."""
+        running samples' paths and the nodes the last step's tree attention batched; only
+        the parts of `tenant`'s salts when it is set."""
         running = [r.last_node for r in self.running if r.last_node is not None]
         batched = batched_nodes(self.last_batch) if self.last_batch is not None else set()
         backend = self.config.attention_backend
-        return snapshot(self.cache, max_nodes, max_depth, running, batched, self.stats(), backend)
+        return snapshot(
+            self.cache, max_nodes, max_depth, running, batched, self.stats(), backend, tenant
+        )
 
     def run_until_idle(self) -> Iterable[TokenDelta]:
         while self.has_work():

@@ -21,11 +21,12 @@ Drafters (`--speculative-algorithm`), each merging what it finds into a tree of 
 `--speculative-topk` branches under a node (draft_tree.weighted_tree):
 - `ngram`: the sample's own prompt and output (prompt lookup, ngram.py): the tokens that
   followed earlier occurrences of its last tokens, the longest matches among the latest;
-- `radix`: the prefix cache: the cached sequences that extend the sample's whole sequence
-  (other samples of the same prompt, a repeated request), one a branch; else the tokens
-  that followed the sample's last tokens anywhere in the cache (its suffix index,
-  kvcache/suffix_index.py: another request's answer, the same text under another prefix,
-  such as a system prompt that names the date);
+- `radix`: the prefix cache, in the sample's salt only (kvcache/radix.py: a draft never
+  proposes what only requests of another salt sent): the cached sequences that extend the
+  sample's whole sequence (other samples of the same prompt, a repeated request), one a
+  branch; else the tokens that followed the sample's last tokens anywhere in its part of
+  the cache (its suffix index, kvcache/suffix_index.py: another request's answer, the same
+  text under another prefix, such as a system prompt that names the date);
 - `draft-model`: the cached sequences that extend the sample's, else a smaller model of the
   same vocabulary (draft_model.py: its greedy chain and its runners-up);
 - `auto` (the default): radix's extending sequences, else the longer match of the cache's
@@ -151,7 +152,7 @@ class Speculator:
             wants = []
             for req in samples:
                 k = self._budget(req, room)
-                found = self.cache.continuations(req.all_ids, k)
+                found = self.cache.continuations(req.all_ids, k, salt=req.salt)
                 cached.append(weighted_tree(found, k, self.topk))
                 wants.append((req, 0 if cached[-1] else k))
                 room -= k
@@ -180,10 +181,10 @@ class Speculator:
         match = 0
         found: list[list[int]] = []
         if self.algorithm in ("auto", "radix"):
-            extends = self.cache.continuations(req.all_ids, k)
+            extends = self.cache.continuations(req.all_ids, k, salt=req.salt)
             if extends:
                 return extends
-            match, found = self.cache.suffix_continuations(req.all_ids, k)
+            match, found = self.cache.suffix_continuations(req.all_ids, k, salt=req.salt)
         if self.algorithm in ("auto", "ngram"):
             own_match, own = req.ngrams.draft(req.all_ids, k)
             if own_match >= match:

@@ -17,7 +17,7 @@ from radixserve.config import EngineConfig
 from radixserve.message.messages import ServerInfoReq, ServerInfoResp
 from radixserve.redact import redact
 from radixserve.server import console, openai_api, schemas_api, sglang_api
-from radixserve.server.guard import ApiKeyMiddleware, CrossSiteGuard, allowed_hosts
+from radixserve.server.guard import ApiKeyMiddleware, CrossSiteGuard, allowed_hosts, scoped_to
 from radixserve.server.manager import RequestManager
 from radixserve.server.metrics import Metrics
 from radixserve.server.protocol import ApiError, api_error_handler
@@ -25,7 +25,7 @@ from radixserve.server.protocol import ApiError, api_error_handler
 logger = logging.getLogger("radixserve.server")
 
 # What an inference key does not reach (radixserve/server/guard.py); the routes whose
-# answer depends on the key check `guard.role` themselves (/cache_tree text, abort_all).
+# answer depends on the key check `guard.role` themselves (/cache_tree, /metrics, aborts).
 ADMIN_ROUTES = (
     ("*", "/flush_cache"),
     ("GET", "/get_server_info"),
@@ -40,7 +40,13 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 
 async def metrics(request: Request) -> Response:
+    """Every series; a tenant's own alone for a tenant's key when there are several
+    (`guard.scoped_to`)."""
     manager: RequestManager = request.app.state.manager
+    tenant = scoped_to(request)
+    if tenant is not None:
+        body = request.app.state.metrics.render_tenant(tenant)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
     resp = await manager.call(ServerInfoReq)
     assert isinstance(resp, ServerInfoResp)
     body = request.app.state.metrics.render(resp.stats)
@@ -64,7 +70,7 @@ def build_app(manager: RequestManager, config: EngineConfig, metrics_: Metrics) 
     app.add_exception_handler(ApiError, api_error_handler)
     app.add_exception_handler(Exception, _internal_error)
     app.add_middleware(
-        ApiKeyMiddleware, inference_key=config.inference_key(), admin_key=config.admin_key(),
+        ApiKeyMiddleware, tenant_keys=config.tenant_keys(), admin_key=config.admin_key(),
         admin_routes=ADMIN_ROUTES,
     )  # fmt: skip
     app.add_middleware(CrossSiteGuard, hosts=allowed_hosts(config.host, config.allowed_hosts))

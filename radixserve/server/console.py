@@ -16,7 +16,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from radixserve.kvcache.tree_view import MAX_DEPTH, MAX_NODES
 from radixserve.message.messages import CacheTreeReq, CacheTreeResp
-from radixserve.server.guard import role
+from radixserve.server.guard import role, scoped_to
+from radixserve.server.history import History
 from radixserve.server.manager import RequestManager
 from radixserve.server.protocol import ApiError
 
@@ -56,24 +57,29 @@ async def cache_tree(request: Request) -> Response:
     at most 2000) within `max_depth` of the root (default 16, at most 64), each with its
     first token ids and their text; plus the cache's token counts and a scheduler snapshot.
     The ids and text are other tenants' prompts: an inference key gets the tree's shape only
-    (`content_hidden`: true)."""
+    (`content_hidden`: true); when a keys file gives several tenants, a tenant's key gets
+    the parts of its own salts alone, with their text, and the counts of what it is shown
+    (`tenant`: its name; kvcache/tree_view.py)."""
     max_nodes = _int_param(request, "max_nodes", DEFAULT_NODES, 1, MAX_NODES)
     max_depth = _int_param(request, "max_depth", DEFAULT_DEPTH, 0, MAX_DEPTH)
     manager: RequestManager = request.app.state.manager
-    resp = await manager.call(lambda seq: CacheTreeReq(seq, max_nodes, max_depth))
+    tenant = scoped_to(request)
+    resp = await manager.call(lambda seq: CacheTreeReq(seq, max_nodes, max_depth, tenant))
     assert isinstance(resp, CacheTreeResp)
     view = resp.view
     body = msgspec.to_builtins(view)  # ~10x faster than dataclasses.asdict on 2000 nodes
     body["stats"].update(kv_usage=view.stats.kv_usage, cache_hit_rate=view.stats.cache_hit_rate)
-    body["content_hidden"] = role(request) != "admin"
+    body["content_hidden"] = role(request) != "admin" and tenant is None
     if body["content_hidden"]:
         for node in body["nodes"]:
-            node["preview_ids"], node["text"] = [], ""
+            node["preview_ids"], node["text"], node["salt"] = [], "", None
     return Response(msgspec.json.encode(body), media_type="application/json")
 
 
 @api.get("/metrics_history")
 async def metrics_history(request: Request) -> Response:
     """The last ten minutes in 5-second points: tokens/s, TTFT and inter-token latency
-    p50/p99 (seconds), cache hit rate (None where a bucket had no such event)."""
-    return JSONResponse(request.app.state.metrics.history.series())
+    p50/p99 (seconds), cache hit rate (None where a bucket had no such event). Every
+    tenant's together: a tenant's key gets empty points when there are several."""
+    history = request.app.state.metrics.history if scoped_to(request) is None else History()
+    return JSONResponse(history.series())

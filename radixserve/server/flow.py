@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from radixserve.message.messages import GenerateReq
+from radixserve.server.guard import cache_salt, tenant
 from radixserve.server.manager import Pending, RequestManager
 from radixserve.server.protocol import ApiError
 
@@ -28,13 +29,16 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def submit_all(manager: RequestManager, reqs: list[GenerateReq], owner: str) -> list[Pending]:
-    """Submit requests for the key scope `owner`, all or none: 503 when the server has no
+def submit_all(manager: RequestManager, reqs: list[GenerateReq], request: Request) -> list[Pending]:
+    """Submit requests for the caller of `request` (their owner: its tenant; their salt: its
+    tenant's too under --cache-isolation tenant), all or none: 503 when the server has no
     room for their samples; if one is refused, abort those already sent and re-raise."""
     manager.check_room(sum(req.sampling.n for req in reqs))
+    owner = tenant(request)
     pendings: list[Pending] = []
     try:
         for req in reqs:
+            req.salt = cache_salt(request, req.salt.salt)
             pendings.append(manager.submit(req, owner))
     except BaseException:
         abort_all(manager, pendings)

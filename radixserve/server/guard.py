@@ -1,14 +1,21 @@
-"""Who may call what, for the server and the router alike: two scopes of API key, and the
-protections against web pages in the operator's browser.
+"""Who may call what, for the server and the router alike: two scopes of API key, the
+tenants of the inference keys, and the protections against web pages in the operator's
+browser.
 
-Keys (`Authorization: Bearer <key>`, compared in constant time):
-- the inference key (`--api-key` / RADIXSERVE_API_KEY) reaches the inference routes;
+Keys (`Authorization: Bearer <key>`):
+- an inference key reaches the inference routes: `--api-key` / RADIXSERVE_API_KEY (tenant
+  "default") and those of `--api-keys-file` (each line's tenant);
 - the admin key (`--admin-api-key` / RADIXSERVE_ADMIN_API_KEY) reaches every route,
-  including the admin ones: what shows other tenants' data or changes server state.
-A request's role ("admin" or "inference") is put in the ASGI scope (`role(request)`) for the
-routes whose answer depends on it (`/cache_tree` text, `abort_all`). With no key set at all
-every caller is admin (the loopback default); with only an admin key the inference routes
-are open and the admin ones need it; with only an inference key no caller is admin.
+  including the admin ones: what shows other tenants' data or changes server state. Its own
+  requests belong to the tenant "admin".
+A request's role ("admin" or "inference") and tenant are put in the ASGI scope
+(`role(request)`, `tenant(request)`) for the routes whose answer depends on them
+(`/cache_tree`, `/metrics`, aborts, the cache salt of a request). With no key set at all
+every caller is admin, of tenant "default" (the loopback default); with only an admin key
+the inference routes are open (tenant "default") and the admin ones need it; with only
+inference keys no caller is admin. The admin key is compared in constant time; an inference
+key is looked up by its SHA-256 digest (the time of a lookup depends on the digest, which
+tells nothing of any key).
 
 Cross-site (`CrossSiteGuard`): a Host outside the allowed names is refused (DNS rebinding:
 a page on another name resolved to this address); a request body must be JSON (a form or
@@ -18,17 +25,20 @@ state-changing request whose Origin is another site gets 403.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from urllib.parse import parse_qs, urlsplit
 
 from fastapi import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from radixserve.keys import LOOPBACK_NAMES
+from radixserve.core.request import CacheSalt
+from radixserve.keys import ADMIN_TENANT, DEFAULT_TENANT, LOOPBACK_NAMES
 from radixserve.server.protocol import ApiError
 
 ROLE_KEY = "radixserve.role"
+TENANT_KEY = "radixserve.tenant"
 PUBLIC_PATHS = frozenset({"/health"})  # reachable without a key (load balancers)
 STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
@@ -36,6 +46,31 @@ STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 def role(request: Request) -> str:
     """The caller's scope: "admin" or "inference" (set by ApiKeyMiddleware)."""
     return str(request.scope.get(ROLE_KEY, "admin"))
+
+
+def tenant(request: Request) -> str:
+    """The caller's tenant (set by ApiKeyMiddleware): its requests' owner and cache salt."""
+    return str(request.scope.get(TENANT_KEY, DEFAULT_TENANT))
+
+
+def stops(request: Request) -> str | None:
+    """The tenant whose requests the caller may abort; None: any (the admin key)."""
+    return None if role(request) == "admin" else tenant(request)
+
+
+def cache_salt(request: Request, given: str) -> CacheSalt:
+    """The salt of the caller's request whose own `cache_salt` is `given` ("" for none):
+    its tenant's name too under --cache-isolation tenant."""
+    isolated = request.app.state.config.cache_isolation == "tenant"
+    return CacheSalt(tenant(request) if isolated else "", given)
+
+
+def scoped_to(request: Request) -> str | None:
+    """The tenant whose own part alone the caller sees of what every tenant shares (the
+    cache tree, the metrics): itself, for an inference key when a keys file gives several
+    tenants; None: all of it."""
+    several = request.app.state.config.several_tenants
+    return tenant(request) if several and role(request) != "admin" else None
 
 
 def require_admin(request: Request, what: str) -> None:
@@ -48,34 +83,45 @@ async def _refuse(scope: Scope, receive: Receive, send: Send, err: ApiError) -> 
     await err.response()(scope, receive, send)
 
 
-class ApiKeyMiddleware:
-    """Sets the caller's role from its key and refuses the routes it does not reach.
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
 
-    `admin_routes`: (method, path) pairs, "*" for any method; a path ending in "/" covers
-    everything under it. The web console's page (`/`), which a browser opens without
-    headers, takes the key as `?key=`."""
+
+class ApiKeyMiddleware:
+    """Sets the caller's role and tenant from its key and refuses the routes it does not
+    reach.
+
+    `tenant_keys`: {inference key: its tenant}. `admin_routes`: (method, path) pairs, "*" for
+    any method; a path ending in "/" covers everything under it. The web console's page
+    (`/`), which a browser opens without headers, takes the key as `?key=`."""
 
     def __init__(
         self,
         app: ASGIApp,
-        inference_key: str | None,
+        tenant_keys: Mapping[str, str],
         admin_key: str | None,
         admin_routes: Collection[tuple[str, str]],
     ) -> None:
         self.app = app
-        self.keys = {"admin": admin_key, "inference": inference_key}
+        self.admin_key = admin_key
+        self.tenants = {_digest(key): name for key, name in tenant_keys.items()}
         self.admin_routes = tuple(admin_routes)
 
-    def _role(self, given: str) -> str | None:
-        if self.keys["admin"] is None and self.keys["inference"] is None:
-            return "admin"
-        found = None
-        for name, key in self.keys.items():  # every comparison runs: no early exit
-            if key is not None and hmac.compare_digest(given.encode(), key.encode()):
-                found = found or name
-        if found is None and self.keys["inference"] is None:
-            return "inference"  # only an admin key is set: inference routes stay open
-        return found
+    def _caller(self, given: str) -> tuple[str, str] | None:
+        """(role, tenant) of the key `given`; None: no key it takes."""
+        if self.admin_key is None and not self.tenants:
+            return "admin", DEFAULT_TENANT
+        admin = self.admin_key is not None and hmac.compare_digest(
+            given.encode(), self.admin_key.encode()
+        )
+        found = self.tenants.get(_digest(given))
+        if admin:
+            return "admin", ADMIN_TENANT
+        if found is not None:
+            return "inference", found
+        if not self.tenants:
+            return "inference", DEFAULT_TENANT  # only an admin key: inference routes open
+        return None
 
     def _is_admin_route(self, method: str, path: str) -> bool:
         return any(
@@ -92,17 +138,17 @@ class ApiKeyMiddleware:
         if scope["path"] == "/" and not given:
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
             given = query.get("key", [""])[0]
-        who = self._role(given)
-        if who is None:
+        caller = self._caller(given)
+        if caller is None:
             msg = "missing or invalid API key: send 'Authorization: Bearer <key>'"
             err = ApiError(401, msg, headers={"WWW-Authenticate": "Bearer"})
             await _refuse(scope, receive, send, err)
             return
-        if who != "admin" and self._is_admin_route(scope["method"], scope["path"]):
+        if caller[0] != "admin" and self._is_admin_route(scope["method"], scope["path"]):
             msg = f"{scope['method']} {scope['path']} needs the admin API key (--admin-api-key)"
             await _refuse(scope, receive, send, ApiError(403, msg))
             return
-        scope[ROLE_KEY] = who
+        scope[ROLE_KEY], scope[TENANT_KEY] = caller
         await self.app(scope, receive, send)
 
 

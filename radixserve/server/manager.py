@@ -32,6 +32,7 @@ import zmq.asyncio
 from radixserve.core.info import ModelInfo
 from radixserve.core.limits import MAX_SAMPLES
 from radixserve.core.request import TextDelta
+from radixserve.keys import ADMIN_TENANT
 from radixserve.message.codec import decode, encode
 from radixserve.message.ipc import IpcPaths
 from radixserve.message.messages import (
@@ -68,7 +69,7 @@ class ChildDied(RuntimeError):
 class Pending:
     rid: str
     n: int  # samples to expect
-    owner: str = "admin"  # the key scope that sent it (radixserve/server/guard.py)
+    owner: str = ADMIN_TENANT  # the tenant that sent it (radixserve/server/guard.py)
     created: float = field(default_factory=time.perf_counter)
     queue: asyncio.Queue[TextDelta | RequestError] = field(default_factory=asyncio.Queue)
     first_token_at: float | None = None
@@ -184,9 +185,10 @@ class RequestManager:
                 headers={"Retry-After": RETRY_AFTER_S},
             )
 
-    def submit(self, req: GenerateReq, owner: str = "admin") -> Pending:
-        """Register and send one request. ApiError 400 if its rid is in flight: the one
-        check of it (the tokenizer and scheduler let a rid go before this does)."""
+    def submit(self, req: GenerateReq, owner: str = ADMIN_TENANT) -> Pending:
+        """Register and send one request of tenant `owner`. ApiError 400 if its rid is in
+        flight: the one check of it (the tokenizer and scheduler let a rid go before this
+        does)."""
         if self.failure is not None:
             raise ApiError(503, f"the server failed: {self.failure}")
         if req.rid in self.pending:
@@ -203,14 +205,15 @@ class RequestManager:
             raise
         return pending
 
-    def abort(self, rid: str, caller: str = "admin") -> None:
-        """Ask the scheduler to stop `rid`; a no-op once it finished. ApiError 403 when
-        `caller`, a scope other than admin, did not send it (a tenant stops its own)."""
+    def abort(self, rid: str, tenant: str | None = None) -> None:
+        """Ask the scheduler to stop `rid`; a no-op once it finished. ApiError 403 when a
+        `tenant` is given and did not send it (a tenant stops its own; None: the admin key,
+        any)."""
         pending = self.pending.get(rid)
         if pending is None:
             return
-        if caller not in ("admin", pending.owner):
-            raise ApiError(403, f"rid {rid!r} was sent with another API key", "rid")
+        if tenant is not None and tenant != pending.owner:
+            raise ApiError(403, f"rid {rid!r} was sent with another tenant's API key", "rid")
         logger.info("aborting rid %r", rid)
         self.send(AbortReq(rid))
 
@@ -318,6 +321,7 @@ class RequestManager:
             p.last_chunk_at[d.index] = now
         if d.finish_reason is not None:
             history.finished(d.prompt_tokens, d.cached_tokens)
+            self.metrics.tenants.finished(p.owner, d)
 
     def _on_error(self, err: RequestError) -> None:
         p = self.pending.pop(err.rid, None)

@@ -3,18 +3,23 @@
 Latency histograms are observed in the api server (TTFT: request arrival -> first output
 token delta; e2e: arrival -> last sample finished). Scheduler gauges and token counters are
 read from a `SchedulerStats` snapshot taken at scrape time (`/metrics` asks the scheduler
-first, then renders), so they are never stale by more than one scrape.
+first, then renders), so they are never stale by more than one scrape. Per tenant (label
+`tenant`, radixserve/server/guard.py), the api server counts what each tenant's finished
+samples report: requests, prompt, cached and generated tokens. `render_tenant` gives one
+tenant's series alone (what an inference key sees when a keys file gives several tenants).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from radixserve.core.info import SchedulerStats
+from radixserve.core.request import TextDelta
 from radixserve.server.history import History
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
@@ -83,6 +88,49 @@ def _tier_metrics(s: SchedulerStats) -> Iterator[Metric]:
         yield family
 
 
+@dataclass
+class TenantCounts:
+    requests: int = 0  # finished (every sample ended)
+    prompt_tokens: int = 0  # of the first sample of each request
+    cached_tokens: int = 0  # of those, found in the tenant's part of the prefix cache
+    generation_tokens: int = 0  # of every sample
+
+
+TENANT_SERIES = {
+    "requests": "Requests finished",
+    "prompt_tokens": "Prompt tokens of finished requests",
+    "cached_tokens": "Prompt tokens of finished requests served from the prefix cache",
+    "generation_tokens": "Tokens generated for finished samples",
+}
+
+
+class TenantCollector(Collector):
+    """radixserve_tenant_* counters by tenant; `only`: that tenant's alone."""
+
+    def __init__(
+        self, only: str | None = None, counts: dict[str, TenantCounts] | None = None
+    ) -> None:
+        self.only = only
+        self.counts: dict[str, TenantCounts] = {} if counts is None else counts
+
+    def finished(self, tenant: str, d: TextDelta) -> None:
+        """Count the last output `d` of a sample of `tenant` (its request's last: `done`)."""
+        c = self.counts.setdefault(tenant, TenantCounts())
+        c.generation_tokens += d.completion_tokens
+        if d.index == 0:
+            c.requests += 1
+            c.prompt_tokens += d.prompt_tokens
+            c.cached_tokens += d.cached_tokens
+
+    def collect(self) -> Iterator[Metric]:
+        shown = [(t, c) for t, c in self.counts.items() if self.only in (None, t)]
+        for field, doc in TENANT_SERIES.items():
+            family = CounterMetricFamily(PREFIX + "tenant_" + field, doc, labels=["tenant"])
+            for tenant, counts in shown:
+                family.add_metric([tenant], getattr(counts, field))
+            yield family
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -101,7 +149,15 @@ class Metrics:
         self.history = History()  # the web console's plots
         self._sched = _SchedulerCollector()
         self.registry.register(self._sched)
+        self.tenants = TenantCollector()
+        self.registry.register(self.tenants)
 
     def render(self, stats: SchedulerStats) -> bytes:
         self._sched.stats = stats
         return generate_latest(self.registry)
+
+    def render_tenant(self, tenant: str) -> bytes:
+        """`tenant`'s own series, and nothing of the others' or of the whole server."""
+        registry = CollectorRegistry()
+        registry.register(TenantCollector(tenant, self.tenants.counts))
+        return generate_latest(registry)

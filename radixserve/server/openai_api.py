@@ -19,7 +19,6 @@ from radixserve.core.request import TextLogprob
 from radixserve.core.result import SampleResult
 from radixserve.server import openapi
 from radixserve.server.flow import sse, start_stream, submit_all, unless_disconnected
-from radixserve.server.guard import role
 from radixserve.server.manager import Pending, RequestManager
 from radixserve.server.openai_protocol import OpenAIBatch, parse_chat, parse_completion
 from radixserve.server.openai_tools import ToolStream
@@ -90,13 +89,17 @@ def _chat_logprobs(entries: list[TextLogprob], tops: list[list[TextLogprob]]) ->
     return {"content": content}
 
 
-def _usage(pendings_results: list[list[SampleResult]]) -> dict[str, int]:
+def _usage(pendings_results: list[list[SampleResult]]) -> dict[str, Any]:
+    """Token counts; `prompt_tokens_details.cached_tokens`: the prompt tokens found in the
+    part of the prefix cache the request shares (its salt's)."""
     prompt = sum(rs[0].prompt_tokens for rs in pendings_results if rs)
+    cached = sum(rs[0].cached_tokens for rs in pendings_results if rs)
     completion = sum(r.completion_tokens for rs in pendings_results for r in rs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -111,7 +114,7 @@ async def _run(
     chunk_choice: ChunkFn,
 ) -> Response:
     manager: RequestManager = request.app.state.manager
-    pendings = submit_all(manager, batch.reqs, role(request))
+    pendings = submit_all(manager, batch.reqs, request)
     head = {
         "id": batch.reqs[0].rid,
         "object": kind,

@@ -17,6 +17,7 @@ from radixserve.core.limits import (
     MAX_TOP_LOGPROBS,
 )
 from radixserve.core.params import CONSTRAINT_FIELDS, SamplingParams
+from radixserve.core.request import CacheSalt
 from radixserve.message.messages import GenerateReq
 from radixserve.server.openai_tools import Tools, parse_tools
 from radixserve.server.protocol import ApiError, bad, check_fields, get, get_int
@@ -45,7 +46,14 @@ SAMPLING_FIELDS = {
     "ebnf": "ebnf",
     "logit_bias": "logit_bias",
 }
-COMMON_FIELDS = frozenset(SAMPLING_FIELDS) | {"model", "stream", "stream_options", "user", "rid"}
+COMMON_FIELDS = frozenset(SAMPLING_FIELDS) | {
+    "model",
+    "stream",
+    "stream_options",
+    "user",
+    "rid",
+    "cache_salt",  # vLLM's: requests share cached K/V only with the same salt
+}
 COMPLETION_FIELDS = COMMON_FIELDS | {
     "prompt",
     "logprobs",
@@ -218,6 +226,7 @@ def parse_completion(body: dict[str, Any]) -> OpenAIBatch:
     stream, include_usage = _stream_flags(body)
     base_rid = get(body, "rid", "rid") or f"cmpl-{uuid.uuid4().hex}"
     prompts = _prompts(body)
+    salt = _salt(body)
     if len(prompts) > MAX_PROMPTS:
         raise bad(f"prompt has {len(prompts)} prompts, at most {MAX_PROMPTS} per request", "prompt")
     reqs = []
@@ -234,11 +243,17 @@ def parse_completion(body: dict[str, Any]) -> OpenAIBatch:
                 top_logprobs_num=top or 0,
                 return_text_in_logprobs=top is not None or prompt_lps,
                 stream=stream,
+                salt=salt,
                 **{key: prompt},
             )
         )
     echoed = [p if key == "text" else None for key, p in prompts] if echo else None
     return OpenAIBatch(reqs, model, stream, include_usage, top is not None, renames, echoed)
+
+
+def _salt(body: dict[str, Any]) -> CacheSalt:
+    """The request's own `cache_salt` (its tenant's is added where it is submitted)."""
+    return CacheSalt(salt=get(body, "cache_salt", "cache_salt", ""))
 
 
 def _message(m: Any, i: int) -> dict[str, Any]:
@@ -382,5 +397,6 @@ def parse_chat(body: dict[str, Any]) -> OpenAIBatch:
         max_new_tokens_auto=auto_limit,
         tools=None if tools is None else tools.definitions,
         template_kwargs=template_kwargs,
+        salt=_salt(body),
     )
     return OpenAIBatch([req], model, stream, include_usage, logprobs, renames, tools=tools)

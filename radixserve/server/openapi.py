@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from radixserve.core.limits import (
+    MAX_CACHE_SALT_CHARS,
     MAX_LOGIT_BIAS,
     MAX_MESSAGES,
     MAX_N,
@@ -71,6 +72,12 @@ STOP_TOKEN_IDS = _nullable(
     "token ids that stop a sample (each < the vocabulary size)",
 )
 RID = _str("request id, unique among requests in flight", MAX_RID_CHARS, 1)
+CACHE_SALT = _str(
+    "cached K/V is shared only among requests of the same cache_salt (and tenant under "
+    "--cache-isolation tenant)",
+    MAX_CACHE_SALT_CHARS,
+    1,
+)
 PENALTY = (-2.0, 2.0)
 EMPTY_EXTRAS = {name: _empty("not supported: accepted only empty") for name in ACCEPTED_IF_EMPTY}
 
@@ -157,6 +164,7 @@ GENERATE = {
             "description": "a PML <prompt> importing modules of a registered schema, or a batch",
         },
         "module_reuse": _bool("pml: reuse the modules' K/V (false: prefill the expanded text)"),
+        "cache_salt": CACHE_SALT,
     },
 }
 
@@ -181,6 +189,7 @@ OPENAI_COMMON: dict[str, Any] = {
     "stream_options": STREAM_OPTIONS,
     "user": _str("accepted, unused", MAX_RID_CHARS),
     "rid": RID,
+    "cache_salt": CACHE_SALT,
     "response_format": _nullable(
         {
             "type": "object",

@@ -17,7 +17,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from radixserve.core.limits import MAX_JSON_DEPTH, MAX_JSON_ITEMS, MAX_RID_CHARS
+from radixserve.core.limits import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_JSON_DEPTH,
+    MAX_JSON_ITEMS,
+    MAX_RID_CHARS,
+)
 
 MAX_BODY_BYTES = 8 * 2**20  # larger bodies get 413 (a 128k-token prompt is ~1 MiB of JSON)
 INT64 = (-(2**63), 2**63 - 1)  # every integer of a request fits here (msgspec, torch, seeds)
@@ -215,6 +220,10 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "rid": (
         lambda v: isinstance(v, str) and 0 < len(v) <= MAX_RID_CHARS,
         f"a non-empty string of at most {MAX_RID_CHARS} characters",
+    ),
+    "cache_salt": (
+        lambda v: isinstance(v, str) and 0 < len(v) <= MAX_CACHE_SALT_CHARS,
+        f"a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
     ),
     "dict": (lambda v: isinstance(v, dict), "an object"),
     "list": (lambda v: isinstance(v, list), "a list"),

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from radixserve.config import SECRET_FIELDS, EngineConfig
 from radixserve.core.limits import MAX_PROMPTS, MAX_TOP_LOGPROBS
 from radixserve.core.params import SamplingParams
+from radixserve.core.request import CacheSalt
 from radixserve.core.result import SampleResult, native_result
 from radixserve.message.messages import (
     FlushCacheReq,
@@ -28,7 +29,7 @@ from radixserve.message.messages import (
 from radixserve.redact import redact_values
 from radixserve.server import openapi
 from radixserve.server.flow import sse, start_stream, submit_all, unless_disconnected
-from radixserve.server.guard import require_admin, role
+from radixserve.server.guard import require_admin, stops
 from radixserve.server.manager import Pending, RequestManager
 from radixserve.server.protocol import ApiError, bad, check_fields, get, get_int, read_json
 
@@ -47,6 +48,7 @@ GENERATE_FIELDS = frozenset(
         "return_text_in_logprobs",
         "pml",
         "module_reuse",
+        "cache_salt",  # vLLM's: requests share cached K/V only with the same salt
     }
 )
 HEALTH_GENERATE_TIMEOUT_S = 60.0
@@ -144,6 +146,7 @@ def parse_generate(body: dict[str, Any]) -> NativeBatch:
     texts = get(body, "return_text_in_logprobs", "bool", False)
     module_reuse = get(body, "module_reuse", "bool", True)
     stream = get(body, "stream", "bool", False)
+    salt = CacheSalt(salt=get(body, "cache_salt", "cache_salt", ""))  # the tenant's: at submit
     reqs = [
         GenerateReq(
             rid=rids[i] or uuid.uuid4().hex,
@@ -154,6 +157,7 @@ def parse_generate(body: dict[str, Any]) -> NativeBatch:
             return_text_in_logprobs=texts,
             stream=stream,
             module_reuse=module_reuse,
+            salt=salt,
             **{key: prompts[i]},
         )
         for i in range(count)
@@ -168,7 +172,7 @@ def parse_generate(body: dict[str, Any]) -> NativeBatch:
 async def generate(request: Request) -> Response:
     batch = parse_generate(await read_json(request))
     manager = _manager(request)
-    pendings = submit_all(manager, batch.reqs, role(request))
+    pendings = submit_all(manager, batch.reqs, request)
     if batch.stream:
         return await _stream(request, manager, batch, pendings)
     results = await unless_disconnected(request, manager, pendings, _collect(manager, pendings))
@@ -225,7 +229,7 @@ async def health_generate(request: Request) -> Response:
         sampling=SamplingParams(max_new_tokens=1, temperature=0),
         input_ids=[0],
     )
-    pendings = submit_all(manager, [req], role(request))
+    pendings = submit_all(manager, [req], request)
     try:
         await asyncio.wait_for(_collect(manager, pendings), HEALTH_GENERATE_TIMEOUT_S)
     except (ApiError, asyncio.TimeoutError) as e:
@@ -304,5 +308,5 @@ async def abort_request(request: Request) -> Response:
     rid = get(body, "rid", "str")
     if rid is None:
         raise bad("rid is required (or abort_all: true)", "rid")
-    manager.abort(rid, role(request))
+    manager.abort(rid, stops(request))
     return JSONResponse({"success": True})

@@ -137,6 +137,7 @@ class TokenizerWorker:
             req.logprob_start_len,
             req.top_logprobs_num,
             use,
+            req.salt,
         )
         if req.max_new_tokens_auto:
             span = request.num_positions
