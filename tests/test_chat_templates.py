@@ -6,8 +6,8 @@ the way llama.cpp's converter writes it, with the family's special tokens as con
   `enable_thinking`);
 - generation ends at the family's end of turn even where the file's eos is another token
   (Gemma's and Phi-4's files);
-- a real server serves /v1/chat/completions with it (the `openai` client): the prompt's
-  token count, a reply ended by the end-of-turn token (forced by logit_bias) with finish
+- a real server (slow tier) serves /v1/chat/completions with it (the `openai` client): the
+  prompt's token count, a reply ended by the end-of-turn token (forced by logit_bias) with finish
   reason "stop" and nothing of it in the text, and the template's own refusals as 400s.
 """
 
@@ -156,11 +156,8 @@ def test_template_kwargs_reach_the_template(files: Callable[[str], Path]) -> Non
     assert plain == thinking + "<think>\n\n</think>\n\n"
 
 
-# Gemma's server in the fast tier (its end of turn is not its eos); the others in the slow.
-SERVED = [pytest.param(n, marks=[] if n == "gemma3" else [pytest.mark.slow]) for n in FAMILY]
-
-
-@pytest.mark.parametrize("name", SERVED)
+@pytest.mark.slow  # a server per family: ~6 s each
+@pytest.mark.parametrize("name", list(FAMILY))
 def test_a_server_serves_chat_with_the_familys_template(
     files: Callable[[str], Path], name: str, tmp_path: Path
 ) -> None:

@@ -22,6 +22,9 @@ import httpx
 import pytest
 from conftest import ServerHandle, free_port, launch_server, wait_healthy
 
+pytestmark = pytest.mark.slow  # two live servers and a router: ~30 s (the engine-level
+# properties are in tests/test_cache_salt.py, in the fast tier)
+
 ALICE = "alice-key-0123456789"
 ALICE_2 = "alice-second-key-0123"
 BOB = "bob-key-0123456789abc"
