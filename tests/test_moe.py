@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,16 @@ import torch
 import transformers
 from helpers import alloc_slots, assert_all_free, extend, keep_every_segment, make_pool
 from safetensors.torch import save_file
-from test_families import ENGINE, NEW_TOKENS, REL_TOL, hf_greedy, hf_logits_one_at_a_time, prompts
+from test_families import (
+    ENGINE,
+    NEW_TOKENS,
+    REL_TOL,
+    _one_thread,  # noqa: F401  (its autouse fixture: one torch thread)
+    hf_greedy,
+    hf_logits_one_at_a_time,
+    hf_model,
+    prompts,
+)
 from test_gguf_families import (
     F32,
     MATH,
@@ -56,14 +64,6 @@ from radixserve.models.synthetic import build_tiny_model
 FAMILIES = ["qwen3_moe", "olmoe", "mixtral"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe")
@@ -75,10 +75,6 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A temp folder, also the cache that GGUF files are converted into."""
     monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path / "cache"))
     return tmp_path
-
-
-def hf_model(path: Path) -> Any:
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def our_logits(model: LlamaForCausalLM, ids: list[int], backend: Any = None) -> torch.Tensor:
