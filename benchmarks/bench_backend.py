@@ -119,8 +119,8 @@ def bench_realistic(args: argparse.Namespace, dtype: torch.dtype, kv_dtype: torc
         f"{'B':>4} {'P':>6} {'R':>5} {'q':>3} | {'flat ms':>9} {'tree ms':>9} {'none ms':>9} "
         f"| {'flat/tree':>9} | {'tree plan ms':>12}"
     )
-    for b in args.batch:
-        for p in args.shared:
+    for b in args.batch or [8, 32, 64]:
+        for p in args.shared or [256, 1024, 4096]:
             batch = make_batch(
                 b, p, args.private, args.q_len, args.kv_heads, args.head_dim, kv_dtype
             )
@@ -140,11 +140,11 @@ def bench_sweep(args: argparse.Namespace, dtype: torch.dtype, kv_dtype: torch.dt
         f"# threshold sweep: kept/folded time of one shared segment, R={args.private}, "
         f"q={args.q_len}, {dtypes(args)}  (< 1: keeping the segment pays)"
     )
-    lengths = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+    lengths = args.shared or [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
     print(f"{'k/L':>6} " + " ".join(f"{n:>6}" for n in lengths))
     kept = TreeBackend(2, 1, min_reads=1, min_tokens_extend=1)  # every segment kept
     folded = TreeBackend(10**9)  # every segment folded
-    for b in [2, 4, 8, 16, 32, 64]:
+    for b in args.batch or [2, 4, 8, 16, 32, 64]:
         row = []
         for p in lengths:
             batch = make_batch(
@@ -164,7 +164,7 @@ def bench_pad_sweep(args: argparse.Namespace, dtype: torch.dtype, kv_dtype: torc
     gen = torch.Generator().manual_seed(0)
     padded, gathered = FlatBackend(), FlatBackend(pad_max_waste=0.0)
     for lo, hi in [(30, 100), (150, 250), (400, 600), (900, 1100), (50, 400), (10, 1000)]:
-        for b in args.batch:
+        for b in args.batch or [8, 32, 64]:
             lens = torch.randint(lo, hi, (b,), generator=gen).tolist()
             batch = make_batch(b, 0, lens, 1, args.kv_heads, args.head_dim, kv_dtype)
             (_, t_pad), (_, t_gather) = time_forward(
@@ -181,8 +181,8 @@ def bench_pad_sweep(args: argparse.Namespace, dtype: torch.dtype, kv_dtype: torc
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, nargs="+", default=[8, 32, 64])
-    ap.add_argument("--shared", type=int, nargs="+", default=[256, 1024, 4096])
+    ap.add_argument("--batch", type=int, nargs="+", help="k (default 8 32 64; sweep 2 .. 64)")
+    ap.add_argument("--shared", type=int, nargs="+", help="L (256 1024 4096; sweep 16 .. 4096)")
     ap.add_argument("--private", type=int, default=128)
     ap.add_argument("--q-len", type=int, default=1)
     ap.add_argument("--q-heads", type=int, default=9)

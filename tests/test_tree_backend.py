@@ -16,6 +16,7 @@ import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -271,10 +272,10 @@ def test_plan_min_reads_folds_small_product() -> None:
 
 def test_default_thresholds_rule() -> None:
     t = TreeBackend()
-    assert (t.min_requests, t.min_tokens, t.min_reads, t.min_tokens_extend) == (2, 1024, 8192, 4096)
-    decode = [(2, 4096), (4, 2048), (8, 1024), (256, 1024)]
+    assert (t.min_requests, t.min_tokens, t.min_reads, t.min_tokens_extend) == (2, 768, 8192, 4096)
+    decode = [(2, 4096), (4, 2048), (8, 1024), (11, 768), (256, 768)]
     assert all(t.keeps(k, n, 1) for k, n in decode)
-    folded = [(2, 4095), (4, 2047), (8, 1023), (256, 1023), (1, 10**6)]
+    folded = [(2, 4095), (4, 2047), (8, 1023), (10, 768), (256, 767), (1, 10**6)]
     assert not any(t.keeps(k, n, 1) for k, n in folded)
     assert t.keeps(2, 4096, 8) and t.keeps(64, 4096, 32)
     # extend: L >= 4096, a floor of its own (8 x 2048 keeps as decode, folds as extend)
@@ -614,6 +615,107 @@ def test_random_module_imports_fp32(
         listed = [node for p in case.batch.paths for node, _ in p]
         assert batched_nodes(case.batch) == {x for x in listed if listed.count(x) >= 2}
     assert max_err(run_backend(FlatBackend(), case, 0.25), want) <= FP32_ATOL
+
+
+# ------------------------------------------------------------- sliding-window layers
+
+
+def window_oracle(case: Case, scale: float, w: int) -> torch.Tensor:
+    """The oracle with each query at position p seeing only positions p - w + 1 .. p."""
+    outs, q0 = [], 0
+    for idx, ql in zip(case.batch.kv_indices, case.batch.extend_lens, strict=True):
+        for i in range(ql):
+            p = len(idx) - ql + i
+            keys = idx[max(0, p - w + 1) : p + 1]
+            qi = case.q[q0 + i : q0 + i + 1]
+            outs.append(
+                reference.private_attention(
+                    qi, case.k_all[keys], case.v_all[keys], [1], [len(keys)], scale
+                )[0]
+            )
+        q0 += ql
+    return torch.cat(outs)
+
+
+def run_sliding(backend: AttentionBackend, case: Case, scale: float, w: int, rows: bool) -> Any:
+    """Plan + one sliding layer's forward; with `rows`, over a pool whose layer keeps its K/V
+    in rows of its own (each slot's in a random row), as a sliding pool does."""
+    batch, k_before, v_before, k_all, v_all = (
+        case.batch, case.k_before, case.v_before, case.k_all, case.v_all
+    )  # fmt: skip
+    if rows:
+        n, (hkv, d) = k_before.shape[0], k_before.shape[1:]
+        pool = KVPool(n, 1, hkv, d, k_before.dtype, windows=[w])
+        assert pool.swa_of is not None
+        pool.swa_of[1:] = torch.randperm(n - 1, generator=torch.Generator().manual_seed(n)) + 1
+        at = torch.empty(n, dtype=torch.int64)
+        at[pool.swa_of] = torch.arange(n)  # row -> slot
+        k_before, v_before, k_all, v_all = (x[at] for x in (k_before, v_before, k_all, v_all))
+        batch = ForwardBatch(
+            batch.input_ids, batch.positions, batch.out_cache_loc, batch.seq_lens,
+            batch.extend_lens, batch.kv_indices, batch.paths, pool,
+            swa_kv_indices=[pool.swa_of[s] for s in batch.kv_indices],
+        )  # fmt: skip
+    batch.window_plans.clear()
+    batch.kv_pool.k[0].copy_(k_before)
+    batch.kv_pool.v[0].copy_(v_before)
+    backend.plan(batch)
+    out = backend.forward(case.q, case.k, case.v, 0, batch, scale, window=w)
+    assert torch.equal(batch.kv_pool.k[0], k_all), "pool K after forward"
+    assert torch.equal(batch.kv_pool.v[0], v_all), "pool V after forward"
+    return out, batch
+
+
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    depth=st.integers(1, 4),
+    max_len=st.sampled_from([8, 300]),
+    window=st.sampled_from([1, 5, 37, 256]),
+    extend=st.booleans(),
+    rows=st.booleans(),
+    thresholds=st.sampled_from([(2, 1), (3, 16), None]),
+)
+def test_random_trees_sliding_fp32(
+    seed: int,
+    depth: int,
+    max_len: int,
+    window: int,
+    extend: bool,
+    rows: bool,
+    thresholds: tuple[int, int] | None,
+) -> None:
+    """Tree and flat attention of a sliding layer == the windowed oracle, decode steps (shared
+    K/V inside the windows attended once) and extends, over the slots or rows of their own."""
+    case = random_case(seed, depth, 3, max_len, 3, extend, torch.float32)
+    want = window_oracle(case, 0.25, window)
+    backend = TreeBackend() if thresholds is None else tree(*thresholds)
+    for b in (backend, FlatBackend()):
+        out, _ = run_sliding(b, case, 0.25, window, rows)
+        assert max_err(out, want) <= FP32_ATOL, b
+
+
+@pytest.mark.parametrize("rows", [False, True], ids=["slots", "rows"])
+def test_decode_attends_shared_keys_inside_the_window_once(rows: bool) -> None:
+    """Four samples of one 300-token prompt, each 20 tokens on, window 100: the sliding layer
+    attends the prompt's last 80 tokens once for all four (its first 220 are out of every
+    window), the 20 own tokens apart; two samples 10 tokens on share its last 90."""
+    nodes = {1: list(range(1, 201)), 2: list(range(201, 301))}
+    prompt = [(1, 200), (2, 100)]
+    tails = [list(range(400 + 100 * r, 419 + 100 * r)) for r in range(4)]
+    news = [[419 + 100 * r] for r in range(4)]
+    tails += [list(range(900, 909)), list(range(950, 959))]
+    news += [[909], [959]]
+    case = make_case([prompt] * 6, nodes, tails, news, kv_heads=2, group=2, dtype=torch.float32)
+    out, batch = run_sliding(tree(2, 1), case, 0.25, 100, rows)
+    assert max_err(out, window_oracle(case, 0.25, 100)) <= FP32_ATOL
+    plan = batch.window_plans[100]
+    assert isinstance(plan, TreePlan)
+    in_rows = batch.kv_pool.layer_slots(0, torch.arange(1, 301))
+    assert [(s.requests, s.slots.tolist()) for s in plan.segments] == [
+        ((0, 1, 2, 3), in_rows[220:].tolist()),
+        ((4, 5), in_rows[210:].tolist()),
+    ]
+    assert [len(p) for p in private_per_request(plan)] == [20] * 4 + [10] * 2
 
 
 # ------------------------------------------------------------------------ registry

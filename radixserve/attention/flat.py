@@ -22,7 +22,7 @@ import torch
 from radixserve import kernels
 from radixserve.attention.base import AttentionBackend
 from radixserve.attention.slots import SlotPlan, slot_plan
-from radixserve.attention.window import sliding_attention
+from radixserve.attention.window import slides, sliding_attention
 from radixserve.core.batch import ForwardBatch
 
 # Decode steps use the padded grid while its cells are at most this many times the real keys
@@ -143,12 +143,8 @@ class FlatBackend(AttentionBackend):
         window: int = 0,
         softcap: float = 0.0,
     ) -> torch.Tensor:
-        if (
-            window
-            and (out := sliding_attention(q, k, v, layer, batch, window, scale, softcap))
-            is not None
-        ):
-            return out
+        if window and slides(batch, window):
+            return sliding_attention(q, k, v, layer, batch, window, scale, softcap)
         pool = batch.kv_pool
         pool.write(layer, batch.out_cache_loc, k, v)
         plan = batch.attn_plan

@@ -20,7 +20,7 @@ from radixserve import kernels
 from radixserve.attention.base import AttentionBackend
 from radixserve.attention.slots import SlotPlan
 from radixserve.attention.tree_plan import SharedSegment, TreePlan, build_plan
-from radixserve.attention.window import sliding_attention
+from radixserve.attention.window import slides, sliding_attention, windowed
 from radixserve.core.batch import ForwardBatch
 
 
@@ -38,7 +38,7 @@ class TreeBackend(AttentionBackend):
     def __init__(
         self,
         min_requests: int = 2,
-        min_tokens: int = 1024,
+        min_tokens: int = 768,
         min_reads: int = 8192,
         min_tokens_extend: int = 4096,
     ) -> None:
@@ -65,13 +65,17 @@ class TreeBackend(AttentionBackend):
         private tokens; kept/folded per-layer time, < 1 pays; docs/benchmarks.md). Folding a
         segment reads it once per request, but those re-reads come from the last-level cache,
         and the flat decode kernel runs near the read bandwidth, so keeping pays only for long
-        segments. Decode: L >= 1024 and k * L >= 8192. AVX2 EPYC Zen 3, float32 queries, fp16
+        segments. Decode: L >= 768 and k * L >= 8192. AVX2 EPYC Zen 3, float32 queries, fp16
         K/V, SmolLM2 heads (2026-11-26): k=2: L 4096 -> 0.99-1.03, 2048 -> 1.04-1.08; k=4:
         1024 -> 0.95-1.00; k=8: 1024 -> 0.92-0.95, 512 -> 1.37-1.39. Zen 5, bf16 queries, fp16
         K/V (2026-11-27), SmolLM2 and Llama-3.2-1B heads (2.7x the K/V bytes per token): k=4
         and 8 pay from L = 1024 in both (0.87-0.91) and 512 costs 1.38-1.43 in both, so the
-        rule is in tokens, not K/V bytes. Extends (q_len 8, Zen 3): only L = 4096 paid across
-        k (0.90-0.98; k=2: 1.02; L = 2048: 0.96-1.09). A GPU wants its own measurement.
+        rule is in tokens, not K/V bytes. Zen 4, float32 queries, bf16 K/V (2026-12-05),
+        k=16, L=768: 0.79-0.90 for SmolLM2, 1B and Gemma-3-4B heads (512: 0.84 / 0.82 /
+        1.20); k=8, L=768: 0.92-1.17. A sliding layer's shared part is under its window
+        (Gemma 3: < 1024), so 768 is what lets it pay there. Extends (q_len 8, Zen 3): only
+        L = 4096 paid across k (0.90-0.98; k=2: 1.02; L = 2048: 0.96-1.09). A GPU wants its
+        own measurement.
         """
         floor = self.min_tokens_extend if max_q_len > 1 else self.min_tokens
         return (
@@ -94,17 +98,19 @@ class TreeBackend(AttentionBackend):
         window: int = 0,
         softcap: float = 0.0,
     ) -> torch.Tensor:
-        plan = batch.attn_plan
+        plan, new = batch.attn_plan, batch.out_cache_loc
+        if window and slides(batch, window):
+            if not batch.is_decode:
+                return sliding_attention(q, k, v, layer, batch, window, scale, softcap)
+            plan = batch.window_plans.get(window)
+            if plan is None:
+                step = windowed(batch, window)
+                plan = batch.window_plans[window] = build_plan(step, self.keeps)
+            new = batch.sliding_out_loc
         assert isinstance(plan, TreePlan), f"plan() not run for this batch: {type(plan)}"
-        if (
-            window
-            and (out := sliding_attention(q, k, v, layer, batch, window, scale, softcap))
-            is not None
-        ):
-            return out  # no shared segment
         pool = batch.kv_pool
         # Write first: an extend's queries must see their own (and earlier) new keys.
-        pool.write(layer, batch.out_cache_loc, k, v)
+        pool.write(layer, new, k, v)
         kc, vc = pool.k[layer], pool.v[layer]  # (num_slots, Hkv, D)
         if plan.in_place:
             return _fused_in_place(plan, q, kc, vc, scale, softcap)

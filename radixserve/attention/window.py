@@ -15,13 +15,17 @@ sliding mask. The kernels know only bottom-right causal blocks, so each request'
 
 The recent blocks cover every query row once, in row order (one `pool_private_attention`
 call); the old blocks (gathered rows, reversed) run first, and their (out, lse) enters the
-recent call as its `prior`, merged exactly by log-sum-exp. A decode step (C = 1) is one
-block of the last W keys. Sliding layers read no shared segment: each request reads only
-its own window, so a shared prefix older than the window is never read by them.
+recent call as its `prior`, merged exactly by log-sum-exp. These blocks read no shared
+segment: each request reads only its own window.
+
+A decode step's one query per request sees the last W keys, all of them, so the tree
+backend attends shared K/V inside every member's window once for all (`windowed`: the step
+as the layer sees it, each sequence cut to its window); a shared prefix older than the
+window is never read by the layer.
 
 Where the pool keeps sliding layers' rows apart (`ForwardBatch.swa_kv_indices`), every
-step of a sliding layer runs here, over those rows; else a step whose sequences all fit in
-the window attends as a full layer does.
+step of a sliding layer runs over those rows; else a step whose sequences all fit in the
+window attends as a full layer does (`slides`).
 """
 
 from __future__ import annotations
@@ -53,6 +57,42 @@ class _Blocks:
         self.q_lens.append(q_len)
 
 
+def slides(batch: ForwardBatch, window: int) -> bool:
+    """Whether a layer with this window runs the step as a sliding layer: over its own rows,
+    or because some query's window leaves out a key. Else it attends as a full layer."""
+    return batch.swa_kv_indices is not None or max(batch.seq_lens, default=0) > window
+
+
+def windowed(batch: ForwardBatch, w: int) -> ForwardBatch:
+    """A decode step as a layer with window `w` sees it: each request's keys are the last `w`
+    positions of its sequence, in the layer's rows (the pool's sliding rows, or the slots),
+    and its path keeps the nodes inside them; a node the window starts inside becomes the
+    part of it inside, named by (node, where the window cuts it), so members cut alike still
+    share it. Plan it as any step (attention/tree_plan.py); nothing is copied from the pool."""
+    assert batch.is_decode, f"windowed steps are decode steps: {batch.extend_lens}"
+    seqs = batch.kv_indices if batch.swa_kv_indices is None else batch.swa_kv_indices
+    ids: dict[tuple[int, int], int] = {}
+    paths: list[list[tuple[int, int]]] = []
+    for path, length in zip(batch.paths, batch.seq_lens, strict=True):
+        lo, pos, cut = max(0, length - w), 0, []
+        for node, n in path:
+            skip = min(n, max(0, lo - pos))  # the node's tokens before the window
+            if skip < n:
+                cut.append((ids.setdefault((node, skip), len(ids)), n - skip))
+            pos += n
+        paths.append(cut)
+    return ForwardBatch(
+        input_ids=batch.input_ids,
+        positions=batch.positions,
+        out_cache_loc=batch.sliding_out_loc,
+        seq_lens=[min(length, w) for length in batch.seq_lens],
+        extend_lens=batch.extend_lens,
+        kv_indices=[s[max(0, s.numel() - w) :] for s in seqs],
+        paths=paths,
+        kv_pool=batch.kv_pool,
+    )
+
+
 def sliding_attention(
     q: torch.Tensor,  # (T, Hq, D)
     k: torch.Tensor,  # (T, Hkv, D) the new tokens'
@@ -62,16 +102,11 @@ def sliding_attention(
     window: int,
     scale: float,
     softcap: float = 0.0,
-) -> torch.Tensor | None:
-    """A sliding layer's step: write the new K/V and attend each query's window -> (T, Hq,
-    D); or None, with nothing written, when the layer's rows are the slots and no query's
-    window leaves out a key (the backend then runs it as a full layer)."""
-    rows = batch.swa_kv_indices
-    if rows is None and max(batch.seq_lens, default=0) <= window:
-        return None
+) -> torch.Tensor:
+    """A sliding layer's step (`slides`): write the new K/V and attend each query's window,
+    request by request -> (T, Hq, D)."""
     pool = batch.kv_pool
-    new = batch.out_cache_loc if batch.swa_out_cache_loc is None else batch.swa_out_cache_loc
-    pool.write(layer, new, k, v)
+    pool.write(layer, batch.sliding_out_loc, k, v)
     plan = batch.window_plans.get(window)
     if plan is None:
         plan = batch.window_plans[window] = _plan(batch, window)

@@ -82,6 +82,11 @@ class ForwardBatch:
         return [s - e for s, e in zip(self.seq_lens, self.extend_lens)]
 
     @property
+    def sliding_out_loc(self) -> torch.Tensor:
+        """Where a sliding layer writes the new tokens' K/V: their sliding rows, else slots."""
+        return self.out_cache_loc if self.swa_out_cache_loc is None else self.swa_out_cache_loc
+
+    @property
     def is_decode(self) -> bool:
         return all(e == 1 for e in self.extend_lens)
 
