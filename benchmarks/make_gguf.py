@@ -6,7 +6,8 @@ llama.cpp's quantized layouts, or F16 quantized by llama.cpp's own quantizer.
     python benchmarks/make_gguf.py --shape smollm2-135m --types Q4_K_M Q6_K --out models/
 
 Random-weight shapes (`SHAPES`: Llama-3.2-1B / 3B, Llama-3.1-8B, Qwen2.5-1.5B, Qwen3-0.6B /
-8B, Gemma-3-4B / 12B (text), Phi-4-mini, SmolLM3-3B) are each model's published config.json
+8B, Gemma-3-4B / 12B (text), Phi-4-mini, SmolLM3-3B, and the mixtures of experts
+Qwen3-30B-A3B and OLMoE-1B-7B) are each model's published config.json
 sizes, written with llama.cpp's converter's metadata keys and tensor names
 (radixserve/models/gguf_layout.py) and the embedded SmolLM2 tokenizer and chat template: its
 49152-token vocabulary, so the embedding and output are smaller than the real models' (128k
@@ -129,6 +130,13 @@ SHAPES: dict[str, dict[str, Any]] = {
                         rope_parameters=longrope(96, 128, 4096)),
     # HuggingFaceTB/SmolLM3-3B: every 4th layer without RoPE
     "smollm3-3b": shape("smollm3", (2048, 36, 16, 4, 11008), 65536, 5e6, 1e-6, tied=True),
+    # Qwen/Qwen3-30B-A3B: 128 experts of 768 rows, 8 per token, in every layer
+    "qwen3-30b-a3b": shape("qwen3_moe", (2048, 48, 32, 4, 6144), 40960, 1e6, 1e-6, tied=False,
+                           head_dim=128, num_experts=128, num_experts_per_tok=8,
+                           moe_intermediate_size=768, norm_topk_prob=True),
+    # allenai/OLMoE-1B-7B-0924: 64 experts of 1024 rows, 8 per token, not renormalised
+    "olmoe-1b-7b": shape("olmoe", (2048, 16, 16, 16, 1024), 4096, 1e4, 1e-5, tied=False,
+                         num_experts=64, num_experts_per_tok=8, norm_topk_prob=False),
 }  # fmt: skip
 
 
@@ -153,16 +161,19 @@ def more_bits(layer: int, layers: int) -> bool:
 def tensor_type(name: str, dims: tuple[int, ...], ftype: str, layers: int, tied: bool) -> T:
     """The type llama.cpp's quantizer (llama_tensor_get_type, no importance matrix) gives
     tensor `name` of `dims` (numpy order) in an `ftype` file of `layers` layers. 1-D tensors
-    stay F32. The output matrix (the embedding when tied) is Q6_K, Q8_0 in a Q8_0 file or
-    where the base type does not divide its rows. Q4_K_M / Q5_K_M make attn_v / attn_qkv and
-    ffn_down Q6_K in the `more_bits` layers (llama.cpp counts them in layer order)."""
-    if len(dims) == 1:
+    stay F32, and so does a MoE router (`ffn_gate_inp`, never quantized). The output matrix
+    (the embedding when tied) is Q6_K, Q8_0 in a Q8_0 file or where the base type does not
+    divide its rows. Q4_K_M / Q5_K_M make attn_v / attn_qkv and ffn_down (stacked experts'
+    ffn_down_exps too) Q6_K in the `more_bits` layers (llama.cpp counts them in layer
+    order). Not modelled: the types llama.cpp gives a model of exactly 8 experts (Mixtral's
+    attn_k / attn_v / attn_output), a shape not written here."""
+    if len(dims) == 1 or name.endswith("ffn_gate_inp.weight"):
         return T.F32
     if ftype == "F16":
         return T.F16
     base, cols = BASE_TYPES[ftype], dims[-1]
     parts = name.split(".")  # blk.{i}.{kind}.weight, or {kind}.weight
-    kind = parts[-2]
+    kind = parts[-2].removesuffix("_exps")
     if name == "output.weight" or (tied and name == "token_embd.weight"):
         qtype = T.Q8_0 if cols % GGML_QUANT_SIZES[base][0] or base == T.Q8_0 else T.Q6_K
     elif ftype in MIXED and kind in MORE_BITS and more_bits(int(parts[1]), layers):
@@ -207,11 +218,12 @@ def filler(name: str, dims: tuple[int, ...], qtype: T, seed: int) -> Callable[[]
     if len(dims) == 1:
         value = 0.0 if name.endswith(".bias") else 1.0
         return lambda: np.full(dims, value, dtype=np.float32)
-    if qtype == T.F16:
+    if qtype in VALUES:
         g = np.random.default_rng(seed)
-        return lambda: (g.standard_normal(dims, dtype=np.float32) * 0.02).astype(np.float16)
-    rows, cols = dims
-    return lambda: random_blocks(rows, cols, NATIVE[qtype], seed)
+        return lambda: (g.standard_normal(dims, dtype=np.float32) * 0.02).astype(VALUES[qtype])
+    *stack, rows, cols = dims  # stacked experts: (E, rows, cols)
+    n = int(np.prod(stack, dtype=np.int64))
+    return lambda: random_blocks(n * rows, cols, NATIVE[qtype], seed).reshape(*stack, rows, -1)
 
 
 def stream(w: GGUFWriter, tensors: list[Tensor]) -> None:

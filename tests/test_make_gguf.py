@@ -31,7 +31,9 @@ from radixserve.models.quant import QuantLinear
 # Tiny versions of each architecture, hidden 256 (whole K-quant super-blocks). Qwen2: q/k/v
 # biases; Qwen3: untied,
 # head_dim 128 (2 x hidden in q), FFN 384 (ffn_down's rows are 1.5 super-blocks: llama.cpp's
-# fallbacks); Gemma 3: 7 layers, the 6th global; SmolLM3: 4 layers, the last without RoPE.
+# fallbacks); Gemma 3: 7 layers, the 6th global; SmolLM3: 4 layers, the last without RoPE;
+# Qwen3-MoE and OLMoE: 4 experts, 2 per token (with 8, llama.cpp's quantizer gives Mixtral's
+# attn_k / attn_v / attn_output types, which make_gguf does not model).
 # No name holds "phi3" (make_gguf.SHAPES' comment).
 TINY = {
     "tiny-llama": make_gguf.shape("llama", (256, 2, 4, 2, 512), 1024, 1e4, 1e-5, tied=True),
@@ -45,6 +47,12 @@ TINY = {
                                        sliding_window=2048, original_max_position_embeddings=256,
                                        rope_parameters=make_gguf.longrope(48, 64, 256)),
     "tiny-smollm3": make_gguf.shape("smollm3", (256, 4, 4, 2, 512), 1024, 5e6, 1e-6, tied=True),
+    "tiny-qwen3moe": make_gguf.shape("qwen3_moe", (256, 2, 4, 2, 512), 1024, 1e6, 1e-6,
+                                     tied=False, head_dim=64, num_experts=4,
+                                     num_experts_per_tok=2, moe_intermediate_size=256,
+                                     norm_topk_prob=True),
+    "tiny-olmoe": make_gguf.shape("olmoe", (256, 2, 4, 4, 256), 1024, 1e4, 1e-5, tied=False,
+                                  num_experts=4, num_experts_per_tok=2, norm_topk_prob=False),
 }  # fmt: skip
 VOCAB = 49152  # the embedded tokenizer's
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
@@ -109,6 +117,22 @@ def test_q4_k_m_mix_follows_llama_cpps_rule_at_a_real_shape() -> None:
     assert got["output.weight"] == T.Q6_K and got["token_embd.weight"] == T.Q4_K
 
 
+def test_q4_k_m_mix_of_a_mixture_of_experts() -> None:
+    """Qwen3-30B-A3B (48 layers): the router F32, the stacked experts' ffn_down_exps Q6_K in
+    the use_more_bits layers as a dense ffn_down, their gate / up Q4_K."""
+    cfg = make_gguf.hf_config(make_gguf.SHAPES["qwen3-30b-a3b"], VOCAB)
+    dims = tensor_dims(cfg)
+    got = {name: make_gguf.tensor_type(name, d, "Q4_K_M", 48, tied=False)
+           for name, d in dims.items()}  # fmt: skip
+    assert dims["blk.0.ffn_down_exps.weight"] == (128, 2048, 768)
+    for i in range(48):
+        assert got[f"blk.{i}.ffn_gate_inp.weight"] == T.F32
+        assert got[f"blk.{i}.ffn_gate_exps.weight"] == got[f"blk.{i}.ffn_up_exps.weight"] == T.Q4_K
+        assert got[f"blk.{i}.ffn_down_exps.weight"] == (
+            T.Q6_K if make_gguf.more_bits(i, 48) else T.Q4_K
+        )
+
+
 def test_rows_that_are_not_whole_blocks_take_llama_cpps_fallbacks() -> None:
     """576 weights a row (SmolLM2's hidden): Q4_K -> Q5_0, Q6_K -> Q8_0; a tied embedding
     Q8_0; 48 (not whole 32-blocks either) F16."""
@@ -160,13 +184,15 @@ def check_loads_and_generates(path: Path, fields: dict[str, Any]) -> Engine:
 @pytest.mark.slow  # a file written and loaded per architecture (~5 s each)
 @pytest.mark.parametrize("name", TINY)
 def test_direct_q4_k_m_file_runs_every_projection_native(name: str, cache: Path) -> None:
-    """4 QuantLinear a layer (qkv, o, gate/up, down), the output (+ the untied embedding),
-    in Q4_K_M's formats (Qwen3's narrow ffn_down in Q5_0 / Q8_0)."""
+    """4 QuantLinear a layer (qkv, o, gate/up, down; with experts gate/up and down for
+    each, read in place from the file's stacks), the output (+ the untied embedding), in
+    Q4_K_M's formats (Qwen3's narrow ffn_down in Q5_0 / Q8_0)."""
     fields = TINY[name]
     engine = check_loads_and_generates(written(cache, name, "Q4_K_M"), fields)
     linears = quant_linears(engine)
     tied = fields["tie_word_embeddings"]
-    assert len(linears) == 4 * fields["num_hidden_layers"] + (1 if tied else 2)
+    per_layer = 2 + 2 * fields.get("num_experts", 1)
+    assert len(linears) == per_layer * fields["num_hidden_layers"] + (1 if tied else 2)
     formats = {f.name for m in linears for f in m.formats}
     assert {"q4_k", "q6_k"} <= formats <= {"q4_k", "q6_k", "q5_0", "q8_0"}, formats
 

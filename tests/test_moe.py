@@ -55,11 +55,11 @@ from radixserve.models.gguf_config import config_from_metadata
 from radixserve.models.gguf_layout import tensor_dims
 from radixserve.models.gguf_weights import read_gguf_weights
 from radixserve.models.llama import LlamaForCausalLM
-from radixserve.models.moe import MoE, route
+from radixserve.models.moe import Experts, MoE, QuantExperts, grouped_experts, route
 from radixserve.models.moe_weights import stack_experts
-from radixserve.models.quant import QuantLinear
+from radixserve.models.quant import QuantLinear, QuantStack, dequantize
 from radixserve.models.sharding import check_tp_size
-from radixserve.models.synthetic import build_tiny_model
+from radixserve.models.synthetic import build_tiny_model, random_blocks
 
 FAMILIES = ["qwen3_moe", "olmoe", "mixtral"]
 
@@ -353,8 +353,9 @@ def test_a_gguf_file_runs_as_its_hf_model(
     arch: str, quant: gguf.GGMLQuantizationType, cache: Path
 ) -> None:
     """The file through the engine's loader gives the HF model's logits (prefill, extend,
-    decodes). Q8_0: attention matrices stay in blocks, the 3-D experts are dequantized into
-    float experts, the router is F32; the HF model holds the same rounded weights."""
+    decodes). Q8_0: attention matrices and the 3-D experts stay in blocks (experts read in
+    place, one QuantLinear per expert), the router is F32; the HF model holds the same
+    rounded weights."""
     hf = GGUF_FAMILIES[arch]()
     path = write_gguf(hf, cache / f"{arch}.gguf", quant)
     model, _ = load_model(resolve_model_path(str(path)), torch.float32)
@@ -363,10 +364,46 @@ def test_a_gguf_file_runs_as_its_hf_model(
         for name, w in stack_experts(plain, load_model_config(path)).items():
             _assign(hf, name, w)
     assert (quant == Q8_0) == any(isinstance(m, QuantLinear) for m in model.modules())
+    assert (quant == Q8_0) == any(isinstance(m, QuantExperts) for m in model.modules())
     assert not model.use_native_layers()
     ids = torch.randint(0, VOCAB, (70,), generator=torch.Generator().manual_seed(7)).tolist()
     want = hf_logits_one_at_a_time(hf, ids)
     assert_close(our_logits(model, ids), want, REL_TOL if quant == F32 else 1e-3, arch)
+
+
+def test_experts_in_k_quant_blocks_are_read_in_place_and_match_float_experts() -> None:
+    """Q4_K gate / up and Q6_K down stacks (a Q4_K_M file's): each expert's QuantLinears are
+    views of the stack, and a step's grouped experts equal the float experts of the same
+    dequantized weights, up to the kernels' int8 rounding of x (a wrong expert, slot or
+    weight would be off by the output's whole size)."""
+    e, hidden, inter = 4, 256, 512
+    stacks = {
+        name: QuantStack(
+            torch.from_numpy(random_blocks(e * rows, k, fmt, seed)).view(e, rows, -1), fmt, k
+        )
+        for seed, (name, fmt, rows, k) in enumerate(
+            [("gate", "q4_k", inter, hidden), ("up", "q4_k", inter, hidden),
+             ("down", "q6_k", hidden, inter)]
+        )
+    }  # fmt: skip
+    quant = QuantExperts(stacks["gate"], stacks["up"], stacks["down"], "int8")
+    assert quant.gate_up[2].blocks1.data_ptr() == stacks["up"].blocks[2].data_ptr()
+    plain = {n: dequantize(s.blocks.reshape(-1, s.blocks.shape[-1]), s.fmt, s.in_features)
+             for n, s in stacks.items()}  # fmt: skip
+    floats = Experts(e, hidden, inter)
+    gate, up = (plain[n].view(e, inter, hidden) for n in ("gate", "up"))
+    floats.gate_up_proj.copy_(torch.cat([gate, up], dim=1))
+    floats.down_proj.copy_(plain["down"].view(e, hidden, inter))
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, hidden, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:2] for _ in range(9)])  # (9, 2)
+    weights = torch.rand(9, 2, generator=gen)
+    want = grouped_experts(x, ids, weights, floats, hidden)
+    got = grouped_experts(x, ids, weights, quant, hidden)
+    scale = float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=0, atol=0.03 * scale)
+    swapped = grouped_experts(x, ids.flip(1), weights, quant, hidden)
+    assert float((swapped - want).abs().max()) > 0.1 * scale
 
 
 def load_model_config(path: Path) -> ModelConfig:

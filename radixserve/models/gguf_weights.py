@@ -14,9 +14,10 @@ Three things differ from an HF checkpoint, and are undone here:
 - it stores Gemma 3's RMSNorm weights as 1 + w (HF computes x * (1 + w) from w): 1 is
   subtracted again (norms are 1-D F32 tensors, never kept in blocks).
 Other GGUF tensor types (F16, BF16, Q2_K, Q3_K, IQ*, ...) are dequantized to `dtype` by the
-`gguf` package, as transformers does; `dequantized` lists them (the loader warns). So are a
-mixture of experts' 3-D expert tensors (`ffn_{gate,up,down}_exps`, (E, rows, cols)) in any
-format: the experts run as float tensors.
+`gguf` package, as transformers does; `dequantized` lists them (the loader warns). A
+mixture of experts' 3-D expert tensors (`ffn_{gate,up,down}_exps`, (E, rows, cols)) follow
+the same rule: in a NATIVE format a stack stays in its blocks (`QuantStack`, each expert a
+view of the file's map), in another it is dequantized.
 
 Some tensors are RoPE parameters, not weights, and are skipped (`NOT_WEIGHTS`); they belong
 in config.json. Llama 3.1+ files carry `rope_freqs.weight`: the per-frequency divisors of
@@ -45,7 +46,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quant_shape_to_byte_shape
 
-from radixserve.models.quant import QuantWeight
+from radixserve.models.quant import QuantStack, QuantWeight
 
 NATIVE = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1",
           GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.Q4_K: "q4_k",
@@ -99,7 +100,7 @@ TOP_NAMES = {
 
 
 # A fused projection of quantized parts (q/k/v, gate/up) stays a tuple of them (QuantLinear).
-Weight = torch.Tensor | QuantWeight | tuple[QuantWeight, ...]
+Weight = torch.Tensor | QuantWeight | tuple[QuantWeight, ...] | QuantStack
 
 
 class HeadCounts(Protocol):
@@ -349,8 +350,8 @@ def read_gguf_weights(
 ) -> tuple[dict[str, Weight], dict[str, int]]:
     """HF name -> weight, and the quantized types dequantized here -> their count. With
     `quantized`, matrices in a NATIVE format stay quantized (QuantWeight, a view of the
-    file's memory map); everything else is a tensor in `dtype`. Raises KeyError naming a
-    tensor we do not know."""
+    file's memory map; stacked experts a QuantStack); everything else is a tensor in
+    `dtype`. Raises KeyError naming a tensor we do not know."""
     file = gguf_tensors(path)
     permuted = file.architecture in PERMUTED
     offset = NORM_OFFSET.get(file.architecture, 0.0)
@@ -363,6 +364,9 @@ def read_gguf_weights(
         heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(
             name.split(".")[-2] if permuted else "", 0
         )
+        if quantized and t.tensor_type in NATIVE and len(t.shape) == 3:  # experts
+            out[name] = QuantStack(mapped(t.data), NATIVE[t.tensor_type], int(t.shape[0]))
+            continue
         if quantized and t.tensor_type in NATIVE and len(t.shape) == 2:
             blocks = mapped(t.data)  # (N, bytes)
             if heads:

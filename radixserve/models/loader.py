@@ -22,8 +22,16 @@ from radixserve.models import native, quant
 from radixserve.models.config import ModelConfig
 from radixserve.models.gguf_weights import Weight, matrix_formats, read_gguf_weights, release_pages
 from radixserve.models.llama import LlamaForCausalLM, packed_linear_supported
+from radixserve.models.moe import QuantExperts
 from radixserve.models.moe_weights import expert_names, fuse_experts, stack_experts
-from radixserve.models.quant import X8_CODES, QuantLinear, QuantWeight, dequantize, quantize
+from radixserve.models.quant import (
+    X8_CODES,
+    QuantLinear,
+    QuantStack,
+    QuantWeight,
+    dequantize,
+    quantize,
+)
 from radixserve.models.resolve import gguf_source
 from radixserve.models.sharding import shard_hf_weights
 
@@ -198,6 +206,7 @@ def _int8(name: str, w: Weight) -> Weight:
 
 
 def _dequantized(w: Weight) -> torch.Tensor:
+    assert not isinstance(w, QuantStack), "stacked experts are not one projection"
     if isinstance(w, tuple):
         return torch.cat([_dequantized(p) for p in w])
     return dequantize(w.blocks, w.fmt, w.in_features) if isinstance(w, QuantWeight) else w
@@ -209,8 +218,19 @@ def _install_quantized(
     """Replace the module of every quantized weight with a QuantLinear holding it (a tied
     embedding becomes one too: token lookups dequantize rows); return the plain tensors."""
     tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    for prefix in sorted(
+        {n.rpartition(".")[0] for n, w in state.items() if isinstance(w, QuantStack)}
+    ):
+        stacks = [state[f"{prefix}.{part}"] for part in ("gate_proj", "up_proj", "down_proj")]
+        gate, up, down = stacks
+        assert isinstance(gate, QuantStack) and isinstance(up, QuantStack), prefix
+        assert isinstance(down, QuantStack), prefix  # all three or none (fuse_experts)
+        experts = QuantExperts(gate, up, down, activations)
+        parent, _, child = prefix.rpartition(".")
+        setattr(model.get_submodule(parent), child, experts)
+        tensors.update({f"{prefix}.{k}": v for k, v in experts.state_dict().items()})
     for name, w in state.items():
-        if isinstance(w, torch.Tensor):
+        if isinstance(w, torch.Tensor | QuantStack):
             continue
         parts = w if isinstance(w, tuple) else (w,)
         prefix = name.removesuffix(".weight")
@@ -344,7 +364,7 @@ def fuse_weights(
                 names = [f"{p}{module}.{x}.{kind}" for x in parts]
                 if names[0] in out:
                     out[f"{p}{fused}.{kind}"] = _concat_rows([out.pop(n) for n in names], dtype)
-    return fuse_experts(out, config)
+    return fuse_experts(out, config, dtype)
 
 
 def split_fused(hf: dict[str, Weight], config: ModelConfig) -> dict[str, Weight]:

@@ -18,12 +18,15 @@ SwiGLU experts for each token and the token's output is their outputs' weighted 
               summed over the k slots of its token (transformers' grouped path, op for op).
 
 Weights are stored stacked: `experts.gate_up_proj` (E, 2 * I, hidden) = cat(gate, up) per
-expert, `experts.down_proj` (E, hidden, I). Under tensor parallelism each rank holds the
-slice [r * I / N, (r + 1) * I / N) of every expert's I (as the dense MLP's), the router is
-replicated, and the partial sums are all-reduced.
+expert, `experts.down_proj` (E, hidden, I); a GGUF's experts in a block format stay in their
+blocks, one QuantLinear per expert and projection (`QuantExperts`). Under tensor
+parallelism each rank holds the slice [r * I / N, (r + 1) * I / N) of every expert's I (as
+the dense MLP's), the router is replicated, and the partial sums are all-reduced.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +34,7 @@ from torch import Tensor, nn
 
 from radixserve.distributed.parallel import all_reduce
 from radixserve.models.config import ModelConfig
+from radixserve.models.quant import QuantLinear, QuantStack
 
 
 def route(logits: Tensor, top_k: int, renormalise: bool) -> tuple[Tensor, Tensor]:
@@ -43,26 +47,24 @@ def route(logits: Tensor, top_k: int, renormalise: bool) -> tuple[Tensor, Tensor
     return weights, ids
 
 
-def grouped_experts(
-    x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor
-) -> Tensor:
-    """Sum over each token's k experts of weight * down[e] @ (silu(g) * u) -> (T, hidden) in
-    x's dtype. x (T, hidden); ids, weights (T, k); gate_up (E, 2I, hidden); down (E, hidden, I).
-    The weights multiply in their own dtype (pass them rounded to x's to multiply there)."""
+Expert = Callable[[int, Tensor], Tensor]  # (expert e, its rows (n, hidden)) -> (n, hidden)
+
+
+def grouped_experts(x: Tensor, ids: Tensor, weights: Tensor, expert: Expert, hidden: int) -> Tensor:
+    """Sum over each token's k experts of weight * expert(e, x) -> (T, hidden) in x's dtype.
+    x (T, hidden); ids, weights (T, k). The weights multiply in their own dtype (pass them
+    rounded to x's to multiply there)."""
     t, k = ids.shape
     flat = ids.reshape(-1)  # (T*k,) expert of each (token, slot) row
     order = torch.argsort(flat, stable=True)  # rows grouped by expert, in expert order
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()  # rows per expert
+    counts = torch.bincount(flat).tolist()  # rows per expert, up to the largest id
     rows = x[order // k]  # (T*k, hidden): the token of each sorted row
-    out = torch.empty(t * k, down.shape[1], dtype=x.dtype, device=x.device)
+    out = torch.empty(t * k, hidden, dtype=x.dtype, device=x.device)
     start = 0
     for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        run = slice(start, start + n)
-        gate, up = F.linear(rows[run], gate_up[e]).chunk(2, dim=-1)  # (n, I) each
-        out[run] = F.linear(F.silu(gate) * up, down[e])  # (n, hidden)
-        start += n
+        if n:
+            out[start : start + n] = expert(e, rows[start : start + n])
+            start += n
     weighted = out * weights.reshape(-1)[order].unsqueeze(-1)  # (T*k, hidden)
     by_slot = torch.empty_like(weighted)
     by_slot[order] = weighted  # back in (token, slot) order
@@ -71,7 +73,7 @@ def grouped_experts(
 
 class Experts(nn.Module):
     """The stacked expert weights (module docstring); fresh ones are N(0, 0.02) like HF's
-    init, left empty on the meta device (the loader assigns them)."""
+    init, left empty on the meta device (the loader assigns them). Called as (e, rows)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
@@ -82,6 +84,31 @@ class Experts(nn.Module):
             down.normal_(std=0.02)
         self.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
         self.down_proj = nn.Parameter(down, requires_grad=False)
+
+    def forward(self, e: int, rows: Tensor) -> Tensor:
+        gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)  # (n, I) each
+        return F.linear(F.silu(gate) * up, self.down_proj[e])  # (n, hidden)
+
+
+class QuantExperts(nn.Module):
+    """A GGUF's experts in their blocks: expert e's gate and up one QuantLinear of two parts
+    (`gate_up[e]`), its down another (`down[e]`), each over a view of the file's map, so
+    a step reads only its selected experts' rows, in the dense projections' kernels."""
+
+    def __init__(
+        self, gate: QuantStack, up: QuantStack, down: QuantStack, activations: str
+    ) -> None:
+        super().__init__()
+        self.gate_up = nn.ModuleList(
+            QuantLinear([gate[e], up[e]], None, activations) for e in range(len(gate))
+        )
+        self.down = nn.ModuleList(
+            QuantLinear([down[e]], None, activations) for e in range(len(down))
+        )
+
+    def forward(self, e: int, rows: Tensor) -> Tensor:
+        gate, up = self.gate_up[e](rows).chunk(2, dim=-1)  # (n, I) each
+        return self.down[e](F.silu(gate) * up)  # (n, hidden)
 
 
 class MoE(nn.Module):
@@ -102,6 +129,5 @@ class MoE(nn.Module):
         weights, ids = route(self.gate(x), self.top_k, self.renormalise)  # (T, k) each
         if not self.weights_f32:  # Qwen3-MoE / OLMoE round them to the model dtype first
             weights = weights.to(x.dtype)
-        e = self.experts
-        out = grouped_experts(x, ids, weights, e.gate_up_proj, e.down_proj)
+        out = grouped_experts(x, ids, weights, self.experts, x.shape[-1])
         return out if self.tp_size == 1 else all_reduce(out)

@@ -16,7 +16,8 @@ prefix `model.layers.{i}.mlp.`), which the loader checks, shards and then fuses:
     GGUF ffn_gate_exps / ffn_up_exps / ffn_down_exps  the same (gguf_weights.LAYER_NAMES)
 
 and the router `mlp.gate.weight` (E, hidden). The model holds `experts.gate_up_proj`
-(E, 2I, hidden) = cat(gate, up) per expert, and `experts.down_proj` (`fuse_experts`).
+(E, 2I, hidden) = cat(gate, up) per expert, and `experts.down_proj` (`fuse_experts`); a
+GGUF's experts in a NATIVE block format stay three `QuantStack`s (`moe.QuantExperts`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from radixserve.models.config import ModelConfig
 from radixserve.models.gguf_weights import Weight
+from radixserve.models.quant import QuantStack, dequantize
 
 PARTS = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -59,14 +61,29 @@ def stack_experts(hf: dict[str, Weight], config: ModelConfig) -> dict[str, Weigh
     return out
 
 
-def fuse_experts(state: dict[str, Weight], config: ModelConfig) -> dict[str, Weight]:
-    """Stacked gate / up -> `experts.gate_up_proj` (E, 2I, hidden), in place; returns it."""
+def fuse_experts(
+    state: dict[str, Weight], config: ModelConfig, dtype: torch.dtype
+) -> dict[str, Weight]:
+    """Each MoE layer's stacked experts as the model holds them, in `state`; returns it.
+    Float gate / up -> `experts.gate_up_proj` (E, 2I, hidden). Three QuantStacks (a GGUF's
+    experts in their blocks) stay as they are, for `moe.QuantExperts`; a layer with both
+    kinds has its stacks dequantized to `dtype` first."""
     for i in range(config.num_layers):
         p = f"model.layers.{i}.mlp.experts."
-        if config.is_moe(i) and p + "gate_proj" in state:
-            gate, up = state.pop(p + "gate_proj"), state.pop(p + "up_proj")
-            assert isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor), p
-            state[p + "gate_up_proj"] = torch.cat([gate, up], dim=1)
+        names = [p + part for part in PARTS]
+        if not (config.is_moe(i) and names[0] in state):
+            continue
+        if all(isinstance(state[n], QuantStack) for n in names):
+            continue
+        for n in names:
+            w = state[n]
+            if isinstance(w, QuantStack):
+                e, rows, k = len(w), w.blocks.shape[1], w.in_features
+                flat = w.blocks.reshape(e * rows, -1)
+                state[n] = dequantize(flat, w.fmt, k).reshape(e, rows, k).to(dtype)
+        gate, up = state.pop(names[0]), state.pop(names[1])
+        assert isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor), p
+        state[p + "gate_up_proj"] = torch.cat([gate, up], dim=1)
     return state
 
 

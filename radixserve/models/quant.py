@@ -212,6 +212,23 @@ class QuantWeight:
         assert blocks.dtype == torch.uint8 and tuple(blocks.shape) == want, (blocks.shape, want)
 
 
+@dataclass(frozen=True)
+class QuantStack:
+    """E block-quantized (N, K) weights stacked, one per expert: `blocks` (E, N, row bytes)
+    uint8 in `fmt` (a mixture of experts' ffn_*_exps tensor, as a view of the file's map)."""
+
+    blocks: Tensor
+    fmt: str
+    in_features: int
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def __getitem__(self, e: int) -> QuantWeight:
+        """Expert e's (N, K) weight, a view of the stack's bytes."""
+        return QuantWeight(self.blocks[e], self.fmt, self.in_features)
+
+
 class QuantLinear(nn.Module):
     """y = x @ W.T + bias, W the quantized `parts` stacked by rows (a fused projection whose
     parts may differ in format, e.g. Q4_K q/k with a Q6_K v); x (..., K) in any float dtype,
