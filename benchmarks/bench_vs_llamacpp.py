@@ -75,6 +75,7 @@ from roofline import (
 )
 
 from radixserve.isa import fast_cpu_bf16
+from radixserve.models.gguf_weights import gguf_metadata, gguf_tensors
 from radixserve.models.loader import load_tokenizer
 from radixserve.models.resolve import embedded_gguf, resolve_model_path
 
@@ -420,6 +421,7 @@ def setup(args: argparse.Namespace, model: Path) -> tuple[Radix, LlamaCpp | None
     info: dict[str, Any] = {
         "model": str(model),
         "file_bytes": model.stat().st_size,
+        "bytes_read_per_token": bytes_per_token(model),
         "load_s_in_process": {
             "radixserve": loaded - start,
             "llamacpp": None if llama is None else time.perf_counter() - loaded,
@@ -438,6 +440,18 @@ def setup(args: argparse.Namespace, model: Path) -> tuple[Radix, LlamaCpp | None
     for key, value in info.items():
         print(f"{key}: {value}")
     return radix, llama, info
+
+
+def bytes_per_token(model: Path) -> int:
+    """The weight bytes a batch-1 decode step reads: the whole file but, in a mixture of
+    experts, the stacked experts' (ffn_*_exps) other than the `expert_used_count` of
+    `expert_count` each token picks."""
+    meta = gguf_metadata(model)
+    arch = meta.get("general.architecture", "")
+    used, count = meta.get(f"{arch}.expert_used_count", 0), meta.get(f"{arch}.expert_count", 0)
+    experts = sum(int(t.data.nbytes) for t in gguf_tensors(model).tensors if "_exps." in t.name)
+    skipped = experts * (count - used) // count if count else 0
+    return model.stat().st_size - skipped
 
 
 def check_capacity(args: argparse.Namespace, radix: Radix, llama: LlamaCpp | None) -> str | None:
@@ -479,7 +493,7 @@ def run_model(args: argparse.Namespace, model: Path, roof: Roofline | None) -> d
     print(f"\n{args.new_tokens} new tokens, temperature {TEMPERATURE}, EOS ignored\n{HEADER}")
     rows = run_rows(args, radix, llama, ids)
     if roof is not None:
-        roof_rate = roof.read_bw / info["file_bytes"]  # tok/s if a step only read the weights
+        roof_rate = roof.read_bw / info["bytes_read_per_token"]  # tok/s reading only weights
         for r in rows:
             if r["kind"] == "decode":
                 r["weight_read_roofline_tok_s"] = roof_rate
