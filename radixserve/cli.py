@@ -70,9 +70,14 @@ HELP = {
     "hicache_remote": "redis://host:port shared by servers of the same model: K/V is written "
     "through and read back from it (default: $RADIXSERVE_HICACHE_REMOTE; prefer the variable "
     "to the flag for a URL with a password)",
-    "hicache_secret": "key of the MAC on every K/V record in the disk and Redis tiers: servers "
-    "share K/V only with the same key (default: $RADIXSERVE_HICACHE_SECRET, else random per "
-    "process: nothing shared across servers or restarts); prefer the variable to the flag",
+    "hicache_secret": "key of the MAC (or the seal) on every K/V record in the disk and Redis "
+    "tiers: servers share K/V only with the same key (default: $RADIXSERVE_HICACHE_SECRET, "
+    "else random per process: nothing shared across servers or restarts); prefer the "
+    "variable to the flag",
+    "hicache_encrypt": "seal every K/V record of the disk and Redis tiers with AES-256-GCM "
+    "under keys derived from the tiers' secret, so their tokens and rows are unreadable "
+    "without it; needs the cryptography package (default: $RADIXSERVE_HICACHE_ENCRYPT=0/1, "
+    "else off)",
     "hicache_remote_ttl": "seconds a chunk stays in the remote tier (default: one day)",
     "hicache_ttl": "seconds a conversation's K/V stays in the host and disk tiers after it was "
     "last used (default: until evicted)",

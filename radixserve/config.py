@@ -3,12 +3,13 @@
 Fast paths are chosen here and nowhere else (`native_ops`, `packed_linear`,
 `attention_kernels`). Environment variables only give defaults, read once when this module
 is imported: RADIXSERVE_NATIVE_OPS=0|1 -> native_ops, RADIXSERVE_PACKED_LINEAR=0|1 ->
-packed_linear "off" | "on" (unset: True and "auto"). An explicit field, flag or Engine
-argument wins over them.
+packed_linear "off" | "on", RADIXSERVE_HICACHE_ENCRYPT=0|1 -> hicache_encrypt (unset: True,
+"auto" and False). An explicit field, flag or Engine argument wins over them.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from typing import TypeVar
@@ -61,6 +62,8 @@ def env_default(name: str, values: dict[str, _T], unset: _T) -> _T:
 
 
 NATIVE_OPS_DEFAULT = env_default("RADIXSERVE_NATIVE_OPS", {"0": False, "1": True}, True)
+HICACHE_ENCRYPT_ENV = "RADIXSERVE_HICACHE_ENCRYPT"
+HICACHE_ENCRYPT_DEFAULT = env_default(HICACHE_ENCRYPT_ENV, {"0": False, "1": True}, False)
 PACKED_LINEAR_DEFAULT = env_default("RADIXSERVE_PACKED_LINEAR", {"0": "off", "1": "on"}, "auto")
 
 
@@ -114,6 +117,12 @@ class EngineConfig:
     # when they share it. None: $RADIXSERVE_HICACHE_SECRET, else a random key per process
     # (nothing shared across servers or restarts). Never shown (SECRET_FIELDS).
     hicache_secret: str | None = None
+    # Seal every disk and Redis record with AES-256-GCM under keys derived from that secret
+    # (kvcache/tier_store.py SealedChunkCodec): their tokens and rows are unreadable without
+    # it. Without a secret set, the random per-process one seals too. The host tier stays in
+    # memory as it is. Needs the cryptography package (checked here, at start). Default:
+    # $RADIXSERVE_HICACHE_ENCRYPT (0/1), else off.
+    hicache_encrypt: bool = HICACHE_ENCRYPT_DEFAULT
     attention_backend: str = "tree"
     attention_kernels: str = "auto"  # the ops under the backend; process-wide (see worker)
     grammar_backend: str = "llguidance"  # constrained decoding (radixserve.constrained)
@@ -258,6 +267,10 @@ class EngineConfig:
         check(
             secret is None or len(secret) >= 16,
             f"hicache_secret (or ${HICACHE_SECRET_ENV}) must be at least 16 characters",
+        )
+        check(
+            not self.hicache_encrypt or importlib.util.find_spec("cryptography") is not None,
+            "hicache_encrypt needs the cryptography package (pip install cryptography)",
         )
         check(
             self.cache_isolation in CACHE_ISOLATION,

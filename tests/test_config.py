@@ -34,7 +34,8 @@ def test_packed_linear_request() -> None:
 
 ENV_PROBE = (
     "from radixserve.config import EngineConfig as C; c = C(); "
-    "print(c.native_ops, c.packed_linear, C(native_ops=True, packed_linear='auto').native_ops)"
+    "print(c.native_ops, c.packed_linear, C(native_ops=True, packed_linear='auto').native_ops, "
+    "c.hicache_encrypt, C(hicache_encrypt=False).hicache_encrypt)"
 )
 
 
@@ -47,14 +48,16 @@ def probe(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 
 def test_environment_sets_defaults_only() -> None:
-    """RADIXSERVE_NATIVE_OPS / RADIXSERVE_PACKED_LINEAR give the defaults; an explicit field
-    wins; any other value fails at import, naming the variable."""
-    out = probe({"RADIXSERVE_NATIVE_OPS": "0", "RADIXSERVE_PACKED_LINEAR": "1"})
+    """RADIXSERVE_NATIVE_OPS / RADIXSERVE_PACKED_LINEAR / RADIXSERVE_HICACHE_ENCRYPT give the
+    defaults; an explicit field wins; any other value fails at import, naming the variable."""
+    env = {"RADIXSERVE_NATIVE_OPS": "0", "RADIXSERVE_PACKED_LINEAR": "1"}
+    out = probe({**env, "RADIXSERVE_HICACHE_ENCRYPT": "1"})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["False", "on", "True"]
-    assert probe({}).stdout.split() == ["True", "auto", "True"]
-    bad = probe({"RADIXSERVE_NATIVE_OPS": "no"})
-    assert bad.returncode != 0 and "RADIXSERVE_NATIVE_OPS must be one of" in bad.stderr
+    assert out.stdout.split() == ["False", "on", "True", "True", "False"]
+    assert probe({}).stdout.split() == ["True", "auto", "True", "False", "False"]
+    for name in ("RADIXSERVE_NATIVE_OPS", "RADIXSERVE_HICACHE_ENCRYPT"):
+        bad = probe({name: "yes"})
+        assert bad.returncode != 0 and f"{name} must be one of" in bad.stderr
 
 
 def parse(*flags: str) -> EngineConfig:
@@ -69,6 +72,8 @@ def test_cli_flags_map_onto_the_fields() -> None:
     assert (got.native_ops, got.attention_kernels, got.packed_linear) == (False, "reference", "off")
     assert got.disable_radix_cache and got.random_seed == 7
     assert parse("--native-ops").native_ops
+    assert parse("--hicache-encrypt").hicache_encrypt
+    assert not parse("--no-hicache-encrypt").hicache_encrypt
 
 
 def test_model_flags_and_sglang_alias() -> None:

@@ -1,7 +1,8 @@
 """HiCache over a real KVPool, without a model: demotion on eviction, promotion on a match
 (rows bit for bit), per-tier counts, KV accounting back to baseline; the disk tier's files,
 restart, and its faults (corrupt, truncated, missing file, full disk) falling back to a
-shorter match, never to wrong rows."""
+shorter match, never to wrong rows; records MAC'd and sealed (--hicache-encrypt), what each
+shows of the prompt and the rows."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import hmac
 import logging
 import os
 import stat
+import struct
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +21,9 @@ from typing import Any
 
 import pytest
 import torch
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from radixserve.config import EngineConfig
 from radixserve.core.request import SHARED
@@ -29,9 +35,14 @@ from radixserve.kvcache.tier_store import (
     CHUNK_TOKENS,
     MAC_BYTES,
     MAGIC,
+    NONCE_BYTES,
+    SEAL_INFO,
+    SEALED_MAGIC,
     ChunkCodec,
     ChunkError,
+    ChunkLayout,
     HostStore,
+    SealedChunkCodec,
     chunk_keys,
 )
 
@@ -64,8 +75,8 @@ def rows_at(pool: KVPool, slots: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.stack([k[slots], v[slots]]) for k, v in zip(pool.k, pool.v)])
 
 
-def codec(pool: KVPool, secret: bytes = SECRET) -> ChunkCodec:
-    return ChunkCodec(pool_layout(pool), secret)
+def codec(pool: KVPool, secret: bytes = SECRET, sealed: bool = False) -> ChunkCodec:
+    return (SealedChunkCodec if sealed else ChunkCodec)(pool_layout(pool), secret)
 
 
 def host_cache(pool: KVPool, chunks: int = 64, disk: DiskStore | None = None) -> HiCache:
@@ -190,6 +201,21 @@ def test_prefix_cache_factory_builds_the_tiers(tmp_path: Path) -> None:
     assert isinstance(cache, HiCache)
     assert [t.name for t in cache.local] == ["host", "disk"]
     cache.close()
+    secret = SECRET.decode()
+    names = {}
+    for encrypt in (False, True):
+        cfg = EngineConfig(
+            hicache_size=0.001, hicache_dir=str(tmp_path), hicache_secret=secret,
+            hicache_encrypt=encrypt,
+        )  # fmt: skip
+        cache = make_prefix_cache(cfg, pool, "m")
+        assert isinstance(cache, HiCache)
+        disk = cache.local[1]
+        assert isinstance(disk, DiskStore)
+        assert type(disk.codec) is (SealedChunkCodec if encrypt else ChunkCodec)
+        names[encrypt] = cache.namespace
+        cache.close()
+    assert names[True] == names[False] + "|sealed"  # neither reads nor overwrites the other
     with pytest.raises(ValueError, match="hicache_dir needs hicache_size"):
         EngineConfig(hicache_dir=str(tmp_path))
     with pytest.raises(ValueError, match="hicache_remote"):
@@ -199,28 +225,66 @@ def test_prefix_cache_factory_builds_the_tiers(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- the codec
 
 
+def record_key(secret: bytes, nonce: bytes) -> bytes:
+    """A sealed record's AES key, derived as tier_store.py's docstring states, here apart
+    from the codec: HMAC-SHA256(HKDF-SHA256(secret, info=SEAL_INFO), nonce[:12])."""
+    seal_key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=SEAL_INFO).derive(secret)
+    return hmac.new(seal_key, nonce[:12], hashlib.sha256).digest()
+
+
+def body_of(data: bytes, key: str, secret: bytes, sealed: bool) -> bytes:
+    """The body (header length, header, payload) of the good record `data` of `key`."""
+    if not sealed:
+        return data[len(MAGIC) + MAC_BYTES :]
+    at = len(SEALED_MAGIC) + NONCE_BYTES
+    nonce = data[len(SEALED_MAGIC) : at]
+    aead = AESGCM(record_key(secret, nonce))
+    return aead.decrypt(nonce[12:], data[at:], SEALED_MAGIC + key.encode())
+
+
+def framed(body: bytes, key: str, secret: bytes, sealed: bool) -> bytes:
+    """`body` as a record of `key` MAC'd or sealed with `secret`: what a writer holding that
+    secret could plant."""
+    if not sealed:
+        return MAGIC + hmac.new(secret, key.encode() + body, hashlib.sha256).digest() + body
+    nonce = os.urandom(NONCE_BYTES)
+    aead = AESGCM(record_key(secret, nonce))
+    return SEALED_MAGIC + nonce + aead.encrypt(nonce[12:], body, SEALED_MAGIC + key.encode())
+
+
 def forge(
-    data: bytes, key: str, secret: bytes, head: bytes | None = None, payload: bytes | None = None
+    body: bytes,
+    key: str,
+    secret: bytes,
+    sealed: bool,
+    head: bytes | None = None,
+    payload: bytes | None = None,
 ) -> bytes:
-    """A record built around `data`'s parts, with a new header and/or payload, MAC'd with
-    `secret` under `key`: what a writer holding that secret could plant."""
-    at = len(MAGIC) + MAC_BYTES
-    head_len = int.from_bytes(data[at : at + 4], "little")
-    old_head, old_payload = data[at + 4 : at + 4 + head_len], data[at + 4 + head_len :]
+    """A record built around `body`'s parts, with a new header and/or payload."""
+    head_len = int.from_bytes(body[:4], "little")
+    old_head, old_payload = body[4 : 4 + head_len], body[4 + head_len :]
     head = old_head if head is None else head
-    body = len(head).to_bytes(4, "little") + head + (old_payload if payload is None else payload)
-    return MAGIC + hmac.new(secret, key.encode() + body, hashlib.sha256).digest() + body
+    new = len(head).to_bytes(4, "little") + head + (old_payload if payload is None else payload)
+    return framed(new, key, secret, sealed)
 
 
 POISONS = [
-    "bit flipped", "truncated", "empty", "magic", "oversize", "foreign MAC",
+    "bit flipped", "truncated", "empty", "magic", "oversize", "another secret",
     "moved from another key", "deep header", "deep header, in the cap", "dtype a list",
     "header a list", "header not UTF-8", "shape of another pool", "short payload",
 ]  # fmt: skip
 
 
-def poisoned_records(data: bytes, key: str, secret: bytes) -> dict[str, bytes]:
-    """Every kind of record a tier must refuse, built from the good record `data` of `key`."""
+def poisoned_records(
+    data: bytes, key: str, secret: bytes, sealed: bool = False
+) -> dict[str, bytes]:
+    """Every kind of record a tier must refuse, built from the good record `data` of `key`
+    (MAC'd, or sealed)."""
+    body = body_of(data, key, secret, sealed)
+
+    def forged(head: bytes | None = None, payload: bytes | None = None) -> bytes:
+        return forge(body, key, secret, sealed, head, payload)
+
     flipped = bytearray(data)
     flipped[-5] ^= 0x40
     return {
@@ -229,36 +293,117 @@ def poisoned_records(data: bytes, key: str, secret: bytes) -> dict[str, bytes]:
         "empty": b"",
         "magic": b"X" + data[1:],
         "oversize": data + bytes(1 << 20),
-        "foreign MAC": forge(data, key, b"another server's secret"),
-        "moved from another key": forge(data, "another key", secret),
-        "deep header": forge(data, key, secret, head=b"[" * 100_000),
-        "deep header, in the cap": forge(data, key, secret, head=b"[" * 200),
-        "dtype a list": forge(data, key, secret, head=b'{"dtype": ["float32"], "shape": 1}'),
-        "header a list": forge(data, key, secret, head=b'["float32"]'),
-        "header not UTF-8": forge(data, key, secret, head=b'{"dtype": "\xff\xfe"}'),
-        "shape of another pool": forge(
-            data, key, secret, head=b'{"dtype": "float32", "shape": [1, 2, 3]}'
-        ),
-        "short payload": forge(data, key, secret, payload=b"\0" * 64),
+        "another secret": forge(body, key, b"another server's secret", sealed),
+        "moved from another key": forge(body, "another key", secret, sealed),
+        "deep header": forged(head=b"[" * 100_000),
+        "deep header, in the cap": forged(head=b"[" * 200),
+        "dtype a list": forged(head=b'{"dtype": ["float32"], "shape": 1}'),
+        "header a list": forged(head=b'["float32"]'),
+        "header not UTF-8": forged(head=b'{"dtype": "\xff\xfe"}'),
+        "shape of another pool": forged(head=b'{"dtype": "float32", "shape": [1, 2, 3]}'),
+        "short payload": forged(payload=b"\0" * 64),
     }
 
 
-def test_codec_refuses_what_it_cannot_trust() -> None:
+SEALED = pytest.mark.parametrize("sealed", [False, True], ids=["mac", "sealed"])
+
+
+@SEALED
+def test_codec_refuses_what_it_cannot_trust(sealed: bool) -> None:
     pool = make_pool()
-    c = codec(pool)
+    c = codec(pool, sealed=sealed)
     chunk = torch.randn(c.layout.shape)
     toks, key = TOKENS[:C], "k0"
     data = c.encode(key, toks, chunk)
     assert torch.equal(c.decode(key, data, toks), chunk)
-    poisons = poisoned_records(data, key, SECRET)
+    poisons = poisoned_records(data, key, SECRET, sealed)
     assert list(poisons) == POISONS
     for bad in poisons.values():
         with pytest.raises(ChunkError):  # never RecursionError, TypeError, ...
             c.decode(key, bad, toks)
     with pytest.raises(ChunkError, match="other tokens"):
         c.decode(key, data, TOKENS[C : 2 * C])
-    with pytest.raises(ChunkError, match="MAC"):  # a server without the secret reads nothing
-        codec(pool, b"another server's secret").decode(key, data, toks)
+    with pytest.raises(ChunkError, match="MAC|seal"):  # a server without the secret reads nothing
+        codec(pool, b"another server's secret", sealed).decode(key, data, toks)
+    with pytest.raises(ChunkError, match="bad magic"):  # the other codec's record
+        codec(pool, sealed=not sealed).decode(key, data, toks)
+
+
+def test_every_byte_of_a_sealed_record_is_checked() -> None:
+    """Each byte of a sealed record flipped, and the record cut at every length: a
+    ChunkError each time, never another exception, never rows."""
+    pool = make_pool()
+    c = codec(pool, sealed=True)
+    toks, key = TOKENS[:C], "k0"
+    data = c.encode(key, toks, torch.randn(c.layout.shape))
+    for i in range(len(data)):
+        flipped = bytearray(data)
+        flipped[i] ^= 0x01
+        with pytest.raises(ChunkError):
+            c.decode(key, bytes(flipped), toks)
+    for end in range(len(data)):
+        with pytest.raises(ChunkError):
+            c.decode(key, data[:end], toks)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_sealed_record_opens_as_documented(dtype: torch.dtype) -> None:
+    """A sealed record is SEALED_MAGIC | nonce | AES-256-GCM of the MAC'd record's body under
+    the documented keys (opened here without the codec); a fresh nonce per record; it comes
+    back bit for bit in every pool dtype."""
+    layout = ChunkLayout(num_layers=2, kv_heads=2, head_dim=8, dtype=dtype)
+    mac, sealed = ChunkCodec(layout, SECRET), SealedChunkCodec(layout, SECRET)
+    chunk = torch.randn(layout.shape).to(dtype)
+    toks, key = TOKENS[:C], "k0"
+    data = sealed.encode(key, toks, chunk)
+    assert data.startswith(SEALED_MAGIC) and len(data) <= sealed.max_record_bytes
+    mac_body = body_of(mac.encode(key, toks, chunk), key, SECRET, False)
+    assert body_of(data, key, SECRET, True) == mac_body
+    again = sealed.encode(key, toks, chunk)
+    assert again[: len(SEALED_MAGIC) + NONCE_BYTES] != data[: len(SEALED_MAGIC) + NONCE_BYTES]
+    assert again[len(SEALED_MAGIC) + NONCE_BYTES :] != data[len(SEALED_MAGIC) + NONCE_BYTES :]
+    for record in (data, again):
+        out = sealed.decode(key, record, toks)
+        assert out.dtype == dtype and torch.equal(out, chunk)
+    assert repr(sealed) == f"SealedChunkCodec(layout={layout!r})"  # no secret, no key
+
+
+def shown(records: list[bytes], tokens: list[int], rows: torch.Tensor) -> tuple[int, int]:
+    """How many runs of 4 consecutive `tokens` (as the int32 bytes a record stores) and how
+    many of `rows`' rows (one token's K or V at one layer, (layers, 2, T, H, D)) appear, as
+    bytes, in any of `records`."""
+    runs = [struct.pack("<4i", *tokens[i : i + 4]) for i in range(len(tokens) - 3)]
+    per_row = rows.reshape(-1, rows.shape[-2] * rows.shape[-1])
+    row_bytes = [r.contiguous().numpy().tobytes() for r in per_row]
+    return (
+        sum(any(run in r for r in records) for run in runs),
+        sum(any(row in r for r in records) for row in row_bytes),
+    )
+
+
+@SEALED
+def test_only_a_sealed_record_hides_the_prompt_and_rows(sealed: bool) -> None:
+    pool = make_pool(heads=2, dim=8)
+    c = codec(pool, sealed=sealed)
+    chunk = torch.randn(c.layout.shape)
+    toks = TOKENS[:C]
+    data = c.encode("k0", toks, chunk)
+    runs, rows = shown([data], toks, chunk)
+    every = (C - 3, chunk.numel() // (2 * 8))  # every run, every row
+    assert (runs, rows) == ((0, 0) if sealed else every)
+
+
+def test_a_missing_cryptography_package_fails_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the package, --hicache-encrypt is refused when the config is built (before a
+    model loads), and the codec refuses to be built: never a failure at the first record."""
+    gone = [n for n in sys.modules if n == "cryptography" or n.startswith("cryptography.")]
+    for name in {"cryptography", *gone}:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed: imports fail
+    with pytest.raises(ValueError, match="hicache_encrypt needs the cryptography package"):
+        EngineConfig(hicache_size=0.001, hicache_encrypt=True)
+    EngineConfig(hicache_size=0.001, hicache_encrypt=False)  # MAC'd records need nothing more
+    with pytest.raises(ImportError, match="--hicache-encrypt needs the cryptography package"):
+        codec(make_pool(), sealed=True)
 
 
 def test_keys_name_the_whole_prefix() -> None:
@@ -273,10 +418,10 @@ def test_keys_name_the_whole_prefix() -> None:
 # ---------------------------------------------------------------- disk tier
 
 
-def spilled_to_disk(tmp_path: Path) -> tuple[KVPool, HiCache, torch.Tensor]:
+def spilled_to_disk(tmp_path: Path, sealed: bool = False) -> tuple[KVPool, HiCache, torch.Tensor]:
     """4 chunks evicted into a host tier of 1 chunk: chunks 0..2 spill to disk."""
     pool = make_pool()
-    disk = DiskStore(str(tmp_path), 1 << 30, codec(pool))
+    disk = DiskStore(str(tmp_path), 1 << 30, codec(pool, sealed=sealed))
     cache = host_cache(pool, chunks=1, disk=disk)
     slots, ref = computed(pool, TOKENS)
     cache.insert(TOKENS, slots)
@@ -307,15 +452,17 @@ def test_disk_tier_is_private_to_this_user(tmp_path: Path) -> None:
         DiskStore(str(theirs), 1 << 30, codec(pool))
 
 
-def restarted(tmp_path: Path) -> tuple[KVPool, HiCache]:
+def restarted(tmp_path: Path, sealed: bool = False) -> tuple[KVPool, HiCache]:
     pool = make_pool()
-    return pool, host_cache(pool, disk=DiskStore(str(tmp_path), 1 << 30, codec(pool)))
+    disk = DiskStore(str(tmp_path), 1 << 30, codec(pool, sealed=sealed))
+    return pool, host_cache(pool, disk=disk)
 
 
-def test_disk_tier_survives_a_restart(tmp_path: Path) -> None:
-    _, old, ref = spilled_to_disk(tmp_path)
+@SEALED
+def test_disk_tier_survives_a_restart(tmp_path: Path, sealed: bool) -> None:
+    _, old, ref = spilled_to_disk(tmp_path, sealed)
     old.close()
-    pool, cache = restarted(tmp_path)
+    pool, cache = restarted(tmp_path, sealed)
     m = cache.match_prefix(TOKENS + [1])
     assert m.tier_tokens == {"disk": 48}  # chunk 3 was in the old server's host memory
     assert torch.equal(rows_at(pool, m.indices), ref[:, :, :48])
@@ -328,11 +475,14 @@ def chunk_file(tmp_path: Path, k: int) -> Path:
     return tmp_path / f"{chunk_keys('test', TOKENS)[k]}.kv"
 
 
+@SEALED
 @pytest.mark.parametrize("fault", ["corrupt", "truncated", "missing"])
-def test_damaged_chunk_file_is_a_miss_never_wrong_kv(tmp_path: Path, fault: str) -> None:
-    _, old, ref = spilled_to_disk(tmp_path)
+def test_damaged_chunk_file_is_a_miss_never_wrong_kv(
+    tmp_path: Path, fault: str, sealed: bool
+) -> None:
+    _, old, ref = spilled_to_disk(tmp_path, sealed)
     old.close()
-    pool, cache = restarted(tmp_path)
+    pool, cache = restarted(tmp_path, sealed)
     path = chunk_file(tmp_path, 1)
     data = path.read_bytes()
     if fault == "corrupt":
@@ -351,16 +501,17 @@ def test_damaged_chunk_file_is_a_miss_never_wrong_kv(tmp_path: Path, fault: str)
     cache.close()
 
 
+@SEALED
 @pytest.mark.parametrize("poison", POISONS)
-def test_poisoned_chunk_file_is_a_miss(tmp_path: Path, poison: str) -> None:
+def test_poisoned_chunk_file_is_a_miss(tmp_path: Path, poison: str, sealed: bool) -> None:
     """A file another local process wrote over chunk 1 (each kind of poison): a counted miss,
     deleted; never an exception, never its rows."""
-    _, old, ref = spilled_to_disk(tmp_path)
+    _, old, ref = spilled_to_disk(tmp_path, sealed)
     old.close()
     path = chunk_file(tmp_path, 1)
     key = chunk_keys("test", TOKENS)[1]
-    path.write_bytes(poisoned_records(path.read_bytes(), key, SECRET)[poison])
-    pool, cache = restarted(tmp_path)
+    path.write_bytes(poisoned_records(path.read_bytes(), key, SECRET, sealed)[poison])
+    pool, cache = restarted(tmp_path, sealed)
     m = cache.match_prefix(TOKENS + [1])
     assert m.tier_tokens == {"disk": 16}
     assert torch.equal(rows_at(pool, m.indices), ref[:, :, :16])
@@ -368,6 +519,21 @@ def test_poisoned_chunk_file_is_a_miss(tmp_path: Path, poison: str) -> None:
     assert not path.exists()
     cache.flush()
     cache.close()
+
+
+@SEALED
+def test_only_sealed_disk_records_hide_the_prompt_and_rows(tmp_path: Path, sealed: bool) -> None:
+    """The files of 3 chunks spilled to disk: MAC'd, they hold every 4-token run of those
+    chunks' tokens and every row; sealed, none."""
+    _, cache, ref = spilled_to_disk(tmp_path, sealed)
+    cache.close()
+    records = [f.read_bytes() for f in tmp_path.glob("*.kv")]
+    assert len(records) == 3
+    assert all(r.startswith(SEALED_MAGIC if sealed else MAGIC) for r in records)
+    runs, rows = shown(records, TOKENS[: 3 * C], ref[:, :, : 3 * C])
+    spilled = ref[:, :, : 3 * C]
+    every = (3 * (C - 3), spilled.numel() // (ref.shape[-2] * ref.shape[-1]))  # runs in a chunk
+    assert (runs, rows) == ((0, 0) if sealed else every)
 
 
 def test_prefetch_pulls_a_waiting_prefix_up_from_disk(tmp_path: Path) -> None:
@@ -540,6 +706,59 @@ def test_host_tier_gives_identical_outputs_and_prefills_less(tiny_model_dir: Pat
     assert from_host > 0 and host[3]["host"].hit_tokens == from_host
     assert all(sum(m["cached_tokens_details"].values()) == m["cached_tokens"] for m in host[1])
     assert host[2] < radix[2] - from_host // 2, (host[2], radix[2], from_host)
+
+
+def test_sealed_disk_tier_gives_the_same_tokens_after_a_restart(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """hicache_encrypt with --hicache-dir: prompts pushed through a host tier of 2 chunks to
+    disk come back, after a restart (pool and host tier empty), from the sealed files alone
+    with the greedy tokens of an engine without tiers; the files hold no run of the prompts'
+    token ids; a damaged file is a counted miss, and the tokens stay the same."""
+    from radixserve import Engine
+
+    g = torch.Generator().manual_seed(11)
+    asked = [torch.randint(100, 20000, (80,), generator=g).tolist() for _ in range(3)]
+    fillers = [torch.randint(100, 20000, (80,), generator=g).tolist() for _ in range(2)]
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+
+    def run(engine: Any, prompts: list[list[int]]) -> list[dict]:
+        return [engine.generate(input_ids=p, sampling_params=params) for p in prompts]
+
+    with Engine(str(tiny_model_dir), dtype="float32", max_total_tokens=128) as plain:
+        expected = [out["output_ids"] for out in run(plain, asked)]
+        chunk_bytes = pool_layout(plain.scheduler.kv.pool).chunk_bytes
+    folder = tmp_path / "kv"
+    tiers = {
+        "hicache_size": 2 * chunk_bytes / (1 << 30), "hicache_dir": str(folder),
+        "hicache_encrypt": True, "hicache_secret": SECRET.decode(),
+        "hicache_prefetch_window": 0,  # hits read at admission, so counted as the disk's
+    }  # fmt: skip
+    with Engine(str(tiny_model_dir), dtype="float32", max_total_tokens=128, **tiers) as first:
+        assert [out["output_ids"] for out in run(first, asked + fillers)][:3] == expected
+        first.scheduler.cache.drain()
+        first.scheduler.cache.close()
+    records = [f.read_bytes() for f in folder.glob("*.kv")]
+    assert len(records) >= 3 * 5 and all(r.startswith(SEALED_MAGIC) for r in records)
+    runs = [struct.pack("<4i", *p[i : i + 4]) for p in asked for i in range(len(p) - 3)]
+    assert not any(run in r for run in runs for r in records)
+    with Engine(str(tiny_model_dir), dtype="float32", max_total_tokens=128, **tiers) as second:
+        cache = second.scheduler.cache
+        outs = run(second, asked[:2])
+        assert [out["output_ids"] for out in outs] == expected[:2]
+        # 80-token prompts: 4 whole chunks before the last token, which is computed
+        assert [out["meta_info"]["cached_tokens_details"] for out in outs] == [{"disk": 64}] * 2
+        assert cache.tier_stats()["disk"].faults == 0
+        damaged = folder / f"{chunk_keys(cache.namespace, asked[2])[2]}.kv"
+        data = bytearray(damaged.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        damaged.write_bytes(bytes(data))
+        out = run(second, asked[2:])[0]
+        assert out["output_ids"] == expected[2]
+        assert out["meta_info"]["cached_tokens_details"] == {"disk": 32}  # chunks 0, 1
+        assert cache.tier_stats()["disk"].faults == 1
+        second.check_integrity()
+        cache.close()
 
 
 @pytest.mark.slow

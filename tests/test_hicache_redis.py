@@ -1,7 +1,8 @@
 """The shared Redis tier (L4) on a real redis-server started here on a loopback port: two
-caches ("servers") reuse each other's K/V bit for bit; a damaged record is a miss; Redis
-killed mid-run degrades to recompute without a crash; two real servers share a conversation
-(its second turn on the other server prefills only the new message)."""
+caches ("servers") reuse each other's K/V bit for bit; a damaged record is a miss; sealed
+records show Redis neither the prompt nor the rows; Redis killed mid-run degrades to
+recompute without a crash; two real servers share a conversation (its second turn on the
+other server prefills only the new message)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 from conftest import free_port, launch_server
 from test_hicache import (
     POISONS,
+    SEALED,
     SECRET,
     TOKENS,
     codec,
@@ -27,6 +29,7 @@ from test_hicache import (
     make_pool,
     poisoned_records,
     rows_at,
+    shown,
 )
 
 from radixserve.config import HICACHE_REMOTE_ENV, HICACHE_SECRET_ENV, EngineConfig
@@ -35,7 +38,13 @@ from radixserve.kvcache import remote_store
 from radixserve.kvcache.hicache import HiCache, pool_layout
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.remote_store import PREFIX, RemoteStore
-from radixserve.kvcache.tier_store import CHUNK_TOKENS, HostStore, chunk_keys
+from radixserve.kvcache.tier_store import (
+    CHUNK_TOKENS,
+    MAGIC,
+    SEALED_MAGIC,
+    HostStore,
+    chunk_keys,
+)
 from radixserve.models.synthetic import build_tiny_model
 
 pytestmark = pytest.mark.skipif(
@@ -85,9 +94,9 @@ def redis_server() -> Iterator[RedisServer]:
     server.stop()
 
 
-def remote_cache(url: str, secret: bytes = SECRET) -> tuple[HiCache, KVPool]:
+def remote_cache(url: str, secret: bytes = SECRET, sealed: bool = False) -> tuple[HiCache, KVPool]:
     pool = make_pool()
-    return HiCache(pool, [], RemoteStore(url, codec(pool, secret)), "test"), pool
+    return HiCache(pool, [], RemoteStore(url, codec(pool, secret, sealed)), "test"), pool
 
 
 def test_second_server_reuses_the_first_ones_kv(redis_server: RedisServer) -> None:
@@ -156,10 +165,35 @@ def test_prefetch_pulls_a_waiting_prefix_up_from_redis(redis_server: RedisServer
     b.close()
 
 
-def test_poisoned_remote_records_are_misses(redis_server: RedisServer) -> None:
+@SEALED
+def test_only_sealed_redis_records_hide_the_prompt_and_rows(
+    redis_server: RedisServer, sealed: bool
+) -> None:
+    """Whoever can read Redis: MAC'd records show every 4-token run of each chunk's tokens
+    and every row; sealed ones, none. Either way another cache reads them back bit for bit."""
+    a, pool_a = remote_cache(redis_server.url, sealed=sealed)
+    slots, ref = computed(pool_a, TOKENS)
+    a.insert(TOKENS, slots)
+    a.drain()
+    b, pool_b = remote_cache(redis_server.url, sealed=sealed)
+    m = b.match_prefix(TOKENS + [1])
+    assert m.tier_tokens == {"remote": 64}
+    assert torch.equal(rows_at(pool_b, m.indices), ref)
+    client = redis_server.client()
+    records = [client.get(PREFIX + k) for k in chunk_keys("test", TOKENS)]
+    assert all(r.startswith(SEALED_MAGIC if sealed else MAGIC) for r in records)
+    runs, rows = shown(records, TOKENS, ref)
+    every = (4 * (CHUNK_TOKENS - 3), ref.numel() // (ref.shape[-2] * ref.shape[-1]))
+    assert (runs, rows) == ((0, 0) if sealed else every)
+    a.close()
+    b.close()
+
+
+@SEALED
+def test_poisoned_remote_records_are_misses(redis_server: RedisServer, sealed: bool) -> None:
     """Whoever can write to Redis overwrites chunk 2 with each kind of poison in turn: each
     is a counted miss (chunks 0 and 1 still load), never an exception nor its rows."""
-    a, pool_a = remote_cache(redis_server.url)
+    a, pool_a = remote_cache(redis_server.url, sealed=sealed)
     slots, ref = computed(pool_a, TOKENS)
     a.insert(TOKENS, slots)
     a.drain()
@@ -169,14 +203,14 @@ def test_poisoned_remote_records_are_misses(redis_server: RedisServer) -> None:
     data = client.get(PREFIX + key)
     assert data is not None
     for poison in POISONS:
-        client.set(PREFIX + key, poisoned_records(data, key, SECRET)[poison])
-        b, pool_b = remote_cache(redis_server.url)
+        client.set(PREFIX + key, poisoned_records(data, key, SECRET, sealed)[poison])
+        b, pool_b = remote_cache(redis_server.url, sealed=sealed)
         m = b.match_prefix(TOKENS + [1])
         assert m.tier_tokens == {"remote": 32}, poison
         assert torch.equal(rows_at(pool_b, m.indices), ref[:, :, :32]), poison
         assert b.tier_stats()["remote"].faults == 1, poison
         b.close()
-    other, _ = remote_cache(redis_server.url, secret=b"not the servers' shared secret")
+    other, _ = remote_cache(redis_server.url, b"not the servers' shared secret", sealed)
     assert other.match_prefix(TOKENS + [1]).tier_tokens == {}  # reads no record of theirs
     assert other.tier_stats()["remote"].faults == 1  # (the leading one refused)
     other.close()

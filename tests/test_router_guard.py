@@ -1,7 +1,8 @@
 """The router's own checks, before anything reaches a worker (a real router process in front
 of a stub worker: a plain HTTP server on loopback that records what it is sent): abort_all
 however the JSON spells it needs the admin key, a body nested too deep is a 400, and only
-the admin key learns which workers there are (/metrics, the X-Radixserve-Worker header)."""
+the admin key learns which workers there are (/metrics, the X-Radixserve-Worker header, the
+fan-out's answers by worker URL)."""
 
 from __future__ import annotations
 
@@ -145,6 +146,11 @@ def test_only_the_admin_key_learns_the_workers(router: ServerHandle, stub: StubW
         )
         assert metrics.status_code == (200 if named else 403)
         assert (stub.url in metrics.text) == named
+        abort = post(router, "/abort_request", b'{"rid": "r1"}', key)
+        assert abort.status_code == 200, abort.text
+        assert (stub.url in abort.text) == named
+        if not named:
+            assert abort.json() == {"text": "ok"}  # the stub worker's answer, as it gave it
 
 
 def test_a_broken_stream_does_not_name_its_worker(router: ServerHandle, stub: StubWorker) -> None:

@@ -4,9 +4,9 @@ tenant` and, for comparison, `none`.
 
 Under `tenant` no tenant's requests reuse, or learn of, another's cached prompt: cached_tokens
 (native and OpenAI), the prompt-extraction probe (a prefix plus a candidate next token),
-`cache_salt` within a tenant; aborts, /cache_tree and /metrics are the tenant's own; prompt
-modules (registered by the admin) tell one tenant nothing of another. Under `none` the same
-probe works, which is what `tenant` prevents."""
+`cache_salt` within a tenant; request ids, aborts, /cache_tree and /metrics are the tenant's
+own; prompt modules (registered by the admin) tell one tenant nothing of another. Under
+`none` the same probe works, which is what `tenant` prevents."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -173,35 +174,132 @@ def test_a_bad_cache_salt_is_a_400_naming_the_field(
 # ---------------------------------------------------------------- aborts
 
 
-def finish_when_aborted(server: ServerHandle, owner: str, aborter: str) -> tuple[int, str]:
+def finish_when_aborted(
+    server: ServerHandle, owner: str, aborter: str
+) -> tuple[int, dict[str, Any], str]:
     """Stream a long request with key `owner`; after its first chunk, key `aborter` aborts
-    its rid: (the abort's status, how the request finished)."""
+    its rid: (the abort's status, its body, how the request finished)."""
     rid = f"run-{uuid.uuid4().hex}"
     body = {"text": "Count:", "rid": rid, "stream": True,
             "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}  # fmt: skip
-    status, last = None, None
+    abort, last = None, None
     with httpx.Client(base_url=server.url, timeout=120) as c:
         with c.stream("POST", "/generate", json=body, headers=bearer(owner)) as r:
             assert r.status_code == 200, r.read()
             for line in r.iter_lines():
                 if not line.startswith("data: {"):
                     continue
-                if status is None:
+                if abort is None:
                     abort = c.post("/abort_request", json={"rid": rid}, headers=bearer(aborter))
-                    status = abort.status_code
                 last = json.loads(line[6:])
-    assert status is not None and last is not None
-    return status, last["meta_info"]["finish_reason"]["type"]
+    assert abort is not None and last is not None
+    return abort.status_code, abort.json(), last["meta_info"]["finish_reason"]["type"]
+
+
+def abort_answer(server: ServerHandle, key: str, rid: str) -> tuple[int, Any]:
+    r = httpx.post(
+        server.url + "/abort_request", json={"rid": rid}, headers=bearer(key), timeout=60
+    )
+    return r.status_code, r.json()
 
 
 def test_a_tenant_aborts_its_own_requests_only(isolated: ServerHandle) -> None:
-    assert finish_when_aborted(isolated, ALICE, BOB) == (403, "length")
-    assert finish_when_aborted(isolated, ALICE, ALICE_2) == (200, "abort")  # her other key
-    assert finish_when_aborted(isolated, BOB, ADMIN) == (200, "abort")
+    unknown = abort_answer(isolated, BOB, f"nobody-{uuid.uuid4().hex}")
+    assert unknown == (200, {"success": True})
+    # alice's rid in flight is, to bob, a rid nobody sent
+    assert finish_when_aborted(isolated, ALICE, BOB) == (*unknown, "length")
+    assert finish_when_aborted(isolated, ALICE, ALICE_2) == (*unknown, "abort")  # her other key
+    assert finish_when_aborted(isolated, BOB, ADMIN) == (*unknown, "abort")
     r = httpx.post(
         isolated.url + "/abort_request", json={"abort_all": True}, headers=bearer(BOB), timeout=60
     )
     assert r.status_code == 403 and "admin API key" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------- request ids
+
+
+def in_use(server: ServerHandle, key: str, rid: str) -> bool:
+    """Whether the tenant of `key` has `rid` in flight, asked while it has (else this
+    request would take the rid): the api server refuses a rid in flight at once, without
+    the scheduler."""
+    r = httpx.post(
+        server.url + "/generate", json={"text": "probe", "rid": rid}, headers=bearer(key),
+        timeout=60,
+    )  # fmt: skip
+    return r.status_code == 400 and "already in use" in r.text
+
+
+class Held:
+    """`/generate` of `ids` under `rid` with `key`, sent twice at once from two threads: the
+    api server takes one and refuses the other at once ("already in use"), whichever comes
+    first. While the scheduler is stopped the one taken stays in flight: `wait_in_flight`
+    returns when the other is refused, `response()` gives the answer to the one taken."""
+
+    def __init__(self, server: ServerHandle, key: str, rid: str, ids: list[int], out: int):
+        body = {"input_ids": ids, "rid": rid,
+                "sampling_params": {"max_new_tokens": out, "ignore_eos": True}}  # fmt: skip
+        self.pool = futures.ThreadPoolExecutor(2)
+        self.futures = [
+            self.pool.submit(
+                httpx.post, server.url + "/generate", json=body, headers=bearer(key), timeout=120
+            )
+            for _ in range(2)
+        ]
+        self.taken: futures.Future[httpx.Response] | None = None
+
+    def wait_in_flight(self) -> None:
+        done, _ = futures.wait(self.futures, 60, futures.FIRST_COMPLETED)
+        assert len(done) == 1, [f.result().text for f in done]
+        refused = done.pop()
+        assert "already in use" in refused.result().text, refused.result().text
+        self.taken = next(f for f in self.futures if f is not refused)
+
+    def response(self) -> dict[str, Any]:
+        assert self.taken is not None, "wait_in_flight first"
+        r = self.taken.result()
+        self.pool.shutdown()
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+
+def test_two_tenants_use_one_rid_at_once(isolated: ServerHandle) -> None:
+    rid = f"shared-{uuid.uuid4().hex}"
+    with isolated.scheduler_stopped():
+        alice = Held(isolated, ALICE, rid, fresh_ids(5), 3)
+        alice.wait_in_flight()
+        bob = Held(isolated, BOB, rid, fresh_ids(7), 4)
+        bob.wait_in_flight()  # both in flight under one rid
+        assert in_use(isolated, ALICE_2, rid)  # still one rid per tenant
+    a, b = alice.response(), bob.response()
+    assert a["meta_info"]["id"] == b["meta_info"]["id"] == rid
+    assert (a["meta_info"]["prompt_tokens"], len(a["output_ids"])) == (5, 3)
+    assert (b["meta_info"]["prompt_tokens"], len(b["output_ids"])) == (7, 4)
+
+
+def test_an_abort_of_another_tenants_rid_is_an_unknown_rid(isolated: ServerHandle) -> None:
+    rid = f"hers-{uuid.uuid4().hex}"
+    unknown = abort_answer(isolated, BOB, f"nobody-{uuid.uuid4().hex}")
+    with isolated.scheduler_stopped():
+        alice = Held(isolated, ALICE, rid, fresh_ids(5), 3)
+        alice.wait_in_flight()
+        assert abort_answer(isolated, BOB, rid) == unknown
+    assert alice.response()["meta_info"]["finish_reason"]["type"] == "length"
+    assert not isolated.abort_sent(rid)
+
+
+def test_the_admin_key_aborts_a_rid_under_every_tenant(isolated: ServerHandle) -> None:
+    rid = f"both-{uuid.uuid4().hex}"
+    with isolated.scheduler_stopped():
+        held = [Held(isolated, key, rid, fresh_ids(5), 1000) for key in (ALICE, BOB)]
+        for h in held:
+            h.wait_in_flight()
+        assert abort_answer(isolated, ADMIN, rid) == (200, {"success": True})
+        isolated.wait_aborts_sent([rid])
+    log = isolated.log_text()
+    assert f"aborting rid {rid!r} of tenant 'alice'" in log
+    assert f"aborting rid {rid!r} of tenant 'bob'" in log
+    assert [h.response()["meta_info"]["finish_reason"]["type"] for h in held] == ["abort", "abort"]
 
 
 # ---------------------------------------------------------------- what a tenant sees

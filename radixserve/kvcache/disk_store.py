@@ -1,10 +1,11 @@
 """L3: chunks as checksummed files in a local directory, written by a background thread.
 
 One file per chunk, `<dir>/<key>.kv`, in the codec of tier_store.py (magic, MAC, header,
-token ids, tensor bytes): files are untrusted (another local process may write them), a
-file the codec refuses is a miss and is deleted. Written to a temporary name and renamed, so a
-reader never sees half a file from this writer. Files already in the directory at start-up
-are indexed, so a restarted server finds its cache again.
+token ids, tensor bytes; sealed under --hicache-encrypt): files are untrusted (another
+local process may write them), a file the codec refuses is a miss and is deleted. Written
+to a temporary name and renamed, so a reader never sees half a file from this writer. Files
+already in the directory at start-up are indexed, so a restarted server finds its cache
+again.
 
 Threads: `put` (scheduler thread) queues the chunk and returns; the writer thread writes it.
 Until written, a queued chunk is served from memory. The index and the queue are shared

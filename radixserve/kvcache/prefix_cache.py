@@ -35,7 +35,13 @@ from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.radix import MatchResult, RadixCache, TreeNode, check_insert_args
 from radixserve.kvcache.remote_store import RemoteStore
 from radixserve.kvcache.reposition import Mover, RunIndex
-from radixserve.kvcache.tier_store import CHUNK_TOKENS, ChunkCodec, HostStore, TierStore
+from radixserve.kvcache.tier_store import (
+    CHUNK_TOKENS,
+    ChunkCodec,
+    HostStore,
+    SealedChunkCodec,
+    TierStore,
+)
 
 
 class PrefixCache(Protocol):
@@ -303,7 +309,9 @@ def make_prefix_cache(
     if not config.hicache_enabled:
         return RadixCache(pool, index_suffixes=index_suffixes)
     layout = pool_layout(pool)
-    codec = ChunkCodec(layout, config.hicache_key())
+    codec = (SealedChunkCodec if config.hicache_encrypt else ChunkCodec)(
+        layout, config.hicache_key()
+    )
     local: list[TierStore] = []
     tier_bytes = 0  # what the local tiers hold, for the reposition index's bound
     if config.hicache_size > 0:
@@ -325,6 +333,8 @@ def make_prefix_cache(
     # Keyed by the secret too: servers with other secrets never overwrite each other's
     # records, and keys cannot be computed (a popular prompt's chunk targeted) without it.
     namespace = hmac.new(codec.secret, model_identity.encode(), hashlib.sha256).hexdigest()
+    if config.hicache_encrypt:
+        namespace += "|sealed"  # never read nor overwritten by a MAC-only server, nor it
     mover = None
     if config.hicache_reposition:
         if rope_inv_freq is None:

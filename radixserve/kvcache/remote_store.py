@@ -1,11 +1,11 @@
 """L4: chunks in a shared Redis / Valkey server, so several radixserve servers (and a
 restarted one) reuse each other's K/V.
 
-Values are the MAC'd records of tier_store.py under `radixserve:kv:<key>`; the key already
-names the model exactly (the namespace) and the whole prefix, so servers of the same model
-and secret share chunks and servers of different models never collide. Whoever can write to
-Redis is untrusted: records are data, never code, and a damaged, planted or foreign record
-is refused by the codec and counts as a miss.
+Values are the MAC'd (or sealed) records of tier_store.py under `radixserve:kv:<key>`; the
+key already names the model exactly (the namespace) and the whole prefix, so servers of the
+same model and secret share chunks and servers of different models never collide. Whoever
+can write to Redis is untrusted: records are data, never code, and a damaged, planted or
+foreign record is refused by the codec and counts as a miss.
 
 Threads: `put` queues and returns; a writer thread SETs. Reads are synchronous with a short
 socket timeout. Any Redis error (refused, reset, timeout) marks the tier down for

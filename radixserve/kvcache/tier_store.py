@@ -26,6 +26,21 @@ a record, and a record moved to another key (another prefix) fails too. The head
 parsed within a size cap and its types checked; the token ids and the shape must be the
 ones the reader expects. Any failure is a `ChunkError`, which the tiers count and log as a
 miss: a damaged or planted record is recomputed, never loaded and never raised.
+
+`SealedChunkCodec` (--hicache-encrypt) also hides what a record holds: the same body (header,
+token ids, rows) sealed with AES-256-GCM instead of MAC'd:
+
+    SEALED_MAGIC | nonce (24 B) | AES-256-GCM(record key, nonce[12:], body, aad) | tag (16 B)
+    seal key   = HKDF-SHA256(secret, no salt, info = SEAL_INFO)   (the MAC: the secret as is)
+    record key = HMAC-SHA256(seal key, nonce[:12])
+    aad        = SEALED_MAGIC || key
+
+The nonce is random per record. Its first half picks a key per record, so GCM's 96-bit
+nonce limit (about 2^32 records under one key, NIST SP 800-38D) does not bound how many
+records servers sharing a secret may write: two records meet under one key and GCM nonce
+only when all 192 bits repeat. GCM's tag authenticates the body and the record's key as
+the MAC does, so the same checks follow it. The host tier keeps chunks in process memory as
+tensors: neither codec touches them.
 """
 
 from __future__ import annotations
@@ -33,21 +48,30 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import queue
 import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
 from radixserve.core.info import TierStats
 
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
 CHUNK_TOKENS = 16
 MAGIC = b"RSKVCHUNK2\n"
 MAC_BYTES = 32
+SEALED_MAGIC = b"RSKVSEALED1\n"
+NONCE_BYTES = 24  # random per record: 12 B pick the record key, 12 B are GCM's nonce
+TAG_BYTES = 16
+SEAL_INFO = b"radixserve hicache record seal key"  # HKDF label: the seal key's domain
+NEEDS_CRYPTOGRAPHY = "--hicache-encrypt needs the cryptography package (pip install cryptography)"
 MAX_HEADER_BYTES = 256  # a real header is ~70 bytes
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -93,15 +117,18 @@ class ChunkError(ValueError):
 class ChunkCodec:
     """Writes and checks the records of one model's chunks (the module docstring gives the
     layout). Servers share K/V exactly when they share the namespace (chunk_keys) and the
-    secret."""
+    secret. `magic` opens a record; `frame_bytes` is what protects its body (`_protect`,
+    `_open`): here the MAC."""
 
     layout: ChunkLayout
-    secret: bytes
+    secret: bytes = field(repr=False)
+    magic: ClassVar[bytes] = MAGIC
+    frame_bytes: ClassVar[int] = MAC_BYTES
 
     @property
     def max_record_bytes(self) -> int:
         """No valid record is longer (a reader may refuse a longer file unread)."""
-        fixed = len(MAGIC) + MAC_BYTES + 4 + MAX_HEADER_BYTES
+        fixed = len(self.magic) + self.frame_bytes + 4 + MAX_HEADER_BYTES
         return fixed + 4 * CHUNK_TOKENS + self.layout.chunk_bytes
 
     def encode(self, key: str, tokens: Sequence[int], chunk: torch.Tensor) -> bytes:
@@ -109,7 +136,7 @@ class ChunkCodec:
         dtype = str(chunk.dtype).removeprefix("torch.")
         head = json.dumps({"dtype": dtype, "shape": list(chunk.shape)}).encode()
         body = struct.pack("<I", len(head)) + head + payload
-        return MAGIC + self._mac(key, body) + body
+        return self.magic + self._protect(key, body)
 
     def decode(self, key: str, data: bytes, tokens: Sequence[int]) -> torch.Tensor:
         """The chunk stored under `key` in `data`, checked against the tokens and layout the
@@ -124,12 +151,9 @@ class ChunkCodec:
     def _decode(self, key: str, data: bytes, tokens: Sequence[int]) -> torch.Tensor:
         if len(data) > self.max_record_bytes:
             raise ChunkError(f"record of {len(data)} bytes, at most {self.max_record_bytes}")
-        at = len(MAGIC) + MAC_BYTES
-        if not data.startswith(MAGIC) or len(data) < at + 4:
-            raise ChunkError("not a chunk record (bad magic)")
-        body = data[at:]
-        if not hmac.compare_digest(data[len(MAGIC) : at], self._mac(key, body)):
-            raise ChunkError("MAC mismatch (damaged, or written without this server's secret)")
+        if not data.startswith(self.magic) or len(data) < len(self.magic) + self.frame_bytes + 4:
+            raise ChunkError("not a chunk record of this codec (bad magic)")
+        body = self._open(key, data[len(self.magic) :])
         (head_len,) = struct.unpack("<I", body[:4])
         if head_len > MAX_HEADER_BYTES:
             raise ChunkError(f"header of {head_len} bytes, at most {MAX_HEADER_BYTES}")
@@ -152,8 +176,74 @@ class ChunkCodec:
         raw = torch.frombuffer(bytearray(payload[token_bytes:]), dtype=torch.uint8)
         return raw.view(layout.dtype).reshape(layout.shape)
 
+    def _protect(self, key: str, body: bytes) -> bytes:
+        """What follows the magic: mac | body."""
+        return self._mac(key, body) + body
+
+    def _open(self, key: str, framed: bytes) -> bytes:
+        """The body of `framed` (what follows the magic), once its MAC under `key` holds."""
+        body = framed[MAC_BYTES:]
+        if not hmac.compare_digest(framed[:MAC_BYTES], self._mac(key, body)):
+            raise ChunkError("MAC mismatch (damaged, or written without this server's secret)")
+        return body
+
     def _mac(self, key: str, body: bytes) -> bytes:
-        return hmac.new(self.secret, key.encode() + body, hashlib.sha256).digest()
+        mac = hmac.new(self.secret, key.encode(), hashlib.sha256)
+        mac.update(body)
+        return mac.digest()
+
+
+@dataclass(frozen=True)
+class SealedChunkCodec(ChunkCodec):
+    """The records sealed with AES-256-GCM (module docstring): without the secret a record
+    tells nothing of its tokens or rows, and any change to it, or its move to another key,
+    fails to open. Built at start-up: ImportError (NEEDS_CRYPTOGRAPHY) there, not at the
+    first record, when the cryptography package is missing."""
+
+    magic: ClassVar[bytes] = SEALED_MAGIC
+    frame_bytes: ClassVar[int] = NONCE_BYTES + TAG_BYTES
+    seal_key: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "seal_key", derive_seal_key(self.secret))
+
+    def _protect(self, key: str, body: bytes) -> bytes:
+        """What follows the magic: nonce | ciphertext | tag."""
+        nonce = os.urandom(NONCE_BYTES)
+        aead, gcm_nonce = self._cipher(nonce)
+        return nonce + aead.encrypt(gcm_nonce, body, self.magic + key.encode())
+
+    def _open(self, key: str, framed: bytes) -> bytes:
+        from cryptography.exceptions import InvalidTag
+
+        aead, gcm_nonce = self._cipher(framed[:NONCE_BYTES])
+        try:
+            return aead.decrypt(gcm_nonce, framed[NONCE_BYTES:], self.magic + key.encode())
+        except InvalidTag:
+            raise ChunkError(
+                "seal does not open (damaged, moved from another key, or sealed without this "
+                "server's secret)"
+            ) from None
+
+    def _cipher(self, nonce: bytes) -> tuple[AESGCM, bytes]:
+        """The record's AES-GCM (its key from the nonce's first half) and GCM nonce."""
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        half = NONCE_BYTES // 2
+        record_key = hmac.new(self.seal_key, nonce[:half], hashlib.sha256).digest()
+        return AESGCM(record_key), nonce[half:]
+
+
+def derive_seal_key(secret: bytes) -> bytes:
+    """HKDF-SHA256(secret, no salt, info=SEAL_INFO), 32 bytes: the root of every record key.
+    ImportError (NEEDS_CRYPTOGRAPHY) when the cryptography package is missing."""
+    try:
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # noqa: F401
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+    except ImportError as e:
+        raise ImportError(NEEDS_CRYPTOGRAPHY) from e
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=SEAL_INFO).derive(secret)
 
 
 def drain(q: queue.Queue, timeout_s: float) -> None:

@@ -13,8 +13,9 @@ Rules:
   checks each field's type and runs their `__post_init__`: a `SamplingParams` re-checks
   itself, which an instance that was valid when sent always passes).
   No pickle anywhere (a socket is an attack surface even when local).
-- `rid` identifies a request end to end; the `n` samples of one request share it and are
-  told apart by `index`.
+- `rid` identifies a request end to end: past the api server it is the request's key
+  `"{tenant}/{client rid}"` (`server.manager.request_key`), unique while it is in flight;
+  the `n` samples of one request share it and are told apart by `index`.
 - Control requests carry a `seq` chosen by the api server; the response echoes it.
 - Structs are `array_like` (compact: field order is the wire format) and tagged by class
   name, so one decoder recognises every message.

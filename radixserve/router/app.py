@@ -3,9 +3,10 @@
 Routed by prompt (the policy picks): POST /generate (single, batch: the batch goes whole to
 the worker its first prompt picks; streamed or not), /v1/completions, /v1/chat/completions.
 Sent to the least-loaded worker: /v1/models, /get_model_info, /health_generate.
-Fanned out to every healthy worker: /flush_cache, /abort_request. The router's own:
-/health (200 while a worker is healthy), /metrics, /get_server_info, and GET / POST /
-DELETE /workers (list, add, remove: `{"url": "http://host:port"}`).
+Fanned out to every healthy worker: /flush_cache, /abort_request (the admin key gets every
+worker's answer by URL, an inference key one worker's answer, as a worker gives it). The
+router's own: /health (200 while a worker is healthy), /metrics, /get_server_info, and
+GET / POST / DELETE /workers (list, add, remove: `{"url": "http://host:port"}`).
 
 A request carrying an `X-Session-ID` header goes to the worker its session went to last
 (while that worker is up). A request is routed by its prompt within its part of the
@@ -199,8 +200,18 @@ async def _fan_out(request: Request) -> Response:
         raise ApiError(503, "no healthy worker", headers={"Retry-After": "1"})
     answers = dict(zip(urls, await asyncio.gather(*(one(u) for u in urls))))
     status = next((s for s, _ in answers.values() if s != 200), 200)
+    if role(request) != "admin":  # which workers there are is the admin's to know
+        return _one_answer(status, [b for s, b in answers.values() if s == status][0])
     workers = {u: {"status": s, "body": b} for u, (s, b) in answers.items()}
     return JSONResponse({"success": status == 200, "workers": workers}, status_code=status)
+
+
+def _one_answer(status: int, body: Any) -> Response:
+    """A worker's answer as one worker gives it; an error that is not a worker's JSON (a
+    worker out of reach: its text may name it) becomes a plain one."""
+    if not isinstance(body, dict):
+        return ApiError(status, "a worker failed to answer").response()
+    return JSONResponse(body, status_code=status)
 
 
 # ---------------------------------------------------------------- the router's own

@@ -2,7 +2,7 @@
 
 Invariant: every request a handler submitted is either finished or aborted when the handler
 ends, whatever way it ends (success, refusal of a sibling, client disconnect, cancellation).
-`abort` of a finished request is a no-op, so handlers simply abort all of theirs in `finally`.
+`cancel` of a finished request is a no-op, so handlers simply abort all of theirs in `finally`.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def submit_all(manager: RequestManager, reqs: list[GenerateReq], request: Reques
 
 def abort_all(manager: RequestManager, pendings: list[Pending]) -> None:
     for p in pendings:
-        manager.abort(p.rid)
+        manager.cancel(p)
 
 
 async def _wait_disconnect(request: Request) -> None:

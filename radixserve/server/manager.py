@@ -1,11 +1,14 @@
 """The api server's side of the IPC: submits requests, routes outputs, watches the children.
 
 One `RequestManager` lives in the api server's event loop:
-- `submit(GenerateReq)` registers a `Pending` (an asyncio queue of that request's events)
-  and sends the request to the tokenizer; `receive_loop` puts every `TextDelta` /
-  `RequestError` for the rid into its queue; `events(pending)` reads them back.
-- `abort(rid)` and every send are synchronous and non-blocking, so they are safe in the
-  `finally` of a cancelled handler (a client that went away).
+- `submit(GenerateReq, owner)` registers a `Pending` (an asyncio queue of that request's
+  events) and sends the request to the tokenizer; `receive_loop` puts every `TextDelta` /
+  `RequestError` for it into its queue; `events(pending)` reads them back.
+- A request is named by its tenant and rid together: the tokenizer and scheduler see the
+  key `"{owner}/{rid}"` (`request_key`; a tenant name holds no "/"), so two tenants may use
+  one rid at once, and the deltas are handed back under the client's own rid.
+- `cancel(pending)`, `abort(rid, tenant)` and every send are synchronous and non-blocking,
+  so they are safe in the `finally` of a cancelled handler (a client that went away).
 - A request leaves `pending` when its n-th sample finishes or it is refused; a final
   'abort' output is what an aborted request's samples finish with.
 - Back-pressure: `check_room` keeps the unfinished samples of `pending` within
@@ -26,6 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -65,9 +69,14 @@ class ChildDied(RuntimeError):
     """A child process exited while the server needed it."""
 
 
+def request_key(owner: str, rid: str) -> str:
+    """The name of tenant `owner`'s request `rid` past the api server (unique in flight)."""
+    return f"{owner}/{rid}"
+
+
 @dataclass
 class Pending:
-    rid: str
+    rid: str  # the client's
     n: int  # samples to expect
     owner: str = ADMIN_TENANT  # the tenant that sent it (radixserve/server/guard.py)
     created: float = field(default_factory=time.perf_counter)
@@ -76,6 +85,10 @@ class Pending:
     last_chunk_at: dict[int, float] = field(default_factory=dict)  # sample index -> time
     finished: int = 0  # samples finished, as seen by the receiver
     head: TextDelta | RequestError | None = None  # an event peeked by `first_event`
+
+    @property
+    def key(self) -> str:
+        return request_key(self.owner, self.rid)
 
     @property
     def done(self) -> bool:
@@ -97,7 +110,7 @@ class RequestManager:
         self._outbox.setsockopt(zmq.SNDHWM, 0)
         self._outbox.connect(ipc.tokenizer)
         self.procs: dict[str, BaseProcess] = {}
-        self.pending: dict[str, Pending] = {}
+        self.pending: dict[str, Pending] = {}  # request_key -> its Pending
         self.model_info: ModelInfo | None = None
         self.failure: str | None = None
         self._control: dict[int, asyncio.Future[ControlResp]] = {}
@@ -186,36 +199,42 @@ class RequestManager:
             )
 
     def submit(self, req: GenerateReq, owner: str = ADMIN_TENANT) -> Pending:
-        """Register and send one request of tenant `owner`. ApiError 400 if its rid is in
-        flight: the one check of it (the tokenizer and scheduler let a rid go before this
-        does)."""
+        """Register and send one request of tenant `owner`, under its `request_key` (`req`
+        itself keeps the client's rid). ApiError 400 if `owner` has its rid in flight: the
+        one check of it (the tokenizer and scheduler let a key go before this does)."""
         if self.failure is not None:
             raise ApiError(503, f"the server failed: {self.failure}")
-        if req.rid in self.pending:
+        pending = Pending(req.rid, req.sampling.n, owner)
+        if pending.key in self.pending:
             raise ApiError(400, f"rid {req.rid!r} is already in use", "rid")
         try:
-            data = encode(req)
+            data = encode(msgspec.structs.replace(req, rid=pending.key))
         except (OverflowError, ValueError) as e:  # msgspec: ints beyond 64 bits, lone surrogates
             raise ApiError(400, f"the request cannot be encoded: {e}") from e
-        pending = self.pending[req.rid] = Pending(req.rid, req.sampling.n, owner)
+        self.pending[pending.key] = pending
         try:
             self._outbox.send(data)
         except BaseException:
-            del self.pending[req.rid]  # never sent: its rid must not stay "in use"
+            del self.pending[pending.key]  # never sent: its rid must not stay "in use"
             raise
         return pending
 
+    def cancel(self, pending: Pending) -> None:
+        """Ask the scheduler to stop `pending`; a no-op once it finished."""
+        if self.pending.get(pending.key) is pending:
+            logger.info("aborting rid %r of tenant %r", pending.rid, pending.owner)
+            self.send(AbortReq(pending.key))
+
     def abort(self, rid: str, tenant: str | None = None) -> None:
-        """Ask the scheduler to stop `rid`; a no-op once it finished. ApiError 403 when a
-        `tenant` is given and did not send it (a tenant stops its own; None: the admin key,
-        any)."""
-        pending = self.pending.get(rid)
-        if pending is None:
-            return
-        if tenant is not None and tenant != pending.owner:
-            raise ApiError(403, f"rid {rid!r} was sent with another tenant's API key", "rid")
-        logger.info("aborting rid %r", rid)
-        self.send(AbortReq(rid))
+        """Stop the client rid `rid` of `tenant` (None, the admin key: of every tenant).
+        A rid the tenant has not in flight, another tenant's included, is a no-op."""
+        if tenant is None:
+            found = [p for p in self.pending.values() if p.rid == rid]
+        else:
+            own = self.pending.get(request_key(tenant, rid))
+            found = [] if own is None else [own]
+        for p in found:
+            self.cancel(p)
 
     async def first_event(self, pending: Pending) -> None:
         """Wait for `pending`'s first event without consuming it; ApiError if refused.
@@ -271,8 +290,8 @@ class RequestManager:
                 t.cancel()
 
     def fail_all(self, status: int, message: str) -> None:
-        for rid in list(self.pending):
-            self._on_error(RequestError(rid, status, message))
+        for key in list(self.pending):
+            self._on_error(RequestError(key, status, message))
 
     async def call(
         self, make: Callable[[int], ControlReq], timeout_s: float = CONTROL_TIMEOUT_S
@@ -299,12 +318,13 @@ class RequestManager:
             p = self.pending.get(d.rid)
             if p is None:
                 continue  # already failed or given up on
+            key, d.rid = d.rid, p.rid  # the client's rid from here on
             self._record(p, d, now)
             p.queue.put_nowait(d)
             if d.finish_reason is not None:
                 p.finished += 1
                 if p.done:
-                    del self.pending[d.rid]
+                    del self.pending[key]
                     self.metrics.e2e.observe(now - p.created)
 
     def _record(self, p: Pending, d: TextDelta, now: float) -> None:

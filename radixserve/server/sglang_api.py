@@ -28,7 +28,13 @@ from radixserve.message.messages import (
 )
 from radixserve.redact import redact_values
 from radixserve.server import openapi
-from radixserve.server.flow import sse, start_stream, submit_all, unless_disconnected
+from radixserve.server.flow import (
+    abort_all,
+    sse,
+    start_stream,
+    submit_all,
+    unless_disconnected,
+)
 from radixserve.server.guard import require_admin, stops
 from radixserve.server.manager import Pending, RequestManager
 from radixserve.server.protocol import ApiError, bad, check_fields, get, get_int, read_json
@@ -233,7 +239,7 @@ async def health_generate(request: Request) -> Response:
     try:
         await asyncio.wait_for(_collect(manager, pendings), HEALTH_GENERATE_TIMEOUT_S)
     except (ApiError, asyncio.TimeoutError) as e:
-        manager.abort(req.rid)
+        abort_all(manager, pendings)
         return JSONResponse({"status": "unhealthy", "error": str(e)}, status_code=503)
     return Response(status_code=200)
 
@@ -297,13 +303,15 @@ async def flush_cache(request: Request) -> Response:
 
 @router.post("/abort_request")
 async def abort_request(request: Request) -> Response:
+    """Stop the caller's request `rid` (the admin key: that rid of every tenant), or with
+    `abort_all` (admin key) every request. 200 whether or not such a request is in flight:
+    a tenant's abort of a rid only another tenant has in flight is an unknown rid to it."""
     body = await read_json(request)
     check_fields(body, {"rid", "abort_all"})
     manager = _manager(request)
     if get(body, "abort_all", "bool", False):
         require_admin(request, "abort_all")
-        for rid in list(manager.pending):
-            manager.abort(rid)
+        abort_all(manager, list(manager.pending.values()))
         return JSONResponse({"success": True})
     rid = get(body, "rid", "str")
     if rid is None:
