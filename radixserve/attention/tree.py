@@ -4,13 +4,13 @@ How a step's plan is made: attention/tree_plan.py.
 
 Per layer: write the new K/V, ONE private_attention call for the whole batch, one
 segment_attention per kept segment (queries of all its requests stacked, K/V read once), then
-one merge_states over the rows that have any shared part; attention sinks then apply once, to
-the merged (out, lse) of every row (attention/base.py `with_sinks`). With kernels that read the pool in
+one merge_states over the rows that have any shared part. With kernels that read the pool in
 place (`kernels.reads_pool_in_place`) segments and private parts are passed as slot lists
 into the pool and the merge is fused: segments run in plan order, each starting from its
 rows' running (out, lse) state (the pool ops' `prior`), and the private part last, from the
 state of all of them; no merge buffer, no merge pass. Otherwise a segment whose slots are
-not one range is gathered first.
+not one range is gathered first. Attention sinks apply once, to each row's merged (out, lse)
+(attention/base.py `with_sinks`), never to a part.
 """
 
 from __future__ import annotations

@@ -1,0 +1,291 @@
+"""gpt-oss (`GptOssForCausalLM`) against HF transformers (the oracle) on a tiny random
+checkpoint built here (models/synthetic.py TINY_FAMILIES["gpt_oss"]: 4 layers alternating
+sliding (window 8) and full, 8 experts with biases, 2 a token, head_dim 32 in a hidden of 64,
+YaRN past an original context of 64, random biases and sinks). Tolerances:
+    logits (float32): max abs diff <= 1e-4 x the largest |logit| (measured ~2e-5: the float32
+                      rounding of transformers' eager attention against our kernels, as far
+                      apart as transformers' own whole-prompt and one-token-at-a-time runs)
+    one MoE block: float32 equal; bf16 within 1% of its output's scale
+    RMSNorm, RoPE tables, router choices: equal
+    greedy tokens: identical to HF generate(do_sample=False), 8 prompts x 32 tokens
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from helpers import assert_all_free, keep_every_segment
+from test_families import (
+    ENGINE,
+    NEW_TOKENS,
+    REL_TOL,
+    _one_thread,  # noqa: F401  (its autouse fixture: one torch thread)
+    hf_greedy,
+    hf_logits_one_at_a_time,
+    hf_model,
+    prompts,
+)
+from test_moe import assert_close, our_logits
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from radixserve import Engine
+from radixserve.attention.flat import FlatBackend
+from radixserve.attention.tree import TreeBackend
+from radixserve.models import load_model
+from radixserve.models.config import ModelConfig
+from radixserve.models.moe import MoE, route
+from radixserve.models.rope import inv_freq
+from radixserve.models.synthetic import build_tiny_model
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("gpt_oss") / "tiny", seed=3, family="gpt_oss")
+
+
+def test_config_reads_the_family(checkpoint: Path) -> None:
+    _, cfg = load_model(checkpoint, torch.float32)
+    expect = dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_layers=(),
+        router_bias=True, topk_softmax=True, expert_bias=True, swiglu_alpha=1.702,
+        swiglu_limit=7.0, attn_sinks=True, norm_weight_f32=True, qkv_bias=True, o_bias=True,
+        head_dim=32, sliding_window=8, layer_types=(SLIDING, FULL, SLIDING, FULL),
+        rope_theta=150000.0,
+    )  # fmt: skip
+    assert {k: getattr(cfg, k) for k in expect} == expect
+    s = cfg.rope_scaling
+    assert s is not None and (s.type, s.factor, s.original_max_position_embeddings) == (
+        "yarn", 16.0, 64
+    )  # fmt: skip
+    assert not s.truncate and cfg.uniform_rope
+    assert [cfg.window(i) for i in range(4)] == [8, 0, 8, 0]
+
+
+# ---------------------------------------------------------------- YaRN
+
+YARN_BASE = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+             "max_position_embeddings": 4096, "num_hidden_layers": 2,
+             "num_local_experts": 4, "num_experts_per_tok": 2}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"factor": 32.0, "original_max_position_embeddings": 128, "beta_fast": 32.0,
+         "beta_slow": 1.0, "truncate": False},  # gpt-oss's own (scaled down)
+        {"factor": 8.0, "original_max_position_embeddings": 512},  # truncated bounds
+        {"factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 16,
+         "beta_slow": 2, "attention_factor": 0.9},
+        {"factor": 4.0, "original_max_position_embeddings": 1024, "mscale": 0.8,
+         "mscale_all_dim": 0.6},
+        {"factor": None, "original_max_position_embeddings": 256},  # 4096 / 256
+        {"factor": 1.0, "original_max_position_embeddings": 4096},  # no attention factor
+    ],
+)  # fmt: skip
+def test_yarn_frequencies_and_attention_factor_are_transformers(params: dict[str, Any]) -> None:
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, **params}
+    theirs = transformers.GptOssConfig(**YARN_BASE, rope_parameters=rope)
+    want, factor = ROPE_INIT_FUNCTIONS["yarn"](theirs)
+    ours = ModelConfig.from_hf({**theirs.to_dict(), "architectures": ["GptOssForCausalLM"]})
+    assert ours.rope_scaling is not None and ours.rope_scaling.type == "yarn"
+    assert ours.rope_scaling.attention_factor == factor
+    assert torch.equal(inv_freq(ours.rope), want)
+
+
+def test_rope_theta_defaults_to_the_familys() -> None:
+    cfg = {**YARN_BASE, "architectures": ["GptOssForCausalLM"], "intermediate_size": 32,
+           "vocab_size": 256}  # fmt: skip
+    assert ModelConfig.from_hf(cfg).rope_theta == 150000.0
+    assert ModelConfig.from_hf({**cfg, "rope_theta": 5e5}).rope_theta == 5e5
+
+
+# ---------------------------------------------------------------- against transformers
+
+
+def test_logits_match_hf_through_prefill_extend_and_decode(checkpoint: Path) -> None:
+    """Flat attention over the slots, and tree attention over sliding rows of their own: 80
+    positions (prefill 20, extend 25, decode 35), ten windows and past YaRN's original
+    context."""
+    model, _ = load_model(checkpoint, torch.float32)
+    assert not model.use_native_layers()
+    ids = torch.randint(100, 20000, (80,), generator=torch.Generator().manual_seed(5)).tolist()
+    want = hf_logits_one_at_a_time(hf_model(checkpoint), ids)
+    for backend in (FlatBackend(), TreeBackend()):
+        assert_close(our_logits(model, ids, backend), want, REL_TOL, backend.name)
+
+
+def test_the_sinks_matter(checkpoint: Path) -> None:
+    """Zeroed sinks move the logits far past the tolerance: the logits test checks them."""
+    model, _ = load_model(checkpoint, torch.float32)
+    ids = torch.randint(100, 20000, (30,), generator=torch.Generator().manual_seed(6)).tolist()
+    want = hf_logits_one_at_a_time(hf_model(checkpoint), ids)
+    for layer in model.model.layers:
+        assert layer.self_attn.sinks is not None
+        layer.self_attn.sinks.zero_()
+    diff = (our_logits(model, ids) - want).abs().max().item()
+    assert diff > 100 * REL_TOL * want.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_block_matches_hfs(checkpoint: Path, dtype: torch.dtype) -> None:
+    """One MoE block over 40 tokens against HF's own block with the same weights: the
+    experts' biases, interleaved gate / up columns and clamped SwiGLU (large inputs, so the
+    clamps bind)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
+    model, config = load_model(checkpoint, dtype, packed_linear=False)
+    for i in range(config.num_layers):
+        theirs, ours = hf.model.layers[i].mlp.eval(), model.model.layers[i].mlp
+        assert isinstance(ours, MoE)
+        x = torch.randn(1, 40, config.hidden_size, generator=torch.Generator().manual_seed(i))
+        x = (4 * x).to(dtype)
+        with torch.no_grad():
+            want, got = theirs(x)[0].float(), ours(x[0]).float()
+            gate_up = hf_gate_up(x[0].float(), hf.model.layers[i].mlp.experts)
+        assert gate_up.abs().max() > 7.0  # the clamp at swiglu_limit 7 binds
+        if dtype == torch.float32:
+            assert torch.equal(got, want[0]), i
+        else:
+            assert_close(got, want[0], 1e-2, f"layer {i} {dtype}")
+
+
+def hf_gate_up(x: torch.Tensor, experts: Any) -> torch.Tensor:
+    """Every expert's gate/up projection of x (T, hidden), HF's layout -> (E, T, 2I)."""
+    w, b = experts.gate_up_proj.float(), experts.gate_up_proj_bias.float()  # (E, h, 2I), (E, 2I)
+    return torch.einsum("th,ehi->eti", x, w) + b[:, None]
+
+
+def test_norms_multiply_by_their_weight_in_float32(checkpoint: Path) -> None:
+    """bf16: gpt-oss's norm multiplies the float32 normalised rows by its weight (promoted to
+    float32) before the cast back, where Llama's casts first; ours does the same."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    model, config = load_model(checkpoint, torch.bfloat16, packed_linear=False)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(1, 30, config.hidden_size, generator=g) * 3).to(torch.bfloat16)
+    with torch.no_grad():
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            theirs = getattr(hf.model.layers[1], name)
+            theirs.weight.copy_(torch.randn(config.hidden_size, generator=g))
+            ours = getattr(model.model.layers[1], name)
+            ours.weight.copy_(theirs.weight)
+            assert torch.equal(ours(x[0]), theirs(x)[0]), name
+
+
+def test_a_tied_router_picks_the_experts_hfs_does(tmp_path: Path) -> None:
+    """Ties resolve as torch.topk resolves them on the same logits: layer 0's router scores
+    expert 0 by its row and the other seven alike (weights 0, biases equal: a 7-way tie for
+    the last slot, or both), layer 2's scores every expert alike (an 8-way tie)."""
+    path = build_tiny_model(tmp_path / "tied", seed=9, family="gpt_oss")
+    hf = hf_model(path)
+    routers = [hf.model.layers[i].mlp.router for i in (0, 2)]
+    with torch.no_grad():
+        routers[0].weight[1:] = 0
+        routers[0].bias[1:] = 0.25
+        routers[1].weight[:] = 0
+        routers[1].bias[:] = -0.5
+    hf.save_pretrained(path)
+    model, config = load_model(path, torch.float32)
+    ids = torch.randint(100, 20000, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    assert_close(our_logits(model, ids), hf_logits_one_at_a_time(hf, ids), REL_TOL, "tied")
+    x = torch.randn(50, config.hidden_size, generator=torch.Generator().manual_seed(2))
+    for i in (0, 2):
+        with torch.no_grad():
+            _, want_w, want_ids = hf.model.layers[i].mlp.router(x)
+            logits = model.model.layers[i].mlp.gate(x)
+        weights, got_ids = route(logits, 2, True, topk_softmax=True)
+        assert torch.equal(got_ids, want_ids) and torch.equal(weights, want_w), i
+    # layer 2: one choice for all, weighted alike
+    assert len({tuple(r) for r in want_ids.tolist()}) == 1 and want_w[0].tolist() == [0.5, 0.5]
+
+
+def test_server_greedy_matches_hf_generate(checkpoint: Path) -> None:
+    """HF's greedy tokens for 8 prompts x 32 tokens (17-31 tokens each: past the window)
+    from two engines: tree attention keeping every shared segment with speculative decoding,
+    and flat attention with none."""
+    hf = hf_model(checkpoint)
+    ps = prompts(seed=11)
+    want = [hf_greedy(hf, p) for p in ps]
+    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    spec = Engine(str(checkpoint), attention_backend="tree", **ENGINE)
+    plain = Engine(str(checkpoint), attention_backend="flat",
+                   speculative_algorithm="none", **ENGINE)  # fmt: skip
+    backend = spec.scheduler.worker.backend
+    assert isinstance(backend, TreeBackend)
+    with keep_every_segment(backend):
+        first = spec.generate(input_ids=ps[:2], sampling_params=params)
+        rest = spec.generate(input_ids=ps[2:], sampling_params=params)
+    again = spec.generate(input_ids=ps[3], sampling_params=params)  # drafts: the cache
+    assert [o["output_ids"] for o in first + rest] == want
+    assert again["output_ids"] == want[3]
+    assert spec.scheduler.stats().accepted_draft_tokens_total > 0
+    out = plain.generate(input_ids=ps, sampling_params=params)
+    assert [o["output_ids"] for o in out] == want
+    for engine in (spec, plain):
+        assert_all_free(engine)
+
+
+@pytest.mark.slow  # a two-process engine: ~10 s
+def test_tensor_parallel_greedy_matches_hf(checkpoint: Path) -> None:
+    """Two ranks, each with half of the heads (and their sinks) and half of every expert's
+    rows (and biases; the down bias added once): HF's greedy tokens."""
+    from radixserve.distributed.parallel import get_tp
+
+    hf = hf_model(checkpoint)
+    ps = prompts(seed=12)[:4]
+    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    engine = Engine(str(checkpoint), tp_size=2, **ENGINE)
+    try:
+        out = engine.generate(input_ids=ps, sampling_params=params)
+        assert [o["output_ids"] for o in out] == [hf_greedy(hf, p) for p in ps]
+    finally:
+        tp = get_tp()
+        engine.worker.close()
+    assert tp is not None and [p.exitcode for p in tp.followers] == [0]
+
+
+# ---------------------------------------------------------------- what is refused
+
+BASE = {"architectures": ["GptOssForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "intermediate_size": 32, "vocab_size": 256, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "sliding_window": 8,
+        "layer_types": [SLIDING, FULL]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [("quantization_config", {"quant_method": "mxfp4"}, "unsupported quantization_config="),
+     ("num_experts_per_tok", 9, "unsupported num_experts_per_tok=9 with 8 experts"),
+     ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0},
+      "unsupported rope scaling type 'dynamic'"),
+     ("layer_types", [SLIDING, "chunked_attention"], "unsupported layer_types"),
+     ("hidden_act", "gelu", "unsupported hidden_act 'gelu'"),
+     ("n_shared_experts", 1, "unsupported n_shared_experts=1")],
+)  # fmt: skip
+def test_unsupported_fields_are_named(field: str, value: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelConfig.from_hf({**BASE, field: value})
+    training_only = {"router_aux_loss_coef": 0.9, "output_router_logits": True,
+                     "attention_dropout": 0.1}  # fmt: skip
+    assert ModelConfig.from_hf({**BASE, **training_only}).num_experts == 8
+
+
+def test_a_missing_expert_bias_is_named(checkpoint: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((checkpoint / name).read_bytes())
+    state = load_file(str(checkpoint / "model.safetensors"))
+    del state["model.layers.1.mlp.experts.gate_up_proj_bias"]
+    del state["model.layers.0.self_attn.sinks"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    missing = ["model.layers.0.self_attn.sinks", "model.layers.1.mlp.experts.gate_proj_bias",
+               "model.layers.1.mlp.experts.up_proj_bias"]  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape(f"missing {missing}")):
+        load_model(tmp_path, torch.float32)
