@@ -16,6 +16,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import gguf
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -30,15 +32,29 @@ from test_families import (
     hf_model,
     prompts,
 )
+from test_gguf_families import (
+    F32,
+    MATH,
+    Q8_0,
+    VOCAB,
+    metadata,
+    randomized,
+    sizes,
+    write_tokenizer,
+)
 from test_moe import assert_close, our_logits
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from radixserve import Engine
 from radixserve.attention.flat import FlatBackend
 from radixserve.attention.tree import TreeBackend
-from radixserve.models import load_model
+from radixserve.models import load_model, resolve_model_path
 from radixserve.models.config import ModelConfig
+from radixserve.models.gguf_config import config_from_metadata
+from radixserve.models.gguf_layout import tensor_dims, write_metadata
+from radixserve.models.gguf_weights import gguf_tensors
 from radixserve.models.moe import MoE, route
+from radixserve.models.quant import QuantLinear
 from radixserve.models.rope import inv_freq
 from radixserve.models.synthetic import build_tiny_model
 
@@ -289,3 +305,177 @@ def test_a_missing_expert_bias_is_named(checkpoint: Path, tmp_path: Path) -> Non
                "model.layers.1.mlp.experts.up_proj_bias"]  # fmt: skip
     with pytest.raises(ValueError, match=re.escape(f"missing {missing}")):
         load_model(tmp_path, torch.float32)
+
+
+# ---------------------------------------------------------------- GGUF files
+
+MXFP4 = gguf.GGMLQuantizationType.MXFP4
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A temp folder, also the cache that GGUF files are converted into."""
+    monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path / "cache"))
+    return tmp_path
+
+
+GGUF_MATH = ["head_dim", "attention_bias", "sliding_window", "layer_types", "num_local_experts",
+             "num_experts_per_tok", "swiglu_alpha", "swiglu_limit"]  # fmt: skip
+
+
+def tiny_for_gguf() -> Any:
+    """2 layers (sliding, full), untied (llama.cpp's gpt-oss needs `output`), experts of 128
+    rows (MXFP4 blocks of 32), every parameter random."""
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+            "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False}  # fmt: skip
+    config = transformers.GptOssConfig(
+        **sizes(VOCAB), num_hidden_layers=2, head_dim=32, max_position_embeddings=512,
+        num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+        tie_word_embeddings=False, rope_parameters=rope,
+    )  # fmt: skip
+    return randomized(transformers.GptOssForCausalLM(config), 13)
+
+
+def converted(model: Any) -> list[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 values) of the model's tensors as llama.cpp's converter writes a
+    float gpt-oss checkpoint: `sinks` + `.weight`; gate_up_proj transposed to (E, 2I, hidden)
+    and split into its even (gate) and odd (up) rows, its bias alike; down_proj transposed to
+    (E, hidden, I); names through the gguf package's map."""
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, model.config.num_hidden_layers)
+    out = []
+    for hf, t in model.state_dict().items():
+        for name, v in _split(hf, t.float()).items():
+            gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            out.append((gguf_name, v.contiguous().numpy()))
+    return out
+
+
+def _split(hf: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One HF tensor as the converter's tensors, under the names it maps (`converted`)."""
+    stem, _, part = hf.rpartition(".")
+    if part == "sinks":
+        return {f"{hf}.weight": x}
+    if part == "gate_up_proj":
+        rows = x.transpose(1, 2)  # (E, 2I, hidden)
+        return {f"{stem}.gate_proj.weight": rows[:, ::2], f"{stem}.up_proj.weight": rows[:, 1::2]}
+    if part == "gate_up_proj_bias":
+        return {f"{stem}.gate_proj.bias": x[:, ::2], f"{stem}.up_proj.bias": x[:, 1::2]}
+    if part == "down_proj":
+        return {f"{stem}.down_proj.weight": x.transpose(1, 2)}
+    if part == "down_proj_bias":
+        return {f"{stem}.down_proj.bias": x}
+    return {hf: x}
+
+
+def write_gpt_oss_gguf(model: Any, out: Path, experts: Any = F32, matrices: Any = F32) -> Path:
+    """`model` as a gpt-oss GGUF: its experts' weights in `experts`, the layers' other
+    matrices in `matrices` (the router F32, as the converter keeps it), the rest F32."""
+    w = gguf.GGUFWriter(str(out), "gpt-oss")
+    write_metadata(w, model.config)
+    write_tokenizer(w)
+    for name, x in converted(model):
+        kind = experts if name.endswith("_exps.weight") else matrices
+        if x.ndim == 2 and (not name.startswith("blk.") or ".ffn_gate_inp." in name):
+            kind = F32
+        kind = kind if x.ndim >= 2 and name.endswith(".weight") else F32
+        if kind == F32:
+            w.add_tensor(name, x)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(x, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_gguf_tensor_layout_is_the_converters() -> None:
+    model = tiny_for_gguf()
+    assert tensor_dims(model.config) == {name: x.shape for name, x in converted(model)}
+
+
+def test_gguf_config_and_weights_equal_the_hf_models(cache: Path) -> None:
+    """The converted folder's config equals the HF model's on every field that changes the
+    math, and the model loaded from the file equals the one loaded from the HF folder."""
+    hf = tiny_for_gguf()
+    file = write_gpt_oss_gguf(hf, cache / "tiny-gpt-oss.gguf")
+    folder = resolve_model_path(str(file))
+    ours, theirs = transformers.AutoConfig.from_pretrained(folder), hf.config
+    assert ours.architectures == ["GptOssForCausalLM"]
+    for field in MATH + GGUF_MATH:
+        assert getattr(ours, field) == getattr(theirs, field), field
+    hf.save_pretrained(cache / "hf")
+    from_gguf, _ = load_model(folder, torch.float32)
+    from_hf, _ = load_model(cache / "hf", torch.float32)
+    want = from_hf.state_dict()
+    assert from_gguf.state_dict().keys() == want.keys()
+    for name, t in from_gguf.state_dict().items():
+        assert torch.equal(t, want[name]), name
+
+
+@pytest.mark.parametrize(("experts", "matrices"), [(F32, F32), (MXFP4, Q8_0)])
+def test_a_gguf_file_runs_as_its_hf_model(experts: Any, matrices: Any, cache: Path) -> None:
+    """The file through the engine's loader gives the HF model's logits (prefill, extend,
+    decodes past the window). MXFP4 experts (as llama.cpp's gpt-oss files hold them) are
+    dequantized at load by the gguf package, Q8_0 attention matrices stay in blocks; the HF
+    model gets the same rounded weights."""
+    hf = tiny_for_gguf()
+    path = write_gpt_oss_gguf(hf, cache / "gpt-oss.gguf", experts, matrices)
+    kinds = {t.tensor_type for t in gguf_tensors(path).tensors if t.name.endswith("exps.weight")}
+    assert kinds == {experts}
+    model, _ = load_model(resolve_model_path(str(path)), torch.float32)
+    assert (matrices == Q8_0) == any(isinstance(m, QuantLinear) for m in model.modules())
+    if matrices == Q8_0:
+        plain, _ = load_model(resolve_model_path(str(path)), torch.float32, quantization="none")
+        exact = {name: torch.from_numpy(x) for name, x in converted(hf)}
+        for i in range(hf.config.num_hidden_layers):  # the experts dequantized in place
+            got = plain.state_dict()[f"model.layers.{i}.mlp.experts.gate_up_proj"]
+            want = torch.cat([exact[f"blk.{i}.ffn_{g}_exps.weight"] for g in ("gate", "up")], 1)
+            assert (got - want).norm() < 0.2 * want.norm(), i  # MXFP4's error, not a mix-up
+        set_hf_weights(hf, plain)
+    ids = torch.randint(0, VOCAB, (70,), generator=torch.Generator().manual_seed(7)).tolist()
+    want = hf_logits_one_at_a_time(hf, ids)
+    assert_close(our_logits(model, ids), want, REL_TOL if matrices == F32 else 1e-3, "gguf")
+
+
+def set_hf_weights(hf: Any, ours: Any) -> None:
+    """Our (dequantized) model's weights into the HF model, in transformers' layout: q/k/v
+    and the experts' gate/up unfused, gate/up columns interleaved, down transposed."""
+    state = ours.state_dict()
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            p, a = f"model.layers.{i}.", layer.self_attn
+            q, k, v = state[p + "self_attn.qkv_proj.weight"].split(
+                [a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features]
+            )
+            a.q_proj.weight.copy_(q), a.k_proj.weight.copy_(k), a.v_proj.weight.copy_(v)
+            a.o_proj.weight.copy_(state[p + "self_attn.o_proj.weight"])
+            e = layer.mlp.experts
+            gate, up = state[p + "mlp.experts.gate_up_proj"].chunk(2, dim=1)  # (E, I, hidden)
+            e.gate_up_proj[..., ::2] = gate.transpose(1, 2)
+            e.gate_up_proj[..., 1::2] = up.transpose(1, 2)
+            e.down_proj.copy_(state[p + "mlp.experts.down_proj"].transpose(1, 2))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "why"),
+    [("rope.scaling.type", "linear", "gpt-oss's RoPE is YaRN"),
+     ("expert_feed_forward_length", 64, "differs from .feed_forward_length"),
+     ("rope.freq_base_swa", 5e5, "the HF model has one RoPE base"),
+     ("expert_weights_scale", 2.0, "radixserve does not read this gpt-oss key")],
+)  # fmt: skip
+def test_gguf_metadata_the_config_cannot_express_raises_naming_it(
+    key: str, value: Any, why: str
+) -> None:
+    keys = {"expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 128,
+            "attention.sliding_window": 8, "rope.scaling.type": "yarn",
+            "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 64}  # fmt: skip
+    shapes = {"token_embd.weight": (VOCAB, 64)}
+    meta = metadata("gpt-oss", **{**keys, key: value})
+    with pytest.raises(ValueError, match=re.escape(f"gpt-oss.{key} = {value!r} in the GGUF")):
+        config_from_metadata("gpt-oss", meta, shapes, {})
+    with pytest.raises(ValueError, match=why):
+        config_from_metadata("gpt-oss", meta, shapes, {})
+    cfg = config_from_metadata("gpt-oss", metadata("gpt-oss", **keys), shapes, {})
+    assert cfg["layer_types"] == [SLIDING, FULL] and cfg["rope_parameters"]["truncate"] is False

@@ -20,7 +20,8 @@ prefix `model.layers.{i}.mlp.`), which the loader checks, shards and then fuses:
         down_proj_bias (E, hidden), the router          down transposed, its bias as it is
         mlp.router.weight / .bias                       (experts.down_proj_bias); the router
                                                         is `mlp.gate`
-    GGUF ffn_gate_exps / ffn_up_exps / ffn_down_exps  the same (gguf_weights.LAYER_NAMES)
+    GGUF ffn_gate_exps / ffn_up_exps / ffn_down_exps  the same (gguf_weights.LAYER_NAMES;
+        (+ .bias: gpt-oss)                              gpt-oss's biases `*_proj_bias`)
 
 and the router `mlp.gate.weight` (E, hidden) (+ `mlp.gate.bias` (E,)). The model holds
 `experts.gate_up_proj` (E, 2I, hidden) = cat(gate, up) per expert, and `experts.down_proj`
@@ -77,15 +78,17 @@ def stack_experts(hf: dict[str, Weight], config: ModelConfig) -> dict[str, Weigh
 
 
 def _interleaved(out: dict[str, Weight], p: str) -> None:
-    """gpt-oss's experts under prefix `p` (module docstring) -> stacked names, in place."""
-    gate_up, down = out.get(p + "gate_up_proj"), out.get(p + "down_proj")
-    if isinstance(gate_up, torch.Tensor):  # (E, hidden, 2I): column 2j gate j, 2j + 1 up j
-        del out[p + "gate_up_proj"]
-        out[p + "gate_proj"] = gate_up[..., ::2].transpose(1, 2).contiguous()  # (E, I, hidden)
-        out[p + "up_proj"] = gate_up[..., 1::2].transpose(1, 2).contiguous()
-    bias = out.get(p + "gate_up_proj_bias")
+    """gpt-oss's experts under prefix `p` (module docstring) -> stacked names, in place. Only
+    a checkpoint of transformers' layout (it has `gate_up_proj`) has them so; a GGUF's
+    experts come stacked already, under the same `down_proj` name."""
+    gate_up, down = out.pop(p + "gate_up_proj", None), out.get(p + "down_proj")
+    if not isinstance(gate_up, torch.Tensor):
+        return
+    # (E, hidden, 2I): column 2j is gate row j, column 2j + 1 up row j
+    out[p + "gate_proj"] = gate_up[..., ::2].transpose(1, 2).contiguous()  # (E, I, hidden)
+    out[p + "up_proj"] = gate_up[..., 1::2].transpose(1, 2).contiguous()
+    bias = out.pop(p + "gate_up_proj_bias", None)
     if isinstance(bias, torch.Tensor):  # (E, 2I) interleaved alike
-        del out[p + "gate_up_proj_bias"]
         out[p + "gate_proj_bias"], out[p + "up_proj_bias"] = bias[:, ::2], bias[:, 1::2]
     if isinstance(down, torch.Tensor):  # (E, I, hidden)
         out[p + "down_proj"] = down.transpose(1, 2).contiguous()  # (E, hidden, I)
