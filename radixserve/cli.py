@@ -38,7 +38,7 @@ from radixserve.router.config import ROUTING_POLICIES, RouterConfig
 
 HELP = {
     "model": "HF checkpoint folder, .gguf file or hub id (Llama, Qwen2, Mistral, Qwen3, "
-    "Gemma 2 and 3, Phi-3 / Phi-4-mini, SmolLM3, Qwen3-MoE, OLMoE, Mixtral); "
+    "Gemma 2 and 3, Phi-3 / Phi-4-mini, SmolLM3, Qwen3-MoE, OLMoE, Mixtral, gpt-oss); "
     "default: the embedded SmolLM2-135M-Instruct",
     "revision": "branch, tag or commit of a hub id (default: main)",
     "served_model_name": "model name in /v1/models and responses (default: --model as given)",

@@ -170,9 +170,10 @@ def test_unsupported_fields_are_named() -> None:
     gemma2 = {**base, "architectures": ["Gemma2ForCausalLM"], "sliding_window": 8}
     with pytest.raises(ValueError, match="use_bidirectional_attention=True"):
         ModelConfig.from_hf({**gemma2, "use_bidirectional_attention": True})
-    with pytest.raises(ValueError, match="unsupported rope scaling type 'yarn'"):
+    dynamic = {"rope_type": "dynamic", "factor": 4.0}
+    with pytest.raises(ValueError, match="unsupported rope scaling type 'dynamic'"):
         ModelConfig.from_hf({**base, "architectures": ["Qwen3ForCausalLM"],
-                             "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})  # fmt: skip
+                             "rope_parameters": dynamic})  # fmt: skip
     phi3 = {**base, "architectures": ["Phi3ForCausalLM"], "rope_scaling": {
         "type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}  # fmt: skip
     with pytest.raises(ValueError, match="short_factor / long_factor have 1 / 1 entries"):

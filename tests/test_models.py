@@ -327,8 +327,8 @@ def test_unsupported_architecture_and_rope_raise() -> None:
     }
     with pytest.raises(ValueError, match="supported: LlamaForCausalLM, Qwen2ForCausalLM"):
         ModelConfig.from_hf({**cfg, "architectures": ["GPT2LMHeadModel"]})
-    with pytest.raises(ValueError, match="unsupported rope scaling type 'yarn'"):
-        ModelConfig.from_hf({**cfg, "rope_scaling": {"type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="unsupported rope scaling type 'dynamic'"):
+        ModelConfig.from_hf({**cfg, "rope_scaling": {"type": "dynamic", "factor": 4.0}})
     with pytest.raises(ValueError, match="hidden_act"):
         ModelConfig.from_hf({**cfg, "hidden_act": "gelu"})
 

@@ -390,7 +390,7 @@ def test_experts_in_k_quant_blocks_are_read_in_place_and_match_float_experts() -
     assert quant.gate_up[2].blocks1.data_ptr() == stacks["up"].blocks[2].data_ptr()
     plain = {n: dequantize(s.blocks.reshape(-1, s.blocks.shape[-1]), s.fmt, s.in_features)
              for n, s in stacks.items()}  # fmt: skip
-    floats = Experts(e, hidden, inter)
+    floats = Experts(e, hidden, inter, bias=False)
     gate, up = (plain[n].view(e, inter, hidden) for n in ("gate", "up"))
     floats.gate_up_proj.copy_(torch.cat([gate, up], dim=1))
     floats.down_proj.copy_(plain["down"].view(e, hidden, inter))

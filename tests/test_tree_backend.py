@@ -120,12 +120,14 @@ def tree(min_requests: int, min_tokens: int) -> TreeBackend:
     return TreeBackend(min_requests, min_tokens, min_reads=1, min_tokens_extend=min_tokens)
 
 
-def run_backend(backend: AttentionBackend, case: Case, scale: float) -> torch.Tensor:
+def run_backend(
+    backend: AttentionBackend, case: Case, scale: float, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     """Plan + one layer's forward on a fresh copy of the pre-step pool."""
     case.batch.kv_pool.k[0].copy_(case.k_before)
     case.batch.kv_pool.v[0].copy_(case.v_before)
     backend.plan(case.batch)
-    out = backend.forward(case.q, case.k, case.v, 0, case.batch, scale)
+    out = backend.forward(case.q, case.k, case.v, 0, case.batch, scale, sinks=sinks)
     assert torch.equal(case.batch.kv_pool.k[0], case.k_all), "pool K after forward"
     assert torch.equal(case.batch.kv_pool.v[0], case.v_all), "pool V after forward"
     return out
@@ -637,7 +639,14 @@ def window_oracle(case: Case, scale: float, w: int) -> torch.Tensor:
     return torch.cat(outs)
 
 
-def run_sliding(backend: AttentionBackend, case: Case, scale: float, w: int, rows: bool) -> Any:
+def run_sliding(
+    backend: AttentionBackend,
+    case: Case,
+    scale: float,
+    w: int,
+    rows: bool,
+    sinks: torch.Tensor | None = None,
+) -> Any:
     """Plan + one sliding layer's forward; with `rows`, over a pool whose layer keeps its K/V
     in rows of its own (each slot's in a random row), as a sliding pool does."""
     batch, k_before, v_before, k_all, v_all = (
@@ -660,7 +669,7 @@ def run_sliding(backend: AttentionBackend, case: Case, scale: float, w: int, row
     batch.kv_pool.k[0].copy_(k_before)
     batch.kv_pool.v[0].copy_(v_before)
     backend.plan(batch)
-    out = backend.forward(case.q, case.k, case.v, 0, batch, scale, window=w)
+    out = backend.forward(case.q, case.k, case.v, 0, batch, scale, window=w, sinks=sinks)
     assert torch.equal(batch.kv_pool.k[0], k_all), "pool K after forward"
     assert torch.equal(batch.kv_pool.v[0], v_all), "pool V after forward"
     return out, batch
@@ -716,6 +725,110 @@ def test_decode_attends_shared_keys_inside_the_window_once(rows: bool) -> None:
         ((4, 5), in_rows[210:].tolist()),
     ]
     assert [len(p) for p in private_per_request(plan)] == [20] * 4 + [10] * 2
+
+
+# ------------------------------------------------------------------- attention sinks
+
+
+def sink_oracle(case: Case, scale: float, sinks: torch.Tensor, w: int = 0) -> torch.Tensor:
+    """Each query row's softmax over its visible keys (window `w`, 0: all) and one more logit,
+    sinks[h], of a key whose value is zero, written out row by row."""
+    group = case.q.shape[1] // case.k.shape[1]
+    outs, q0 = [], 0
+    for idx, ql in zip(case.batch.kv_indices, case.batch.extend_lens, strict=True):
+        kk = case.k_all[idx].repeat_interleave(group, dim=1)  # (S, Hq, D)
+        vv = case.v_all[idx].repeat_interleave(group, dim=1)
+        for i in range(ql):
+            p = len(idx) - ql + i
+            lo = max(0, p - w + 1) if w else 0
+            s = torch.einsum("hd,shd->hs", case.q[q0 + i], kk[lo : p + 1]) * scale  # (Hq, n)
+            probs = torch.cat([s, sinks[:, None]], dim=1).softmax(-1)[:, :-1]
+            outs.append(torch.einsum("hs,shd->hd", probs, vv[lo : p + 1]))
+        q0 += ql
+    return torch.stack(outs)
+
+
+def random_sinks(case: Case, seed: int) -> torch.Tensor:
+    """(Hq,) sink logits of the size of the scores (some heads' sinks take most of the mass)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(case.q.shape[1], generator=g) * 3
+
+
+@pytest.mark.parametrize("thresholds", [(2, 1), (3, 1), (4, 1)])
+def test_sinks_on_the_hand_tree_apply_once_after_the_merge(thresholds: tuple[int, int]) -> None:
+    """With segments kept at one and two levels (and none), tree == flat == the oracle; a sink
+    applied per part instead would scale each part's output before the merge."""
+    plan, case = hand_plan(*thresholds)
+    sinks = random_sinks(case, 0)
+    want = sink_oracle(case, 0.25, sinks)
+    assert max_err(run_backend(tree(*thresholds), case, 0.25, sinks), want) <= FP32_ATOL
+    assert max_err(run_backend(FlatBackend(), case, 0.25, sinks), want) <= FP32_ATOL
+    assert max_err(want, oracle(case, 0.25)) > 1e-2  # the sinks change the output
+    assert bool(plan.segments) == (thresholds != (4, 1))
+
+
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    depth=st.integers(1, 4),
+    max_len=st.sampled_from([1, 8, 300]),
+    group=st.sampled_from([1, 3]),
+    extend=st.booleans(),
+    thresholds=st.sampled_from([(2, 1), (3, 16), None]),
+)
+def test_random_trees_with_sinks_fp32(
+    seed: int,
+    depth: int,
+    max_len: int,
+    group: int,
+    extend: bool,
+    thresholds: tuple[int, int] | None,
+) -> None:
+    case = random_case(seed, depth, 3, max_len, group, extend, torch.float32)
+    sinks = random_sinks(case, seed)
+    want = sink_oracle(case, 0.25, sinks)
+    backend = TreeBackend() if thresholds is None else tree(*thresholds)
+    assert max_err(run_backend(backend, case, 0.25, sinks), want) <= FP32_ATOL
+    assert max_err(run_backend(FlatBackend(), case, 0.25, sinks), want) <= FP32_ATOL
+
+
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    depth=st.integers(1, 4),
+    max_len=st.sampled_from([8, 300]),
+    window=st.sampled_from([1, 5, 37, 256]),
+    extend=st.booleans(),
+    rows=st.booleans(),
+    thresholds=st.sampled_from([(2, 1), (3, 16), None]),
+)
+def test_random_trees_sliding_with_sinks_fp32(
+    seed: int,
+    depth: int,
+    max_len: int,
+    window: int,
+    extend: bool,
+    rows: bool,
+    thresholds: tuple[int, int] | None,
+) -> None:
+    """Sliding layers with sinks: decode steps (shared K/V inside the windows, merged) and
+    extends (old and recent blocks, merged), over the slots or rows of their own."""
+    case = random_case(seed, depth, 3, max_len, 3, extend, torch.float32)
+    sinks = random_sinks(case, seed)
+    want = sink_oracle(case, 0.25, sinks, window)
+    backend = TreeBackend() if thresholds is None else tree(*thresholds)
+    for b in (backend, FlatBackend()):
+        out, _ = run_sliding(b, case, 0.25, window, rows, sinks)
+        assert max_err(out, want) <= FP32_ATOL, b
+
+
+def test_sinks_in_bf16_round_once() -> None:
+    """bf16 queries and K/V: the sink scales the merged float32 state's output, within the
+    bf16 bound of the oracle run in float32 on the same values."""
+    case = random_case(3, 3, 3, 300, 3, True, torch.bfloat16)
+    sinks = random_sinks(case, 3)
+    f32 = Case(*(x.float() if isinstance(x, torch.Tensor) else x for x in vars(case).values()))
+    want = sink_oracle(f32, 0.25, sinks).to(torch.bfloat16)
+    assert bf16_ratio(run_backend(tree(2, 1), case, 0.25, sinks), want) <= 1.0
+    assert bf16_ratio(run_backend(FlatBackend(), case, 0.25, sinks), want) <= 1.0
 
 
 # ------------------------------------------------------------------------ registry

@@ -38,6 +38,7 @@ class NoAttentionBackend(AttentionBackend):
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         batch.kv_pool.write(layer, batch.out_cache_loc, k, v)
         return torch.zeros_like(q)  # (T, Hq, D)

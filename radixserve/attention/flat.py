@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve import kernels
-from radixserve.attention.base import AttentionBackend
+from radixserve.attention.base import AttentionBackend, with_sinks
 from radixserve.attention.slots import SlotPlan, slot_plan
 from radixserve.attention.window import slides, sliding_attention
 from radixserve.core.batch import ForwardBatch
@@ -142,12 +142,13 @@ class FlatBackend(AttentionBackend):
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if window and slides(batch, window):
-            return sliding_attention(q, k, v, layer, batch, window, scale, softcap)
+            return sliding_attention(q, k, v, layer, batch, window, scale, softcap, sinks)
         pool = batch.kv_pool
         pool.write(layer, batch.out_cache_loc, k, v)
         plan = batch.attn_plan
         assert isinstance(plan, PrivatePlan), f"plan() not run for this batch: {type(plan)}"
-        out, _ = plan.attend(q, pool.k[layer], pool.v[layer], scale, softcap=softcap)
-        return out
+        out, lse = plan.attend(q, pool.k[layer], pool.v[layer], scale, softcap=softcap)
+        return with_sinks(out, lse, sinks)

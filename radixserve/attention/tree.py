@@ -9,7 +9,8 @@ place (`kernels.reads_pool_in_place`) segments and private parts are passed as s
 into the pool and the merge is fused: segments run in plan order, each starting from its
 rows' running (out, lse) state (the pool ops' `prior`), and the private part last, from the
 state of all of them; no merge buffer, no merge pass. Otherwise a segment whose slots are
-not one range is gathered first.
+not one range is gathered first. Attention sinks apply once, to each row's merged (out, lse)
+(attention/base.py `with_sinks`), never to a part.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from radixserve import kernels
-from radixserve.attention.base import AttentionBackend
+from radixserve.attention.base import AttentionBackend, with_sinks
 from radixserve.attention.slots import SlotPlan
 from radixserve.attention.tree_plan import SharedSegment, TreePlan, build_plan
 from radixserve.attention.window import slides, sliding_attention, windowed
@@ -97,11 +98,12 @@ class TreeBackend(AttentionBackend):
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         plan, new = batch.attn_plan, batch.out_cache_loc
         if window and slides(batch, window):
             if not batch.is_decode:
-                return sliding_attention(q, k, v, layer, batch, window, scale, softcap)
+                return sliding_attention(q, k, v, layer, batch, window, scale, softcap, sinks)
             plan = batch.window_plans.get(window)
             if plan is None:
                 step = windowed(batch, window)
@@ -113,11 +115,12 @@ class TreeBackend(AttentionBackend):
         pool.write(layer, new, k, v)
         kc, vc = pool.k[layer], pool.v[layer]  # (num_slots, Hkv, D)
         if plan.in_place:
-            return _fused_in_place(plan, q, kc, vc, scale, softcap)
-        out, lse = plan.private.attend(q, kc, vc, scale, softcap=softcap)  # (T, Hq, D), (T, Hq)
-        if not plan.segments:
-            return out
-        return _merge_shared(plan, q, kc, vc, out, lse, scale, softcap)
+            out, lse = _fused_in_place(plan, q, kc, vc, scale, softcap)
+        else:
+            out, lse = plan.private.attend(q, kc, vc, scale, softcap=softcap)  # (T, Hq, D), (T, Hq)
+            if plan.segments:
+                out, lse = _merge_shared(plan, q, kc, vc, out, lse, scale, softcap)
+        return with_sinks(out, lse, sinks)
 
 
 def _fused_in_place(
@@ -127,9 +130,9 @@ def _fused_in_place(
     vc: torch.Tensor,
     scale: float,
     softcap: float,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Segments in plan order, each merged into its rows' running state by the kernel, then
-    the private part from the full state -> (T, Hq, D)."""
+    the private part from the full state -> out (T, Hq, D), lse (T, Hq)."""
     assert isinstance(plan.private, SlotPlan), f"in-place plan with {type(plan.private)}"
     state: tuple[torch.Tensor, torch.Tensor] | None = None  # (T, Hq, D), (T, Hq) float32
     for seg in plan.segments:
@@ -143,7 +146,7 @@ def _fused_in_place(
                 q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32),
             )
         state = _segment_into(state, seg, q, kc, vc, scale, softcap)
-    return plan.private.attend(q, kc, vc, scale, prior=state, softcap=softcap)[0]
+    return plan.private.attend(q, kc, vc, scale, prior=state, softcap=softcap)
 
 
 def _segment_into(
@@ -196,8 +199,9 @@ def _merge_shared(
     lse: torch.Tensor,  # (T, Hq) float32
     scale: float,
     softcap: float,
-) -> torch.Tensor:
-    """Attend every kept segment once and merge it with the private part, row by row."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attend every kept segment once and merge it with the private part, row by row ->
+    out (T, Hq, D), lse (T, Hq) over all of each row's keys."""
     rows = plan.merge_rows
     m, hq, d = plan.num_merge_rows, q.shape[1], q.shape[2]
     # Part 0 is the private part; part level + 1 a shared segment; lse -inf = "no such part".
@@ -218,7 +222,8 @@ def _merge_shared(
         else:
             part_o.index_copy_(0, seg.merge_rows, o)
             part_s.index_copy_(0, seg.merge_rows, s)
-    merged, _ = kernels.merge_states(outs, lses)  # (M, Hq, D)
+    merged, merged_lse = kernels.merge_states(outs, lses)  # (M, Hq, D), (M, Hq)
     if rows is None:
-        return merged
-    return out.index_copy_(0, rows, merged)  # `out` is this step's fresh private result
+        return merged, merged_lse
+    # `out` and `lse` are this step's fresh private results: the merged rows replace theirs.
+    return out.index_copy_(0, rows, merged), lse.index_copy_(0, rows, merged_lse)

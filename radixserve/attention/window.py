@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.attention.base import with_sinks
 from radixserve.attention.slots import SlotPlan, slot_plan
 from radixserve.core.batch import ForwardBatch
 
@@ -102,16 +103,18 @@ def sliding_attention(
     window: int,
     scale: float,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A sliding layer's step (`slides`): write the new K/V and attend each query's window,
-    request by request -> (T, Hq, D)."""
+    request by request -> (T, Hq, D) (sinks, if any, applied to the merged window)."""
     pool = batch.kv_pool
     pool.write(layer, batch.sliding_out_loc, k, v)
     plan = batch.window_plans.get(window)
     if plan is None:
         plan = batch.window_plans[window] = _plan(batch, window)
     assert isinstance(plan, WindowPlan), type(plan)
-    return window_attention(plan, q, pool.k[layer], pool.v[layer], scale, softcap)
+    out, lse = window_attention(plan, q, pool.k[layer], pool.v[layer], scale, softcap)
+    return with_sinks(out, lse, sinks)
 
 
 def _plan(batch: ForwardBatch, w: int) -> WindowPlan:
@@ -147,8 +150,8 @@ def window_attention(
     vc: torch.Tensor,
     scale: float,
     softcap: float = 0.0,
-) -> torch.Tensor:
-    """Each query row over its window's keys -> (T, Hq, D)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query row over its window's keys -> out (T, Hq, D), lse (T, Hq) float32."""
     prior = None
     if plan.old is not None:
         qs = q.index_select(0, plan.old_rows)
@@ -156,4 +159,4 @@ def window_attention(
         out = q.new_zeros(q.shape)  # rows without old keys: an empty state (lse -inf)
         lses = q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32)
         prior = out.index_copy_(0, plan.old_rows, o), lses.index_copy_(0, plan.old_rows, lse)
-    return plan.recent.attend(q, kc, vc, scale, prior, softcap)[0]
+    return plan.recent.attend(q, kc, vc, scale, prior, softcap)

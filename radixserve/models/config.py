@@ -1,8 +1,8 @@
 """ModelConfig: the architecture facts the model and the engine need, read once from HF JSON.
 
 Supported (`SUPPORTED_ARCHITECTURES`): Llama, Qwen2, Mistral, Qwen3, Gemma 2 and 3 (text),
-Phi-3 / Phi-4-mini, SmolLM3 and the mixtures of experts Qwen3-MoE, OLMoE and Mixtral, all run
-by one decoder (radixserve.models.llama) whose per-family differences are the fields below,
+Phi-3 / Phi-4-mini, SmolLM3 and the mixtures of experts Qwen3-MoE, OLMoE, Mixtral and gpt-oss,
+all run by one decoder (radixserve.models.llama) whose per-family differences are the fields below,
 set by one small reader per family (`FAMILIES`):
 
     Qwen3     per-head RMSNorm of q and k before RoPE (`qk_norm`)
@@ -23,6 +23,12 @@ set by one small reader per family (`FAMILIES`):
               has Qwen3's q/k norms; OLMoE norms q and k over the whole projection
               (`qk_norm_full`); Mixtral weights the experts' outputs in float32
               (`routing_weights_f32`)
+    gpt-oss   a mixture of experts whose router has a bias (`router_bias`) and takes the
+              top-k of its logits, then a softmax over those k (`topk_softmax`); experts with
+              biases (`expert_bias`) and a clamped SwiGLU (`swiglu_alpha`, `swiglu_limit`);
+              q/k/v/o biases; a learned sink logit per head in every softmax (`attn_sinks`);
+              alternating sliding and full layers; YaRN RoPE; norms multiplying by their
+              weight in float32 (`norm_weight_f32`)
 
 Sliding-window layers (`layer_types`, `sliding_window`: Gemma, Mistral v0.1, Qwen2/Qwen3 with
 `use_sliding_window`) attend only the last `sliding_window` positions, as transformers does.
@@ -42,10 +48,11 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM",
-    "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM",
 )  # fmt: skip
-ROPE_SCALING_TYPES = ("llama3", "linear", "longrope")
+ROPE_SCALING_TYPES = ("llama3", "linear", "longrope", "yarn")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+DEFAULT_THETA = {"GptOssForCausalLM": 150000.0}  # RoPE bases of families whose default is not 1e4
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -53,9 +60,11 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 class RopeScaling:
     """RoPE frequency scaling. `linear` uses only `factor`; `llama3` its factor, band factors
     and original context; `longrope` its short / long per-frequency factors, original context
-    and attention factor (cos and sin are multiplied by it)."""
+    and attention factor (cos and sin are multiplied by it); `yarn` its factor, original
+    context, the rotation counts bounding its ramp (`beta_fast`, `beta_slow`, the bounds
+    rounded outwards with `truncate`) and attention factor."""
 
-    type: str  # "llama3" | "linear" | "longrope"
+    type: str  # "llama3" | "linear" | "longrope" | "yarn"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -63,6 +72,9 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,13 @@ class ModelConfig:
     norm_topk_prob: bool = False  # the top-k routing weights are renormalised to sum to 1
     routing_weights_f32: bool = False  # weights multiply expert outputs in float32
     moe_layers: tuple[bool, ...] = ()  # per layer: its MLP is the experts; () = every layer
+    router_bias: bool = False  # the router projection has a bias
+    topk_softmax: bool = False  # top-k of the router logits, then softmax over those k
+    expert_bias: bool = False  # every expert's gate/up and down projections have biases
+    swiglu_alpha: float = 0.0  # > 0: experts compute (u + 1) * g * sigmoid(alpha * g) with
+    swiglu_limit: float = 0.0  # g = min(gate, limit), u = clamp(up, -limit, limit)
+    attn_sinks: bool = False  # each head's softmax has one more logit, learned, with no value
+    norm_weight_f32: bool = False  # norms multiply by their weight in float32, then cast
 
     def __post_init__(self) -> None:
         assert self.architecture in SUPPORTED_ARCHITECTURES, self.architecture
@@ -198,7 +217,8 @@ class ModelConfig:
         num_layers = int(cfg["num_hidden_layers"])
         attention_bias = bool(cfg.get("attention_bias", False))
         layer_types = _layer_types(cfg, arch, num_layers)
-        theta, scaling, rotary_dim = _rope(_rope_params(cfg, FULL), cfg, head_dim)
+        params = _rope_params(cfg, FULL, DEFAULT_THETA.get(arch, 10000.0))
+        theta, scaling, rotary_dim = _rope(params, cfg, head_dim)
         base = dict(
             architecture=arch,
             hidden_size=hidden,
@@ -259,17 +279,19 @@ def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[str, 
     return tuple(SLIDING if i >= first else FULL for i in range(num_layers))
 
 
-def _rope_params(cfg: dict[str, Any], layer_type: str) -> dict[str, Any]:
+def _rope_params(cfg: dict[str, Any], layer_type: str, theta: float) -> dict[str, Any]:
     """The `rope_parameters` of layers of `layer_type`, from transformers-5's layout (flat or
-    per layer type) or the older `rope_theta` / `rope_scaling` fields."""
+    per layer type) or the older `rope_theta` / `rope_scaling` fields; `theta` where neither
+    gives one (the family's default)."""
     params = cfg.get("rope_parameters")
     if params is None:  # pre-v5 layout: theta at top level, scaling in its own dict
         params = dict(cfg.get("rope_scaling") or {})
-        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-        return params
-    if isinstance(params.get(layer_type), dict):
-        return dict(params[layer_type])
-    return dict(params)
+    elif isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
+    else:
+        params = dict(params)
+    params.setdefault("rope_theta", cfg.get("rope_theta", theta))
+    return params
 
 
 def _rope(
@@ -293,6 +315,8 @@ def _rope(
         return theta, RopeScaling(type="linear", factor=float(params["factor"])), rotary_dim
     if kind == "longrope":
         return theta, _longrope(params, cfg, rotary_dim), rotary_dim
+    if kind == "yarn":
+        return theta, _yarn(params, cfg), rotary_dim
     return (
         theta,
         RopeScaling(
@@ -331,6 +355,33 @@ def _longrope(params: dict[str, Any], cfg: dict[str, Any], rotary_dim: int) -> R
         type="longrope", factor=float(factor), original_max_position_embeddings=original,
         short_factor=short, long_factor=long, attention_factor=float(attention),
     )  # fmt: skip
+
+
+def _yarn(params: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling:
+    """YaRN with transformers' defaults: the original context from the config's own field or
+    the context length, the factor their ratio, the attention factor from the factor (or
+    `mscale` / `mscale_all_dim`), betas 32 / 1, truncated bounds."""
+    original = int(
+        cfg.get("original_max_position_embeddings")
+        or params.get("original_max_position_embeddings")
+        or cfg.get("max_position_embeddings", 2048)
+    )
+    factor = float(params.get("factor") or int(cfg.get("max_position_embeddings", 2048)) / original)
+    attention = params.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = _yarn_mscale(factor, 1.0)
+        if mscale and mscale_all:
+            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+    return RopeScaling(
+        type="yarn", factor=factor, original_max_position_embeddings=original,
+        attention_factor=float(attention), beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1), truncate=bool(params.get("truncate", True)),
+    )  # fmt: skip
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _eos_ids(cfg: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
@@ -446,7 +497,19 @@ def _mixtral(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**_experts(cfg, int(cfg["intermediate_size"]), True), "routing_weights_f32": True}
 
 
+def _gpt_oss(cfg: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: see the module docstring. Checkpoints whose experts are quantized
+    (`quantization_config`, MXFP4 blocks) are refused: only float experts load."""
+    _refuse(cfg, "quantization_config", (None,))
+    fields = _experts(cfg, int(cfg["intermediate_size"]), True)
+    return {**fields, "router_bias": True, "topk_softmax": True, "expert_bias": True,
+            "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
+            "swiglu_limit": float(cfg.get("swiglu_limit", 7.0)),
+            "attn_sinks": True, "norm_weight_f32": True}  # fmt: skip
+
+
 FAMILIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "GptOssForCausalLM": _gpt_oss,
     "Qwen3MoeForCausalLM": _qwen3_moe,
     "OlmoeForCausalLM": _olmoe,
     "MixtralForCausalLM": _mixtral,

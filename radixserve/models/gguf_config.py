@@ -1,6 +1,7 @@
 """GGUF metadata -> the HF config.json of the checkpoint a file was converted from, for the
 llama.cpp architectures whose files transformers cannot turn into an exact HF config
-(`READERS`: qwen3, gemma2, gemma3, phi3, smollm3, qwen3moe, olmoe), and the RoPE parameters
+(`READERS`: qwen3, gemma2, gemma3, phi3, smollm3, qwen3moe, olmoe, gpt-oss), and the RoPE
+parameters
 llama.cpp writes as tensors.
 
 What a file says, and where it says it, follows llama.cpp's converter (convert_hf_to_gguf.py,
@@ -30,6 +31,11 @@ now conversion/*.py: TextModel.set_gguf_parameters and each family's class) and 
                 without `ffn_gate_inp` is dense
     olmoe       .expert_count, .expert_used_count; experts of .feed_forward_length rows, not
                 renormalised; q/k norms over the whole projection (their tensors' sizes)
+    gpt-oss     .expert_count, .expert_used_count, .expert_feed_forward_length (=
+                .feed_forward_length); .attention.sliding_window, layer i sliding unless it
+                ends a period of .attention.sliding_window_pattern (default 2); YaRN from
+                .rope.scaling.type / .factor / .original_context_length / .yarn_beta_fast /
+                .yarn_beta_slow / .yarn_attn_factor; the router, experts and sinks as tensors
 
 Every `{arch}.*` key must be read by the family's reader: any other key (Gemma 3's logit
 soft-capping, expert counts outside a MoE architecture, shared experts, a pooling type, YaRN
@@ -59,7 +65,8 @@ from radixserve.models.gguf_weights import (
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "gemma3": "Gemma3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-                 "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}  # fmt: skip
+                 "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+                 "gpt-oss": "GptOssForCausalLM"}  # fmt: skip
 TOKEN_IDS = {"tokenizer.ggml.bos_token_id": "bos_token_id",
              "tokenizer.ggml.eos_token_id": "eos_token_id",
              "tokenizer.ggml.padding_token_id": "pad_token_id"}  # fmt: skip
@@ -75,6 +82,7 @@ GEMMA2_27B_LAYERS, GEMMA2_PERIOD = 46, 2  # likewise; layer i slides when i % 2 
 GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 SMOLLM3_NO_ROPE_STEP = 4  # llama.cpp: layer i skips RoPE when (i + 1) % 4 == 0
 SOFTMAX_GATING = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+GPT_OSS_PERIOD = 2  # llama.cpp's default swa period for gpt-oss: even layers slide
 # Whether llama.cpp renormalises the top-k routing weights (its graph fixes it per
 # architecture: build_moe_ffn's norm_w), which is HF's norm_topk_prob.
 RENORMALISED = {"qwen3moe": True, "olmoe": False}
@@ -397,9 +405,47 @@ def _longrope_attention(context: int, original: int) -> float:
     return math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
 
 
+def _gpt_oss(m: Metadata) -> dict[str, Any]:
+    """gpt-oss: experts of .feed_forward_length rows (llama.cpp reads them from
+    .expert_feed_forward_length: the two must agree), alternating windows, YaRN with one
+    RoPE base."""
+    cfg = _base(m)
+    n, head_dim = cfg["num_hidden_layers"], cfg["head_dim"]
+    if int(m.need("expert_feed_forward_length")) != cfg["intermediate_size"]:
+        raise m.refuse("expert_feed_forward_length", "differs from .feed_forward_length (the"
+                       " HF model's intermediate_size is both)")  # fmt: skip
+    _whole_head_rotates(m, head_dim)
+    theta = m.decimal("rope.freq_base", 10000.0)
+    if m.get("rope.freq_base_swa", theta) != theta:
+        raise m.refuse("rope.freq_base_swa", "the HF model has one RoPE base")
+    window = int(m.need("attention.sliding_window"))
+    return {
+        "model_type": "gpt_oss", **cfg, "num_local_experts": int(m.need("expert_count")),
+        "num_experts_per_tok": int(m.need("expert_used_count")), "sliding_window": window,
+        "layer_types": _gemma_layer_types(m, n, window, GPT_OSS_PERIOD),
+        "rope_parameters": {"rope_theta": theta, **_yarn(m)},
+    }  # fmt: skip
+
+
+def _yarn(m: Metadata) -> dict[str, Any]:
+    """YaRN's rope_parameters. The converter writes no `truncate`: every gpt-oss checkpoint
+    has it false, as its transformers config defaults it."""
+    if m.get("rope.scaling.type") != "yarn":
+        raise m.refuse("rope.scaling.type", "gpt-oss's RoPE is YaRN")
+    params = {
+        "rope_type": "yarn", "factor": m.decimal("rope.scaling.factor"),
+        "original_max_position_embeddings": int(m.need("rope.scaling.original_context_length")),
+        "beta_fast": m.decimal("rope.scaling.yarn_beta_fast", 32.0),
+        "beta_slow": m.decimal("rope.scaling.yarn_beta_slow", 1.0), "truncate": False,
+    }  # fmt: skip
+    if m.get("rope.scaling.yarn_attn_factor") is not None:
+        params["attention_factor"] = m.decimal("rope.scaling.yarn_attn_factor")
+    return params
+
+
 READERS: dict[str, Callable[[Metadata], dict[str, Any]]] = {
     "qwen3": _qwen3, "gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3, "smollm3": _smollm3,
-    "qwen3moe": _qwen3moe, "olmoe": _olmoe,
+    "qwen3moe": _qwen3moe, "olmoe": _olmoe, "gpt-oss": _gpt_oss,
 }  # fmt: skip
 
 

@@ -9,13 +9,15 @@ parameter tensors and the name and shape of every weight tensor. For files made 
                   + LlamaModel's vocabulary size and rotary dimensions (llama, smollm3);
                   + Gemma3Model's sliding window, Gemma2Model's and its soft caps;
                   + the expert counts (and Qwen2MoeModel's expert rows) of qwen3moe / olmoe;
+                  + YaRN's keys, and GptOssModel's window and expert rows (gpt-oss);
                   Phi3MiniModel writes its own (partial
                   rotary dimensions, original context, longrope attention factor, window)
     RoPE tensors  Phi-3 longrope's factors: rope_factors_long / _short.weight (F32)
     weights       HF tensors under llama.cpp's names (`tensor_dims`); Phi-3's q/k/v and
                   gate/up stay fused (attn_qkv, ffn_up: gate rows, then up rows); a mixture
                   of experts' experts stacked per layer (ffn_{gate,up,down}_exps, (E, rows,
-                  cols)) beside its router ffn_gate_inp
+                  cols)) beside its router ffn_gate_inp; gpt-oss's biases of those, and
+                  its attn_sinks
 
 Values are the caller's: the converter stores Gemma's RMSNorm weights as 1 + w, and permutes
 the q/k rows of llama and smollm3 (radixserve/models/gguf_weights.py undoes both).
@@ -31,7 +33,7 @@ from gguf import GGUFWriter, RopeScalingType
 # HF model_type -> llama.cpp's architecture name for it.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
                       "gemma3_text": "gemma3", "phi3": "phi3", "smollm3": "smollm3",
-                      "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}  # fmt: skip
+                      "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "gpt_oss": "gpt-oss"}  # fmt: skip
 LLAMA_KEYS = ("llama", "smollm3")  # LlamaModel's converter (SmolLM3Model is one) adds keys
 # Per-layer norms besides attn_norm: llama.cpp's name -> the size it normalizes ("hidden"
 # or "head": q/k norms act on each head). Gemma 3's ffn_norm is its pre-feedforward norm.
@@ -42,6 +44,7 @@ LAYER_NORMS = {
     "qwen3": {"attn_q_norm": "head", "attn_k_norm": "head", "ffn_norm": "hidden"},
     "qwen3moe": {"attn_q_norm": "head", "attn_k_norm": "head", "ffn_norm": "hidden"},
     "olmoe": {"attn_q_norm": "q", "attn_k_norm": "kv", "ffn_norm": "hidden"},  # whole rows
+    "gpt-oss": {"post_attention_norm": "hidden"},  # its norm before the experts
 }  # fmt: skip
 OLMOE_RMS_EPS = 1e-5  # OlmoeModel.set_gguf_parameters writes this, whatever the config says
 PLAIN_NORMS = {"ffn_norm": "hidden"}
@@ -71,6 +74,8 @@ def _text_metadata(w: GGUFWriter, cfg: Any) -> None:
     if rope["rope_type"] == "linear":
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    if rope["rope_type"] == "yarn":
+        _yarn_metadata(w, rope)
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if getattr(cfg, "head_dim", None) is not None:
@@ -85,13 +90,29 @@ def _text_metadata(w: GGUFWriter, cfg: Any) -> None:
         w.add_sliding_window(cfg.sliding_window)
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    if w.arch in ("qwen3moe", "olmoe"):  # TextModel's expert keys, + Qwen2MoeModel's rows
+    if w.arch in ("qwen3moe", "olmoe", "gpt-oss"):  # TextModel's expert keys
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
     if w.arch == "qwen3moe":
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if w.arch == "olmoe":
         w.add_layer_norm_rms_eps(OLMOE_RMS_EPS)
+    if w.arch == "gpt-oss":  # GptOssModel's keys
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+
+
+def _yarn_metadata(w: GGUFWriter, rope: dict[str, Any]) -> None:
+    """TextModel's YaRN keys: type, factor, original context, and the parameters present."""
+    w.add_rope_scaling_type(RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if rope.get("attention_factor") is not None:
+        w.add_rope_scaling_yarn_attn_factor(rope["attention_factor"])
+    if rope.get("beta_fast") is not None:
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    if rope.get("beta_slow") is not None:
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
 
 
 def _sizes(w: GGUFWriter, cfg: Any) -> None:
@@ -167,6 +188,8 @@ def _layer_dims(cfg: Any, arch: str, layer: int) -> dict[str, tuple[int, ...]]:
         dims |= {f"{name}.bias": (n,) for name, n in _biases(cfg, arch, rows).items()}
     dims["attn_output.weight"] = (hidden, q)
     dims |= _expert_dims(cfg) if moe else {"ffn_down.weight": (hidden, ffn)}
+    if arch == "gpt-oss":
+        dims |= _gpt_oss_dims(cfg)
     if getattr(cfg, "attention_bias", False):  # Qwen2's config has no such field: no o bias
         dims["attn_output.bias"] = (hidden,)
     return dims
@@ -189,6 +212,14 @@ def _expert_dims(cfg: Any) -> dict[str, tuple[int, ...]]:
     return {"ffn_gate_inp.weight": (e, hidden), "ffn_gate_exps.weight": (e, rows, hidden),
             "ffn_up_exps.weight": (e, rows, hidden),
             "ffn_down_exps.weight": (e, hidden, rows)}  # fmt: skip
+
+
+def _gpt_oss_dims(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """gpt-oss's sinks and the biases of its router and experts."""
+    e, rows = cfg.num_experts, cfg.intermediate_size
+    return {"attn_sinks.weight": (cfg.num_attention_heads,), "ffn_gate_inp.bias": (e,),
+            "ffn_gate_exps.bias": (e, rows), "ffn_up_exps.bias": (e, rows),
+            "ffn_down_exps.bias": (e, cfg.hidden_size)}  # fmt: skip
 
 
 def _biases(cfg: Any, arch: str, rows: dict[str, int]) -> dict[str, int]:

@@ -81,6 +81,12 @@ ARCH_LAYER_NAMES: dict[str, dict[str, str | None]] = {
     "olmoe": QK_NORMS,
     "gemma2": GEMMA_NORMS,
     "gemma3": {**QK_NORMS, **GEMMA_NORMS},
+    # gpt-oss: the norm before its experts, sinks, the router's and the experts' biases
+    "gpt-oss": {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                "ffn_norm.weight": None, "attn_sinks.weight": "self_attn.sinks",
+                "ffn_gate_inp.bias": "mlp.gate.bias",
+                **{f"ffn_{g}_exps.bias": f"mlp.experts.{g}_proj_bias"
+                   for g in ("gate", "up", "down")}},
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight",
              "ffn_up.weight": "mlp.gate_up_proj.weight",  # rows: gate, then up (as HF's)
              **dict.fromkeys(["attn_q.weight", "attn_k.weight", "attn_v.weight",

@@ -1,5 +1,5 @@
 """The decoder every supported family runs (Llama, Qwen2, Mistral, Qwen3, Gemma 2 / 3, Phi-3,
-SmolLM3, and the mixtures of experts Qwen3-MoE, OLMoE, Mixtral), written for serving; the
+SmolLM3, and the mixtures of experts Qwen3-MoE, OLMoE, Mixtral, gpt-oss), written for serving; the
 families' differences are ModelConfig fields (radixserve/models/config.py names them).
 
 Layout: the tokens of every request in the step are flattened into one (T, hidden) matrix,
@@ -56,16 +56,18 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 class RMSNorm(nn.Module):
     """HF's RMSNorm; with `offset` (Gemma's) the weight applies as (offset + w), multiplied in
-    float32 before the cast back, as Gemma's norm does."""
+    float32 before the cast back, as Gemma's norm does; `f32_product` (gpt-oss's) multiplies
+    by w in float32 too."""
 
-    def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
+    def __init__(self, size: int, eps: float, offset: float = 0.0, f32_product: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
         self.offset = offset
+        self.f32_product = f32_product
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.offset:
+        if not self.offset and (not self.f32_product or x.dtype == torch.float32):
             return rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # Gemma's float32 products, in the (fused) row op
             return rms_norm(x, self.offset + self.weight, self.eps)
@@ -138,6 +140,9 @@ class LlamaAttention(nn.Module):
         self.scale = config.attn_scale
         self.window = config.window(layer_idx)
         self.softcap = config.attn_softcap
+        self.sinks: nn.Parameter | None = None  # (Hq,) gpt-oss's sink logit per head
+        if config.attn_sinks:
+            self.sinks = nn.Parameter(torch.zeros(config.num_heads), requires_grad=False)
         # Which RoPE table this layer's q and k rotate by (None: no RoPE).
         self.rope: str | None = None
         if config.has_rope(layer_idx):
@@ -166,7 +171,9 @@ class LlamaAttention(nn.Module):
         else:
             q, k = self._normed_rotated(qkv, cos_sin)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, -1)  # view
-        out = attn.forward(q, k, v, self.layer_idx, batch, self.scale, self.window, self.softcap)
+        out = attn.forward(
+            q, k, v, self.layer_idx, batch, self.scale, self.window, self.softcap, self.sinks
+        )  # (T, Hq, D)
         out = self.o_proj(out.reshape(t, self.q_size))  # (T, hidden)
         return out if self.tp_size == 1 else all_reduce(out)
 
@@ -230,13 +237,14 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, tp_size: int = 1) -> None:
         super().__init__()
         size, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_offset
-        self.input_layernorm = RMSNorm(size, eps, offset)
+        f32 = config.norm_weight_f32
+        self.input_layernorm = RMSNorm(size, eps, offset, f32)
         self.self_attn = LlamaAttention(config, layer_idx, tp_size)
         # Llama: the MLP's input norm; with sandwich norms, the attention output's.
-        self.post_attention_layernorm = RMSNorm(size, eps, offset)
+        self.post_attention_layernorm = RMSNorm(size, eps, offset, f32)
         self.mlp: LlamaMLP | MoE
         if config.is_moe(layer_idx):
-            router = Linear(size, config.num_experts, bias=False)
+            router = Linear(size, config.num_experts, bias=config.router_bias)
             self.mlp = MoE(config, router, tp_size)
         else:
             self.mlp = LlamaMLP(config, tp_size)
@@ -264,7 +272,7 @@ class LlamaDecoderLayer(nn.Module):
         """This layer's weights for the native calls, or None where a projection is not
         quantized."""
         a, m = self.self_attn, self.mlp
-        if not isinstance(m, LlamaMLP) or a.qk_norm_full:  # the native halves lack these
+        if not isinstance(m, LlamaMLP) or a.qk_norm_full or a.sinks is not None:  # (not native)
             return None
         qkv, o, gate_up, down = a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj
         if not (
@@ -324,7 +332,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, tp_size) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, config.norm_offset, config.norm_weight_f32
+        )
 
 
 class LlamaForCausalLM(nn.Module):

@@ -312,8 +312,10 @@ def hf_weight_names(config: ModelConfig) -> set[str]:
         for proj, bias in [("q", config.qkv_bias), ("k", config.qkv_bias), ("v", config.qkv_bias),
                            ("o", config.o_bias)]:  # fmt: skip
             names |= _linear(p + f"self_attn.{proj}_proj", bias)
+        if config.attn_sinks:
+            names.add(p + "self_attn.sinks")
         if config.is_moe(i):
-            names |= expert_names(i)
+            names |= expert_names(i, config)
             continue
         for proj in ("gate", "up", "down"):
             names |= _linear(p + f"mlp.{proj}_proj", config.mlp_bias)

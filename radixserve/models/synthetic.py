@@ -56,7 +56,20 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("MixtralConfig", {"num_hidden_layers": 2, "num_local_experts": 8,
                                   "num_experts_per_tok": 2, "intermediate_size": 32,
                                   "sliding_window": 16}),
+    # sliding (window 8), full, sliding, full; YaRN past an original context of 64; head_dim
+    # 32 (q/k/v 128 wide in a hidden of 64); weights of 0.3: at 0.5 the float32 rounding of
+    # its large attention scores grows through the four layers to 1e-4 of the logits, as
+    # much in transformers' own runs (whole prompt vs one token at a time) as against ours
+    "gpt_oss": ("GptOssConfig", {
+        "num_hidden_layers": 4, "initializer_range": 0.3, "head_dim": 32, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "intermediate_size": 32, "sliding_window": 8,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 16.0,
+                            "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False},
+    }),
 }  # fmt: skip
+# Families whose init zeroes their biases: random ones show where each bias goes.
+RANDOM_BIASES = {"gpt_oss"}
 
 
 def build_tiny_model(folder: Path, seed: int = 0, family: str = "llama") -> Path:
@@ -70,15 +83,20 @@ def build_tiny_model(folder: Path, seed: int = 0, family: str = "llama") -> Path
     torch.manual_seed(seed)
     cls, fields = TINY_FAMILIES[family]
     config = getattr(transformers, cls)(
-        **{**TINY, **fields},
+        # large weights: peaked logits, so greedy has clear winners
+        **{**TINY, "initializer_range": 0.5, **fields},
         vocab_size=len(tok),
         tie_word_embeddings=True,
-        initializer_range=0.5,  # large weights: peaked logits, so greedy has clear winners
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=None,  # no padding row: every family initialises every embedding row
     )
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family in RANDOM_BIASES:
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.data.normal_(std=config.initializer_range)
+    model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
 
