@@ -182,17 +182,14 @@ def test_unsupported_fields_are_named() -> None:
         ModelConfig.from_hf({**base, "architectures": ["Qwen3ForCausalLM"], "hidden_act": "relu2"})
 
 
-@pytest.mark.slow  # a two-process engine per family: ~5-9 s each
-@pytest.mark.parametrize("family", FAMILIES)
-def test_tensor_parallel_greedy_matches_hf(checkpoints: dict[str, Path], family: str) -> None:
-    """Two ranks (each 2 q heads, 1 KV head, half the MLP; q/k norms and the sandwich norms
-    replicated, Phi-3's fused tensors split before sharding): HF's greedy tokens."""
+def check_tensor_parallel_greedy(checkpoint: Path, seed: int) -> None:
+    """Two TP ranks' greedy tokens on 4 prompts == HF's, and the follower rank exits 0."""
     from radixserve.distributed.parallel import get_tp
 
-    hf = hf_model(checkpoints[family])
-    ps = prompts(seed=FAMILIES.index(family))[:4]
+    hf = hf_model(checkpoint)
+    ps = prompts(seed=seed)[:4]
     params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
-    engine = Engine(str(checkpoints[family]), tp_size=2, **ENGINE)
+    engine = Engine(str(checkpoint), tp_size=2, **ENGINE)
     try:
         out = engine.generate(input_ids=ps, sampling_params=params)
         assert [o["output_ids"] for o in out] == [hf_greedy(hf, p) for p in ps]
@@ -200,3 +197,11 @@ def test_tensor_parallel_greedy_matches_hf(checkpoints: dict[str, Path], family:
         tp = get_tp()
         engine.worker.close()
     assert tp is not None and [p.exitcode for p in tp.followers] == [0]
+
+
+@pytest.mark.slow  # a two-process engine per family: ~5-9 s each
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tensor_parallel_greedy_matches_hf(checkpoints: dict[str, Path], family: str) -> None:
+    """Two ranks (each 2 q heads, 1 KV head, half the MLP; q/k norms and the sandwich norms
+    replicated, Phi-3's fused tensors split before sharding): HF's greedy tokens."""
+    check_tensor_parallel_greedy(checkpoints[family], seed=FAMILIES.index(family))

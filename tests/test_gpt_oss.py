@@ -27,6 +27,7 @@ from test_families import (
     NEW_TOKENS,
     REL_TOL,
     _one_thread,  # noqa: F401  (its autouse fixture: one torch thread)
+    check_tensor_parallel_greedy,
     hf_greedy,
     hf_logits_one_at_a_time,
     hf_model,
@@ -250,19 +251,7 @@ def test_server_greedy_matches_hf_generate(checkpoint: Path) -> None:
 def test_tensor_parallel_greedy_matches_hf(checkpoint: Path) -> None:
     """Two ranks, each with half of the heads (and their sinks) and half of every expert's
     rows (and biases; the down bias added once): HF's greedy tokens."""
-    from radixserve.distributed.parallel import get_tp
-
-    hf = hf_model(checkpoint)
-    ps = prompts(seed=12)[:4]
-    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
-    engine = Engine(str(checkpoint), tp_size=2, **ENGINE)
-    try:
-        out = engine.generate(input_ids=ps, sampling_params=params)
-        assert [o["output_ids"] for o in out] == [hf_greedy(hf, p) for p in ps]
-    finally:
-        tp = get_tp()
-        engine.worker.close()
-    assert tp is not None and [p.exitcode for p in tp.followers] == [0]
+    check_tensor_parallel_greedy(checkpoint, seed=12)
 
 
 # ---------------------------------------------------------------- what is refused

@@ -26,6 +26,7 @@ from test_families import (
     NEW_TOKENS,
     REL_TOL,
     _one_thread,  # noqa: F401  (its autouse fixture: one torch thread)
+    check_tensor_parallel_greedy,
     hf_greedy,
     hf_logits_one_at_a_time,
     hf_model,
@@ -451,16 +452,4 @@ def test_gguf_metadata_the_config_cannot_express_raises_naming_it(
 def test_tensor_parallel_greedy_matches_hf(checkpoints: dict[str, Path], family: str) -> None:
     """Two ranks, each with half of every expert's rows (and half the heads): HF's greedy
     tokens."""
-    from radixserve.distributed.parallel import get_tp
-
-    hf = hf_model(checkpoints[family])
-    ps = prompts(seed=FAMILIES.index(family))[:4]
-    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
-    engine = Engine(str(checkpoints[family]), tp_size=2, **ENGINE)
-    try:
-        out = engine.generate(input_ids=ps, sampling_params=params)
-        assert [o["output_ids"] for o in out] == [hf_greedy(hf, p) for p in ps]
-    finally:
-        tp = get_tp()
-        engine.worker.close()
-    assert tp is not None and [p.exitcode for p in tp.followers] == [0]
+    check_tensor_parallel_greedy(checkpoints[family], seed=FAMILIES.index(family))

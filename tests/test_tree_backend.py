@@ -683,6 +683,7 @@ def run_sliding(
     extend=st.booleans(),
     rows=st.booleans(),
     thresholds=st.sampled_from([(2, 1), (3, 16), None]),
+    sinks=st.booleans(),
 )
 def test_random_trees_sliding_fp32(
     seed: int,
@@ -692,14 +693,19 @@ def test_random_trees_sliding_fp32(
     extend: bool,
     rows: bool,
     thresholds: tuple[int, int] | None,
+    sinks: bool,
 ) -> None:
     """Tree and flat attention of a sliding layer == the windowed oracle, decode steps (shared
-    K/V inside the windows attended once) and extends, over the slots or rows of their own."""
+    K/V inside the windows attended once) and extends (old and recent blocks merged), over
+    the slots or rows of their own; with sinks, applied once after those merges."""
     case = random_case(seed, depth, 3, max_len, 3, extend, torch.float32)
-    want = window_oracle(case, 0.25, window)
+    sink = random_sinks(case, seed) if sinks else None
+    want = (
+        window_oracle(case, 0.25, window) if sink is None else sink_oracle(case, 0.25, sink, window)
+    )
     backend = TreeBackend() if thresholds is None else tree(*thresholds)
     for b in (backend, FlatBackend()):
-        out, _ = run_sliding(b, case, 0.25, window, rows)
+        out, _ = run_sliding(b, case, 0.25, window, rows, sink)
         assert max_err(out, want) <= FP32_ATOL, b
 
 
@@ -789,35 +795,6 @@ def test_random_trees_with_sinks_fp32(
     backend = TreeBackend() if thresholds is None else tree(*thresholds)
     assert max_err(run_backend(backend, case, 0.25, sinks), want) <= FP32_ATOL
     assert max_err(run_backend(FlatBackend(), case, 0.25, sinks), want) <= FP32_ATOL
-
-
-@given(
-    seed=st.integers(0, 2**31 - 1),
-    depth=st.integers(1, 4),
-    max_len=st.sampled_from([8, 300]),
-    window=st.sampled_from([1, 5, 37, 256]),
-    extend=st.booleans(),
-    rows=st.booleans(),
-    thresholds=st.sampled_from([(2, 1), (3, 16), None]),
-)
-def test_random_trees_sliding_with_sinks_fp32(
-    seed: int,
-    depth: int,
-    max_len: int,
-    window: int,
-    extend: bool,
-    rows: bool,
-    thresholds: tuple[int, int] | None,
-) -> None:
-    """Sliding layers with sinks: decode steps (shared K/V inside the windows, merged) and
-    extends (old and recent blocks, merged), over the slots or rows of their own."""
-    case = random_case(seed, depth, 3, max_len, 3, extend, torch.float32)
-    sinks = random_sinks(case, seed)
-    want = sink_oracle(case, 0.25, sinks, window)
-    backend = TreeBackend() if thresholds is None else tree(*thresholds)
-    for b in (backend, FlatBackend()):
-        out, _ = run_sliding(b, case, 0.25, window, rows, sinks)
-        assert max_err(out, want) <= FP32_ATOL, b
 
 
 def test_sinks_in_bf16_round_once() -> None:
