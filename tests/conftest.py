@@ -4,6 +4,7 @@ uses the embedded SmolLM2 tokenizer (so chat templates and multi-byte text are r
 
 from __future__ import annotations
 
+import json
 import os
 
 # Tests run several torch processes at once (pytest, server children) on few cores: idle
@@ -192,6 +193,31 @@ def wait_healthy(h: ServerHandle, timeout: float = STARTUP_TIMEOUT_S) -> None:
         time.sleep(0.2)
     h.stop(signal.SIGKILL)
     raise TimeoutError(f"server not healthy after {timeout} s:\n{h.log_text()[-4000:]}")
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def abort_mid_stream(
+    server: ServerHandle, owner: str, aborter: str, rid: str
+) -> tuple[httpx.Response, str]:
+    """Stream a long /generate of `rid` with key `owner`; after its first chunk, key
+    `aborter` aborts `rid`: (the abort's response, how the request finished)."""
+    body = {"text": "Count:", "rid": rid, "stream": True,
+            "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}  # fmt: skip
+    abort, last = None, None
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        with c.stream("POST", "/generate", json=body, headers=bearer(owner)) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                if abort is None:
+                    abort = c.post("/abort_request", json={"rid": rid}, headers=bearer(aborter))
+                last = json.loads(line[6:])
+    assert abort is not None and last is not None
+    return abort, last["meta_info"]["finish_reason"]["type"]
 
 
 @pytest.fixture(scope="session")

@@ -130,27 +130,8 @@ def test_server_greedy_matches_hf_generate(checkpoints: dict[str, Path], family:
     attention keeping every shared segment with speculative decoding (drafts from the radix
     cache and the samples' own tokens), and flat attention with none. A prompt that extends
     an earlier one reuses its cached K/V past the window."""
-    hf = hf_model(checkpoints[family])
-    ps = prompts(seed=FAMILIES.index(family))
-    want = [hf_greedy(hf, p) for p in ps]
-    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
-    spec = Engine(str(checkpoints[family]), attention_backend="tree", **ENGINE)
-    plain = Engine(str(checkpoints[family]), attention_backend="flat",
-                   speculative_algorithm="none", **ENGINE)  # fmt: skip
-    backend = spec.scheduler.worker.backend
-    assert isinstance(backend, TreeBackend)
-    with keep_every_segment(backend):  # (a sample reading a kept segment drafts nothing)
-        first = spec.generate(input_ids=ps[:2], sampling_params=params)
-        rest = spec.generate(input_ids=ps[2:], sampling_params=params)
-    again = spec.generate(input_ids=ps[3], sampling_params=params)  # drafts: the cache
-    assert [o["output_ids"] for o in first + rest] == want
-    assert again["output_ids"] == want[3]
+    rest = check_server_greedy(checkpoints[family], seed=FAMILIES.index(family))
     assert rest[0]["meta_info"]["cached_tokens"] > 16  # ps[2] extends ps[1]: past the window
-    assert spec.scheduler.stats().accepted_draft_tokens_total > 0
-    out = plain.generate(input_ids=ps, sampling_params=params)
-    assert [o["output_ids"] for o in out] == want
-    for engine in (spec, plain):
-        assert_all_free(engine)
 
 
 def test_a_window_no_shorter_than_the_context_never_binds() -> None:
@@ -180,6 +161,34 @@ def test_unsupported_fields_are_named() -> None:
         ModelConfig.from_hf(phi3)
     with pytest.raises(ValueError, match="hidden_act 'relu2'"):
         ModelConfig.from_hf({**base, "architectures": ["Qwen3ForCausalLM"], "hidden_act": "relu2"})
+
+
+def check_server_greedy(checkpoint: Path, seed: int) -> list[dict[str, Any]]:
+    """HF's greedy tokens for 8 prompts x 32 tokens from two engines: tree attention keeping
+    every shared segment with speculative decoding (drafts from the radix cache and the
+    samples' own tokens), and flat attention with none; every slot freed after. Returns the
+    tree engine's answers to prompts 2.. (the second batch)."""
+    hf = hf_model(checkpoint)
+    ps = prompts(seed=seed)
+    want = [hf_greedy(hf, p) for p in ps]
+    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    spec = Engine(str(checkpoint), attention_backend="tree", **ENGINE)
+    plain = Engine(str(checkpoint), attention_backend="flat",
+                   speculative_algorithm="none", **ENGINE)  # fmt: skip
+    backend = spec.scheduler.worker.backend
+    assert isinstance(backend, TreeBackend)
+    with keep_every_segment(backend):  # (a sample reading a kept segment drafts nothing)
+        first = spec.generate(input_ids=ps[:2], sampling_params=params)
+        rest = spec.generate(input_ids=ps[2:], sampling_params=params)
+    again = spec.generate(input_ids=ps[3], sampling_params=params)  # drafts: the cache
+    assert [o["output_ids"] for o in first + rest] == want
+    assert again["output_ids"] == want[3]
+    assert spec.scheduler.stats().accepted_draft_tokens_total > 0
+    out = plain.generate(input_ids=ps, sampling_params=params)
+    assert [o["output_ids"] for o in out] == want
+    for engine in (spec, plain):
+        assert_all_free(engine)
+    return rest
 
 
 def check_tensor_parallel_greedy(checkpoint: Path, seed: int) -> None:

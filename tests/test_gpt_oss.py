@@ -21,17 +21,13 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import assert_all_free, keep_every_segment
 from test_families import (
-    ENGINE,
-    NEW_TOKENS,
     REL_TOL,
     _one_thread,  # noqa: F401  (its autouse fixture: one torch thread)
+    check_server_greedy,
     check_tensor_parallel_greedy,
-    hf_greedy,
     hf_logits_one_at_a_time,
     hf_model,
-    prompts,
 )
 from test_gguf_families import (
     F32,
@@ -46,7 +42,6 @@ from test_gguf_families import (
 from test_moe import assert_close, our_logits
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from radixserve import Engine
 from radixserve.attention.flat import FlatBackend
 from radixserve.attention.tree import TreeBackend
 from radixserve.models import load_model, resolve_model_path
@@ -225,26 +220,7 @@ def test_server_greedy_matches_hf_generate(checkpoint: Path) -> None:
     """HF's greedy tokens for 8 prompts x 32 tokens (17-31 tokens each: past the window)
     from two engines: tree attention keeping every shared segment with speculative decoding,
     and flat attention with none."""
-    hf = hf_model(checkpoint)
-    ps = prompts(seed=11)
-    want = [hf_greedy(hf, p) for p in ps]
-    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
-    spec = Engine(str(checkpoint), attention_backend="tree", **ENGINE)
-    plain = Engine(str(checkpoint), attention_backend="flat",
-                   speculative_algorithm="none", **ENGINE)  # fmt: skip
-    backend = spec.scheduler.worker.backend
-    assert isinstance(backend, TreeBackend)
-    with keep_every_segment(backend):
-        first = spec.generate(input_ids=ps[:2], sampling_params=params)
-        rest = spec.generate(input_ids=ps[2:], sampling_params=params)
-    again = spec.generate(input_ids=ps[3], sampling_params=params)  # drafts: the cache
-    assert [o["output_ids"] for o in first + rest] == want
-    assert again["output_ids"] == want[3]
-    assert spec.scheduler.stats().accepted_draft_tokens_total > 0
-    out = plain.generate(input_ids=ps, sampling_params=params)
-    assert [o["output_ids"] for o in out] == want
-    for engine in (spec, plain):
-        assert_all_free(engine)
+    check_server_greedy(checkpoint, seed=11)
 
 
 @pytest.mark.slow  # a two-process engine: ~10 s

@@ -5,7 +5,6 @@ changes, other origins, other Host names)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ServerHandle, free_port, launch_server
+from conftest import ServerHandle, abort_mid_stream, bearer, free_port, launch_server
 
 from radixserve.cli import build_parser, config_from_args
 from radixserve.config import EngineConfig
@@ -26,10 +25,6 @@ from radixserve.router.config import RouterConfig
 INFERENCE = "inference-key-for-tenants"
 ADMIN = "admin-key-for-the-operator"
 BODY = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 2}}
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
 
 
 @pytest.fixture(scope="module")
@@ -194,24 +189,12 @@ def finish_of_aborted(server: ServerHandle, owner: str, aborter: str, rid: str) 
     """Stream a long request with key `owner`, ask key `aborter` to abort its rid after the
     first chunk, and return how it finished. Whether it stops or not, the abort answers as
     for a rid nobody has in flight (a tenant learns nothing of another's rids)."""
-    body = {"text": "Count:", "rid": rid, "stream": True,
-            "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}  # fmt: skip
-    last = None
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        with c.stream("POST", "/generate", json=body, headers=bearer(owner)) as r:
-            assert r.status_code == 200, r.read()
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                if last is None:
-                    abort = c.post("/abort_request", json={"rid": rid}, headers=bearer(aborter))
-                    unknown = c.post(
-                        "/abort_request", json={"rid": "nobody-runs-this"}, headers=bearer(aborter)
-                    )
-                    assert (abort.status_code, abort.json()) == (200, unknown.json()), abort.text
-                last = json.loads(line[6:])
-    assert last is not None
-    return last["meta_info"]["finish_reason"]["type"]
+    abort, finish = abort_mid_stream(server, owner, aborter, rid)
+    unknown = httpx.post(
+        server.url + "/abort_request", json={"rid": "nobody-runs-this"}, headers=bearer(aborter)
+    )
+    assert (abort.status_code, abort.json()) == (200, unknown.json()), abort.text
+    return finish
 
 
 def test_a_tenant_aborts_only_its_own_requests(server: ServerHandle) -> None:

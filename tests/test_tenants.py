@@ -10,7 +10,6 @@ own; prompt modules (registered by the admin) tell one tenant nothing of another
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import uuid
@@ -21,7 +20,14 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ServerHandle, free_port, launch_server, wait_healthy
+from conftest import (
+    ServerHandle,
+    abort_mid_stream,
+    bearer,
+    free_port,
+    launch_server,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.slow  # two live servers and a router: ~30 s (the engine-level
 # properties are in tests/test_cache_salt.py, in the fast tier)
@@ -32,10 +38,6 @@ BOB = "bob-key-0123456789abc"
 ADMIN = "admin-key-for-the-operator"
 KEYS = f"# tenants of the test servers\n{ALICE} alice\n{ALICE_2} alice\n\n{BOB} bob\n"
 ONE = {"max_new_tokens": 1, "temperature": 0}
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
 
 
 def serve(tmp: Path, tiny_model_dir: Path, isolation: str) -> ServerHandle:
@@ -179,21 +181,8 @@ def finish_when_aborted(
 ) -> tuple[int, dict[str, Any], str]:
     """Stream a long request with key `owner`; after its first chunk, key `aborter` aborts
     its rid: (the abort's status, its body, how the request finished)."""
-    rid = f"run-{uuid.uuid4().hex}"
-    body = {"text": "Count:", "rid": rid, "stream": True,
-            "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}  # fmt: skip
-    abort, last = None, None
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        with c.stream("POST", "/generate", json=body, headers=bearer(owner)) as r:
-            assert r.status_code == 200, r.read()
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                if abort is None:
-                    abort = c.post("/abort_request", json={"rid": rid}, headers=bearer(aborter))
-                last = json.loads(line[6:])
-    assert abort is not None and last is not None
-    return abort.status_code, abort.json(), last["meta_info"]["finish_reason"]["type"]
+    abort, finish = abort_mid_stream(server, owner, aborter, f"run-{uuid.uuid4().hex}")
+    return abort.status_code, abort.json(), finish
 
 
 def abort_answer(server: ServerHandle, key: str, rid: str) -> tuple[int, Any]:
