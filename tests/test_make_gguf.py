@@ -26,6 +26,7 @@ from test_gguf_families import FAMILIES, llama_cpp_tensors
 
 from radixserve import Engine
 from radixserve.models.gguf_layout import gguf_architecture, tensor_dims
+from radixserve.models.moe import QuantExperts
 from radixserve.models.quant import QuantLinear
 
 # Tiny versions of each architecture, hidden 256 (whole K-quant super-blocks). Qwen2: q/k/v
@@ -184,16 +185,18 @@ def check_loads_and_generates(path: Path, fields: dict[str, Any]) -> Engine:
 @pytest.mark.slow  # a file written and loaded per architecture (~5 s each)
 @pytest.mark.parametrize("name", TINY)
 def test_direct_q4_k_m_file_runs_every_projection_native(name: str, cache: Path) -> None:
-    """4 QuantLinear a layer (qkv, o, gate/up, down; with experts gate/up and down for
-    each, read in place from the file's stacks), the output (+ the untied embedding), in
-    Q4_K_M's formats (Qwen3's narrow ffn_down in Q5_0 / Q8_0)."""
+    """4 QuantLinear a layer (qkv, o, gate/up, down; with experts qkv and o, and the
+    experts' three stacks read in place from the file's), the output (+ the untied
+    embedding), in Q4_K_M's formats (Qwen3's narrow ffn_down in Q5_0 / Q8_0)."""
     fields = TINY[name]
     engine = check_loads_and_generates(written(cache, name, "Q4_K_M"), fields)
     linears = quant_linears(engine)
-    tied = fields["tie_word_embeddings"]
-    per_layer = 2 + 2 * fields.get("num_experts", 1)
-    assert len(linears) == per_layer * fields["num_hidden_layers"] + (1 if tied else 2)
-    formats = {f.name for m in linears for f in m.formats}
+    experts = [m for m in engine.worker.model.modules() if isinstance(m, QuantExperts)]
+    tied, layers = fields["tie_word_embeddings"], fields["num_hidden_layers"]
+    moe = "num_experts" in fields
+    assert len(experts) == (layers if moe else 0)
+    assert len(linears) == (2 if moe else 4) * layers + (1 if tied else 2)
+    formats = {f.name for m in linears for f in m.formats} | {f for m in experts for f in m.formats}
     assert {"q4_k", "q6_k"} <= formats <= {"q4_k", "q6_k", "q5_0", "q8_0"}, formats
 
 

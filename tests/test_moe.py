@@ -332,7 +332,7 @@ def test_a_gguf_file_runs_as_its_hf_model(
 ) -> None:
     """The file through the engine's loader gives the HF model's logits (prefill, extend,
     decodes). Q8_0: attention matrices and the 3-D experts stay in blocks (experts read in
-    place, one QuantLinear per expert), the router is F32; the HF model holds the same
+    place by the native experts call), the router is F32; the HF model holds the same
     rounded weights."""
     hf = GGUF_FAMILIES[arch]()
     path = write_gguf(hf, cache / f"{arch}.gguf", quant)
@@ -349,23 +349,41 @@ def test_a_gguf_file_runs_as_its_hf_model(
     assert_close(our_logits(model, ids), want, REL_TOL if quant == F32 else 1e-3, arch)
 
 
-def test_experts_in_k_quant_blocks_are_read_in_place_and_match_float_experts() -> None:
-    """Q4_K gate / up and Q6_K down stacks (a Q4_K_M file's): each expert's QuantLinears are
-    views of the stack, and a step's grouped experts equal the float experts of the same
-    dequantized weights, up to the kernels' int8 rounding of x (a wrong expert, slot or
-    weight would be off by the output's whole size)."""
-    e, hidden, inter = 4, 256, 512
-    stacks = {
+def _stacks(spec: list[tuple[str, str, int, int]], e: int) -> dict[str, QuantStack]:
+    """Random stacks of `e` experts: (name, format, rows, K) each."""
+    return {
         name: QuantStack(
             torch.from_numpy(random_blocks(e * rows, k, fmt, seed)).view(e, rows, -1), fmt, k
         )
-        for seed, (name, fmt, rows, k) in enumerate(
-            [("gate", "q4_k", inter, hidden), ("up", "q4_k", inter, hidden),
-             ("down", "q6_k", hidden, inter)]
-        )
-    }  # fmt: skip
+        for seed, (name, fmt, rows, k) in enumerate(spec)
+    }
+
+
+def _per_expert(stacks: dict[str, QuantStack]) -> Any:
+    """Each expert as QuantLinears over its views (the dense projections' kernels)."""
+    gate, up, down = stacks["gate"], stacks["up"], stacks["down"]
+    gate_up = [QuantLinear([gate[e], up[e]], None) for e in range(len(gate))]
+    downs = [QuantLinear([down[e]], None) for e in range(len(down))]
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        g, u = gate_up[e](rows).chunk(2, dim=-1)
+        return downs[e](torch.nn.functional.silu(g) * u)
+
+    return expert
+
+
+def test_experts_in_k_quant_blocks_are_read_in_place_and_match_float_experts() -> None:
+    """Q4_K gate / up and Q6_K down stacks (a Q4_K_M file's), used in place: a step's
+    selected experts in the one native call equal each expert run as its own QuantLinears,
+    bit for bit, and the float experts of the same dequantized weights, up to the kernels'
+    int8 rounding of x (a wrong expert, slot or weight would be off by the output's whole
+    size)."""
+    e, hidden, inter = 4, 256, 512
+    spec = [("gate", "q4_k", inter, hidden), ("up", "q4_k", inter, hidden),
+            ("down", "q6_k", hidden, inter)]  # fmt: skip
+    stacks = _stacks(spec, e)
     quant = QuantExperts(stacks["gate"], stacks["up"], stacks["down"], "int8")
-    assert quant.gate_up[2].blocks1.data_ptr() == stacks["up"].blocks[2].data_ptr()
+    assert quant.get_buffer("up").data_ptr() == stacks["up"].blocks.data_ptr()
     plain = {n: dequantize(s.blocks.reshape(-1, s.blocks.shape[-1]), s.fmt, s.in_features)
              for n, s in stacks.items()}  # fmt: skip
     floats = Experts(e, hidden, inter, bias=False)
@@ -376,12 +394,47 @@ def test_experts_in_k_quant_blocks_are_read_in_place_and_match_float_experts() -
     x = torch.randn(9, hidden, generator=gen)
     ids = torch.stack([torch.randperm(e, generator=gen)[:2] for _ in range(9)])  # (9, 2)
     weights = torch.rand(9, 2, generator=gen)
-    want = grouped_experts(x, ids, weights, floats, hidden)
-    got = grouped_experts(x, ids, weights, quant, hidden)
+    got = quant.mix(x, ids, weights)
+    assert torch.equal(got, grouped_experts(x, ids, weights, _per_expert(stacks), hidden))
+    want = floats.mix(x, ids, weights)
     scale = float(want.abs().max())
     torch.testing.assert_close(got, want, rtol=0, atol=0.03 * scale)
-    swapped = grouped_experts(x, ids.flip(1), weights, quant, hidden)
+    swapped = quant.mix(x, ids.flip(1), weights)
     assert float((swapped - want).abs().max()) > 0.1 * scale
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 60])
+def test_experts_with_many_rows_take_each_experts_kernel_bit_for_bit(tokens: int) -> None:
+    """Q8_0 experts (int16 x): at 60 tokens experts 0-2 have more rows than the streaming
+    kernel's 32 and run the GEMM, as their QuantLinears would, while 3 and 4 share the one
+    loop; the result is each expert as its own QuantLinears, bit for bit, at 1, 3 and 60
+    tokens of 3 slots. bf16 x runs in float32 and comes back in bf16."""
+    e, hidden, inter, k = 5, 64, 96, 3
+    spec = [("gate", "q8_0", inter, hidden), ("up", "q8_0", inter, hidden),
+            ("down", "q8_0", hidden, inter)]  # fmt: skip
+    stacks = _stacks(spec, e)
+    quant = QuantExperts(stacks["gate"], stacks["up"], stacks["down"], "int16")
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(tokens)])
+    if tokens == 60:  # 60, 50, 50, 10 and 10 rows
+        ids = torch.tensor([[0, 1, 2]] * 50 + [[3, 4, 0]] * 10)
+    weights = torch.rand(tokens, k, generator=gen)
+    want = grouped_experts(x, ids, weights, _per_expert(stacks), hidden)
+    assert torch.equal(quant.mix(x, ids, weights), want)
+    half = x.bfloat16()
+    assert torch.equal(
+        quant.mix(half, ids, weights), quant.mix(half.float(), ids, weights).bfloat16()
+    )
+
+
+def test_expert_ids_out_of_range_are_an_error_naming_them() -> None:
+    spec = [("gate", "q8_0", 32, 32), ("up", "q8_0", 32, 32), ("down", "q8_0", 32, 32)]
+    stacks = _stacks(spec, 2)
+    quant = QuantExperts(stacks["gate"], stacks["up"], stacks["down"], "int16")
+    x, weights = torch.randn(1, 32), torch.ones(1, 1)
+    with pytest.raises(RuntimeError, match=re.escape("expert id 2 out of range [0, 2)")):
+        quant.mix(x, torch.tensor([[2]]), weights)
 
 
 def load_model_config(path: Path) -> ModelConfig:

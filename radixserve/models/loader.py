@@ -170,7 +170,7 @@ def _pack_quantized(model: LlamaForCausalLM, gguf: Path) -> None:
     tiles), a slice at a time, and drop the file pages of each packed slice: the packed
     copies replace them in memory, so peak RSS stays about the file's size, not twice it."""
     for module in model.modules():
-        if isinstance(module, QuantLinear):
+        if isinstance(module, QuantLinear | QuantExperts):
             module.native_arg(release=lambda blocks: release_pages(gguf, blocks))
 
 

@@ -25,16 +25,17 @@
 Weights are stored stacked: `experts.gate_up_proj` (E, 2 * I, hidden) = cat(gate, up) per
 expert, `experts.down_proj` (E, hidden, I), and with biases `experts.gate_up_proj_bias`
 (E, 2 * I) and `experts.down_proj_bias` (E, hidden); a GGUF's experts in a block format stay
-in their blocks, one QuantLinear per expert and projection (`QuantExperts`). Under tensor
-parallelism each rank holds the slice [r * I / N, (r + 1) * I / N) of every expert's I (as
-the dense MLP's; its biases alike, the down bias on rank 0 only), the router is replicated,
-and the partial sums are all-reduced.
+in their blocks, three stacks read in place by one native call a step (`QuantExperts`).
+Under tensor parallelism each rank holds the slice [r * I / N, (r + 1) * I / N) of every
+expert's I (as the dense MLP's; its biases alike, the down bias on rank 0 only), the router
+is replicated, and the partial sums are all-reduced.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,15 @@ from torch import Tensor, nn
 
 from radixserve.distributed.parallel import all_reduce
 from radixserve.models.config import ModelConfig
-from radixserve.models.quant import QuantLinear, QuantStack
+from radixserve.models.quant import (
+    NativeParts,
+    QuantStack,
+    Release,
+    dequantize,
+    native_parts,
+    unread,
+)
+from radixserve.models.quant import ops as quant_ops
 
 Activation = Callable[[Tensor, Tensor], Tensor]  # (gate, up) (n, I) each -> (n, I)
 
@@ -123,6 +132,10 @@ class Experts(nn.Module):
             self.gate_up_proj_bias = nn.Parameter(gate_up_bias, requires_grad=False)
             self.down_proj_bias = nn.Parameter(down_bias, requires_grad=False)
 
+    def mix(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """grouped_experts over these experts -> (T, hidden) in x's dtype."""
+        return grouped_experts(x, ids, weights, self, x.shape[-1])
+
     def forward(self, e: int, rows: Tensor) -> Tensor:
         h = F.linear(rows, self.gate_up_proj[e])  # (n, 2I)
         if self.gate_up_proj_bias is not None:
@@ -133,24 +146,72 @@ class Experts(nn.Module):
 
 
 class QuantExperts(nn.Module):
-    """A GGUF's experts in their blocks: expert e's gate and up one QuantLinear of two parts
-    (`gate_up[e]`), its down another (`down[e]`), each over a view of the file's map, so
-    a step reads only its selected experts' rows, in the dense projections' kernels."""
+    """A GGUF's experts in their blocks: the stacks `gate`, `up` (E, I, row bytes) and
+    `down` (E, hidden, row bytes), views of the file's map, held as buffers and used in
+    place. `mix` runs the selected experts in the native `experts` call (quant_cpu.cpp: one
+    parallel loop over all selected experts' gate/up rows, one over their down rows), a
+    step reading only the experts its tokens picked; activations are float32 throughout,
+    as a QuantLinear's. Without the native build each selected expert is dequantized."""
 
     def __init__(
         self, gate: QuantStack, up: QuantStack, down: QuantStack, activations: str
     ) -> None:
         super().__init__()
-        self.gate_up = nn.ModuleList(
-            QuantLinear([gate[e], up[e]], None, activations) for e in range(len(gate))
-        )
-        self.down = nn.ModuleList(
-            QuantLinear([down[e]], None, activations) for e in range(len(down))
-        )
+        assert gate.in_features == up.in_features and len({len(gate), len(up), len(down)}) == 1
+        self.activations = activations
+        self.formats = [gate.fmt, up.fmt, down.fmt]
+        self.hidden, self.intermediate = gate.in_features, down.in_features
+        for name, stack in zip(("gate", "up", "down"), (gate, up, down)):
+            self.register_buffer(name, stack.blocks)
+        self._native_arg: tuple[NativeParts, NativeParts] | None = None
 
-    def forward(self, e: int, rows: Tensor) -> Tensor:
-        gate, up = self.gate_up[e](rows).chunk(2, dim=-1)  # (n, I) each
-        return self.down[e](F.silu(gate) * up)  # (n, hidden)
+    def stacks(self) -> list[QuantStack]:
+        """gate, up, down as stacks of the buffers."""
+        k = [self.hidden, self.hidden, self.intermediate]
+        return [QuantStack(b, f, i) for b, f, i in zip(self._blocks(), self.formats, k)]
+
+    def _blocks(self) -> list[Tensor]:
+        blocks = [self._buffers[n] for n in ("gate", "up", "down")]
+        return [b for b in blocks if b is not None]  # (all set: registered in __init__)
+
+    def native_arg(self, release: Release = None) -> tuple[NativeParts, NativeParts]:
+        """(gate and up, down) as the native `experts` call takes them, made once (int8-x
+        parts packed into tiles, `release` told of each packed slice: QuantLinear.native_arg)."""
+        if self._native_arg is None:
+            gate, up, down = self.stacks()
+            self._native_arg = (
+                native_parts([gate, up], self.activations, release),
+                native_parts([down], self.activations, release),
+            )
+        return self._native_arg
+
+    def unread_blocks(self) -> list[Tensor]:
+        """The stacks whose packed copies the native call reads instead."""
+        if self._native_arg is None:
+            return []
+        gate, up, down = self._blocks()
+        (_, gate_up_codes, _), (_, down_codes, _) = self._native_arg
+        return unread([gate, up], gate_up_codes) + unread([down], down_codes)
+
+    def mix(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """grouped_experts over these experts, float32 inside -> (T, hidden) in x's dtype."""
+        x32, w32 = x.float().contiguous(), weights.float()
+        native = quant_ops()
+        if native is None:
+            out = grouped_experts(x32, ids, w32, self._dequantized_expert, self.hidden)
+        else:
+            out = native.experts(x32, ids, w32, *self.native_arg())
+        return out.to(x.dtype)
+
+    def _dequantized_expert(self, e: int, rows: Tensor) -> Tensor:
+        gate, up, down = (dequantize(s.blocks[e], s.fmt, s.in_features) for s in self.stacks())
+        h = rows @ torch.cat([gate, up]).T  # (n, 2I)
+        g, u = h.chunk(2, dim=-1)
+        return (F.silu(g) * u) @ down.T  # (n, hidden)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> QuantExperts:
+        self._native_arg = None
+        return super()._apply(fn, recurse)
 
 
 class MoE(nn.Module):
@@ -170,7 +231,7 @@ class MoE(nn.Module):
         if config.swiglu_alpha:
             alpha, limit = config.swiglu_alpha, config.swiglu_limit
             act = functools.partial(clamped_swiglu, alpha=alpha, limit=limit)
-        self.experts = Experts(
+        self.experts: Experts | QuantExperts = Experts(
             config.num_experts, config.hidden_size, size, config.expert_bias, act
         )
 
@@ -178,5 +239,5 @@ class MoE(nn.Module):
         weights, ids = route(self.gate(x), self.top_k, self.renormalise, self.topk_softmax)
         if not self.weights_f32:  # all but Mixtral round them to the model dtype first
             weights = weights.to(x.dtype)
-        out = grouped_experts(x, ids, weights, self.experts, x.shape[-1])
+        out = self.experts.mix(x, ids, weights)
         return out if self.tp_size == 1 else all_reduce(out)

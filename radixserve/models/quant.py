@@ -195,6 +195,38 @@ def _pack(n: int, parts: list[Tensor]) -> Tensor:
     return torch.cat(parts, dim=-1).reshape(n, -1).contiguous()
 
 
+NativeParts = tuple[list[Tensor], list[int], list[int]]  # blocks, format codes, small_m
+
+
+def native_parts(
+    parts: Sequence[QuantWeight | QuantStack], activations: str, release: Release
+) -> NativeParts:
+    """Each part's blocks, format code and small_m as the native calls take them; parts with
+    int8 x packed into tiles (PACKED_CODES) where the build packs, `release` told of each
+    packed slice of file-layout blocks. A part's blocks may have leading dims (stacked
+    experts: (E, N, row bytes)); they pack as one (E * N)-row weight, tile by tile."""
+    native = ops()
+    blocks, codes, small = [], [], []
+    for p in parts:
+        int8 = p.fmt in X8_CODES and activations == "int8"
+        rows = p.blocks.reshape(-1, p.blocks.shape[-1])  # (E * N, row bytes): a view
+        if int8 and native is not None and native.packs and p.blocks.shape[-2] % PACK_ROWS == 0:
+            tiles = pack(native, rows, p.fmt, p.in_features, release)
+            blocks.append(tiles.view(*p.blocks.shape[:-1], tiles.shape[-1]))
+            codes.append(PACKED_CODES[p.fmt])
+        else:
+            blocks.append(p.blocks)
+            codes.append(X8_CODES[p.fmt] if int8 else FORMATS[p.fmt].code)
+        small.append(X8_SMALL_M if int8 else FORMATS[p.fmt].small_m)
+    return blocks, codes, small
+
+
+def unread(blocks: Sequence[Tensor], codes: Sequence[int]) -> list[Tensor]:
+    """The file-layout blocks whose packed copies (codes in PACKED_CODES) are read instead."""
+    packed = set(PACKED_CODES.values())
+    return [b for b, code in zip(blocks, codes) if code in packed]
+
+
 @dataclass(frozen=True)
 class QuantWeight:
     """A block-quantized (N, K) weight: `blocks` (N, row bytes) uint8 in `fmt`, K =
@@ -307,18 +339,8 @@ class QuantLinear(nn.Module):
         PACK_SLICE_BYTES of the file layout at a time; `release` is then called on each
         slice of file-layout blocks once it is packed (the loader drops its file pages)."""
         if self._native_arg is None:
-            native = ops()
-            blocks, codes, small = [], [], []
-            for b, f in zip(self._blocks(), self.formats):
-                int8 = f.name in X8_CODES and self.activations == "int8"
-                if int8 and native is not None and native.packs and b.shape[0] % PACK_ROWS == 0:
-                    blocks.append(pack(native, b, f.name, self.in_features, release))
-                    codes.append(PACKED_CODES[f.name])
-                else:
-                    blocks.append(b)
-                    codes.append(X8_CODES[f.name] if int8 else f.code)
-                small.append(X8_SMALL_M if int8 else f.small_m)
-            self._native_arg = (blocks, codes, small, self._buffers["bias"])
+            parts = native_parts(self.parts, self.activations, release)
+            self._native_arg = (*parts, self._buffers["bias"])
         return self._native_arg
 
     def unread_blocks(self) -> list[Tensor]:
@@ -326,8 +348,7 @@ class QuantLinear(nn.Module):
         (none before native_arg is made)."""
         if self._native_arg is None:
             return []
-        packed = set(PACKED_CODES.values())
-        return [b for b, code in zip(self._blocks(), self._native_arg[1]) if code in packed]
+        return unread(self._blocks(), self._native_arg[1])
 
     def _apply(self, fn: Any, recurse: bool = True) -> QuantLinear:
         self._native_arg = None

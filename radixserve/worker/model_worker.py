@@ -29,6 +29,7 @@ from radixserve.isa import resolve_dtype
 from radixserve.kvcache.pool import KVPool
 from radixserve.models import native as fused_ops
 from radixserve.models.loader import int8_x_only, load_config, load_model
+from radixserve.models.moe import QuantExperts
 from radixserve.models.quant import QuantLinear
 from radixserve.models.sharding import check_tp_size
 from radixserve.native_build import build_in_background, use_native_ops
@@ -116,7 +117,12 @@ def file_mapped_bytes(model: torch.nn.Module) -> int:
             spans.append((lo, hi))
     spans.sort()
     starts = [lo for lo, _ in spans]
-    unread = (b for m in model.modules() if isinstance(m, QuantLinear) for b in m.unread_blocks())
+    unread = (
+        b
+        for m in model.modules()
+        if isinstance(m, QuantLinear | QuantExperts)
+        for b in m.unread_blocks()
+    )
     seen, total = {b.data_ptr() for b in unread}, 0  # packed parts' blocks count as seen
     for t in itertools.chain(model.parameters(), model.buffers()):
         ptr = t.data_ptr()

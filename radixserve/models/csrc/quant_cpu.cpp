@@ -1768,21 +1768,25 @@ void check_args(const at::Tensor& x, const at::Tensor& w, int64_t code, int64_t 
 #endif
 }
 
-// A weight of the small kernels' loop: its bytes, weight format, x quantized for its format
-// (int16, or int8 for Q4_K and Q6_K: x8 set), and the output column where its rows start.
+// A weight of the small kernels' loop: its bytes, weight format, its x (M rows of nb
+// 32-blocks) quantized for its format (int16, or int8 for Q4_K and Q6_K: x8 set), and where
+// its output columns start (out, rows ldo apart).
 struct SmallPart {
   const uint8_t* w;
-  int64_t fmt, rows, row_bytes, col;
+  int64_t fmt, rows, row_bytes;
   bool packed;  // w in packed tiles (int8 x)
   const QRows* x;
   const Q8Rows* x8;
+  int64_t M, nb;
+  float* out;
+  int64_t ldo;
 };
 
-// out (M, ldo) columns [col, col + rows) of every part = x @ part.T, in ONE parallel loop
-// over all parts' rows (a fused projection of several parts costs one loop, as one part):
-// 16 weight rows a task (dot_wrows, AVX512-VNNI), then 8 (AVX2), the rest (and every row in
-// a build without AVX2) one row a task.
-void run_small(const std::vector<SmallPart>& parts, int64_t M, int64_t nb, float* out, int64_t ldo) {
+// out (M, ldo) columns [0, rows) of every part = its x @ part.T, in ONE parallel loop over
+// all parts' rows (a fused projection of several parts, or several experts' projections,
+// cost one loop, as one part): 16 weight rows a task (dot_wrows, AVX512-VNNI), then 8
+// (AVX2), the rest (and every row in a build without AVX2) one row a task.
+void run_small(const std::vector<SmallPart>& parts) {
   struct Task {
     int32_t part, rows;
     int64_t n;
@@ -1802,7 +1806,8 @@ void run_small(const std::vector<SmallPart>& parts, int64_t M, int64_t nb, float
     const Task& task = tasks[t];
     const SmallPart& part = parts[task.part];
     const uint8_t* row = part.w + task.n * part.row_bytes;
-    float* o = out + part.col + task.n;
+    float* o = part.out + task.n;
+    const int64_t M = part.M, nb = part.nb, ldo = part.ldo;
 #ifdef RS_VNNI
     if (task.rows == 16) {
       if (part.x8) dot_wrows8<V16>(row, part.fmt, part.packed, part.row_bytes, nb, *part.x8, M, o, ldo);
@@ -1849,8 +1854,8 @@ at::Tensor qmatmul_small(const at::Tensor& x, const at::Tensor& w, int64_t code,
   Q8Rows x8;
   if (is_x8(code)) quantize_rows8(x.data_ptr<float>(), M, K, fmt, x8);
   else quantize_rows(x.data_ptr<float>(), M, K, fmt, xq);
-  run_small({{w.data_ptr<uint8_t>(), fmt, N, w.size(1), 0, is_packed(code), &xq, is_x8(code) ? &x8 : nullptr}}, M, K / kBlock,
-            out.data_ptr<float>(), N);
+  run_small({{w.data_ptr<uint8_t>(), fmt, N, w.size(1), is_packed(code), &xq, is_x8(code) ? &x8 : nullptr, M,
+              K / kBlock, out.data_ptr<float>(), N}});
   return out;
 }
 
@@ -1983,46 +1988,78 @@ at::Tensor apply_part(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int
 #endif
 }
 
+// A projection's rows of x and where its outputs go: y (M, ldy), the projection's
+// columns from 0.
+struct SmallJob {
+  const QLinear* l;
+  at::Tensor x;  // (M, K) float32
+  float* y;
+  int64_t ldy;
+};
+
+int64_t out_features(const QLinear& l) {
+  int64_t n = 0;
+  for (const at::Tensor& w : l.w) n += w.size(0);
+  return n;
+}
+
+// Every job's x times every part of its projection (M <= each small_m), all in the small
+// kernels' one loop; each job's x quantized once per format its parts need.
+void run_jobs(const std::vector<SmallJob>& jobs) {
+  // x as the legacy formats, Q4_K, Q5_K and Q6_K take it in int16, and Q4_K and Q6_K in int8
+  struct Quantized {
+    QRows xq[4];
+    Q8Rows x8[2];
+    bool done[6] = {false, false, false, false, false, false};
+  };
+  std::vector<Quantized> quantized(jobs.size());  // sized once: the parts point into it
+  std::vector<SmallPart> parts;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const QLinear& l = *jobs[j].l;
+    const at::Tensor& x = jobs[j].x;
+    Quantized& xs = quantized[j];
+    const int64_t M = x.size(0), K = x.size(1);
+    int64_t col = 0;
+    for (size_t i = 0; i < l.w.size(); ++i) {
+      const int64_t code = l.fmt[i], fmt = weight_format(code);
+      check_args(x, l.w[i], code, K);
+      const int64_t q = is_x8(code) ? 4 + (fmt == kQ6_K) : is_kquant(fmt) ? fmt - kQ4_K + 1 : 0;
+      if (!xs.done[q] && q >= 4) quantize_rows8(x.data_ptr<float>(), M, K, fmt, xs.x8[q - 4]);
+      else if (!xs.done[q]) quantize_rows(x.data_ptr<float>(), M, K, fmt, xs.xq[q]);
+      xs.done[q] = true;
+      parts.push_back({l.w[i].data_ptr<uint8_t>(), fmt, l.w[i].size(0), l.w[i].size(1), is_packed(code),
+                       q < 4 ? &xs.xq[q] : nullptr, q >= 4 ? &xs.x8[q - 4] : nullptr, M, K / kBlock,
+                       jobs[j].y + col, jobs[j].ldy});
+      col += l.w[i].size(0);
+    }
+  }
+  run_small(parts);
+}
+
+bool fits_small(const QLinear& l, int64_t M) {
+  for (int64_t m : l.small_m) {
+    if (M > m) return false;
+  }
+  return true;
+}
+
 // x (M, K) float32 times every part, all in the small kernels' loop (M <= each small_m).
 at::Tensor small_parts(const QLinear& l, const at::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1);
-  // x as the legacy formats, Q4_K, Q5_K and Q6_K take it in int16, and Q4_K and Q6_K in
-  // int8, each quantized once if a part needs it
-  QRows xq[4];
-  Q8Rows x8[2];
-  bool quantized[6] = {false, false, false, false, false, false};
-  std::vector<SmallPart> parts;
-  int64_t n = 0;
-  for (size_t i = 0; i < l.w.size(); ++i) {
-    const int64_t code = l.fmt[i], fmt = weight_format(code);
-    check_args(x, l.w[i], code, K);
-    const int64_t q = is_x8(code) ? 4 + (fmt == kQ6_K) : is_kquant(fmt) ? fmt - kQ4_K + 1 : 0;
-    if (!quantized[q] && q >= 4) quantize_rows8(x.data_ptr<float>(), M, K, fmt, x8[q - 4]);
-    else if (!quantized[q]) quantize_rows(x.data_ptr<float>(), M, K, fmt, xq[q]);
-    quantized[q] = true;
-    parts.push_back({l.w[i].data_ptr<uint8_t>(), fmt, l.w[i].size(0), l.w[i].size(1), n, is_packed(code),
-                     q < 4 ? &xq[q] : nullptr,
-                     q >= 4 ? &x8[q - 4] : nullptr});
-    n += l.w[i].size(0);
-  }
-  at::Tensor y = at::empty({M, n}, x.options());
-  run_small(parts, M, K / kBlock, y.data_ptr<float>(), n);
+  const int64_t n = out_features(l);
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  run_jobs({{&l, x, y.data_ptr<float>(), n}});
   return y;
 }
 
 // x (M, K) float32 -> (M, N) float32 = x @ W.T + bias (QuantLinear.forward for float32 x).
 at::Tensor apply(const QLinear& l, const at::Tensor& x) {
   at::Tensor y;
-  bool small = true;
-  for (int64_t m : l.small_m) small = small && x.size(0) <= m;
-  if (small) {
+  if (fits_small(l, x.size(0))) {
     y = small_parts(l, x);
   } else if (l.w.size() == 1) {
     y = apply_part(x, l.w[0], l.fmt[0], l.small_m[0]);
   } else {
-    int64_t n = 0;
-    for (const at::Tensor& w : l.w) n += w.size(0);
-    y = at::empty({x.size(0), n}, x.options());
+    y = at::empty({x.size(0), out_features(l)}, x.options());
     for (size_t i = 0, col = 0; i < l.w.size(); col += l.w[i].size(0), ++i) {
       y.narrow(1, col, l.w[i].size(0)).copy_(apply_part(x, l.w[i], l.fmt[i], l.small_m[i]));
     }
@@ -2127,6 +2164,106 @@ at::Tensor post_attention(const at::Tensor& h, const at::Tensor& attn, const Lin
   return h1;
 }
 
+// ------------------------------------------------------------------ mixture of experts
+//
+// A MoE layer's selected experts in one call (radixserve/models/moe.py, QuantExperts): the
+// (token, slot) rows grouped by expert, in expert order (a counting sort: the stable argsort
+// of the ids), every selected expert's gate/up over its rows in ONE parallel loop over all
+// their weight rows, SwiGLU, every down the same way, then each row weighted and summed over
+// its token's slots by the ATen ops of moe.grouped_experts. An expert's rows get the kernel
+// QuantLinear picks for that many rows, so the result is grouped_experts over per-expert
+// QuantLinears, bit for bit, in two loops instead of two calls per expert.
+
+namespace {
+
+// One projection of every expert: per part its blocks (E, N, row bytes), format code and
+// small_m (QuantExperts.native_arg).
+using StackArg = std::tuple<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>>;
+
+int64_t check_stack(const StackArg& s, int64_t experts, const char* name) {
+  const auto& [w, fmt, small_m] = s;
+  TORCH_CHECK(!w.empty() && fmt.size() == w.size() && small_m.size() == w.size(), name,
+              ": blocks, a format and small_m per part expected");
+  for (const at::Tensor& part : w) {
+    TORCH_CHECK(part.dim() == 3 && part.is_contiguous() && part.size(0) == (experts < 0 ? w[0].size(0) : experts),
+                name, ": contiguous (E, N, row bytes) parts of one E expected, got ", part.sizes());
+  }
+  return w[0].size(0);
+}
+
+// Expert e's projection: a view of each stacked part.
+QLinear expert_linear(const StackArg& s, int64_t e) {
+  QLinear l{{}, std::get<1>(s), std::get<2>(s), std::nullopt};
+  for (const at::Tensor& part : std::get<0>(s)) l.w.push_back(part.select(0, e));
+  return l;
+}
+
+// y rows [start[e], start[e + 1]) = x's rows there @ projection e's parts.T for each e with
+// rows: the experts whose rows fit the small kernels in one loop, the others one by one.
+void per_expert(const StackArg& s, const std::vector<int64_t>& start, const at::Tensor& x, at::Tensor& y) {
+  const int64_t experts = static_cast<int64_t>(start.size()) - 1;
+  std::vector<QLinear> linears;
+  linears.reserve(experts);  // the jobs point into it
+  std::vector<SmallJob> jobs;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t r0 = start[e], n = start[e + 1] - r0;
+    if (n == 0) continue;
+    linears.push_back(expert_linear(s, e));
+    const at::Tensor rows = x.narrow(0, r0, n);
+    if (fits_small(linears.back(), n)) jobs.push_back({&linears.back(), rows, y.data_ptr<float>() + r0 * y.size(1), y.size(1)});
+    else y.narrow(0, r0, n).copy_(apply(linears.back(), rows));
+  }
+  run_jobs(jobs);
+}
+
+}  // namespace
+
+// x (T, H) float32, ids (T, k) int64 expert ids, weights (T, k) float32 -> (T, H) float32:
+// each token's sum over its k slots of weight * down[e](SiLU(gate[e] x) * up[e] x).
+at::Tensor experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const StackArg& gate_up,
+                   const StackArg& down) {
+  check_f32(x, 2, "x");
+  const int64_t t = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong && ids.size(0) == t,
+              "ids: (T, k) int64 expected, got ", ids.sizes(), " ", ids.scalar_type());
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat,
+              "weights: float32 of the ids' shape expected, got ", weights.sizes(), " ", weights.scalar_type());
+  const int64_t k = ids.size(1), rows = t * k;
+  const int64_t experts = check_stack(gate_up, -1, "gate_up");
+  check_stack(down, experts, "down");
+  const at::Tensor flat = ids.contiguous().view({rows});
+  const int64_t* id = flat.data_ptr<int64_t>();
+  std::vector<int64_t> start(experts + 1, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(id[r] >= 0 && id[r] < experts, "expert id ", id[r], " out of range [0, ", experts, ")");
+    ++start[id[r] + 1];
+  }
+  for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
+  at::Tensor order = at::empty({rows}, flat.options());  // sorted row i is (token, slot) row order[i]
+  at::Tensor xs = at::empty({rows, hidden}, x.options());  // its token's x
+  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  int64_t* sorted = order.data_ptr<int64_t>();
+  const float* xp = x.data_ptr<float>();
+  float* xsp = xs.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = next[id[r]]++;
+    sorted[i] = r;
+    std::memcpy(xsp + i * hidden, xp + r / k * hidden, hidden * sizeof(float));
+  }
+  const QLinear first = expert_linear(gate_up, 0);
+  at::Tensor gu = at::empty({rows, out_features(first)}, x.options());
+  per_expert(gate_up, start, xs, gu);
+  const int64_t inter = gu.size(1) / 2;
+  const at::Tensor act = at::silu(gu.narrow(1, 0, inter)).mul_(gu.narrow(1, inter, inter));
+  at::Tensor out = at::empty({rows, out_features(expert_linear(down, 0))}, x.options());
+  TORCH_CHECK(out.size(1) == hidden, "down's rows ", out.size(1), " != hidden ", hidden);
+  per_expert(down, start, act, out);
+  const at::Tensor weighted = out.mul(weights.reshape({rows}).index_select(0, order).unsqueeze(-1));
+  at::Tensor by_slot = at::empty_like(weighted);
+  by_slot.index_copy_(0, order, weighted);  // back in (token, slot) order
+  return by_slot.view({t, k, hidden}).sum(1);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul_small", &qmatmul_small, "x @ dequant(w).T, decode-sized M");
   m.def("qmatmul_tiled", &qmatmul_tiled, "x @ dequant(w).T, tiles dequantized into sgemm");
@@ -2151,4 +2288,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "x @ W.T + bias for a quantized linear of one or more parts");
   m.def("pre_attention", &pre_attention, "RMSNorm, quantized qkv projection and RoPE of a decoder layer");
   m.def("post_attention", &post_attention, "o_proj, residual, RMSNorm, quantized gated MLP, residual");
+  m.def("experts", &experts, "a mixture of experts' selected quantized experts, weighted and summed");
 }
