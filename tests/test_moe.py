@@ -43,6 +43,7 @@ from test_gguf_families import (
     sizes,
     write_gguf,
 )
+from test_quant import check_native_layers_are_the_module_path
 
 from radixserve.attention.flat import FlatBackend
 from radixserve.attention.tree import TreeBackend
@@ -343,10 +344,22 @@ def test_a_gguf_file_runs_as_its_hf_model(
             _assign(hf, name, w)
     assert (quant == Q8_0) == any(isinstance(m, QuantLinear) for m in model.modules())
     assert (quant == Q8_0) == any(isinstance(m, QuantExperts) for m in model.modules())
-    assert not model.use_native_layers()
+    assert (quant == Q8_0) == all(layer.native is not None for layer in model.model.layers)
     ids = torch.randint(0, VOCAB, (70,), generator=torch.Generator().manual_seed(7)).tolist()
     want = hf_logits_one_at_a_time(hf, ids)
     assert_close(our_logits(model, ids), want, REL_TOL if quant == F32 else 1e-3, arch)
+
+
+@pytest.mark.parametrize("arch", GGUF_FAMILIES)
+def test_native_moe_layers_compute_the_module_path(arch: str, cache: Path) -> None:
+    """A Q8_0 file's layers run as two native calls each (quant_cpu.cpp pre_attention, with
+    OLMoE's q/k norms over whole rows, and post_attention_moe: router, routing and the
+    selected experts in one call), with the module path's logits bit for bit through a
+    300-token extend (experts of ~75 rows: the GEMM) and a decode step (the loop)."""
+    path = write_gguf(GGUF_FAMILIES[arch](), cache / f"{arch}.gguf", Q8_0)
+    model, _ = load_model(resolve_model_path(str(path)), torch.float32)
+    ids = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    check_native_layers_are_the_module_path(model, ids)
 
 
 def _stacks(spec: list[tuple[str, str, int, int]], e: int) -> dict[str, QuantStack]:

@@ -32,6 +32,7 @@ from radixserve.models.gguf_weights import (
     release_pages,
     unpermute_rows,
 )
+from radixserve.models.llama import LlamaForCausalLM
 from radixserve.models.loader import int8_x_only, load_config
 from radixserve.models.quant import (
     BF16_TILED_M,
@@ -629,23 +630,31 @@ def test_native_layers_compute_the_module_path(
     else:
         folder = build_tiny_model(tmp_path / arch, family=arch)
     model, _ = load_model(folder, torch.float32, quantization="int8")
+    if arch == "qwen2":
+        natives = [layer.native for layer in model.model.layers]
+        assert all(n is not None and n.qkv[3] is not None for n in natives)  # the bias goes in
+    check_native_layers_are_the_module_path(model, list(range(100, 400)))
+
+
+def check_native_layers_are_the_module_path(model: LlamaForCausalLM, ids: list[int]) -> None:
+    """Every layer of `model` runs native, and the logits of an extend of `ids` and of a
+    following decode step (of ids[0]) equal the module path's, bit for bit."""
     layers = list(model.model.layers)
     natives = [layer.native for layer in layers]
-    assert all(n is not None for n in natives), "int8 float32 model should run native layers"
-    if arch == "qwen2":
-        assert all(n is not None and n.qkv[3] is not None for n in natives)  # the bias goes in
+    assert all(n is not None for n in natives), "the model should run native layers"
 
     def run() -> torch.Tensor:
-        ids = list(range(100, 400))
-        pool, slots = _pool(model, [*ids, 7])
+        pool, slots = _pool(model, [*ids, ids[0]])
         prefill = extend(model, FlatBackend(), pool, slots, ids, 0)
-        decode = extend(model, FlatBackend(), pool, slots, [7], len(ids))
+        decode = extend(model, FlatBackend(), pool, slots, ids[:1], len(ids))
         return torch.cat([prefill, decode])
 
     got = run()
     for layer in layers:
         layer.native = None
     want = run()
+    for layer, n in zip(layers, natives):
+        layer.native = n
     assert torch.equal(got, want), (got - want).abs().max()
 
 

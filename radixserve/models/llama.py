@@ -34,8 +34,8 @@ from radixserve.core.batch import ForwardBatch
 from radixserve.distributed.parallel import all_reduce
 from radixserve.models import native, quant
 from radixserve.models.config import ModelConfig
-from radixserve.models.moe import MoE
-from radixserve.models.quant import NativeLinear, QuantLinear
+from radixserve.models.moe import MoE, QuantExperts
+from radixserve.models.quant import NativeLinear, NativeParts, QuantLinear
 from radixserve.models.rope import apply_partial_rope, rope_qk, rope_table
 from radixserve.models.sharding import local_config
 
@@ -212,25 +212,46 @@ class LlamaMLP(nn.Module):
 
 
 @dataclass(frozen=True)
+class NativeMLP:
+    """A dense gated MLP's quantized projections; `gelu`: tanh-GELU gate, else SiLU."""
+
+    gate_up: NativeLinear
+    down: NativeLinear
+    gelu: bool
+
+
+@dataclass(frozen=True)
+class NativeMoE:
+    """A mixture of experts as `post_attention_moe` takes it: the float32 router (E, hidden)
+    and its bias, moe.route's settings, and the experts' stacks (QuantExperts.native_arg)."""
+
+    router: Tensor
+    router_bias: Tensor | None
+    top_k: int
+    renormalise: bool
+    topk_softmax: bool
+    gate_up: NativeParts
+    down: NativeParts
+
+
+@dataclass(frozen=True)
 class NativeLayer:
     """A decoder layer's weights as the native layer halves take them (quant_cpu.cpp
-    `pre_attention` / `post_attention`): every projection quantized, float32 activations.
-    Norm weights are the factors the norms multiply by (Gemma's 1 + w); an absent norm is an
-    empty tensor."""
+    `pre_attention` / `post_attention` or `post_attention_moe`): every projection quantized,
+    float32 activations. Norm weights are the factors the norms multiply by (Gemma's 1 + w);
+    an absent norm is an empty tensor."""
 
     ops: ModuleType
     eps: float
     input_norm: Tensor
     qkv: NativeLinear
-    q_norm: Tensor  # (D,) or empty
+    q_norm: Tensor  # (D,), OLMoE's (Hq * D,), or empty
     k_norm: Tensor
     o: NativeLinear
     attn_out_norm: Tensor  # (hidden,) with sandwich norms, else empty
     mlp_norm: Tensor  # the MLP's input norm
-    gate_up: NativeLinear
-    down: NativeLinear
+    mlp: NativeMLP | NativeMoE
     mlp_out_norm: Tensor  # (hidden,) with sandwich norms, else empty
-    gelu: bool
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -270,26 +291,39 @@ class LlamaDecoderLayer(nn.Module):
 
     def native_layer(self, ops: ModuleType) -> NativeLayer | None:
         """This layer's weights for the native calls, or None where a projection is not
-        quantized."""
-        a, m = self.self_attn, self.mlp
-        if not isinstance(m, LlamaMLP) or a.qk_norm_full or a.sinks is not None:  # (not native)
+        quantized (or a mixture of experts' router is not a float32 Linear)."""
+        a = self.self_attn
+        qkv, o, mlp = a.qkv_proj, a.o_proj, self._native_mlp()
+        if not (isinstance(qkv, QuantLinear) and isinstance(o, QuantLinear)):
             return None
-        qkv, o, gate_up, down = a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj
-        if not (
-            isinstance(qkv, QuantLinear)
-            and isinstance(o, QuantLinear)
-            and isinstance(gate_up, QuantLinear)
-            and isinstance(down, QuantLinear)
-        ):
+        if mlp is None or a.sinks is not None:
             return None
+        if isinstance(mlp, NativeMoE) and self.pre_feedforward_layernorm is not None:
+            return None  # (post_attention_moe has no sandwich norms: no such model has)
         post, pre_mlp = self.post_attention_layernorm, self.pre_feedforward_layernorm
         return NativeLayer(
             ops, self.input_layernorm.eps, _factors(self.input_layernorm), qkv.native_arg(),
             _factors(a.q_norm), _factors(a.k_norm), o.native_arg(),
-            _factors(post if pre_mlp is not None else None), _factors(pre_mlp or post),
-            gate_up.native_arg(), down.native_arg(), _factors(self.post_feedforward_layernorm),
-            m.gelu,
+            _factors(post if pre_mlp is not None else None), _factors(pre_mlp or post), mlp,
+            _factors(self.post_feedforward_layernorm),
         )  # fmt: skip
+
+    def _native_mlp(self) -> NativeMLP | NativeMoE | None:
+        m = self.mlp
+        if isinstance(m, LlamaMLP):
+            gate_up, down = m.gate_up_proj, m.down_proj
+            if isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear):
+                return NativeMLP(gate_up.native_arg(), down.native_arg(), m.gelu)
+            return None
+        router, experts = m.gate, m.experts
+        if not isinstance(router, Linear) or router.packed is not None:
+            return None
+        if router.weight.dtype != torch.float32 or not isinstance(experts, QuantExperts):
+            return None
+        stacks = experts.native_arg()
+        return NativeMoE(
+            router.weight, router.bias, m.top_k, m.renormalise, m.topk_softmax, *stacks
+        )
 
     def _native_forward(
         self,
@@ -308,9 +342,16 @@ class LlamaDecoderLayer(nn.Module):
             n.q_norm, n.k_norm, kv_like,
         )  # fmt: skip
         out = attn.forward(q, k, v, a.layer_idx, batch, a.scale, a.window, a.softcap)
+        attn_out = out.reshape(h.shape[0], a.q_size)
+        m = n.mlp
+        if isinstance(m, NativeMoE):
+            return n.ops.post_attention_moe(
+                h, attn_out, n.o, n.mlp_norm, n.eps, m.router, m.router_bias, m.top_k,
+                m.renormalise, m.topk_softmax, m.gate_up, m.down,
+            )  # fmt: skip
         return n.ops.post_attention(
-            h, out.reshape(h.shape[0], a.q_size), n.o, n.mlp_norm, n.eps, n.gate_up, n.down,
-            n.attn_out_norm, n.mlp_out_norm, n.gelu,
+            h, attn_out, n.o, n.mlp_norm, n.eps, m.gate_up, m.down, n.attn_out_norm,
+            n.mlp_out_norm, m.gelu,
         )  # fmt: skip
 
 
@@ -409,9 +450,9 @@ class LlamaForCausalLM(nn.Module):
 
     def use_native_layers(self) -> bool:
         """Run each decoder layer as two native calls around attention where that is the
-        same math: CPU, float32 activations, one rank, every projection quantized, no
-        mixture-of-experts layer (those run on the module path: the whole model stays on it)
-        and the quantized kernels built. A batch-1 decode
+        same math: CPU, float32 activations, one rank, every projection quantized (a
+        mixture of experts' too, its router a float32 Linear) and the quantized kernels
+        built. A batch-1 decode
         step makes ~25 small torch ops and Python calls a layer otherwise (measured ~1/3 of
         the step at 1K context on the AVX2 EPYC). Returns whether it applies."""
         ops, norm = quant.ops(), self.model.norm.weight

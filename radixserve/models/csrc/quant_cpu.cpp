@@ -58,8 +58,11 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/gelu.h>
+#include <ATen/ops/linear.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/silu.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/topk.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
@@ -2091,8 +2094,8 @@ at::Tensor qlinear(const at::Tensor& x, const LinearArg& arg) {
 
 // h (T, H) float32 -> [q (T, Hq, D) float32, k, v (T, Hkv, D) in kv_like's dtype]: RMSNorm,
 // the quantized qkv projection, each q and k head RMS-normed by q_norm / k_norm (D,) when
-// they are not empty, then RoPE on the first R dims of each head with table (T, 2, R) (an
-// empty table: no RoPE).
+// they are not empty (OLMoE's (Hq * D,) and (Hkv * D,): each token's whole q and k), then
+// RoPE on the first R dims of each head with table (T, 2, R) (an empty table: no RoPE).
 std::vector<at::Tensor> pre_attention(const at::Tensor& h, const at::Tensor& norm_w, double eps,
                                       const LinearArg& qkv_arg, const at::Tensor& table, int64_t q_heads,
                                       int64_t kv_heads, int64_t d, const at::Tensor& q_norm,
@@ -2101,7 +2104,7 @@ std::vector<at::Tensor> pre_attention(const at::Tensor& h, const at::Tensor& nor
   const int64_t t = h.size(0);
   const at::Tensor qkv = apply(qlinear_arg(qkv_arg), rms_norm_f32(h, norm_w, eps));  // (T, (Hq + 2 Hkv) D)
   TORCH_CHECK(qkv.size(1) == (q_heads + 2 * kv_heads) * d, "qkv width ", qkv.size(1), " != (Hq + 2 Hkv) * D");
-  TORCH_CHECK(q_norm.numel() == k_norm.numel(), "q_norm and k_norm: both or neither");
+  TORCH_CHECK((q_norm.numel() == 0) == (k_norm.numel() == 0), "q_norm and k_norm: both or neither");
   const bool rotate = table.numel() > 0;
   if (rotate) {
     check_f32(table, 3, "table");
@@ -2114,15 +2117,18 @@ std::vector<at::Tensor> pre_attention(const at::Tensor& h, const at::Tensor& nor
   if (q_norm.numel() == 0) {  // straight from the projection's rows
     rowops::rope(qkv.data_ptr<float>(), qkv.size(1), table.data_ptr<float>(), t, q_heads, kv_heads, d, r,
                  q.data_ptr<float>(), k.data_ptr<float>());
-  } else {  // normed heads first (in place in contiguous copies), then rotated
+  } else {  // normed heads (or whole q and k rows) first, in place in contiguous copies, then rotated
     at::Tensor qn = qkv.narrow(1, 0, q_heads * d).contiguous();
     at::Tensor kn = qkv.narrow(1, q_heads * d, kv_heads * d).contiguous();
     check_f32(q_norm, 1, "q_norm");
     check_f32(k_norm, 1, "k_norm");
-    rowops::rms_norm(qn.data_ptr<float>(), d, q_norm.data_ptr<float>(), t * q_heads, d, static_cast<float>(eps),
-                     qn.data_ptr<float>());
-    rowops::rms_norm(kn.data_ptr<float>(), d, k_norm.data_ptr<float>(), t * kv_heads, d, static_cast<float>(eps),
-                     kn.data_ptr<float>());
+    const int64_t qw = q_norm.numel(), kw = k_norm.numel();  // D each, or Hq * D and Hkv * D
+    TORCH_CHECK((qw == d && kw == d) || (qw == q_heads * d && kw == kv_heads * d),
+                "q_norm / k_norm: (D,) per head or (Hq * D,) / (Hkv * D,) over the whole rows expected");
+    rowops::rms_norm(qn.data_ptr<float>(), qw, q_norm.data_ptr<float>(), t * q_heads * d / qw, qw,
+                     static_cast<float>(eps), qn.data_ptr<float>());
+    rowops::rms_norm(kn.data_ptr<float>(), kw, k_norm.data_ptr<float>(), t * kv_heads * d / kw, kw,
+                     static_cast<float>(eps), kn.data_ptr<float>());
     float* none = nullptr;  // the other kind of head: there are 0 of them
     rowops::rope(qn.data_ptr<float>(), q_heads * d, table.data_ptr<float>(), t, q_heads, 0, d, r,
                  q.data_ptr<float>(), none);
@@ -2264,6 +2270,33 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor&
   return by_slot.view({t, k, hidden}).sum(1);
 }
 
+// h (T, H) float32, attn (T, Hq * D) float32 -> h + a + moe(mlp_norm(h + a)), a =
+// o_proj(attn): a mixture-of-experts layer's post_attention. The router is a float32 (E, H)
+// linear (with its bias, if any); routing is moe.route's ops (softmax in float32 then top-k,
+// renormalised or not; or, topk_softmax, top-k of the logits then their softmax), and the
+// selected experts run in `experts`.
+at::Tensor post_attention_moe(const at::Tensor& h, const at::Tensor& attn, const LinearArg& o_arg,
+                              const at::Tensor& mlp_norm, double eps, const at::Tensor& router,
+                              const std::optional<at::Tensor>& router_bias, int64_t top_k, bool renormalise,
+                              bool topk_softmax, const StackArg& gate_up, const StackArg& down) {
+  check_f32(h, 2, "h");
+  TORCH_CHECK(attn.scalar_type() == at::kFloat && attn.dim() == 2, "attn: (T, Hq * D) float32 expected");
+  check_f32(router, 2, "router");
+  at::Tensor h1 = apply(qlinear_arg(o_arg), attn.contiguous()).add_(h);
+  const at::Tensor x = rms_norm_f32(h1, mlp_norm, eps);
+  const at::Tensor logits = at::linear(x, router, router_bias);  // (T, E)
+  at::Tensor weights, ids;
+  if (topk_softmax) {
+    at::Tensor top;
+    std::tie(top, ids) = at::topk(logits, top_k, -1);
+    weights = at::softmax(top, -1, at::kFloat);
+  } else {
+    std::tie(weights, ids) = at::topk(at::softmax(logits, -1, at::kFloat), top_k, -1);
+    if (renormalise) weights = weights.div(weights.sum(-1, true));
+  }
+  return h1.add_(experts(x, ids, weights, gate_up, down));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul_small", &qmatmul_small, "x @ dequant(w).T, decode-sized M");
   m.def("qmatmul_tiled", &qmatmul_tiled, "x @ dequant(w).T, tiles dequantized into sgemm");
@@ -2289,4 +2322,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pre_attention", &pre_attention, "RMSNorm, quantized qkv projection and RoPE of a decoder layer");
   m.def("post_attention", &post_attention, "o_proj, residual, RMSNorm, quantized gated MLP, residual");
   m.def("experts", &experts, "a mixture of experts' selected quantized experts, weighted and summed");
+  m.def("post_attention_moe", &post_attention_moe, "o_proj, residual, RMSNorm, router, selected experts, residual");
 }
