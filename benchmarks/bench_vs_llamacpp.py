@@ -164,12 +164,14 @@ def make_row(
     unit: str,
     shape: tuple[int, int, int],
     llama: dict[str, float],
-    radix: float,
+    radix: float | None,
 ) -> dict[str, Any]:
     """One table row; `shape` = (batch, prompt, new_tokens). Seconds: lower is better;
     tok/s: higher is better. speedup > 1: radixserve beats llama.cpp's better setting."""
     best = (min if unit == "s" else max)(llama.values()) if llama else None
-    speedup = None if best is None else (best / radix if unit == "s" else radix / best)
+    speedup = None
+    if best is not None and radix is not None:
+        speedup = best / radix if unit == "s" else radix / best
     b, p, n = shape
     return {
         "name": name,
@@ -186,17 +188,18 @@ def make_row(
 
 
 def side_by_side(
-    radix: Radix,
+    radix: Radix | None,
     llama: LlamaCpp | None,
     prompt: list[int],
     shape: tuple[int, int],
     repeats: int,
     key: Callable[[LlamaRun], float],
     radix_key: Callable[[RadixRun], float] = lambda r: r.wall_s,
-) -> tuple[dict[str, LlamaRun], RadixRun]:
+) -> tuple[dict[str, LlamaRun], RadixRun | None]:
     """The best run of each llama.cpp flash-attention setting ({} without llama.cpp) and of
-    radixserve, shape = (B, N). The sides take turns, one run each per repeat, so a change in
-    the machine's speed (a VM's memory bandwidth moves by 2x within seconds) falls on both."""
+    radixserve (None without it), shape = (B, N). The sides take turns, one run each per
+    repeat, so a change in the machine's speed (a VM's memory bandwidth moves by 2x within
+    seconds) falls on both."""
     radix_runs = []
     with ExitStack() as stack:
         contexts = (
@@ -209,58 +212,61 @@ def side_by_side(
             for fa, ctx in contexts.items():
                 assert llama is not None
                 llama_runs[fa].append(llama.generate(ctx, prompt, *shape, seed=r))
-            radix_runs.append(radix.generate(prompt, *shape))
+            if radix is not None:
+                radix_runs.append(radix.generate(prompt, *shape))
     best = {fa: min(runs, key=key) for fa, runs in llama_runs.items()}
-    return best, min(radix_runs, key=radix_key)
+    return best, min(radix_runs, key=radix_key, default=None)
 
 
-def token_fields(rrun: RadixRun, lruns: dict[str, LlamaRun]) -> dict[str, Any]:
+def token_fields(rrun: RadixRun | None, lruns: dict[str, LlamaRun]) -> dict[str, Any]:
     """What each side actually produced: tokens per sequence, radixserve's prompt length."""
     return {
-        "radixserve_tokens_per_seq": [len(o) for o in rrun.outputs],
-        "radixserve_prompt_tokens": rrun.prompt_tokens,
+        "radixserve_tokens_per_seq": None if rrun is None else [len(o) for o in rrun.outputs],
+        "radixserve_prompt_tokens": None if rrun is None else rrun.prompt_tokens,
         "llamacpp_tokens_per_seq": {fa: [len(o) for o in r.outputs] for fa, r in lruns.items()},
     }
 
 
 def samples_row(
-    args: argparse.Namespace, radix: Radix, llama: LlamaCpp | None, prompt: list[int], b: int
+    args: argparse.Namespace, radix: Radix | None, llama: LlamaCpp | None, prompt: list[int], b: int
 ) -> dict[str, Any]:
     n, p = args.new_tokens, len(prompt)
     lruns, rrun = side_by_side(radix, llama, prompt, (b, n), args.repeats, key=lambda r: r.wall_s)
     llama_s = {fa: r.wall_s for fa, r in lruns.items()}
-    row = make_row(f"W(B={b},P={p})", "samples", "s", (b, p, n), llama_s, rrun.wall_s)
+    wall = None if rrun is None else rrun.wall_s
+    row = make_row(f"W(B={b},P={p})", "samples", "s", (b, p, n), llama_s, wall)
     row["llamacpp_prefill_decode_s"] = {fa: [r.prefill_s, r.decode_s] for fa, r in lruns.items()}
     return {**row, **token_fields(rrun, lruns)}
 
 
 def prefill_row(
-    args: argparse.Namespace, radix: Radix, llama: LlamaCpp | None, prompt: list[int]
+    args: argparse.Namespace, radix: Radix | None, llama: LlamaCpp | None, prompt: list[int]
 ) -> dict[str, Any]:
     p = len(prompt)
     lruns, rrun = side_by_side(
         radix, llama, prompt, (1, 1), args.repeats, key=lambda r: r.prefill_s
     )
     llama_rates = {fa: p / r.prefill_s for fa, r in lruns.items()}
-    row = make_row(f"prefill P={p}", "prefill", "tok/s", (1, p, 1), llama_rates, p / rrun.wall_s)
+    rate = None if rrun is None else p / rrun.wall_s
+    row = make_row(f"prefill P={p}", "prefill", "tok/s", (1, p, 1), llama_rates, rate)
     return {**row, **token_fields(rrun, lruns)}
 
 
 def decode_row(
-    args: argparse.Namespace, radix: Radix, llama: LlamaCpp | None, prompt: list[int]
+    args: argparse.Namespace, radix: Radix | None, llama: LlamaCpp | None, prompt: list[int]
 ) -> dict[str, Any]:
     n, p = args.new_tokens, len(prompt)
     assert n >= 2, f"a decode rate needs --new-tokens >= 2, got {n}"
     decode_s = attrgetter("decode_s")  # of either side's runs
     lruns, tn = side_by_side(radix, llama, prompt, (1, n), args.decode_repeats, decode_s, decode_s)
-    rate = (n - 1) / tn.decode_s  # timed from the first token on: prefill noise stays out
+    rate = None if tn is None else (n - 1) / tn.decode_s  # from the first token on
     llama_rates = {fa: (n - 1) / r.decode_s for fa, r in lruns.items()}
     row = make_row(f"decode B=1 P={p}", "decode", "tok/s", (1, p, n), llama_rates, rate)
     return {**row, **token_fields(tn, lruns)}
 
 
 def run_rows(
-    args: argparse.Namespace, radix: Radix, llama: LlamaCpp | None, ids: list[int]
+    args: argparse.Namespace, radix: Radix | None, llama: LlamaCpp | None, ids: list[int]
 ) -> list[dict[str, Any]]:
     rows = []
     for p in args.prefix:
@@ -401,6 +407,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ubatch", type=int, default=None, help="llama.cpp n_ubatch (default)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--skip-llamacpp", action="store_true", help="radixserve only")
+    ap.add_argument(
+        "--skip-radixserve", action="store_true",
+        help="llama.cpp only (a file too big to load twice: each side in its own run)",
+    )  # fmt: skip
     ap.add_argument("--roofline", choices=["full", "quick", "off"], default="full")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="PNG; one per model after the first (-1, -2)")
@@ -412,10 +422,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def setup(args: argparse.Namespace, model: Path) -> tuple[Radix, LlamaCpp | None, dict[str, Any]]:
-    """Both runtimes loaded with `model`; the configuration described (printed, returned)."""
+def setup(
+    args: argparse.Namespace, model: Path
+) -> tuple[Radix | None, LlamaCpp | None, dict[str, Any]]:
+    """Both runtimes (but a skipped one) loaded with `model`; the configuration described
+    (printed, returned)."""
     start = time.perf_counter()
-    radix = Radix(model, engine_args(args.engine_arg))
+    radix = None if args.skip_radixserve else Radix(model, engine_args(args.engine_arg))
     loaded = time.perf_counter()
     llama = None if args.skip_llamacpp else LlamaCpp(model, args.threads, args.ubatch)
     info: dict[str, Any] = {
@@ -427,7 +440,7 @@ def setup(args: argparse.Namespace, model: Path) -> tuple[Radix, LlamaCpp | None
             "llamacpp": None if llama is None else time.perf_counter() - loaded,
         },
         "loadavg_start": os.getloadavg(),  # other processes on the cores skew every number
-        "radixserve_config": radix.config(),
+        "radixserve_config": radix and radix.config(),
         "llamacpp": None
         if llama is None
         else {
@@ -454,9 +467,13 @@ def bytes_per_token(model: Path) -> int:
     return model.stat().st_size - skipped
 
 
-def check_capacity(args: argparse.Namespace, radix: Radix, llama: LlamaCpp | None) -> str | None:
+def check_capacity(
+    args: argparse.Namespace, radix: Radix | None, llama: LlamaCpp | None
+) -> str | None:
     """A note when radixserve's KV pool cannot hold the largest row at once (not fixed here:
     the bar is about default settings)."""
+    if radix is None:
+        return None
     need, have = kv_needed(args), radix.config()["kv_capacity_tokens"]
     if llama is not None:
         assert llama.n_vocab == radix.vocab_size, (
@@ -487,15 +504,17 @@ def run_model(args: argparse.Namespace, model: Path, roof: Roofline | None) -> d
     radix, llama, info = setup(args, model)
     note = check_capacity(args, radix, llama)
     longest = max([*args.prefix, *args.prefill, *args.decode_prompt])
-    ids = prompt_ids(radix.tokenizer, longest, args.data_path)
-    assert max(ids) < radix.vocab_size, f"prompt token {max(ids)} past the {radix.vocab_size}"
-    warm_up(radix, ids)
+    tokenizer = radix.tokenizer if radix else load_tokenizer(resolve_model_path(str(model), None))
+    ids = prompt_ids(tokenizer, longest, args.data_path)
+    if radix is not None:
+        assert max(ids) < radix.vocab_size, f"prompt token {max(ids)} past {radix.vocab_size}"
+        warm_up(radix, ids)
     print(f"\n{args.new_tokens} new tokens, temperature {TEMPERATURE}, EOS ignored\n{HEADER}")
     rows = run_rows(args, radix, llama, ids)
     if roof is not None:
         roof_rate = roof.read_bw / info["bytes_read_per_token"]  # tok/s reading only weights
         for r in rows:
-            if r["kind"] == "decode":
+            if r["kind"] == "decode" and r["radixserve"] is not None:
                 r["weight_read_roofline_tok_s"] = roof_rate
                 r["radixserve_of_roofline"] = r["radixserve"] / roof_rate
                 print(f"{r['name']}: weight-read roofline {roof_rate:.1f} tok/s, radixserve at "

@@ -87,6 +87,20 @@ def test_both_sides(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.slow  # llama.cpp through the whole benchmark (~6 s; needs llama-cpp-python)
+def test_llamacpp_side_alone(tmp_path: Path) -> None:
+    """--skip-radixserve: llama.cpp's rows only (a file too big to load twice), with the
+    prompt the radixserve side of another run gets."""
+    pytest.importorskip("llama_cpp")
+    res = bench.main([*TINY, "--skip-radixserve", "--no-memory"])
+    (model,) = res["models"]
+    assert [r["name"] for r in model["rows"]] == ROW_NAMES
+    assert model["radixserve_config"] is None
+    for r in model["rows"]:
+        assert r["radixserve"] is None and r["speedup"] is None and r["llamacpp_best"] > 0
+        assert r["llamacpp_tokens_per_seq"]["off"] == expected_tokens(r), r["name"]
+
+
 def test_speedup_direction() -> None:
     """Seconds: llama.cpp best / radixserve; tok/s: radixserve / llama.cpp best."""
     secs = bench.make_row("w", "samples", "s", (2, 8, 4), {"off": 6.0, "on": 4.0}, 2.0)
