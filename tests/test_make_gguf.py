@@ -18,6 +18,7 @@ import bench_vs_llamacpp as bench
 import make_gguf
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from make_gguf import T
 from test_bench_vs_llamacpp import TINY as BENCH_ARGS
@@ -198,6 +199,9 @@ def test_direct_q4_k_m_file_runs_every_projection_native(name: str, cache: Path)
     assert len(linears) == (2 if moe else 4) * layers + (1 if tied else 2)
     formats = {f.name for m in linears for f in m.formats} | {f for m in experts for f in m.formats}
     assert {"q4_k", "q6_k"} <= formats <= {"q4_k", "q6_k", "q5_0", "q8_0"}, formats
+    if formats == {"q4_k", "q6_k"}:  # every matmul rounds x to int8: float32, native layers
+        assert engine.worker.dtype == torch.float32
+        assert all(layer.native is not None for layer in engine.worker.model.model.layers)
 
 
 @pytest.mark.slow  # a file written and loaded per architecture (~5 s each)

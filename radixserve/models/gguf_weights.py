@@ -343,11 +343,13 @@ def _libc() -> ctypes.CDLL:
 
 
 def matrix_formats(path: Path) -> set[str]:
-    """The storage of the file's matrices: NATIVE names ("q4_k", ...) or GGML type names."""
+    """The storage of the file's matrices (stacked experts' too; not a mixture of experts'
+    router, `ffn_gate_inp`, F32 in llama.cpp's files and run in float32 by the native
+    layers): NATIVE names ("q4_k", ...) or GGML type names."""
     return {
         NATIVE.get(t.tensor_type, t.tensor_type.name)
         for t in gguf_tensors(path).tensors
-        if len(t.shape) == 2
+        if len(t.shape) >= 2 and not t.name.endswith("ffn_gate_inp.weight")
     }
 
 
