@@ -18,10 +18,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
@@ -39,6 +40,49 @@ settings.load_profile("ci" if os.environ.get("CI") == "true" else "default")
 
 API_KEY = "test-key"
 STARTUP_TIMEOUT_S = 180.0
+POLL_INTERVAL_S = 0.05
+T = TypeVar("T")
+
+
+def poll_until(predicate: Callable[[], T], deadline_s: float, what: str | Callable[[], str]) -> T:
+    """Call `predicate` until it returns a truthy value, and return that value; fail the test
+    once `deadline_s` seconds have passed, saying what never happened (`what`, or what it
+    returns: a message built from the state seen last)."""
+    deadline = time.monotonic() + deadline_s
+    while not (result := predicate()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {deadline_s} s: {what if isinstance(what, str) else what()}")
+        time.sleep(POLL_INTERVAL_S)
+    return result
+
+
+def wait_gone(pids: list[int], deadline_s: float = 10) -> None:
+    """Until every process of `pids` has exited (the launcher joins its children; the
+    multiprocessing resource tracker exits when the launcher's pipe closes)."""
+    poll_until(
+        lambda: not any(pid_alive(p) for p in pids),
+        deadline_s,
+        lambda: f"processes gone: {[p for p in pids if pid_alive(p)]} still alive",
+    )
+
+
+def idle_info(client: httpx.Client) -> dict | None:
+    """/get_server_info when nothing is in flight anywhere (api server, scheduler), else None."""
+    r = client.get("/get_server_info")
+    assert r.status_code == 200, r.text
+    info = r.json()
+    s = info["scheduler"]
+    busy = (s["num_running"], s["num_queued"], s["active_requests"], info["api_pending_requests"])
+    return info if busy == (0, 0, 0, 0) else None
+
+
+def wait_idle(client: httpx.Client, deadline_s: float = 60) -> dict:
+    """Until nothing is in flight anywhere; returns that /get_server_info."""
+    return poll_until(
+        lambda: idle_info(client),
+        deadline_s,
+        lambda: f"server idle: {client.get('/get_server_info').json()}",
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -136,10 +180,11 @@ class ServerHandle:
 
     def wait_aborts_sent(self, rids: list[str], timeout: float = 60) -> None:
         """Wait until the api server has sent the scheduler an abort for each of `rids`."""
-        deadline = time.monotonic() + timeout
-        while missing := [r for r in rids if not self.abort_sent(r)]:
-            assert time.monotonic() < deadline, f"no abort sent for {missing}"
-            time.sleep(0.05)
+        poll_until(
+            lambda: all(self.abort_sent(r) for r in rids),
+            timeout,
+            lambda: f"aborts sent; none for {[r for r in rids if not self.abort_sent(r)]}",
+        )
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         if self.proc.poll() is None:
@@ -181,18 +226,22 @@ def launch_server(
 
 
 def wait_healthy(h: ServerHandle, timeout: float = STARTUP_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Until /health answers 200; raises at once if the server exits, kills it at the
+    deadline."""
+
+    def healthy() -> bool:
         if h.proc.poll() is not None:
             raise RuntimeError(f"server exited with {h.proc.returncode}:\n{h.log_text()[-4000:]}")
         try:
-            if httpx.get(h.url + "/health", timeout=2).status_code == 200:
-                return
+            return httpx.get(h.url + "/health", timeout=2).status_code == 200
         except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    h.stop(signal.SIGKILL)
-    raise TimeoutError(f"server not healthy after {timeout} s:\n{h.log_text()[-4000:]}")
+            return False
+
+    try:
+        poll_until(healthy, timeout, lambda: f"server healthy:\n{h.log_text()[-4000:]}")
+    except pytest.fail.Exception:
+        h.stop(signal.SIGKILL)
+        raise
 
 
 def bearer(key: str) -> dict[str, str]:

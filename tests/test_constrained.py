@@ -15,12 +15,12 @@ import importlib.util
 import json
 import re
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import poll_until
 
 from radixserve import Engine
 from radixserve.constrained import (
@@ -322,16 +322,28 @@ def test_invalid_pattern_names_the_field(
         compiler.compile(SamplingParams.from_dict(params))
 
 
-def test_compile_async_runs_off_the_calling_thread(compiler: GrammarCompiler) -> None:
-    """A pattern not in the cache builds on another thread (the scheduler keeps stepping);
-    a cached one, or none, is done at once; failures arrive through the future."""
+def test_compile_async_runs_off_the_calling_thread(
+    compiler: GrammarCompiler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pattern not in the cache builds on a compile thread while the caller goes on (the
+    scheduler keeps stepping); a cached one, or none, is done at once; failures arrive
+    through the future."""
     params = SamplingParams(regex="[a-z]{200}q")
+    release = threading.Event()
+    builders: list[str] = []
+    build = compiler._build
+
+    def held(field: str, text: str) -> CompiledGrammar:  # the real build, once released
+        builders.append(threading.current_thread().name)
+        assert release.wait(30), "the build was never released"
+        return build(field, text)
+
+    monkeypatch.setattr(compiler, "_build", held)
     future = compiler.compile_async(params)
-    ticks = 0
-    while not future.done():  # outlines releases the GIL while it builds
-        ticks += 1
-        time.sleep(0.001)
-    assert ticks > 10 and future.result() is compiler.compile(params)
+    poll_until(lambda: builders, 30, "the build started")
+    assert builders == ["grammar-compile"] and not future.done()  # the caller went on
+    release.set()
+    assert future.result(timeout=60) is compiler.compile(params)
     assert compiler.compile_async(params).done()
     assert compiler.compile_async(SamplingParams()).result() is None
     bad = compiler.compile_async(SamplingParams(regex="(a{1000}){1000}"))
@@ -356,10 +368,7 @@ def test_compiles_run_on_a_bounded_number_of_threads(
     monkeypatch.setattr(comp, "_build", stuck)
     before = set(threading.enumerate())
     futures = [comp.compile_async(SamplingParams(regex=f"slow{i}")) for i in range(2)]
-    deadline = time.monotonic() + 30
-    while len(built) < 2:  # both threads are building
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    poll_until(lambda: len(built) == 2, 30, lambda: f"both threads building: {built}")
     monkeypatch.setattr(grammar, "COMPILE_TIMEOUT_S", -1.0)  # past its deadline once queued
     futures += [comp.compile_async(SamplingParams(regex=f"slow{i}")) for i in range(2, 12)]
     started = [t for t in set(threading.enumerate()) - before if t.name == "grammar-compile"]

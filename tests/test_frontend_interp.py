@@ -9,11 +9,13 @@ import json
 import math
 import random
 import re
-import time
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import poll_until
 
 import radixserve.frontend as rs
 from radixserve.frontend.choices import ChoiceScores, choose
@@ -435,15 +437,33 @@ def test_stream_text_iter_all_and_one_variable() -> None:
     assert list(state.text_iter("r")) == ["{r}"]
 
 
+def waiting_in(thread: threading.Thread, function: str) -> bool:
+    """Whether `thread` is alive and `function` is on its stack (e.g. blocked inside it)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None and frame.f_code.co_name != function:
+        frame = frame.f_back
+    return frame is not None
+
+
 def test_reading_a_streamed_state_waits_for_its_body() -> None:
+    """The body is held until a reader outside it is blocked joining the body's thread:
+    the read began before the body submitted anything, and still sees its variable."""
+    go = threading.Event()
+
     @rs.function
     def prog(s: Any) -> None:
-        time.sleep(0.2)  # the caller reads before the body has submitted anything
+        assert go.wait(30), "the body was never released"
         s += "late " + rs.gen("x")
         s += "and " + s["x"]  # inside the body, reading must not wait for the body itself
 
     state = prog.run(stream=True, backend=rs.TracingBackend())
-    assert state["x"] == "{x}"
+    read: dict[str, Any] = {}
+    reader = threading.Thread(target=lambda: read.update(x=state["x"]))
+    reader.start()
+    poll_until(lambda: waiting_in(reader, "join"), 30, "the read waiting for the body")
+    go.set()
+    reader.join(30)
+    assert read == {"x": "{x}"}
     assert state.text() == "late {x}and {x}"
 
 

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import API_KEY, ServerHandle, free_port, launch_server, wait_healthy
+from conftest import API_KEY, ServerHandle, free_port, launch_server, poll_until, wait_healthy
 
 WORKER = "x-radixserve-worker"
 SYSTEM_A = "You are a pirate. Answer every question in pirate speech, with nautical words. " * 3
@@ -39,15 +38,17 @@ def launch_router(log_dir: Path, *urls: str, args: tuple[str, ...] = ()) -> Serv
     return handle
 
 
-def wait_all_healthy(router: ServerHandle, count: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
+def wait_all_healthy(router: ServerHandle, count: int, deadline_s: float = 30) -> None:
     with router.client() as c:
-        while time.monotonic() < deadline:
-            workers = c.get("/workers").json()["workers"]
-            if sum(w["healthy"] for w in workers) == count:
-                return
-            time.sleep(0.2)
-    raise TimeoutError(f"not {count} healthy workers: {workers}")
+
+        def workers() -> list[dict]:
+            return c.get("/workers").json()["workers"]
+
+        poll_until(
+            lambda: sum(w["healthy"] for w in workers()) == count,
+            deadline_s,
+            lambda: f"{count} healthy workers: {workers()}",
+        )
 
 
 @pytest.fixture(scope="module")
@@ -314,10 +315,11 @@ def test_kill_a_worker_under_load(workers: list, tiny_model_dir: Path, tmp_path:
         with rt.client() as c, victim.client() as vc, ThreadPoolExecutor(40) as ex:
             plain = [ex.submit(one, c, i) for i in range(24)]
             streams = [ex.submit(stream, c, i) for i in range(8)]
-            deadline = time.monotonic() + 30
-            while vc.get("/get_server_info").json()["scheduler"]["num_running"] < 4:
-                assert time.monotonic() < deadline, "the victim never got busy"
-                time.sleep(0.05)
+            poll_until(
+                lambda: vc.get("/get_server_info").json()["scheduler"]["num_running"] >= 4,
+                30,
+                "the victim running 4 requests",
+            )
             victim.proc.kill()
             answers = [f.result(timeout=120) for f in plain]
             events = [f.result(timeout=120) for f in streams]

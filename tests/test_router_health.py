@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -24,9 +23,22 @@ GARBAGE = (
 )
 
 
-def serve(metrics: bytes, trickle_s: float = 0.0) -> ThreadingHTTPServer:
+class StubWorker(ThreadingHTTPServer):
+    """A loopback HTTP server whose shutdown also ends the answers still being written."""
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(("127.0.0.1", 0), handler)
+        self.closing = threading.Event()
+
+    def shutdown(self) -> None:
+        self.closing.set()
+        super().shutdown()
+
+
+def serve(metrics: bytes, trickle_s: float = 0.0) -> StubWorker:
     """/health 200; /metrics answers `metrics`, one byte per `trickle_s` if given (each
-    read is quick, the whole never ends in time)."""
+    read is quick, the whole never ends in time): the pace is the slow worker's behaviour,
+    the same on any machine, and the answer stops when the server shuts down."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -40,12 +52,13 @@ def serve(metrics: bytes, trickle_s: float = 0.0) -> ThreadingHTTPServer:
             for i in range(len(body)):
                 self.wfile.write(body[i : i + 1])
                 self.wfile.flush()
-                time.sleep(trickle_s)
+                if server.closing.wait(trickle_s):
+                    return
 
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server = StubWorker(Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 

@@ -79,7 +79,7 @@ def test_infinite_loop_is_killed_at_the_wall_clock_timeout() -> None:
 
 
 def test_sleeping_process_is_killed_at_the_wall_clock_timeout() -> None:
-    r = run_python("import time\ntime.sleep(60)\nprint('woke')", "", Limits(wall_s=1.0))
+    r = run_python("import signal\nsignal.pause()\nprint('woke')", "", Limits(wall_s=1.0))
     assert r.status == "timeout" and r.stdout == "", (r.status, r.stdout)  # killed asleep
 
 
@@ -128,8 +128,8 @@ def test_process_creation_is_refused_by_the_audit_hook(bomb: str) -> None:
 
 def test_fork_bomb_is_bounded_by_the_process_limit() -> None:
     code = HOOK_OFF + (
-        "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
-        "            time.sleep(30)\n            os._exit(0)\n        n += 1\n"
+        "import os, signal\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+        "            signal.pause()\n            os._exit(0)\n        n += 1\n"
         "except OSError as e:\n    print(n, type(e).__name__)\n"
     )
     r = run_python(code, "", FAST)
@@ -143,11 +143,11 @@ def test_setsid_survivor_dies_with_the_sandbox(ending: str) -> None:
     """A double-forked, setsid()ed child that outlives the program: gone when the call ends."""
     marker = f"radixserve-survivor-{uuid.uuid4().hex}"
     code = HOOK_OFF + textwrap.dedent(f"""
-        import os, sys, time
+        import os, signal, sys, time
         if os.fork() == 0:
             os.setsid()
             if os.fork() == 0:
-                sleeper = ['-S', '-c', 'import time; time.sleep(60)', {marker!r}]
+                sleeper = ['-S', '-c', 'import signal; signal.pause()', {marker!r}]
                 os.execv(sys.executable, [sys.executable, *sleeper])
             os._exit(0)
         for _ in range(200):  # until the survivor shows in the namespace's /proc
@@ -157,7 +157,7 @@ def test_setsid_survivor_dies_with_the_sandbox(ending: str) -> None:
             time.sleep(0.01)
         print('survivor up', flush=True)
         """)
-    code += "while True:\n    time.sleep(1)\n" if ending == "timeout" else ""
+    code += "signal.pause()\n" if ending == "timeout" else ""
     r = run_python(code, "", Limits(wall_s=2))
     assert r.stdout == "survivor up\n", r
     assert r.status == ("timeout" if ending == "timeout" else "ok"), r.stderr[-300:]
@@ -166,7 +166,7 @@ def test_setsid_survivor_dies_with_the_sandbox(ending: str) -> None:
 
 def test_other_processes_are_invisible_and_cannot_be_signalled() -> None:
     secret = f"sk-{uuid.uuid4().hex}"
-    sleeper = ["-c", "import time; time.sleep(60)", "--api-key", secret]
+    sleeper = ["-c", "import signal; signal.pause()", "--api-key", secret]
     victim = subprocess.Popen([sys.executable, *sleeper])
     try:
         code = HOOK_OFF + (

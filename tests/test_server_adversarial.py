@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 
 import httpx
 import pytest
+from conftest import poll_until, wait_idle
 
 REFERENCE = {
     "text": "The reference prompt for adversarial runs",
@@ -236,23 +236,6 @@ async def _send_all(url: str, headers: dict, requests: list[tuple[str, bytes]]) 
         return await asyncio.gather(*(one(route, raw) for route, raw in requests))
 
 
-def _idle(client: httpx.Client, timeout: float = 30) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = client.get("/get_server_info").json()
-        s = info["scheduler"]
-        if (
-            s["num_running"]
-            == s["num_queued"]
-            == s["active_requests"]
-            == 0
-            == info["api_pending_requests"]
-        ):
-            return info
-        assert time.monotonic() < deadline, f"not idle after {timeout} s: {info}"
-        time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
 def client(server):
     with server.client() as c:
@@ -276,7 +259,7 @@ def test_malformed_requests_are_4xx_and_change_nothing(client, server):
             failures.append(f"{route} extreme but valid: {res!r:.300}")
     assert not failures, "\n".join(failures)
     assert client.get("/health").status_code == 200
-    _idle(client)
+    wait_idle(client)
     assert client.post("/generate", json=REFERENCE).json()["output_ids"] == before
 
 
@@ -327,10 +310,9 @@ def test_a_request_failing_mid_step_fails_alone(client, tokenizer):
 
     neighbour = threading.Thread(target=run_greedy)
     neighbour.start()
-    deadline = time.monotonic() + 60
-    while running() < 1:  # the neighbour is decoding before the bad requests arrive
-        assert time.monotonic() < deadline and neighbour.is_alive(), got
-        time.sleep(0.01)
+    # the neighbour is decoding before the bad requests arrive
+    poll_until(lambda: running() >= 1 or not neighbour.is_alive(), 60, "the neighbour running")
+    assert neighbour.is_alive(), got
     for stream in (False, True):
         r = client.post("/generate", json={**bad, "stream": stream})
         assert r.status_code == 400, r.text
@@ -339,4 +321,4 @@ def test_a_request_failing_mid_step_fails_alone(client, tokenizer):
     assert neighbour.is_alive() and running() >= 1 and "greedy" not in got
     neighbour.join()
     assert got["greedy"] == reference
-    _idle(client)
+    wait_idle(client)

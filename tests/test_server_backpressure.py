@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
 import pytest
-from conftest import children_of, launch_server
+from conftest import children_of, launch_server, poll_until
 from test_server_leaks import tables, wait_clean
 
 from radixserve.core.limits import (
@@ -112,10 +112,8 @@ def test_capacity_counts_samples_and_503_has_retry_after(bp_server, client):
     threads[0].start()
     assert first.wait(60)
     threads[1].start()
-    deadline = time.monotonic() + 30
-    while tables(client)["queued"] < 1:  # a family of n waits as one entry until it forks
-        assert time.monotonic() < deadline, tables(client)
-        time.sleep(0.02)
+    # a family of n waits as one entry until it forks
+    poll_until(lambda: tables(client)["queued"] >= 1, 30, lambda: f"one queued: {tables(client)}")
     r = client.post(
         "/generate", json={"text": "one more", "sampling_params": {"max_new_tokens": 1}}
     )
@@ -152,10 +150,7 @@ def test_queue_counts_prompt_tokens(bp_server, client):
     waits = {"input_ids": [5] * 40, "rid": "waits", "sampling_params": long}
     threads.append(threading.Thread(target=send, args=(waits,)))
     threads[1].start()
-    deadline = time.monotonic() + 30
-    while tables(client)["queued"] < 1:
-        assert time.monotonic() < deadline, tables(client)
-        time.sleep(0.02)
+    poll_until(lambda: tables(client)["queued"] >= 1, 30, lambda: f"one queued: {tables(client)}")
     r = client.post(
         "/generate", json={"input_ids": [6] * 40, "sampling_params": {"max_new_tokens": 1}}
     )
@@ -172,17 +167,16 @@ def test_connection_limit(bp_server, client):
     """uvicorn answers 503 itself once --max-connections connections are open."""
     url = urlparse(bp_server.url)
     idle = [socket.create_connection((url.hostname, url.port)) for _ in range(CONNECTIONS)]
+
+    def health() -> int:  # each call a fresh connection, closed after its answer
+        return httpx.get(bp_server.url + "/health").status_code
+
     try:
-        time.sleep(0.2)
-        with httpx.Client(base_url=bp_server.url) as fresh:
-            assert fresh.get("/health").status_code == 503
+        poll_until(lambda: health() == 503, 10, "a 503 once the idle connections are accepted")
     finally:
         for s in idle:
             s.close()
-    deadline = time.monotonic() + 10
-    while httpx.get(bp_server.url + "/health").status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    poll_until(lambda: health() == 200, 10, "a 200 once the idle connections closed")
 
 
 # ---------------------------------------------------------------- load at twice the capacity
@@ -200,14 +194,22 @@ def rss_kib(pid: int) -> int:
 
 def _load(url: str, requests: int, clients: int) -> dict[int, int]:
     """`clients` threads send `requests` requests each, back to back; returns status counts.
-    Every answer must be a 200 or a JSON 503 with Retry-After; anything else fails."""
+    Every answer must be a 200 or a JSON 503 with Retry-After; anything else fails. A client
+    answered 503 retries once some request of the load has been answered since it sent (a
+    503 means the server holds others, so one ends)."""
     counts: dict[int, int] = {}
     errors: list[str] = []
-    lock = threading.Lock()
+    lock = threading.Condition()
+    answered = 0  # requests of the load answered 200
+
+    def answered_after(seen: int) -> Callable[[], bool]:
+        return lambda: answered > seen
 
     def run(k: int) -> None:
+        nonlocal answered
         with httpx.Client(base_url=url, timeout=60) as c:
             for i in range(1, requests + 1):
+                seen = answered
                 sampling = {"max_new_tokens": 8 + (i * 7 + k) % 40, "n": 1 + (i + k) % 2}
                 body = {"text": f"client {k} request {i}", "sampling_params": sampling}
                 if (i + k) % 3 == 0:
@@ -222,8 +224,13 @@ def _load(url: str, requests: int, clients: int) -> dict[int, int]:
                     counts[r.status_code] = counts.get(r.status_code, 0) + 1
                     if r.status_code not in (200, 503) or bad_503 or not ok:
                         errors.append(f"{r.status_code} {r.read()[:200]!r}")
-                if r.status_code == 503:
-                    time.sleep(0.05)
+                    if r.status_code == 200:
+                        answered += 1
+                        lock.notify_all()
+                    elif r.status_code == 503 and not lock.wait_for(
+                        answered_after(seen), timeout=60
+                    ):
+                        errors.append(f"no request answered within 60 s of a 503: {counts}")
 
     threads = [threading.Thread(target=run, args=(k,)) for k in range(clients)]
     for t in threads:

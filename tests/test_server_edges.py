@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
-from conftest import API_KEY, ServerHandle
+from conftest import API_KEY, ServerHandle, wait_idle
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 LONG = {"temperature": 0, "max_new_tokens": 600, "ignore_eos": True}
@@ -26,19 +25,6 @@ def server_info(client: httpx.Client) -> dict:
     r = client.get("/get_server_info")
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def wait_idle(client: httpx.Client, timeout: float = 60) -> dict:
-    """Poll until nothing is in flight anywhere (api server, scheduler)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        info = server_info(client)
-        s = info["scheduler"]
-        idle = s["num_running"] == s["num_queued"] == s["active_requests"] == 0
-        if idle and info["api_pending_requests"] == 0:
-            return info
-        assert time.monotonic() < deadline, f"not idle after {timeout} s: {info}"
-        time.sleep(0.1)
 
 
 def assert_kv_fully_free(client: httpx.Client) -> None:
@@ -189,7 +175,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_kv(client, server):
             with server.scheduler_stopped():
                 r.close()
                 server.wait_aborts_sent([body["rid"]])
-    wait_idle(client, timeout=30)
+    wait_idle(client, deadline_s=30)
     generated = server_info(client)["scheduler"]["generation_tokens_total"] - before
     assert generated < 300, generated
     assert_kv_fully_free(client)

@@ -8,14 +8,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
-from conftest import child_pid, children_of, launch_server
-from test_server_lifecycle import ipc_dir, wait_gone
+from conftest import child_pid, children_of, launch_server, poll_until, wait_gone
+from test_server_lifecycle import ipc_dir
 
 from radixserve.server import launcher
 
@@ -71,17 +70,15 @@ def test_killed_child_under_load(tiny_model_dir, tmp_path, victim):
     answered: list[int | str] = []
     threads = _load(h.url, 6, answered)
     with httpx.Client(base_url=h.url) as c:
-        deadline = time.monotonic() + 60
-        while c.get("/get_server_info").json()["scheduler"]["num_running"] < 4:
-            assert time.monotonic() < deadline, "the load never started"
-            time.sleep(0.05)
+        poll_until(
+            lambda: c.get("/get_server_info").json()["scheduler"]["num_running"] >= 4,
+            60,
+            "4 requests of the load running",
+        )
     family = descendants(h.proc.pid)
     pid = child_pid(log, victim)
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while Path(f"/proc/{pid}").exists():  # until the launcher has reaped it
-        assert time.monotonic() < deadline, "the killed child was never reaped"
-        time.sleep(0.02)
+    poll_until(lambda: not Path(f"/proc/{pid}").exists(), 60, "the killed child reaped")
     assert not healthy(h.url)  # from then on /health fails
     assert h.proc.wait(30) != 0
     for t in threads:

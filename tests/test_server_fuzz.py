@@ -11,13 +11,12 @@ import dataclasses
 import json
 import math
 import os
-import time
 from collections.abc import Iterable
 from typing import Any
 
-import httpx
 import pytest
 import schemathesis
+from conftest import wait_idle
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
@@ -174,18 +173,6 @@ def _without_pml(document: dict[str, Any]) -> None:
                 body["oneOf"] = [b for b in body["oneOf"] if b["required"] != ["pml"]]
 
 
-def _idle(client: httpx.Client, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = client.get("/get_server_info").json()
-        s = info["scheduler"]
-        if s["num_running"] == s["num_queued"] == s["active_requests"] == 0:
-            if info["api_pending_requests"] == 0:
-                return
-        assert time.monotonic() < deadline, f"not idle after {timeout} s: {info}"
-        time.sleep(0.1)
-
-
 @pytest.mark.parametrize(
     "mode",
     # the positive phase: ~7 s, ~40 s under CI's larger profile
@@ -218,5 +205,5 @@ def test_schemathesis_finds_no_5xx(server, mode: GenerationMode) -> None:
             # outside the vocabulary; about 4 in 5 of 300 cases, fewer of the first ones)
             assert answers.get(200, 0) >= sum(answers.values()) // 10, answers
         assert client.get("/health").status_code == 200
-        _idle(client)
+        wait_idle(client)
         assert client.post("/generate", json=REFERENCE).json()["output_ids"] == reference

@@ -9,11 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 
 import httpx
 import pytest
-from conftest import ServerHandle, launch_server
+from conftest import ServerHandle, launch_server, poll_until
 
 RUNNING = 4  # --max-running-requests: a fifth sample waits in the queue
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
@@ -59,10 +58,7 @@ def tables(c: httpx.Client) -> dict[str, int]:
 def wait_clean(c: httpx.Client, timeout: float = 10) -> None:
     """Every table back to zero within `timeout` s, and no KV slot used once the cache is
     flushed."""
-    deadline = time.monotonic() + timeout
-    while any((t := tables(c)).values()):
-        assert time.monotonic() < deadline, f"not clean after {timeout} s: {t}"
-        time.sleep(0.05)
+    poll_until(lambda: not any(tables(c).values()), timeout, lambda: f"clean: {tables(c)}")
     assert c.post("/flush_cache", json={}).status_code == 200
     assert c.get("/get_server_info").json()["scheduler"]["kv_used_tokens"] == 0
 
@@ -129,11 +125,12 @@ def test_abort_request_of_a_queued_request_answers_its_client(leak_server, clien
     waiter = threading.Thread(target=wait_for_answer)
     with leak_server.scheduler_stopped():
         waiter.start()
-        deadline = time.monotonic() + 30
-        while not leak_server.abort_sent(rid):  # /abort_request is a no-op until it is sent
-            assert time.monotonic() < deadline, "the request never reached the api server"
+
+        def aborted() -> bool:  # /abort_request is a no-op until the request reached the api
             client.post("/abort_request", json={"rid": rid})
-            time.sleep(0.02)
+            return leak_server.abort_sent(rid)
+
+        poll_until(aborted, 30, "the request reaching the api server (its abort sent)")
     waiter.join(30)
     assert not waiter.is_alive(), "the client of an aborted queued request was left hanging"
     out = answer["r"].json()

@@ -11,27 +11,17 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import child_pid, children_of, launch_server, pid_alive
+from conftest import child_pid, children_of, launch_server, poll_until, wait_gone
 
 
 def ipc_dir(log: str) -> Path:
     m = re.search(r"IPC sockets in (\S+)", log)
     assert m, log[-2000:]
     return Path(m.group(1))
-
-
-def wait_gone(pids: list[int], timeout: float = 10) -> None:
-    """All `pids` exit within `timeout` (the launcher already joined its children; the
-    multiprocessing resource tracker exits when the launcher's pipe closes)."""
-    deadline = time.monotonic() + timeout
-    while any(pid_alive(p) for p in pids):
-        assert time.monotonic() < deadline, [p for p in pids if pid_alive(p)]
-        time.sleep(0.05)
 
 
 def test_port_in_use_fails_fast(tmp_path, tiny_model_dir):
@@ -116,10 +106,11 @@ def test_queue_full_is_503_with_retry_after(small_server):
     assert first_chunk.wait(60)
     threads.append(threading.Thread(target=queued))
     threads[1].start()
-    deadline = time.monotonic() + 30
-    while c.get("/get_server_info").json()["scheduler"]["num_queued"] != 1:
-        assert time.monotonic() < deadline, "second request never queued"
-        time.sleep(0.05)
+    poll_until(
+        lambda: c.get("/get_server_info").json()["scheduler"]["num_queued"] == 1,
+        30,
+        "the second request queued",
+    )
     r = c.post("/generate", json={"text": "one too many", "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code == 503, r.text
     assert r.headers["retry-after"] == "1"
@@ -154,14 +145,16 @@ def test_crashed_child_fails_health_and_launcher_exits_nonzero(tiny_model_dir, t
     sched, tok = child_pid(log, "scheduler"), child_pid(log, "tokenizer")
     sockets = ipc_dir(log)
     os.kill(sched, signal.SIGKILL)
-    statuses = []
-    deadline = time.monotonic() + 30
-    while h.proc.poll() is None and time.monotonic() < deadline:
+    statuses: list[int | None] = []
+
+    def exited() -> bool:  # recording /health's answers until the launcher exits
         try:
             statuses.append(httpx.get(h.url + "/health", timeout=2).status_code)
         except httpx.TransportError:
             statuses.append(None)
-        time.sleep(0.02)
+        return h.proc.poll() is not None
+
+    poll_until(exited, 30, "the launcher exited")
     assert h.proc.wait(60) == 1
     first_failure = next(i for i, s in enumerate(statuses) if s != 200)
     assert 200 not in statuses[first_failure:], statuses  # never healthy again

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import math
 import threading
-import time
 
 import httpx
 import pytest
+from conftest import poll_until
 
 META_KEYS = {
     "id",
@@ -255,10 +255,7 @@ def test_abort_request_ends_stream_with_abort(client):
 
     t = threading.Thread(target=consume)
     t.start()
-    deadline = time.monotonic() + 60
-    while not events and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert events, "no chunk streamed"
+    poll_until(lambda: events, 60, "a chunk streamed")
     r = client.post("/abort_request", json={"rid": "to-abort"})
     assert r.status_code == 200 and r.json() == {"success": True}
     t.join(60)

@@ -8,14 +8,20 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from conftest import ServerHandle, abort_mid_stream, bearer, free_port, launch_server
+from conftest import (
+    ServerHandle,
+    abort_mid_stream,
+    bearer,
+    free_port,
+    launch_server,
+    poll_until,
+)
 
 from radixserve.cli import build_parser, config_from_args
 from radixserve.config import EngineConfig
@@ -148,15 +154,16 @@ def test_a_key_set_but_empty_is_an_error(monkeypatch: pytest.MonkeyPatch, env: s
 
 def wait_answering(h: ServerHandle, timeout: float = 60) -> None:
     """Until the process answers HTTP at all (a router with no workers is unhealthy: 503)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def answering() -> bool:
         assert h.proc.poll() is None, h.log_text()[-3000:]
         try:
             httpx.get(h.url + "/health", timeout=2)
-            return
+            return True
         except httpx.TransportError:
-            time.sleep(0.2)
-    raise TimeoutError(h.log_text()[-3000:])
+            return False
+
+    poll_until(answering, timeout, lambda: f"an HTTP answer:\n{h.log_text()[-3000:]}")
 
 
 def test_router_workers_need_the_admin_key(tmp_path: Path) -> None:

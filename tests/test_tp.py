@@ -17,14 +17,13 @@ import json
 import os
 import re
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from conftest import children_of, launch_server, pid_alive
+from conftest import children_of, launch_server, wait_gone
 
 from radixserve.core.batch import ForwardBatch
 from radixserve.distributed.parallel import get_tp
@@ -213,13 +212,6 @@ def _follower_pid(log: str) -> int:
     return int(m.group(1))
 
 
-def _wait_gone(pids: list[int], timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while any(pid_alive(p) for p in pids):
-        assert time.monotonic() < deadline, [p for p in pids if pid_alive(p)]
-        time.sleep(0.05)
-
-
 @pytest.mark.slow  # two-process engines and servers: ~5-9 s each
 def test_server_tp2_greedy_and_clean_shutdown(
     tiny_model_dir: Path, tmp_path: Path, engines: tuple[Engine, Engine]
@@ -242,7 +234,7 @@ def test_server_tp2_greedy_and_clean_shutdown(
     assert code == 0, log[-3000:]
     assert "tp-rank-1 process exited cleanly" in log
     assert "radixserve-tp-rank-1 exited with code 0" in log
-    _wait_gone(kids)
+    wait_gone(kids)
 
 
 @pytest.mark.slow  # two-process engines and servers: ~5-9 s each
@@ -276,4 +268,4 @@ def test_server_dies_with_a_killed_follower(tiny_model_dir: Path, tmp_path: Path
     assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1]), rest[-1000:]
     with pytest.raises(httpx.TransportError):
         httpx.get(h.url + "/health", timeout=2)
-    _wait_gone(kids)
+    wait_gone(kids)

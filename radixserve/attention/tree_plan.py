@@ -1,7 +1,7 @@
 """The tree backend's per-step plan: which shared K/V is attended once for several
 requests (see attention/tree.py for how a layer runs it).
 
-Plan (host side, once per step; see DESIGN.md "Tree attention"):
+Plan (host side, once per step; the step as a whole: docs/architecture.md):
 
     request r:  |<-------------------------- seq_lens[r] -------------------------->|
                 |<-- seg 0 -->|<- folded ->|<-- seg 1 -->|<- private tail + new ->|
