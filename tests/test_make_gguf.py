@@ -254,3 +254,25 @@ def test_bench_vs_llamacpp_takes_the_direct_file(name: str, cache: Path) -> None
     for row in res["rows"]:
         want = [row["new_tokens"]] * row["batch"]
         assert row["llamacpp_tokens_per_seq"] == {"off": want, "on": want}, row["name"]
+
+
+@pytest.mark.slow  # a tiny mixture of experts through bench_moe.py (~20 s)
+def test_bench_moe_counts_distinct_experts_and_load(cache: Path) -> None:
+    """Decode rows at B = 1 and 4 (a step's distinct experts: k at B = 1, at most E) and the
+    load of 2 GSM8K questions over every layer's experts."""
+    import bench_moe
+
+    model = written(cache, "tiny-qwen3moe", "Q4_K_M")
+    data = Path(__file__).resolve().parent / "data" / "gsm8k"
+    args = ["--model", str(model), "--batch", "1", "4", "--prompt", "64", "--new-tokens", "4"]
+    res = bench_moe.main([*args, "--questions", "2", "--data-path", str(data)])
+    one, four = res["decode"]
+    fields = TINY["tiny-qwen3moe"]
+    k, e = fields["num_experts_per_tok"], fields["num_experts"]
+    assert one["distinct_experts_per_layer_step"] == k
+    assert k <= four["distinct_experts_per_layer_step"] <= e
+    assert one["decode_tok_s"] > 0 and four["step_bytes"] >= one["step_bytes"]
+    load = res["load"]
+    per_layer = torch.tensor(load["tokens_per_expert"]).sum(dim=1)
+    assert len(load["tokens_per_expert"]) == fields["num_hidden_layers"]
+    assert torch.equal(per_layer, torch.full_like(per_layer, load["tokens"] * k))
