@@ -394,7 +394,8 @@ def test_shape_mismatch_is_refused() -> None:
 
 @pytest.mark.kernels
 def test_portable_build_matches_reference() -> None:
-    """The build without AVX2 (RADIXSERVE_CPU_ISA=scalar), in a fresh process."""
+    """The build without AVX2 (RADIXSERVE_CPU_ISA=scalar), in a fresh process; a mixture's
+    selected experts in one native call, as each expert's QuantLinears."""
     code = """
 import torch
 from radixserve.isa import cpu_isa
@@ -420,6 +421,15 @@ for fmt, f in FORMATS.items():
     want = x.bfloat16().double() @ w.bfloat16().double().T
     assert got.dtype == torch.bfloat16
     assert (got.double() - want).abs().max() <= 2**-7 * want.abs().max()
+from radixserve.models.moe import QuantExperts, grouped_experts
+from test_moe import _per_expert, _stacks
+spec = [("gate", "q4_k", 256, 256), ("up", "q4_k", 256, 256), ("down", "q6_k", 256, 256)]
+stacks = _stacks(spec, 3)  # a step's experts in one loop, each as its own QuantLinears
+experts = QuantExperts(stacks["gate"], stacks["up"], stacks["down"], "int8")
+x, ids = torch.randn(5, 256), torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]])
+weights = torch.rand(5, 2)
+want = grouped_experts(x, ids, weights, _per_expert(stacks), 256)
+assert torch.equal(experts.mix(x, ids, weights), want)
 print("ok")
 """
     env = {"RADIXSERVE_CPU_ISA": "scalar", "PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
