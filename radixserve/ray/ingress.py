@@ -12,8 +12,8 @@ answer is relayed as it comes. Failover, as the HTTP router's (docs/router.md):
   `data: [DONE]`; the replica's own answers, errors included, are never sent again.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: Ray Serve rebuilds the routes' signatures, and
+# FastAPI must see `Request` as a class there, not as a string, or it reads it as a query field.
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -34,62 +34,6 @@ logger = logging.getLogger("radixserve.ray")
 api = FastAPI(title="radixserve on Ray Serve")
 PROMPT_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 OTHER_ROUTES = ("/v1/models", "/get_model_info", "/health", "/health_generate")
-
-
-class _Broken(Exception):
-    """A replica failed before its whole answer was relayed."""
-
-
-@serve.ingress(api)
-class Ingress:
-    def __init__(
-        self, engine: DeploymentHandle, model: str | None = None, revision: str | None = None,
-        max_attempts: int = 3,
-    ) -> None:  # fmt: skip
-        from radixserve.models.loader import load_tokenizer
-        from radixserve.models.resolve import resolve_model_path
-
-        self.engine = engine.options(stream=True)
-        self.tok = load_tokenizer(resolve_model_path(model, revision))
-        self.max_attempts = max_attempts
-
-    @api.post("/generate")
-    @api.post("/v1/completions")
-    @api.post("/v1/chat/completions")
-    async def prompt_route(self, request: Request) -> Response:
-        body = await request.body()
-        try:
-            parsed = json.loads(body)
-        except ValueError:
-            return ApiError(400, "body: not valid JSON", "body").response()
-        path = request.url.path
-        ids = prompt_ids(self.tok, path, parsed)
-        content_type = request.headers.get("content-type", "application/json")
-        return await self._send(Call("POST", path, body, content_type, ids, prompt_text(parsed)))
-
-    @api.get("/v1/models")
-    @api.get("/get_model_info")
-    @api.get("/health")
-    @api.get("/health_generate")
-    async def other_route(self, request: Request) -> Response:
-        return await self._send(Call("GET", request.url.path, b"", "", None, ""))
-
-    async def _send(self, call: Call) -> Response:
-        """The first replica answer that starts (module docstring)."""
-        for attempt in range(1, self.max_attempts + 1):
-            stream = cast(DeploymentResponseGenerator, self.engine.forward.remote(call))
-            try:
-                head = await stream.__anext__()
-                if not head["content_type"].startswith("text/event-stream"):
-                    body = b"".join([chunk async for chunk in stream])
-                    return Response(body, head["status"], media_type=head["content_type"])
-            except (RayError, StopAsyncIteration) as e:
-                logger.warning("%s: attempt %d failed: %r", call.path, attempt, e)
-                continue
-            relay = _relay(stream)
-            return StreamingResponse(relay, head["status"], media_type=head["content_type"])
-        message = f"no replica answered after {self.max_attempts} attempts"
-        return ApiError(503, message, headers={"Retry-After": "1"}).response()
 
 
 async def _relay(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
@@ -142,3 +86,57 @@ def prompt_text(body: Any) -> str:
     if isinstance(prompt, list) and prompt:
         prompt = prompt[0]
     return prompt if isinstance(prompt, str) else ""
+
+
+# Defined last: Ray Serve serializes the class where it is decorated, with the module's
+# names it uses then.
+@serve.ingress(api)
+class Ingress:
+    def __init__(
+        self, engine: DeploymentHandle, model: str | None = None, revision: str | None = None,
+        max_attempts: int = 3,
+    ) -> None:  # fmt: skip
+        from radixserve.models.loader import load_tokenizer
+        from radixserve.models.resolve import resolve_model_path
+
+        self.engine = engine.options(stream=True)
+        self.tok = load_tokenizer(resolve_model_path(model, revision))
+        self.max_attempts = max_attempts
+
+    @api.post("/generate")
+    @api.post("/v1/completions")
+    @api.post("/v1/chat/completions")
+    async def prompt_route(self, request: Request) -> Response:
+        body = await request.body()
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return ApiError(400, "body: not valid JSON", "body").response()
+        path = request.url.path
+        ids = prompt_ids(self.tok, path, parsed)
+        content_type = request.headers.get("content-type", "application/json")
+        return await self._send(Call("POST", path, body, content_type, ids, prompt_text(parsed)))
+
+    @api.get("/v1/models")
+    @api.get("/get_model_info")
+    @api.get("/health")
+    @api.get("/health_generate")
+    async def other_route(self, request: Request) -> Response:
+        return await self._send(Call("GET", request.url.path, b"", "", None, ""))
+
+    async def _send(self, call: Call) -> Response:
+        """The first replica answer that starts (module docstring)."""
+        for attempt in range(1, self.max_attempts + 1):
+            stream = cast(DeploymentResponseGenerator, self.engine.forward.remote(call))
+            try:
+                head = await stream.__anext__()
+                if not head["content_type"].startswith("text/event-stream"):
+                    body = b"".join([chunk async for chunk in stream])
+                    return Response(body, head["status"], media_type=head["content_type"])
+            except (RayError, StopAsyncIteration) as e:
+                logger.warning("%s: attempt %d failed: %r", call.path, attempt, e)
+                continue
+            relay = _relay(stream)
+            return StreamingResponse(relay, head["status"], media_type=head["content_type"])
+        message = f"no replica answered after {self.max_attempts} attempts"
+        return ApiError(503, message, headers={"Retry-After": "1"}).response()
