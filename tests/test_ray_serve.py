@@ -93,19 +93,19 @@ def generate(url: str, text: str, **sampling: object) -> dict:
     return resp.json()
 
 
-@pytest.mark.slow  # starts a Ray cluster and two replicas once for the module: ~1 minute
+@pytest.mark.slow  # a Ray cluster and two replicas, once for the module (~5 min on 2 shared cores)
 def test_routes_through_ray_proxy(proxy_url: str) -> None:
     from openai import OpenAI
 
     client = OpenAI(base_url=proxy_url + "/v1", api_key="unused")
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
-    chat = client.chat.completions.create(model="m", messages=messages, max_tokens=5)
+    chat = client.chat.completions.create(model="m", messages=messages, max_tokens=5, temperature=0)
     assert chat.choices[0].message.content and chat.usage.completion_tokens == 5
     chunks = list(client.chat.completions.create(
-        model="m", messages=messages, max_tokens=5, stream=True
+        model="m", messages=messages, max_tokens=5, temperature=0, stream=True
     ))  # fmt: skip
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert streamed == chat.choices[0].message.content  # greedy by default here
+    assert streamed == chat.choices[0].message.content  # greedy both times
     done = client.completions.create(model="m", prompt="The sea", max_tokens=3)
     assert done.usage.completion_tokens == 3
     out = generate(proxy_url, "The sea")
