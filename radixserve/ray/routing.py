@@ -1,106 +1,25 @@
 """Ray Serve's replica choice by the replicas' own radix trees (`RadixTreeRouter`).
 
-Every `request_routing_stats_period_s` each replica reports the shared part of its prefix
-cache as block hashes (`EngineReplica.record_routing_stats`: the server's `/cache_digest`,
-kvcache/digest.py), so what a replica evicted drops out of its next report. The router runs
-the HTTP router's `cache_aware` policy (router/policy.py) unchanged over trees that answer
-from those reports:
-
-    match(replica, prompt) = max(
-        whole blocks of the prompt whose hashes the replica reported   (its real cache),
-        prefix of the prompt held by the prompts routed to it within   (not yet in a report)
-            the last `horizon_s`)
-
-The prompt is the token ids the ingress put on the call (`Call.ids`); a call without them
-goes to the least-loaded replica. Loads are Ray's queue lengths of the replicas. The answer
-ranks the policy's choice first and the others by load: Ray moves on to them when the first
-is full, and drops a replica that died (its tree is forgotten with it).
+The router runs the HTTP router's `cache_aware` policy (router/policy.py) unchanged over
+trees that answer from what each replica reports of its real cache and from the prompts
+routed to it since (replica_tree.py). The prompt is the token ids the ingress put on the
+call (`Call.ids`); a call without them goes to the least-loaded replica. Loads are Ray's
+queue lengths of the replicas. The answer ranks the policy's choice first and the others by
+load: Ray moves on to them when the first is full, and drops a replica that died (its tree
+is forgotten with it).
 """
 
 from __future__ import annotations
 
-import functools
-import time
-from collections import deque
-from collections.abc import Mapping
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from radixserve.core.digest import block_hashes, split
 from radixserve.ray.call import Call
+from radixserve.ray.replica_tree import HORIZON_S, ReportedCacheAware
 from radixserve.router.config import RouterConfig
-from radixserve.router.policy import CacheAware
-from radixserve.router.tree import PrefixTree, ids_key
+from radixserve.router.tree import ids_key
 from radixserve.router.worker import Worker
-
-HORIZON_S = 5.0  # prompts routed this recently count even when a report does not name them
-
-
-@functools.lru_cache(maxsize=256)
-def _key_hashes(key: str, block: int) -> tuple[bytes, ...]:
-    return tuple(block_hashes([ord(c) for c in key], block))
-
-
-class ReplicaTree(PrefixTree):
-    """What one replica caches: its last report, plus the prompts routed to it since."""
-
-    def __init__(self, horizon_s: float = HORIZON_S) -> None:
-        super().__init__()
-        self.horizon_s = horizon_s
-        self.block = 0
-        self.reported: set[bytes] = set()
-        self.version: object = None
-        self.sent: deque[tuple[float, str]] = deque()  # (monotonic time, key) routed here
-
-    def report(self, stats: Mapping[str, Any]) -> None:
-        """Take the replica's routing stats (`EngineReplica.record_routing_stats`)."""
-        if stats.get("version") == self.version or "hashes" not in stats:
-            return
-        self.version = stats["version"]
-        self.block, self.reported = int(stats["block"]), split(stats["hashes"])
-        cutoff = time.monotonic() - self.horizon_s
-        while self.sent and self.sent[0][0] < cutoff:
-            self.sent.popleft()
-        PrefixTree.__init__(self)  # rebuilt from the recent prompts alone
-        for _, key in self.sent:
-            PrefixTree.insert(self, key)
-
-    def match(self, key: str) -> int:
-        return max(super().match(key), self.reported_match(key))
-
-    def reported_match(self, key: str) -> int:
-        """Ids of `key` in the whole blocks the last report named, from the start."""
-        if not self.block or not self.reported:
-            return 0
-        n = 0
-        for h in _key_hashes(key, self.block):
-            if h not in self.reported:
-                break
-            n += 1
-        return n * self.block
-
-    def insert(self, key: str) -> None:
-        super().insert(key)
-        self.sent.append((time.monotonic(), key))
-
-
-class ReportedCacheAware(CacheAware):
-    """router/'s cache_aware policy over `ReplicaTree`s."""
-
-    def __init__(self, config: RouterConfig, horizon_s: float = HORIZON_S) -> None:
-        super().__init__(config)
-        self.horizon_s = horizon_s
-
-    def _tree(self, url: str) -> ReplicaTree:
-        tree = self.trees.get(url)
-        if not isinstance(tree, ReplicaTree):
-            tree = self.trees[url] = ReplicaTree(self.horizon_s)
-        return tree
-
-    def report(self, url: str, stats: Mapping[str, Any]) -> None:
-        """The replica `url`'s latest routing stats."""
-        self._tree(url).report(stats)
 
 
 class RadixTreeRouter(RequestRouter):
