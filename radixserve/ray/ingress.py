@@ -8,8 +8,10 @@ answer is relayed as it comes. Failover, as the HTTP router's (docs/router.md):
 - a replica that fails before answering (it died, or its server did) is left and the call
   is sent again, up to `max_attempts` times, then 503 + Retry-After;
 - a non-streamed answer is relayed only once whole, so one broken mid-way is sent again;
-- a stream that breaks after its head ends with an `{"error": ...}` event and
-  `data: [DONE]`; the replica's own answers, errors included, are never sent again.
+- a stream is relayed from its first event on, so one whose replica fails before that
+  (queued, or in prefill) is sent again too; a stream that breaks after its first event
+  ends with an `{"error": ...}` event and `data: [DONE]`; the replica's own answers,
+  errors included, are never sent again.
 """
 
 # No `from __future__ import annotations`: Ray Serve rebuilds the routes' signatures, and
@@ -36,7 +38,8 @@ PROMPT_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 OTHER_ROUTES = ("/v1/models", "/get_model_info", "/health", "/health_generate")
 
 
-async def _relay(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
+async def _relay(first: bytes, stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
+    yield first
     try:
         async for chunk in stream:
             yield chunk
@@ -133,10 +136,11 @@ class Ingress:
                 if not head["content_type"].startswith("text/event-stream"):
                     body = b"".join([chunk async for chunk in stream])
                     return Response(body, head["status"], media_type=head["content_type"])
+                first = await anext(stream, b"")
             except (RayError, StopAsyncIteration) as e:
                 logger.warning("%s: attempt %d failed: %r", call.path, attempt, e)
                 continue
-            relay = _relay(stream)
+            relay = _relay(first, stream)
             return StreamingResponse(relay, head["status"], media_type=head["content_type"])
         message = f"no replica answered after {self.max_attempts} attempts"
         return ApiError(503, message, headers={"Retry-After": "1"}).response()
