@@ -7,8 +7,11 @@ HTTP proxy: prompt tokens cached, throughput, TTFT p50 / p99; one JSON of rows.
 
 Starts a local cluster on loopback (a head and one node per replica, `--cpus-per-replica`
 CPUs each) unless `--address` names one, and ends it with `ray stop --force`. Each router
-gets freshly started replicas (empty caches) and one warm-up request. Needs the `ray` extra
-and pyarrow (Ray's prefix router). Flags after `--` go to every replica's `radixserve serve`.
+gets freshly started replicas (empty caches) and one warm-up request. With
+`--kill-replica-after S`, the first router runs once more, and S seconds into that run one
+replica is killed (Ray starts another): its row counts the requests that failed across it.
+Needs the `ray` extra and pyarrow (Ray's prefix router). Flags after `--` go to every
+replica's `radixserve serve`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import platform
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -53,7 +57,20 @@ def start_cluster(replicas: int, cpus: float) -> str:
     return address
 
 
-def run_router(router: str, args: argparse.Namespace, url: str) -> dict[str, Any]:
+def kill_one_replica() -> None:
+    """Kill one EngineReplica actor, as a crash would (Ray then starts another)."""
+    import ray
+    from ray.util.state import list_actors
+
+    alive = list_actors(filters=[("state", "=", "ALIVE")])
+    victim = next(a for a in alive if "EngineReplica" in a.class_name)
+    ray.kill(ray.get_actor(victim.name, namespace="serve"), no_restart=True)
+    print(f"killed replica {victim.name}", flush=True)
+
+
+def run_router(
+    router: str, args: argparse.Namespace, url: str, kill_after_s: float | None = None
+) -> dict[str, Any]:
     from ray import serve
 
     from radixserve.ray.app import RayServeOptions, application
@@ -72,7 +89,12 @@ def run_router(router: str, args: argparse.Namespace, url: str) -> dict[str, Any
         "--gsp-system-prompt-len", str(args.system_len), "--gsp-question-len", "32",
         "--gsp-output-len", str(args.output_len), "--max-concurrency", str(args.concurrency),
     ]  # fmt: skip
+    killer = threading.Timer(kill_after_s, kill_one_replica) if kill_after_s else None
+    if killer:
+        killer.start()
     out = bench_serving.main(flags)
+    if killer:
+        killer.cancel()
     serve.delete(options.name)  # the next router starts from fresh replicas
     return {
         "router": router,
@@ -80,6 +102,7 @@ def run_router(router: str, args: argparse.Namespace, url: str) -> dict[str, Any
                                "output_tok_s", "cache_hit_rate", "prompt_tokens")},
         "ttft_p50_ms": out["ttft_ms"]["p50"],
         "ttft_p99_ms": out["ttft_ms"]["p99"],
+        "replica_killed_after_s": kill_after_s,
     }  # fmt: skip
 
 
@@ -99,6 +122,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kill-replica-after", type=float, default=None, metavar="S",
+                    help="run the first router again, killing a replica S s into it")  # fmt: skip
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     args.serve_args = extra
@@ -116,6 +141,10 @@ def main() -> None:
         for router in args.routers:
             rows.append(run_router(router, args, f"http://{HEAD_IP}:{port}"))
             print(json.dumps(rows[-1]), flush=True)
+        if args.kill_replica_after:
+            url = f"http://{HEAD_IP}:{port}"
+            rows.append(run_router(args.routers[0], args, url, args.kill_replica_after))
+            print(json.dumps(rows[-1]), flush=True)
     finally:
         if ray.is_initialized():
             serve.shutdown()
@@ -126,11 +155,12 @@ def main() -> None:
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    base = {r["router"]: r for r in rows}
+    base = {r["router"]: r for r in rows if not r["replica_killed_after_s"]}
     head = ("router", "cached", "req/s", "tok/s", "TTFT p50", "p99", "failed")
     print(f"{head[0]:<16}" + "".join(f"{h:>9}" for h in head[1:]))
     for r in rows:
-        print(f"{r['router']:<16}{r['cache_hit_rate']:>9.1%}{r['request_throughput']:>9.2f}"
+        name = r["router"] + (" (kill)" if r["replica_killed_after_s"] else "")
+        print(f"{name:<16}{r['cache_hit_rate']:>9.1%}{r['request_throughput']:>9.2f}"
               f"{r['output_tok_s']:>9.1f}{r['ttft_p50_ms']:>9.0f}{r['ttft_p99_ms']:>9.0f}"
               f"{r['failed']:>9}")  # fmt: skip
     ours = base.get("radix_tree")
