@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import platform
 import socket
 import subprocess
@@ -53,7 +54,7 @@ def start_cluster(replicas: int, cpus: float) -> str:
             "--num-cpus", "0", "--include-dashboard", "false", "--disable-usage-stats")  # fmt: skip
     for i in range(replicas):
         ray_cli("start", "--address", address, "--node-ip-address", f"127.0.0.{3 + i}",
-                "--num-cpus", str(cpus), "--disable-usage-stats")  # fmt: skip
+                "--num-cpus", str(math.ceil(cpus)), "--disable-usage-stats")  # fmt: skip
     return address
 
 

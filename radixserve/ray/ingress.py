@@ -118,14 +118,16 @@ class Ingress:
         path = request.url.path
         ids = prompt_ids(self.tok, path, parsed)
         content_type = request.headers.get("content-type", "application/json")
-        return await self._send(Call("POST", path, body, content_type, ids, prompt_text(parsed)))
+        text = prompt_text(parsed) or path  # never empty: Ray's prefix router divides by it
+        return await self._send(Call("POST", path, body, content_type, ids, text))
 
     @api.get("/v1/models")
     @api.get("/get_model_info")
     @api.get("/health")
     @api.get("/health_generate")
     async def other_route(self, request: Request) -> Response:
-        return await self._send(Call("GET", request.url.path, b"", "", None, ""))
+        path = request.url.path
+        return await self._send(Call("GET", path, b"", "", None, path))
 
     async def _send(self, call: Call) -> Response:
         """The first replica answer that starts (module docstring)."""
