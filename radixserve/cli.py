@@ -1,5 +1,5 @@
-"""Command line: `radixserve serve [flags]` (also `python -m radixserve serve ...`) and
-`radixserve router --worker-urls URL... [flags]`.
+"""Command line: `radixserve serve [flags]` (also `python -m radixserve serve ...`),
+`radixserve router --worker-urls URL... [flags]` and `radixserve ray serve [flags]`.
 
 The serve flags are generated from `EngineConfig`'s fields, and the router's from
 `RouterConfig`'s, one flag per field (`max_total_tokens` -> `--max-total-tokens`; a bool
@@ -222,7 +222,43 @@ def build_parser() -> argparse.ArgumentParser:
         "cache_isolation": CACHE_ISOLATION,
     }
     _add_config_flags(router, RouterConfig, ROUTER_HELP, choices)
+    _add_ray_parser(sub)
     return parser
+
+
+def _add_ray_parser(sub: Any) -> None:
+    """`radixserve ray serve`: the replicas on Ray Serve (radixserve/ray/, needs the `ray`
+    extra). Flags after `--` go to every replica's `radixserve serve`."""
+    ray = sub.add_parser("ray", help="serve on a Ray cluster (pip install 'radixserve[ray]')")
+    serve = ray.add_subparsers(dest="ray_command", required=True).add_parser(
+        "serve", help="deploy the replicas and the ingress with Ray Serve; serve until stopped"
+    )
+    add = serve.add_argument
+    add("--model", default=None, help=HELP["model"])
+    add("--revision", default=None, help=HELP["revision"])
+    add("--num-replicas", type=int, default=1, help="replicas (the minimum with --max-replicas)")
+    add("--max-replicas", type=int, default=None, help="autoscale up to this many replicas")
+    add("--cpus-per-replica", type=float, default=1.0, help="CPUs Ray reserves per replica")
+    add("--router", default="radix_tree", choices=("radix_tree", "power_of_two", "prefix_affinity"),
+        help="radix_tree: by the replicas' own radix trees; the others are Ray's")  # fmt: skip
+    add("--address", default=None, help="Ray cluster address (default: the running one, or local)")
+    add("--host", default="127.0.0.1", help="where Ray Serve's HTTP proxy listens")
+    add("--port", type=int, default=8000)
+    add("serve_args", nargs="*", help="after --: more `radixserve serve` flags for each replica")
+
+
+def _run_ray(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        from radixserve.ray.app import RayServeOptions
+        from radixserve.ray.launcher import run_ray_serve
+    except ImportError as e:
+        parser.error(f"ray serve needs Ray Serve: pip install 'radixserve[ray]' ({e})")
+    options = _config_or_exit(parser, lambda: RayServeOptions(
+        model=args.model, revision=args.revision, serve_args=tuple(args.serve_args),
+        num_replicas=args.num_replicas, max_replicas=args.max_replicas,
+        cpus_per_replica=args.cpus_per_replica, router=args.router,
+    ))  # fmt: skip
+    return run_ray_serve(options, args.address, args.host, args.port)
 
 
 def _config_or_exit(parser: argparse.ArgumentParser, build: Callable[[], Any]) -> Any:
@@ -279,6 +315,8 @@ def worker_env(config: EngineConfig) -> dict[str, str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "ray":
+        return _run_ray(args, parser)
     if args.command == "router":
         from radixserve.router.launcher import run_router
 

@@ -61,6 +61,7 @@ def test_keys_from_the_environment_never_reach_the_command_line(server: ServerHa
     [
         ("POST", "/flush_cache", {}),
         ("GET", "/get_server_info", None),
+        ("GET", "/cache_digest", None),
         ("POST", "/abort_request", {"abort_all": True}),
         ("POST", "/schemas", {"name": "s", "pml": "<module name='m'>hi</module>"}),
         ("DELETE", "/schemas/anything", None),
@@ -75,6 +76,28 @@ def test_admin_routes_refuse_the_inference_key(
         assert "admin API key" in r.json()["error"]["message"]
         admin = c.request(method, path, json=body, headers=bearer(ADMIN))
         assert admin.status_code not in (401, 403), admin.text
+
+
+def test_cache_digest_names_a_bad_field(server: ServerHandle) -> None:
+    with httpx.Client(base_url=server.url, timeout=60, headers=bearer(ADMIN)) as c:
+        for params, field in [
+            ({"block": "0"}, "block"),
+            ({"block": "2000"}, "block"),
+            ({"block": "sixteen"}, "block"),
+            ({"max_blocks": "0"}, "max_blocks"),
+            ({"max_blocks": "x"}, "max_blocks"),
+            ({"block": "4", "max_blocks": str(1 << 20)}, "max_blocks"),
+        ]:
+            r = c.get("/cache_digest", params=params)
+            assert r.status_code == 400, (params, r.text)
+            assert r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
+        text = "one two three four five six seven eight nine ten"
+        body = {"text": text, "sampling_params": {"max_new_tokens": 2}}
+        assert c.post("/generate", json=body).status_code == 200
+        r = c.get("/cache_digest", params={"block": "2", "max_blocks": "3"})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
+    assert len(r.content) == 3 * 8  # the prompt's first 3 blocks of 2 ids, 8 bytes each
+    assert int(r.headers["x-radixserve-cached-tokens"]) >= 6
 
 
 def test_inference_key_serves_and_sees_the_tree_without_content(server: ServerHandle) -> None:

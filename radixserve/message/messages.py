@@ -166,6 +166,20 @@ class CacheTreeResp(Message):
     view: CacheTreeView  # the tokenizer fills in each node's text on the way
 
 
+class CacheDigestReq(Message):
+    """The shared part of the prefix cache as block hashes (kvcache/digest.py)."""
+
+    seq: int
+    block: int
+    max_blocks: int
+
+
+class CacheDigestResp(Message):
+    seq: int
+    hashes: bytes  # core/digest.py `join`: HASH_BYTES a block, shallow blocks first
+    cached_tokens: int  # every part's cached tokens
+
+
 class SchemaReq(Message):
     """Prompt-module schemas: op "register" (`pml`; the tokenizer lays it out into
     `compiled`), "delete" (`name`) or "list"."""
@@ -187,8 +201,8 @@ class SchemaResp(Message):
     schemas: list[dict[str, Any]] = msgspec.field(default_factory=list)
 
 
-ControlReq = FlushCacheReq | ServerInfoReq | CacheTreeReq | SchemaReq
-ControlResp = FlushCacheResp | ServerInfoResp | CacheTreeResp | SchemaResp
+ControlReq = FlushCacheReq | ServerInfoReq | CacheTreeReq | CacheDigestReq | SchemaReq
+ControlResp = FlushCacheResp | ServerInfoResp | CacheTreeResp | CacheDigestResp | SchemaResp
 
 AnyMessage = (
     SchedulerReady
@@ -206,6 +220,8 @@ AnyMessage = (
     | ServerInfoResp
     | CacheTreeReq
     | CacheTreeResp
+    | CacheDigestReq
+    | CacheDigestResp
     | SchemaReq
     | SchemaResp
 )

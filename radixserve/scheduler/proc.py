@@ -23,12 +23,16 @@ import time
 import zmq
 
 from radixserve.config import EngineConfig
+from radixserve.core.digest import join
 from radixserve.core.request import TokenDelta
 from radixserve.distributed.parallel import init_tp
+from radixserve.kvcache.digest import cache_digest
 from radixserve.message.ipc import Inbox, IpcPaths, Outbox
 from radixserve.message.messages import (
     AbortReq,
     AnyMessage,
+    CacheDigestReq,
+    CacheDigestResp,
     CacheTreeReq,
     CacheTreeResp,
     FlushCacheReq,
@@ -65,6 +69,7 @@ class SchedulerProcess:
             FlushCacheReq: self.on_flush,
             ServerInfoReq: self.on_info,
             CacheTreeReq: self.on_cache_tree,
+            CacheDigestReq: self.on_cache_digest,
             SchemaReq: self.on_schema,
             Shutdown: self.on_shutdown,
         }
@@ -124,6 +129,10 @@ class SchedulerProcess:
     def on_cache_tree(self, msg: CacheTreeReq) -> None:
         view = self.sched.cache_tree(msg.max_nodes, msg.max_depth, msg.tenant)
         self.out.send(CacheTreeResp(msg.seq, view))
+
+    def on_cache_digest(self, msg: CacheDigestReq) -> None:
+        hashes = cache_digest(self.sched.cache, msg.block, msg.max_blocks)
+        self.out.send(CacheDigestResp(msg.seq, join(hashes), self.sched.cache.total_size))
 
     def on_schema(self, msg: SchemaReq) -> None:
         """Register / delete / list prompt-module schemas (400 with the reason). A register

@@ -1,5 +1,6 @@
 """The web console: `GET /` (one page from package data, no external assets) and the two
-read-only JSON endpoints it polls, `/cache_tree` and `/metrics_history`.
+read-only JSON endpoints it polls, `/cache_tree` and `/metrics_history`; and `/cache_digest`,
+the cache as a router reads it.
 
 With `--api-key` the page is reached as `/?key=<api key>` (the page sends the key as a Bearer
 header on every call it makes); `--no-web-ui` leaves `/` unrouted (404).
@@ -14,9 +15,10 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from radixserve.kvcache.digest import MAX_BLOCKS
 from radixserve.kvcache.tree_view import MAX_DEPTH, MAX_NODES
-from radixserve.message.messages import CacheTreeReq, CacheTreeResp
-from radixserve.server.guard import role, scoped_to
+from radixserve.message.messages import CacheDigestReq, CacheDigestResp, CacheTreeReq, CacheTreeResp
+from radixserve.server.guard import require_admin, role, scoped_to
 from radixserve.server.history import History
 from radixserve.server.manager import RequestManager
 from radixserve.server.protocol import ApiError
@@ -74,6 +76,22 @@ async def cache_tree(request: Request) -> Response:
         for node in body["nodes"]:
             node["preview_ids"], node["text"], node["salt"] = [], "", None
     return Response(msgspec.json.encode(body), media_type="application/json")
+
+
+@api.get("/cache_digest")
+async def cache_digest(request: Request) -> Response:
+    """The shared part of the prefix cache as the hashes of its blocks of `block` token ids
+    (default 16, at most 1024), shallow blocks first, at most `max_blocks` (default 4096):
+    8 bytes each, concatenated (radixserve/core/digest.py says how a prompt is hashed to
+    compare). `X-Radixserve-Cached-Tokens`: the tokens the cache holds. Admin key."""
+    require_admin(request, "/cache_digest")
+    block = _int_param(request, "block", 16, 1, 1024)
+    max_blocks = _int_param(request, "max_blocks", 4096, 1, MAX_BLOCKS)
+    manager: RequestManager = request.app.state.manager
+    resp = await manager.call(lambda seq: CacheDigestReq(seq, block, max_blocks))
+    assert isinstance(resp, CacheDigestResp)
+    headers = {"X-Radixserve-Cached-Tokens": str(resp.cached_tokens)}
+    return Response(resp.hashes, media_type="application/octet-stream", headers=headers)
 
 
 @api.get("/metrics_history")

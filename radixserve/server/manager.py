@@ -42,6 +42,7 @@ from radixserve.message.ipc import IpcPaths
 from radixserve.message.messages import (
     AbortReq,
     AnyMessage,
+    CacheDigestResp,
     CacheTreeResp,
     ControlReq,
     ControlResp,
@@ -121,6 +122,7 @@ class RequestManager:
             FlushCacheResp: self._on_control,
             ServerInfoResp: self._on_control,
             CacheTreeResp: self._on_control,
+            CacheDigestResp: self._on_control,
             SchemaResp: self._on_control,
         }
 

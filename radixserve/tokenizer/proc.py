@@ -26,6 +26,8 @@ from radixserve.message.ipc import Inbox, IpcPaths, Outbox
 from radixserve.message.messages import (
     AbortReq,
     AnyMessage,
+    CacheDigestReq,
+    CacheDigestResp,
     CacheTreeReq,
     CacheTreeResp,
     FlushCacheReq,
@@ -82,11 +84,13 @@ class TokenizerWorker:
             FlushCacheReq: to_sched.send,
             ServerInfoReq: to_sched.send,
             CacheTreeReq: to_sched.send,
+            CacheDigestReq: to_sched.send,
             TokenDeltas: self.on_samples,
             RequestError: self.on_error,
             FlushCacheResp: to_api.send,
             ServerInfoResp: self.on_info,
             CacheTreeResp: self.on_cache_tree,
+            CacheDigestResp: to_api.send,
             SchemaReq: self.on_schema,
             SchemaResp: self.on_schema_resp,
         }

@@ -1,0 +1,148 @@
+"""The ingress: radixserve's HTTP routes behind Ray Serve's proxy, each call sent to a replica.
+
+Per request: the body is read (a body that is not JSON is a 400 here), its prompt tokenized
+as the replicas will (`prompt_ids`: the router matches token ids), and the call sent through
+the replicas' deployment handle, whose request router picks the replica. The replica's
+answer is relayed as it comes. Failover, as the HTTP router's (docs/router.md):
+
+- a replica that fails before answering (it died, or its server did) is left and the call
+  is sent again, up to `max_attempts` times, then 503 + Retry-After;
+- a non-streamed answer is relayed only once whole, so one broken mid-way is sent again;
+- a stream is relayed from its first event on, so one whose replica fails before that
+  (queued, or in prefill) is sent again too; a stream that breaks after its first event
+  ends with an `{"error": ...}` event and `data: [DONE]`; the replica's own answers,
+  errors included, are never sent again.
+"""
+
+# No `from __future__ import annotations`: Ray Serve rebuilds the routes' signatures, and
+# FastAPI must see `Request` as a class there, not as a string, or it reads it as a query field.
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from ray import serve
+from ray.exceptions import RayError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from radixserve.ray.call import Call
+from radixserve.server.protocol import ApiError
+from radixserve.tokenizer.chat import render_chat
+
+logger = logging.getLogger("radixserve.ray")
+
+api = FastAPI(title="radixserve on Ray Serve")
+PROMPT_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+OTHER_ROUTES = ("/v1/models", "/get_model_info", "/health", "/health_generate")
+
+
+async def _relay(first: bytes, stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
+    yield first
+    try:
+        async for chunk in stream:
+            yield chunk
+    except RayError as e:
+        logger.warning("a stream broke: %r", e)
+        error = {"error": {"message": "the replica serving this stream failed; send the "
+                           "request again", "type": "server_error", "code": 503}}  # fmt: skip
+        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+
+
+def prompt_ids(tok: Any, path: str, body: Any) -> list[int] | None:
+    """The token ids the replica's tokenizer process will make of the body's (first)
+    prompt, as its api server reads the body; None when the body does not say plainly (the
+    replica then answers it, a 4xx if it is wrong)."""
+    if not isinstance(body, dict):
+        return None
+    if path == "/v1/chat/completions":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages
+        ):
+            return None
+        try:
+            return render_chat(tok, messages, body.get("tools"), body.get("chat_template_kwargs"))
+        except (ValueError, TypeError):
+            return None
+    prompt = body.get("text") if path == "/generate" else body.get("prompt")
+    ids = body.get("input_ids") if path == "/generate" else prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]  # a batch: routed by its first prompt
+    if isinstance(prompt, str):
+        return list(tok.encode(prompt))
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        ids = ids[0]
+    if isinstance(ids, list) and ids and all(type(i) is int for i in ids):
+        return ids
+    return None
+
+
+def prompt_text(body: Any) -> str:
+    """The body's prompt as plain text, for routers that match text (Ray's own)."""
+    if not isinstance(body, dict):
+        return ""
+    if isinstance(body.get("messages"), list):
+        return "".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
+    prompt = body.get("text", body.get("prompt"))
+    if isinstance(prompt, list) and prompt:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else ""
+
+
+# Defined last: Ray Serve serializes the class where it is decorated, with the module's
+# names it uses then.
+@serve.ingress(api)
+class Ingress:
+    def __init__(
+        self, engine: DeploymentHandle, model: str | None = None, revision: str | None = None,
+        max_attempts: int = 3,
+    ) -> None:  # fmt: skip
+        from radixserve.models.loader import load_tokenizer
+        from radixserve.models.resolve import resolve_model_path
+
+        self.engine = engine.options(stream=True)
+        self.tok = load_tokenizer(resolve_model_path(model, revision))
+        self.max_attempts = max_attempts
+
+    @api.post("/generate")
+    @api.post("/v1/completions")
+    @api.post("/v1/chat/completions")
+    async def prompt_route(self, request: Request) -> Response:
+        body = await request.body()
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return ApiError(400, "body: not valid JSON", "body").response()
+        path = request.url.path
+        ids = prompt_ids(self.tok, path, parsed)
+        content_type = request.headers.get("content-type", "application/json")
+        text = prompt_text(parsed) or path  # never empty: Ray's prefix router divides by it
+        return await self._send(Call("POST", path, body, content_type, ids, text))
+
+    @api.get("/v1/models")
+    @api.get("/get_model_info")
+    @api.get("/health")
+    @api.get("/health_generate")
+    async def other_route(self, request: Request) -> Response:
+        path = request.url.path
+        return await self._send(Call("GET", path, b"", "", None, path))
+
+    async def _send(self, call: Call) -> Response:
+        """The first replica answer that starts (module docstring)."""
+        for attempt in range(1, self.max_attempts + 1):
+            stream = cast(DeploymentResponseGenerator, self.engine.forward.remote(call))
+            try:
+                head = await stream.__anext__()
+                if not head["content_type"].startswith("text/event-stream"):
+                    body = b"".join([chunk async for chunk in stream])
+                    return Response(body, head["status"], media_type=head["content_type"])
+                first = await anext(stream, b"")
+            except (RayError, StopAsyncIteration) as e:
+                logger.warning("%s: attempt %d failed: %r", call.path, attempt, e)
+                continue
+            relay = _relay(first, stream)
+            return StreamingResponse(relay, head["status"], media_type=head["content_type"])
+        message = f"no replica answered after {self.max_attempts} attempts"
+        return ApiError(503, message, headers={"Retry-After": "1"}).response()

@@ -1,0 +1,192 @@
+"""radixserve on Ray Serve, on a REAL local Ray cluster (slow; needs the `ray` extra, which
+.ci/run installs for the slow tests): a head node and two worker nodes on loopback addresses,
+one CPU each on the workers, two replicas of a tiny model, requests through Ray Serve's HTTP
+proxy with the openai client and plain HTTP; a replica killed under load; 1 -> 2 -> 1
+replicas. Nothing is mocked. `ray stop --force` ends every Ray process of the machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import free_port
+
+HEAD_IP = "127.0.0.2"
+WORKER_IPS = ("127.0.0.3", "127.0.0.4")
+SERVE_ARGS = ("--max-total-tokens", "4096", "--dtype", "float32")
+SYSTEM = "You answer questions about ships and the sea, briefly and kindly. " * 6
+
+
+def _ray(*args: str) -> None:
+    ray_cli = Path(sys.executable).with_name("ray")
+    subprocess.run([str(ray_cli), *args], check=True, capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A head (no CPUs: the controller, the proxy and the ingress) and two one-CPU worker
+    nodes, each its own raylet on its own loopback address; the driver is this process."""
+    import ray
+
+    temp = Path(f"/tmp/rs-ray-{os.getpid()}")  # Ray's socket paths must stay short
+    port = free_port()
+    address = f"{HEAD_IP}:{port}"
+    common = ("--disable-usage-stats", "--include-dashboard", "false")
+    _ray("start", "--head", "--node-ip-address", HEAD_IP, "--port", str(port),
+         "--num-cpus", "0", "--temp-dir", str(temp), *common[:1])  # fmt: skip
+    try:
+        for ip in WORKER_IPS:
+            _ray("start", "--address", address, "--node-ip-address", ip, "--num-cpus", "1",
+                 "--resources", json.dumps({f"node-{ip}": 1}), *common[:1])  # fmt: skip
+        ray.init(address=address, logging_level="WARNING")
+        yield address
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        _ray("stop", "--force")
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def proxy_url(cluster: str, tiny_model_dir: Path) -> Iterator[str]:
+    from ray import serve
+
+    port = free_port()
+    serve.start(proxy_location="HeadOnly", http_options={"host": HEAD_IP, "port": port})
+    deploy(tiny_model_dir, 2)
+    yield f"http://{HEAD_IP}:{port}"
+    serve.shutdown()
+
+
+def deploy(model_dir: Path, replicas: int) -> None:
+    from ray import serve
+
+    from radixserve.ray.app import RayServeOptions, application
+
+    options = RayServeOptions(
+        model=str(model_dir), serve_args=SERVE_ARGS, num_replicas=replicas, stats_period_s=0.5
+    )
+    serve.run(application(options), name=options.name, route_prefix="/")
+
+
+def running_replicas() -> int:
+    from ray import serve
+
+    app = serve.status().applications["radixserve"]
+    return app.deployments["EngineReplica"].replica_states.get("RUNNING", 0)
+
+
+def generate(url: str, text: str, **sampling: object) -> dict:
+    params = {"max_new_tokens": 4, "temperature": 0, **sampling}
+    resp = httpx.post(url + "/generate", json={"text": text, "sampling_params": params},
+                      timeout=120)  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+@pytest.mark.slow  # a Ray cluster and two replicas, once for the module (~5 min on 2 shared cores)
+def test_routes_through_ray_proxy(proxy_url: str) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=proxy_url + "/v1", api_key="unused")
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model="m", messages=messages, max_tokens=5, temperature=0)
+    assert chat.choices[0].message.content and chat.usage.completion_tokens == 5
+    chunks = list(client.chat.completions.create(
+        model="m", messages=messages, max_tokens=5, temperature=0, stream=True
+    ))  # fmt: skip
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == chat.choices[0].message.content  # greedy both times
+    done = client.completions.create(model="m", prompt="The sea", max_tokens=3)
+    assert done.usage.completion_tokens == 3
+    out = generate(proxy_url, "The sea")
+    assert out["meta_info"]["completion_tokens"] == 4
+    with httpx.stream("POST", proxy_url + "/generate", json={
+        "text": "The sea", "stream": True, "sampling_params": {"max_new_tokens": 3}
+    }, timeout=120) as resp:  # fmt: skip
+        events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 2
+    assert httpx.get(proxy_url + "/v1/models", timeout=60).status_code == 200
+
+
+@pytest.mark.slow
+def test_bad_input_is_a_4xx_naming_the_field(proxy_url: str) -> None:
+    bad = httpx.post(proxy_url + "/generate", content=b"{not json", timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "body"
+    resp = httpx.post(proxy_url + "/v1/chat/completions", json={"model": "m"}, timeout=60)
+    assert resp.status_code == 400 and "messages" in resp.json()["error"]["message"]
+    resp = httpx.post(proxy_url + "/generate", timeout=60, json={
+        "text": "x", "sampling_params": {"temperature": -1}
+    })  # fmt: skip
+    assert resp.status_code == 400 and "temperature" in resp.text
+
+
+@pytest.mark.slow
+def test_prompts_sharing_a_prefix_hit_the_cache(proxy_url: str) -> None:
+    """Each group's first request lands somewhere; the router then sends the group where
+    the prefix is cached, so every later request reuses the prefix."""
+    for group in ("Fleet", "Harbour", "Lighthouse"):
+        prefix = f"{group} log. {SYSTEM}"
+        first = generate(proxy_url, prefix + " Question 0?")
+        assert first["meta_info"]["cached_tokens"] < first["meta_info"]["prompt_tokens"]
+        time.sleep(1.0)  # a report or two: the hit is then the replica's tree, not a guess
+        for i in range(1, 4):
+            meta = generate(proxy_url, prefix + f" Question {i}?")["meta_info"]
+            assert meta["cached_tokens"] >= meta["prompt_tokens"] - 16, (group, i, meta)
+
+
+@pytest.mark.slow
+def test_a_replica_killed_under_load(proxy_url: str) -> None:
+    """Streams on the killed replica end with an error event (or finish), non-streamed
+    requests are answered (sent again where needed), and later requests succeed."""
+    import ray
+    from ray.util.state import list_actors
+
+    def stream(i: int) -> list[str]:
+        body = {"text": f"Voyage {i}: {SYSTEM}", "stream": True,
+                "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}  # fmt: skip
+        with httpx.stream("POST", proxy_url + "/generate", json=body, timeout=120) as resp:
+            assert resp.status_code == 200
+            return [line for line in resp.iter_lines() if line.startswith("data: ")]
+
+    def plain(i: int) -> int:
+        body = {"text": f"Cargo {i}", "sampling_params": {"max_new_tokens": 40}}
+        return httpx.post(proxy_url + "/generate", json=body, timeout=120).status_code
+
+    victims = [a for a in list_actors(filters=[("state", "=", "ALIVE")])
+               if "EngineReplica" in a.class_name]  # fmt: skip
+    assert len(victims) == 2, victims
+    with ThreadPoolExecutor(8) as pool:
+        streams = [pool.submit(stream, i) for i in range(4)]
+        plains = [pool.submit(plain, i) for i in range(4)]
+        time.sleep(1.5)  # the streams are under way
+        ray.kill(ray.get_actor(victims[0].name, namespace="serve"), no_restart=True)
+        ended = [f.result() for f in streams]
+        statuses = [f.result() for f in plains]
+    assert statuses == [200] * 4
+    for events in ended:
+        assert events[-1] == "data: [DONE]"
+        errors = [e for e in events if '"error"' in e]
+        assert not errors or "send the request again" in errors[0]
+    assert generate(proxy_url, "After the storm")["meta_info"]["completion_tokens"] == 4
+    deadline = time.monotonic() + 180
+    while running_replicas() < 2 and time.monotonic() < deadline:
+        time.sleep(1)  # Ray replaces the replica
+    assert running_replicas() == 2
+
+
+@pytest.mark.slow
+def test_scale_one_two_one(proxy_url: str, tiny_model_dir: Path) -> None:
+    for replicas in (1, 2, 1):
+        deploy(tiny_model_dir, replicas)  # serve.run waits for the replicas
+        assert running_replicas() == replicas
+        assert generate(proxy_url, f"{replicas} ships")["meta_info"]["completion_tokens"] == 4

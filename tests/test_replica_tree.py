@@ -1,0 +1,111 @@
+"""What the Ray request router knows of a replica's cache (radixserve/ray/replica_tree.py):
+the whole blocks its last report named, the prompts routed to it within the horizon, and a
+newer report after an eviction lowering the match; router/'s cache_aware policy over those
+trees. Plain Python on a manual clock: no Ray, no server."""
+
+from __future__ import annotations
+
+import random
+
+from radixserve.core.digest import block_hashes, join
+from radixserve.ray.replica_tree import ReplicaTree, ReportedCacheAware
+from radixserve.router.config import RouterConfig
+from radixserve.router.tree import ids_key
+from radixserve.router.worker import Worker
+
+B = 16
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50_000) for _ in range(n)]
+
+
+def stats(version: int, *cached: list[int]) -> dict[str, object]:
+    """Routing stats as `EngineReplica.record_routing_stats` makes them."""
+    hashes = {h: None for seq in cached for h in block_hashes(seq, B)}  # ordered, no repeats
+    return {"version": version, "block": B, "hashes": join(list(hashes))}
+
+
+def test_reported_blocks_match_whole_blocks_from_the_start() -> None:
+    cached = ids(50, 0)  # blocks 0, 1, 2 (ids 48, 49 make no block)
+    tree = ReplicaTree(clock=ManualClock())
+    assert tree.match(ids_key(cached)) == 0  # no report yet
+    tree.report(stats(1, cached))
+    assert tree.match(ids_key(cached)) == 48
+    assert tree.match(ids_key(cached + ids(30, 1))) == 48
+    assert tree.match(ids_key(cached[:40] + ids(30, 2))) == 32  # leaves block 2 at id 40
+    assert tree.match(ids_key(cached[:15])) == 0  # no whole block
+    assert tree.match(ids_key([cached[0] + 1, *cached[1:]])) == 0  # block 0 differs
+    assert tree.match(ids_key(cached[B:])) == 0  # block 1's ids alone are not block 1
+
+
+def test_prompts_sent_count_within_the_horizon_only() -> None:
+    clock = ManualClock()
+    tree = ReplicaTree(horizon_s=5.0, clock=clock)
+    sent = ids(40, 3)
+    tree.insert(ids_key(sent))
+    assert tree.match(ids_key(sent + [7])) == 40  # no report yet: the prompt itself
+    clock.t = 4.0
+    tree.report(stats(1))  # a report that does not name it yet
+    assert tree.match(ids_key(sent)) == 40
+    clock.t = 6.0
+    tree.report(stats(2))  # past the horizon, and still not named: not cached
+    assert tree.match(ids_key(sent)) == 0
+    tree.insert(ids_key(sent))
+    clock.t = 7.0
+    tree.report(stats(3, sent))  # named by the report: its whole blocks
+    assert tree.match(ids_key(sent)) == 40  # the recent prompt (within 5 s) still counts
+    clock.t = 20.0
+    tree.report(stats(4, sent))
+    assert tree.match(ids_key(sent)) == 32
+
+
+def test_a_newer_report_after_eviction_lowers_the_match() -> None:
+    clock = ManualClock()
+    tree = ReplicaTree(clock=clock)
+    cached = ids(64, 4)
+    tree.report(stats(1, cached))
+    assert tree.match(ids_key(cached)) == 64
+    tree.report(stats(2, cached[:B]))  # the replica evicted blocks 1..3
+    assert tree.match(ids_key(cached)) == 16
+    tree.report({"version": 2, "block": B, "hashes": join(block_hashes(cached, B))})
+    assert tree.match(ids_key(cached)) == 16  # the same version again: already taken
+    tree.report({"version": 3, "block": B})  # no hashes: nothing to take
+    assert tree.match(ids_key(cached)) == 16
+    tree.report(stats(4))
+    assert tree.match(ids_key(cached)) == 0
+
+
+def test_policy_sends_a_prompt_where_its_blocks_are_reported() -> None:
+    clock = ManualClock()
+    policy = ReportedCacheAware(RouterConfig(), clock=clock)
+    workers = [Worker("a", healthy=True), Worker("b", healthy=True)]
+    system = ids(64, 5)
+    policy.report("b", stats(1, system))
+    decision = policy.choose(workers, ids_key(system + ids(8, 6)))
+    assert (decision.worker.url, decision.reason, decision.matched) == ("b", "cache", 64)
+    other = ids(72, 7)  # cached nowhere: the least-loaded, then the smallest tree
+    decision = policy.choose(workers, ids_key(other))
+    assert (decision.worker.url, decision.reason) == ("a", "balance")
+    decision = policy.choose(workers, ids_key(other[:70]))  # just sent to "a"
+    assert (decision.worker.url, decision.reason, decision.matched) == ("a", "cache", 70)
+    policy.forget("b")
+    decision = policy.choose(workers, ids_key(system + ids(8, 8)))
+    assert decision.reason == "balance"
+
+
+def test_policy_balances_when_loads_are_far_apart() -> None:
+    policy = ReportedCacheAware(RouterConfig(), clock=ManualClock())
+    system = ids(64, 9)
+    policy.report("b", stats(1, system))
+    busy_b = [Worker("a", healthy=True), Worker("b", healthy=True, reported_load=40)]
+    assert policy.choose(busy_b, ids_key(system)).worker.url == "a"
