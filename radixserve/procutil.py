@@ -1,4 +1,5 @@
-"""What every radixserve process shares: log format, child entry point, parent watch.
+"""What every radixserve process shares: log format, child entry point, parent watch, and
+a free loopback port for the servers a launcher starts.
 
 A child process (tokenizer, scheduler) runs `child_main(name, level, launcher_pid, target,
 *args)`:
@@ -15,6 +16,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -81,3 +83,10 @@ class ParentWatch:
 
     def parent_alive(self) -> bool:
         return os.getppid() == self._ppid
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS's pick; another process may take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

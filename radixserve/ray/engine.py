@@ -14,7 +14,6 @@ import itertools
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from typing import Any
 import httpx
 
 from radixserve.keys import ADMIN_API_KEY_ENV, API_KEY_ENV
+from radixserve.procutil import free_port
 from radixserve.ray.call import Call
 
 START_TIMEOUT_S = 600.0
@@ -37,7 +37,7 @@ class EngineReplica:
 
     def __init__(self, serve_args: Sequence[str], threads: int = 1) -> None:
         self.key = secrets.token_urlsafe(24)
-        port = _free_port()
+        port = free_port()
         env = {**os.environ, ADMIN_API_KEY_ENV: self.key, "OMP_NUM_THREADS": str(threads)}
         env.pop(API_KEY_ENV, None)
         argv = ["serve", *serve_args, "--host", "127.0.0.1", "--port", str(port)]
@@ -105,9 +105,3 @@ class EngineReplica:
             proc.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -7,7 +7,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -16,7 +15,7 @@ from dataclasses import replace
 import uvicorn
 
 from radixserve.cpus import physical_cores, pinned_env, share
-from radixserve.procutil import configure_logging, uvicorn_config
+from radixserve.procutil import configure_logging, free_port, uvicorn_config
 from radixserve.router.app import build_app
 from radixserve.router.config import RouterConfig
 
@@ -62,7 +61,7 @@ def run_data_parallel(serve_args: Sequence[Sequence[str]], config: RouterConfig)
     configure_logging(config.log_level)
     dp_size = len(serve_args)
     cores = physical_cores()
-    ports = [_free_port() for _ in range(dp_size)]
+    ports = [free_port() for _ in range(dp_size)]
     procs = [
         subprocess.Popen(
             [
@@ -94,9 +93,3 @@ def run_data_parallel(serve_args: Sequence[Sequence[str]], config: RouterConfig)
                 proc.wait(WORKER_STOP_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
