@@ -2186,15 +2186,24 @@ namespace {
 // small_m (QuantExperts.native_arg).
 using StackArg = std::tuple<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>>;
 
-int64_t check_stack(const StackArg& s, int64_t experts, const char* name) {
+// The experts of a stack (the first part's E), checked against every part's; stacks of one
+// call must agree on it.
+int64_t stack_experts(const StackArg& s, const char* name) {
   const auto& [w, fmt, small_m] = s;
   TORCH_CHECK(!w.empty() && fmt.size() == w.size() && small_m.size() == w.size(), name,
               ": blocks, a format and small_m per part expected");
   for (const at::Tensor& part : w) {
-    TORCH_CHECK(part.dim() == 3 && part.is_contiguous() && part.size(0) == (experts < 0 ? w[0].size(0) : experts),
-                name, ": contiguous (E, N, row bytes) parts of one E expected, got ", part.sizes());
+    TORCH_CHECK(part.dim() == 3 && part.is_contiguous() && part.size(0) == w[0].size(0), name,
+                ": contiguous (E, N, row bytes) parts of one E expected, got ", part.sizes());
   }
   return w[0].size(0);
+}
+
+// A stack's output rows N, summed over its parts (one expert's projection's out_features).
+int64_t stack_rows(const StackArg& s) {
+  int64_t n = 0;
+  for (const at::Tensor& part : std::get<0>(s)) n += part.size(1);
+  return n;
 }
 
 // Expert e's projection: a view of each stacked part.
@@ -2235,8 +2244,8 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor&
   TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat,
               "weights: float32 of the ids' shape expected, got ", weights.sizes(), " ", weights.scalar_type());
   const int64_t k = ids.size(1), rows = t * k;
-  const int64_t experts = check_stack(gate_up, -1, "gate_up");
-  check_stack(down, experts, "down");
+  const int64_t experts = stack_experts(gate_up, "gate_up");
+  TORCH_CHECK(stack_experts(down, "down") == experts, "gate_up and down: stacks of one E expected");
   const at::Tensor flat = ids.contiguous().view({rows});
   const int64_t* id = flat.data_ptr<int64_t>();
   std::vector<int64_t> start(experts + 1, 0);
@@ -2256,12 +2265,11 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor&
     sorted[i] = r;
     std::memcpy(xsp + i * hidden, xp + r / k * hidden, hidden * sizeof(float));
   }
-  const QLinear first = expert_linear(gate_up, 0);
-  at::Tensor gu = at::empty({rows, out_features(first)}, x.options());
+  at::Tensor gu = at::empty({rows, stack_rows(gate_up)}, x.options());
   per_expert(gate_up, start, xs, gu);
   const int64_t inter = gu.size(1) / 2;
   const at::Tensor act = at::silu(gu.narrow(1, 0, inter)).mul_(gu.narrow(1, inter, inter));
-  at::Tensor out = at::empty({rows, out_features(expert_linear(down, 0))}, x.options());
+  at::Tensor out = at::empty({rows, stack_rows(down)}, x.options());
   TORCH_CHECK(out.size(1) == hidden, "down's rows ", out.size(1), " != hidden ", hidden);
   per_expert(down, start, act, out);
   const at::Tensor weighted = out.mul(weights.reshape({rows}).index_select(0, order).unsqueeze(-1));
