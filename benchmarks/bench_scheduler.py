@@ -1,14 +1,19 @@
-"""Scheduler CPU time per decode step: everything a step does except the model's forward.
+"""Host time per decode step: everything a step does except the model's own computation.
 
 Method: the real `Scheduler` over the real `ModelWorker`. `time.perf_counter` brackets each
-`Scheduler.step()` and, inside it, each `worker.forward` call (the attention plan, the
-model and the logits); the scheduler's time of a step is the difference: scheduling, KV
-bookkeeping (eviction included), building the batch, sampling, stop checks and collecting
-the outputs. Only full decode steps count (every one of the B samples adds one token);
-the admission and prefill steps before them are not timed. The median over the timed steps
-is reported (and mean, min, max), and beside it the same difference in the scheduling
-thread's CPU time (`time.thread_time`; on a busy machine the wall time also holds waits for
-the CPU, e.g. of torch's intra-op threads inside the sampler).
+`Scheduler.step()` and, inside it, four parts, each its own method wrapped by this script:
+  - build     `Scheduler._build_batch`: the step's ForwardBatch, logits rows, first rows;
+  - plan      the attention backend's `plan(batch)` (the tree plan of the radix backend);
+  - model     the rest of `ModelWorker.forward`: the layers and the logits (not host time);
+  - sampling  `OutputProcessor.draw`: logits to tokens (penalties, masks, the draw);
+  - bookkeeping: the step's remainder: scheduling, KV slots and eviction, stop checks and
+    collecting the outputs.
+The host time of a step is the step's wall time less `model`. Only full decode steps count
+(every one of the B samples adds one token); the admission and prefill steps before them
+are not timed. Each part's median over the timed steps is reported (and the host time's
+mean, min, max), and the host time in the scheduling thread's CPU time (`time.thread_time`;
+on a busy machine the wall time also holds waits for the CPU, e.g. of torch's intra-op
+threads inside the sampler).
 
 Workload (the case the scheduler's per-step state is built for):
   - the prefix cache first holds a filler tree of --tree-nodes nodes (100 first-level nodes
@@ -16,20 +21,21 @@ Workload (the case the scheduler's per-step state is built for):
     topped up once the requests are admitted so that the pool is full;
   - B requests share a 64-token system prompt, 16 groups of them a 16-token group prompt,
     each one its own 8-token tail; half decode greedily, half draw with temperature 0.8
-    and a seed; all ignore eos;
+    and a seed, and every fourth sample has a repetition and a frequency penalty; all
+    ignore eos;
   - so every timed decode step (--steps of them, right after the prefill) evicts filler
     leaves to make room for its B new tokens.
 The tokens every sample generated until the last timed step are hashed into
 "outputs_sha256": the same hash before and after a change to the scheduler means the same
-outputs (greedy and seeded draws alike).
+outputs (greedy, seeded and penalised draws alike).
 
 Models: "tiny" (a seeded random Llama, hidden 64, 2 layers, the SmolLM2 tokenizer and its
-49152-token vocabulary: the forward is small, so the scheduler's share shows) and "smollm2"
+49152-token vocabulary: the forward is small, so the host's share shows) and "smollm2"
 (the embedded SmolLM2-135M, the Engine's default model).
 
-    python benchmarks/bench_scheduler.py                       # tiny, B=256, 10k-node tree
-    python benchmarks/bench_scheduler.py --models smollm2 --smollm2-batch 256 --steps 8
-    python benchmarks/bench_scheduler.py --models tiny smollm2 --smollm2-batch 64
+    python benchmarks/bench_scheduler.py                       # tiny, B=16 and 256
+    python benchmarks/bench_scheduler.py --models smollm2 --batch 16 --steps 16
+    python benchmarks/bench_scheduler.py --models tiny smollm2 --batch 16 64 256
 
 Results go to benchmarks/results/scheduler_step_<cpu>-<isa>_<date>.json unless --output-json.
 """
@@ -116,28 +122,51 @@ def fill_tree(sched: Scheduler, leaves: range) -> None:
         sched.cache.insert(key, slots)
 
 
+PARTS = ("build", "plan", "model", "sampling")
+SPLIT = ("build", "plan", "sampling", "bookkeeping")  # the host time's parts
+
+
 class StepTimer:
-    """Brackets each forward of `sched`'s worker: wall time (perf_counter) and this thread's
-    CPU time (thread_time) summed in `forward_s` / `forward_cpu_s` since `reset`."""
+    """Wall time of each part (module docstring) of `sched`'s steps, summed in `spent`
+    since `reset`, and this thread's CPU time of the model's part in `model_cpu_s`."""
 
     def __init__(self, sched: Scheduler) -> None:
-        self.forward_s = self.forward_cpu_s = 0.0
+        self.spent = dict.fromkeys(PARTS, 0.0)
+        self.model_cpu_s = 0.0
         self.batch: ForwardBatch | None = None  # the last step's
+        self._wrap(sched, "_build_batch", "build")
+        self._wrap(sched.out, "draw", "sampling")
+        backend = sched.worker.backend
+        self._wrap(backend, "plan", "plan")
         worker = sched.worker
         inner: Callable[[ForwardBatch, torch.Tensor], torch.Tensor] = worker.forward
 
-        def timed(batch: ForwardBatch, rows: torch.Tensor) -> torch.Tensor:
-            t0, c0 = time.perf_counter(), time.thread_time()
+        def forward(batch: ForwardBatch, rows: torch.Tensor) -> torch.Tensor:
+            t0, c0, plan0 = time.perf_counter(), time.thread_time(), self.spent["plan"]
             logits = inner(batch, rows)
-            self.forward_s += time.perf_counter() - t0
-            self.forward_cpu_s += time.thread_time() - c0
+            plan = self.spent["plan"] - plan0
+            self.spent["model"] += time.perf_counter() - t0 - plan
+            self.model_cpu_s += time.thread_time() - c0 - plan
             self.batch = batch
             return logits
 
-        worker.forward = timed  # type: ignore[method-assign]
+        worker.forward = forward  # type: ignore[method-assign]
+
+    def _wrap(self, owner: object, method: str, part: str) -> None:
+        inner = getattr(owner, method)
+
+        def timed(*args: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*args)
+            finally:
+                self.spent[part] += time.perf_counter() - t0
+
+        setattr(owner, method, timed)
 
     def reset(self) -> None:
-        self.forward_s = self.forward_cpu_s = 0.0
+        self.spent = dict.fromkeys(PARTS, 0.0)
+        self.model_cpu_s = 0.0
         self.batch = None
 
 
@@ -148,10 +177,16 @@ def run(
     leaves = filler_leaves(tree)
     fill_tree(sched, range(leaves))
     new = steps + 8
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
     for i, ids in enumerate(prompts(batch)):
-        seeded = SamplingParams(temperature=0.8, seed=1000 + i, max_new_tokens=new, ignore_eos=True)
-        sp = seeded if i % 2 else greedy
+        penalties = {"repetition_penalty": 1.1, "frequency_penalty": 0.5} if i % 4 == 3 else {}
+        temperature = 0.8 if i % 2 else 0.0
+        sp = SamplingParams(
+            temperature=temperature,
+            seed=1000 + i if i % 2 else None,
+            max_new_tokens=new,
+            ignore_eos=True,
+            **penalties,  # type: ignore[arg-type]
+        )
         sched.add_request(TokenizedRequest(f"r{i}", ids, sp))
     tokens: dict[str, list[int]] = {}
     while sched.waiting or any(r.kv_len < r.seq_len - 1 for r in sched.running):
@@ -160,9 +195,8 @@ def run(
     top_up = max(sched.kv.pool.num_free - batch // 2, 0) // FILLER_LEAF_TOKENS
     fill_tree(sched, range(leaves, leaves + top_up))
     timer = StepTimer(sched)
-    wall_ms: list[float] = []
+    ms: dict[str, list[float]] = {part: [] for part in (*PARTS, "bookkeeping", "host")}
     cpu_ms: list[float] = []
-    forward_ms: list[float] = []
     nodes = [sched.cache.num_nodes]
     for _ in range(steps):
         assert len(sched.running) == batch and sched.kv.pool.num_free < batch
@@ -173,22 +207,24 @@ def run(
         collect(outputs, tokens)
         b = timer.batch
         assert b is not None and b.is_decode and b.num_requests == batch, "not a decode step"
-        wall_ms.append(1000 * (wall - timer.forward_s))
-        cpu_ms.append(1000 * (cpu - timer.forward_cpu_s))
-        forward_ms.append(1000 * timer.forward_s)
+        for part, spent in timer.spent.items():
+            ms[part].append(1000 * spent)
+        ms["host"].append(1000 * (wall - timer.spent["model"]))
+        ms["bookkeeping"].append(1000 * wall - sum(ms[part][-1] for part in PARTS))
+        cpu_ms.append(1000 * (cpu - timer.model_cpu_s))
         nodes.append(sched.cache.num_nodes)
     digest = hashlib.sha256(json.dumps([tokens[f"r{i}"] for i in range(batch)]).encode())
+    host = ms["host"]
     return {
         "batch": batch,
         "timed_steps": steps,
         "tree_nodes_first_last": [nodes[0], nodes[-1]],
         "kv_capacity": sched.kv.pool.capacity,
-        "scheduler_ms_median": statistics.median(wall_ms),
-        "scheduler_ms_mean": statistics.fmean(wall_ms),
-        "scheduler_ms_min": min(wall_ms),
-        "scheduler_ms_max": max(wall_ms),
-        "scheduler_thread_cpu_ms_median": statistics.median(cpu_ms),
-        "forward_ms_median": statistics.median(forward_ms),
+        **{f"{part}_ms_median": statistics.median(v) for part, v in ms.items()},
+        "host_ms_mean": statistics.fmean(host),
+        "host_ms_min": min(host),
+        "host_ms_max": max(host),
+        "host_thread_cpu_ms_median": statistics.median(cpu_ms),
         "outputs_sha256": digest.hexdigest(),
     }
 
@@ -233,8 +269,7 @@ def bench(name: str, batch: int, steps: int, tree: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", choices=["tiny", "smollm2"], default=["tiny"])
-    ap.add_argument("--batch", type=int, default=256, help="concurrent requests (tiny)")
-    ap.add_argument("--smollm2-batch", type=int, default=256, help="concurrent requests (smollm2)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[16, 256], help="concurrent requests")
     ap.add_argument("--steps", type=int, default=24, help="decode steps timed")
     ap.add_argument("--tree-nodes", type=int, default=10_000, help="filler nodes in the cache")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
@@ -246,16 +281,16 @@ def main() -> None:
     tag = machine_tag()
     runs = []
     for name in args.models:
-        batch = args.batch if name == "tiny" else args.smollm2_batch
-        r = bench(name, batch, args.steps, args.tree_nodes)
-        runs.append(r)
-        print(
-            f"{name:8s} B={batch:4d} tree {r['tree_nodes_first_last']} nodes: scheduler "
-            f"{r['scheduler_ms_median']:.2f} ms/step median "
-            f"({r['scheduler_ms_min']:.2f}-{r['scheduler_ms_max']:.2f}), thread CPU "
-            f"{r['scheduler_thread_cpu_ms_median']:.2f} ms, forward "
-            f"{r['forward_ms_median']:.2f} ms, outputs {r['outputs_sha256'][:12]}"
-        )
+        for batch in args.batch:
+            r = bench(name, batch, args.steps, args.tree_nodes)
+            runs.append(r)
+            split = ", ".join(f"{part} {r[f'{part}_ms_median']:.2f}" for part in SPLIT)
+            print(
+                f"{name:8s} B={batch:4d} tree {r['tree_nodes_first_last']} nodes: host "
+                f"{r['host_ms_median']:.2f} ms/step median ({split}), thread CPU "
+                f"{r['host_thread_cpu_ms_median']:.2f} ms, model {r['model_ms_median']:.2f} "
+                f"ms, outputs {r['outputs_sha256'][:12]}"
+            )
     today = datetime.date.today().isoformat()
     out = Path(args.output_json or RESULTS / f"scheduler_step_{tag}_{today}.json")
     record = {
