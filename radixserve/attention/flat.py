@@ -15,6 +15,7 @@ once per step by `private_plan`:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ from radixserve import kernels
 from radixserve.attention.base import AttentionBackend, with_sinks
 from radixserve.attention.slots import SlotPlan, slot_plan
 from radixserve.attention.window import slides, sliding_attention
-from radixserve.core.batch import ForwardBatch
+from radixserve.core.batch import ForwardBatch, cat_slots
 
 # Decode steps use the padded grid while its cells are at most this many times the real keys
 # (`benchmarks/bench_backend.py --pad-sweep`; numbers in docs/benchmarks.md).
@@ -81,7 +82,7 @@ PrivatePlan = GatherPlan | PaddedPlan | SlotPlan
 
 
 def private_plan(
-    slots: list[torch.Tensor],
+    slots: Sequence[torch.Tensor],
     q_lens: list[int],
     pool_k: torch.Tensor,
     pad_max_waste: float = PAD_MAX_WASTE,
@@ -99,7 +100,7 @@ def private_plan(
         return slot_plan(slots, q_lens, dev)
     longest = max(kv_lens, default=0)
     if all(n == 1 for n in q_lens) and len(slots) * longest <= pad_max_waste * sum(kv_lens):
-        grid = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True, padding_value=0)
+        grid = torch.nn.utils.rnn.pad_sequence(list(slots), batch_first=True, padding_value=0)
         shape = (len(slots), longest, *row)
         return PaddedPlan(
             grid.flatten().to(dev),
@@ -107,7 +108,7 @@ def private_plan(
             torch.empty(shape, dtype=dt, device=dev),
             torch.empty(shape, dtype=dt, device=dev),
         )
-    cat = torch.cat(slots).to(dev)
+    cat = cat_slots(slots).to(dev)
     shape = (cat.numel(), *row)
     return GatherPlan(
         cat,
@@ -128,6 +129,10 @@ class FlatBackend(AttentionBackend):
         self.pad_max_waste = pad_max_waste
 
     def plan(self, batch: ForwardBatch) -> None:
+        before = None if batch.follows is None else batch.follows.attn_plan
+        if isinstance(before, SlotPlan):  # the step before's, one key longer per request
+            batch.attn_plan = before.grown(batch.out_cache_loc)
+            return
         batch.attn_plan = private_plan(
             batch.kv_indices, batch.extend_lens, batch.kv_pool.k[0], self.pad_max_waste
         )

@@ -5,11 +5,13 @@ sliding-window layers their blocks (attention/window.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from radixserve import kernels
+from radixserve.core.batch import cat_slots
 
 
 @dataclass(frozen=True)
@@ -36,11 +38,25 @@ class SlotPlan:
             q, kc, vc, self.slots, self.q_offsets, self.kv_offsets, scale, prior, softcap
         )
 
+    def grown(self, new: torch.Tensor) -> SlotPlan:
+        """The plan of the next decode step: each request's one query (q_offsets unchanged)
+        also reads its new token's slot new[r] ((B,) int64), after its other keys."""
+        b, old = new.numel(), self.slots
+        assert self.q_offsets.numel() == b + 1, f"{self.q_offsets.numel() - 1} requests, {b} slots"
+        kv_offsets = self.kv_offsets + torch.arange(b + 1, device=old.device)
+        ends = kv_offsets[1:] - 1  # each request's last key: its new token's
+        earlier = torch.ones(old.numel() + b, dtype=torch.bool, device=old.device)
+        earlier[ends] = False
+        slots = torch.empty(old.numel() + b, dtype=old.dtype, device=old.device)
+        slots.masked_scatter_(earlier, old)
+        slots[ends] = new.to(old.device)
+        return SlotPlan(slots, self.q_offsets, kv_offsets)
 
-def slot_plan(slots: list[torch.Tensor], q_lens: list[int], device: torch.device) -> SlotPlan:
+
+def slot_plan(slots: Sequence[torch.Tensor], q_lens: list[int], device: torch.device) -> SlotPlan:
     """Request r: keys slots[r] ((kv_len_r,) int64, position order), its queries the next
     q_lens[r] rows of q, bottom-right causal as `kernels.private_attention`."""
-    cat = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
+    cat = cat_slots(slots)
     kv_lens = [s.numel() for s in slots]
     return SlotPlan(cat.to(device), _offsets(q_lens, device), _offsets(kv_lens, device))
 

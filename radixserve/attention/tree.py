@@ -15,6 +15,8 @@ not one range is gathered first. Attention sinks apply once, to each row's merge
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from radixserve import kernels
@@ -86,6 +88,12 @@ class TreeBackend(AttentionBackend):
         )
 
     def plan(self, batch: ForwardBatch) -> None:
+        before = None if batch.follows is None else batch.follows.attn_plan
+        if isinstance(before, TreePlan) and isinstance(before.private, SlotPlan):
+            # the same paths: the same segments; each private part one key longer
+            private = before.private.grown(batch.out_cache_loc)
+            batch.attn_plan = dataclasses.replace(before, private=private)
+            return
         batch.attn_plan = build_plan(batch, self.keeps)
 
     def forward(

@@ -11,13 +11,16 @@ Region table for request r of a batch (lengths in tokens, positions 0-based):
     whose sliding-window layers keep rows of their own, swa_kv_indices[r] their rows (0 for
     positions no query of the step can see: kvcache/pool.py).
 
-Decode is the case extend_lens[r] == 1 for every r.
+Decode is the case extend_lens[r] == 1 for every r. A decode step of the same requests as
+the step before, each one token further and on the same paths, names that batch in
+`follows`: a backend may then update the earlier step's plan instead of building one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, overload
 
 import torch
 
@@ -45,7 +48,7 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor  # (T,) int64, KV slot each new token's K/V goes to
     seq_lens: list[int]  # per request: cached + new tokens
     extend_lens: list[int]  # per request: new tokens (queries) this step, >= 1
-    kv_indices: list[torch.Tensor]  # per request: (seq_lens[r],) int64 KV slots
+    kv_indices: Sequence[torch.Tensor]  # per request: (seq_lens[r],) int64 KV slots
     # Per request: the path nodes covering the start of its sequence, as (node_id,
     # num_tokens): its radix nodes, root first, or its prompt modules (negative ids). A
     # node_id names one run of KV slots: requests listing it share them (at any offset).
@@ -60,6 +63,8 @@ class ForwardBatch:
     # those layers use the slots; and the new tokens' rows, request-major.
     swa_kv_indices: list[torch.Tensor] | None = None
     swa_out_cache_loc: torch.Tensor | None = field(init=False, default=None)
+    # The step before, when this one is its decode continued (module docstring).
+    follows: ForwardBatch | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.seq_lens)
@@ -137,8 +142,42 @@ class BatchBuilder:
         )
 
 
-def new_slots(kv_indices: list[torch.Tensor], extend_lens: list[int]) -> torch.Tensor:
+class TableRows(Sequence[torch.Tensor]):
+    """Request r's KV slots as the view table[rows[r], :lens[r]] of the request-to-token
+    table, made when first read: a step that reads no request's slots makes none."""
+
+    def __init__(self, table: torch.Tensor, rows: list[int], lens: list[int]) -> None:
+        assert len(rows) == len(lens), f"{len(rows)} rows, {len(lens)} lengths"
+        self.table, self.rows, self.lens = table, rows, lens
+        self._views: list[torch.Tensor] | None = None
+
+    def _all(self) -> list[torch.Tensor]:
+        if self._views is None:
+            t = self.table
+            self._views = [t[r, :n] for r, n in zip(self.rows, self.lens, strict=True)]
+        return self._views
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @overload
+    def __getitem__(self, i: int) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[torch.Tensor]: ...
+    def __getitem__(self, i: int | slice) -> torch.Tensor | list[torch.Tensor]:
+        return self._all()[i]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._all())
+
+
+def new_slots(kv_indices: Sequence[torch.Tensor], extend_lens: list[int]) -> torch.Tensor:
     """The last extend_lens[r] entries of each kv_indices[r], concatenated: the new tokens'."""
     if not kv_indices:
         return torch.zeros(0, dtype=torch.int64)
     return torch.cat([s[len(s) - n :] for s, n in zip(kv_indices, extend_lens, strict=True)])
+
+
+def cat_slots(kv_indices: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Every request's slots, concatenated in request order."""
+    return torch.cat(list(kv_indices)) if kv_indices else torch.zeros(0, dtype=torch.int64)

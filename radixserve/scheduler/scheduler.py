@@ -48,7 +48,7 @@ import torch
 from radixserve.attention.tree_plan import batched_nodes
 from radixserve.config import DECODE_RESERVE, EngineConfig
 from radixserve.constrained.backend import CompiledGrammar, UnservablePattern
-from radixserve.core.batch import BatchBuilder, ForwardBatch
+from radixserve.core.batch import BatchBuilder, ForwardBatch, TableRows
 from radixserve.core.info import CacheTreeView, ModelInfo, SchedulerStats
 from radixserve.core.modules import CompiledSchema
 from radixserve.core.request import FinishReason, TokenDelta, TokenizedRequest, TokenLogprob
@@ -83,6 +83,22 @@ class Work:
 
     req: Req
     n: int
+
+
+@dataclass
+class DecodeRun:
+    """The last step, when it was a plain decode step (each sample one token on, no draft,
+    no encode chunk) over a pool without sliding rows: the next step, if it decodes the
+    same samples in the same order at the same cache `path_version`, updates its batch
+    instead of building one (ForwardBatch.follows)."""
+
+    reqs: list[Req]
+    batch: ForwardBatch
+    table_rows: list[int]  # each sample's row of the request-to-token table
+    table_rows_t: torch.Tensor  # the same, (B,) int64
+    logits_rows: torch.Tensor  # arange(B): every row's logits
+    first_row: list[int]  # range(B)
+    path_version: int
 
 
 class Scheduler:
@@ -121,6 +137,7 @@ class Scheduler:
         self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
         self.computed_tokens_total = 0
         self.last_batch: ForwardBatch | None = None  # the tree view marks what it batched
+        self._decode: DecodeRun | None = None
         served = config.served_model_name or config.model or Path(parts.model_path).name
         self.model_info = ModelInfo(
             model_path=config.model or parts.model_path,
@@ -364,6 +381,11 @@ class Scheduler:
         a plain decode step of that sequence would, so its logits are those plain decoding
         computes. The first entry has the sample's radix path; the others none, so that the
         tree backend does not group a sample's entries with one another."""
+        decode = not chunks and all(w.n == 1 and not w.req.draft and w.req.output_ids for w in work)
+        run = self._decode
+        if decode and run is not None and self._continues(run, work):
+            return self._next_decode(run)
+        self._decode = None
         entries = BatchBuilder()
         rows: list[int] = []
         first_row: list[int] = []
@@ -392,7 +414,53 @@ class Scheduler:
         if not rows:  # only encoding: the worker computes some logits, never used
             rows.append(entries.num_tokens - 1)
         batch = entries.build(self.kv.pool)
-        return batch, torch.tensor(rows, dtype=torch.int64), first_row
+        logits_rows = torch.tensor(rows, dtype=torch.int64)
+        if decode and work and batch.swa_kv_indices is None:
+            reqs = [w.req for w in work]
+            table_rows = [r.row for r in reqs]
+            assert all(row is not None for row in table_rows)
+            self._decode = DecodeRun(
+                reqs,
+                batch,
+                table_rows,  # type: ignore[arg-type]
+                torch.tensor(table_rows, dtype=torch.int64),
+                logits_rows,
+                first_row,
+                self.cache.path_version,
+            )
+        return batch, logits_rows, first_row
+
+    def _continues(self, run: DecodeRun, work: list[Work]) -> bool:
+        """Whether this decode step's `work` is `run`'s samples, in order, on the same paths:
+        a sample's path changes only when it is admitted or caches a prefill, and a split
+        changes the cache's path_version."""
+        return (
+            self.cache.path_version == run.path_version
+            and len(work) == len(run.reqs)
+            and all(w.req is r for w, r in zip(work, run.reqs))
+        )
+
+    def _next_decode(self, run: DecodeRun) -> tuple[ForwardBatch, torch.Tensor, list[int]]:
+        """`run`'s batch one token further: each sample's next token, at the next position,
+        its new slot (taken by `KVManager.extend_each`) read from the table in one gather."""
+        before = run.batch
+        kv_lens = [r.kv_len for r in run.reqs]
+        table = self.kv.req_pool.table
+        seq_lens = [n + 1 for n in kv_lens]
+        batch = ForwardBatch(
+            input_ids=torch.tensor([r.all_ids[n] for r, n in zip(run.reqs, kv_lens)]),
+            positions=before.positions + 1,
+            out_cache_loc=table[run.table_rows_t, torch.tensor(kv_lens, dtype=torch.int64)],
+            seq_lens=seq_lens,
+            extend_lens=before.extend_lens,
+            kv_indices=TableRows(table, run.table_rows, seq_lens),
+            paths=before.paths,
+            kv_pool=self.kv.pool,
+            follows=before,
+        )
+        before.follows = None  # only the step before is kept
+        run.batch = batch
+        return batch, run.logits_rows, run.first_row
 
     @staticmethod
     def _wants_all_logits(w: Work) -> bool:

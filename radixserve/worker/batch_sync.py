@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from radixserve.core.batch import ForwardBatch
+from radixserve.core.batch import ForwardBatch, cat_slots
 from radixserve.distributed.parallel import TPGroup
 from radixserve.kvcache.pool import KVPool
 
@@ -41,7 +41,7 @@ def encode_batch(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(header (HEADER_LEN,), body) int64 CPU tensors in the layout of the module docstring."""
     n_tok, n_req = batch.input_ids.numel(), batch.num_requests
     nodes = [node for path in batch.paths for node in path]  # (node_id, num_tokens)
-    kv = torch.cat(batch.kv_indices) if n_req else torch.empty(0, dtype=torch.int64)
+    kv = cat_slots(batch.kv_indices)
     swa = batch.swa_kv_indices
     rows = torch.cat(swa) if swa and n_req else torch.empty(0, dtype=torch.int64)
     lens = batch.seq_lens + batch.extend_lens + [len(p) for p in batch.paths]
