@@ -760,3 +760,29 @@ def test_rows_without_a_finite_logit_are_reported_not_asserted() -> None:
     assert (e.value.nonfinite, e.value.masked) == ([1, 3], [2])
     good = sample(logits[[0]], infos[:1])  # the other rows draw as usual
     assert int(good.next_ids[0]) == int(logits[0].argmax())
+
+
+def test_penalties_and_masks_leave_the_callers_logits_as_they_were() -> None:
+    """Steps 1-3b are applied to the caller's logits in place for the draw and undone:
+    after a draw and after BadRows the logits are bit for bit what they were, the tokens are
+    those of the processed copy, and a NaN under a mask is still the model's failure."""
+    logits = torch.randn(4, 60, generator=gen(3))
+    before = logits.clone()
+    top2 = int(before[2].argmax())
+    rows = [
+        (SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.4), [4, 4]),
+        (SamplingParams(temperature=0, logit_bias={5: 3.0, int(before[1].argmax()): -100}), []),
+        (SamplingParams(temperature=0, min_new_tokens=2, stop_token_ids=[top2]), [1]),
+        (SamplingParams(temperature=0, presence_penalty=1.5), [int(before[3].argmax())]),
+    ]
+    infos = [SamplingInfo(p, prompt_ids=[1, 2, 3], output_ids=out) for p, out in rows]
+    want = process_logits(logits, infos).argmax(-1)
+    assert not torch.equal(want, before.argmax(-1))  # the steps change the picks
+    assert torch.equal(sample(logits, infos).next_ids, want)
+    assert torch.equal(logits, before)
+    logits[2, top2] = float("nan")  # where row 2's mask puts -inf
+    expect = logits.clone()
+    with pytest.raises(BadRows) as e:
+        sample(logits, infos)
+    assert (e.value.nonfinite, e.value.masked) == ([2], [])
+    torch.testing.assert_close(logits, expect, rtol=0, atol=0, equal_nan=True)

@@ -63,7 +63,9 @@ class FreeSlots:
             return None
         if in_order and n >= SORTED_ALLOC and not self._sorted:
             self._sort()
-        taken = [self._stack.pop() for _ in range(n)]
+        taken = self._stack[len(self._stack) - n :]
+        del self._stack[len(self._stack) - n :]
+        taken.reverse()  # as n pops
         slots = torch.tensor(taken, dtype=torch.int64)
         self.is_free[slots] = False
         return slots
@@ -71,10 +73,12 @@ class FreeSlots:
     def give(self, slots: torch.Tensor) -> None:
         if slots.numel() == 0:
             return
+        given = slots.tolist()
+        assert min(given) > 0, "slot 0 is scratch and never allocated"
         assert not bool(self.is_free[slots].any()), "double free of KV slots"
-        assert int(slots.min()) > 0, "slot 0 is scratch and never allocated"
         self.is_free[slots] = True
-        self._stack.extend(slots.flip(0).tolist())
+        given.reverse()
+        self._stack.extend(given)
         self._sorted = False
 
     def _sort(self) -> None:

@@ -529,13 +529,18 @@ class RadixCache:
         A parent becomes a candidate once its children are gone. Frees fewer only when the
         whole evictable part of the tree is gone. Returns the number of slots freed.
         """
-        freed = 0
-        while freed < num_tokens and (leaf := self._pop_lru()) is not None:
+        freed: list[torch.Tensor] = []
+        n = 0
+        while n < num_tokens and (leaf := self._pop_lru()) is not None:
             self._remove_leaf(leaf)
-            freed += len(leaf.key)
-        return freed
+            freed.append(leaf.value)
+            n += len(leaf.key)
+        if freed:  # one free for all the leaves
+            self.pool.free(freed[0] if len(freed) == 1 else torch.cat(freed))
+        return n
 
     def _remove_leaf(self, leaf: TreeNode) -> None:
+        """Take `leaf` out of the tree; its slots are the caller's to free."""
         parent = leaf.parent
         assert parent is not None and leaf.is_leaf and leaf.lock_ref == 0, f"bad evict {leaf}"
         if self._on_evict is not None:
@@ -545,7 +550,6 @@ class RadixCache:
         if self.pool.window:
             self.swa_tokens -= int(self.pool.has_swa(leaf.value).sum())
             self._swa_nodes.discard(leaf)
-        self.pool.free(leaf.value)
         del parent.children[leaf.key[0]]
         self._evictable -= len(leaf.key)
         self.num_nodes -= 1

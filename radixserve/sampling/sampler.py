@@ -2,8 +2,9 @@
 
 Contract of `sample(logits, infos, generator)` (`infos`: a list of SamplingInfo, or a
 `SamplingBatch` of them kept from an earlier call with the same rows):
-  - reads `logits` (B, vocab) float32, one row per sample; never modifies it (penalties and
-    masks are applied to a private copy, made only when some row needs one);
+  - reads `logits` (B, vocab) float32, one row per sample, and returns it as it was:
+    penalties and masks are applied to it in place for the draw and undone before `sample`
+    returns or raises (the entries they touch are saved first: no copy of the batch);
   - reads every `SamplingInfo` and mutates none of them (the caller appends the token and
     advances the grammar state; `allowed_tokens()` only reads it); advances `generator`;
   - raises AssertionError on shape/dtype mismatch (a programming error), and `BadRows` when
@@ -179,20 +180,33 @@ def sample(
     B = len(batch.infos)
     assert logits.dim() == 2 and logits.shape[0] == B, f"logits {tuple(logits.shape)} vs {B} infos"
     assert logits.dtype == torch.float32, f"sampler expects float32 logits, got {logits.dtype}"
-    work = process_logits(logits, batch)  # (B, V); `logits` itself when nothing applies
-    native = native_ops() if work.device.type == "cpu" and work.stride(1) == 1 else None
-    if native is not None and not batch.filters and (generator is not None or batch.all_seeded):
-        next_ids = _pick_native(native, logits, work, batch, generator)
-    else:
-        next_ids = _pick_torch(logits, work, batch, generator)
+    touched = _touched_rows(batch, logits.device)
+    # the model's own maxima of the rows steps 1-3b change, for the check of its logits
+    raw = None if touched is None else (touched, logits[touched].amax(dim=-1))
+    undo = Undo()
+    # the model worker's logits are inference tensors: written in place only in that mode
+    with torch.inference_mode(logits.is_inference()):
+        try:
+            _apply(logits, batch, undo)  # steps 1-3b in place
+            native = native_ops() if logits.device.type == "cpu" and logits.stride(1) == 1 else None
+            if (
+                native is not None
+                and not batch.filters
+                and (generator is not None or batch.all_seeded)
+            ):
+                next_ids = _pick_native(native, logits, raw, batch, generator)
+            else:
+                next_ids = _pick_torch(logits, raw, batch, generator)
+        finally:
+            undo.restore(logits)
     logprobs, top = _raw_logprobs(logits, next_ids, batch.top_ks, batch.want)
     return SampledTokens(next_ids=next_ids, logprobs=logprobs, top_logprobs=top)
 
 
 def _pick_native(
     native: ModuleType,
-    logits: torch.Tensor,
     work: torch.Tensor,
+    raw: RawMaxima,
     batch: SamplingBatch,
     generator: torch.Generator | None,
 ) -> torch.Tensor:
@@ -206,7 +220,7 @@ def _pick_native(
         u[batch.rows("drawn", u.device)] = _uniforms(batch.drawn_infos, generator)
     next_ids, work_max = native.decode_rows(work, batch.temps, u)  # (B,) each
     try:
-        _check_rows(work_max if work is logits else logits.amax(dim=-1), work_max)
+        _check_rows(_raw_max(work_max, raw), work_max)
     except BadRows:  # the check comes before the draw: a failed batch draws no uniforms
         if generator is not None and saved is not None:
             generator.set_state(saved)
@@ -215,8 +229,8 @@ def _pick_native(
 
 
 def _pick_torch(
-    logits: torch.Tensor,
     work: torch.Tensor,
+    raw: RawMaxima,
     batch: SamplingBatch,
     generator: torch.Generator | None,
 ) -> torch.Tensor:
@@ -226,18 +240,28 @@ def _pick_torch(
     NaN like amax; a batch that only draws needs the maxima alone. Returns (B,) int64."""
     best = work.max(dim=-1) if batch.greedy else None  # (B,) values and indices
     work_max = best.values if best is not None else work.amax(dim=-1)  # (B,)
-    _check_rows(work_max if work is logits else logits.amax(dim=-1), work_max)
+    _check_rows(_raw_max(work_max, raw), work_max)
     if not batch.drawn:
         assert best is not None
         return best.indices
-    next_ids = torch.empty(len(batch.infos), dtype=torch.int64, device=logits.device)
-    rows = batch.rows("drawn", logits.device)
+    next_ids = torch.empty(len(batch.infos), dtype=torch.int64, device=work.device)
+    rows = batch.rows("drawn", work.device)
     if best is not None:
-        greedy = batch.rows("greedy", logits.device)
+        greedy = batch.rows("greedy", work.device)
         next_ids[greedy] = best.indices[greedy]
     sub = work if best is None else work[rows]  # (S, V); no copy when every row draws
     next_ids[rows] = _draw(sub, batch.drawn_infos, generator)
     return next_ids
+
+
+# The rows steps 1-3b change ((R,) int64) and their maxima in the model's logits (R,).
+RawMaxima = tuple[torch.Tensor, torch.Tensor] | None
+
+
+def _raw_max(work_max: torch.Tensor, raw: RawMaxima) -> torch.Tensor:
+    """Each row's maximum in the model's logits: its maximum after steps 1-3b where they
+    left it unchanged."""
+    return work_max if raw is None else work_max.index_put((raw[0],), raw[1])
 
 
 def _check_rows(raw_max: torch.Tensor, work_max: torch.Tensor) -> None:
@@ -303,27 +327,66 @@ def process_logits(logits: torch.Tensor, infos: list[SamplingInfo] | SamplingBat
     """Steps 1-3b (penalties, logit_bias, min_new_tokens, grammar masks) of the module docstring.
 
     Returns a modified copy of `logits` (B, V), or `logits` itself (not a copy) when no row
-    needs a change; `logits` is never written. Each step is one batched scatter over the
-    (row, token) pairs of all rows that use it.
+    needs a change; `logits` is never written.
     """
     batch = infos if isinstance(infos, SamplingBatch) else SamplingBatch(infos)
-    infos = batch.infos
-    rep, bias, con = batch.rep, batch.bias, batch.con
-    occ = [i for i in batch.occ if infos[i].output_ids]
-    ban = [i for i in batch.min_new if infos[i].masks_stop_tokens]
-    if not (rep or occ or bias or ban or con):
+    if _touched_rows(batch, logits.device) is None:
         return logits
     work = logits.clone()
+    _apply(work, batch, Undo())
+    return work
+
+
+def _steps(batch: SamplingBatch) -> tuple[list[int], list[int]]:
+    """The rows of steps 2 (with output tokens) and 3 (min_new_tokens still on) now."""
+    infos = batch.infos
+    occ = [i for i in batch.occ if infos[i].output_ids]
+    ban = [i for i in batch.min_new if infos[i].masks_stop_tokens]
+    return occ, ban
+
+
+def _touched_rows(batch: SamplingBatch, device: torch.device) -> torch.Tensor | None:
+    """(R,) int64: the rows steps 1-3b change now, ascending; None when none."""
+    occ, ban = _steps(batch)
+    rows = set(batch.rep) | set(occ) | set(batch.bias) | set(ban) | set(batch.con)
+    return torch.tensor(sorted(rows), dtype=torch.int64, device=device) if rows else None
+
+
+class Undo:
+    """What steps 1-3b overwrote, to put back in reverse order: (rows, tokens, values) of
+    the entries a step changed, or (rows, None, the rows' values) for a grammar mask."""
+
+    def __init__(self) -> None:
+        self.saved: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+
+    def restore(self, work: torch.Tensor) -> None:
+        for r, t, values in reversed(self.saved):
+            if t is None:
+                work[r] = values
+            else:
+                work[r, t] = values
+        self.saved.clear()
+
+
+def _apply(work: torch.Tensor, batch: SamplingBatch, undo: Undo) -> None:
+    """Steps 1-3b on `work` (B, V) in place, each one batched scatter over the (row, token)
+    pairs of all rows that use it; `undo` is told what each overwrites before it does."""
+    infos = batch.infos
+    rep, bias, con = batch.rep, batch.bias, batch.con
+    occ, ban = _steps(batch)
     if rep:
         r, t = _pairs(rep, [(infos[i].prompt_ids, infos[i].output_ids) for i in rep], work)
         pen = _per_row([f.params.repetition_penalty for f in infos], work)[r]  # (N,)
         # Duplicate pairs all write the same value (computed from the original logit), so
         # each distinct token of a row is penalised exactly once.
         vals = work[r, t]  # (N,)
+        undo.saved.append((r, t, vals))
         work[r, t] = torch.where(vals > 0, vals / pen, vals * pen)
     if occ:
         r, t = _pairs(occ, [(infos[i].output_ids,) for i in occ], work)
-        work[r, t] = work[r, t] - _per_row([f.params.presence_penalty for f in infos], work)[r]
+        vals = work[r, t]
+        undo.saved.append((r, t, vals))
+        work[r, t] = vals - _per_row([f.params.presence_penalty for f in infos], work)[r]
         freq = _per_row([f.params.frequency_penalty for f in infos], work)[r]  # (N,)
         work.index_put_((r, t), -freq, accumulate=True)  # once per occurrence
     if bias:
@@ -331,7 +394,9 @@ def process_logits(logits: torch.Tensor, infos: list[SamplingInfo] | SamplingBat
         r, t = _pairs(bias, [(list(b),) for b in biases], work)
         assert int(t.max()) < work.shape[1], f"logit_bias ids {t.max()} vs vocab {work.shape[1]}"
         added = [v for b in biases for v in b.values()]  # in the order _pairs flattened them
-        work[r, t] += torch.tensor(added, dtype=work.dtype, device=work.device)  # ids distinct
+        vals = work[r, t]
+        undo.saved.append((r, t, vals))
+        work[r, t] = vals + torch.tensor(added, dtype=work.dtype, device=work.device)
     if ban:
         banned = [
             (sorted(set(infos[i].eos_token_ids) | set(infos[i].params.stop_token_ids)),)
@@ -339,10 +404,12 @@ def process_logits(logits: torch.Tensor, infos: list[SamplingInfo] | SamplingBat
         ]
         r, t = _pairs(ban, banned, work)
         assert t.numel() == 0 or int(t.max()) < work.shape[1], f"stop ids {banned} vs vocab"
+        undo.saved.append((r, t, work[r, t]))
         work[r, t] = float("-inf")
     if con:
+        rows = torch.tensor(con, dtype=torch.int64, device=work.device)
+        undo.saved.append((rows, None, work[rows]))
         _mask_grammar(work, con, infos)
-    return work
 
 
 def _mask_grammar(work: torch.Tensor, rows: list[int], infos: list[SamplingInfo]) -> None:

@@ -106,19 +106,19 @@ class OutputProcessor:
     @staticmethod
     def collect(req: Req) -> TokenDelta:
         """The sample's progress since the last collect; clears the pending deltas."""
-        out = TokenDelta(
-            rid=req.rid,
-            index=req.index,
-            new_token_ids=req.new_ids,
-            finish_reason=req.finish_reason,
-            prompt_tokens=len(req.prompt_ids),
-            completion_tokens=len(req.output_ids),
-            cached_tokens=max(req.cached_tokens, 0),
-            cached_tokens_details=req.cached_tiers,
-            output_logprobs=req.new_logprobs,
-            output_top_logprobs=req.new_top_logprobs,
-            input_logprobs=req.input_logprobs,
-            input_top_logprobs=req.input_top_logprobs,
+        out = TokenDelta(  # positional: a delta per sample per step
+            req.rid,
+            req.index,
+            req.new_ids,
+            req.finish_reason,
+            len(req.request.input_ids),
+            len(req.output_ids),
+            max(req.cached_tokens, 0),
+            req.cached_tiers,
+            req.new_logprobs,
+            req.new_top_logprobs,
+            req.input_logprobs,
+            req.input_top_logprobs,
         )
         req.new_ids, req.new_logprobs, req.new_top_logprobs = [], [], []
         req.input_logprobs, req.input_top_logprobs = [], []

@@ -279,8 +279,8 @@ class Scheduler:
         """The running samples' next inputs, a chunk of a schema being encoded (its slots
         are pinned already), then admissions, within the step's prefill budget."""
         self.kv.trim_swa()
-        retracted = self._make_room()
-        work = [Work(r, self._next_len(r)) for r in self.running]
+        retracted, lens = self._make_room()
+        work = [Work(r, n) for r, n in zip(self.running, lens)]
         self.kv.extend_each([(w.req, w.n) for w in work])
         budget = self.config.max_prefill_tokens - sum(w.n for w in work if w.n > 1)
         chunks = self.kv.modules.next_chunks(min(self.config.chunked_prefill_size, budget))
@@ -291,8 +291,10 @@ class Scheduler:
             self._draft_all(work, admitted, sum(w.n for w in work + admitted) + encoded)
         return work + admitted, chunks
 
-    def _next_len(self, req: Req) -> int:
-        return min(req.seq_len - req.kv_len, self.config.chunked_prefill_size)
+    def _next_lens(self) -> list[int]:
+        """Each running sample's next input length: its prompt's next chunk, or 1."""
+        chunk = self.config.chunked_prefill_size
+        return [min(r.seq_len - r.kv_len, chunk) for r in self.running]
 
     def _draft_all(self, work: list[Work], admitted: list[Work], rows: int) -> None:
         """Drafts for the running samples' `work`, in order, while the step (`rows` rows so
@@ -325,18 +327,19 @@ class Scheduler:
                 w.req.draft = draft
                 w.n += len(draft)
 
-    def _make_room(self) -> bool:
+    def _make_room(self) -> tuple[bool, list[int]]:
         """Free slots for every running sample's next input; retract newest samples until
-        that fits. Returns whether anything was retracted."""
+        that fits. Returns whether anything was retracted, and each running sample's next
+        input length."""
         retracted = False
-        while self.running and not self.kv.reserve(sum(map(self._next_len, self.running))):
+        while not self.kv.reserve(sum(lens := self._next_lens())) and self.running:
             victim = max(self.running, key=lambda r: r.arrival)
             logger.info("KV full: retracting %s (%d tokens)", victim.rid, victim.seq_len)
             self.running.remove(victim)
             self.kv.release(victim)
             self.waiting.append(victim)
             retracted = True
-        return retracted
+        return retracted, lens
 
     def _admit(self, budget: int) -> list[Work]:
         admitted: list[Work] = []
@@ -493,7 +496,13 @@ class Scheduler:
         self.speculator.timed(time.perf_counter() - start, batch.input_ids.numel())
         self.last_batch = batch
         self.computed_tokens_total += batch.input_ids.numel()
-        self._process(work, logits, first_row)
+        run = self._decode
+        if run is not None and run.batch is batch:  # a plain decode step: one token each
+            for req in run.reqs:
+                req.kv_len += 1
+            self._draw(list(zip(run.reqs, first_row)), logits)
+        else:
+            self._process(work, logits, first_row)
         self.kv.modules.encoded(chunks)
 
     def _fail_step(self, error: Exception, chunks: list[EncodeChunk]) -> None:
@@ -556,14 +565,19 @@ class Scheduler:
         for req, _ in sampled:
             if req.sampling.max_new_tokens == 0:  # prefill only: the prompt is now cached
                 self._finish(req, FinishReason("length"))
-        if not draw:
-            return
+        if draw:
+            self._draw(draw, logits)
+
+    def _draw(self, draw: list[tuple[Req, int]], logits: torch.Tensor) -> None:
+        """A token for each (sample, logits row) of `draw`; end the samples that finish."""
         drawn, failures = self.out.draw(draw, logits)
         for req, status, message in failures:
             self._fail(req.rid, status, message)
         for req, token, lp, top in drawn:
-            if not req.finished:  # else a sibling sample failed this step
-                self._end_if(req, self._take(req, token, lp, top))
+            if req.finish_reason is None:  # else a sibling sample failed this step
+                reason = self._take(req, token, lp, top)
+                if reason is not None:
+                    self._end_if(req, reason)
 
     def _verify(self, drafted: list[tuple[Req, int]], logits: torch.Tensor) -> None:
         """Draw each drafted sample's tokens one position at a time, from its last token's
