@@ -363,7 +363,7 @@ def test_abort_before_fork_finishes_every_sample(tiny_model_dir: Path, chunked: 
     sched.add_request(TokenizedRequest("fam", prompts(1, length=40)[0], params))
     if chunked:
         sched.step()  # the first 16-token chunk of the prompt
-        assert sched.running and sched.running[0].fork_pending
+        assert sched.running and next(iter(sched.running)).fork_pending
     sched.abort_request("fam")
     outs = list(sched.run_until_idle())
     assert sorted(o.index for o in outs if o.finished) == [0, 1, 2]

@@ -19,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from radixserve.config import EngineConfig
 from radixserve.core.request import SHARED, CacheSalt
+from radixserve.kvcache import radix as radix_module
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.prefix_cache import NoPrefixCache, make_prefix_cache
 from radixserve.kvcache.radix import LRU_SLACK, MatchResult, RadixCache, TreeNode
@@ -453,8 +454,27 @@ def test_only_a_split_moves_paths() -> None:
     cache.match_prefix([1, 2, 9])  # splits [1, 2, 3, 4] after 2 tokens
     assert cache.path_version == version + 1
     assert [n for _, n in cache.path(leaf)] == [2, 2] and cache.path(leaf) != kept
+    assert cache.split_since(version) == {leaf.id}  # the split node keeps its id
+    assert cache.split_since(version + 1) == frozenset()
     cache.unlock(leaf)
     cache.check_integrity()
+
+
+def test_split_since_forgets_old_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """split_since names the nodes split after a version while it remembers them
+    (SPLIT_LOG splits), and None for a version older than that: read the path again."""
+    monkeypatch.setattr(radix_module, "SPLIT_LOG", 4)
+    pool = make_pool(64)
+    cache = RadixCache(pool)
+    split = []
+    for i in range(6):  # each second insert splits the first one's node
+        key = [10 * i + j for j in range(1, 5)]
+        node = cache.insert(key, slots(pool, 4)).last_node
+        cache.match_prefix([*key[:2], 99])
+        split.append(node.id)
+    assert cache.path_version == 6
+    assert cache.split_since(5) == {split[5]} and cache.split_since(4) == set(split[4:])
+    assert cache.split_since(0) is None  # the log kept only the newest splits
 
 
 def test_eviction_order_matches_a_whole_tree_scan(monkeypatch: pytest.MonkeyPatch) -> None:

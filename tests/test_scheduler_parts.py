@@ -6,8 +6,10 @@ batching, radix reuse, forking and KV accounting are checked exactly against tha
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
+import pytest
 import torch
 
 from radixserve.attention.flat import FlatBackend
@@ -151,3 +153,97 @@ def test_a_sample_defers_only_behind_enough_shared_uncached_tokens() -> None:
     assert not shares_uncached_prefix(_queued(prefix + [5]), [cached], 32)
     assert shares_uncached_prefix(_queued(prefix + [5]), [cached], 24)
     assert not shares_uncached_prefix(_queued(prefix), [], 32)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_sample_tables_hold_under_random_admit_finish_abort_retract(
+    tokenizer: Any, seed: int
+) -> None:
+    """Random requests (shared prefixes, n up to 3, lengths that overflow a small pool so
+    samples are retracted) and aborts at random steps: after every step the tables equal
+    their recomputation from the queues (SampleTables.check, inside check_integrity) and
+    the KV accounting holds; every sample ends exactly once, aborted ones as "abort", the
+    others with all their tokens (the fake's rule: each token is the one before plus 1)."""
+    rng = random.Random(seed)
+    sched, _ = _scheduler(tokenizer, max_queued_requests=64)
+    retracted = 0
+    retract = sched.tables.retract
+
+    def counting_retract(req: Req) -> None:
+        nonlocal retracted
+        retracted += 1
+        retract(req)
+
+    sched.tables.retract = counting_retract  # type: ignore[method-assign]
+    bases = [list(range(100 + 50 * b, 130 + 50 * b)) for b in range(3)]
+    wanted: dict[str, tuple[list[int], int, int]] = {}  # prompt, max_new_tokens, n
+    aborted: set[str] = set()
+    outs: dict[tuple[str, int], list[TokenDelta]] = {}
+    for step in range(300):
+        if len(wanted) < 30 and rng.random() < 0.5:
+            rid = f"r{len(wanted)}"
+            prompt = rng.choice(bases)[: rng.randint(5, 30)] + [rng.randint(400, 600)]
+            sp = SamplingParams(
+                temperature=0, max_new_tokens=rng.randint(1, 90), n=rng.randint(1, 3)
+            )
+            sched.add_request(TokenizedRequest(rid, prompt, sp))
+            wanted[rid] = (prompt, sp.max_new_tokens, sp.n)
+        if wanted and rng.random() < 0.05:
+            rid = rng.choice(sorted(wanted))
+            sched.abort_request(rid)
+            aborted.add(rid)
+        for o in sched.step():
+            outs.setdefault((o.rid, o.index), []).append(o)
+        sched.check_integrity()
+        if step > 200 and not sched.has_work():
+            break
+    outs_left = _run(sched)
+    for key, deltas in outs_left.items():
+        outs.setdefault(key, []).extend(deltas)
+    assert not sched.tables.by_rid and not sched.waiting and not sched.running
+    ends = {key: [d for d in deltas if d.finish_reason is not None] for key, deltas in outs.items()}
+    assert all(len(e) == 1 for e in ends.values()), "a sample ended twice or never"
+    for (rid, index), deltas in outs.items():
+        prompt, max_new, _ = wanted[rid]
+        reason = ends[rid, index][0].finish_reason
+        assert reason is not None
+        if reason.type == "abort":
+            assert rid in aborted
+            continue
+        assert reason.type == "length", reason
+        assert _tokens(deltas) == [prompt[-1] + 1 + i for i in range(max_new)]
+    assert sorted(outs) == sorted((rid, i) for rid, (_, _, n) in wanted.items() for i in range(n))
+    assert retracted > 0, "the pool never filled: no sample was retracted"
+
+
+def test_a_split_off_the_running_paths_keeps_them_and_the_decode_run(tokenizer: Any) -> None:
+    """Paths are invalidated per node: a split of a node no running sample's path lists
+    leaves every kept path (the same list) and the decode batch continues
+    (ForwardBatch.follows); a split on a path ends both."""
+    sched, _ = _scheduler(tokenizer)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=20)
+    for rid, start in (("a", 100), ("b", 200)):
+        sched.add_request(TokenizedRequest(rid, list(range(start, start + 40)), greedy))
+    for _ in range(3):  # the prefills, then decode steps
+        sched.step()
+    a, b = sched.running
+    kept = (sched.kv.path(a), sched.kv.path(b))
+
+    def insert(key: list[int]) -> None:
+        slots = sched.kv.pool.alloc(len(key))
+        assert slots is not None
+        sched.cache.insert(key, slots)
+
+    insert(list(range(300, 320)))
+    version = sched.cache.path_version
+    insert([*range(300, 310), 999])  # splits the node of 300..319, on no running path
+    assert sched.cache.path_version == version + 1
+    sched.step()
+    sched.check_integrity()
+    assert sched.last_batch is not None and sched.last_batch.follows is not None
+    assert sched.kv.path(a) is kept[0] and sched.kv.path(b) is kept[1]
+    insert([*range(100, 120), 999])  # splits a's prompt node
+    sched.step()
+    sched.check_integrity()
+    assert sched.last_batch is not None and sched.last_batch.follows is None
+    assert [n for _, n in sched.kv.path(a)] == [20, 20] and sched.kv.path(b) is kept[1]

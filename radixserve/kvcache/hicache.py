@@ -155,6 +155,9 @@ class HiCache:
     def path_version(self) -> int:
         return self.tree.path_version
 
+    def split_since(self, version: int) -> frozenset[int] | None:
+        return self.tree.split_since(version)
+
     @property
     def swa_tokens(self) -> int:
         return self.tree.swa_tokens

@@ -106,6 +106,11 @@ class PrefixCache(Protocol):
         split); a path read at the same version is still exact."""
         ...
 
+    def split_since(self, version: int) -> frozenset[int] | None:
+        """Ids of the nodes split since path_version `version`: a path read then that lists
+        none of them is exact still. None when the cache no longer knows (read again)."""
+        ...
+
     def match_prefix(self, token_ids: Sequence[int], *, salt: CacheSalt = SHARED) -> MatchResult:
         """The longest cached prefix of `token_ids` under `salt`: its slots, and the node
         ending it (`root` when nothing matches). May reorganise nodes; frees and allocates
@@ -217,6 +222,9 @@ class NoPrefixCache:
     @property
     def path_version(self) -> int:
         return 0
+
+    def split_since(self, version: int) -> frozenset[int] | None:
+        return frozenset()
 
     def roots(self) -> dict[CacheSalt, TreeNode]:
         return {SHARED: self.root}

@@ -130,6 +130,7 @@ class MatchResult:
 
 
 LRU_SLACK = 64  # stale heap entries tolerated beyond the live ones before a rebuild
+SPLIT_LOG = 4096  # splits remembered by split_since (paths older than that are read again)
 # Tokens beyond the window that trim_swa keeps before an end: a match cut back a little
 # (to a lower tier's chunk boundary, or one token before a prompt's end) still finds its
 # window's sliding rows.
@@ -219,7 +220,9 @@ def _counter_clock() -> Callable[[], float]:
 # time. An unlocked node has only unlocked descendants, so a locked node is never evicted.
 #
 # Path version: only a split changes an existing node's path (the root-to-node list of
-# (id, length)); `path_version` counts splits, so a path read at the same version is exact.
+# (id, length)); `path_version` counts splits, so a path read at the same version is exact,
+# and `split_since` names the nodes split since a version: a path that lists none of them
+# is exact still (the node split keeps its id, and every path through it lists it).
 
 
 class RadixCache:
@@ -256,6 +259,8 @@ class RadixCache:
         self._locked = 0  # tokens in nodes with lock_ref > 0
         self.num_nodes = 1  # roots included
         self.path_version = 0  # splits so far: a path read at this version is still exact
+        self._splits: list[int] = []  # ids of the nodes split since version _splits_from
+        self._splits_from = 0
         self._leaves: set[TreeNode] = set()  # the evictable leaves (see Algorithm)
         self._lru: list[tuple[float, int, TreeNode]] = []  # heap over them, lazy entries
         self.swa_tokens = 0  # cached tokens whose sliding rows are held (module docstring)
@@ -454,6 +459,10 @@ class RadixCache:
         parent.children[node.key[0]] = upper
         self.num_nodes += 1
         self.path_version += 1
+        self._splits.append(node.id)
+        if len(self._splits) > SPLIT_LOG:  # forget the older half
+            del self._splits[: SPLIT_LOG // 2]
+            self._splits_from = self.path_version - len(self._splits)
         node.parent = upper
         node.key = node.key[k:]
         node.value = node.value[k:]
@@ -461,6 +470,13 @@ class RadixCache:
             self.suffixes.split(upper, node)
         self._push_swa(upper)
         return upper
+
+    def split_since(self, version: int) -> frozenset[int] | None:
+        """Ids of the nodes split after `version` (module comment, "Path version"), or None
+        when that is older than the splits remembered (SPLIT_LOG)."""
+        if version < self._splits_from:
+            return None
+        return frozenset(self._splits[version - self._splits_from :])
 
     def _add_leaf(
         self, parent: TreeNode, key: list[int], value: torch.Tensor, now: float

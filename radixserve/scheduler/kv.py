@@ -163,18 +163,29 @@ class KVManager:
     def path(self, req: Req) -> list[tuple[int, int]]:
         """The shared runs at the start of the request's K/V as (node id, tokens): its radix
         path, or its prompt modules. Kept on the request and read again only when it may
-        have changed: last_node moved (the path was cleared then) or a split moved nodes
-        (the cache's path_version changed). Do not modify the list."""
+        have changed: last_node moved (the path was cleared then) or a node on it was split
+        (`PrefixCache.split_since`). Do not modify the list."""
         assert req.last_node is not None, f"{req.rid} runs without a cache node"
         use = req.request.modules
         if use is not None:  # pinned while the request runs: read once
             if req.path is None:
                 req.path = self.modules.path(use)
             return req.path
+        kept = req.path if self._path_current(req) else None
+        path = kept if kept is not None else self.cache.path(req.last_node)
+        req.path, req.path_version = path, self.cache.path_version
+        return path
+
+    def _path_current(self, req: Req) -> bool:
+        """Whether the radix path kept on `req` is exact: read at the cache's path_version,
+        or no node on it was split since (the other samples' splits leave it as it is)."""
+        if req.path is None:
+            return False
         version = self.cache.path_version
-        if req.path is None or req.path_version != version:
-            req.path, req.path_version = self.cache.path(req.last_node), version
-        return req.path
+        if req.path_version == version:
+            return True
+        split = self.cache.split_since(req.path_version)
+        return split is not None and not any(node in split for node, _ in req.path)
 
     def cache_prefix(self, req: Req) -> None:
         """Offer the request's computed K/V to the cache; the request goes on using it.
@@ -261,7 +272,7 @@ class KVManager:
         for r in reqs:
             assert r.alloc_end <= r.kv_len, f"{r.rid}: slots to {r.alloc_end}, K/V to {r.kv_len}"
             use = r.request.modules
-            if r.path is None or (use is None and r.path_version != self.cache.path_version):
+            if r.path is None or (use is None and not self._path_current(r)):
                 continue  # read again at its next use
             assert r.last_node is not None, f"{r.rid}: a path kept without a node"
             fresh = self.modules.path(use) if use is not None else self.cache.path(r.last_node)

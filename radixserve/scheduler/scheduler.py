@@ -65,6 +65,7 @@ from radixserve.scheduler.parts import SchedulerParts
 from radixserve.scheduler.policy import order_waiting, shares_uncached_prefix
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.speculative import MAX_ROWS, Speculator
+from radixserve.scheduler.tables import SampleTables
 
 logger = logging.getLogger("radixserve.scheduler")
 
@@ -89,8 +90,8 @@ class Work:
 class DecodeRun:
     """The last step, when it was a plain decode step (each sample one token on, no draft,
     no encode chunk) over a pool without sliding rows: the next step, if it decodes the
-    same samples in the same order at the same cache `path_version`, updates its batch
-    instead of building one (ForwardBatch.follows)."""
+    same samples in the same order on the same paths, updates its batch instead of building
+    one (ForwardBatch.follows)."""
 
     reqs: list[Req]
     batch: ForwardBatch
@@ -99,6 +100,7 @@ class DecodeRun:
     logits_rows: torch.Tensor  # arange(B): every row's logits
     first_row: list[int]  # range(B)
     path_version: int
+    nodes: set[int]  # every node on the samples' paths
 
 
 class Scheduler:
@@ -130,8 +132,8 @@ class Scheduler:
         )
         self.grammars = parts.grammars
         self.compiling = PendingCompiles()  # requests whose pattern builds off this thread
-        self.waiting: list[Req] = []
-        self.running: list[Req] = []
+        self.tables = SampleTables()  # waiting, running, each request's samples
+        self.waiting, self.running = self.tables.waiting, self.tables.running
         self.finished_outputs: list[TokenDelta] = []
         self._arrival = itertools.count()
         self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
@@ -183,7 +185,7 @@ class Scheduler:
     def _enqueue(self, request: TokenizedRequest, grammar: CompiledGrammar | None) -> None:
         req = self._new_req(request, 0, grammar)
         req.fork_pending = request.sampling.n > 1
-        self.waiting.append(req)
+        self.tables.queue(req)
 
     def _validate(self, request: TokenizedRequest) -> None:
         """What only the scheduler knows: the model's vocabulary, context and KV capacity,
@@ -250,7 +252,7 @@ class Scheduler:
         """Finish every sample of `rid` with `reason`, wherever it is."""
         for request in self.compiling.remove(rid):
             self._end_unqueued(request, reason)
-        for req in [r for r in itertools.chain(self.waiting, self.running) if r.rid == rid]:
+        for req in self.tables.samples(rid):
             self._finish(req, reason)
 
     def _fail(self, rid: str, status: int, message: str) -> None:
@@ -335,15 +337,14 @@ class Scheduler:
         while not self.kv.reserve(sum(lens := self._next_lens())) and self.running:
             victim = max(self.running, key=lambda r: r.arrival)
             logger.info("KV full: retracting %s (%d tokens)", victim.rid, victim.seq_len)
-            self.running.remove(victim)
+            self.tables.retract(victim)
             self.kv.release(victim)
-            self.waiting.append(victim)
             retracted = True
         return retracted, lens
 
     def _admit(self, budget: int) -> list[Work]:
         admitted: list[Work] = []
-        order = order_waiting(self.waiting, self.cache, self.config.schedule_policy)
+        order = order_waiting(list(self.waiting), self.cache, self.config.schedule_policy)
         # look ahead: the cache starts moving their KV up its tiers and spares it in evict
         prefixed = (r for r in order if r.request.modules is None)  # stops at the window
         ahead = itertools.islice(prefixed, self.config.hicache_prefetch_window)
@@ -365,8 +366,7 @@ class Scheduler:
                 self.kv.unadmit(req)
                 break
             self.kv.extend(req, n)
-            self.waiting.remove(req)
-            self.running.append(req)
+            self.tables.start(req)
             admitted.append(Work(req, n))
             budget -= n
         return admitted
@@ -430,18 +430,23 @@ class Scheduler:
                 logits_rows,
                 first_row,
                 self.cache.path_version,
+                {node for path in batch.paths for node, _ in path},
             )
         return batch, logits_rows, first_row
 
     def _continues(self, run: DecodeRun, work: list[Work]) -> bool:
         """Whether this decode step's `work` is `run`'s samples, in order, on the same paths:
-        a sample's path changes only when it is admitted or caches a prefill, and a split
-        changes the cache's path_version."""
-        return (
-            self.cache.path_version == run.path_version
-            and len(work) == len(run.reqs)
-            and all(w.req is r for w, r in zip(work, run.reqs))
-        )
+        a sample's path changes only when it is admitted, caches a prefill (neither while
+        it decodes) or a node on it is split."""
+        if len(work) != len(run.reqs) or not all(w.req is r for w, r in zip(work, run.reqs)):
+            return False
+        version = self.cache.path_version
+        if version != run.path_version:
+            split = self.cache.split_since(run.path_version)
+            if split is None or not split.isdisjoint(run.nodes):
+                return False
+            run.path_version = version
+        return True
 
     def _next_decode(self, run: DecodeRun) -> tuple[ForwardBatch, torch.Tensor, list[int]]:
         """`run`'s batch one token further: each sample's next token, at the next position,
@@ -554,10 +559,10 @@ class Scheduler:
             grammar = None if parent.grammar is None else parent.grammar.grammar
             child = self._new_req(parent.request, i, grammar)
             if self.kv.fork(parent, child):
-                self.running.append(child)
+                self.tables.run(child)
                 children.append(child)
             else:  # the cache holds no prompt K/V (NoPrefixCache) or no free row: prefill later
-                self.waiting.append(child)
+                self.tables.queue(child)
         return children
 
     def _sample(self, sampled: list[tuple[Req, int]], logits: torch.Tensor) -> None:
@@ -649,11 +654,8 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finish_reason = reason
-        if req in self.running:
-            self.running.remove(req)
+        if self.tables.drop(req):
             self.kv.release(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
         self.finished_outputs.append(self.out.collect(req))
         if req.fork_pending:  # ended before its prompt was done: samples 1..n-1 never began
             req.fork_pending = False
@@ -679,9 +681,10 @@ class Scheduler:
         return True
 
     def check_integrity(self) -> None:
-        """The KV accounting and cached paths (KVManager), and each queued or running
-        sample's token list."""
-        self.kv.check_integrity(self.running)
+        """The KV accounting and cached paths (KVManager), the sample tables, and each queued
+        or running sample's token list."""
+        self.tables.check()
+        self.kv.check_integrity(list(self.running))
         for r in itertools.chain(self.waiting, self.running):
             assert r.all_ids == r.prompt_ids + r.output_ids, f"{r.rid}: all_ids out of step"
 

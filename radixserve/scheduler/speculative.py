@@ -61,6 +61,7 @@ one GSM8K question decoding together draft nothing.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from radixserve.config import SPECULATIVE_ALGORITHMS
@@ -128,11 +129,12 @@ class Speculator:
         """The model's step of `rows` rows (drafts included) took `seconds`."""
         self.row_s = ema(self.row_s, seconds / (rows + STEP_ROWS))
 
-    def keep_only(self, running: list[Req]) -> None:
+    def keep_only(self, running: Collection[Req]) -> None:
         """Forget the samples not `running` (ended, aborted, retracted): their requests'
         paces, their draft model K/V."""
-        for rid in self.paces.keys() - {r.request.rid for r in running}:
-            del self.paces[rid]
+        if self.paces:
+            for rid in self.paces.keys() - {r.request.rid for r in running}:
+                del self.paces[rid]
         if self.drafter is not None:
             self.drafter.keep_only(running)
 
