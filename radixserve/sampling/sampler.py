@@ -125,6 +125,49 @@ class SampledTokens:
     top_logprobs: list[list[TokenLogprob]]  # per row, best first; [] when not asked
 
 
+class PenaltyPairs:
+    """The (row, token) pairs a penalty reads for `rows`: the repetition penalty's
+    (`with_prompt`) each distinct token of a row's prompt and output once; frequency and
+    presence, each output token as often as it occurs. Kept from call to call: `pairs`
+    adds only the tokens a row's output gained since (outputs only grow while a
+    SamplingBatch lives)."""
+
+    def __init__(self, infos: list[SamplingInfo], rows: list[int], with_prompt: bool) -> None:
+        self.infos, self.rows, self.distinct = infos, rows, with_prompt
+        self.seen = dict.fromkeys(rows, 0)  # output tokens taken in, per row
+        self.tokens: dict[int, set[int]] = {}  # the distinct tokens of each row
+        r: list[int] = []
+        t: list[int] = []
+        if with_prompt:
+            for i in rows:
+                prompt = dict.fromkeys(infos[i].prompt_ids)  # distinct, in order
+                self.tokens[i] = set(prompt)
+                r += [i] * len(prompt)
+                t += prompt
+        self.r = torch.tensor(r, dtype=torch.int64)
+        self.t = torch.tensor(t, dtype=torch.int64)
+
+    def pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N,) rows and (N,) tokens, as of the infos' outputs now."""
+        r: list[int] = []
+        t: list[int] = []
+        for i in self.rows:
+            out, seen = self.infos[i].output_ids, self.seen[i]
+            assert len(out) >= seen, f"row {i}: its output shrank from {seen} to {len(out)}"
+            for token in out[seen:]:
+                if self.distinct:
+                    if token in self.tokens[i]:
+                        continue
+                    self.tokens[i].add(token)
+                r.append(i)
+                t.append(token)
+            self.seen[i] = len(out)
+        if r:
+            self.r = torch.cat([self.r, torch.tensor(r, dtype=torch.int64)])
+            self.t = torch.cat([self.t, torch.tensor(t, dtype=torch.int64)])
+        return self.r, self.t
+
+
 class SamplingBatch:
     """What `sample` derives from its rows' SamplingInfo once, for as long as the rows stay
     the same: which rows are greedy or draw, and which use each of steps 1-3b. A caller
@@ -156,6 +199,16 @@ class SamplingBatch:
         temps = [0.0 if p.is_greedy else p.temperature for p in params]
         self.temps = torch.tensor(temps, dtype=torch.float32)
         self._rows: dict[str, torch.Tensor] = {}  # (n,) int64 row tensors, by device
+        # The penalties' (row, token) pairs, grown by each row's new output tokens
+        self.rep_pairs = PenaltyPairs(infos, self.rep, with_prompt=True)
+        self.occ_pairs = PenaltyPairs(infos, self.occ, with_prompt=False)
+        per_row = {
+            "repetition": [p.repetition_penalty for p in params],
+            "frequency": [p.frequency_penalty for p in params],
+            "presence": [p.presence_penalty for p in params],
+        }
+        self.penalty = {k: torch.tensor(v, dtype=torch.float32) for k, v in per_row.items()}
+        self.touched: dict[tuple[tuple[int, ...], tuple[int, ...], str], torch.Tensor | None] = {}
 
     def rows(self, which: str, device: torch.device) -> torch.Tensor:
         """self.greedy or self.drawn as an int64 tensor on `device`, made once."""
@@ -348,8 +401,12 @@ def _steps(batch: SamplingBatch) -> tuple[list[int], list[int]]:
 def _touched_rows(batch: SamplingBatch, device: torch.device) -> torch.Tensor | None:
     """(R,) int64: the rows steps 1-3b change now, ascending; None when none."""
     occ, ban = _steps(batch)
-    rows = set(batch.rep) | set(occ) | set(batch.bias) | set(ban) | set(batch.con)
-    return torch.tensor(sorted(rows), dtype=torch.int64, device=device) if rows else None
+    key = (tuple(occ), tuple(ban), str(device))
+    if key not in batch.touched:  # rows join occ and leave ban once each: a few keys
+        rows = set(batch.rep) | set(occ) | set(batch.bias) | set(ban) | set(batch.con)
+        t = torch.tensor(sorted(rows), dtype=torch.int64, device=device) if rows else None
+        batch.touched = {key: t}
+    return batch.touched[key]
 
 
 class Undo:
@@ -374,20 +431,20 @@ def _apply(work: torch.Tensor, batch: SamplingBatch, undo: Undo) -> None:
     infos = batch.infos
     rep, bias, con = batch.rep, batch.bias, batch.con
     occ, ban = _steps(batch)
+    dev = work.device
     if rep:
-        r, t = _pairs(rep, [(infos[i].prompt_ids, infos[i].output_ids) for i in rep], work)
-        pen = _per_row([f.params.repetition_penalty for f in infos], work)[r]  # (N,)
-        # Duplicate pairs all write the same value (computed from the original logit), so
-        # each distinct token of a row is penalised exactly once.
+        r, t = (x.to(dev) for x in batch.rep_pairs.pairs())  # each distinct token once
+        pen = batch.penalty["repetition"].to(dev)[r]  # (N,)
         vals = work[r, t]  # (N,)
         undo.saved.append((r, t, vals))
         work[r, t] = torch.where(vals > 0, vals / pen, vals * pen)
     if occ:
-        r, t = _pairs(occ, [(infos[i].output_ids,) for i in occ], work)
+        r, t = (x.to(dev) for x in batch.occ_pairs.pairs())  # each occurrence
         vals = work[r, t]
         undo.saved.append((r, t, vals))
-        work[r, t] = vals - _per_row([f.params.presence_penalty for f in infos], work)[r]
-        freq = _per_row([f.params.frequency_penalty for f in infos], work)[r]  # (N,)
+        # duplicate pairs all write the same value: presence once per distinct token
+        work[r, t] = vals - batch.penalty["presence"].to(dev)[r]
+        freq = batch.penalty["frequency"].to(dev)[r]  # (N,)
         work.index_put_((r, t), -freq, accumulate=True)  # once per occurrence
     if bias:
         biases = [infos[i].params.logit_bias for i in bias]

@@ -131,21 +131,26 @@ class KVManager:
         self.req_pool.table[req.row, start : start + n] = slots
         req.alloc_end = start + n
 
-    def extend_each(self, work: list[tuple[Req, int]]) -> None:
+    def extend_each(
+        self, work: list[tuple[Req, int]], rows: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """`extend(req, n)` for each pair, in order. When every n is 1 (a decode step) the
-        same slots come from one allocation and go into the table in one write."""
+        same slots come from one allocation and go into the table in one write, and are
+        returned ((B,) int64, in order); `rows`: the samples' table rows, when known."""
         if any(n != 1 for _, n in work):
             for req, n in work:
                 self.extend(req, n)
-            return
+            return None
         slots = self.pool.alloc(len(work), in_order=False)  # as len(work) single allocations
         assert slots is not None, f"extend of {len(work)} slots without a reservation"
         assert all(r.row is not None for r, _ in work), "extend of a sample not admitted"
-        rows = torch.tensor([r.row for r, _ in work], dtype=torch.int64)  # (B,)
-        cols = torch.tensor([r.kv_len for r, _ in work], dtype=torch.int64)  # (B,)
-        self.req_pool.table[rows, cols] = slots
-        for req, _ in work:
-            req.alloc_end = req.kv_len + 1
+        if rows is None:
+            rows = torch.tensor([r.row for r, _ in work], dtype=torch.int64)  # (B,)
+        cols = [r.kv_len for r, _ in work]
+        self.req_pool.table[rows, torch.tensor(cols, dtype=torch.int64)] = slots
+        for (sample, _), col in zip(work, cols):
+            sample.alloc_end = col + 1
+        return slots
 
     def settle_draft(self, req: Req, start: int, size: int, kept: list[int]) -> None:
         """Positions start .. start + size - 1 hold the slots of a speculative draft's nodes;

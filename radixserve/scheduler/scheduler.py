@@ -140,6 +140,8 @@ class Scheduler:
         self.computed_tokens_total = 0
         self.last_batch: ForwardBatch | None = None  # the tree view marks what it batched
         self._decode: DecodeRun | None = None
+        self._new_slots: torch.Tensor | None = None  # a decode step's, from extend_each
+        self._same_samples = False  # this step runs the last decode step's samples, in order
         served = config.served_model_name or config.model or Path(parts.model_path).name
         self.model_info = ModelInfo(
             model_path=config.model or parts.model_path,
@@ -283,7 +285,10 @@ class Scheduler:
         self.kv.trim_swa()
         retracted, lens = self._make_room()
         work = [Work(r, n) for r, n in zip(self.running, lens)]
-        self.kv.extend_each([(w.req, w.n) for w in work])
+        run = self._decode
+        self._same_samples = run is not None and self._same(run, work)
+        rows = run.table_rows_t if run is not None and self._same_samples else None
+        self._new_slots = self.kv.extend_each([(w.req, w.n) for w in work], rows)
         budget = self.config.max_prefill_tokens - sum(w.n for w in work if w.n > 1)
         chunks = self.kv.modules.next_chunks(min(self.config.chunked_prefill_size, budget))
         encoded = sum(c.n for c in chunks)
@@ -434,11 +439,17 @@ class Scheduler:
             )
         return batch, logits_rows, first_row
 
+    @staticmethod
+    def _same(run: DecodeRun, work: list[Work]) -> bool:
+        """Whether `work` is `run`'s samples, in order."""
+        return len(work) == len(run.reqs) and all(w.req is r for w, r in zip(work, run.reqs))
+
     def _continues(self, run: DecodeRun, work: list[Work]) -> bool:
-        """Whether this decode step's `work` is `run`'s samples, in order, on the same paths:
-        a sample's path changes only when it is admitted, caches a prefill (neither while
-        it decodes) or a node on it is split."""
-        if len(work) != len(run.reqs) or not all(w.req is r for w, r in zip(work, run.reqs)):
+        """Whether this decode step's `work` is `run`'s samples, in order (as the running
+        ones were when scheduled, and none admitted), on the same paths: a sample's path
+        changes only when it is admitted, caches a prefill (neither while it decodes) or a
+        node on it is split."""
+        if not self._same_samples or len(work) != len(run.reqs):
             return False
         version = self.cache.path_version
         if version != run.path_version:
@@ -451,14 +462,15 @@ class Scheduler:
     def _next_decode(self, run: DecodeRun) -> tuple[ForwardBatch, torch.Tensor, list[int]]:
         """`run`'s batch one token further: each sample's next token, at the next position,
         its new slot (taken by `KVManager.extend_each`) read from the table in one gather."""
-        before = run.batch
+        before, new_slots = run.batch, self._new_slots
+        assert new_slots is not None, "a decode step's slots were taken one by one"
         kv_lens = [r.kv_len for r in run.reqs]
         table = self.kv.req_pool.table
         seq_lens = [n + 1 for n in kv_lens]
         batch = ForwardBatch(
             input_ids=torch.tensor([r.all_ids[n] for r, n in zip(run.reqs, kv_lens)]),
             positions=before.positions + 1,
-            out_cache_loc=table[run.table_rows_t, torch.tensor(kv_lens, dtype=torch.int64)],
+            out_cache_loc=new_slots,
             seq_lens=seq_lens,
             extend_lens=before.extend_lens,
             kv_indices=TableRows(table, run.table_rows, seq_lens),
