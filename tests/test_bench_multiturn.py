@@ -8,12 +8,14 @@ import json
 from pathlib import Path
 
 import bench_multiturn as bm
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 FIXTURE = ROOT / "tests" / "data" / "sharegpt_multiturn.json"
 
 
+@pytest.mark.slow  # the multi-turn benchmark end to end (~7 s)
 def test_host_tier_prefills_only_new_tokens(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The model's own replies are in the next turn's history: with the host tier each turn
     prefills about its new tokens only, with the same outputs as without reuse."""

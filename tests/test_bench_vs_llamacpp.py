@@ -53,6 +53,7 @@ def check_radixserve(res: dict[str, Any]) -> None:
     assert res["radixserve_config"]["kv_capacity_tokens"] >= bench.kv_needed(bench.parse_args(TINY))
 
 
+@pytest.mark.slow  # the radixserve side through the whole benchmark (~9 s)
 def test_radixserve_side(tmp_path: Path) -> None:
     out = tmp_path / "res.json"
     res = bench.main([*TINY, "--skip-llamacpp", "--no-memory", "--json", str(out)])
