@@ -3,7 +3,7 @@
     driver: requests, aborts  ──> loop.add(request) / loop.abort(rid)
             loop.step()       ──> backlog admitted, Scheduler.step() ──> sink(outputs)
 
-Drivers: the scheduler process (`proc.py`: inbox and outbox over ZeroMQ), the offline
+Drivers: the scheduler process (`scheduler_process.py`: inbox and outbox over ZeroMQ), the offline
 `Engine` and the DSL's `EngineBackend` (in-process, in their caller's thread or a dispatcher
 thread). What differs between them is only where requests come from and where these go:
 

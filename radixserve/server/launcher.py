@@ -38,11 +38,11 @@ from radixserve.cpus import environ, physical_cores, pinned_env, share
 from radixserve.message.ipc import IpcPaths, make_ipc_dir, remove_ipc_dir
 from radixserve.message.messages import Shutdown
 from radixserve.procutil import child_main, configure_logging, uvicorn_config
-from radixserve.scheduler.proc import run_scheduler_process
+from radixserve.scheduler.scheduler_process import run_scheduler_process
 from radixserve.server.app import build_app
 from radixserve.server.manager import ChildDied, RequestManager
 from radixserve.server.metrics import Metrics
-from radixserve.tokenizer.proc import run_tokenizer_process
+from radixserve.tokenizer.tokenizer_process import run_tokenizer_process
 from radixserve.worker.tp_follower import init_method_in, run_follower
 
 logger = logging.getLogger("radixserve.launcher")

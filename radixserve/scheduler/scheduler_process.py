@@ -52,7 +52,7 @@ from radixserve.scheduler.loop import StepLoop
 from radixserve.scheduler.parts import load_parts
 from radixserve.scheduler.scheduler import Scheduler
 
-logger = logging.getLogger("radixserve.scheduler.proc")
+logger = logging.getLogger("radixserve.scheduler.scheduler_process")
 
 
 class SchedulerProcess:
