@@ -27,7 +27,7 @@ from radixserve.kvcache.reposition import WINDOW, RunIndex
 from radixserve.kvcache.tier_store import CHUNK_TOKENS, ChunkCodec, HostStore, chunk_keys
 from radixserve.sampling.stop import StopChecker
 from radixserve.scheduler.policy import shares_uncached_prefix
-from radixserve.scheduler.req import Req
+from radixserve.scheduler.sample import Sample
 from radixserve.scheduler.speculative import Speculator
 
 A = CacheSalt("alice")
@@ -89,7 +89,7 @@ def draft_of(cache: RadixCache, algorithm: str, prompt: list[int], salt: CacheSa
     """The tokens the Speculator proposes for a sample of `salt` whose sequence is `prompt`."""
     speculator = Speculator(algorithm, 8, 4, cache)
     request = TokenizedRequest("r", prompt, PARAMS, salt=salt)
-    req = Req(request, 0, StopChecker(PARAMS, [], None))
+    req = Sample(request, 0, StopChecker(PARAMS, [], None))
     speculator.next_step(1)
     [draft] = speculator.propose([req], room=64)
     return draft.tokens
@@ -163,8 +163,8 @@ def test_moved_runs_are_found_under_their_salt_only() -> None:
 def test_admission_defers_only_to_a_sample_of_its_own_salt() -> None:
     prompt = list(range(40, 120))
 
-    def req(salt: CacheSalt) -> Req:
-        return Req(
+    def req(salt: CacheSalt) -> Sample:
+        return Sample(
             TokenizedRequest("r", prompt, PARAMS, salt=salt), 0, StopChecker(PARAMS, [], None)
         )
 

@@ -9,9 +9,9 @@ import random
 
 from radixserve.core.digest import block_hashes, join
 from radixserve.ray.replica_tree import ReplicaTree, ReportedCacheAware
+from radixserve.router.backend import Backend
 from radixserve.router.config import RouterConfig
 from radixserve.router.tree import ids_key
-from radixserve.router.worker import Worker
 
 B = 16
 
@@ -88,7 +88,7 @@ def test_a_newer_report_after_eviction_lowers_the_match() -> None:
 def test_policy_sends_a_prompt_where_its_blocks_are_reported() -> None:
     clock = ManualClock()
     policy = ReportedCacheAware(RouterConfig(), clock=clock)
-    workers = [Worker("a", healthy=True), Worker("b", healthy=True)]
+    workers = [Backend("a", healthy=True), Backend("b", healthy=True)]
     system = ids(64, 5)
     policy.report("b", stats(1, system))
     decision = policy.choose(workers, ids_key(system + ids(8, 6)))
@@ -107,5 +107,5 @@ def test_policy_balances_when_loads_are_far_apart() -> None:
     policy = ReportedCacheAware(RouterConfig(), clock=ManualClock())
     system = ids(64, 9)
     policy.report("b", stats(1, system))
-    busy_b = [Worker("a", healthy=True), Worker("b", healthy=True, reported_load=40)]
+    busy_b = [Backend("a", healthy=True), Backend("b", healthy=True, reported_load=40)]
     assert policy.choose(busy_b, ids_key(system)).worker.url == "a"

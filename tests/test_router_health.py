@@ -14,7 +14,7 @@ import pytest
 
 from radixserve.router.config import RouterConfig
 from radixserve.router.policy import make_policy
-from radixserve.router.pool import WorkerPool
+from radixserve.router.pool import BackendPool
 
 GOOD = b"radixserve_num_running_reqs 3\nradixserve_num_queued_reqs 2\n"
 GARBAGE = (
@@ -80,7 +80,7 @@ def test_health_checks_survive_any_worker_reply(workers: dict[str, str]) -> None
     async def run() -> dict[str, tuple[bool, int]]:
         config = RouterConfig(worker_urls=tuple(workers.values()), health_timeout_s=1.0)
         async with httpx.AsyncClient() as client:
-            pool = WorkerPool(config, make_policy(config), client)
+            pool = BackendPool(config, make_policy(config), client)
             for _ in range(2):  # health_failures: the trickling one goes out on the second
                 await pool.check_all()
             return {k: (pool.workers[u].healthy, pool.workers[u].reported_load)

@@ -8,10 +8,10 @@ import random
 import pytest
 
 from radixserve.router.app import routing_key
+from radixserve.router.backend import Backend
 from radixserve.router.config import RouterConfig
 from radixserve.router.policy import CacheAware, LeastLoad, RoundRobin, make_policy
 from radixserve.router.tree import PrefixTree, ids_key
-from radixserve.router.worker import Worker
 
 
 def test_tree_match_insert_split() -> None:
@@ -82,8 +82,8 @@ def test_ids_key_respects_id_boundaries() -> None:
     assert len(ids_key([0, 150_000, 2**40])) == 3
 
 
-def _workers(*loads: int) -> list[Worker]:
-    return [Worker(f"http://w{i}", healthy=True, in_flight=load) for i, load in enumerate(loads)]
+def _workers(*loads: int) -> list[Backend]:
+    return [Backend(f"http://w{i}", healthy=True, in_flight=load) for i, load in enumerate(loads)]
 
 
 def test_cache_aware_routes_by_prefix_when_balanced() -> None:

@@ -22,7 +22,7 @@ from radixserve.models.config import ModelConfig
 from radixserve.sampling.stop import StopChecker
 from radixserve.scheduler.parts import build_parts
 from radixserve.scheduler.policy import shares_uncached_prefix
-from radixserve.scheduler.req import Req
+from radixserve.scheduler.sample import Sample
 from radixserve.scheduler.scheduler import Scheduler
 
 VOCAB = 1000  # the fake's logits; token ids stay below every real special token
@@ -136,9 +136,11 @@ def test_a_running_samples_kept_path_follows_a_split(tokenizer: Any) -> None:
     assert _tokens(outs["a", 0]) == list(range(144, 152))  # 140..143 came before
 
 
-def _queued(ids: list[int], kv_len: int = 0) -> Req:
+def _queued(ids: list[int], kv_len: int = 0) -> Sample:
     params = SamplingParams(max_new_tokens=4)
-    return Req(TokenizedRequest("r", ids, params), 0, StopChecker(params, [], None), kv_len=kv_len)
+    return Sample(
+        TokenizedRequest("r", ids, params), 0, StopChecker(params, [], None), kv_len=kv_len
+    )
 
 
 def test_a_sample_defers_only_behind_enough_shared_uncached_tokens() -> None:
@@ -169,7 +171,7 @@ def test_sample_tables_hold_under_random_admit_finish_abort_retract(
     retracted = 0
     retract = sched.tables.retract
 
-    def counting_retract(req: Req) -> None:
+    def counting_retract(req: Sample) -> None:
         nonlocal retracted
         retracted += 1
         retract(req)

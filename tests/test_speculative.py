@@ -34,7 +34,7 @@ from radixserve.scheduler import draft_model, speculative
 from radixserve.scheduler.draft_model import DraftModel
 from radixserve.scheduler.draft_tree import ROOT, Draft
 from radixserve.scheduler.ngram import CANDIDATES, MAX_MATCH, MIN_MATCH, NgramIndex
-from radixserve.scheduler.req import Req
+from radixserve.scheduler.sample import Sample
 from radixserve.scheduler.speculative import MAX_PAUSE, MAX_ROWS, MIN_DRAFT, Speculator
 
 TOPK = EngineConfig.speculative_topk
@@ -134,7 +134,7 @@ def check_random_trees(plain: Engine, spec: Engine, case: str, seed: int) -> Non
     rng = random.Random(seed)
     expected = 0  # tokens the trees' oracle paths hold
 
-    def propose(samples: list[Req], room: int) -> list[Draft]:
+    def propose(samples: list[Sample], room: int) -> list[Draft]:
         nonlocal expected
         drafts = []
         for req in samples:
@@ -399,7 +399,7 @@ def drafted_chains(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[int]
     chains: list[int] = []
     propose = engine.scheduler.speculator.propose
 
-    def recorded(samples: list[Req], room: int) -> list[Draft]:
+    def recorded(samples: list[Sample], room: int) -> list[Draft]:
         drafts = propose(samples, room)
         for tree in drafts:
             at, n = ROOT, 0
@@ -440,7 +440,7 @@ def test_samples_of_one_prompt_share_its_draft_model_kv(
     held: list[int] = []
     draft = drafter.draft
 
-    def recorded(wants: list[tuple[Req, int]], topk: int) -> list[Draft]:
+    def recorded(wants: list[tuple[Sample, int]], topk: int) -> list[Draft]:
         out = draft(wants, topk)
         held.append(drafter.worker.pool.capacity - drafter.worker.pool.num_free)
         return out
@@ -462,7 +462,7 @@ def test_a_draft_model_drafts_only_where_it_pays(self_drafted: Engine) -> None:
         "draft-model", 8, TOPK, self_drafted.scheduler.cache, DraftModel(worker)
     )
     params = SamplingParams(max_new_tokens=100)
-    req = Req(TokenizedRequest("r", prompts(1)[0], params), 0, StopChecker(params, [], None))
+    req = Sample(TokenizedRequest("r", prompts(1)[0], params), 0, StopChecker(params, [], None))
     req.append_output(11)
     for rows, drafts in [
         (1, True),
@@ -528,7 +528,7 @@ def test_drafts_stop_where_the_draft_models_context_ends(
     ends: list[int] = []  # of each draft: its sample's tokens and the draft's depth
     draft = drafter.draft
 
-    def recorded(wants: list[tuple[Req, int]], topk: int) -> list[Draft]:
+    def recorded(wants: list[tuple[Sample, int]], topk: int) -> list[Draft]:
         trees = draft(wants, topk)
         ends.extend(req.seq_len + tree.depth for (req, _), tree in zip(wants, trees) if tree)
         return trees
@@ -656,7 +656,7 @@ def test_the_draft_length_follows_what_was_kept() -> None:
     speculator = Speculator("ngram", 8, TOPK, RadixCache(pool))
     params = SamplingParams(max_new_tokens=1000)
     prompt = [*range(10, 90), 10]
-    req = Req(TokenizedRequest("r", prompt, params), 0, StopChecker(params, [], None))
+    req = Sample(TokenizedRequest("r", prompt, params), 0, StopChecker(params, [], None))
     req.append_output(11)
 
     def step(kept: int | None = None, rows: int = 1) -> int:
@@ -706,7 +706,7 @@ def test_a_sample_is_drafted_from_text_cached_under_another_prefix() -> None:
 
     def draft(algorithm: str, prompt: list[int], output: list[int]) -> list[int]:
         speculator = Speculator(algorithm, 8, TOPK, cache)
-        req = Req(TokenizedRequest("r", prompt, params), 0, StopChecker(params, [], None))
+        req = Sample(TokenizedRequest("r", prompt, params), 0, StopChecker(params, [], None))
         for token in output:
             req.append_output(token)
         speculator.next_step(1)

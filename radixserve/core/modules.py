@@ -9,7 +9,7 @@ request importing modules starts with their K/V and computes only its own tokens
     positions:  | a's positions   | c's positions   | ModuleUse.positions              |
                 |<----- module_tokens: slots shared, never computed --->|<- computed ->|
 
-The own tokens' positions continue after them for the output tokens (`Req.positions`).
+The own tokens' positions continue after them for the output tokens (`Sample.positions`).
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from radixserve.ray.call import Call
 from radixserve.ray.replica_tree import HORIZON_S, ReportedCacheAware
+from radixserve.router.backend import Backend
 from radixserve.router.config import RouterConfig
 from radixserve.router.tree import ids_key
-from radixserve.router.worker import Worker
 
 
 class RadixTreeRouter(RequestRouter):
@@ -44,7 +44,7 @@ class RadixTreeRouter(RequestRouter):
             if replica.routing_stats:
                 self.policy.report(url, replica.routing_stats)
         loads = {url: self._load(r) for url, r in workers.items()}
-        views = [Worker(url, healthy=True, reported_load=loads[url]) for url in workers]
+        views = [Backend(url, healthy=True, reported_load=loads[url]) for url in workers]
         ids = _prompt_ids(pending_request)
         if ids:
             chosen = self.policy.choose(views, ids_key(ids)).worker.url

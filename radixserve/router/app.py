@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from radixserve.router import metrics
 from radixserve.router.config import RouterConfig
 from radixserve.router.policy import make_policy
-from radixserve.router.pool import WorkerPool
+from radixserve.router.pool import BackendPool
 from radixserve.router.proxy import Forward, Proxy
 from radixserve.router.tree import ids_key
 from radixserve.server.guard import (
@@ -96,7 +96,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         timeout = httpx.Timeout(None, connect=config.health_timeout_s)  # generation is slow
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-            pool = WorkerPool(config, make_policy(config), client)
+            pool = BackendPool(config, make_policy(config), client)
             app.state.pool, app.state.proxy = pool, Proxy(pool, client)
             await pool.check_all()
             checks = asyncio.create_task(pool.run_health_checks())
@@ -174,7 +174,7 @@ async def _any_worker(request: Request) -> Response:
 async def _fan_out(request: Request) -> Response:
     """The route on every healthy worker; 200 if all answered 200, else the first other
     status (a busy worker's 400 for /flush_cache), with each worker's answer."""
-    pool: WorkerPool = request.app.state.pool
+    pool: BackendPool = request.app.state.pool
     body = await _read(request)
     parsed = _parse(body)
     if request.url.path == "/abort_request" and isinstance(parsed, dict):
@@ -218,7 +218,7 @@ def _one_answer(status: int, body: Any) -> Response:
 
 
 async def _health(request: Request) -> Response:
-    pool: WorkerPool = request.app.state.pool
+    pool: BackendPool = request.app.state.pool
     if pool.healthy():
         return Response(status_code=200)
     return JSONResponse({"status": "no healthy worker"}, status_code=503)
@@ -228,7 +228,7 @@ async def _metrics(request: Request) -> Response:
     return Response(await metrics.render(request.app.state.pool), media_type=CONTENT_TYPE_LATEST)
 
 
-def _worker_list(pool: WorkerPool) -> list[dict[str, Any]]:
+def _worker_list(pool: BackendPool) -> list[dict[str, Any]]:
     return [
         {
             "url": w.url,
@@ -243,7 +243,7 @@ def _worker_list(pool: WorkerPool) -> list[dict[str, Any]]:
 
 
 async def _server_info(request: Request) -> Response:
-    pool: WorkerPool = request.app.state.pool
+    pool: BackendPool = request.app.state.pool
     config: RouterConfig = request.app.state.config
     return JSONResponse(
         {
@@ -255,7 +255,7 @@ async def _server_info(request: Request) -> Response:
 
 
 async def _workers(request: Request) -> Response:
-    pool: WorkerPool = request.app.state.pool
+    pool: BackendPool = request.app.state.pool
     if request.method == "GET":
         return JSONResponse({"workers": _worker_list(pool)})
     parsed = _parse(await _read(request))

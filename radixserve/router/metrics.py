@@ -12,13 +12,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from radixserve.router.pool import WorkerPool
+from radixserve.router.pool import BackendPool
 
 PREFIX = "radixserve_router_"
 
 
 class _PoolCollector(Collector):
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, pool: BackendPool) -> None:
         self.pool = pool
 
     def collect(self) -> Iterator[Metric]:
@@ -52,7 +52,7 @@ class _Relabeled(Collector):
         yield from self.families
 
 
-async def render(pool: WorkerPool) -> bytes:
+async def render(pool: BackendPool) -> bytes:
     """The router's metrics, then each healthy worker's (a worker that fails is skipped)."""
     registry = CollectorRegistry()
     registry.register(_PoolCollector(pool))
@@ -68,7 +68,7 @@ async def render(pool: WorkerPool) -> bytes:
     return generate_latest(registry)
 
 
-async def _scrape(pool: WorkerPool, url: str) -> str:
+async def _scrape(pool: BackendPool, url: str) -> str:
     try:
         resp = await pool.client.get(url + "/metrics", headers=pool.auth, timeout=10)
     except httpx.HTTPError:

@@ -22,14 +22,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from radixserve.router.backend import Backend
 from radixserve.router.config import RouterConfig
 from radixserve.router.tree import PrefixTree
-from radixserve.router.worker import Worker
 
 
 @dataclass(frozen=True)
 class Decision:
-    worker: Worker
+    worker: Backend
     reason: str  # "cache" (prefix match), "balance" (least load), or the policy's name
     matched: int = 0  # characters of the prompt the chosen worker's tree held
 
@@ -38,7 +38,7 @@ class Policy(ABC):
     name: str
 
     @abstractmethod
-    def choose(self, workers: Sequence[Worker], key: str) -> Decision:
+    def choose(self, workers: Sequence[Backend], key: str) -> Decision:
         """Pick one of `workers` (non-empty, all healthy) for a prompt keyed `key` and
         record the choice in the policy's own state."""
 
@@ -56,7 +56,7 @@ class RoundRobin(Policy):
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, workers: Sequence[Worker], key: str) -> Decision:
+    def choose(self, workers: Sequence[Backend], key: str) -> Decision:
         worker = workers[self._next % len(workers)]
         self._next += 1
         return Decision(worker, self.name)
@@ -68,14 +68,14 @@ class Random(Policy):
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def choose(self, workers: Sequence[Worker], key: str) -> Decision:
+    def choose(self, workers: Sequence[Backend], key: str) -> Decision:
         return Decision(self._rng.choice(list(workers)), self.name)
 
 
 class LeastLoad(Policy):
     name = "least_load"
 
-    def choose(self, workers: Sequence[Worker], key: str) -> Decision:
+    def choose(self, workers: Sequence[Backend], key: str) -> Decision:
         return Decision(min(workers, key=lambda w: w.load), self.name)
 
 
@@ -89,19 +89,19 @@ class CacheAware(Policy):
     def _tree(self, url: str) -> PrefixTree:
         return self.trees.setdefault(url, PrefixTree())
 
-    def balanced(self, workers: Sequence[Worker]) -> bool:
+    def balanced(self, workers: Sequence[Backend]) -> bool:
         lo, hi = min(w.load for w in workers), max(w.load for w in workers)
         c = self.config
         return not (hi - lo > c.balance_abs_threshold and hi > c.balance_rel_threshold * lo)
 
-    def choose(self, workers: Sequence[Worker], key: str) -> Decision:
+    def choose(self, workers: Sequence[Backend], key: str) -> Decision:
         decision = self._decide(workers, key)
         tree = self._tree(decision.worker.url)
         tree.insert(key)
         tree.prune(self.config.tree_budget_chars)
         return decision
 
-    def _decide(self, workers: Sequence[Worker], key: str) -> Decision:
+    def _decide(self, workers: Sequence[Backend], key: str) -> Decision:
         if self.balanced(workers) and key:
             matches = [(self._tree(w.url).match(key), w) for w in workers]
             matched, best = max(matches, key=lambda m: m[0])  # ties: the first listed

@@ -16,9 +16,9 @@ from collections import Counter, OrderedDict
 
 import httpx
 
+from radixserve.router.backend import Backend
 from radixserve.router.config import RouterConfig, check_worker_url
 from radixserve.router.policy import Policy
-from radixserve.router.worker import Worker
 from radixserve.server.protocol import ApiError
 
 logger = logging.getLogger("radixserve.router")
@@ -27,12 +27,12 @@ LOAD_METRICS = ("radixserve_num_running_reqs", "radixserve_num_queued_reqs")
 MAX_METRICS_BYTES = 1 << 20  # of a worker's /metrics read for its load; the rest is ignored
 
 
-class WorkerPool:
+class BackendPool:
     def __init__(self, config: RouterConfig, policy: Policy, client: httpx.AsyncClient) -> None:
         self.config = config
         self.policy = policy
         self.client = client  # shared with the proxy; no base URL
-        self.workers: dict[str, Worker] = {}
+        self.workers: dict[str, Backend] = {}
         self.sessions: OrderedDict[str, str] = OrderedDict()  # session id -> worker url
         self.decisions: Counter[str] = Counter()  # why requests went where they went
         self.retries = 0
@@ -40,11 +40,11 @@ class WorkerPool:
             self.add(url)
 
     # ---------------------------------------------------------------- membership
-    def add(self, url: str) -> Worker:
+    def add(self, url: str) -> Backend:
         """Add a worker (unhealthy until its first check passes); ValueError on a bad url."""
         url = check_worker_url(url)
         if url not in self.workers:
-            self.workers[url] = Worker(url)
+            self.workers[url] = Backend(url)
             logger.info("worker %s added", url)
         return self.workers[url]
 
@@ -57,11 +57,11 @@ class WorkerPool:
         logger.info("worker %s removed", worker.url)
         return True
 
-    def healthy(self) -> list[Worker]:
+    def healthy(self) -> list[Backend]:
         return [w for w in self.workers.values() if w.healthy]
 
     # ---------------------------------------------------------------- routing
-    def pick(self, key: str | None, session: str | None, exclude: set[str]) -> Worker:
+    def pick(self, key: str | None, session: str | None, exclude: set[str]) -> Backend:
         """The worker for one attempt: the session's worker if it has one and it is up,
         else the policy's choice (key None: the least loaded, the policy not asked).
         ApiError 503 when no healthy worker is left."""
@@ -84,7 +84,7 @@ class WorkerPool:
                 self.sessions.popitem(last=False)
         return decision.worker
 
-    def mark_dead(self, worker: Worker, why: str) -> None:
+    def mark_dead(self, worker: Backend, why: str) -> None:
         if worker.healthy:
             logger.warning("worker %s taken out: %s", worker.url, why)
         worker.healthy = False
@@ -92,7 +92,7 @@ class WorkerPool:
         self.policy.forget(worker.url)
 
     # ---------------------------------------------------------------- health
-    async def check(self, worker: Worker) -> None:
+    async def check(self, worker: Backend) -> None:
         """One health check (and load refresh) of `worker`."""
         try:
             resp = await self.client.get(worker.url + "/health", timeout=self._timeout)
@@ -130,7 +130,7 @@ class WorkerPool:
             await asyncio.sleep(self.config.health_interval_s)
             await self.check_all()
 
-    async def _reported_load(self, worker: Worker) -> int:
+    async def _reported_load(self, worker: Backend) -> int:
         """Running + queued samples from the worker's /metrics: its first MAX_METRICS_BYTES,
         lines that do not parse as a finite count ignored (0 if it will not say)."""
         body = b""

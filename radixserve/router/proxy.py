@@ -1,6 +1,6 @@
 """Forwarding one request to a worker, with failover.
 
-An attempt goes to the worker `WorkerPool.pick` names. If that worker fails before the
+An attempt goes to the worker `BackendPool.pick` names. If that worker fails before the
 client saw anything (a refused or broken connection, or it is declared dead while the
 request waits), the worker is taken out and the request is sent, unchanged, to another:
 up to `max_attempts` workers, then 503. A worker's own answer (200, 400, 503, ...) is the
@@ -28,8 +28,8 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from radixserve.router.pool import RETRY, WorkerPool
-from radixserve.router.worker import Lease, Worker
+from radixserve.router.backend import Backend, Lease
+from radixserve.router.pool import RETRY, BackendPool
 from radixserve.server.protocol import ApiError
 
 logger = logging.getLogger("radixserve.router")
@@ -43,7 +43,7 @@ QUEUE_CHUNKS = 64  # a stream's chunks buffered between its worker and its clien
 MAX_ANSWER_BYTES = 64 << 20  # a non-streamed answer; past it the client gets a 502
 
 
-class WorkerDown(Exception):
+class BackendDown(Exception):
     """The worker was declared dead while a request waited on it."""
 
 
@@ -59,12 +59,12 @@ class Forward:
     session: str | None = None
     show_worker: bool = False  # the caller may learn the worker's URL (the admin key)
 
-    def answer_headers(self, worker: Worker) -> dict[str, str]:
+    def answer_headers(self, worker: Backend) -> dict[str, str]:
         return {WORKER_HEADER: worker.url} if self.show_worker else {}
 
 
-async def until_down(worker: Worker, aw: Awaitable[T]) -> T:
-    """`aw`'s result, or WorkerDown as soon as `worker` is declared dead (`aw` cancelled)."""
+async def until_down(worker: Backend, aw: Awaitable[T]) -> T:
+    """`aw`'s result, or BackendDown as soon as `worker` is declared dead (`aw` cancelled)."""
     task = asyncio.ensure_future(aw)
     down = asyncio.ensure_future(worker.down.wait())
     try:
@@ -75,16 +75,16 @@ async def until_down(worker: Worker, aw: Awaitable[T]) -> T:
             task.cancel()
     if not task.done() or task.cancelled():
         await asyncio.gather(task, return_exceptions=True)
-        raise WorkerDown(f"worker {worker.url} was taken out while the request waited")
+        raise BackendDown(f"worker {worker.url} was taken out while the request waited")
     return task.result()
 
 
 class Proxy:
-    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient) -> None:
+    def __init__(self, pool: BackendPool, client: httpx.AsyncClient) -> None:
         self.pool = pool
         self.client = client
 
-    def _attempts(self, fwd: Forward) -> Iterator[Worker]:
+    def _attempts(self, fwd: Forward) -> Iterator[Backend]:
         tried: set[str] = set()
         for attempt in range(self.pool.config.max_attempts):
             if attempt:
@@ -94,7 +94,7 @@ class Proxy:
             yield worker
         raise ApiError(503, f"no worker answered after {len(tried)} attempts", headers=RETRY)
 
-    def _request(self, worker: Worker, fwd: Forward) -> httpx.Request:
+    def _request(self, worker: Backend, fwd: Forward) -> httpx.Request:
         headers = {k: v for k, v in fwd.headers.items() if k.lower() in FORWARDED_HEADERS}
         return self.client.build_request(
             fwd.method, worker.url + fwd.path, content=fwd.body, headers=headers
@@ -108,13 +108,13 @@ class Proxy:
             with Lease(worker):
                 try:
                     status, headers, body = await until_down(worker, self._read(worker, fwd))
-                except (httpx.TransportError, WorkerDown) as e:
+                except (httpx.TransportError, BackendDown) as e:
                     logger.info("request to %s failed, trying another worker: %r", worker.url, e)
                     continue
             return _answer(status, headers, body, fwd.answer_headers(worker))
         raise AssertionError("unreachable: _attempts raises when it runs out")
 
-    async def _read(self, worker: Worker, fwd: Forward) -> tuple[int, httpx.Headers, bytes]:
+    async def _read(self, worker: Backend, fwd: Forward) -> tuple[int, httpx.Headers, bytes]:
         """The worker's answer, its body cut off with a 502 past MAX_ANSWER_BYTES."""
         resp = await self.client.send(self._request(worker, fwd), stream=True)
         try:
@@ -157,14 +157,14 @@ class Proxy:
                         )
                     status = first  # the error (or end) that came before any data
                 logger.info("stream on %s failed before its first chunk: %r", worker.url, status)
-            except WorkerDown as e:
+            except BackendDown as e:
                 logger.info("stream on %s: %r", worker.url, e)
             finally:
                 if not handed_off:
                     _stop(pump, lease)
         raise AssertionError("unreachable: _attempts raises when it runs out")
 
-    async def _pump(self, worker: Worker, fwd: Forward, queue: asyncio.Queue) -> None:
+    async def _pump(self, worker: Backend, fwd: Forward, queue: asyncio.Queue) -> None:
         """Upstream side of a stream, as triples: ("head", status, headers), then
         ("data", bytes, None)..., then ("end", None, None) or ("error", exception, None)."""
         try:
@@ -181,7 +181,7 @@ class Proxy:
         await queue.put(("end", None, None))
 
     async def _relay(
-        self, worker: Worker, queue: asyncio.Queue, pump: asyncio.Task, lease: Lease, first: bytes
+        self, worker: Backend, queue: asyncio.Queue, pump: asyncio.Task, lease: Lease, first: bytes
     ) -> AsyncIterator[bytes]:
         sent = first
         try:
@@ -191,17 +191,17 @@ class Proxy:
                 if kind == "end":
                     return
                 if kind == "error":
-                    raise WorkerDown(repr(value))
+                    raise BackendDown(repr(value))
                 sent = value
                 yield value
-        except WorkerDown as e:  # the client learns no worker URL (admin only)
+        except BackendDown as e:  # the client learns no worker URL (admin only)
             logger.warning("stream on %s failed mid-stream: %s", worker.url, e)
             yield _error_event(sent, "the worker failed mid-stream")
         finally:
             _stop(pump, lease)
 
 
-async def _drain(worker: Worker, queue: asyncio.Queue) -> bytes:
+async def _drain(worker: Backend, queue: asyncio.Queue) -> bytes:
     """The rest of a refusal's body."""
     parts: list[bytes] = []
     while True:

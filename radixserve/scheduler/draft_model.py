@@ -32,7 +32,7 @@ import torch
 
 from radixserve.core.batch import BatchBuilder
 from radixserve.scheduler.draft_tree import ROOT, Draft, likeliest
-from radixserve.scheduler.req import Req
+from radixserve.scheduler.sample import Sample
 
 if TYPE_CHECKING:
     from radixserve.scheduler.parts import StepWorker
@@ -114,7 +114,7 @@ class DraftModel:
     def __init__(self, worker: StepWorker) -> None:
         self.worker = worker
         self.max_positions = worker.model_config.max_position_embeddings
-        self.seqs: dict[Req, DraftSeq] = {}
+        self.seqs: dict[Sample, DraftSeq] = {}
         self.refs = torch.zeros(worker.pool.num_slots, dtype=torch.int32)  # seqs holding a slot
         self.step_s: float | None = None  # seconds a step feeding one token a sample takes
         # of the draft positions verified lately, those the model kept (AGREE_PRIOR at start)
@@ -132,13 +132,13 @@ class DraftModel:
         if self.tried > AGREE_WINDOW:  # older positions count half
             self.kept, self.tried = self.kept / 2, self.tried / 2
 
-    def keep_only(self, samples: Iterable[Req]) -> None:
+    def keep_only(self, samples: Iterable[Sample]) -> None:
         """Free the sequences of samples not among `samples` (ended, retracted)."""
         live = set(samples)
         for req in [r for r in self.seqs if r not in live]:
             self._trim(self.seqs.pop(req), 0)
 
-    def draft(self, wants: list[tuple[Req, int]], topk: int) -> list[Draft]:
+    def draft(self, wants: list[tuple[Sample, int]], topk: int) -> list[Draft]:
         """For each (sample, k): a tree of up to k nodes, at most `topk` under one, of what
         the draft model expects after the sample's sequence (empty when k is 0, the sample
         is more than CATCH_UP tokens behind, another sample of its request starts its
@@ -179,7 +179,7 @@ class DraftModel:
 
     def _step(
         self,
-        wants: list[tuple[Req, int]],
+        wants: list[tuple[Sample, int]],
         feeds: dict[int, list[int]],
         caught_up: list[int],
         topk: int,
@@ -215,7 +215,7 @@ class DraftModel:
         top = {i: list(zip(t, p)) for i, t, p in zip(wanted, tokens.tolist(), probs.tolist())}
         return [top.get(i) for i in caught_up]
 
-    def _start(self, req: Req) -> None:
+    def _start(self, req: Sample) -> None:
         """A sequence for `req`: the K/V of the longest start it shares with another sample
         of its request, held by both."""
         seq = DraftSeq()

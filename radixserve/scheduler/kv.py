@@ -7,7 +7,7 @@ admitted request — `check_integrity` counts them. With a NoPrefixCache tree_le
 request owns all its K/V and frees it when it ends. A sample importing prompt modules starts
 with tree_len = kv_len = its module tokens, whose slots the ModuleStore owns (pinned, counted
 as in use elsewhere); its own K/V is never offered to the prefix cache. A sample matches and
-offers its K/V under its request's salt (`Req.salt`): only samples of the same salt share it.
+offers its K/V under its request's salt (`Sample.salt`): only samples of the same salt share it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from radixserve.kvcache.pool import KVPool, ReqToTokenPool
 from radixserve.kvcache.prefix_cache import PrefixCache
 from radixserve.kvcache.radix import TreeNode
 from radixserve.scheduler.modules import ModuleStore
-from radixserve.scheduler.req import Req
+from radixserve.scheduler.sample import Sample
 
 
 class KVManager:
@@ -27,7 +27,7 @@ class KVManager:
         self.req_pool = req_pool
         self.cache = cache
         self.modules = ModuleStore()
-        self.admitted: set[Req] = set()  # samples holding a table row
+        self.admitted: set[Sample] = set()  # samples holding a table row
         self._swa_mark = 0  # sliding rows held when the cache is trimmed next (trim_swa)
 
     def trim_swa(self, pressed: bool = False) -> None:
@@ -69,7 +69,7 @@ class KVManager:
             return slots
         return min(slots, self.pool.swa_free + self.cache.swa_tokens)
 
-    def slots(self, req: Req, end: int | None = None) -> torch.Tensor:
+    def slots(self, req: Sample, end: int | None = None) -> torch.Tensor:
         assert req.row is not None, f"{req.rid} is not admitted"
         return self.req_pool.table[req.row, : req.kv_len if end is None else end]
 
@@ -85,7 +85,7 @@ class KVManager:
                 pass
         return self.pool.can_alloc(n)
 
-    def admit(self, req: Req) -> bool:
+    def admit(self, req: Sample) -> bool:
         """Give a waiting sample a table row and its cached prefix (locked). False: no row."""
         row = self.req_pool.alloc()
         if row is None:
@@ -105,7 +105,7 @@ class KVManager:
             req.cached_tiers = dict(match.tier_tokens)
         return True
 
-    def _admit_modules(self, req: Req, row: int) -> None:
+    def _admit_modules(self, req: Sample, row: int) -> None:
         assert req.request.modules is not None
         slots = self.modules.slots(req.request.modules)
         n = slots.numel()
@@ -116,12 +116,12 @@ class KVManager:
         if req.cached_tokens < 0:
             req.cached_tokens = n
 
-    def unadmit(self, req: Req) -> None:
+    def unadmit(self, req: Sample) -> None:
         """Undo `admit` before any K/V was computed (the prefix stays cached)."""
         assert req.kv_len == req.tree_len, "unadmit after an extend would leak slots"
         self._drop(req)
 
-    def extend(self, req: Req, n: int, skip: int = 0) -> None:
+    def extend(self, req: Sample, n: int, skip: int = 0) -> None:
         """Allocate slots for the `n` positions after the next `skip` (allocated already);
         the caller reserved them."""
         slots = self.pool.alloc(n)
@@ -132,7 +132,7 @@ class KVManager:
         req.alloc_end = start + n
 
     def extend_each(
-        self, work: list[tuple[Req, int]], rows: torch.Tensor | None = None
+        self, work: list[tuple[Sample, int]], rows: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """`extend(req, n)` for each pair, in order. When every n is 1 (a decode step) the
         same slots come from one allocation and go into the table in one write, and are
@@ -152,7 +152,7 @@ class KVManager:
             sample.alloc_end = col + 1
         return slots
 
-    def settle_draft(self, req: Req, start: int, size: int, kept: list[int]) -> None:
+    def settle_draft(self, req: Sample, start: int, size: int, kept: list[int]) -> None:
         """Positions start .. start + size - 1 hold the slots of a speculative draft's nodes;
         keep those of the nodes `kept` (a path, in order) at positions start, start + 1, ..
         and free the others."""
@@ -165,7 +165,7 @@ class KVManager:
         self.pool.free(drafted[dropped])
         req.alloc_end = start + len(kept)
 
-    def path(self, req: Req) -> list[tuple[int, int]]:
+    def path(self, req: Sample) -> list[tuple[int, int]]:
         """The shared runs at the start of the request's K/V as (node id, tokens): its radix
         path, or its prompt modules. Kept on the request and read again only when it may
         have changed: last_node moved (the path was cleared then) or a node on it was split
@@ -181,7 +181,7 @@ class KVManager:
         req.path, req.path_version = path, self.cache.path_version
         return path
 
-    def _path_current(self, req: Req) -> bool:
+    def _path_current(self, req: Sample) -> bool:
         """Whether the radix path kept on `req` is exact: read at the cache's path_version,
         or no node on it was split since (the other samples' splits leave it as it is)."""
         if req.path is None:
@@ -192,7 +192,7 @@ class KVManager:
         split = self.cache.split_since(req.path_version)
         return split is not None and not any(node in split for node, _ in req.path)
 
-    def cache_prefix(self, req: Req) -> None:
+    def cache_prefix(self, req: Sample) -> None:
         """Offer the request's computed K/V to the cache; the request goes on using it.
 
         The prefix the cache keeps (all of it for a RadixCache, none for a NoPrefixCache)
@@ -228,7 +228,7 @@ class KVManager:
             above.anchor = False
             above = above.parent
 
-    def fork(self, parent: Req, child: Req) -> bool:
+    def fork(self, parent: Sample, child: Sample) -> bool:
         """Let `child` share all of `parent`'s K/V through the cache's lock on it. False when
         the cache does not hold all of it (a NoPrefixCache holds none) or no row is free."""
         if parent.tree_len < parent.kv_len:
@@ -246,7 +246,7 @@ class KVManager:
         child.cached_tiers = parent.cached_tiers
         return True
 
-    def release(self, req: Req) -> None:
+    def release(self, req: Sample) -> None:
         """Finished, aborted or retracted: the cache keeps what it takes of its K/V (see
         `cache_prefix`); the rest, and the slots of a step that failed before it was
         processed (positions kv_len .. alloc_end - 1), go back to the pool now."""
@@ -256,7 +256,7 @@ class KVManager:
         self.pool.free(self.slots(req, max(req.kv_len, req.alloc_end))[req.tree_len :].clone())
         self._drop(req)
 
-    def _drop(self, req: Req) -> None:
+    def _drop(self, req: Sample) -> None:
         assert req.row is not None and req.last_node is not None
         self.cache.unlock(req.last_node)
         self.req_pool.free(req.row)
@@ -265,10 +265,10 @@ class KVManager:
         self.admitted.discard(req)
         req.path, req.alloc_end = None, 0
 
-    def owned_by_requests(self, reqs: list[Req]) -> int:
+    def owned_by_requests(self, reqs: list[Sample]) -> int:
         return sum(r.kv_len - r.tree_len for r in reqs if r.row is not None)
 
-    def check_integrity(self, reqs: list[Req]) -> None:
+    def check_integrity(self, reqs: list[Sample]) -> None:
         """The cache's own check with the slots `reqs` hold, and every path kept on a
         request that `path` would still return equal to a fresh walk."""
         held = self.owned_by_requests(reqs) + self.modules.num_slots

@@ -8,11 +8,11 @@ import torch
 
 from radixserve.core.request import TokenDelta, TokenLogprob
 from radixserve.sampling.sampler import BadRows, SamplingBatch, prompt_logprobs, sample
-from radixserve.scheduler.req import Req
+from radixserve.scheduler.sample import Sample
 
 logger = logging.getLogger("radixserve.scheduler")
 
-Drawn = tuple[Req, int, float, list[TokenLogprob]]  # sample, token, its logprob, top logprobs
+Drawn = tuple[Sample, int, float, list[TokenLogprob]]  # sample, token, its logprob, top logprobs
 NO_TOKEN_ALLOWED = (
     "no token is allowed: the regex / json_schema together with min_new_tokens and "
     "stop_token_ids (or eos) exclude every token"
@@ -28,12 +28,12 @@ class OutputProcessor:
         self.generator = torch.Generator().manual_seed(seed)  # CPU: the sampler's uniforms
         # The last rows sampled and what the sampler derived from them: a decode batch's
         # rows stay the same from step to step until samples join or leave.
-        self._rows: list[Req] = []
+        self._rows: list[Sample] = []
         self._batch = SamplingBatch([])
 
-    def sample(self, reqs: list[Req], logits: torch.Tensor) -> list[Drawn]:
+    def sample(self, reqs: list[Sample], logits: torch.Tensor) -> list[Drawn]:
         """Draw one token per sample from logits (len(reqs), vocab) float32."""
-        if reqs != self._rows:  # Req compares by identity: one C-level pass over the list
+        if reqs != self._rows:  # Sample compares by identity: one C-level pass over the list
             self._rows = list(reqs)
             self._batch = SamplingBatch([r.sampling_info for r in reqs])
         res = sample(logits[:, : self.vocab_size], self._batch, self.generator)
@@ -41,13 +41,13 @@ class OutputProcessor:
         return list(zip(reqs, tokens, logprobs, res.top_logprobs, strict=True))
 
     def draw(
-        self, draw: list[tuple[Req, int]], logits: torch.Tensor
-    ) -> tuple[list[Drawn], list[tuple[Req, int, str]]]:
+        self, draw: list[tuple[Sample, int]], logits: torch.Tensor
+    ) -> tuple[list[Drawn], list[tuple[Sample, int, str]]]:
         """A token for each (sample, logits row) of `draw`, isolating failures: returns the
         drawn samples and the failed ones as (sample, HTTP status, message). Rows that
         cannot be drawn from are left out and the others drawn again; any other error is
         pinned on its row by drawing the rows one by one."""
-        failed: list[tuple[Req, int, str]] = []
+        failed: list[tuple[Sample, int, str]] = []
         while draw:
             rows = [row for _, row in draw]
             # Every row in order (a decode batch): no copy of the (B, vocab) logits.
@@ -72,7 +72,9 @@ class OutputProcessor:
                 failed.append((req, 500, f"internal error while sampling: {type(e).__name__}: {e}"))
         return drawn, failed
 
-    def append_token(self, req: Req, token: int, logprob: float, top: list[TokenLogprob]) -> None:
+    def append_token(
+        self, req: Sample, token: int, logprob: float, top: list[TokenLogprob]
+    ) -> None:
         req.append_output(token)
         req.new_ids.append(token)
         if req.grammar is not None:
@@ -82,7 +84,7 @@ class OutputProcessor:
             if req.request.top_logprobs_num > 0:
                 req.new_top_logprobs.append(top)
 
-    def prompt_logprobs(self, req: Req, logits: torch.Tensor, start: int) -> None:
+    def prompt_logprobs(self, req: Sample, logits: torch.Tensor, start: int) -> None:
         """Record logprobs of prompt tokens predicted by positions start .. start+len(logits)-1.
 
         Position p predicts prompt token p + 1. Reported tokens are those at positions
@@ -104,7 +106,7 @@ class OutputProcessor:
         req.input_top_logprobs.extend(tops)
 
     @staticmethod
-    def collect(req: Req) -> TokenDelta:
+    def collect(req: Sample) -> TokenDelta:
         """The sample's progress since the last collect; clears the pending deltas."""
         out = TokenDelta(  # positional: a delta per sample per step
             req.rid,

@@ -5,18 +5,18 @@ group sharing a prefix runs together while that prefix is hot. With a long queue
 everything costs more than it saves, so lpm falls back to fcfs past LPM_QUEUE_LIMIT.
 fcfs: arrival order. Retracted samples keep their original arrival key in both policies.
 Under a NoPrefixCache every cached length is 0, so lpm keeps arrival order. A sample's cached
-length is its salt's (`Req.salt`), and only samples of one salt defer to each other.
+length is its salt's (`Sample.salt`), and only samples of one salt defer to each other.
 """
 
 from __future__ import annotations
 
 from radixserve.kvcache.prefix_cache import PrefixCache
-from radixserve.scheduler.req import Req
+from radixserve.scheduler.sample import Sample
 
 LPM_QUEUE_LIMIT = 128
 
 
-def order_waiting(waiting: list[Req], cache: PrefixCache, policy: str) -> list[Req]:
+def order_waiting(waiting: list[Sample], cache: PrefixCache, policy: str) -> list[Sample]:
     """Return `waiting` in admission order. Reads the cache only (no split, no LRU touch)."""
     by_arrival = sorted(waiting, key=lambda r: r.arrival)
     if policy == "fcfs" or len(waiting) > LPM_QUEUE_LIMIT:
@@ -27,7 +27,7 @@ def order_waiting(waiting: list[Req], cache: PrefixCache, policy: str) -> list[R
     return sorted(by_arrival, key=lambda r: -matched[id(r)])
 
 
-def shares_uncached_prefix(req: Req, admitted: list[Req], min_tokens: int) -> bool:
+def shares_uncached_prefix(req: Sample, admitted: list[Sample], min_tokens: int) -> bool:
     """True when `req` shares >= min_tokens not-yet-cached leading tokens with a sample of
     its salt admitted this step: deferring it one step lets it reuse that sample's K/V
     instead of computing the same prefix twice (a sample of another salt cannot)."""

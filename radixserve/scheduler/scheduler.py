@@ -63,7 +63,7 @@ from radixserve.scheduler.modules import EncodeChunk, SchemaDone
 from radixserve.scheduler.outputs import OutputProcessor
 from radixserve.scheduler.parts import SchedulerParts
 from radixserve.scheduler.policy import order_waiting, shares_uncached_prefix
-from radixserve.scheduler.req import Req
+from radixserve.scheduler.sample import Sample
 from radixserve.scheduler.speculative import MAX_ROWS, Speculator
 from radixserve.scheduler.tables import SampleTables
 
@@ -82,7 +82,7 @@ class QueueFullError(RuntimeError):
 class Work:
     """One sample's share of a step: `n` new positions starting at req.kv_len."""
 
-    req: Req
+    req: Sample
     n: int
 
 
@@ -93,7 +93,7 @@ class DecodeRun:
     same samples in the same order on the same paths, updates its batch instead of building
     one (ForwardBatch.follows)."""
 
-    reqs: list[Req]
+    reqs: list[Sample]
     batch: ForwardBatch
     table_rows: list[int]  # each sample's row of the request-to-token table
     table_rows_t: torch.Tensor  # the same, (B,) int64
@@ -233,10 +233,10 @@ class Scheduler:
 
     def _new_req(
         self, request: TokenizedRequest, index: int, grammar: CompiledGrammar | None
-    ) -> Req:
+    ) -> Sample:
         stop = StopChecker(request.sampling, set(self.eos_ids), self.tokenizer)
         state = None if grammar is None else grammar.new_state()  # own state per sample
-        return Req(
+        return Sample(
             request=request,
             index=index,
             stop=stop,
@@ -537,8 +537,8 @@ class Scheduler:
             self.kv.pool.free(self.kv.modules.remove(name, message))
 
     def _process(self, work: list[Work], logits: torch.Tensor, first_row: list[int]) -> None:
-        sampled: list[tuple[Req, int]] = []  # (sample, logits row) to draw a token for
-        drafted: list[tuple[Req, int]] = []  # (sample, its first logits row) to verify
+        sampled: list[tuple[Sample, int]] = []  # (sample, logits row) to draw a token for
+        drafted: list[tuple[Sample, int]] = []  # (sample, its first logits row) to verify
         for w, row0 in zip(work, first_row):
             if w.req.draft:  # the last token's K/V; the draft's is kept as it is accepted
                 w.req.kv_len += 1
@@ -563,7 +563,7 @@ class Scheduler:
         self._verify(drafted, logits)  # first: a failure in _sample may end a drafted sibling
         self._sample(sampled, logits)
 
-    def _fork(self, parent: Req) -> list[Req]:
+    def _fork(self, parent: Sample) -> list[Sample]:
         """Create samples 1..n-1 of `parent`'s request sharing its prompt K/V."""
         parent.fork_pending = False
         children = []
@@ -577,7 +577,7 @@ class Scheduler:
                 self.tables.queue(child)
         return children
 
-    def _sample(self, sampled: list[tuple[Req, int]], logits: torch.Tensor) -> None:
+    def _sample(self, sampled: list[tuple[Sample, int]], logits: torch.Tensor) -> None:
         draw = [(r, row) for r, row in sampled if r.sampling.max_new_tokens > 0]
         for req, _ in sampled:
             if req.sampling.max_new_tokens == 0:  # prefill only: the prompt is now cached
@@ -585,7 +585,7 @@ class Scheduler:
         if draw:
             self._draw(draw, logits)
 
-    def _draw(self, draw: list[tuple[Req, int]], logits: torch.Tensor) -> None:
+    def _draw(self, draw: list[tuple[Sample, int]], logits: torch.Tensor) -> None:
         """A token for each (sample, logits row) of `draw`; end the samples that finish."""
         drawn, failures = self.out.draw(draw, logits)
         for req, status, message in failures:
@@ -596,15 +596,15 @@ class Scheduler:
                 if reason is not None:
                     self._end_if(req, reason)
 
-    def _verify(self, drafted: list[tuple[Req, int]], logits: torch.Tensor) -> None:
+    def _verify(self, drafted: list[tuple[Sample, int]], logits: torch.Tensor) -> None:
         """Draw each drafted sample's tokens one position at a time, from its last token's
         logits, then from those of the tree node holding the token just drawn, for as long as
         one does (speculative.py); then keep the K/V of the nodes kept in their positions,
         free the others', and end the samples that finished."""
         start = {req: req.kv_len for req, _ in drafted}
         first_row = dict(drafted)
-        kept: dict[Req, list[int]] = {req: [] for req, _ in drafted}
-        ends: list[tuple[Req, FinishReason]] = []
+        kept: dict[Sample, list[int]] = {req: [] for req, _ in drafted}
+        ends: list[tuple[Sample, FinishReason]] = []
         live = [(req, row, ROOT) for req, row in drafted]  # (sample, logits row, its node)
         while live:
             drawn, failures = self.out.draw([(r, row) for r, row, _ in live], logits)
@@ -630,7 +630,7 @@ class Scheduler:
                 self._end_if(req, reason)
 
     def _take(
-        self, req: Req, token: int, logprob: float, top: list[TokenLogprob]
+        self, req: Sample, token: int, logprob: float, top: list[TokenLogprob]
     ) -> FinishReason | None:
         """Append a drawn token to `req`; why it finishes, if it does. A failure on this
         request's path is an "error" reason with its HTTP status: it alone fails."""
@@ -647,7 +647,7 @@ class Scheduler:
             logger.exception("request %s: error after sampling", req.rid)
             return FinishReason("error", f"internal error: {type(e).__name__}: {e}", 500)
 
-    def _end_if(self, req: Req, reason: FinishReason | None) -> None:
+    def _end_if(self, req: Sample, reason: FinishReason | None) -> None:
         """End `req` for `reason` (an error ends every sample of its request)."""
         if reason is None:
             return
@@ -664,7 +664,7 @@ class Scheduler:
             return reason
         return FinishReason("stop", matched=token if token in self.eos_ids else None)
 
-    def _finish(self, req: Req, reason: FinishReason) -> None:
+    def _finish(self, req: Sample, reason: FinishReason) -> None:
         req.finish_reason = reason
         if self.tables.drop(req):
             self.kv.release(req)

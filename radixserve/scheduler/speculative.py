@@ -68,7 +68,7 @@ from radixserve.config import SPECULATIVE_ALGORITHMS
 from radixserve.kvcache.prefix_cache import PrefixCache
 from radixserve.scheduler.draft_model import DraftModel, ema
 from radixserve.scheduler.draft_tree import ROOT, Draft, weighted_tree
-from radixserve.scheduler.req import Req
+from radixserve.scheduler.sample import Sample
 
 MAX_PAUSE = 64  # steps a request whose drafts miss waits at most before drafting again
 MIN_DRAFT = 2  # tokens a request's pace never falls below
@@ -117,7 +117,7 @@ class Speculator:
         self.paces: dict[str, Pace] = {}  # by rid, the running requests asked for drafts
         self.row_s: float | None = None  # a model step's seconds per row, STEP_ROWS included
         self.draft_rows = 0.0  # a draft model step's share of a draft position, in rows
-        self.modelled: set[Req] = set()  # the samples whose draft the draft model made
+        self.modelled: set[Sample] = set()  # the samples whose draft the draft model made
 
     def next_step(self, rows: int) -> None:
         """A step of `rows` rows (before drafts) is being scheduled."""
@@ -129,7 +129,7 @@ class Speculator:
         """The model's step of `rows` rows (drafts included) took `seconds`."""
         self.row_s = ema(self.row_s, seconds / (rows + STEP_ROWS))
 
-    def keep_only(self, running: Collection[Req]) -> None:
+    def keep_only(self, running: Collection[Sample]) -> None:
         """Forget the samples not `running` (ended, aborted, retracted): their requests'
         paces, their draft model K/V."""
         if self.paces:
@@ -145,7 +145,7 @@ class Speculator:
     def _pace(self, rid: str) -> Pace:
         return self.paces.setdefault(rid, Pace(self.num_draft_tokens))
 
-    def propose(self, samples: list[Req], room: int) -> list[Draft]:
+    def propose(self, samples: list[Sample], room: int) -> list[Draft]:
         """A token tree for each of the decoding `samples` (empty for none), at most `room`
         tokens in all, given out in order. A sample's last token's K/V is what the step
         computes."""
@@ -175,7 +175,7 @@ class Speculator:
             room -= len(draft)
         return drafts
 
-    def _lookup(self, req: Req, k: int) -> list[list[int]]:
+    def _lookup(self, req: Sample, k: int) -> list[list[int]]:
         """The continuations of up to `k` tokens the model-free drafters find for `req`
         (module docstring)."""
         if k <= 0:
@@ -193,7 +193,7 @@ class Speculator:
                 found = own
         return found
 
-    def _budget(self, req: Req, room: int) -> int:
+    def _budget(self, req: Sample, room: int) -> int:
         """The most tokens `req`'s draft may hold this step (0: no draft)."""
         pace = self._pace(req.request.rid)
         if self.steps < pace.resume or req.request.modules is not None:
@@ -202,7 +202,7 @@ class Speculator:
         left = req.sampling.max_new_tokens - len(req.output_ids) - 1
         return max(0, min(pace.length, left, room))
 
-    def record(self, req: Req, draft: Draft, kept: list[int]) -> None:
+    def record(self, req: Sample, draft: Draft, kept: list[int]) -> None:
         """The nodes `kept` (a path) of `req`'s `draft` were kept this step."""
         proposed, accepted = len(draft), len(kept)
         if self.drafter is not None and req in self.modelled:

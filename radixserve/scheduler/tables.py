@@ -15,26 +15,26 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from radixserve.scheduler.req import Req
+from radixserve.scheduler.sample import Sample
 
 
 class SampleQueue:
     """Samples in the order they joined, with O(1) append, remove and membership."""
 
     def __init__(self) -> None:
-        self._order: dict[Req, None] = {}
+        self._order: dict[Sample, None] = {}
 
-    def append(self, req: Req) -> None:
+    def append(self, req: Sample) -> None:
         assert req not in self._order, f"{req.rid}/{req.index} queued twice"
         self._order[req] = None
 
-    def remove(self, req: Req) -> None:
+    def remove(self, req: Sample) -> None:
         del self._order[req]
 
     def __contains__(self, req: object) -> bool:
         return req in self._order
 
-    def __iter__(self) -> Iterator[Req]:
+    def __iter__(self) -> Iterator[Sample]:
         return iter(self._order)
 
     def __len__(self) -> int:
@@ -51,29 +51,29 @@ class SampleTables:
     def __init__(self) -> None:
         self.waiting = SampleQueue()
         self.running = SampleQueue()
-        self.by_rid: dict[str, list[Req]] = {}
+        self.by_rid: dict[str, list[Sample]] = {}
 
-    def queue(self, req: Req) -> None:
+    def queue(self, req: Sample) -> None:
         """A new sample joins the waiting queue."""
         self.waiting.append(req)
         self.by_rid.setdefault(req.rid, []).append(req)
 
-    def run(self, req: Req) -> None:
+    def run(self, req: Sample) -> None:
         """A new sample (a fork with its prompt's K/V) starts running at once."""
         self.running.append(req)
         self.by_rid.setdefault(req.rid, []).append(req)
 
-    def start(self, req: Req) -> None:
+    def start(self, req: Sample) -> None:
         """A waiting sample was admitted."""
         self.waiting.remove(req)
         self.running.append(req)
 
-    def retract(self, req: Req) -> None:
+    def retract(self, req: Sample) -> None:
         """A running sample goes back to the waiting queue."""
         self.running.remove(req)
         self.waiting.append(req)
 
-    def drop(self, req: Req) -> bool:
+    def drop(self, req: Sample) -> bool:
         """The sample ends: out of every table. Returns whether it was running."""
         was_running = req in self.running
         (self.running if was_running else self.waiting).remove(req)
@@ -83,7 +83,7 @@ class SampleTables:
             del self.by_rid[req.rid]
         return was_running
 
-    def samples(self, rid: str) -> list[Req]:
+    def samples(self, rid: str) -> list[Sample]:
         """The request's samples still waiting or running (a copy)."""
         return list(self.by_rid.get(rid, ()))
 
@@ -91,7 +91,7 @@ class SampleTables:
         """by_rid against a recomputation from the queues; no sample in both."""
         both = [r for r in self.running if r in self.waiting]
         assert not both, f"samples both waiting and running: {[(r.rid, r.index) for r in both]}"
-        want: dict[str, set[Req]] = {}
+        want: dict[str, set[Sample]] = {}
         for r in [*self.waiting, *self.running]:
             want.setdefault(r.rid, set()).add(r)
         got = {rid: set(samples) for rid, samples in self.by_rid.items()}

@@ -49,7 +49,7 @@ from radixserve.scheduler.ngram import NgramIndex
 
 
 @dataclass(eq=False)
-class Req:
+class Sample:
     request: TokenizedRequest
     index: int  # sample index within the request (0..n-1)
     stop: StopChecker

@@ -1,4 +1,4 @@
-"""One worker as the router sees it: its URL, whether it is routable, and its load."""
+"""One backend server as the router sees it: its URL, whether it is routable, and its load."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 
 @dataclass(eq=False)
-class Worker:
+class Backend:
     url: str
     healthy: bool = False  # routable; set by a passing health check, cleared on failure
     in_flight: int = 0  # requests this router has open on it
@@ -26,7 +26,7 @@ class Worker:
 class Lease:
     """One request in flight on a worker, from acquiring to `release` (idempotent)."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Backend) -> None:
         self.worker = worker
         self.open = True
         worker.in_flight += 1
