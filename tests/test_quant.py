@@ -113,6 +113,32 @@ def test_reference_and_native_dequantize_match_the_gguf_package(fmt: str) -> Non
     np.testing.assert_array_equal(tiles.T.numpy(), theirs)
 
 
+def test_mxfp4_scales_at_every_exponent_match_the_gguf_package() -> None:
+    """MXFP4's E8M0 scale 2^(e - 128) at every exponent byte, the subnormal 2^-128 and
+    2^-127 of e = 0, 1 and the overflow to inf of e = 255 included; then the kernels at the
+    exponents whose scale times x's (about 2^-14) stays a normal float32."""
+    native = ops()
+    assert native is not None
+    k, code = 64, FORMATS["mxfp4"].code
+    blocks = torch.from_numpy(random_blocks(256, k, "mxfp4", seed=3)).view(256, 2, 17)
+    blocks[:, :, 0] = torch.arange(256, dtype=torch.uint8)[:, None]  # row e: exponent byte e
+    blocks = blocks.reshape(256, -1)
+    with np.errstate(over="ignore"):  # e = 255: 12 * 2^127
+        theirs = gguf_dequantize(blocks.numpy(), GGMLQuantizationType.MXFP4)
+        ours = dequantize(blocks, "mxfp4", k).numpy()
+    assert 0 < np.abs(theirs[0][theirs[0] != 0]).min() < 2**-126 and np.isinf(theirs[255]).any()
+    np.testing.assert_array_equal(ours, theirs)
+    rows = native.dequant(blocks, code, k, torch.arange(256))
+    np.testing.assert_array_equal(rows.numpy(), theirs)
+    tiles = native.qmatmul_tiled(torch.eye(k), blocks[:250], code, k)  # 12 * 2^(e - 128) finite
+    np.testing.assert_array_equal(tiles.T.numpy(), theirs[:250])
+    normal = blocks[20:250]
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(3))
+    small = native.qmatmul_small(x, normal, code, k)
+    _close(small, q16_rows(x), dequantize(normal, "mxfp4", k))
+    assert torch.equal(native.qmatmul_gemm(x, normal, code, k), small)
+
+
 @pytest.mark.parametrize("fmt", LEGACY)
 def test_quantize_error_is_within_half_a_step(fmt: str) -> None:
     w = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))

@@ -1,5 +1,5 @@
-"""Block-quantized weights (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K,
-Q6_K) kept in their file layout, and the linear layer that multiplies by them
+"""Block-quantized weights (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4 and the K-quants Q4_K,
+Q5_K, Q6_K) kept in their file layout, and the linear layer that multiplies by them
 (csrc/quant_cpu.cpp, built per CPU ISA on first use; the C++ file documents every block
 format).
 
@@ -97,6 +97,7 @@ FORMATS = {
         Format("q6_k", 5, SUPER_BLOCK, 210, 32),
         Format("q5_0", 6, BLOCK, 22, 32),
         Format("q5_1", 7, BLOCK, 24, 32),
+        Format("mxfp4", 12, BLOCK, 17, 32),
     )
 }
 # The format codes of Q4_K and Q6_K weights with x rounded to int8 per 256-block, as
@@ -115,12 +116,13 @@ PACKED_CODES = {"q4_k": 10, "q6_k": 11}
 PACKED_BYTES = {"q4_k": 148, "q6_k": 210}  # a row's super-block in tiles (the file: 144, 210)
 PACK_ROWS = 8
 PACK_SLICE_BYTES = 32 << 20  # file bytes packed (and released) at a time
-# Formats made only by llama.cpp's quantizer: the `gguf` package's dequantization is their
-# reference (the others' reference is `dequantize` below, and `quantize` makes them).
+# Formats made by llama.cpp's quantizer (and, MXFP4, by model authors), not by `quantize`
+# below: the `gguf` package's dequantization is their reference (the others' reference is
+# `dequantize` below).
 LLAMA_CPP_ONLY = {
     "q4_k": GGMLQuantizationType.Q4_K, "q5_k": GGMLQuantizationType.Q5_K,
     "q6_k": GGMLQuantizationType.Q6_K, "q5_0": GGMLQuantizationType.Q5_0,
-    "q5_1": GGMLQuantizationType.Q5_1,
+    "q5_1": GGMLQuantizationType.Q5_1, "mxfp4": GGMLQuantizationType.MXFP4,
 }  # fmt: skip
 
 

@@ -8,8 +8,12 @@
 //   Q8_0 (34 B): fp16 d, int8 qs[32]            w_j = d * q_j
 //   Q5_0 (22 B): fp16 d, qh[4], qs[16]          w_j = d * (q_j - 16)
 //   Q5_1 (24 B): fp16 d, fp16 m, qh[4], qs[16]  w_j = d * q_j + m
+//   MXFP4 (17 B): uint8 e, qs[16]               w_j = d * kv[q_j], d = 2^(e - 128)
 // where, for the 4- and 5-bit formats, q_j = qs[j] & 15 for j < 16 and qs[j - 16] >> 4
-// otherwise, plus 16 where bit j of the little-endian uint32 qh is set (5-bit).
+// otherwise, plus 16 where bit j of the little-endian uint32 qh is set (5-bit). MXFP4's
+// code is an FP4 (e2m1) value, kv its double, (0, 1, 2, 3, 4, 6, 8, 12) and their negatives
+// for codes 8-15, and d the E8M0 exponent e halved (e < 2: the subnormal 2^-128 or 2^-127),
+// so that the paths below see an integer quant kv[q_j] under a float32 scale and no offset.
 // The K-quants store a row as super-blocks of 256 weights, 8 sub-blocks of 32; block b of a
 // row is sub-block b % 8 of super-block b / 8:
 //   Q4_K (144 B): fp16 d, fp16 dmin, scales[12] (6-bit sc_j and m_j, j < 8), qs[128]
@@ -23,10 +27,11 @@
 // The dequantizing paths see a block as w = d * q + m (d, m float32, q integer): for the
 // K-quants d = d * sc_j and m = -dmin * m_j, and for Q6_K q = sc * (q6 - 32) (|q| <= 4096)
 // with the super-block's d, so that one d covers the 32-block. Every d * q is exact in
-// float32 (at most 24 significant bits), so each path's dequantized weight equals the
-// reference's (gguf.quants.dequantize) bit for bit. The integer paths keep a K-quant
-// super-block's d apart and multiply sc_j into the int16 quants (sc_j * q, at most 945 for
-// Q4_K), so that a super-block's products sum in int32 under one scale.
+// float32 (at most 24 significant bits; MXFP4's a power of two times |q| <= 12), so each
+// path's dequantized weight equals the reference's (gguf.quants.dequantize) bit for bit.
+// The integer paths keep a K-quant super-block's d apart and multiply sc_j into the int16
+// quants (sc_j * q, at most 945 for Q4_K), so that a super-block's products sum in int32
+// under one scale.
 //
 // Four ways to multiply x (M, K) float32 by such a weight, picked by the caller per call:
 // - `qmatmul_small` (M small: decode): x is rounded to int16 per 32-block (the K-quants: per
@@ -88,7 +93,10 @@
 
 namespace {
 
-enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5, kQ5_0 = 6, kQ5_1 = 7 };
+// Codes 8-11 are Q4_K / Q6_K with int8 x and their packed tiles (weight_format below).
+enum Format : int64_t {
+  kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5, kQ5_0 = 6, kQ5_1 = 7, kMXFP4 = 12
+};
 constexpr int64_t kBlock = 32;
 constexpr int64_t kSuper = 256;  // weights of a K-quant super-block
 constexpr int64_t kRows = 8;    // rows of x per pass of dot_rows (one weight row a task)
@@ -96,14 +104,18 @@ constexpr int64_t kTile = 64;   // weight rows dequantized per sgemm in qmatmul_
 
 constexpr bool is_kquant(int64_t fmt) { return fmt == kQ4_K || fmt == kQ5_K || fmt == kQ6_K; }
 constexpr bool is_q5(int64_t fmt) { return fmt == kQ5_0 || fmt == kQ5_1; }
-constexpr bool has_offset(int64_t fmt) { return fmt != kQ8_0 && fmt != kQ6_K; }
+constexpr bool has_offset(int64_t fmt) { return fmt != kQ8_0 && fmt != kQ6_K && fmt != kMXFP4; }
 // Bytes of a block (legacy formats: 32 weights) or super-block (K-quants: 256 weights).
 constexpr int64_t unit_bytes(int64_t fmt) {
   constexpr int64_t bytes[] = {18, 20, 34, 144, 176, 210, 22, 24};
-  return bytes[fmt];
+  return fmt == kMXFP4 ? 17 : bytes[fmt];
 }
+// Where a legacy block's quants start (after its scale fields).
+constexpr int64_t quants_at(int64_t fmt) { return fmt == kMXFP4 ? 1 : fmt == kQ4_1 || fmt == kQ5_1 ? 4 : 2; }
 
-void check_format(int64_t fmt) { TORCH_CHECK(fmt >= kQ4_0 && fmt <= kQ5_1, "unknown quant format ", fmt); }
+void check_format(int64_t fmt) {
+  TORCH_CHECK((fmt >= kQ4_0 && fmt <= kQ5_1) || fmt == kMXFP4, "unknown quant format ", fmt);
+}
 
 int64_t row_bytes_of(int64_t fmt, int64_t K) {
   check_format(fmt);
@@ -130,6 +142,7 @@ decltype(auto) with_format(int64_t fmt, F&& f) {
     case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
     case kQ5_0: return f(std::integral_constant<int64_t, kQ5_0>{});
     case kQ5_1: return f(std::integral_constant<int64_t, kQ5_1>{});
+    case kMXFP4: return f(std::integral_constant<int64_t, kMXFP4>{});
   }
   TORCH_CHECK(false, "unknown quant format ", fmt);
 }
@@ -143,6 +156,19 @@ float half_to_float(const uint8_t* p) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
 #endif
 }
+
+// MXFP4's scale: E8M0 exponent e -> 2^(e - 128) as float32 bits (e < 2: the subnormals
+// 2^-128 and 2^-127), and its doubled FP4 values by code.
+constexpr uint32_t e8m0_half_bits(uint32_t e) { return e < 2 ? 0x00200000u << e : (e - 1) << 23; }
+
+float e8m0_half(uint8_t e) {
+  const uint32_t bits = e8m0_half_bits(e);
+  float d;
+  std::memcpy(&d, &bits, 4);
+  return d;
+}
+
+constexpr int8_t kFp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 // Sub-block j's 6-bit scale and min of a Q4_K / Q5_K super-block's scales[12]: bytes 0-3
 // hold sc_0..3 (low 6 bits), 4-7 m_0..3, 8-11 the low 4 bits of sc_4..7 and m_4..7 (low and
@@ -171,7 +197,7 @@ template <int64_t fmt>
 inline void block_scales(const uint8_t* row, int64_t b, float& d, float& m) {
   if constexpr (!is_kquant(fmt)) {
     const uint8_t* blk = row + b * unit_bytes(fmt);
-    d = half_to_float(blk);
+    d = fmt == kMXFP4 ? e8m0_half(blk[0]) : half_to_float(blk);
     m = fmt == kQ4_1 || fmt == kQ5_1 ? half_to_float(blk + 2)
         : fmt == kQ4_0               ? -8.f * d
         : fmt == kQ5_0               ? -16.f * d
@@ -230,16 +256,17 @@ inline Q6Block q6_block(const uint8_t* row, int64_t b) {
 template <int64_t fmt>
 inline void block_quants(const uint8_t* row, int64_t b, int32_t* q) {
   if constexpr (is_q5(fmt)) {
-    const uint8_t* blk = row + b * unit_bytes(fmt) + (fmt == kQ5_1 ? 4 : 2);
+    const uint8_t* blk = row + b * unit_bytes(fmt) + quants_at(fmt);
     uint32_t qh;
     std::memcpy(&qh, blk, 4);
     for (int j = 0; j < kBlock; ++j) {
       q[j] = (j < 16 ? blk[4 + j] & 15 : blk[4 + j - 16] >> 4) | (((qh >> j) & 1) << 4);
     }
   } else if constexpr (!is_kquant(fmt)) {
-    const uint8_t* qs = row + b * unit_bytes(fmt) + (fmt == kQ4_1 ? 4 : 2);
+    const uint8_t* qs = row + b * unit_bytes(fmt) + quants_at(fmt);
     for (int j = 0; j < kBlock; ++j) {
       q[j] = fmt == kQ8_0 ? static_cast<int8_t>(qs[j]) : j < 16 ? qs[j] & 15 : qs[j - 16] >> 4;
+      if (fmt == kMXFP4) q[j] = kFp4[q[j]];
     }
   } else if constexpr (fmt == kQ6_K) {
     const Q6Block q6 = q6_block(row, b);
@@ -284,7 +311,7 @@ inline void widen_block(const uint8_t* row, int64_t b, __m256i& w0, __m256i& w1)
     w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
     w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
   } else if constexpr (is_q5(fmt)) {
-    const uint8_t* blk = row + b * unit_bytes(fmt) + (fmt == kQ5_1 ? 4 : 2);
+    const uint8_t* blk = row + b * unit_bytes(fmt) + quants_at(fmt);
     uint32_t qh;
     std::memcpy(&qh, blk, 4);
     const __m256i bytes = widen16(blk + 4);
@@ -298,8 +325,13 @@ inline void widen_block(const uint8_t* row, int64_t b, __m256i& w0, __m256i& w1)
     };
     w0 = _mm256_or_si256(_mm256_and_si256(bytes, low4), high(qh & 0xffff));
     w1 = _mm256_or_si256(_mm256_srli_epi16(bytes, 4), high(qh >> 16));
+  } else if constexpr (fmt == kMXFP4) {  // the codes looked up as int8 values, then widened
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * unit_bytes(fmt) + 1));
+    const __m128i lut = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp4)), mask = _mm_set1_epi8(15);
+    w0 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut, _mm_and_si128(v, mask)));
+    w1 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), mask)));
   } else if constexpr (!is_kquant(fmt)) {
-    const __m256i bytes = widen16(row + b * unit_bytes(fmt) + (fmt == kQ4_1 ? 4 : 2));
+    const __m256i bytes = widen16(row + b * unit_bytes(fmt) + quants_at(fmt));
     w0 = _mm256_and_si256(bytes, low4);
     w1 = _mm256_srli_epi16(bytes, 4);
   } else if constexpr (fmt == kQ6_K) {
@@ -561,10 +593,19 @@ inline __m256i reduce8(const __m256i s[8]) {
 #endif
 
 #ifdef RS_AVX2
-// The fp16 scale d (and Q4_1's / Q5_1's offset m) of block `off` of 8 weight rows, as 8
-// float lanes.
+// The fp16 scale d (and Q4_1's / Q5_1's offset m; MXFP4: its E8M0 scale) of block `off`
+// of 8 weight rows, as 8 float lanes.
 template <int64_t fmt>
 inline void block_scales8(const uint8_t* const* rows, int64_t off, __m256& d, __m256& m) {
+  if constexpr (fmt == kMXFP4) {  // e8m0_half_bits per lane: (e - 1) << 23, or a subnormal
+    const __m256i e = _mm256_setr_epi32(rows[0][off], rows[1][off], rows[2][off], rows[3][off], rows[4][off],
+                                        rows[5][off], rows[6][off], rows[7][off]);
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    d = _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+    m = _mm256_setzero_ps();
+    return;
+  }
   auto half2 = [&](int i) {  // (d, m) of row i: 4 bytes (Q8_0/Q4_0: d and 2 bytes of quants)
     int32_t v;
     std::memcpy(&v, rows[i] + off, 4);
@@ -653,13 +694,16 @@ inline __m512i widen_block16(const uint8_t* row, int64_t b) {
   if constexpr (fmt == kQ8_0) {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * unit_bytes(fmt) + 2)));
   } else if constexpr (is_q5(fmt)) {
-    const uint8_t* blk = row + b * unit_bytes(fmt) + (fmt == kQ5_1 ? 4 : 2);
+    const uint8_t* blk = row + b * unit_bytes(fmt) + quants_at(fmt);
     uint32_t qh;
     std::memcpy(&qh, blk, 4);
     const __m512i q = widen32(nibbles(blk + 4));
     return _mm512_mask_add_epi16(q, static_cast<__mmask32>(qh), q, _mm512_set1_epi16(16));
+  } else if constexpr (fmt == kMXFP4) {  // the codes looked up as int8 values, sign-extended
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp4)));
+    return _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(lut, nibbles(row + b * unit_bytes(fmt) + 1)));
   } else if constexpr (!is_kquant(fmt)) {
-    return widen32(nibbles(row + b * unit_bytes(fmt) + (fmt == kQ4_1 ? 4 : 2)));
+    return widen32(nibbles(row + b * unit_bytes(fmt) + quants_at(fmt)));
   } else if constexpr (fmt == kQ6_K) {
     const Q6Block q6 = q6_block(row, b);
     __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q6.ql));
