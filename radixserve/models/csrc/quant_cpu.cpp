@@ -59,12 +59,15 @@
 // paths' bit for bit (same integer sums, same float32 operations per lane, same order).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/clamp.h>
+#include <ATen/ops/clamp_max.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/sigmoid.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/topk.h>
@@ -2219,16 +2222,20 @@ at::Tensor post_attention(const at::Tensor& h, const at::Tensor& attn, const Lin
 // A MoE layer's selected experts in one call (radixserve/models/moe.py, QuantExperts): the
 // (token, slot) rows grouped by expert, in expert order (a counting sort: the stable argsort
 // of the ids), every selected expert's gate/up over its rows in ONE parallel loop over all
-// their weight rows, SwiGLU, every down the same way, then each row weighted and summed over
-// its token's slots by the ATen ops of moe.grouped_experts. An expert's rows get the kernel
-// QuantLinear picks for that many rows, so the result is grouped_experts over per-expert
-// QuantLinears, bit for bit, in two loops instead of two calls per expert.
+// their weight rows (plus its bias row, gpt-oss), SwiGLU (or gpt-oss's clamped SwiGLU, the
+// ATen ops of moe.clamped_swiglu), every down the same way, then each row weighted and
+// summed over its token's slots by the ATen ops of moe.grouped_experts. An expert's rows get
+// the kernel QuantLinear picks for that many rows, so the result is grouped_experts over
+// per-expert QuantLinears, bit for bit, in two loops instead of two calls per expert.
 
 namespace {
 
 // One projection of every expert: per part its blocks (E, N, row bytes), format code and
 // small_m (QuantExperts.native_arg).
 using StackArg = std::tuple<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>>;
+// A layer's experts (QuantExperts.native_arg): gate/up and down stacks, their float32 biases
+// (E, 2I) and (E, hidden) or none, and the clamped SwiGLU's alpha and limit (alpha 0: SwiGLU).
+using ExpertsArg = std::tuple<StackArg, StackArg, std::optional<at::Tensor>, std::optional<at::Tensor>, double, double>;
 
 // The experts of a stack (the first part's E), checked against every part's; stacks of one
 // call must agree on it.
@@ -2275,12 +2282,38 @@ void per_expert(const StackArg& s, const std::vector<int64_t>& start, const at::
   run_jobs(jobs);
 }
 
+// y rows [start[e], start[e + 1]) += bias row e, for each e with rows (Experts.forward's
+// `h + bias[e]`: one float32 add a value).
+void add_bias_rows(const std::optional<at::Tensor>& bias, const std::vector<int64_t>& start, at::Tensor& y,
+                   const char* name) {
+  if (!bias) return;
+  const int64_t experts = static_cast<int64_t>(start.size()) - 1;
+  check_f32(*bias, 2, name);
+  TORCH_CHECK(bias->size(0) == experts && bias->size(1) == y.size(1), name, ": (E, ", y.size(1),
+              ") expected, got ", bias->sizes());
+  for (int64_t e = 0; e < experts; ++e) {
+    if (start[e + 1] > start[e]) y.narrow(0, start[e], start[e + 1] - start[e]).add_(bias->select(0, e));
+  }
+}
+
+// gate/up (n, 2I) -> (n, I): SiLU(gate) * up, or with alpha > 0 gpt-oss's clamped SwiGLU
+// (up' + 1) * g * sigmoid(alpha * g), g = min(gate, limit), up' = clamp(up, -limit, limit),
+// in moe.clamped_swiglu's ops and order.
+at::Tensor expert_act(const at::Tensor& gu, double alpha, double limit) {
+  const int64_t inter = gu.size(1) / 2;
+  const at::Tensor gate = gu.narrow(1, 0, inter), up = gu.narrow(1, inter, inter);
+  if (alpha <= 0) return at::silu(gate).mul_(up);
+  const at::Tensor g = gate.clamp_max(limit);
+  return up.clamp(-limit, limit).add(1).mul(g.mul(at::sigmoid(g.mul(alpha))));
+}
+
 }  // namespace
 
 // x (T, H) float32, ids (T, k) int64 expert ids, weights (T, k) float32 -> (T, H) float32:
-// each token's sum over its k slots of weight * down[e](SiLU(gate[e] x) * up[e] x).
-at::Tensor experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const StackArg& gate_up,
-                   const StackArg& down) {
+// each token's sum over its k slots of weight * down[e](act(gate[e] x, up[e] x)) (with
+// biases: each product plus expert e's bias row).
+at::Tensor experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const ExpertsArg& arg) {
+  const auto& [gate_up, down, gate_up_bias, down_bias, alpha, limit] = arg;
   check_f32(x, 2, "x");
   const int64_t t = x.size(0), hidden = x.size(1);
   TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong && ids.size(0) == t,
@@ -2311,11 +2344,12 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor&
   }
   at::Tensor gu = at::empty({rows, stack_rows(gate_up)}, x.options());
   per_expert(gate_up, start, xs, gu);
-  const int64_t inter = gu.size(1) / 2;
-  const at::Tensor act = at::silu(gu.narrow(1, 0, inter)).mul_(gu.narrow(1, inter, inter));
+  add_bias_rows(gate_up_bias, start, gu, "gate_up_bias");
+  const at::Tensor act = expert_act(gu, alpha, limit);
   at::Tensor out = at::empty({rows, stack_rows(down)}, x.options());
   TORCH_CHECK(out.size(1) == hidden, "down's rows ", out.size(1), " != hidden ", hidden);
   per_expert(down, start, act, out);
+  add_bias_rows(down_bias, start, out, "down_bias");
   const at::Tensor weighted = out.mul(weights.reshape({rows}).index_select(0, order).unsqueeze(-1));
   at::Tensor by_slot = at::empty_like(weighted);
   by_slot.index_copy_(0, order, weighted);  // back in (token, slot) order
@@ -2330,7 +2364,7 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor&
 at::Tensor post_attention_moe(const at::Tensor& h, const at::Tensor& attn, const LinearArg& o_arg,
                               const at::Tensor& mlp_norm, double eps, const at::Tensor& router,
                               const std::optional<at::Tensor>& router_bias, int64_t top_k, bool renormalise,
-                              bool topk_softmax, const StackArg& gate_up, const StackArg& down) {
+                              bool topk_softmax, const ExpertsArg& experts_arg) {
   check_f32(h, 2, "h");
   TORCH_CHECK(attn.scalar_type() == at::kFloat && attn.dim() == 2, "attn: (T, Hq * D) float32 expected");
   check_f32(router, 2, "router");
@@ -2346,7 +2380,7 @@ at::Tensor post_attention_moe(const at::Tensor& h, const at::Tensor& attn, const
     std::tie(weights, ids) = at::topk(at::softmax(logits, -1, at::kFloat), top_k, -1);
     if (renormalise) weights = weights.div(weights.sum(-1, true));
   }
-  return h1.add_(experts(x, ids, weights, gate_up, down));
+  return h1.add_(experts(x, ids, weights, experts_arg));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
