@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFReader, GGUFWriter, TokenType
 
 from radixserve.models.quant import FORMATS
 from radixserve.models.resolve import EMBEDDED_GGUF, embedded_gguf
@@ -109,12 +109,19 @@ def embedded_tokenizer() -> Any:
     return AutoTokenizer.from_pretrained(embedded_gguf().parent, gguf_file=EMBEDDED_GGUF)
 
 
-def copy_tokenizer(reader: GGUFReader, writer: GGUFWriter) -> None:
-    """Every `tokenizer.*` field of `reader` (vocabulary, merges, chat template) into `writer`."""
+def copy_tokenizer(reader: GGUFReader, writer: GGUFWriter, vocab: int | None = None) -> None:
+    """Every `tokenizer.*` field of `reader` (vocabulary, merges, chat template) into `writer`;
+    with `vocab`, the vocabulary padded to that many tokens with unused ones
+    (`<|unused_{i}|>`, never produced by the merges)."""
+    tokens = len(reader.fields["tokenizer.ggml.tokens"].contents())
+    pad = max(0, (vocab or tokens) - tokens)
+    extra = {"tokenizer.ggml.tokens": [f"<|unused_{i}|>" for i in range(pad)],
+             "tokenizer.ggml.token_type": [int(TokenType.UNUSED)] * pad}  # fmt: skip
     for name, field in reader.fields.items():
         if name.startswith("tokenizer."):
             sub = field.types[1] if len(field.types) > 1 else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+            value = field.contents() + extra[name] if name in extra else field.contents()
+            writer.add_key_value(name, value, field.types[0], sub_type=sub)
 
 
 def random_blocks(n: int, k: int, fmt: str, seed: int) -> np.ndarray:
