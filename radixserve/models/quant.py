@@ -107,6 +107,17 @@ FORMATS = {
 # beside it.
 X8_CODES = {"q4_k": 8, "q6_k": 9}
 X8_SMALL_M = 1 << 30  # the rows up to which it streams: all
+# The format codes of Q8_0 and MXFP4 weights with x rounded to int8 per 32-block (as
+# llama.cpp rounds activations for them): byte multiply-adds up to the format's small_m rows
+# (decode, draft verification), the int16 GEMM above (prefill), so that the bits of a row
+# depend on whether its step has more than small_m rows, as with the bf16 tiles
+# (BF16_TILED_M). At one row they run 2.5x (MXFP4) and 2-4x (Q8_0) the int16 streaming
+# kernel's speed, which is compute-bound there; at 8 rows about 0.7x (a 46080 x 2880
+# weight, Zen 4, 2 threads). MXFP4 weights (gpt-oss's experts, whose int16 kernels read
+# 8 GB/s at one row) take them under `activations="int8"`; Q8_0 weights keep int16 x by
+# default (its code is for callers that pick it).
+B8_CODES = {"q8_0": 13, "mxfp4": 14}
+B8_BY_DEFAULT = {"mxfp4"}  # the formats whose x is int8 under activations="int8"
 # The same weights packed once into tiles of PACK_ROWS rows, each super-block's bytes in the
 # kernel's lane order with its scales decoded (AVX2 builds, `pack`): the kernel masks nibbles
 # instead of shuffling bytes and decoding 6-bit scales, with the file layout's results bit
@@ -211,6 +222,7 @@ def native_parts(
     blocks, codes, small = [], [], []
     for p in parts:
         int8 = p.fmt in X8_CODES and activations == "int8"
+        b8 = p.fmt in B8_BY_DEFAULT and activations == "int8"
         rows = p.blocks.reshape(-1, p.blocks.shape[-1])  # (E * N, row bytes): a view
         if int8 and native is not None and native.packs and p.blocks.shape[-2] % PACK_ROWS == 0:
             tiles = pack(native, rows, p.fmt, p.in_features, release)
@@ -218,7 +230,8 @@ def native_parts(
             codes.append(PACKED_CODES[p.fmt])
         else:
             blocks.append(p.blocks)
-            codes.append(X8_CODES[p.fmt] if int8 else FORMATS[p.fmt].code)
+            code = X8_CODES[p.fmt] if int8 else B8_CODES[p.fmt] if b8 else FORMATS[p.fmt].code
+            codes.append(code)
         small.append(X8_SMALL_M if int8 else FORMATS[p.fmt].small_m)
     return blocks, codes, small
 

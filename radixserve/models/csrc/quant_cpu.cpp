@@ -1270,9 +1270,18 @@ constexpr bool is_packed(int64_t code) { return code == kQ4_K_P8 || code == kQ6_
 constexpr bool is_x8(int64_t code) { return code == kQ4_K_X8 || code == kQ6_K_X8 || is_packed(code); }
 constexpr int64_t packed_bytes(int64_t fmt) { return fmt == kQ6_K ? 210 : 148; }
 
+// Q8_0 and MXFP4 weights with x rounded to int8 per 32-block (section "legacy blocks with
+// int8 x").
+constexpr int64_t kQ8_0_B8 = 13, kMXFP4_B8 = 14;
+constexpr bool is_b8(int64_t code) { return code == kQ8_0_B8 || code == kMXFP4_B8; }
+
 // The weight format of a format code.
 constexpr int64_t weight_format(int64_t code) {
-  return code == kQ4_K_X8 || code == kQ4_K_P8 ? kQ4_K : code == kQ6_K_X8 || code == kQ6_K_P8 ? kQ6_K : code;
+  return code == kQ4_K_X8 || code == kQ4_K_P8   ? kQ4_K
+         : code == kQ6_K_X8 || code == kQ6_K_P8 ? kQ6_K
+         : code == kQ8_0_B8                     ? kQ8_0
+         : code == kMXFP4_B8                    ? kMXFP4
+                                                : code;
 }
 
 struct Q8Rows {
@@ -1797,6 +1806,208 @@ void dot_rows(const uint8_t* wrow, int64_t fmt, int64_t nb, const QRows& x, int6
   with_format(fmt, [&](auto f) { dot_rows<decltype(f)::value>(wrow, nb, x, xr, rows, out, ldo); });
 }
 
+// ------------------------------------------------------------------ legacy blocks with int8 x
+//
+// Format codes kQ8_0_B8 and kMXFP4_B8: Q8_0 and MXFP4 weights with x rounded to int8 per
+// 32-block, as llama.cpp rounds activations for them (d = amax / 127, q = round(x / d);
+// error <= amax / 254 of the block, 128x the int16 path's). A block's 32 weights are int8
+// (Q8_0's quants; MXFP4's values kv, looked up by one vpshufb) and meet x in byte
+// multiply-adds: |w| as unsigned bytes times x with w's sign (vpdpbusd; AVX2: maddubs, whose
+// int16 pairs <= 2 * 128 * 127 do not saturate, then madd), lane i of 8 summing products
+// 4i..4i+3 exactly in int32; each block's lanes are scaled by d_w * d_x into 8 float32
+// accumulators (one FMA), summed at the end of the row. The streaming loop runs them up to
+// their small_m rows (decode, draft verification: twice the int16 kernels' speed, which
+// are compute-bound there); above it, the int16 GEMM of the same weights (prefill).
+struct B8Rows {
+  std::vector<int8_t> q;      // (M, K)
+  std::vector<float> d;       // (M, K / 32); NaN for a block holding inf or NaN (its q: 0)
+  std::vector<float> pairs;   // (M, K / 64, 16): blocks 2p, 2p + 1's d, 8 lanes each (VNNI)
+};
+
+void quantize_rows_b8(const float* x, int64_t M, int64_t K, B8Rows& out) {
+  const int64_t blocks = M * K / kBlock;
+  out.q.resize(M * K), out.d.resize(blocks);
+  for (int64_t u = 0; u < blocks; ++u) {
+    const float* xb = x + u * kBlock;
+    int8_t* q = out.q.data() + u * kBlock;
+    const float amax = unit_amax(xb, kBlock);
+    out.d[u] = amax / 127.f;
+    const float id = amax > 0.f ? 127.f / amax : 0.f;  // (NaN amax: q = 0)
+#ifdef RS_AVX2
+    __m256i i32[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), _mm256_set1_ps(std::isnan(amax) ? 0.f : id));
+      i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    const __m256i w16 = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                        _mm256_permutevar8x32_epi32(w16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+    for (int j = 0; j < kBlock; ++j) q[j] = std::isnan(amax) ? 0 : static_cast<int8_t>(std::nearbyint(xb[j] * id));
+#endif
+  }
+#ifdef RS_VNNI
+  const int64_t nb = K / kBlock, per_row = nb / 2;
+  out.pairs.resize(M * per_row * 16);
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t p = 0; p < per_row; ++p) {
+      float* lanes = out.pairs.data() + (r * per_row + p) * 16;
+      std::fill(lanes, lanes + 8, out.d[r * nb + 2 * p]), std::fill(lanes + 8, lanes + 16, out.d[r * nb + 2 * p + 1]);
+    }
+  }
+#endif
+}
+
+template <int64_t fmt>
+inline float b8_scale(const uint8_t* blk) {
+  return fmt == kMXFP4 ? e8m0_half(blk[0]) : half_to_float(blk);
+}
+
+#ifdef RS_AVX2
+// A block's 32 quants as bytes in element order: Q8_0's int8 weights, MXFP4's codes.
+template <int64_t fmt>
+inline __m256i b8_codes(const uint8_t* blk) {
+  if constexpr (fmt == kQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  } else {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 1)), mask = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+  }
+}
+
+// A block's 32 weights as int8, in element order.
+template <int64_t fmt>
+inline __m256i b8_weights(const uint8_t* blk) {
+  if constexpr (fmt == kQ8_0) return b8_codes<fmt>(blk);
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp4)));
+  return _mm256_shuffle_epi8(lut, b8_codes<fmt>(blk));
+}
+
+// Lane i = sum of aw[4i + j] * sx[4i + j], j < 4 (aw unsigned, sx signed bytes), exact.
+inline __m256i dot_b8(__m256i aw, __m256i sx) {
+#ifdef RS_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+#ifdef RS_VNNI
+// Blocks b and b + 1 as 64 int8 weights (b8_weights of each, in one register).
+template <int64_t fmt>
+inline __m512i b8_weights2(const uint8_t* blk) {
+  constexpr int64_t at = fmt == kQ8_0 ? 2 : 1, next = unit_bytes(fmt);
+  const auto load = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  if constexpr (fmt == kQ8_0) return _mm512_inserti64x4(_mm512_castsi256_si512(load(blk + at)), load(blk + next + at), 1);
+  // 128-bit lanes: the two blocks' quant bytes, their low nibbles, then their high nibbles,
+  // reordered into each block's 32 codes (low then high) and looked up
+  const __m256i q = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + at))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + next + at)), 1);
+  const __m256i mask = _mm256_set1_epi8(15);
+  const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, mask)),
+                                           _mm256_and_si256(_mm256_srli_epi16(q, 4), mask), 1);
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp4)));
+  return _mm512_shuffle_epi8(lut, _mm512_shuffle_i64x2(codes, codes, 0xD8));  // lanes 0, 2, 1, 3
+}
+#endif
+
+// out[r * ldo] = x row xr + r . the weight row, r < R: the products of even blocks (and of
+// an odd count's last one) in 8 float32 lanes, of odd blocks in 8 more, the two added at the
+// end, then the lanes; the AVX512-VNNI build holds both in one register and takes two
+// blocks an instruction, with the AVX2 build's bits.
+template <int64_t fmt, int R>
+void dot_rows_b8(const uint8_t* wrow, int64_t nb, const B8Rows& x, int64_t xr, float* out, int64_t ldo) {
+  constexpr int64_t bytes = unit_bytes(fmt);
+#ifdef RS_AVX2
+  __m256 even[R], odd[R];
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+  int64_t b = 0;
+#ifdef RS_VNNI
+  __m512 acc[R];  // lanes 0-7: even blocks, 8-15: odd
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t per_row = nb / 2;
+  for (; b + 2 <= nb; b += 2) {
+    const uint8_t* blk = wrow + b * bytes;
+    const __m512 dw = join(_mm256_set1_ps(b8_scale<fmt>(blk)), _mm256_set1_ps(b8_scale<fmt>(blk + bytes)));
+    const __m512i w = b8_weights2<fmt>(blk), aw = _mm512_abs_epi8(w);
+    const __mmask64 negative = _mm512_movepi8_mask(w);
+    for (int r = 0; r < R; ++r) {
+      const int64_t xb = (xr + r) * nb + b;
+      const __m512i xq = _mm512_loadu_si512(x.q.data() + xb * kBlock);
+      const __m512i sx = _mm512_mask_sub_epi8(xq, negative, _mm512_setzero_si512(), xq);
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sx);
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(x.pairs.data() + ((xr + r) * per_row + b / 2) * 16));
+      acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) even[r] = _mm512_castps512_ps256(acc[r]), odd[r] = _mm512_extractf32x8_ps(acc[r], 1);
+#endif
+  for (; b < nb; ++b) {
+    const uint8_t* blk = wrow + b * bytes;
+    const float dw = b8_scale<fmt>(blk);
+    const __m256i w = b8_weights<fmt>(blk), aw = _mm256_abs_epi8(w);
+    for (int r = 0; r < R; ++r) {
+      const int64_t xb = (xr + r) * nb + b;
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + xb * kBlock));
+      const __m256i dot = dot_b8(aw, _mm256_sign_epi8(xq, w));
+      __m256& a = b % 2 ? odd[r] : even[r];
+      a = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d[xb]), _mm256_cvtepi32_ps(dot), a);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = hsum(_mm256_add_ps(even[r], odd[r]));
+#else
+  float acc[R][2][8] = {};  // even and odd blocks' lanes
+  for (int64_t b = 0; b < nb; ++b) {
+    const float dw = b8_scale<fmt>(wrow + b * bytes);
+    int32_t w[kBlock];
+    block_quants<fmt>(wrow, b, w);
+    for (int r = 0; r < R; ++r) {
+      const int64_t xb = (xr + r) * nb + b;
+      const int8_t* xq = x.q.data() + xb * kBlock;
+      for (int i = 0; i < 8; ++i) {
+        int32_t lane = 0;
+        for (int j = 4 * i; j < 4 * i + 4; ++j) lane += w[j] * xq[j];
+        acc[r][b % 2][i] = fma_like_vectors(dw * x.d[xb], static_cast<float>(lane), acc[r][b % 2][i]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {  // hsum's order: lanes i + 4, then 2, then 1
+    float a[8];
+    for (int i = 0; i < 8; ++i) a[i] = acc[r][0][i] + acc[r][1][i];
+    out[r * ldo] = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+  }
+#endif
+}
+
+// Weight rows [0, rows) from wrow (row_bytes apart) times the M rows of x, kRows at a time.
+void dot_rows_b8(const uint8_t* wrow, int64_t fmt, int64_t row_bytes, int64_t rows, int64_t nb, const B8Rows& x,
+                 int64_t M, float* out, int64_t ldo) {
+  const auto run = [&](auto f) {
+    constexpr int64_t F = decltype(f)::value;
+    for (int64_t i = 0; i < rows; ++i) {
+      const uint8_t* w = wrow + i * row_bytes;
+      float* o = out + i;
+      for (int64_t r0 = 0; r0 < M; r0 += kRows) {
+        const int64_t R = std::min(kRows, M - r0);
+        switch (R) {
+          case 1: dot_rows_b8<F, 1>(w, nb, x, r0, o + r0 * ldo, ldo); break;
+          case 2: dot_rows_b8<F, 2>(w, nb, x, r0, o + r0 * ldo, ldo); break;
+          case 3: dot_rows_b8<F, 3>(w, nb, x, r0, o + r0 * ldo, ldo); break;
+          case 4: dot_rows_b8<F, 4>(w, nb, x, r0, o + r0 * ldo, ldo); break;
+          case 5: dot_rows_b8<F, 5>(w, nb, x, r0, o + r0 * ldo, ldo); break;
+          case 6: dot_rows_b8<F, 6>(w, nb, x, r0, o + r0 * ldo, ldo); break;
+          case 7: dot_rows_b8<F, 7>(w, nb, x, r0, o + r0 * ldo, ldo); break;
+          default: dot_rows_b8<F, kRows>(w, nb, x, r0, o + r0 * ldo, ldo);
+        }
+      }
+    }
+  };
+  if (fmt == kQ8_0) run(std::integral_constant<int64_t, kQ8_0>{});
+  else run(std::integral_constant<int64_t, kMXFP4>{});
+}
+
 void check_args(const at::Tensor& x, const at::Tensor& w, int64_t code, int64_t K, bool bf16_ok = false) {
   const int64_t fmt = weight_format(code);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
@@ -1830,6 +2041,7 @@ struct SmallPart {
   int64_t M, nb;
   float* out;
   int64_t ldo;
+  const B8Rows* xb = nullptr;  // Q8_0 / MXFP4 with int8 x
 };
 
 // out (M, ldo) columns [0, rows) of every part = its x @ part.T, in ONE parallel loop over
@@ -1858,6 +2070,7 @@ void run_small(const std::vector<SmallPart>& parts) {
     const uint8_t* row = part.w + task.n * part.row_bytes;
     float* o = part.out + task.n;
     const int64_t M = part.M, nb = part.nb, ldo = part.ldo;
+    if (part.xb) return dot_rows_b8(row, part.fmt, part.row_bytes, task.rows, nb, *part.xb, M, o, ldo);
 #ifdef RS_VNNI
     if (task.rows == 16) {
       if (part.x8) dot_wrows8<V16>(row, part.fmt, part.packed, part.row_bytes, nb, *part.x8, M, o, ldo);
@@ -1902,17 +2115,20 @@ at::Tensor qmatmul_small(const at::Tensor& x, const at::Tensor& w, int64_t code,
   at::Tensor out = at::empty({M, N}, x.options());
   QRows xq;
   Q8Rows x8;
+  B8Rows xb;
   if (is_x8(code)) quantize_rows8(x.data_ptr<float>(), M, K, fmt, x8);
+  else if (is_b8(code)) quantize_rows_b8(x.data_ptr<float>(), M, K, xb);
   else quantize_rows(x.data_ptr<float>(), M, K, fmt, xq);
   run_small({{w.data_ptr<uint8_t>(), fmt, N, w.size(1), is_packed(code), &xq, is_x8(code) ? &x8 : nullptr, M,
-              K / kBlock, out.data_ptr<float>(), N}});
+              K / kBlock, out.data_ptr<float>(), N, is_b8(code) ? &xb : nullptr}});
   return out;
 }
 
 // x (M, K) float32 @ w(N, K).T -> (M, N) float32, x rounded to int16 as in qmatmul_small;
 // the int16 GEMM above for any M (AVX2 builds; `int_gemm` tells the caller whether it is
 // there: the portable build, and int8 x at any M, run qmatmul_small's loops instead).
-at::Tensor qmatmul_gemm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K) {
+at::Tensor qmatmul_gemm(const at::Tensor& x, const at::Tensor& w, int64_t code, int64_t K) {
+  const int64_t fmt = is_b8(code) ? weight_format(code) : code;  // int8 x up to small_m only
 #ifdef RS_AVX2
   if (is_x8(fmt)) return qmatmul_small(x, w, fmt, K);
   check_args(x, w, fmt, K);
@@ -2060,7 +2276,8 @@ void run_jobs(const std::vector<SmallJob>& jobs) {
   struct Quantized {
     QRows xq[4];
     Q8Rows x8[2];
-    bool done[6] = {false, false, false, false, false, false};
+    B8Rows xb;
+    bool done[7] = {false, false, false, false, false, false, false};
   };
   std::vector<Quantized> quantized(jobs.size());  // sized once: the parts point into it
   std::vector<SmallPart> parts;
@@ -2073,13 +2290,17 @@ void run_jobs(const std::vector<SmallJob>& jobs) {
     for (size_t i = 0; i < l.w.size(); ++i) {
       const int64_t code = l.fmt[i], fmt = weight_format(code);
       check_args(x, l.w[i], code, K);
-      const int64_t q = is_x8(code) ? 4 + (fmt == kQ6_K) : is_kquant(fmt) ? fmt - kQ4_K + 1 : 0;
-      if (!xs.done[q] && q >= 4) quantize_rows8(x.data_ptr<float>(), M, K, fmt, xs.x8[q - 4]);
+      const int64_t q = is_b8(code)   ? 6
+                        : is_x8(code) ? 4 + (fmt == kQ6_K)
+                        : is_kquant(fmt) ? fmt - kQ4_K + 1
+                                         : 0;
+      if (!xs.done[q] && q == 6) quantize_rows_b8(x.data_ptr<float>(), M, K, xs.xb);
+      else if (!xs.done[q] && q >= 4) quantize_rows8(x.data_ptr<float>(), M, K, fmt, xs.x8[q - 4]);
       else if (!xs.done[q]) quantize_rows(x.data_ptr<float>(), M, K, fmt, xs.xq[q]);
       xs.done[q] = true;
       parts.push_back({l.w[i].data_ptr<uint8_t>(), fmt, l.w[i].size(0), l.w[i].size(1), is_packed(code),
-                       q < 4 ? &xs.xq[q] : nullptr, q >= 4 ? &xs.x8[q - 4] : nullptr, M, K / kBlock,
-                       jobs[j].y + col, jobs[j].ldy});
+                       q < 4 ? &xs.xq[q] : nullptr, q == 4 || q == 5 ? &xs.x8[q - 4] : nullptr, M, K / kBlock,
+                       jobs[j].y + col, jobs[j].ldy, q == 6 ? &xs.xb : nullptr});
       col += l.w[i].size(0);
     }
   }
