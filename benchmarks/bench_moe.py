@@ -7,8 +7,9 @@ Rows, on one GGUF mixture of experts (`--model`, e.g. `make_gguf.py --shape olmo
   picked, so its bytes grow with the distinct experts a layer reads a step, counted here
   in a second, identical run on the module path (the native layers give its logits bit
   for bit; the router's picks are recorded from moe.route). The weight-read roofline of a
-  step is (the file less all experts + the distinct experts' bytes) / the read bandwidth
-  measured in the same run.
+  step is (the file less all experts, and less the token embedding where an output matrix
+  is apart from it: a step gathers B of its rows, + the distinct experts' bytes) / the read
+  bandwidth measured in the same run.
 - load: the first `--questions` GSM8K test questions prefilled; each layer's tokens per
   expert (each token counts k times), summarised as max / mean and the coefficient of
   variation over experts and layers. With random weights the router's picks say nothing of
@@ -84,7 +85,8 @@ def generate(engine: Engine, prompt: list[int], b: int, n: int) -> tuple[float, 
 
 
 def expert_bytes(model: Path) -> tuple[int, int]:
-    """(all stacked experts' bytes, one expert's bytes in one layer: gate + up + down)."""
+    """(all stacked experts' bytes, one expert's bytes in one layer: gate + up + down, with
+    their bias rows where they have them)."""
     meta = gguf_metadata(model)
     arch = meta["general.architecture"]
     count, layers = meta[f"{arch}.expert_count"], meta[f"{arch}.block_count"]
@@ -92,10 +94,20 @@ def expert_bytes(model: Path) -> tuple[int, int]:
     return total, total // (count * layers)
 
 
+def gathered_bytes(model: Path) -> int:
+    """The token embedding's bytes where the file has an output matrix apart from it (a
+    step reads only its tokens' rows), else 0 (tied: it is the output, read whole)."""
+    tensors = {t.name: t for t in gguf_tensors(model).tensors}
+    if "output.weight" not in tensors or "token_embd.weight" not in tensors:
+        return 0
+    return int(tensors["token_embd.weight"].data.nbytes)
+
+
 def decode_rows(args: argparse.Namespace, engine: Engine, bandwidth: float) -> list[dict]:
     prompt = prompt_ids(engine.tokenizer, args.prompt, args.data_path)
     experts_total, one_expert = expert_bytes(args.model)
-    shared = args.model.stat().st_size - experts_total  # every step reads these once
+    # every step reads these once
+    shared = args.model.stat().st_size - experts_total - gathered_bytes(args.model)
     layers = engine.worker.model_config.num_layers
     generate(engine, prompt, 2, 4)  # warm
     saved: list[Any] = []

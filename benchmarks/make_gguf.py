@@ -4,22 +4,28 @@ llama.cpp's quantized layouts, or F16 quantized by llama.cpp's own quantizer.
     python benchmarks/make_gguf.py --shape gemma-3-12b --types Q4_K_M --out models/
     python benchmarks/make_gguf.py --shape llama-3.2-1b --types Q4_K_M --via-f16 --out models/
     python benchmarks/make_gguf.py --shape smollm2-135m --types Q4_K_M Q6_K --out models/
+    python benchmarks/make_gguf.py --shape gpt-oss-20b --types MXFP4 --out models/
 
 Random-weight shapes (`SHAPES`: Llama-3.2-1B / 3B, Llama-3.1-8B, Qwen2.5-1.5B, Qwen3-0.6B /
 8B, Gemma-3-4B / 12B (text), Phi-4-mini, SmolLM3-3B, and the mixtures of experts
-Qwen3-30B-A3B and OLMoE-1B-7B) are each model's published config.json
+Qwen3-30B-A3B, OLMoE-1B-7B and gpt-oss-20b) are each model's published config.json
 sizes, written with llama.cpp's converter's metadata keys and tensor names
 (radixserve/models/gguf_layout.py) and the embedded SmolLM2 tokenizer and chat template: its
 49152-token vocabulary, so the embedding and output are smaller than the real models' (128k
-to 262k tokens). Norms are 1 (Gemma's stored 1 + w with w = 0), biases 0. Both systems read
-the same file, and their speed depends on shapes and types, not values. Two ways to write one:
+to 262k tokens), except for a shape that gives its `vocab_size` (gpt-oss-20b's 201088: its
+embedding and output are a tenth of its bytes read a token), to which the vocabulary is
+padded with unused tokens. Norms are 1 (Gemma's stored 1 + w with w = 0), biases 0 (gpt-oss's
+sinks 1). Both systems read the same file, and their speed depends on shapes and types, not
+values. Two ways to write one:
 
 - direct (the default for Q4_0, Q8_0, Q4_K_M, Q5_K_M, Q6_K): every matrix is random blocks
   (`synthetic.random_blocks`: random quants, finite fp16 scales) in the type llama.cpp's
   quantizer would give it in that file (`tensor_type`: Q4_K_M's Q6_K tensors, the fallbacks
   for rows that are not whole 256-weight super-blocks), 1-D tensors F32. No F16
   intermediate: a 12B Q4_K_M takes under a minute and only its own 6.6 GB of disk. For
-  speed runs.
+  speed runs. `MXFP4` is the type mix of the gpt-oss files OpenAI's checkpoints convert to
+  (llama.cpp's MXFP4_MOE): experts MXFP4 (random codes, E8M0 exponents giving weights of
+  about 0.02-0.1), the other matrices Q8_0, router, norms, biases and sinks F32.
 - `--via-f16`: an F16 file of N(0, 0.02) weights, then `llama_cpp.llama_model_quantize` (the
   bench extra's llama-cpp-python): realistic value distributions (what quality or numerics
   checks want), at the cost of the F16 file (24 GB for a 12B) and minutes of quantizing.
@@ -55,9 +61,11 @@ from radixserve.models.synthetic import copy_tokenizer, random_blocks
 
 T = GGMLQuantizationType
 # llama.cpp's llama_ftype values (include/llama.h)
-FTYPES = {"F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+FTYPES = {"F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "MXFP4": 38}
 # The direct writer's file types -> the type of most matrices (llama_ftype_get_default_type)
-BASE_TYPES = {"Q4_0": T.Q4_0, "Q8_0": T.Q8_0, "Q4_K_M": T.Q4_K, "Q5_K_M": T.Q5_K, "Q6_K": T.Q6_K}
+BASE_TYPES = {"Q4_0": T.Q4_0, "Q8_0": T.Q8_0, "Q4_K_M": T.Q4_K, "Q5_K_M": T.Q5_K, "Q6_K": T.Q6_K,
+              "MXFP4": T.Q8_0}  # fmt: skip
+EXPERT_TYPES = {"MXFP4": T.MXFP4}  # the stacked experts' type where it is not the base one
 MIXED = ("Q4_K_M", "Q5_K_M")  # their attn_v / attn_qkv / ffn_down: Q6_K in some layers
 MORE_BITS = ("attn_v", "attn_qkv", "ffn_down")
 # A K-quant whose rows are not whole super-blocks: llama.cpp's replacement (then F16 where
@@ -137,16 +145,29 @@ SHAPES: dict[str, dict[str, Any]] = {
     # allenai/OLMoE-1B-7B-0924: 64 experts of 1024 rows, 8 per token, not renormalised
     "olmoe-1b-7b": shape("olmoe", (2048, 16, 16, 16, 1024), 4096, 1e4, 1e-5, tied=False,
                          num_experts=64, num_experts_per_tok=8, norm_topk_prob=False),
+    # openai/gpt-oss-20b: 32 experts of 2880 rows with biases, 4 per token, clamped SwiGLU;
+    # window 128 on every other layer, attention sinks, q/k/v/o biases, head_dim 64, YaRN
+    "gpt-oss-20b": shape("gpt_oss", (2880, 24, 64, 8, 2880), 131072, 150000.0, 1e-5,
+                         tied=False, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+                         sliding_window=128, swiglu_limit=7.0, attention_bias=True,
+                         vocab_size=201088,
+                         layer_types=["sliding_attention", "full_attention"] * 12,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
+                                          "factor": 32.0, "original_max_position_embeddings":
+                                          4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                                          "truncate": False}),
 }  # fmt: skip
 
 
 def hf_config(fields: dict[str, Any], vocab: int) -> Any:
-    """The transformers config of `fields` (config.json's) with the embedded vocabulary."""
+    """The transformers config of `fields` (config.json's) with the embedded vocabulary's
+    size `vocab`, or the shape's own `vocab_size`."""
     from transformers import AutoConfig
 
-    rest = {k: v for k, v in fields.items() if k != "model_type"}
+    rest = {k: v for k, v in fields.items() if k not in ("model_type", "vocab_size")}
     no_ids = dict.fromkeys(["bos_token_id", "eos_token_id", "pad_token_id"])  # the tokenizer's
-    return AutoConfig.for_model(fields["model_type"], vocab_size=vocab, **no_ids, **rest)
+    size = fields.get("vocab_size", vocab)
+    return AutoConfig.for_model(fields["model_type"], vocab_size=size, **no_ids, **rest)
 
 
 # ---------------------------------------------------------------- llama.cpp's type mix
@@ -161,16 +182,19 @@ def more_bits(layer: int, layers: int) -> bool:
 def tensor_type(name: str, dims: tuple[int, ...], ftype: str, layers: int, tied: bool) -> T:
     """The type llama.cpp's quantizer (llama_tensor_get_type, no importance matrix) gives
     tensor `name` of `dims` (numpy order) in an `ftype` file of `layers` layers. 1-D tensors
-    stay F32, and so does a MoE router (`ffn_gate_inp`, never quantized). The output matrix
-    (the embedding when tied) is Q6_K, Q8_0 in a Q8_0 file or where the base type does not
-    divide its rows. Q4_K_M / Q5_K_M make attn_v / attn_qkv and ffn_down (stacked experts'
-    ffn_down_exps too) Q6_K in the `more_bits` layers (llama.cpp counts them in layer
-    order). Not modelled: the types llama.cpp gives a model of exactly 8 experts (Mixtral's
-    attn_k / attn_v / attn_output), a shape not written here."""
-    if len(dims) == 1 or name.endswith("ffn_gate_inp.weight"):
+    and biases (stacked experts': 2-D) stay F32, and so does a MoE router (`ffn_gate_inp`,
+    never quantized). The output matrix (the embedding when tied) is Q6_K, Q8_0 in a Q8_0
+    file or where the base type does not divide its rows. Q4_K_M / Q5_K_M make attn_v /
+    attn_qkv and ffn_down (stacked experts' ffn_down_exps too) Q6_K in the `more_bits`
+    layers (llama.cpp counts them in layer order). An MXFP4 file's stacked experts are
+    MXFP4, its other matrices Q8_0. Not modelled: the types llama.cpp gives a model of
+    exactly 8 experts (Mixtral's attn_k / attn_v / attn_output), a shape not written here."""
+    if len(dims) == 1 or name.endswith((".bias", "ffn_gate_inp.weight")):  # (E, rows) biases
         return T.F32
     if ftype == "F16":
         return T.F16
+    if ftype in EXPERT_TYPES and name.endswith("_exps.weight"):
+        return fallback(EXPERT_TYPES[ftype], dims[-1])
     base, cols = BASE_TYPES[ftype], dims[-1]
     parts = name.split(".")  # blk.{i}.{kind}.weight, or {kind}.weight
     kind = parts[-2].removesuffix("_exps")
@@ -204,7 +228,8 @@ class Tensor:
 
 def random_tensors(cfg: Any, ftype: str, seed: int) -> Iterator[Tensor]:
     """Every tensor of a random model of `cfg` in `ftype`'s types: RoPE tensors as the
-    converter writes them, norms 1, biases 0, matrices N(0, 0.02) in F16 or random blocks."""
+    converter writes them, norms (and sinks) 1, biases 0, matrices N(0, 0.02) in F16 or
+    random blocks."""
     layers, tied = cfg.num_hidden_layers, cfg.tie_word_embeddings
     for name, x in rope_tensors(cfg).items():
         yield Tensor(name, x.shape, T.F32, x.copy)
@@ -215,7 +240,7 @@ def random_tensors(cfg: Any, ftype: str, seed: int) -> Iterator[Tensor]:
 
 def filler(name: str, dims: tuple[int, ...], qtype: T, seed: int) -> Callable[[], np.ndarray]:
     """What makes tensor `name`'s values (or blocks) when it is written."""
-    if len(dims) == 1:
+    if len(dims) == 1 or name.endswith(".bias"):
         value = 0.0 if name.endswith(".bias") else 1.0
         return lambda: np.full(dims, value, dtype=np.float32)
     if qtype in VALUES:
@@ -255,7 +280,7 @@ def write_random(fields: dict[str, Any], ftype: str, out: Path, seed: int) -> No
     w.add_file_type(FTYPES[ftype])
     if ftype != "F16":
         w.add_quantization_version(2)  # GGML_QNT_VERSION, as llama.cpp's quantizer writes
-    copy_tokenizer(reader, w)
+    copy_tokenizer(reader, w, cfg.vocab_size)
     stream(w, list(random_tensors(cfg, ftype, seed)))
 
 

@@ -40,6 +40,7 @@ from test_gguf_families import (
     write_tokenizer,
 )
 from test_moe import assert_close, our_logits
+from test_quant import check_native_layers_are_the_module_path
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from radixserve.attention.flat import FlatBackend
@@ -49,7 +50,7 @@ from radixserve.models.config import ModelConfig
 from radixserve.models.gguf_config import config_from_metadata
 from radixserve.models.gguf_layout import tensor_dims, write_metadata
 from radixserve.models.gguf_weights import gguf_tensors
-from radixserve.models.moe import MoE, route
+from radixserve.models.moe import MoE, QuantExperts, route
 from radixserve.models.quant import QuantLinear
 from radixserve.models.rope import inv_freq
 from radixserve.models.synthetic import build_tiny_model
@@ -382,15 +383,18 @@ def test_gguf_config_and_weights_equal_the_hf_models(cache: Path) -> None:
 @pytest.mark.parametrize(("experts", "matrices"), [(F32, F32), (MXFP4, Q8_0)])
 def test_a_gguf_file_runs_as_its_hf_model(experts: Any, matrices: Any, cache: Path) -> None:
     """The file through the engine's loader gives the HF model's logits (prefill, extend,
-    decodes past the window). MXFP4 experts (as llama.cpp's gpt-oss files hold them) are
-    dequantized at load by the gguf package, Q8_0 attention matrices stay in blocks; the HF
-    model gets the same rounded weights."""
+    decodes past the window). MXFP4 experts (as llama.cpp's gpt-oss files hold them) and
+    Q8_0 attention matrices stay in their blocks; the HF model gets the same rounded
+    weights. x is rounded to int16 here (`activations="int16"`): the default int8 x of
+    MXFP4's decode kernels moves these tiny random logits past this bound (tests/test_quant.py
+    bounds that rounding)."""
     hf = tiny_for_gguf()
     path = write_gpt_oss_gguf(hf, cache / "gpt-oss.gguf", experts, matrices)
     kinds = {t.tensor_type for t in gguf_tensors(path).tensors if t.name.endswith("exps.weight")}
     assert kinds == {experts}
-    model, _ = load_model(resolve_model_path(str(path)), torch.float32)
+    model, _ = load_model(resolve_model_path(str(path)), torch.float32, activations="int16")
     assert (matrices == Q8_0) == any(isinstance(m, QuantLinear) for m in model.modules())
+    assert (experts == MXFP4) == any(isinstance(m, QuantExperts) for m in model.modules())
     if matrices == Q8_0:
         plain, _ = load_model(resolve_model_path(str(path)), torch.float32, quantization="none")
         exact = {name: torch.from_numpy(x) for name, x in converted(hf)}
@@ -402,6 +406,21 @@ def test_a_gguf_file_runs_as_its_hf_model(experts: Any, matrices: Any, cache: Pa
     ids = torch.randint(0, VOCAB, (70,), generator=torch.Generator().manual_seed(7)).tolist()
     want = hf_logits_one_at_a_time(hf, ids)
     assert_close(our_logits(model, ids), want, REL_TOL if matrices == F32 else 1e-3, "gguf")
+
+
+def test_native_layers_compute_the_module_path(cache: Path) -> None:
+    """MXFP4 experts and Q8_0 attention: every layer runs as two native calls around
+    attention (pre_attention with the q/k/v biases; the backend's attention with the sinks
+    and the sliding window; post_attention_moe with o's bias, the router's bias, top-k then
+    softmax, and the MXFP4 experts with their biases and the clamped SwiGLU), with the module
+    path's logits bit for bit through a 300-token extend (experts of ~75 rows: the GEMM)
+    and a decode step."""
+    path = write_gpt_oss_gguf(tiny_for_gguf(), cache / "gpt-oss.gguf", MXFP4, Q8_0)
+    model, _ = load_model(resolve_model_path(str(path)), torch.float32)
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    assert all(isinstance(e, QuantExperts) and e.formats == ["mxfp4"] * 3 for e in experts)
+    ids = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    check_native_layers_are_the_module_path(model, ids)
 
 
 def set_hf_weights(hf: Any, ours: Any) -> None:

@@ -10,6 +10,7 @@ the way its converter writes them. Tolerances:
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -53,7 +54,16 @@ from radixserve.models.gguf_config import config_from_metadata
 from radixserve.models.gguf_layout import tensor_dims
 from radixserve.models.gguf_weights import read_gguf_weights
 from radixserve.models.llama import LlamaForCausalLM
-from radixserve.models.moe import Experts, MoE, QuantExperts, grouped_experts, route
+from radixserve.models.moe import (
+    Activation,
+    Experts,
+    MoE,
+    QuantExperts,
+    clamped_swiglu,
+    grouped_experts,
+    route,
+    swiglu,
+)
 from radixserve.models.moe_weights import stack_experts
 from radixserve.models.quant import QuantLinear, QuantStack, dequantize
 from radixserve.models.sharding import check_tp_size
@@ -372,15 +382,21 @@ def _stacks(spec: list[tuple[str, str, int, int]], e: int) -> dict[str, QuantSta
     }
 
 
-def _per_expert(stacks: dict[str, QuantStack]) -> Any:
-    """Each expert as QuantLinears over its views (the dense projections' kernels)."""
+def _per_expert(
+    stacks: dict[str, QuantStack], bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+    act: Activation = swiglu, activations: str = "int8",
+) -> Any:  # fmt: skip
+    """Each expert as QuantLinears over its views (the dense projections' kernels), with
+    its rows of `bias` (gate/up (E, 2I), down (E, hidden)) as theirs."""
     gate, up, down = stacks["gate"], stacks["up"], stacks["down"]
-    gate_up = [QuantLinear([gate[e], up[e]], None) for e in range(len(gate))]
-    downs = [QuantLinear([down[e]], None) for e in range(len(down))]
+    gate_up_bias, down_bias = bias if bias is not None else ([None] * len(gate),) * 2
+    gate_up = [QuantLinear([gate[e], up[e]], gate_up_bias[e], activations)
+               for e in range(len(gate))]  # fmt: skip
+    downs = [QuantLinear([down[e]], down_bias[e], activations) for e in range(len(down))]
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
         g, u = gate_up[e](rows).chunk(2, dim=-1)
-        return downs[e](torch.nn.functional.silu(g) * u)
+        return downs[e](act(g, u))
 
     return expert
 
@@ -439,6 +455,43 @@ def test_experts_with_many_rows_take_each_experts_kernel_bit_for_bit(tokens: int
     assert torch.equal(
         quant.mix(half, ids, weights), quant.mix(half.float(), ids, weights).bfloat16()
     )
+
+
+@pytest.mark.parametrize("activations", ["int8", "int16"])
+@pytest.mark.parametrize("tokens", [1, 4, 70])
+def test_mxfp4_experts_with_biases_and_clamped_swiglu_are_each_experts_linears(
+    tokens: int, activations: str
+) -> None:
+    """gpt-oss's experts as its GGUF files hold them: MXFP4 stacks, a bias row per expert
+    for gate/up and down, the clamped SwiGLU (alpha 1.702, limit 7). The one native call
+    equals each expert run as its own QuantLinears (biases theirs) and moe.clamped_swiglu,
+    bit for bit, at 1, 4 and 70 tokens (70 x 2 slots over 4 experts: some experts past
+    small_m, in the GEMM), with x rounded to int8 (up to small_m rows) or int16; without
+    the native build, the dequantized experts agree up to the rounding of x. A wrong bias
+    row or a plain SwiGLU would be off by the output's size."""
+    e, hidden, inter = 4, 96, 64
+    spec = [("gate", "mxfp4", inter, hidden), ("up", "mxfp4", inter, hidden),
+            ("down", "mxfp4", hidden, inter)]  # fmt: skip
+    stacks = _stacks(spec, e)
+    gen = torch.Generator().manual_seed(tokens)
+    bias = (torch.randn(e, 2 * inter, generator=gen), torch.randn(e, hidden, generator=gen))
+    act = functools.partial(clamped_swiglu, alpha=1.702, limit=7.0)
+    g, u, d = stacks["gate"], stacks["up"], stacks["down"]
+    quant = QuantExperts(g, u, d, activations, bias, (1.702, 7.0))
+    x = torch.randn(tokens, hidden, generator=gen) * 4  # some gate/up values past the limit
+    ids = torch.stack([torch.randperm(e, generator=gen)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=gen)
+    got = quant.mix(x, ids, weights)
+    each = _per_expert(stacks, bias, act, activations)
+    assert torch.equal(got, grouped_experts(x, ids, weights, each, hidden))
+    reference = grouped_experts(x, ids, weights, quant._dequantized_expert, hidden)
+    scale = float(reference.abs().max())
+    atol = (2e-2 if activations == "int8" else 1e-4) * scale  # x's int8 or int16 steps
+    torch.testing.assert_close(got, reference, rtol=0, atol=atol)
+    swapped = (bias[0].flip(0), bias[1])
+    for wrong in (_per_expert(stacks, bias), _per_expert(stacks, swapped, act)):
+        off = grouped_experts(x, ids, weights, wrong, hidden)
+        assert float((off - got).abs().max()) > 0.05 * scale
 
 
 def test_expert_ids_out_of_range_are_an_error_naming_them() -> None:

@@ -35,6 +35,7 @@ from radixserve.models.gguf_weights import (
 from radixserve.models.llama import LlamaForCausalLM
 from radixserve.models.loader import int8_x_only, load_config
 from radixserve.models.quant import (
+    B8_CODES,
     BF16_TILED_M,
     FORMATS,
     LLAMA_CPP_ONLY,
@@ -111,6 +112,32 @@ def test_reference_and_native_dequantize_match_the_gguf_package(fmt: str) -> Non
     np.testing.assert_array_equal(rows.numpy(), theirs)
     tiles = native.qmatmul_tiled(torch.eye(k), blocks, FORMATS[fmt].code, k)  # (K, N) = w.T
     np.testing.assert_array_equal(tiles.T.numpy(), theirs)
+
+
+def test_mxfp4_scales_at_every_exponent_match_the_gguf_package() -> None:
+    """MXFP4's E8M0 scale 2^(e - 128) at every exponent byte, the subnormal 2^-128 and
+    2^-127 of e = 0, 1 and the overflow to inf of e = 255 included; then the kernels at the
+    exponents whose scale times x's (about 2^-14) stays a normal float32."""
+    native = ops()
+    assert native is not None
+    k, code = 64, FORMATS["mxfp4"].code
+    blocks = torch.from_numpy(random_blocks(256, k, "mxfp4", seed=3)).view(256, 2, 17)
+    blocks[:, :, 0] = torch.arange(256, dtype=torch.uint8)[:, None]  # row e: exponent byte e
+    blocks = blocks.reshape(256, -1)
+    with np.errstate(over="ignore"):  # e = 255: 12 * 2^127
+        theirs = gguf_dequantize(blocks.numpy(), GGMLQuantizationType.MXFP4)
+        ours = dequantize(blocks, "mxfp4", k).numpy()
+    assert 0 < np.abs(theirs[0][theirs[0] != 0]).min() < 2**-126 and np.isinf(theirs[255]).any()
+    np.testing.assert_array_equal(ours, theirs)
+    rows = native.dequant(blocks, code, k, torch.arange(256))
+    np.testing.assert_array_equal(rows.numpy(), theirs)
+    tiles = native.qmatmul_tiled(torch.eye(k), blocks[:250], code, k)  # 12 * 2^(e - 128) finite
+    np.testing.assert_array_equal(tiles.T.numpy(), theirs[:250])
+    normal = blocks[20:250]
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(3))
+    small = native.qmatmul_small(x, normal, code, k)
+    _close(small, q16_rows(x), dequantize(normal, "mxfp4", k))
+    assert torch.equal(native.qmatmul_gemm(x, normal, code, k), small)
 
 
 @pytest.mark.parametrize("fmt", LEGACY)
@@ -199,7 +226,8 @@ def test_vnni_kernels_equal_the_avx2_kernels(fmt: str, m: int) -> None:
     k = widths(fmt)[1]
     blocks, _ = _weights(16 * 5 + 8 + 3, k, fmt, seed=5)  # 16-row, 8-row and single-row tasks
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(6 + m))
-    codes = [FORMATS[fmt].code] + ([X8_CODES[fmt]] if fmt in X8_CODES else [])  # int8 x too
+    int8 = {**X8_CODES, **B8_CODES}
+    codes = [FORMATS[fmt].code] + ([int8[fmt]] if fmt in int8 else [])  # int8 x too
     for code in codes:
         for kernel in ("qmatmul_small", "qmatmul_gemm"):
             got, want = (getattr(mod, kernel)(x, blocks, code, k) for mod in (wide, narrow))
@@ -221,6 +249,41 @@ def q8_rows(x: torch.Tensor) -> torch.Tensor:
     iscale = torch.full_like(v, -127.0) / v
     q = torch.round(b * iscale).clamp(max=127)
     return (q * (1 / iscale)).view_as(x)
+
+
+def q8_block_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) as the int8 kernels of Q8_0 and MXFP4 see it: each 32-block rounded to
+    int8 steps of amax / 127 (half to even), returned dequantized."""
+    b = x.view(x.shape[0], -1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    inverse = torch.full_like(amax, 127.0) / amax
+    q = torch.round(b * torch.where(amax > 0, inverse, torch.zeros_like(amax)))
+    return (q * (amax / 127)).view_as(x)
+
+
+@pytest.mark.parametrize("fmt", list(B8_CODES))
+@pytest.mark.parametrize("m", [1, 2, 8, 9, 17, 40])
+@pytest.mark.parametrize("wide", [False, True])
+def test_int8_block_kernels_match_reference_and_keep_rows_apart(
+    fmt: str, m: int, wide: bool
+) -> None:
+    """Q8_0 and MXFP4 with x rounded to int8 per 32-block (B8_CODES): the streaming loop at
+    any M equals the reference on the rounded x (exact byte products, 1 or 18 blocks a row:
+    an odd count's last block alone), each row's bits are its bits alone, and above small_m
+    the call runs the int16 GEMM of the same weights."""
+    native = ops()
+    assert native is not None
+    k = widths(fmt)[wide]
+    blocks, w = _weights(16 * 3 + 8 + 3, k, fmt, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m))
+    code = B8_CODES[fmt]
+    got = native.qmatmul_small(x, blocks, code, k)
+    _close(got, q8_block_rows(x), w)
+    alone = torch.cat([native.qmatmul_small(x[i : i + 1], blocks, code, k) for i in range(m)])
+    assert torch.equal(got, alone)
+    if native.int_gemm:
+        plain = native.qmatmul_gemm(x, blocks, FORMATS[fmt].code, k)
+        assert torch.equal(native.qmatmul_gemm(x, blocks, code, k), plain)
 
 
 @pytest.mark.parametrize("fmt", list(X8_CODES))
@@ -399,8 +462,8 @@ def test_portable_build_matches_reference() -> None:
     code = """
 import torch
 from radixserve.isa import cpu_isa
-from radixserve.models.quant import FORMATS, X8_CODES, ops
-from test_quant import _close, _weights, q16_rows, q8_rows
+from radixserve.models.quant import B8_CODES, FORMATS, X8_CODES, ops
+from test_quant import _close, _weights, q16_rows, q8_block_rows, q8_rows
 assert cpu_isa() == "scalar", cpu_isa()
 m = ops()
 assert m is not None and m.__name__ == "radixserve_quant_scalar", m
@@ -417,6 +480,8 @@ for fmt, f in FORMATS.items():
         _close(m.qmatmul_tiled(x, b, f.code, k), x, w)
         if fmt in X8_CODES:
             _close(m.qmatmul_small(x, b, X8_CODES[fmt], k), q8_rows(x), w)
+        if fmt in B8_CODES:
+            _close(m.qmatmul_small(x, b, B8_CODES[fmt], k), q8_block_rows(x), w)
     got = m.qmatmul_tiled(x.bfloat16(), b, f.code, k)
     want = x.bfloat16().double() @ w.bfloat16().double().T
     assert got.dtype == torch.bfloat16

@@ -1,7 +1,7 @@
 """Read a GGUF file's weights under HF tensor names, keeping Q4_0 / Q4_1 / Q5_0 / Q5_1 /
-Q8_0 / Q4_K / Q5_K / Q6_K tensors in their block layout (radixserve/models/quant.py) instead of
-dequantizing them, used in place from the file's memory map (no copy: a model takes about
-its file's size in memory, shared with the page cache).
+Q8_0 / MXFP4 / Q4_K / Q5_K / Q6_K tensors in their block layout (radixserve/models/quant.py)
+instead of dequantizing them, used in place from the file's memory map (no copy: a model
+takes about its file's size in memory, shared with the page cache).
 
 Three things differ from an HF checkpoint, and are undone here:
 - names: `blk.{i}.attn_q.weight` is `model.layers.{i}.self_attn.q_proj.weight`, and so on
@@ -51,7 +51,8 @@ from radixserve.models.quant import QuantStack, QuantWeight
 NATIVE = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1",
           GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.Q4_K: "q4_k",
           GGMLQuantizationType.Q5_K: "q5_k", GGMLQuantizationType.Q6_K: "q6_k",
-          GGMLQuantizationType.Q5_0: "q5_0", GGMLQuantizationType.Q5_1: "q5_1"}  # fmt: skip
+          GGMLQuantizationType.Q5_0: "q5_0", GGMLQuantizationType.Q5_1: "q5_1",
+          GGMLQuantizationType.MXFP4: "mxfp4"}  # fmt: skip
 PLAIN = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",

@@ -34,8 +34,8 @@ from radixserve.core.batch import ForwardBatch
 from radixserve.distributed.parallel import all_reduce
 from radixserve.models import native, quant
 from radixserve.models.config import ModelConfig
-from radixserve.models.moe import MoE, QuantExperts
-from radixserve.models.quant import NativeLinear, NativeParts, QuantLinear
+from radixserve.models.moe import MoE, NativeExperts, QuantExperts
+from radixserve.models.quant import NativeLinear, QuantLinear
 from radixserve.models.rope import apply_partial_rope, rope_qk, rope_table
 from radixserve.models.sharding import local_config
 
@@ -220,15 +220,14 @@ class NativeMLP:
 @dataclass(frozen=True)
 class NativeMoE:
     """A mixture of experts as `post_attention_moe` takes it: the float32 router (E, hidden)
-    and its bias, moe.route's settings, and the experts' stacks (QuantExperts.native_arg)."""
+    and its bias, moe.route's settings, and the experts (QuantExperts.native_arg)."""
 
     router: Tensor
     router_bias: Tensor | None
     top_k: int
     renormalise: bool
     topk_softmax: bool
-    gate_up: NativeParts
-    down: NativeParts
+    experts: NativeExperts
 
 
 @dataclass(frozen=True)
@@ -293,7 +292,7 @@ class LlamaDecoderLayer(nn.Module):
         qkv, o, mlp = a.qkv_proj, a.o_proj, self._native_mlp()
         if not (isinstance(qkv, QuantLinear) and isinstance(o, QuantLinear)):
             return None
-        if mlp is None or a.sinks is not None:
+        if mlp is None:
             return None
         if isinstance(mlp, NativeMoE) and self.pre_feedforward_layernorm is not None:
             return None  # (post_attention_moe has no sandwich norms: no such model has)
@@ -317,10 +316,10 @@ class LlamaDecoderLayer(nn.Module):
             return None
         if router.weight.dtype != torch.float32 or not isinstance(experts, QuantExperts):
             return None
-        stacks = experts.native_arg()
         return NativeMoE(
-            router.weight, router.bias, m.top_k, m.renormalise, m.topk_softmax, *stacks
-        )
+            router.weight, router.bias, m.top_k, m.renormalise, m.topk_softmax,
+            experts.native_arg(),
+        )  # fmt: skip
 
     def _native_forward(
         self,
@@ -338,13 +337,13 @@ class LlamaDecoderLayer(nn.Module):
             h, n.input_norm, n.eps, n.qkv, table, a.num_heads, a.num_kv_heads, a.head_dim,
             n.q_norm, n.k_norm, kv_like,
         )  # fmt: skip
-        out = attn.forward(q, k, v, a.layer_idx, batch, a.scale, a.window, a.softcap)
+        out = attn.forward(q, k, v, a.layer_idx, batch, a.scale, a.window, a.softcap, a.sinks)
         attn_out = out.reshape(h.shape[0], a.q_size)
         m = n.mlp
         if isinstance(m, NativeMoE):
             return n.ops.post_attention_moe(
                 h, attn_out, n.o, n.mlp_norm, n.eps, m.router, m.router_bias, m.top_k,
-                m.renormalise, m.topk_softmax, m.gate_up, m.down,
+                m.renormalise, m.topk_softmax, m.experts,
             )  # fmt: skip
         return n.ops.post_attention(
             h, attn_out, n.o, n.mlp_norm, n.eps, m.gate_up, m.down, n.attn_out_norm,

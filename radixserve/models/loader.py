@@ -225,7 +225,11 @@ def _install_quantized(
         gate, up, down = stacks
         assert isinstance(gate, QuantStack) and isinstance(up, QuantStack), prefix
         assert isinstance(down, QuantStack), prefix  # all three or none (fuse_experts)
-        experts = QuantExperts(gate, up, down, activations)
+        biases = [tensors.pop(f"{prefix}.{p}_proj_bias", None) for p in ("gate_up", "down")]
+        pair = None if biases[0] is None or biases[1] is None else (biases[0], biases[1])
+        c = model.config
+        swiglu = (c.swiglu_alpha, c.swiglu_limit) if c.swiglu_alpha else None
+        experts = QuantExperts(gate, up, down, activations, pair, swiglu)
         parent, _, child = prefix.rpartition(".")
         setattr(model.get_submodule(parent), child, experts)
         tensors.update({f"{prefix}.{k}": v for k, v in experts.state_dict().items()})

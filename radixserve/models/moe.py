@@ -25,7 +25,8 @@
 Weights are stored stacked: `experts.gate_up_proj` (E, 2 * I, hidden) = cat(gate, up) per
 expert, `experts.down_proj` (E, hidden, I), and with biases `experts.gate_up_proj_bias`
 (E, 2 * I) and `experts.down_proj_bias` (E, hidden); a GGUF's experts in a block format stay
-in their blocks, three stacks read in place by one native call a step (`QuantExperts`).
+in their blocks, three stacks read in place by one native call a step (`QuantExperts`, its
+biases and activation alike).
 Under tensor parallelism each rank holds the slice [r * I / N, (r + 1) * I / N) of every
 expert's I (as the dense MLP's; its biases alike, the down bias on rank 0 only), the router
 is replicated, and the partial sums are all-reduced.
@@ -54,6 +55,10 @@ from radixserve.models.quant import (
 from radixserve.models.quant import ops as quant_ops
 
 Activation = Callable[[Tensor, Tensor], Tensor]  # (gate, up) (n, I) each -> (n, I)
+# A layer's quantized experts as the native `experts` call takes them: gate/up and down
+# stacks, their float32 biases (E, 2I) and (E, hidden) or None, the clamped SwiGLU's alpha
+# and limit (alpha 0: SwiGLU).
+NativeExperts = tuple[NativeParts, NativeParts, Tensor | None, Tensor | None, float, float]
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
@@ -148,14 +153,18 @@ class Experts(nn.Module):
 class QuantExperts(nn.Module):
     """A GGUF's experts in their blocks: the stacks `gate`, `up` (E, I, row bytes) and
     `down` (E, hidden, row bytes), views of the file's map, held as buffers and used in
-    place. `mix` runs the selected experts in the native `experts` call (quant_cpu.cpp: one
-    parallel loop over all selected experts' gate/up rows, one over their down rows), a
-    step reading only the experts its tokens picked; activations are float32 throughout,
-    as a QuantLinear's. Without the native build each selected expert is dequantized."""
+    place; with `bias` (gpt-oss) the float32 rows `gate_up_proj_bias` (E, 2I) and
+    `down_proj_bias` (E, hidden) added to each expert's products, and with `swiglu`
+    (alpha, limit) the clamped SwiGLU instead of SwiGLU. `mix` runs the selected experts in
+    the native `experts` call (quant_cpu.cpp: one parallel loop over all selected experts'
+    gate/up rows, one over their down rows), a step reading only the experts its tokens
+    picked; activations are float32 throughout, as a QuantLinear's. Without the native
+    build each selected expert is dequantized."""
 
     def __init__(
-        self, gate: QuantStack, up: QuantStack, down: QuantStack, activations: str
-    ) -> None:
+        self, gate: QuantStack, up: QuantStack, down: QuantStack, activations: str,
+        bias: tuple[Tensor, Tensor] | None = None, swiglu: tuple[float, float] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         assert gate.in_features == up.in_features and len({len(gate), len(up), len(down)}) == 1
         self.activations = activations
@@ -163,7 +172,17 @@ class QuantExperts(nn.Module):
         self.hidden, self.intermediate = gate.in_features, down.in_features
         for name, stack in zip(("gate", "up", "down"), (gate, up, down)):
             self.register_buffer(name, stack.blocks)
-        self._native_arg: tuple[NativeParts, NativeParts] | None = None
+        gate_up_bias, down_bias = bias if bias is not None else (None, None)
+        if bias is not None:
+            e, inter = len(gate), gate.blocks.shape[1] + up.blocks.shape[1]
+            assert gate_up_bias is not None and tuple(gate_up_bias.shape) == (e, inter), inter
+            assert down_bias is not None and tuple(down_bias.shape) == (e, down.blocks.shape[1])
+        self.gate_up_proj_bias: Tensor | None
+        self.down_proj_bias: Tensor | None
+        self.register_buffer("gate_up_proj_bias", _f32(gate_up_bias))
+        self.register_buffer("down_proj_bias", _f32(down_bias))
+        self.swiglu = swiglu or (0.0, 0.0)  # (alpha, limit); alpha 0: SwiGLU
+        self._native_arg: NativeExperts | None = None
 
     def stacks(self) -> list[QuantStack]:
         """gate, up, down as stacks of the buffers."""
@@ -174,15 +193,16 @@ class QuantExperts(nn.Module):
         blocks = [self._buffers[n] for n in ("gate", "up", "down")]
         return [b for b in blocks if b is not None]  # (all set: registered in __init__)
 
-    def native_arg(self, release: Release = None) -> tuple[NativeParts, NativeParts]:
-        """(gate and up, down) as the native `experts` call takes them, made once (int8-x
-        parts packed into tiles, `release` told of each packed slice: QuantLinear.native_arg)."""
+    def native_arg(self, release: Release = None) -> NativeExperts:
+        """These experts as the native `experts` call takes them, made once (int8-x parts
+        packed into tiles, `release` told of each packed slice: QuantLinear.native_arg)."""
         if self._native_arg is None:
             gate, up, down = self.stacks()
             self._native_arg = (
                 native_parts([gate, up], self.activations, release),
                 native_parts([down], self.activations, release),
-            )
+                self.gate_up_proj_bias, self.down_proj_bias, *self.swiglu,
+            )  # fmt: skip
         return self._native_arg
 
     def unread_blocks(self) -> list[Tensor]:
@@ -190,7 +210,7 @@ class QuantExperts(nn.Module):
         if self._native_arg is None:
             return []
         gate, up, down = self._blocks()
-        (_, gate_up_codes, _), (_, down_codes, _) = self._native_arg
+        (_, gate_up_codes, _), (_, down_codes, _) = self._native_arg[:2]
         return unread([gate, up], gate_up_codes) + unread([down], down_codes)
 
     def mix(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
@@ -200,18 +220,27 @@ class QuantExperts(nn.Module):
         if native is None:
             out = grouped_experts(x32, ids, w32, self._dequantized_expert, self.hidden)
         else:
-            out = native.experts(x32, ids, w32, *self.native_arg())
+            out = native.experts(x32, ids, w32, self.native_arg())
         return out.to(x.dtype)
 
     def _dequantized_expert(self, e: int, rows: Tensor) -> Tensor:
         gate, up, down = (dequantize(s.blocks[e], s.fmt, s.in_features) for s in self.stacks())
         h = rows @ torch.cat([gate, up]).T  # (n, 2I)
+        if self.gate_up_proj_bias is not None:
+            h = h + self.gate_up_proj_bias[e]
         g, u = h.chunk(2, dim=-1)
-        return (F.silu(g) * u) @ down.T  # (n, hidden)
+        alpha, limit = self.swiglu
+        act = clamped_swiglu(g, u, alpha, limit) if alpha else F.silu(g) * u
+        out = act @ down.T  # (n, hidden)
+        return out if self.down_proj_bias is None else out + self.down_proj_bias[e]
 
     def _apply(self, fn: Any, recurse: bool = True) -> QuantExperts:
         self._native_arg = None
         return super()._apply(fn, recurse)
+
+
+def _f32(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.float().contiguous()
 
 
 class MoE(nn.Module):

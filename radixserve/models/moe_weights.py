@@ -26,8 +26,8 @@ prefix `model.layers.{i}.mlp.`), which the loader checks, shards and then fuses:
 and the router `mlp.gate.weight` (E, hidden) (+ `mlp.gate.bias` (E,)). The model holds
 `experts.gate_up_proj` (E, 2I, hidden) = cat(gate, up) per expert, and `experts.down_proj`
 (`fuse_experts`), with biases `experts.gate_up_proj_bias` (E, 2I) and
-`experts.down_proj_bias` (E, hidden); a GGUF's SwiGLU experts without biases in a NATIVE
-block format stay three `QuantStack`s (`moe.QuantExperts`).
+`experts.down_proj_bias` (E, hidden); a GGUF's experts in a NATIVE block format stay three
+`QuantStack`s (`moe.QuantExperts`), their biases fused alike.
 """
 
 from __future__ import annotations
@@ -102,23 +102,21 @@ def fuse_experts(
     """Each MoE layer's stacked experts as the model holds them, in `state`; returns it.
     Float gate / up -> `experts.gate_up_proj` (E, 2I, hidden), their biases ->
     `experts.gate_up_proj_bias` (E, 2I). Three QuantStacks (a GGUF's experts in their
-    blocks) of plain SwiGLU experts without biases stay as they are, for
-    `moe.QuantExperts`; other stacks are dequantized to `dtype` first."""
+    blocks) stay as they are, for `moe.QuantExperts` (their biases fused); other stacks
+    are dequantized to `dtype` first."""
     for i in range(config.num_layers):
         p = f"model.layers.{i}.mlp.experts."
         names = [p + part for part in PARTS]
         if not (config.is_moe(i) and names[0] in state):
             continue
-        plain_swiglu = not (config.expert_bias or config.swiglu_alpha)
-        if plain_swiglu and all(isinstance(state[n], QuantStack) for n in names):
-            continue
+        quantized = all(isinstance(state[n], QuantStack) for n in names)
         for n in names:
             w = state[n]
-            if isinstance(w, QuantStack):
+            if isinstance(w, QuantStack) and not quantized:
                 e, rows, k = len(w), w.blocks.shape[1], w.in_features
                 flat = w.blocks.reshape(e * rows, -1)
                 state[n] = dequantize(flat, w.fmt, k).reshape(e, rows, k).to(dtype)
-        for kind in ("", "_bias"):
+        for kind in ("_bias",) if quantized else ("", "_bias"):
             if p + "gate_proj" + kind in state:
                 gate, up = state.pop(p + "gate_proj" + kind), state.pop(p + "up_proj" + kind)
                 assert isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor), p

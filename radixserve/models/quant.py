@@ -1,5 +1,5 @@
-"""Block-quantized weights (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K,
-Q6_K) kept in their file layout, and the linear layer that multiplies by them
+"""Block-quantized weights (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4 and the K-quants Q4_K,
+Q5_K, Q6_K) kept in their file layout, and the linear layer that multiplies by them
 (csrc/quant_cpu.cpp, built per CPU ISA on first use; the C++ file documents every block
 format).
 
@@ -97,6 +97,7 @@ FORMATS = {
         Format("q6_k", 5, SUPER_BLOCK, 210, 32),
         Format("q5_0", 6, BLOCK, 22, 32),
         Format("q5_1", 7, BLOCK, 24, 32),
+        Format("mxfp4", 12, BLOCK, 17, 32),
     )
 }
 # The format codes of Q4_K and Q6_K weights with x rounded to int8 per 256-block, as
@@ -106,6 +107,17 @@ FORMATS = {
 # beside it.
 X8_CODES = {"q4_k": 8, "q6_k": 9}
 X8_SMALL_M = 1 << 30  # the rows up to which it streams: all
+# The format codes of Q8_0 and MXFP4 weights with x rounded to int8 per 32-block (as
+# llama.cpp rounds activations for them): byte multiply-adds up to the format's small_m rows
+# (decode, draft verification), the int16 GEMM above (prefill), so that the bits of a row
+# depend on whether its step has more than small_m rows, as with the bf16 tiles
+# (BF16_TILED_M). At one row they run 2.5x (MXFP4) and 2-4x (Q8_0) the int16 streaming
+# kernel's speed, which is compute-bound there; at 8 rows about 0.7x (a 46080 x 2880
+# weight, Zen 4, 2 threads). MXFP4 weights (gpt-oss's experts, whose int16 kernels read
+# 8 GB/s at one row) take them under `activations="int8"`; Q8_0 weights keep int16 x by
+# default (its code is for callers that pick it).
+B8_CODES = {"q8_0": 13, "mxfp4": 14}
+B8_BY_DEFAULT = {"mxfp4"}  # the formats whose x is int8 under activations="int8"
 # The same weights packed once into tiles of PACK_ROWS rows, each super-block's bytes in the
 # kernel's lane order with its scales decoded (AVX2 builds, `pack`): the kernel masks nibbles
 # instead of shuffling bytes and decoding 6-bit scales, with the file layout's results bit
@@ -115,12 +127,13 @@ PACKED_CODES = {"q4_k": 10, "q6_k": 11}
 PACKED_BYTES = {"q4_k": 148, "q6_k": 210}  # a row's super-block in tiles (the file: 144, 210)
 PACK_ROWS = 8
 PACK_SLICE_BYTES = 32 << 20  # file bytes packed (and released) at a time
-# Formats made only by llama.cpp's quantizer: the `gguf` package's dequantization is their
-# reference (the others' reference is `dequantize` below, and `quantize` makes them).
+# Formats made by llama.cpp's quantizer (and, MXFP4, by model authors), not by `quantize`
+# below: the `gguf` package's dequantization is their reference (the others' reference is
+# `dequantize` below).
 LLAMA_CPP_ONLY = {
     "q4_k": GGMLQuantizationType.Q4_K, "q5_k": GGMLQuantizationType.Q5_K,
     "q6_k": GGMLQuantizationType.Q6_K, "q5_0": GGMLQuantizationType.Q5_0,
-    "q5_1": GGMLQuantizationType.Q5_1,
+    "q5_1": GGMLQuantizationType.Q5_1, "mxfp4": GGMLQuantizationType.MXFP4,
 }  # fmt: skip
 
 
@@ -209,6 +222,7 @@ def native_parts(
     blocks, codes, small = [], [], []
     for p in parts:
         int8 = p.fmt in X8_CODES and activations == "int8"
+        b8 = p.fmt in B8_BY_DEFAULT and activations == "int8"
         rows = p.blocks.reshape(-1, p.blocks.shape[-1])  # (E * N, row bytes): a view
         if int8 and native is not None and native.packs and p.blocks.shape[-2] % PACK_ROWS == 0:
             tiles = pack(native, rows, p.fmt, p.in_features, release)
@@ -216,7 +230,8 @@ def native_parts(
             codes.append(PACKED_CODES[p.fmt])
         else:
             blocks.append(p.blocks)
-            codes.append(X8_CODES[p.fmt] if int8 else FORMATS[p.fmt].code)
+            code = X8_CODES[p.fmt] if int8 else B8_CODES[p.fmt] if b8 else FORMATS[p.fmt].code
+            codes.append(code)
         small.append(X8_SMALL_M if int8 else FORMATS[p.fmt].small_m)
     return blocks, codes, small
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFReader, GGUFWriter, TokenType
 
 from radixserve.models.quant import FORMATS
 from radixserve.models.resolve import EMBEDDED_GGUF, embedded_gguf
@@ -109,18 +109,26 @@ def embedded_tokenizer() -> Any:
     return AutoTokenizer.from_pretrained(embedded_gguf().parent, gguf_file=EMBEDDED_GGUF)
 
 
-def copy_tokenizer(reader: GGUFReader, writer: GGUFWriter) -> None:
-    """Every `tokenizer.*` field of `reader` (vocabulary, merges, chat template) into `writer`."""
+def copy_tokenizer(reader: GGUFReader, writer: GGUFWriter, vocab: int | None = None) -> None:
+    """Every `tokenizer.*` field of `reader` (vocabulary, merges, chat template) into `writer`;
+    with `vocab`, the vocabulary padded to that many tokens with unused ones
+    (`<|unused_{i}|>`, never produced by the merges)."""
+    tokens = len(reader.fields["tokenizer.ggml.tokens"].contents())
+    pad = max(0, (vocab or tokens) - tokens)
+    extra = {"tokenizer.ggml.tokens": [f"<|unused_{i}|>" for i in range(pad)],
+             "tokenizer.ggml.token_type": [int(TokenType.UNUSED)] * pad}  # fmt: skip
     for name, field in reader.fields.items():
         if name.startswith("tokenizer."):
             sub = field.types[1] if len(field.types) > 1 else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+            value = field.contents() + extra[name] if name in extra else field.contents()
+            writer.add_key_value(name, value, field.types[0], sub_type=sub)
 
 
 def random_blocks(n: int, k: int, fmt: str, seed: int) -> np.ndarray:
     """(N, K) weights in block format `fmt` as (N, row bytes) uint8: random bytes (every
-    pattern of scales and quants is a valid block) with finite fp16 scales of a realistic
-    size. For the formats only llama.cpp makes (quant.LLAMA_CPP_ONLY) and kernel benchmarks."""
+    pattern of scales and quants is a valid block) with finite fp16 scales (MXFP4: E8M0
+    exponents) of a realistic size. For the formats radixserve does not quantize to
+    (quant.LLAMA_CPP_ONLY) and kernel benchmarks."""
     f = FORMATS[fmt]
     g = np.random.default_rng(seed)
     b = g.integers(0, 256, size=(n, k // f.block, f.block_bytes), dtype=np.uint8)
@@ -128,5 +136,8 @@ def random_blocks(n: int, k: int, fmt: str, seed: int) -> np.ndarray:
     scales = (g.uniform(0.5, 1.5, size=(n, k // f.block, 2)) * step).astype(np.float16)
     scales[..., 1] *= -1 if fmt == "q5_1" else 1  # Q5_1's second field is an offset m
     at, count = {"q6_k": (208, 1), "q5_0": (0, 1)}.get(fmt, (0, 2))  # fp16 fields: where, how many
+    if fmt == "mxfp4":  # an E8M0 exponent byte: 2^(e - 128) * 12 of about 0.02-0.1
+        b[..., 0] = g.integers(119, 122, size=b.shape[:-1], dtype=np.uint8)
+        return b.reshape(n, -1)
     b[..., at : at + 2 * count] = scales[..., :count].view(np.uint8)
     return b.reshape(n, -1)

@@ -8,8 +8,12 @@
 //   Q8_0 (34 B): fp16 d, int8 qs[32]            w_j = d * q_j
 //   Q5_0 (22 B): fp16 d, qh[4], qs[16]          w_j = d * (q_j - 16)
 //   Q5_1 (24 B): fp16 d, fp16 m, qh[4], qs[16]  w_j = d * q_j + m
+//   MXFP4 (17 B): uint8 e, qs[16]               w_j = d * kv[q_j], d = 2^(e - 128)
 // where, for the 4- and 5-bit formats, q_j = qs[j] & 15 for j < 16 and qs[j - 16] >> 4
-// otherwise, plus 16 where bit j of the little-endian uint32 qh is set (5-bit).
+// otherwise, plus 16 where bit j of the little-endian uint32 qh is set (5-bit). MXFP4's
+// code is an FP4 (e2m1) value, kv its double, (0, 1, 2, 3, 4, 6, 8, 12) and their negatives
+// for codes 8-15, and d the E8M0 exponent e halved (e < 2: the subnormal 2^-128 or 2^-127),
+// so that the paths below see an integer quant kv[q_j] under a float32 scale and no offset.
 // The K-quants store a row as super-blocks of 256 weights, 8 sub-blocks of 32; block b of a
 // row is sub-block b % 8 of super-block b / 8:
 //   Q4_K (144 B): fp16 d, fp16 dmin, scales[12] (6-bit sc_j and m_j, j < 8), qs[128]
@@ -23,10 +27,11 @@
 // The dequantizing paths see a block as w = d * q + m (d, m float32, q integer): for the
 // K-quants d = d * sc_j and m = -dmin * m_j, and for Q6_K q = sc * (q6 - 32) (|q| <= 4096)
 // with the super-block's d, so that one d covers the 32-block. Every d * q is exact in
-// float32 (at most 24 significant bits), so each path's dequantized weight equals the
-// reference's (gguf.quants.dequantize) bit for bit. The integer paths keep a K-quant
-// super-block's d apart and multiply sc_j into the int16 quants (sc_j * q, at most 945 for
-// Q4_K), so that a super-block's products sum in int32 under one scale.
+// float32 (at most 24 significant bits; MXFP4's a power of two times |q| <= 12), so each
+// path's dequantized weight equals the reference's (gguf.quants.dequantize) bit for bit.
+// The integer paths keep a K-quant super-block's d apart and multiply sc_j into the int16
+// quants (sc_j * q, at most 945 for Q4_K), so that a super-block's products sum in int32
+// under one scale.
 //
 // Four ways to multiply x (M, K) float32 by such a weight, picked by the caller per call:
 // - `qmatmul_small` (M small: decode): x is rounded to int16 per 32-block (the K-quants: per
@@ -54,12 +59,15 @@
 // paths' bit for bit (same integer sums, same float32 operations per lane, same order).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/clamp.h>
+#include <ATen/ops/clamp_max.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/sigmoid.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/topk.h>
@@ -88,7 +96,10 @@
 
 namespace {
 
-enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5, kQ5_0 = 6, kQ5_1 = 7 };
+// Codes 8-11 are Q4_K / Q6_K with int8 x and their packed tiles (weight_format below).
+enum Format : int64_t {
+  kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5, kQ5_0 = 6, kQ5_1 = 7, kMXFP4 = 12
+};
 constexpr int64_t kBlock = 32;
 constexpr int64_t kSuper = 256;  // weights of a K-quant super-block
 constexpr int64_t kRows = 8;    // rows of x per pass of dot_rows (one weight row a task)
@@ -96,14 +107,18 @@ constexpr int64_t kTile = 64;   // weight rows dequantized per sgemm in qmatmul_
 
 constexpr bool is_kquant(int64_t fmt) { return fmt == kQ4_K || fmt == kQ5_K || fmt == kQ6_K; }
 constexpr bool is_q5(int64_t fmt) { return fmt == kQ5_0 || fmt == kQ5_1; }
-constexpr bool has_offset(int64_t fmt) { return fmt != kQ8_0 && fmt != kQ6_K; }
+constexpr bool has_offset(int64_t fmt) { return fmt != kQ8_0 && fmt != kQ6_K && fmt != kMXFP4; }
 // Bytes of a block (legacy formats: 32 weights) or super-block (K-quants: 256 weights).
 constexpr int64_t unit_bytes(int64_t fmt) {
   constexpr int64_t bytes[] = {18, 20, 34, 144, 176, 210, 22, 24};
-  return bytes[fmt];
+  return fmt == kMXFP4 ? 17 : bytes[fmt];
 }
+// Where a legacy block's quants start (after its scale fields).
+constexpr int64_t quants_at(int64_t fmt) { return fmt == kMXFP4 ? 1 : fmt == kQ4_1 || fmt == kQ5_1 ? 4 : 2; }
 
-void check_format(int64_t fmt) { TORCH_CHECK(fmt >= kQ4_0 && fmt <= kQ5_1, "unknown quant format ", fmt); }
+void check_format(int64_t fmt) {
+  TORCH_CHECK((fmt >= kQ4_0 && fmt <= kQ5_1) || fmt == kMXFP4, "unknown quant format ", fmt);
+}
 
 int64_t row_bytes_of(int64_t fmt, int64_t K) {
   check_format(fmt);
@@ -130,6 +145,7 @@ decltype(auto) with_format(int64_t fmt, F&& f) {
     case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
     case kQ5_0: return f(std::integral_constant<int64_t, kQ5_0>{});
     case kQ5_1: return f(std::integral_constant<int64_t, kQ5_1>{});
+    case kMXFP4: return f(std::integral_constant<int64_t, kMXFP4>{});
   }
   TORCH_CHECK(false, "unknown quant format ", fmt);
 }
@@ -143,6 +159,19 @@ float half_to_float(const uint8_t* p) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
 #endif
 }
+
+// MXFP4's scale: E8M0 exponent e -> 2^(e - 128) as float32 bits (e < 2: the subnormals
+// 2^-128 and 2^-127), and its doubled FP4 values by code.
+constexpr uint32_t e8m0_half_bits(uint32_t e) { return e < 2 ? 0x00200000u << e : (e - 1) << 23; }
+
+float e8m0_half(uint8_t e) {
+  const uint32_t bits = e8m0_half_bits(e);
+  float d;
+  std::memcpy(&d, &bits, 4);
+  return d;
+}
+
+constexpr int8_t kFp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 // Sub-block j's 6-bit scale and min of a Q4_K / Q5_K super-block's scales[12]: bytes 0-3
 // hold sc_0..3 (low 6 bits), 4-7 m_0..3, 8-11 the low 4 bits of sc_4..7 and m_4..7 (low and
@@ -171,7 +200,7 @@ template <int64_t fmt>
 inline void block_scales(const uint8_t* row, int64_t b, float& d, float& m) {
   if constexpr (!is_kquant(fmt)) {
     const uint8_t* blk = row + b * unit_bytes(fmt);
-    d = half_to_float(blk);
+    d = fmt == kMXFP4 ? e8m0_half(blk[0]) : half_to_float(blk);
     m = fmt == kQ4_1 || fmt == kQ5_1 ? half_to_float(blk + 2)
         : fmt == kQ4_0               ? -8.f * d
         : fmt == kQ5_0               ? -16.f * d
@@ -230,16 +259,17 @@ inline Q6Block q6_block(const uint8_t* row, int64_t b) {
 template <int64_t fmt>
 inline void block_quants(const uint8_t* row, int64_t b, int32_t* q) {
   if constexpr (is_q5(fmt)) {
-    const uint8_t* blk = row + b * unit_bytes(fmt) + (fmt == kQ5_1 ? 4 : 2);
+    const uint8_t* blk = row + b * unit_bytes(fmt) + quants_at(fmt);
     uint32_t qh;
     std::memcpy(&qh, blk, 4);
     for (int j = 0; j < kBlock; ++j) {
       q[j] = (j < 16 ? blk[4 + j] & 15 : blk[4 + j - 16] >> 4) | (((qh >> j) & 1) << 4);
     }
   } else if constexpr (!is_kquant(fmt)) {
-    const uint8_t* qs = row + b * unit_bytes(fmt) + (fmt == kQ4_1 ? 4 : 2);
+    const uint8_t* qs = row + b * unit_bytes(fmt) + quants_at(fmt);
     for (int j = 0; j < kBlock; ++j) {
       q[j] = fmt == kQ8_0 ? static_cast<int8_t>(qs[j]) : j < 16 ? qs[j] & 15 : qs[j - 16] >> 4;
+      if (fmt == kMXFP4) q[j] = kFp4[q[j]];
     }
   } else if constexpr (fmt == kQ6_K) {
     const Q6Block q6 = q6_block(row, b);
@@ -284,7 +314,7 @@ inline void widen_block(const uint8_t* row, int64_t b, __m256i& w0, __m256i& w1)
     w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
     w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
   } else if constexpr (is_q5(fmt)) {
-    const uint8_t* blk = row + b * unit_bytes(fmt) + (fmt == kQ5_1 ? 4 : 2);
+    const uint8_t* blk = row + b * unit_bytes(fmt) + quants_at(fmt);
     uint32_t qh;
     std::memcpy(&qh, blk, 4);
     const __m256i bytes = widen16(blk + 4);
@@ -298,8 +328,13 @@ inline void widen_block(const uint8_t* row, int64_t b, __m256i& w0, __m256i& w1)
     };
     w0 = _mm256_or_si256(_mm256_and_si256(bytes, low4), high(qh & 0xffff));
     w1 = _mm256_or_si256(_mm256_srli_epi16(bytes, 4), high(qh >> 16));
+  } else if constexpr (fmt == kMXFP4) {  // the codes looked up as int8 values, then widened
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * unit_bytes(fmt) + 1));
+    const __m128i lut = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp4)), mask = _mm_set1_epi8(15);
+    w0 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut, _mm_and_si128(v, mask)));
+    w1 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), mask)));
   } else if constexpr (!is_kquant(fmt)) {
-    const __m256i bytes = widen16(row + b * unit_bytes(fmt) + (fmt == kQ4_1 ? 4 : 2));
+    const __m256i bytes = widen16(row + b * unit_bytes(fmt) + quants_at(fmt));
     w0 = _mm256_and_si256(bytes, low4);
     w1 = _mm256_srli_epi16(bytes, 4);
   } else if constexpr (fmt == kQ6_K) {
@@ -561,10 +596,19 @@ inline __m256i reduce8(const __m256i s[8]) {
 #endif
 
 #ifdef RS_AVX2
-// The fp16 scale d (and Q4_1's / Q5_1's offset m) of block `off` of 8 weight rows, as 8
-// float lanes.
+// The fp16 scale d (and Q4_1's / Q5_1's offset m; MXFP4: its E8M0 scale) of block `off`
+// of 8 weight rows, as 8 float lanes.
 template <int64_t fmt>
 inline void block_scales8(const uint8_t* const* rows, int64_t off, __m256& d, __m256& m) {
+  if constexpr (fmt == kMXFP4) {  // e8m0_half_bits per lane: (e - 1) << 23, or a subnormal
+    const __m256i e = _mm256_setr_epi32(rows[0][off], rows[1][off], rows[2][off], rows[3][off], rows[4][off],
+                                        rows[5][off], rows[6][off], rows[7][off]);
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    d = _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+    m = _mm256_setzero_ps();
+    return;
+  }
   auto half2 = [&](int i) {  // (d, m) of row i: 4 bytes (Q8_0/Q4_0: d and 2 bytes of quants)
     int32_t v;
     std::memcpy(&v, rows[i] + off, 4);
@@ -653,13 +697,16 @@ inline __m512i widen_block16(const uint8_t* row, int64_t b) {
   if constexpr (fmt == kQ8_0) {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * unit_bytes(fmt) + 2)));
   } else if constexpr (is_q5(fmt)) {
-    const uint8_t* blk = row + b * unit_bytes(fmt) + (fmt == kQ5_1 ? 4 : 2);
+    const uint8_t* blk = row + b * unit_bytes(fmt) + quants_at(fmt);
     uint32_t qh;
     std::memcpy(&qh, blk, 4);
     const __m512i q = widen32(nibbles(blk + 4));
     return _mm512_mask_add_epi16(q, static_cast<__mmask32>(qh), q, _mm512_set1_epi16(16));
+  } else if constexpr (fmt == kMXFP4) {  // the codes looked up as int8 values, sign-extended
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp4)));
+    return _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(lut, nibbles(row + b * unit_bytes(fmt) + 1)));
   } else if constexpr (!is_kquant(fmt)) {
-    return widen32(nibbles(row + b * unit_bytes(fmt) + (fmt == kQ4_1 ? 4 : 2)));
+    return widen32(nibbles(row + b * unit_bytes(fmt) + quants_at(fmt)));
   } else if constexpr (fmt == kQ6_K) {
     const Q6Block q6 = q6_block(row, b);
     __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q6.ql));
@@ -1223,9 +1270,18 @@ constexpr bool is_packed(int64_t code) { return code == kQ4_K_P8 || code == kQ6_
 constexpr bool is_x8(int64_t code) { return code == kQ4_K_X8 || code == kQ6_K_X8 || is_packed(code); }
 constexpr int64_t packed_bytes(int64_t fmt) { return fmt == kQ6_K ? 210 : 148; }
 
+// Q8_0 and MXFP4 weights with x rounded to int8 per 32-block (section "legacy blocks with
+// int8 x").
+constexpr int64_t kQ8_0_B8 = 13, kMXFP4_B8 = 14;
+constexpr bool is_b8(int64_t code) { return code == kQ8_0_B8 || code == kMXFP4_B8; }
+
 // The weight format of a format code.
 constexpr int64_t weight_format(int64_t code) {
-  return code == kQ4_K_X8 || code == kQ4_K_P8 ? kQ4_K : code == kQ6_K_X8 || code == kQ6_K_P8 ? kQ6_K : code;
+  return code == kQ4_K_X8 || code == kQ4_K_P8   ? kQ4_K
+         : code == kQ6_K_X8 || code == kQ6_K_P8 ? kQ6_K
+         : code == kQ8_0_B8                     ? kQ8_0
+         : code == kMXFP4_B8                    ? kMXFP4
+                                                : code;
 }
 
 struct Q8Rows {
@@ -1750,6 +1806,208 @@ void dot_rows(const uint8_t* wrow, int64_t fmt, int64_t nb, const QRows& x, int6
   with_format(fmt, [&](auto f) { dot_rows<decltype(f)::value>(wrow, nb, x, xr, rows, out, ldo); });
 }
 
+// ------------------------------------------------------------------ legacy blocks with int8 x
+//
+// Format codes kQ8_0_B8 and kMXFP4_B8: Q8_0 and MXFP4 weights with x rounded to int8 per
+// 32-block, as llama.cpp rounds activations for them (d = amax / 127, q = round(x / d);
+// error <= amax / 254 of the block, 128x the int16 path's). A block's 32 weights are int8
+// (Q8_0's quants; MXFP4's values kv, looked up by one vpshufb) and meet x in byte
+// multiply-adds: |w| as unsigned bytes times x with w's sign (vpdpbusd; AVX2: maddubs, whose
+// int16 pairs <= 2 * 128 * 127 do not saturate, then madd), lane i of 8 summing products
+// 4i..4i+3 exactly in int32; each block's lanes are scaled by d_w * d_x into 8 float32
+// accumulators (one FMA), summed at the end of the row. The streaming loop runs them up to
+// their small_m rows (decode, draft verification: twice the int16 kernels' speed, which
+// are compute-bound there); above it, the int16 GEMM of the same weights (prefill).
+struct B8Rows {
+  std::vector<int8_t> q;      // (M, K)
+  std::vector<float> d;       // (M, K / 32); NaN for a block holding inf or NaN (its q: 0)
+  std::vector<float> pairs;   // (M, K / 64, 16): blocks 2p, 2p + 1's d, 8 lanes each (VNNI)
+};
+
+void quantize_rows_b8(const float* x, int64_t M, int64_t K, B8Rows& out) {
+  const int64_t blocks = M * K / kBlock;
+  out.q.resize(M * K), out.d.resize(blocks);
+  for (int64_t u = 0; u < blocks; ++u) {
+    const float* xb = x + u * kBlock;
+    int8_t* q = out.q.data() + u * kBlock;
+    const float amax = unit_amax(xb, kBlock);
+    out.d[u] = amax / 127.f;
+    const float id = amax > 0.f ? 127.f / amax : 0.f;  // (NaN amax: q = 0)
+#ifdef RS_AVX2
+    __m256i i32[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), _mm256_set1_ps(std::isnan(amax) ? 0.f : id));
+      i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    const __m256i w16 = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                        _mm256_permutevar8x32_epi32(w16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+    for (int j = 0; j < kBlock; ++j) q[j] = std::isnan(amax) ? 0 : static_cast<int8_t>(std::nearbyint(xb[j] * id));
+#endif
+  }
+#ifdef RS_VNNI
+  const int64_t nb = K / kBlock, per_row = nb / 2;
+  out.pairs.resize(M * per_row * 16);
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t p = 0; p < per_row; ++p) {
+      float* lanes = out.pairs.data() + (r * per_row + p) * 16;
+      std::fill(lanes, lanes + 8, out.d[r * nb + 2 * p]), std::fill(lanes + 8, lanes + 16, out.d[r * nb + 2 * p + 1]);
+    }
+  }
+#endif
+}
+
+template <int64_t fmt>
+inline float b8_scale(const uint8_t* blk) {
+  return fmt == kMXFP4 ? e8m0_half(blk[0]) : half_to_float(blk);
+}
+
+#ifdef RS_AVX2
+// A block's 32 quants as bytes in element order: Q8_0's int8 weights, MXFP4's codes.
+template <int64_t fmt>
+inline __m256i b8_codes(const uint8_t* blk) {
+  if constexpr (fmt == kQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  } else {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 1)), mask = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+  }
+}
+
+// A block's 32 weights as int8, in element order.
+template <int64_t fmt>
+inline __m256i b8_weights(const uint8_t* blk) {
+  if constexpr (fmt == kQ8_0) return b8_codes<fmt>(blk);
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp4)));
+  return _mm256_shuffle_epi8(lut, b8_codes<fmt>(blk));
+}
+
+// Lane i = sum of aw[4i + j] * sx[4i + j], j < 4 (aw unsigned, sx signed bytes), exact.
+inline __m256i dot_b8(__m256i aw, __m256i sx) {
+#ifdef RS_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+#ifdef RS_VNNI
+// Blocks b and b + 1 as 64 int8 weights (b8_weights of each, in one register).
+template <int64_t fmt>
+inline __m512i b8_weights2(const uint8_t* blk) {
+  constexpr int64_t at = fmt == kQ8_0 ? 2 : 1, next = unit_bytes(fmt);
+  const auto load = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  if constexpr (fmt == kQ8_0) return _mm512_inserti64x4(_mm512_castsi256_si512(load(blk + at)), load(blk + next + at), 1);
+  // 128-bit lanes: the two blocks' quant bytes, their low nibbles, then their high nibbles,
+  // reordered into each block's 32 codes (low then high) and looked up
+  const __m256i q = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + at))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + next + at)), 1);
+  const __m256i mask = _mm256_set1_epi8(15);
+  const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, mask)),
+                                           _mm256_and_si256(_mm256_srli_epi16(q, 4), mask), 1);
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp4)));
+  return _mm512_shuffle_epi8(lut, _mm512_shuffle_i64x2(codes, codes, 0xD8));  // lanes 0, 2, 1, 3
+}
+#endif
+
+// out[r * ldo] = x row xr + r . the weight row, r < R: the products of even blocks (and of
+// an odd count's last one) in 8 float32 lanes, of odd blocks in 8 more, the two added at the
+// end, then the lanes; the AVX512-VNNI build holds both in one register and takes two
+// blocks an instruction, with the AVX2 build's bits.
+template <int64_t fmt, int R>
+void dot_rows_b8(const uint8_t* wrow, int64_t nb, const B8Rows& x, int64_t xr, float* out, int64_t ldo) {
+  constexpr int64_t bytes = unit_bytes(fmt);
+#ifdef RS_AVX2
+  __m256 even[R], odd[R];
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+  int64_t b = 0;
+#ifdef RS_VNNI
+  __m512 acc[R];  // lanes 0-7: even blocks, 8-15: odd
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t per_row = nb / 2;
+  for (; b + 2 <= nb; b += 2) {
+    const uint8_t* blk = wrow + b * bytes;
+    const __m512 dw = join(_mm256_set1_ps(b8_scale<fmt>(blk)), _mm256_set1_ps(b8_scale<fmt>(blk + bytes)));
+    const __m512i w = b8_weights2<fmt>(blk), aw = _mm512_abs_epi8(w);
+    const __mmask64 negative = _mm512_movepi8_mask(w);
+    for (int r = 0; r < R; ++r) {
+      const int64_t xb = (xr + r) * nb + b;
+      const __m512i xq = _mm512_loadu_si512(x.q.data() + xb * kBlock);
+      const __m512i sx = _mm512_mask_sub_epi8(xq, negative, _mm512_setzero_si512(), xq);
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sx);
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(x.pairs.data() + ((xr + r) * per_row + b / 2) * 16));
+      acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) even[r] = _mm512_castps512_ps256(acc[r]), odd[r] = _mm512_extractf32x8_ps(acc[r], 1);
+#endif
+  for (; b < nb; ++b) {
+    const uint8_t* blk = wrow + b * bytes;
+    const float dw = b8_scale<fmt>(blk);
+    const __m256i w = b8_weights<fmt>(blk), aw = _mm256_abs_epi8(w);
+    for (int r = 0; r < R; ++r) {
+      const int64_t xb = (xr + r) * nb + b;
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + xb * kBlock));
+      const __m256i dot = dot_b8(aw, _mm256_sign_epi8(xq, w));
+      __m256& a = b % 2 ? odd[r] : even[r];
+      a = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d[xb]), _mm256_cvtepi32_ps(dot), a);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = hsum(_mm256_add_ps(even[r], odd[r]));
+#else
+  float acc[R][2][8] = {};  // even and odd blocks' lanes
+  for (int64_t b = 0; b < nb; ++b) {
+    const float dw = b8_scale<fmt>(wrow + b * bytes);
+    int32_t w[kBlock];
+    block_quants<fmt>(wrow, b, w);
+    for (int r = 0; r < R; ++r) {
+      const int64_t xb = (xr + r) * nb + b;
+      const int8_t* xq = x.q.data() + xb * kBlock;
+      for (int i = 0; i < 8; ++i) {
+        int32_t lane = 0;
+        for (int j = 4 * i; j < 4 * i + 4; ++j) lane += w[j] * xq[j];
+        acc[r][b % 2][i] = fma_like_vectors(dw * x.d[xb], static_cast<float>(lane), acc[r][b % 2][i]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {  // hsum's order: lanes i + 4, then 2, then 1
+    float a[8];
+    for (int i = 0; i < 8; ++i) a[i] = acc[r][0][i] + acc[r][1][i];
+    out[r * ldo] = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+  }
+#endif
+}
+
+// Weight rows [0, rows) from wrow (row_bytes apart) times the M rows of x, kRows at a time.
+void dot_rows_b8(const uint8_t* wrow, int64_t fmt, int64_t row_bytes, int64_t rows, int64_t nb, const B8Rows& x,
+                 int64_t M, float* out, int64_t ldo) {
+  const auto run = [&](auto f) {
+    constexpr int64_t F = decltype(f)::value;
+    for (int64_t i = 0; i < rows; ++i) {
+      const uint8_t* w = wrow + i * row_bytes;
+      float* o = out + i;
+      for (int64_t r0 = 0; r0 < M; r0 += kRows) {
+        const int64_t R = std::min(kRows, M - r0);
+        switch (R) {
+          case 1: dot_rows_b8<F, 1>(w, nb, x, r0, o + r0 * ldo, ldo); break;
+          case 2: dot_rows_b8<F, 2>(w, nb, x, r0, o + r0 * ldo, ldo); break;
+          case 3: dot_rows_b8<F, 3>(w, nb, x, r0, o + r0 * ldo, ldo); break;
+          case 4: dot_rows_b8<F, 4>(w, nb, x, r0, o + r0 * ldo, ldo); break;
+          case 5: dot_rows_b8<F, 5>(w, nb, x, r0, o + r0 * ldo, ldo); break;
+          case 6: dot_rows_b8<F, 6>(w, nb, x, r0, o + r0 * ldo, ldo); break;
+          case 7: dot_rows_b8<F, 7>(w, nb, x, r0, o + r0 * ldo, ldo); break;
+          default: dot_rows_b8<F, kRows>(w, nb, x, r0, o + r0 * ldo, ldo);
+        }
+      }
+    }
+  };
+  if (fmt == kQ8_0) run(std::integral_constant<int64_t, kQ8_0>{});
+  else run(std::integral_constant<int64_t, kMXFP4>{});
+}
+
 void check_args(const at::Tensor& x, const at::Tensor& w, int64_t code, int64_t K, bool bf16_ok = false) {
   const int64_t fmt = weight_format(code);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
@@ -1783,6 +2041,7 @@ struct SmallPart {
   int64_t M, nb;
   float* out;
   int64_t ldo;
+  const B8Rows* xb = nullptr;  // Q8_0 / MXFP4 with int8 x
 };
 
 // out (M, ldo) columns [0, rows) of every part = its x @ part.T, in ONE parallel loop over
@@ -1811,6 +2070,7 @@ void run_small(const std::vector<SmallPart>& parts) {
     const uint8_t* row = part.w + task.n * part.row_bytes;
     float* o = part.out + task.n;
     const int64_t M = part.M, nb = part.nb, ldo = part.ldo;
+    if (part.xb) return dot_rows_b8(row, part.fmt, part.row_bytes, task.rows, nb, *part.xb, M, o, ldo);
 #ifdef RS_VNNI
     if (task.rows == 16) {
       if (part.x8) dot_wrows8<V16>(row, part.fmt, part.packed, part.row_bytes, nb, *part.x8, M, o, ldo);
@@ -1855,17 +2115,20 @@ at::Tensor qmatmul_small(const at::Tensor& x, const at::Tensor& w, int64_t code,
   at::Tensor out = at::empty({M, N}, x.options());
   QRows xq;
   Q8Rows x8;
+  B8Rows xb;
   if (is_x8(code)) quantize_rows8(x.data_ptr<float>(), M, K, fmt, x8);
+  else if (is_b8(code)) quantize_rows_b8(x.data_ptr<float>(), M, K, xb);
   else quantize_rows(x.data_ptr<float>(), M, K, fmt, xq);
   run_small({{w.data_ptr<uint8_t>(), fmt, N, w.size(1), is_packed(code), &xq, is_x8(code) ? &x8 : nullptr, M,
-              K / kBlock, out.data_ptr<float>(), N}});
+              K / kBlock, out.data_ptr<float>(), N, is_b8(code) ? &xb : nullptr}});
   return out;
 }
 
 // x (M, K) float32 @ w(N, K).T -> (M, N) float32, x rounded to int16 as in qmatmul_small;
 // the int16 GEMM above for any M (AVX2 builds; `int_gemm` tells the caller whether it is
 // there: the portable build, and int8 x at any M, run qmatmul_small's loops instead).
-at::Tensor qmatmul_gemm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K) {
+at::Tensor qmatmul_gemm(const at::Tensor& x, const at::Tensor& w, int64_t code, int64_t K) {
+  const int64_t fmt = is_b8(code) ? weight_format(code) : code;  // int8 x up to small_m only
 #ifdef RS_AVX2
   if (is_x8(fmt)) return qmatmul_small(x, w, fmt, K);
   check_args(x, w, fmt, K);
@@ -2013,7 +2276,8 @@ void run_jobs(const std::vector<SmallJob>& jobs) {
   struct Quantized {
     QRows xq[4];
     Q8Rows x8[2];
-    bool done[6] = {false, false, false, false, false, false};
+    B8Rows xb;
+    bool done[7] = {false, false, false, false, false, false, false};
   };
   std::vector<Quantized> quantized(jobs.size());  // sized once: the parts point into it
   std::vector<SmallPart> parts;
@@ -2026,13 +2290,17 @@ void run_jobs(const std::vector<SmallJob>& jobs) {
     for (size_t i = 0; i < l.w.size(); ++i) {
       const int64_t code = l.fmt[i], fmt = weight_format(code);
       check_args(x, l.w[i], code, K);
-      const int64_t q = is_x8(code) ? 4 + (fmt == kQ6_K) : is_kquant(fmt) ? fmt - kQ4_K + 1 : 0;
-      if (!xs.done[q] && q >= 4) quantize_rows8(x.data_ptr<float>(), M, K, fmt, xs.x8[q - 4]);
+      const int64_t q = is_b8(code)   ? 6
+                        : is_x8(code) ? 4 + (fmt == kQ6_K)
+                        : is_kquant(fmt) ? fmt - kQ4_K + 1
+                                         : 0;
+      if (!xs.done[q] && q == 6) quantize_rows_b8(x.data_ptr<float>(), M, K, xs.xb);
+      else if (!xs.done[q] && q >= 4) quantize_rows8(x.data_ptr<float>(), M, K, fmt, xs.x8[q - 4]);
       else if (!xs.done[q]) quantize_rows(x.data_ptr<float>(), M, K, fmt, xs.xq[q]);
       xs.done[q] = true;
       parts.push_back({l.w[i].data_ptr<uint8_t>(), fmt, l.w[i].size(0), l.w[i].size(1), is_packed(code),
-                       q < 4 ? &xs.xq[q] : nullptr, q >= 4 ? &xs.x8[q - 4] : nullptr, M, K / kBlock,
-                       jobs[j].y + col, jobs[j].ldy});
+                       q < 4 ? &xs.xq[q] : nullptr, q == 4 || q == 5 ? &xs.x8[q - 4] : nullptr, M, K / kBlock,
+                       jobs[j].y + col, jobs[j].ldy, q == 6 ? &xs.xb : nullptr});
       col += l.w[i].size(0);
     }
   }
@@ -2175,16 +2443,20 @@ at::Tensor post_attention(const at::Tensor& h, const at::Tensor& attn, const Lin
 // A MoE layer's selected experts in one call (radixserve/models/moe.py, QuantExperts): the
 // (token, slot) rows grouped by expert, in expert order (a counting sort: the stable argsort
 // of the ids), every selected expert's gate/up over its rows in ONE parallel loop over all
-// their weight rows, SwiGLU, every down the same way, then each row weighted and summed over
-// its token's slots by the ATen ops of moe.grouped_experts. An expert's rows get the kernel
-// QuantLinear picks for that many rows, so the result is grouped_experts over per-expert
-// QuantLinears, bit for bit, in two loops instead of two calls per expert.
+// their weight rows (plus its bias row, gpt-oss), SwiGLU (or gpt-oss's clamped SwiGLU, the
+// ATen ops of moe.clamped_swiglu), every down the same way, then each row weighted and
+// summed over its token's slots by the ATen ops of moe.grouped_experts. An expert's rows get
+// the kernel QuantLinear picks for that many rows, so the result is grouped_experts over
+// per-expert QuantLinears, bit for bit, in two loops instead of two calls per expert.
 
 namespace {
 
 // One projection of every expert: per part its blocks (E, N, row bytes), format code and
 // small_m (QuantExperts.native_arg).
 using StackArg = std::tuple<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>>;
+// A layer's experts (QuantExperts.native_arg): gate/up and down stacks, their float32 biases
+// (E, 2I) and (E, hidden) or none, and the clamped SwiGLU's alpha and limit (alpha 0: SwiGLU).
+using ExpertsArg = std::tuple<StackArg, StackArg, std::optional<at::Tensor>, std::optional<at::Tensor>, double, double>;
 
 // The experts of a stack (the first part's E), checked against every part's; stacks of one
 // call must agree on it.
@@ -2231,12 +2503,38 @@ void per_expert(const StackArg& s, const std::vector<int64_t>& start, const at::
   run_jobs(jobs);
 }
 
+// y rows [start[e], start[e + 1]) += bias row e, for each e with rows (Experts.forward's
+// `h + bias[e]`: one float32 add a value).
+void add_bias_rows(const std::optional<at::Tensor>& bias, const std::vector<int64_t>& start, at::Tensor& y,
+                   const char* name) {
+  if (!bias) return;
+  const int64_t experts = static_cast<int64_t>(start.size()) - 1;
+  check_f32(*bias, 2, name);
+  TORCH_CHECK(bias->size(0) == experts && bias->size(1) == y.size(1), name, ": (E, ", y.size(1),
+              ") expected, got ", bias->sizes());
+  for (int64_t e = 0; e < experts; ++e) {
+    if (start[e + 1] > start[e]) y.narrow(0, start[e], start[e + 1] - start[e]).add_(bias->select(0, e));
+  }
+}
+
+// gate/up (n, 2I) -> (n, I): SiLU(gate) * up, or with alpha > 0 gpt-oss's clamped SwiGLU
+// (up' + 1) * g * sigmoid(alpha * g), g = min(gate, limit), up' = clamp(up, -limit, limit),
+// in moe.clamped_swiglu's ops and order.
+at::Tensor expert_act(const at::Tensor& gu, double alpha, double limit) {
+  const int64_t inter = gu.size(1) / 2;
+  const at::Tensor gate = gu.narrow(1, 0, inter), up = gu.narrow(1, inter, inter);
+  if (alpha <= 0) return at::silu(gate).mul_(up);
+  const at::Tensor g = gate.clamp_max(limit);
+  return up.clamp(-limit, limit).add(1).mul(g.mul(at::sigmoid(g.mul(alpha))));
+}
+
 }  // namespace
 
 // x (T, H) float32, ids (T, k) int64 expert ids, weights (T, k) float32 -> (T, H) float32:
-// each token's sum over its k slots of weight * down[e](SiLU(gate[e] x) * up[e] x).
-at::Tensor experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const StackArg& gate_up,
-                   const StackArg& down) {
+// each token's sum over its k slots of weight * down[e](act(gate[e] x, up[e] x)) (with
+// biases: each product plus expert e's bias row).
+at::Tensor experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const ExpertsArg& arg) {
+  const auto& [gate_up, down, gate_up_bias, down_bias, alpha, limit] = arg;
   check_f32(x, 2, "x");
   const int64_t t = x.size(0), hidden = x.size(1);
   TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong && ids.size(0) == t,
@@ -2267,11 +2565,12 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor&
   }
   at::Tensor gu = at::empty({rows, stack_rows(gate_up)}, x.options());
   per_expert(gate_up, start, xs, gu);
-  const int64_t inter = gu.size(1) / 2;
-  const at::Tensor act = at::silu(gu.narrow(1, 0, inter)).mul_(gu.narrow(1, inter, inter));
+  add_bias_rows(gate_up_bias, start, gu, "gate_up_bias");
+  const at::Tensor act = expert_act(gu, alpha, limit);
   at::Tensor out = at::empty({rows, stack_rows(down)}, x.options());
   TORCH_CHECK(out.size(1) == hidden, "down's rows ", out.size(1), " != hidden ", hidden);
   per_expert(down, start, act, out);
+  add_bias_rows(down_bias, start, out, "down_bias");
   const at::Tensor weighted = out.mul(weights.reshape({rows}).index_select(0, order).unsqueeze(-1));
   at::Tensor by_slot = at::empty_like(weighted);
   by_slot.index_copy_(0, order, weighted);  // back in (token, slot) order
@@ -2286,7 +2585,7 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor&
 at::Tensor post_attention_moe(const at::Tensor& h, const at::Tensor& attn, const LinearArg& o_arg,
                               const at::Tensor& mlp_norm, double eps, const at::Tensor& router,
                               const std::optional<at::Tensor>& router_bias, int64_t top_k, bool renormalise,
-                              bool topk_softmax, const StackArg& gate_up, const StackArg& down) {
+                              bool topk_softmax, const ExpertsArg& experts_arg) {
   check_f32(h, 2, "h");
   TORCH_CHECK(attn.scalar_type() == at::kFloat && attn.dim() == 2, "attn: (T, Hq * D) float32 expected");
   check_f32(router, 2, "router");
@@ -2302,7 +2601,7 @@ at::Tensor post_attention_moe(const at::Tensor& h, const at::Tensor& attn, const
     std::tie(weights, ids) = at::topk(at::softmax(logits, -1, at::kFloat), top_k, -1);
     if (renormalise) weights = weights.div(weights.sum(-1, true));
   }
-  return h1.add_(experts(x, ids, weights, gate_up, down));
+  return h1.add_(experts(x, ids, weights, experts_arg));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
