@@ -8,12 +8,14 @@ import json
 from pathlib import Path
 
 import bench_reposition as br
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 FIXTURE = ROOT / "tests" / "data" / "sharegpt_multiturn.json"
 
 
+@pytest.mark.slow  # the reposition benchmark end to end
 def test_reposition_prefills_less_after_truncation(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "reposition.json"
     args = ["--model", str(tiny_model_dir), "--dataset-path", str(FIXTURE), "--conversations", "4"]

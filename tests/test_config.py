@@ -47,6 +47,7 @@ def probe(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.slow  # a fresh interpreter per variable (~6 s)
 def test_environment_sets_defaults_only() -> None:
     """RADIXSERVE_NATIVE_OPS / RADIXSERVE_PACKED_LINEAR / RADIXSERVE_HICACHE_ENCRYPT give the
     defaults; an explicit field wins; any other value fails at import, naming the variable."""

@@ -76,7 +76,7 @@ def test_the_root_holds_no_python() -> None:
     assert [line for line in staged if line.startswith("120000")] == []  # no symbolic links
 
 
-@pytest.mark.parametrize("where", ["root", "elsewhere"])
+@pytest.mark.parametrize("where", ["root", pytest.param("elsewhere", marks=pytest.mark.slow)])
 def test_tour_runs_from_the_clone_and_elsewhere(where: str, tmp_path: Path) -> None:
     """`python -c` puts the working directory first on sys.path: from the clone's root the
     engine starts, transformers imports, and `kernels` is the installed distribution."""

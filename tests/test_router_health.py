@@ -76,6 +76,7 @@ def workers() -> Iterator[dict[str, str]]:
         s.shutdown()
 
 
+@pytest.mark.slow  # every kind of reply from fake workers (~4 s)
 def test_health_checks_survive_any_worker_reply(workers: dict[str, str]) -> None:
     async def run() -> dict[str, tuple[bool, int]]:
         config = RouterConfig(worker_urls=tuple(workers.values()), health_timeout_s=1.0)

@@ -106,6 +106,7 @@ model_worker.ModelWorker.forward = faulty
 """
 
 
+@pytest.mark.slow  # a server of its own with a faulty forward (~17 s)
 def test_a_step_that_raises_fails_its_request_and_the_server_goes_on(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
