@@ -14,6 +14,7 @@ from radixserve.models.gguf_weights import gguf_tensors
 from radixserve.models.resolve import embedded_gguf
 
 
+@pytest.mark.slow  # gguf's reader over the whole embedded file (~4 s)
 def test_embedded_file_gives_the_gguf_readers_tensors() -> None:
     ours = gguf_tensors(embedded_gguf())
     theirs = gguf.GGUFReader(embedded_gguf())

@@ -217,6 +217,7 @@ def test_a_tied_router_picks_the_experts_hfs_does(tmp_path: Path) -> None:
     assert len({tuple(r) for r in want_ids.tolist()}) == 1 and want_w[0].tolist() == [0.5, 0.5]
 
 
+@pytest.mark.slow  # a server of its own (~3 s)
 def test_server_greedy_matches_hf_generate(checkpoint: Path) -> None:
     """HF's greedy tokens for 8 prompts x 32 tokens (17-31 tokens each: past the window)
     from two engines: tree attention keeping every shared segment with speculative decoding,

@@ -40,6 +40,7 @@ def test_port_in_use_fails_fast(tmp_path, tiny_model_dir):
     assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
 
 
+@pytest.mark.slow  # a fresh interpreter for the CLI's help (~3 s)
 def test_cli_help_lists_the_flags():
     out = subprocess.run(
         [sys.executable, "-m", "radixserve", "serve", "--help"],
