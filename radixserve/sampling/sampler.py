@@ -233,14 +233,15 @@ def sample(
     B = len(batch.infos)
     assert logits.dim() == 2 and logits.shape[0] == B, f"logits {tuple(logits.shape)} vs {B} infos"
     assert logits.dtype == torch.float32, f"sampler expects float32 logits, got {logits.dtype}"
-    touched = _touched_rows(batch, logits.device)
+    occ, ban = _steps(batch)
+    touched = _touched_rows(batch, occ, ban, logits.device)
     # the model's own maxima of the rows steps 1-3b change, for the check of its logits
     raw = None if touched is None else (touched, logits[touched].amax(dim=-1))
     undo = Undo()
     # the model worker's logits are inference tensors: written in place only in that mode
     with torch.inference_mode(logits.is_inference()):
         try:
-            _apply(logits, batch, undo)  # steps 1-3b in place
+            _apply(logits, batch, occ, ban, undo)  # steps 1-3b in place
             native = native_ops() if logits.device.type == "cpu" and logits.stride(1) == 1 else None
             if (
                 native is not None
@@ -383,10 +384,11 @@ def process_logits(logits: torch.Tensor, infos: list[SamplingInfo] | SamplingBat
     needs a change; `logits` is never written.
     """
     batch = infos if isinstance(infos, SamplingBatch) else SamplingBatch(infos)
-    if _touched_rows(batch, logits.device) is None:
+    occ, ban = _steps(batch)
+    if _touched_rows(batch, occ, ban, logits.device) is None:
         return logits
     work = logits.clone()
-    _apply(work, batch, Undo())
+    _apply(work, batch, occ, ban, Undo())
     return work
 
 
@@ -398,9 +400,11 @@ def _steps(batch: SamplingBatch) -> tuple[list[int], list[int]]:
     return occ, ban
 
 
-def _touched_rows(batch: SamplingBatch, device: torch.device) -> torch.Tensor | None:
-    """(R,) int64: the rows steps 1-3b change now, ascending; None when none."""
-    occ, ban = _steps(batch)
+def _touched_rows(
+    batch: SamplingBatch, occ: list[int], ban: list[int], device: torch.device
+) -> torch.Tensor | None:
+    """(R,) int64: the rows steps 1-3b change now (`occ`, `ban`: `_steps`), ascending; None
+    when none."""
     key = (tuple(occ), tuple(ban), str(device))
     if key not in batch.touched:  # rows join occ and leave ban once each: a few keys
         rows = set(batch.rep) | set(occ) | set(batch.bias) | set(ban) | set(batch.con)
@@ -425,12 +429,14 @@ class Undo:
         self.saved.clear()
 
 
-def _apply(work: torch.Tensor, batch: SamplingBatch, undo: Undo) -> None:
-    """Steps 1-3b on `work` (B, V) in place, each one batched scatter over the (row, token)
-    pairs of all rows that use it; `undo` is told what each overwrites before it does."""
+def _apply(
+    work: torch.Tensor, batch: SamplingBatch, occ: list[int], ban: list[int], undo: Undo
+) -> None:
+    """Steps 1-3b on `work` (B, V) in place (`occ`, `ban`: `_steps`), each one batched
+    scatter over the (row, token) pairs of all rows that use it; `undo` is told what each
+    overwrites before it does."""
     infos = batch.infos
     rep, bias, con = batch.rep, batch.bias, batch.con
-    occ, ban = _steps(batch)
     dev = work.device
     if rep:
         r, t = (x.to(dev) for x in batch.rep_pairs.pairs())  # each distinct token once

@@ -425,12 +425,12 @@ class Scheduler:
         logits_rows = torch.tensor(rows, dtype=torch.int64)
         if decode and work and batch.swa_kv_indices is None:
             reqs = [w.req for w in work]
-            table_rows = [r.row for r in reqs]
-            assert all(row is not None for row in table_rows)
+            table_rows = [r.row for r in reqs if r.row is not None]
+            assert len(table_rows) == len(reqs), "a decode step of a sample not admitted"
             self._decode = DecodeRun(
                 reqs,
                 batch,
-                table_rows,  # type: ignore[arg-type]
+                table_rows,
                 torch.tensor(table_rows, dtype=torch.int64),
                 logits_rows,
                 first_row,
@@ -461,7 +461,7 @@ class Scheduler:
 
     def _next_decode(self, run: DecodeRun) -> tuple[ForwardBatch, torch.Tensor, list[int]]:
         """`run`'s batch one token further: each sample's next token, at the next position,
-        its new slot (taken by `KVManager.extend_each`) read from the table in one gather."""
+        in the slot `KVManager.extend_each` took for it this step."""
         before, new_slots = run.batch, self._new_slots
         assert new_slots is not None, "a decode step's slots were taken one by one"
         kv_lens = [r.kv_len for r in run.reqs]
@@ -591,10 +591,8 @@ class Scheduler:
         for req, status, message in failures:
             self._fail(req.rid, status, message)
         for req, token, lp, top in drawn:
-            if req.finish_reason is None:  # else a sibling sample failed this step
-                reason = self._take(req, token, lp, top)
-                if reason is not None:
-                    self._end_if(req, reason)
+            if not req.finished:  # else a sibling sample failed this step
+                self._end_if(req, self._take(req, token, lp, top))
 
     def _verify(self, drafted: list[tuple[Sample, int]], logits: torch.Tensor) -> None:
         """Draw each drafted sample's tokens one position at a time, from its last token's
