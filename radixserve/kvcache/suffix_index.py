@@ -30,6 +30,8 @@ ORDER = 3  # tokens a position is filed under: the shortest match a lookup retur
 MAX_MATCH = 8  # tokens a candidate's match is scored on
 CANDIDATES = 16  # latest positions under the sequence's last ORDER tokens that are scored
 TOKEN_BITS = 21  # a filing key packs ORDER token ids of this many bits (vocabularies < 2M)
+TOKEN_MASK = (1 << TOKEN_BITS) - 1
+GRAM_MASK = (1 << TOKEN_BITS * ORDER) - 1
 DEPTH_BITS = 32  # a position packs (node id, depth) as id << DEPTH_BITS | depth
 ROOT_BITS = 64  # a filing key packs (run, root id) as gram << ROOT_BITS | root id
 
@@ -40,13 +42,22 @@ Filed = dict[int, "int | dict[int, None]"]
 
 
 def gram(tokens: Sequence[int], top: TreeNode) -> int:
-    """ORDER token ids of the part under root `top` as one int (a key may stand for other
-    runs if an id has more than TOKEN_BITS bits: lookups compare tokens; never for another
-    part: its low ROOT_BITS bits are the root's id)."""
+    """ORDER token ids of the part under root `top` as one int: the low TOKEN_BITS bits of
+    each (a key may stand for other runs if an id has more bits: lookups compare tokens;
+    never for another part: its low ROOT_BITS bits are the root's id)."""
     key = 0
     for t in tokens:
-        key = key << TOKEN_BITS | t
+        key = key << TOKEN_BITS | t & TOKEN_MASK
     return key << ROOT_BITS | top.id
+
+
+def last_tokens(node: TreeNode | None, n: int) -> list[int]:
+    """The last `n` tokens of the path from the root down to `node` (all, if fewer)."""
+    out: list[int] = []
+    while node is not None and len(out) < n:
+        out = node.key[len(out) - n :] + out
+        node = node.parent
+    return out
 
 
 def start_depth(node: TreeNode) -> int:
@@ -79,12 +90,18 @@ class SuffixIndex:
 
     def _filed(self, node: TreeNode) -> Iterator[tuple[int, int]]:
         """(key, packed position) of `node`'s positions that have ORDER - 1 positions before
-        them."""
-        before = list(islice(tokens_before(node, -1), ORDER - 1))[::-1]
-        run = before + node.key
-        keys = (gram(g, node.top) for g in zip(*(run[i:] for i in range(ORDER))))
+        them: each key is `gram` of the run ending there, rolled on one token at a time."""
+        before = last_tokens(node.parent, ORDER - 1)
+        top = node.top.id
+        key, keys = 0, []
+        for t in before:
+            key = key << TOKEN_BITS | t & TOKEN_MASK
+        for t in node.key:
+            key = (key << TOKEN_BITS | t & TOKEN_MASK) & GRAM_MASK
+            keys.append(key << ROOT_BITS | top)
+        skip = ORDER - 1 - len(before)  # positions too near the root to be filed
         base = (node.id << DEPTH_BITS) + start_depth(node)
-        return zip(keys, range(base - len(before) + ORDER - 1, base + len(node.key)))
+        return zip(keys[skip:], range(base + skip, base + len(node.key)))
 
     def _file(self, key: int, at: int) -> None:
         filed = self.ends.get(key)
