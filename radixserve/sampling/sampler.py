@@ -636,15 +636,15 @@ def _uniforms(infos: list[SamplingInfo], gen: torch.Generator | None) -> torch.T
     if gen is None:
         unseeded = [r for r, info in enumerate(infos) if info.stream_key is None]
         assert not unseeded, f"rows {unseeded} have no seed and sample() got no generator"
-        u = torch.empty(len(infos), dtype=torch.float64)  # (S,), every entry set below
+        drawn: list[float] = [0.0] * len(infos)  # every entry set below
     else:
-        u = torch.rand(len(infos), generator=gen, dtype=torch.float64)  # (S,)
+        drawn = torch.rand(len(infos), generator=gen, dtype=torch.float64).tolist()  # (S,)
     for r, info in enumerate(infos):
         key = info.stream_key
         if key is not None:
             h = _hash64(key[0], key[1], len(info.output_ids))
-            u[r] = (h >> 11) * 2.0**-53  # top 53 bits -> a float64 in [0, 1)
-    return u
+            drawn[r] = (h >> 11) * 2.0**-53  # top 53 bits -> a float64 in [0, 1)
+    return torch.tensor(drawn, dtype=torch.float64)
 
 
 def _hash64(*parts: int) -> int:
