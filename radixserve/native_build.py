@@ -1,18 +1,19 @@
-"""Building radixserve's C++ CPU kernels (models/csrc, kernels/csrc) with torch's extension
-builder: one place for the flags, the module names and the fallback.
+"""Building radixserve's C++ CPU kernels (radixserve/csrc: one source a module, every source
+including csrc/common.h) with torch's extension builder: one place for the folder, the flags,
+the module names and the fallback.
 
 Each source is built once per ISA (module name `<name>_<isa>`, cached with the source hash in
 one folder per module, Python and torch version under $TORCH_EXTENSIONS_DIR or
 ~/.cache/torch_extensions) with -O3 and -fopenmp: at::parallel_for is
 inline OpenMP, serial without it; the link resolves to the libgomp.so.1 torch has loaded.
-The AVX2 build adds -mavx2 -mfma -mf16c and defines RS_AVX2; the AVX-512 build adds
-AVX-512F/BW/VL/DQ (32 vector registers for the 8-lane code) and RS_AVX512 (its AVX512-BF16
-functions carry target attributes and check the CPU first), so it loads on CPUs that torch
-reports as AVX512;
+The AVX2 build adds -mavx2 -mfma -mf16c, from which common.h defines RS_AVX2; the AVX-512
+build adds AVX-512F/BW/VL/DQ (32 vector registers for the 8-lane code; RS_AVX512, whose
+AVX512-BF16 functions carry target attributes and check the CPU first), so it loads on CPUs
+that torch reports as AVX512;
 "avx512vnni" (the quantized kernels, where the CPU has AVX512-VNNI) compiles the whole source
-for AVX-512 with VNNI, so it is loaded only on such a CPU; "scalar" is portable C++. Without a
-compiler `build` returns None, and while native ops are off (`use_native_ops(False)`) every
-`@native_module` getter does: the callers then run the same math as torch ops.
+for AVX-512 with VNNI (RS_VNNI), so it is loaded only on such a CPU; "scalar" is portable C++.
+Without a compiler `build` returns None, and while native ops are off (`use_native_ops(False)`)
+every `@native_module` getter does: the callers then run the same math as torch ops.
 
 Processes building or loading the same module take turns on an flock of its folder, which
 the kernel releases when a holder dies. torch's own lock file, which a process killed while
@@ -38,11 +39,12 @@ from pathlib import Path
 from types import ModuleType
 
 logger = logging.getLogger("radixserve.native")
+CSRC = Path(__file__).with_name("csrc")  # every native source, and the headers they include
 VECTOR_FLAGS = {"avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                                "-mavx512dq", "-mavx512vnni"],
                 "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                           "-mavx512dq", "-DRS_AVX2", "-DRS_AVX512"],
-                "avx2": ["-mavx2", "-mfma", "-mf16c", "-DRS_AVX2"], "scalar": []}  # fmt: skip
+                           "-mavx512dq"],
+                "avx2": ["-mavx2", "-mfma", "-mf16c"], "scalar": []}  # fmt: skip
 _enabled = True  # EngineConfig.native_ops of the last ModelWorker started in this process
 
 Getter = Callable[[], ModuleType | None]
@@ -103,7 +105,8 @@ def build(name: str, source: Path, isa: str | None) -> ModuleType | None:
     # gives the module path's logits bit for bit).
     flags = ["-O3", "-ffp-contract=off", "-fopenmp", *(VECTOR_FLAGS[isa] if isa else [])]
     # torch rebuilds when the source or the flags change: the headers next to the source
-    # (shared row loops) enter through a flag carrying their digest
+    # (common.h, which every source includes, and the row loops it includes) enter through a
+    # flag carrying their digest
     headers = sorted(source.parent.glob("*.h"))
     if headers:
         digest = hashlib.sha256(b"".join(h.read_bytes() for h in headers)).hexdigest()[:16]

@@ -1,5 +1,5 @@
-"""Native CPU attention kernels (kernels/native.py, csrc/attention_cpu.cpp) against
-kernels/reference.py, reading K/V from a pool by slot.
+"""Native CPU attention kernels (kernels/native.py, radixserve/csrc/attention_cpu.cpp)
+against kernels/reference.py, reading K/V from a pool by slot.
 
 Every case draws a pool bigger than the keys and a random permutation of its slots, so rows
 are read out of order; the reference runs on the same rows gathered (pool[slots]).

@@ -7,7 +7,7 @@ state (V / 8 bytes: 6 KiB for a 49k vocabulary) and expanded for the whole batch
 one gather from a 256-entry table: into flags (`unpack_token_masks`), or straight into an
 additive logit bias of 0 / -inf (`token_mask_bias`) -- about half the cost of unpacking then
 masked_fill (measured, batch 16 x 49k vocabulary on CPU). The sampler's CPU path adds the
-same 0 / -inf straight from the packed bytes (`mask_logits_`, sampling/csrc/sample_cpu.cpp:
+same 0 / -inf straight from the packed bytes (`mask_logits_`, radixserve/csrc/sample_cpu.cpp:
 64 x 49152 logits 24-36 -> 3.7-5.8 ms, AVX2 EPYC, loaded machine); this is its fallback.
 """
 

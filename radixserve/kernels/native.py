@@ -1,4 +1,4 @@
-"""Native CPU attention (csrc/attention_cpu.cpp): reads K/V straight from the KV pool by slot.
+"""Native CPU attention (radixserve/csrc/attention_cpu.cpp): reads K/V from the KV pool by slot.
 
 Ops (shapes as in kernels/__init__.py; the pool ops take one layer's pool tensors
 k_cache / v_cache (num_slots, Hkv, D) and int64 slot indices instead of gathered K/V):
@@ -36,16 +36,15 @@ Unsupported inputs (head dim not a multiple of 8, other dtypes) run the torch pa
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from radixserve.isa import cpu_isa
 from radixserve.kernels import cpu, reference
-from radixserve.native_build import build, native_module
+from radixserve.native_build import CSRC, build, native_module
 
-SOURCE = Path(__file__).with_name("csrc") / "attention_cpu.cpp"
+SOURCE = CSRC / "attention_cpu.cpp"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

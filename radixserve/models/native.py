@@ -1,5 +1,5 @@
-"""Fused CPU ops for the decoder (csrc/fused_cpu.cpp), bf16 or float32: RMSNorm and the RoPE
-of the q/k heads, built once on first use.
+"""Fused CPU ops for the decoder (radixserve/csrc/fused_cpu.cpp), bf16 or float32: RMSNorm
+and the RoPE of the q/k heads, built once on first use.
 
 `ops()` compiles the C++ source (radixserve/native_build.py) and returns the module, or None
 where the build fails or native ops are off (EngineConfig.native_ops): the model then runs the
@@ -19,14 +19,13 @@ C++ SwiGLU was 5x slower than torch's vectorised silu and was dropped.)
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from radixserve.native_build import build, native_module
+from radixserve.native_build import CSRC, build, native_module
 
-SOURCE = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
+SOURCE = CSRC / "fused_cpu.cpp"
 
 
 @native_module

@@ -1,7 +1,7 @@
 """Block-quantized weights (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4 and the K-quants Q4_K,
 Q5_K, Q6_K) kept in their file layout, and the linear layer that multiplies by them
-(csrc/quant_cpu.cpp, built per CPU ISA on first use; the C++ file documents every block
-format).
+(radixserve/csrc/quant_cpu.cpp, built per CPU ISA on first use; the C++ file documents every
+block format).
 
 Why: a decode step at small batch reads every weight once, so its time is the weight bytes
 over the memory bandwidth. Q4_1 stores 32 weights in 20 bytes (5 bits a weight) against
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -48,9 +47,9 @@ from torch import Tensor, nn
 
 from radixserve.config import QUANT_ACTIVATIONS, QUANT_ACTIVATIONS_DEFAULT
 from radixserve.isa import fast_cpu_bf16, quant_kernel_isa
-from radixserve.native_build import build, native_module
+from radixserve.native_build import CSRC, build, native_module
 
-SOURCE = Path(__file__).with_name("csrc") / "quant_cpu.cpp"
+SOURCE = CSRC / "quant_cpu.cpp"
 BLOCK = 32
 SUPER_BLOCK = 256
 # Rows from which a bf16 model's quantized linears run as bf16 tiles into the bf16 GEMM
@@ -121,8 +120,8 @@ B8_BY_DEFAULT = {"mxfp4"}  # the formats whose x is int8 under activations="int8
 # The same weights packed once into tiles of PACK_ROWS rows, each super-block's bytes in the
 # kernel's lane order with its scales decoded (AVX2 builds, `pack`): the kernel masks nibbles
 # instead of shuffling bytes and decoding 6-bit scales, with the file layout's results bit
-# for bit (csrc/quant_cpu.cpp, "packed K-quant tiles"); a 1B Q4_K_M decodes 128 tokens in
-# ~0.9x the file layout's time (docs/cpu.md).
+# for bit (radixserve/csrc/quant_cpu.cpp, "packed K-quant tiles"); a 1B Q4_K_M decodes 128
+# tokens in ~0.9x the file layout's time (docs/cpu.md).
 PACKED_CODES = {"q4_k": 10, "q6_k": 11}
 PACKED_BYTES = {"q4_k": 148, "q6_k": 210}  # a row's super-block in tiles (the file: 144, 210)
 PACK_ROWS = 8

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import ModuleType
 from typing import Protocol
 
@@ -62,7 +61,7 @@ from radixserve.constrained.mask import token_mask_bias
 from radixserve.core.params import SamplingParams
 from radixserve.core.request import TokenLogprob
 from radixserve.isa import cpu_isa
-from radixserve.native_build import build, native_module
+from radixserve.native_build import CSRC, build, native_module
 
 _MASK64 = (1 << 64) - 1
 _TOP_P_TRY = 1024  # top_p looks for its cut among this many top tokens before a full sort
@@ -484,7 +483,8 @@ def _mask_grammar(work: torch.Tensor, rows: list[int], infos: list[SamplingInfo]
 def apply_token_masks(work: torch.Tensor, rows: list[int], packed: torch.Tensor) -> None:
     """work[rows[i]] += 0 / -inf as packed[i] (R, ceil(V / 8)) uint8 allows / forbids each
     token (constrained/mask.py), in place; allowed logits stay bit-exact. On CPU one native
-    pass over the packed bytes (csrc/sample_cpu.cpp), else a (R, V) bias tensor added."""
+    pass over the packed bytes (radixserve/csrc/sample_cpu.cpp), else a (R, V) bias tensor
+    added."""
     packed = packed.to(work.device)
     native = native_ops() if work.device.type == "cpu" and work.dtype == torch.float32 else None
     if native is not None and work.stride(1) == 1:
@@ -515,11 +515,9 @@ def _per_row(values: list[float], like: torch.Tensor) -> torch.Tensor:
 
 @native_module
 def native_ops() -> ModuleType | None:
-    """csrc/sample_cpu.cpp (steps 4 and 8 fused for rows without filters), or None where it
-    does not build or native ops are off."""
-    return build(
-        "radixserve_sample", Path(__file__).with_name("csrc") / "sample_cpu.cpp", cpu_isa()
-    )
+    """radixserve/csrc/sample_cpu.cpp (steps 4 and 8 fused for rows without filters), or None
+    where it does not build or native ops are off."""
+    return build("radixserve_sample", CSRC / "sample_cpu.cpp", cpu_isa())
 
 
 def _draw(

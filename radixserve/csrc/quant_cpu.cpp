@@ -51,18 +51,18 @@
 //   for a bf16 x, bfloat16) buffer (it stays in L2) and run the BLAS GEMM on it, so the
 //   arithmetic runs at the machine's matmul rate with the exact float32 x: the path of
 //   builds without AVX2, and of bf16 models where bf16 matmuls are fast.
-// Built per ISA: with -mavx2 -mfma -mf16c the AVX2 paths below are used, without them plain
-// C++ (portable, slower; qmatmul_gemm then runs qmatmul_small's loops). The AVX512-VNNI
-// build (for CPUs that have it) adds 512-bit paths: the streaming kernel takes 16 weight rows
-// at a time and the GEMM 16 rows of x per vector, each block sum one vpdpwssd (32 int16
-// multiply-adds into int32) instead of a madd and an add; their results equal the AVX2
-// paths' bit for bit (same integer sums, same float32 operations per lane, same order).
-#include <ATen/core/Tensor.h>
-#include <ATen/Parallel.h>
+// Built per ISA: with -mavx2 -mfma -mf16c the AVX2 paths below are used (RS_AVX2, common.h),
+// without them plain C++ (portable, slower; qmatmul_gemm then runs qmatmul_small's loops).
+// The AVX512-VNNI build (RS_VNNI; for CPUs that have it) adds 512-bit paths: the streaming
+// kernel takes 16 weight rows at a time and the GEMM 16 rows of x per vector, each block
+// sum one vpdpwssd (32 int16 multiply-adds into int32) instead of a madd and an add; their
+// results equal the AVX2 paths' bit for bit (same integer sums, same float32 operations per
+// lane, same order).
+#include "common.h"
+
 #include <ATen/ops/clamp.h>
 #include <ATen/ops/clamp_max.h>
 #include <ATen/ops/constant_pad_nd.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
@@ -71,28 +71,13 @@
 #include <ATen/ops/silu.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/topk.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
-#include <cstdint>
-#include <cmath>
 #include <cstring>
-#include <limits>
 #include <optional>
 #include <tuple>
 #include <type_traits>
 #include <vector>
-
-#include "rows.h"
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define RS_AVX2 1
-#endif
-#if defined(RS_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512DQ__) && defined(__AVX512VNNI__)
-#define RS_VNNI 1
-#endif
 
 namespace {
 
@@ -408,35 +393,15 @@ inline void dequant_block_avx2(const uint8_t* row, int64_t b, __m256 w[4]) {
   }
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline int32_t hsum(__m256i v) {  // exact
+inline int32_t hsum(__m256i v) {  // exact; common.h has hsum(__m256)
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 #endif
 
-// 8 float32 lanes -> dst[0..8) as float32, or as bfloat16 rounded to nearest even (what
-// torch's conversion does; the weights are finite).
-#ifdef RS_AVX2
-inline void store8(float* dst, __m256 v) { _mm256_storeu_ps(dst, v); }
-inline void store8(at::BFloat16* dst, __m256 v) {
-  const __m256i b = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
-}
-#endif
-
 // Rows [n0, n1) of the weight, all of it dequantized into dst (n1 - n0, K) of T (float32,
-// or bfloat16 for the bf16 GEMM).
+// or bfloat16 for the bf16 GEMM, rounded to nearest even as torch rounds: store8).
 template <int64_t fmt, typename T>
 void dequant_rows(const uint8_t* w, int64_t K, int64_t n0, int64_t n1, T* dst) {
   const int64_t nb = K / kBlock, bytes = row_bytes_of(fmt, K);
@@ -485,9 +450,7 @@ float unit_amax(const float* x, int64_t n) {
     bad = _mm256_add_ps(bad, _mm256_mul_ps(v, zero));  // NaN iff some x is inf or NaN
   }
   if (std::isnan(hsum(bad))) return std::numeric_limits<float>::quiet_NaN();
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  return hmax(amax);
 #else
   float m = 0.f;
   for (int64_t j = 0; j < n; ++j) {

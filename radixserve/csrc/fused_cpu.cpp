@@ -1,31 +1,19 @@
 // Fused CPU ops for the decoder (radixserve/models/native.py): RMSNorm and RoPE on bf16 or
-// float32 rows (rows.h), each one call with the rounding of the torch formula it replaces,
-// instead of a chain of small ops.
-#include <ATen/core/Tensor.h>
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <torch/csrc/utils/pybind.h>
+// float32 rows (rows.h, through common.h), each one call with the rounding of the torch
+// formula it replaces, instead of a chain of small ops.
+#include "common.h"
 
 #include <vector>
-
-#include "rows.h"
 
 namespace {
 
 using bf16 = at::BFloat16;
 
-void check_rows(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.device().is_cpu(), name, ": CPU tensor expected");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, name,
-              ": bfloat16 or float32 expected, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": (rows, cols) with unit column stride expected");
-}
-
 }  // namespace
 
 // x (T, H) any row stride, weight (H,) of x's dtype -> new (T, H) contiguous.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rows(x, "rms_norm x");
+  check_rows(x, "rms_norm x", true);
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
                   weight.numel() == x.size(1),
               "rms_norm weight: contiguous (", x.size(1), ",) of x's dtype expected");
@@ -44,7 +32,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // stride, table (T, 2, D) contiguous, same dtype -> q (T, Hq, D), k (T, Hkv, D), new, contiguous.
 std::vector<at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tensor& table,
                                    int64_t q_heads, int64_t kv_heads) {
-  check_rows(qkv, "rope_qk qkv");
+  check_rows(qkv, "rope_qk qkv", true);
   TORCH_CHECK(table.scalar_type() == qkv.scalar_type() && table.is_contiguous() &&
                   table.dim() == 3 && table.size(0) == qkv.size(0) && table.size(1) == 2,
               "rope_qk table: contiguous (T, 2, D) of qkv's dtype expected");

@@ -1,15 +1,15 @@
 // Native CPU attention that reads K/V straight from the KV pool by slot index
 // (kernels/native.py builds it; contracts in kernels/__init__.py).
 //
-// Built per ISA from this one file: with -DRS_AVX2 -mavx2 -mfma -mf16c (8-lane AVX2 vectors,
-// F16C half loads), or portable (the same algorithm on a plain 8-float struct). The AVX-512
-// build (RS_AVX512, compiled for AVX-512F/BW/VL/DQ: the same 8-lane code with 32 registers,
-// so wider micro-tiles, kRowsMicro) adds one path, taken where the CPU has AVX512-BF16: a bf16
-// query against a bf16 pool with many rows per KV head gets its scores from vdpbf16ps (bf16
-// pairs multiplied exactly, summed in float32: 32 products an instruction against 8 for an
-// AVX2 FMA), the online softmax in float32, and P.V from vdpbf16ps on the weights rounded to
-// bf16 (what torch's bf16 flash attention does: ~2^-9 relative per weight). Every op is
-// a set of UNITS, one per (query group, KV head):
+// Built per ISA from this one file: with -mavx2 -mfma -mf16c (RS_AVX2 in common.h: 8-lane
+// AVX2 vectors, F16C half loads), or portable (the same algorithm on a plain 8-float struct).
+// The AVX-512 build (RS_AVX512, compiled for AVX-512F/BW/VL/DQ: the same 8-lane code with 32
+// registers, so wider micro-tiles, kRowsMicro) adds one path, taken where the CPU has
+// AVX512-BF16: a bf16 query against a bf16 pool with many rows per KV head gets its scores
+// from vdpbf16ps (bf16 pairs multiplied exactly, summed in float32: 32 products an
+// instruction against 8 for an AVX2 FMA), the online softmax in float32, and P.V from
+// vdpbf16ps on the weights rounded to bf16 (what torch's bf16 flash attention does: ~2^-9
+// relative per weight). Every op is a set of UNITS, one per (query group, KV head):
 //
 //   segment:  one unit per KV head; rows = every query row of every request under the
 //             segment, GQA group stacked: row r = (token r / group, q head h*group + r%group)
@@ -22,25 +22,15 @@
 // query tile of kRows rows, with an online softmax (running max m, sum l, unnormalized O).
 // Long key ranges are split into chunks across threads (flash-decoding) and the chunks'
 // partial states merged by log-sum-exp afterwards. Everything accumulates in float32.
-#include <ATen/core/Tensor.h>
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <torch/csrc/utils/pybind.h>
+#include "common.h"
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
-#include <cstdint>
 #include <cstring>
-#include <limits>
 #include <numeric>
 #include <optional>
 #include <type_traits>
 #include <vector>
-
-#if defined(RS_AVX2)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -61,7 +51,6 @@ constexpr int64_t kPackRows = 12;       // items with this many rows transpose e
 constexpr int64_t kConvertRows = 48;    // ... and convert a bf16 / fp16 block to fp32 first
 constexpr int64_t kAllHeadsRows = 48;   // units with fewer rows per head span all KV heads
 constexpr int64_t kStageKeys = 256;     // keys read ahead in address order by few-row items
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.44269504088896341f;  // scores are kept in base 2: exp2 is cheaper
 constexpr float kLn2 = 0.693147180559945309f;
 
@@ -75,16 +64,7 @@ inline V8 vfma(V8 a, V8 b, V8 c) { return _mm256_fmadd_ps(a, b, c); }
 inline V8 vmul(V8 a, V8 b) { return _mm256_mul_ps(a, b); }
 inline V8 vadd(V8 a, V8 b) { return _mm256_add_ps(a, b); }
 inline V8 vmax(V8 a, V8 b) { return _mm256_max_ps(a, b); }
-inline float hmax(V8 a) {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
-}
-inline float hsum(V8 a) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
+// hsum, hmax and load8 (8 stored values -> 8 float lanes): common.h
 // out[0..4) = horizontal sums of a[0..4)
 inline void hsum4(const V8* a, float* out) {
   const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -106,15 +86,6 @@ inline V8 vexp2(V8 x) {
   p = vfma(p, f, vset1(1.0f));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(tiny, vmul(p, _mm256_castsi256_ps(e)));
-}
-// 8 stored values -> 8 float lanes
-inline V8 vload8(const float* p) { return vload(p); }
-inline V8 vload8(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline V8 vload8(const at::Half* p) {  // F16C
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 // dst[i * ldd + j] = rows[j][off + i] for an 8 x 8 block (8 key rows -> 8 columns of K^T).
 inline void transpose8(const float* const* rows, int64_t off, float* dst, int64_t ldd) {
@@ -177,8 +148,9 @@ inline V8 vexp2(V8 a) {
   for (int i = 0; i < 8; ++i) a.x[i] = std::exp2(a.x[i]);
   return a;
 }
+// 8 stored values -> 8 float lanes (the AVX2 build: common.h's load8)
 template <typename T>
-inline V8 vload8(const T* p) {
+inline V8 load8(const T* p) {
   V8 a;
   for (int i = 0; i < 8; ++i) a.x[i] = static_cast<float>(p[i]);
   return a;
@@ -285,7 +257,7 @@ Scratch& scratch() {
 
 template <typename T>
 void to_float(const T* src, float* dst, int64_t d) {
-  for (int64_t i = 0; i < d; i += 8) vstore(dst + i, vload8(src + i));
+  for (int64_t i = 0; i < d; i += 8) vstore(dst + i, load8(src + i));
 }
 
 void row_to_float(const char* src, at::ScalarType dt, float* dst, int64_t d) {
@@ -358,7 +330,7 @@ inline void qk_micro(const float* q, int64_t d, const T* const* k, float* s, int
     V8 qv[MR];
     for (int r = 0; r < MR; ++r) qv[r] = vload(q + r * d + i);
     for (int c = 0; c < 4; ++c) {
-      const V8 kv = vload8(k[c] + i);
+      const V8 kv = load8(k[c] + i);
       for (int r = 0; r < MR; ++r) acc[r][c] = vfma(qv[r], kv, acc[r][c]);
     }
   }
@@ -424,7 +396,7 @@ inline void pv_slice(float* o, int64_t d, int64_t i0, const float* alpha, const 
   }
 #pragma GCC unroll 4
   for (int64_t j = 0; j < n; ++j) {
-    outer_fma<MR, NV>(acc, p + j, ldp, [&](int c) { return vload8(v[j] + i0 + 8 * c); });
+    outer_fma<MR, NV>(acc, p + j, ldp, [&](int c) { return load8(v[j] + i0 + 8 * c); });
   }
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NV; ++c) vstore(o + r * d + i0 + 8 * c, acc[r][c]);
@@ -1061,15 +1033,14 @@ std::vector<at::Tensor> merge_states(const at::Tensor& outs, const at::Tensor& l
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
   namespace py = pybind11;
-  m.def("segment_attention", &segment_attention, nogil, py::arg("q"), py::arg("k"), py::arg("v"),
+  m.def("segment_attention", &segment_attention, NoGil(), py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("slots"), py::arg("scale"), py::arg("prior_out") = py::none(), py::arg("prior_lse") = py::none(),
         py::arg("softcap") = 0.0);
-  m.def("private_attention", &private_attention, nogil, py::arg("q"), py::arg("k"), py::arg("v"),
+  m.def("private_attention", &private_attention, NoGil(), py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("slots"), py::arg("q_off"), py::arg("kv_off"), py::arg("scale"), py::arg("prior_out") = py::none(),
         py::arg("prior_lse") = py::none(), py::arg("softcap") = 0.0);
-  m.def("merge_states", &merge_states, nogil);
+  m.def("merge_states", &merge_states, NoGil());
   m.attr("bf16_dot") = cpu_has_bf16_dot();  // the vdpbf16ps score path is live here
 #if defined(RS_AVX512)
   m.attr("isa") = "avx512";

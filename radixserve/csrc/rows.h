@@ -1,7 +1,8 @@
-// Row loops of the decoder shared by the fused ops (fused_cpu.cpp, bf16 or float32) and the
+// Row loops of the decoder used by the fused ops (fused_cpu.cpp, bf16 or float32) and the
 // quantized decoder-layer halves (quant_cpu.cpp, float32): HF's LlamaRMSNorm and rotate-half
 // RoPE with the rounding of the torch formulas they replace (for float32 every cast is the
-// identity). A change here rebuilds both modules (native_build hashes the headers).
+// identity). Every source gets them through common.h; a change here rebuilds every module
+// (native_build hashes the headers).
 #pragma once
 
 #include <ATen/Parallel.h>

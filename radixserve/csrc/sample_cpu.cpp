@@ -3,21 +3,14 @@
 // cumulative-sum tensors of the torch formula, whose passes over a 49152-token vocabulary
 // cost more than the arithmetic; a decode batch's greedy and drawn rows together in one
 // pass (`decode_rows`: each row's maximum, then its argmax or its draw). Vectors are ATen's
-// (AVX2 in the AVX2 build, plain C++ in the portable one), exp is its Sleef exp (1 ulp).
-// Also grammar masks applied in place.
-#if defined(RS_AVX2)
-#define CPU_CAPABILITY_AVX2
-#endif
-#include <ATen/core/Tensor.h>
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <torch/csrc/utils/pybind.h>
+// (AVX2 in the vector builds, RS_ATEN_VEC in common.h; plain C++ in the portable one), exp
+// is its Sleef exp (1 ulp). Also grammar masks applied in place.
+#define RS_ATEN_VEC
+#include "common.h"
+
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -36,7 +29,7 @@ float reduce_sum(const Vec& v) {
 
 // The maximum of l[0..n), NaN when the row holds one (as torch's amax).
 float row_max(const float* l, int64_t n) {
-  Vec vmax(-std::numeric_limits<float>::infinity());
+  Vec vmax(kNegInf);
   int64_t j = 0;
   for (; j + kW <= n; j += kW) vmax = at::vec::maximum(vmax, Vec::loadu(l + j));  // NaN stays
   float mx = reduce_max(vmax);
@@ -106,9 +99,7 @@ int64_t draw_row(const float* l, int64_t n, float mx, float t, double u, std::ve
 // logits (S, V) float32 with unit column stride, temperatures (S,) float32 > 0, uniforms
 // (S,) float64 in [0, 1) -> token ids (S,) int64 drawn from softmax(logits / t).
 at::Tensor sample_softmax(const at::Tensor& logits, const at::Tensor& temps, const at::Tensor& u) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
-                  logits.stride(1) == 1,
-              "logits: float32 (S, V) on CPU with unit column stride expected");
+  check_rows(logits, "logits", false);
   const int64_t s = logits.size(0), n = logits.size(1);
   TORCH_CHECK(n > 0, "logits: empty vocabulary");
   const at::Tensor t = temps.to(at::kFloat).contiguous(), uu = u.to(at::kDouble).contiguous();
@@ -136,9 +127,7 @@ at::Tensor sample_softmax(const at::Tensor& logits, const at::Tensor& temps, con
 // without a finite maximum gets id 0: the caller rejects it by its maximum.
 std::tuple<at::Tensor, at::Tensor> decode_rows(const at::Tensor& logits, const at::Tensor& temps,
                                                      const at::Tensor& u) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
-                  logits.stride(1) == 1,
-              "logits: float32 (B, V) on CPU with unit column stride expected");
+  check_rows(logits, "logits", false);
   const int64_t b = logits.size(0), n = logits.size(1);
   TORCH_CHECK(n > 0, "logits: empty vocabulary");
   const at::Tensor t = temps.to(at::kFloat).contiguous(), uu = u.to(at::kDouble).contiguous();
@@ -171,9 +160,7 @@ std::tuple<at::Tensor, at::Tensor> decode_rows(const at::Tensor& logits, const a
 // bit-exact), each mask byte's 8 addends read from a 256-entry table: one 8-float vector
 // add per byte, without the (R, V) bias tensor.
 void mask_logits_(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& packed) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
-                  logits.stride(1) == 1,
-              "logits: float32 (S, V) on CPU with unit column stride expected");
+  check_rows(logits, "logits", false);
   const int64_t n = logits.size(1), width = (n + 7) / 8;
   const at::Tensor r = rows.to(at::kLong).contiguous(), m = packed.contiguous();
   TORCH_CHECK(m.scalar_type() == at::kByte && m.dim() == 2 && m.size(0) == r.numel() && m.size(1) == width,
@@ -184,7 +171,7 @@ void mask_logits_(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& 
   static const std::vector<float> table = [] {
     std::vector<float> t(256 * 8);
     for (int b = 0; b < 256; ++b)
-      for (int k = 0; k < 8; ++k) t[b * 8 + k] = (b >> k & 1) ? 0.f : -std::numeric_limits<float>::infinity();
+      for (int k = 0; k < 8; ++k) t[b * 8 + k] = (b >> k & 1) ? 0.f : kNegInf;
     return t;
   }();
   float* lp = logits.data_ptr<float>();
@@ -201,10 +188,10 @@ void mask_logits_(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("mask_logits_", &mask_logits_, pybind11::call_guard<pybind11::gil_scoped_release>(),
+  m.def("mask_logits_", &mask_logits_, NoGil(),
         "-inf in place on the tokens each row's packed grammar mask forbids");
-  m.def("sample_softmax", &sample_softmax, pybind11::call_guard<pybind11::gil_scoped_release>(),
+  m.def("sample_softmax", &sample_softmax, NoGil(),
         "token ids drawn by inverse CDF from softmax(logits / t), one uniform per row");
-  m.def("decode_rows", &decode_rows, pybind11::call_guard<pybind11::gil_scoped_release>(),
+  m.def("decode_rows", &decode_rows, NoGil(),
         "each row's maximum, and its token: argmax where t == 0, else drawn as sample_softmax");
 }
