@@ -50,6 +50,7 @@ penalties, masks, temperature and filters (what SGLang and OpenAI report).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -267,13 +268,14 @@ def _pick_native(
     min_p): its maximum (NaN-propagating, as amax), then its first maximal index (greedy) or
     its draw, the same as `_draw`'s native one. The same tokens as `_pick_torch`; 256 x
     49152 logits, half greedy, 1 thread (Zen 5): 17.9 -> 8.8 ms. Returns (B,) int64."""
-    u = torch.zeros(len(batch.infos), dtype=torch.float64)  # (B,), read on drawn rows only
     saved = generator.get_state() if generator is not None and batch.drawn else None
+    u = [0.0] * len(batch.infos)  # read on drawn rows only
     if batch.drawn:
-        u[batch.rows("drawn", u.device)] = _uniforms(batch.drawn_infos, generator)
-    next_ids, work_max = native.decode_rows(work, batch.temps, u)  # (B,) each
+        for row, drawn in zip(batch.drawn, _uniforms(batch.drawn_infos, generator)):
+            u[row] = drawn
+    next_ids, work_max = native.decode_rows(work, batch.temps, torch.tensor(u, dtype=torch.float64))
     try:
-        _check_rows(_raw_max(work_max, raw), work_max)
+        _check_rows(work_max, raw)
     except BadRows:  # the check comes before the draw: a failed batch draws no uniforms
         if generator is not None and saved is not None:
             generator.set_state(saved)
@@ -293,7 +295,7 @@ def _pick_torch(
     NaN like amax; a batch that only draws needs the maxima alone. Returns (B,) int64."""
     best = work.max(dim=-1) if batch.greedy else None  # (B,) values and indices
     work_max = best.values if best is not None else work.amax(dim=-1)  # (B,)
-    _check_rows(_raw_max(work_max, raw), work_max)
+    _check_rows(work_max, raw)
     if not batch.drawn:
         assert best is not None
         return best.indices
@@ -311,23 +313,24 @@ def _pick_torch(
 RawMaxima = tuple[torch.Tensor, torch.Tensor] | None
 
 
-def _raw_max(work_max: torch.Tensor, raw: RawMaxima) -> torch.Tensor:
-    """Each row's maximum in the model's logits: its maximum after steps 1-3b where they
-    left it unchanged."""
-    return work_max if raw is None else work_max.index_put((raw[0],), raw[1])
-
-
-def _check_rows(raw_max: torch.Tensor, work_max: torch.Tensor) -> None:
-    """BadRows unless every row keeps a finite maximum, in the model's logits (`raw_max`
-    (B,): NaN, +inf or nothing but -inf there is the model's failure) and after penalties
-    and masks (`work_max` (B,): -inf everywhere means no token is allowed). The maxima
-    propagate NaN; a -inf entry beside finite ones is harmless (probability 0)."""
-    raw_ok = torch.isfinite(raw_max)  # (B,)
-    ok = raw_ok if work_max is raw_max else raw_ok & torch.isfinite(work_max)  # (B,)
-    if not bool(ok.all()):
-        bad = (~ok).nonzero()[:, 0].tolist()
-        raw = raw_ok.tolist()
-        raise BadRows([i for i in bad if not raw[i]], [i for i in bad if raw[i]])
+def _check_rows(work_max: torch.Tensor, raw: RawMaxima) -> None:
+    """BadRows unless every row keeps a finite maximum, in the model's logits (NaN, +inf or
+    nothing but -inf there is the model's failure) and after penalties and masks (`work_max`
+    (B,): -inf everywhere means no token is allowed). A row's maximum in the model's logits
+    is its `raw` one where steps 1-3b changed it, else its `work_max`. The maxima propagate
+    NaN; a -inf entry beside finite ones is harmless (probability 0)."""
+    after = work_max.tolist()
+    model = list(after)
+    if raw is not None:
+        for row, m in zip(raw[0].tolist(), raw[1].tolist()):
+            model[row] = m
+    if all(map(math.isfinite, after)) and (raw is None or all(map(math.isfinite, model))):
+        return
+    nonfinite = [i for i, m in enumerate(model) if not math.isfinite(m)]
+    masked = [
+        i for i, (m, a) in enumerate(zip(model, after)) if math.isfinite(m) and not math.isfinite(a)
+    ]
+    raise BadRows(nonfinite, masked)
 
 
 def prompt_logprobs(
@@ -534,7 +537,7 @@ def _draw(
     """
     params = [info.params for info in infos]
     temps = _per_row([p.temperature for p in params], logits)  # (S,)
-    u = _uniforms(infos, gen)  # (S,) float64 in [0, 1)
+    u = torch.tensor(_uniforms(infos, gen), dtype=torch.float64)  # (S,) in [0, 1)
     native = native_ops() if logits.device.type == "cpu" and logits.stride(1) == 1 else None
     filtered = [r for r, p in enumerate(params) if p.has_filters]
     if native is None or len(filtered) == len(params):
@@ -629,7 +632,7 @@ def _nucleus_size(vals: torch.Tensor, t_k: torch.Tensor, mass: torch.Tensor) -> 
     return torch.minimum(n, (kept > 0).sum(dim=-1)).clamp(min=1)
 
 
-def _uniforms(infos: list[SamplingInfo], gen: torch.Generator | None) -> torch.Tensor:
+def _uniforms(infos: list[SamplingInfo], gen: torch.Generator | None) -> list[float]:
     """One uniform in [0, 1) per row: hashed from the seed stream, else from `gen`."""
     if gen is None:
         unseeded = [r for r, info in enumerate(infos) if info.stream_key is None]
@@ -642,7 +645,7 @@ def _uniforms(infos: list[SamplingInfo], gen: torch.Generator | None) -> torch.T
         if key is not None:
             h = _hash64(key[0], key[1], len(info.output_ids))
             drawn[r] = (h >> 11) * 2.0**-53  # top 53 bits -> a float64 in [0, 1)
-    return torch.tensor(drawn, dtype=torch.float64)
+    return drawn
 
 
 def _hash64(*parts: int) -> int:
