@@ -23,8 +23,9 @@ from radixserve.scheduler.sample import Sample
 # A reservation that must evict frees up to this many slots more than it needs (at most
 # 1/64 of the pool), so that the next decode steps take their slots from the free list: an
 # eviction's fixed cost, its first touch of the tree's and the pool's structures after the
-# model's forward has left them out of the caches, is then paid once every few steps (SmolLM2
-# tokenizer, ~10k-node tree, Zen 4: evicting 16 tokens costs ~0.8x what evicting 64 does).
+# model's forward has left them out of the caches, is then paid once every few steps (Zen 4,
+# a ~10k-node tree of 3-token leaves, caches flushed before each: 16 tokens take 95 us, 64
+# take 215, 256 take 700).
 EVICT_AHEAD = 1024
 
 
