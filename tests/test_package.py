@@ -160,7 +160,7 @@ def test_no_two_packages_import_each_other() -> None:
 def test_no_merge_conflict_markers() -> None:
     """A conflict left in a docstring or a doc still imports and builds: look for it."""
     files = subprocess.run(
-        ["git", "ls-files", "*.py", "*.md", "*.cpp", "*.toml", "*.html", "*.sh", ".ci/run"],
+        ["git", "ls-files", "*.py", "*.md", "*.cpp", "*.h", "*.toml", "*.html", "*.sh", ".ci/run"],
         cwd=REPO, capture_output=True, text=True, check=True,
     ).stdout.split()  # fmt: skip
     assert len(files) > 50, files

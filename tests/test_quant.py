@@ -5,6 +5,7 @@ against the transformers-converted checkpoint, and quantized models against floa
 from __future__ import annotations
 
 import mmap
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -499,6 +500,8 @@ print("ok")
 """
     env = {"RADIXSERVE_CPU_ISA": "scalar", "PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
            "PYTHONPATH": str(Path(__file__).parent)}  # fmt: skip
+    if "TORCH_EXTENSIONS_DIR" in os.environ:  # the build cache the caller chose
+        env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
