@@ -94,14 +94,12 @@ class SuffixIndex:
         before = last_tokens(node.parent, ORDER - 1)
         top = node.top.id
         key, keys = 0, []
-        for t in before:
-            key = key << TOKEN_BITS | t & TOKEN_MASK
-        for t in node.key:
+        for i, t in enumerate(before + node.key):
             key = (key << TOKEN_BITS | t & TOKEN_MASK) & GRAM_MASK
-            keys.append(key << ROOT_BITS | top)
-        skip = ORDER - 1 - len(before)  # positions too near the root to be filed
+            if i >= ORDER - 1:
+                keys.append(key << ROOT_BITS | top)
         base = (node.id << DEPTH_BITS) + start_depth(node)
-        return zip(keys[skip:], range(base + skip, base + len(node.key)))
+        return zip(keys, range(base - len(before) + ORDER - 1, base + len(node.key)))
 
     def _file(self, key: int, at: int) -> None:
         filed = self.ends.get(key)

@@ -156,7 +156,7 @@ class KVManager:
         if rows is None:
             rows = torch.tensor([r.row for r, _ in work], dtype=torch.int64)  # (B,)
         cols = [r.kv_len for r, _ in work]
-        self.req_pool.table.numpy()[rows.numpy(), cols] = slots.numpy()  # numpy: a third the time
+        self.req_pool.table.numpy()[rows.numpy(), cols] = slots.numpy()  # numpy: half the time
         for (sample, _), col in zip(work, cols):
             sample.alloc_end = col + 1
         return slots
