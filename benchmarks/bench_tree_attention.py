@@ -128,9 +128,9 @@ def sweep(quick: bool) -> list[Case]:
     return cases
 
 
-def offsets(lens: list[int]) -> torch.Tensor:
-    """(len(lens) + 1,) int64 cumulative lengths from 0."""
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64)
+def runs(lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv_starts, kv_lens), each (len(lens),) int64: runs of the given lengths back to back."""
+    return torch.tensor([0, *itertools.accumulate(lens)][:-1]), torch.tensor(lens)
 
 
 @dataclass
@@ -143,9 +143,9 @@ class Layout:
     prefix_slots: torch.Tensor  # (P1,)
     group_slots: list[torch.Tensor]  # B // G tensors of (P2,)
     private_slots: torch.Tensor  # (B*R,), request-major
-    private_offsets: torch.Tensor  # (B+1,): request b's private keys
+    private_runs: tuple[torch.Tensor, torch.Tensor]  # request b's private keys (starts, lens)
     flat_slots: torch.Tensor  # (B*(P1+P2+R),), request-major: each request's whole path
-    flat_offsets: torch.Tensor  # (B+1,)
+    flat_runs: tuple[torch.Tensor, torch.Tensor]
 
 
 def build_layout(case: Case, shapes: Shapes, gen: torch.Generator) -> Layout:
@@ -171,8 +171,7 @@ def build_layout(case: Case, shapes: Shapes, gen: torch.Generator) -> Layout:
         paths.append(torch.cat([prefix_slots, *mid, private[r]]))
     return Layout(
         k_pool, v_pool, q, prefix_slots, group_slots, torch.cat(private),
-        offsets([case.private] * case.batch), torch.cat(paths),
-        offsets([case.path_len] * case.batch),
+        runs([case.private] * case.batch), torch.cat(paths), runs([case.path_len] * case.batch),
     )  # fmt: skip
 
 
@@ -213,7 +212,7 @@ def run_flat(lay: Layout, case: Case, gather: Gatherer | None, scale: float) -> 
     """Flat decode; gather is None when the kernels read the pool in place."""
     if gather is None:
         out, _ = kernels.pool_decode_attention(
-            lay.q, lay.k_pool, lay.v_pool, lay.flat_slots, lay.flat_offsets, scale
+            lay.q, lay.k_pool, lay.v_pool, lay.flat_slots, *lay.flat_runs, scale
         )
         return out
     k = gather("flat_k", lay.k_pool, lay.flat_slots)  # (B*path, Hkv, D)
@@ -250,7 +249,7 @@ def tree_in_place(lay: Layout, case: Case, scale: float) -> torch.Tensor:
             outs.append(o)
             lses.append(lse)
         state = torch.cat(outs), torch.cat(lses)
-    own = lay.private_slots, lay.private_offsets
+    own = lay.private_slots, *lay.private_runs
     return kernels.pool_decode_attention(lay.q, k, v, *own, scale, prior=state)[0]
 
 

@@ -124,12 +124,12 @@ def check_random_trees(
         )
         q_start = offsets(q_lens)
         q_off = torch.tensor(q_start, device=device)
-        flat_off = torch.tensor(offsets(path_lens), device=device)
-        priv_off = torch.tensor(offsets(private), device=device)
+        flat_kv = [torch.tensor(x, device=device) for x in (offsets(path_lens)[:-1], path_lens)]
+        priv_kv = [torch.tensor(x, device=device) for x in (offsets(private)[:-1], private)]
         kc, vc, q = kc.to(device), vc.to(device), q.to(device)
         for splits in (1, 4, None):
             flat = tops.pool_private_attention(
-                q, kc, vc, flat_slots.to(device), q_off, flat_off, scale, splits=splits
+                q, kc, vc, flat_slots.to(device), q_off, *flat_kv, scale, splits=splits
             )
             state = tops.pool_segment_attention(
                 q, kc, vc, root_slots.to(device), scale, splits=splits
@@ -145,7 +145,7 @@ def check_random_trees(
                 )  # fmt: skip
                 state = state[0].index_copy(0, rows, o), state[1].index_copy(0, rows, s)
             tree = tops.pool_private_attention(
-                q, kc, vc, torch.cat(priv_slots).to(device), q_off, priv_off, scale,
+                q, kc, vc, torch.cat(priv_slots).to(device), q_off, *priv_kv, scale,
                 prior=state, splits=splits,
             )  # fmt: skip
             for name, (out, lse) in (("flat", flat), ("tree", tree)):
@@ -311,17 +311,18 @@ def attention_case(batch: int, prefix: int, private: int, roof: dict[str, float]
     priv = torch.arange(1 + prefix, n_slots, device=dev).view(batch, private)
     flat_slots = torch.cat([prefix_slots.expand(batch, prefix), priv], 1).flatten()
     q_off = torch.arange(batch + 1, device=dev)
-    flat_off = q_off * (prefix + private)
-    priv_off = q_off * private
+    rows = q_off[:-1]
+    flat_kv = rows * (prefix + private), torch.full_like(rows, prefix + private)
+    priv_kv = rows * private, torch.full_like(rows, private)
     scale = 1 / math.sqrt(d)
 
     def flat() -> object:
-        return kernels.pool_private_attention(q, kc, vc, flat_slots, q_off, flat_off, scale)
+        return kernels.pool_private_attention(q, kc, vc, flat_slots, q_off, *flat_kv, scale)
 
     def tree() -> object:
         state = kernels.pool_segment_attention(q, kc, vc, prefix_slots, scale)
         return kernels.pool_private_attention(
-            q, kc, vc, priv.flatten(), q_off, priv_off, scale, prior=state
+            q, kc, vc, priv.flatten(), q_off, *priv_kv, scale, prior=state
         )
 
     row = 2 * hkv * d * dt.itemsize  # K and V of one token

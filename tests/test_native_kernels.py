@@ -64,6 +64,12 @@ def close(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torc
     torch.testing.assert_close(lse, lse_ref, atol=atol, rtol=0)  # -inf positions must match
 
 
+def runs(kv_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv_starts, kv_lens) of requests whose keys lie one after another."""
+    off = native._offsets(kv_lens)
+    return off[:-1], off.diff()
+
+
 class Pool:
     """One layer's K/V pool (num_slots, Hkv, D) with randn rows, and slots drawn from it."""
 
@@ -116,8 +122,8 @@ def test_narrow_pool_under_float32_queries(store: torch.dtype) -> None:
         pool = Pool(200 + i, sum(kv_lens), 3, 64, store)
         slots, q = pool.take(sum(kv_lens)), pool.queries(sum(q_lens), 9).float()
         k, v = pool.k[slots].float(), pool.v[slots].float()
-        qo, ko = native._offsets(q_lens), native._offsets(kv_lens)
-        close(native.pool_private_attention(q, pool.k, pool.v, slots, qo, ko, 0.3),
+        qo = native._offsets(q_lens)
+        close(native.pool_private_attention(q, pool.k, pool.v, slots, qo, *runs(kv_lens), 0.3),
               reference.private_attention(q, k, v, q_lens, kv_lens, 0.3))  # fmt: skip
         close(native.pool_segment_attention(q, pool.k, pool.v, slots, 0.3),
               reference.segment_attention(q, k, v, 0.3))  # fmt: skip
@@ -145,10 +151,31 @@ def test_pool_private_matches_reference(hkv: int, group: int, dtype: torch.dtype
         pool = Pool(100 + i, sum(kv_lens), hkv, d, dtype)
         slots, q = pool.take(sum(kv_lens)), pool.queries(sum(q_lens), hkv * group)
         got = native.pool_private_attention(
-            q, pool.k, pool.v, slots, native._offsets(q_lens), native._offsets(kv_lens), 0.3
+            q, pool.k, pool.v, slots, native._offsets(q_lens), *runs(kv_lens), 0.3
         )
         want = reference.private_attention(q, pool.k[slots], pool.v[slots], q_lens, kv_lens, 0.3)
         close(got, want)
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+def test_keys_read_in_a_table(impl: str, restore_impl: None) -> None:
+    """Requests whose keys are runs of the rows of a request-to-token table, out of order,
+    with gaps and sharing a row's start, give what the same keys concatenated give."""
+    kernels.set_impl(impl)
+    pool = Pool(11, 600, 3, 64, torch.float32)
+    table = pool.take(600).view(4, 150)
+    rows, firsts, lens = [2, 0, 2, 3], [0, 10, 0, 149], [150, 7, 40, 1]
+    starts = torch.tensor([r * 150 + a for r, a in zip(rows, firsts, strict=True)])
+    q_lens = [1, 3, 40, 1]
+    q, q_off = pool.queries(sum(q_lens), 9), native._offsets(q_lens)
+    got = kernels.pool_private_attention(
+        q, pool.k, pool.v, table.view(-1), q_off, starts, torch.tensor(lens), 0.2
+    )
+    keys = [table[r, a : a + n] for r, a, n in zip(rows, firsts, lens, strict=True)]
+    flat = torch.cat(keys)
+    want = kernels.pool_private_attention(q, pool.k, pool.v, flat, q_off, *runs(lens), 0.2)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    close(got, reference.private_attention(q, pool.k[flat], pool.v[flat], q_lens, lens, 0.2))
 
 
 CAP = 0.8  # below most scores here (randn rows, scale d ** -0.5): the cap changes them
@@ -171,10 +198,10 @@ def test_soft_capped_scores_match_reference(dtype: torch.dtype) -> None:
     for i, (q_lens, kv_lens, d) in enumerate(PRIVATE_CASES):
         pool = Pool(400 + i, sum(kv_lens), 3, d, dtype)
         slots, q = pool.take(sum(kv_lens)), pool.queries(sum(q_lens), 9)
-        qo, ko = native._offsets(q_lens), native._offsets(kv_lens)
+        qo = native._offsets(q_lens)
         prior = native.pool_segment_attention(q, pool.k, pool.v, slots[:5], 0.3, softcap=CAP)
         got = native.pool_private_attention(
-            q, pool.k, pool.v, slots, qo, ko, 0.3, prior=prior, softcap=CAP
+            q, pool.k, pool.v, slots, qo, *runs(kv_lens), 0.3, prior=prior, softcap=CAP
         )
         k, v = pool.k[slots], pool.v[slots]
         own = reference.private_attention(q, k, v, q_lens, kv_lens, 0.3, softcap=CAP)
@@ -189,13 +216,13 @@ def test_soft_capped_calls_of_other_impls_run_on_the_reference(restore_impl: Non
     reference, an uncapped one stays on the flash kernel."""
     pool = Pool(8, 300, 3, 64, torch.float32)
     slots, q = pool.take(300), pool.queries(4, 9)
-    kv_off = torch.tensor([0, 100, 150, 151, 300])
+    kv = runs([100, 50, 1, 149])
     kernels.set_impl("cpu")
     assert not kernels.reads_pool_in_place(q)
-    got = kernels.pool_decode_attention(q, pool.k, pool.v, slots, kv_off, 0.125, softcap=CAP)
+    got = kernels.pool_decode_attention(q, pool.k, pool.v, slots, *kv, 0.125, softcap=CAP)
     kernels.set_impl("native")
-    close(got, kernels.pool_decode_attention(q, pool.k, pool.v, slots, kv_off, 0.125, softcap=CAP))
-    uncapped = kernels.pool_decode_attention(q, pool.k, pool.v, slots, kv_off, 0.125)
+    close(got, kernels.pool_decode_attention(q, pool.k, pool.v, slots, *kv, 0.125, softcap=CAP))
+    uncapped = kernels.pool_decode_attention(q, pool.k, pool.v, slots, *kv, 0.125)
     assert (got[0] - uncapped[0]).abs().max() > 1e-3
 
 
@@ -216,7 +243,7 @@ def test_prior_state_is_merged(impl: str, dtype: torch.dtype, restore_impl: None
     prior[1][-1] = float("-inf")  # the last request: no shared part after all
     prior[0][-1] = 0.0
     q_off, kv_off = native._offsets(q_lens), native._offsets(own)
-    got = kernels.pool_private_attention(q, pool.k, pool.v, mine, q_off, kv_off, 0.2, prior)
+    got = kernels.pool_private_attention(q, pool.k, pool.v, mine, q_off, *runs(own), 0.2, prior)
     starts = kv_off.tolist()
     for r, (a, b) in enumerate(zip(starts, starts[1:], strict=False)):
         keys = mine[a:b] if r == len(own) - 1 else torch.cat([seg, mine[a:b]])
@@ -235,13 +262,13 @@ def test_pool_ops_through_dispatch(restore_impl: None) -> None:
     """kernels.pool_* route to the native kernels; with another impl they gather first."""
     pool = Pool(7, 400, 3, 64, torch.float32)
     slots, q = pool.take(400), pool.queries(4, 9)
-    kv_off = torch.tensor([0, 100, 150, 151, 400])
+    kv = runs([100, 50, 1, 249])
     results = {}
     for impl in ("native", "reference"):
         kernels.set_impl(impl)
         assert kernels.reads_pool_in_place(q) == (impl == "native")
         results[impl] = (
-            kernels.pool_decode_attention(q, pool.k, pool.v, slots, kv_off, 0.125),
+            kernels.pool_decode_attention(q, pool.k, pool.v, slots, *kv, 0.125),
             kernels.pool_segment_attention(q, pool.k, pool.v, slots[:37], 0.125),
         )
     for got, want in zip(results["native"], results["reference"], strict=True):
@@ -259,13 +286,13 @@ def test_threads_agree() -> None:
     """1 thread (no split) and 2 threads (keys split, merged by LSE) agree to fp32 rounding."""
     pool = Pool(3, 3000, 3, 64, torch.float32)
     slots, q = pool.take(3000), pool.queries(1, 9)
-    q_off, kv_off = torch.tensor([0, 1]), torch.tensor([0, 3000])
+    q_off, kv = torch.tensor([0, 1]), runs([3000])
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = native.pool_private_attention(q, pool.k, pool.v, slots, q_off, kv_off, 0.125)
+        one = native.pool_private_attention(q, pool.k, pool.v, slots, q_off, *kv, 0.125)
         torch.set_num_threads(2)
-        two = native.pool_private_attention(q, pool.k, pool.v, slots, q_off, kv_off, 0.125)
+        two = native.pool_private_attention(q, pool.k, pool.v, slots, q_off, *kv, 0.125)
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(one, two, atol=2e-6, rtol=0)
@@ -283,10 +310,10 @@ def test_a_decode_row_does_not_depend_on_the_batch(dtype: torch.dtype) -> None:
     q_lens = [1] * 16 + [300]
     q = pool.queries(sum(q_lens), 9)
     alone = native.pool_private_attention(
-        q[:1], pool.k, pool.v, slots[:1500], native._offsets([1]), native._offsets([1500]), 0.125
+        q[:1], pool.k, pool.v, slots[:1500], native._offsets([1]), *runs([1500]), 0.125
     )
     batch = native.pool_private_attention(
-        q, pool.k, pool.v, slots, native._offsets(q_lens), native._offsets(lens), 0.125
+        q, pool.k, pool.v, slots, native._offsets(q_lens), *runs(lens), 0.125
     )
     assert torch.equal(batch[0][:1], alone[0]) and torch.equal(batch[1][:1], alone[1])
 
@@ -306,8 +333,10 @@ def test_empty() -> None:
     assert bool((out == 0).all()) and bool((lse == float("-inf")).all())
     out, lse = native.pool_segment_attention(q[:0], pool.k, pool.v, pool.take(5), 0.1)
     assert out.shape == (0, 9, 64) and lse.shape == (0, 9)
-    zero = torch.zeros(1, dtype=torch.int64)
-    out, lse = native.pool_private_attention(q[:0], pool.k, pool.v, pool.take(0), zero, zero, 0.1)
+    zero, none = torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    out, lse = native.pool_private_attention(
+        q[:0], pool.k, pool.v, pool.take(0), zero, none, none, 0.1
+    )
     assert out.shape == (0, 9, 64) and lse.shape == (0, 9)
 
 
@@ -317,11 +346,17 @@ def test_rejects_bad_input() -> None:
     assert ops is not None
     with pytest.raises(RuntimeError, match="slot out of range"):
         ops.segment_attention(q, pool.k, pool.v, torch.tensor([1, pool.k.shape[0]]), 0.1)
+    two, start = torch.tensor([0, 2]), torch.tensor([0])
     with pytest.raises(RuntimeError, match="need 0 <= q_len <= kv_len"):
-        two = torch.tensor([0, 2])
-        ops.private_attention(q, pool.k, pool.v, pool.take(1), two, torch.tensor([0, 1]), 0.1)
-    with pytest.raises(RuntimeError, match="offsets must run"):
-        ops.private_attention(q, pool.k, pool.v, pool.take(3), two, torch.tensor([0, 2]), 0.1)
+        ops.private_attention(q, pool.k, pool.v, pool.take(1), two, start, torch.tensor([1]), 0.1)
+    with pytest.raises(RuntimeError, match="q_off must run"):
+        one = torch.tensor([0, 1])
+        ops.private_attention(q, pool.k, pool.v, pool.take(3), one, start, torch.tensor([2]), 0.1)
+    with pytest.raises(RuntimeError, match=r"keys \[1, 4\) outside the 3 slots"):
+        ops.private_attention(q, pool.k, pool.v, pool.take(3), two, two[1:] - 1, two[1:] + 1, 0.1)
+    with pytest.raises(RuntimeError, match="slot out of range"):  # a slot the run reads
+        bad = torch.tensor([0, pool.k.shape[0]])
+        ops.private_attention(q, pool.k, pool.v, bad, two, start, two[1:], 0.1)
     with pytest.raises(RuntimeError, match="k/v dtypes differ"):
         ops.segment_attention(q, pool.k, pool.v.half(), pool.take(2), 0.1)
 

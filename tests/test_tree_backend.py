@@ -205,8 +205,7 @@ def seg_summary(plan: TreePlan) -> list[tuple]:
 def private_per_request(plan: TreePlan) -> list[list[int]]:
     p, out, i = plan.private, [], 0
     if isinstance(p, SlotPlan):
-        bounds = p.kv_offsets.tolist()
-        return [p.slots[a:b].tolist() for a, b in zip(bounds, bounds[1:], strict=False)]
+        return [k.tolist() for k in p.keys()]
     if isinstance(p, PaddedPlan):
         grid = p.grid.view(len(p.kv_lens), -1).tolist()
         return [row[:n] for row, n in zip(grid, p.kv_lens, strict=True)]

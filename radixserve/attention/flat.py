@@ -4,7 +4,9 @@ Both backends read each request's *private* keys (flat: all of them) through a p
 once per step by `private_plan`:
 - `SlotPlan` (kernels that read the pool in place, `kernels.reads_pool_in_place`: the
   native CPU kernels): each layer passes the pool tensors and the step's slot list to ONE
-  `kernels.pool_private_attention` call; nothing is gathered, no scratch.
+  `kernels.pool_private_attention` call; nothing is gathered, no scratch. A batch whose
+  slots are rows of the request-to-token table (decode steps) passes the table itself, with
+  each request's row and length (`table_plan`): nothing is copied per step.
 - `PaddedPlan` (decode steps, other kernels): each layer gathers every request's keys
   straight from the pool into one padded (B, L) grid and makes ONE
   `kernels.decode_attention` call.
@@ -22,7 +24,7 @@ import torch
 
 from radixserve import kernels
 from radixserve.attention.base import AttentionBackend, with_sinks
-from radixserve.attention.slots import SlotPlan, slot_plan
+from radixserve.attention.slots import SlotPlan, slot_plan, table_plan
 from radixserve.attention.window import slides, sliding_attention
 from radixserve.core.batch import ForwardBatch, cat_slots
 
@@ -133,7 +135,8 @@ class FlatBackend(AttentionBackend):
         if isinstance(before, SlotPlan):  # the step before's, one key longer per request
             batch.attn_plan = before.grown(batch.out_cache_loc)
             return
-        batch.attn_plan = private_plan(
+        in_table = table_plan(batch, [0] * batch.num_requests)
+        batch.attn_plan = in_table or private_plan(
             batch.kv_indices, batch.extend_lens, batch.kv_pool.k[0], self.pad_max_waste
         )
 

@@ -41,6 +41,7 @@ import torch
 
 from radixserve import kernels
 from radixserve.attention.flat import PrivatePlan, private_plan
+from radixserve.attention.slots import table_plan
 from radixserve.core.batch import ForwardBatch
 
 Range = tuple[int, int]  # half-open [start, end)
@@ -210,7 +211,7 @@ def _build_plan(
     with_shared = tuple(r for r, ranges in enumerate(per_req) if ranges)
     return TreePlan(
         segments=segments,
-        private=private_plan(_private_slots(batch, per_req), q_lens, batch.kv_pool.k[0]),
+        private=_private(batch, per_req, q_lens),
         num_levels=max((lv + 1 for lv in levels), default=0),
         merge_rows=None
         if all_rows or not with_shared
@@ -255,6 +256,28 @@ def _make_segment(
         merge_rows=merge_rows.to(dev),
         merge_range=_as_range(merge_rows),
     )
+
+
+def _private(batch: ForwardBatch, per_req: list[list[Range]], q_lens: list[int]) -> PrivatePlan:
+    """The plan of every position outside the kept segments: read in the request-to-token
+    table where each request's kept ranges cover a prefix of its sequence (its private keys
+    one run), else from the slots gathered per request."""
+    heads = [_covered_prefix(kept) for kept in per_req]
+    if all(h is not None for h in heads):
+        in_table = table_plan(batch, [h or 0 for h in heads])
+        if in_table is not None:
+            return in_table
+    return private_plan(_private_slots(batch, per_req), q_lens, batch.kv_pool.k[0])
+
+
+def _covered_prefix(kept: list[Range]) -> int | None:
+    """How many leading positions the ranges cover together, if they cover nothing else."""
+    end = 0
+    for a, b in sorted(kept):
+        if a != end:
+            return None
+        end = b
+    return end
 
 
 def _private_slots(batch: ForwardBatch, per_req: list[list[Range]]) -> list[torch.Tensor]:

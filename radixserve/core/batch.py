@@ -146,10 +146,23 @@ class TableRows(Sequence[torch.Tensor]):
     """Request r's KV slots as the view table[rows[r], :lens[r]] of the request-to-token
     table, made when first read: a step that reads no request's slots makes none."""
 
-    def __init__(self, table: torch.Tensor, rows: list[int], lens: list[int]) -> None:
+    def __init__(
+        self,
+        table: torch.Tensor,
+        rows: list[int],
+        lens: list[int],
+        rows_tensor: torch.Tensor | None = None,  # rows as (B,) int64, when at hand
+    ) -> None:
         assert len(rows) == len(lens), f"{len(rows)} rows, {len(lens)} lengths"
         self.table, self.rows, self.lens = table, rows, lens
+        self._rows_t = rows_tensor
         self._views: list[torch.Tensor] | None = None
+
+    @property
+    def rows_tensor(self) -> torch.Tensor:
+        if self._rows_t is None:
+            self._rows_t = torch.tensor(self.rows, dtype=torch.int64)
+        return self._rows_t
 
     def _all(self) -> list[torch.Tensor]:
         if self._views is None:

@@ -935,6 +935,15 @@ void set_prior(Problem& P, const Prior& out, const Prior& lse) {
   P.prior_o = *out, P.prior_lse = *lse;
 }
 
+// Every slot of s[0..n) names a row of a pool of `rows` rows.
+void check_slots(const int64_t* s, int64_t n, int64_t rows) {
+  if (n == 0) return;
+  const auto [lo, hi] = std::minmax_element(s, s + n);
+  TORCH_CHECK(*lo >= 0 && *hi < rows, "slot out of range [0, ", rows, "): ", *lo, " .. ", *hi);
+}
+
+// The checks and state every op shares; the slots each op reads are checked by the op
+// (check_slots), a table's unread entries never.
 Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                      double scale, double softcap) {
   TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
@@ -953,11 +962,6 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
               k.size(1));
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
               "slots: contiguous int64 (S,) expected");
-  if (slots.numel() > 0) {
-    const int64_t* s = slots.data_ptr<int64_t>();
-    const auto [lo, hi] = std::minmax_element(s, s + slots.numel());
-    TORCH_CHECK(*lo >= 0 && *hi < k.size(0), "slot out of range [0, ", k.size(0), "): ", *lo, " .. ", *hi);
-  }
   Problem P;
   P.q = &q;
   P.out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
@@ -981,34 +985,42 @@ std::vector<at::Tensor> segment_attention(const at::Tensor& q, const at::Tensor&
   Problem P = make_problem(q, k, v, slots, scale, softcap);
   set_prior(P, prior_out, prior_lse);
   const int64_t len = slots.numel();
+  check_slots(slots.data_ptr<int64_t>(), len, k.size(0));
   if (q.size(0) > 0) add_units(P, {0, q.size(0), 0, k.size(1), slots.data_ptr<int64_t>(), len, len});
   run(P);
   return {P.out, P.lse};
 }
 
 // Per request b: its q_len = q_off[b+1] - q_off[b] queries (rows q_off[b]..) are the last
-// positions of its kv_len = kv_off[b+1] - kv_off[b] keys slots[kv_off[b] ..]; query i sees
-// keys 0 .. kv_len - q_len + i. q_off / kv_off: (B + 1,) int64 ascending from 0. Prior: as
-// segment_attention (rows of requests without queries have none).
+// positions of its kv_len[b] keys slots[kv_start[b] ..]; query i sees keys 0 .. kv_len - q_len + i.
+// q_off: (B + 1,) int64 ascending from 0 to the q rows; kv_start / kv_len: (B,) int64, each run
+// inside `slots` (runs may overlap or leave gaps: `slots` may be a whole request-to-token
+// table). Prior: as segment_attention (rows of requests without queries have none).
 std::vector<at::Tensor> private_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                           const at::Tensor& slots, const at::Tensor& q_off,
-                                          const at::Tensor& kv_off, double scale, const Prior& prior_out,
-                                          const Prior& prior_lse, double softcap) {
+                                          const at::Tensor& kv_start, const at::Tensor& kv_len, double scale,
+                                          const Prior& prior_out, const Prior& prior_lse, double softcap) {
   Problem P = make_problem(q, k, v, slots, scale, softcap);
   set_prior(P, prior_out, prior_lse);
-  TORCH_CHECK(q_off.scalar_type() == at::kLong && kv_off.scalar_type() == at::kLong && q_off.is_contiguous() &&
-                  kv_off.is_contiguous() && q_off.numel() == kv_off.numel() && q_off.numel() >= 1,
-              "q_off / kv_off: contiguous int64 (B + 1,) expected");
-  const int64_t* qo = q_off.data_ptr<int64_t>();
-  const int64_t* ko = kv_off.data_ptr<int64_t>();
   const int64_t b = q_off.numel() - 1;
-  TORCH_CHECK(qo[0] == 0 && ko[0] == 0 && qo[b] == q.size(0) && ko[b] == slots.numel(),
-              "offsets must run from 0 to the q rows (", q.size(0), ") and the slots (", slots.numel(), ")");
+  TORCH_CHECK(q_off.scalar_type() == at::kLong && kv_start.scalar_type() == at::kLong &&
+                  kv_len.scalar_type() == at::kLong && q_off.is_contiguous() && kv_start.is_contiguous() &&
+                  kv_len.is_contiguous() && b >= 0 && kv_start.numel() == b && kv_len.numel() == b,
+              "q_off (B + 1,), kv_start (B,), kv_len (B,): contiguous int64 expected");
+  const int64_t* qo = q_off.data_ptr<int64_t>();
+  const int64_t* ks = kv_start.data_ptr<int64_t>();
+  const int64_t* kl = kv_len.data_ptr<int64_t>();
+  TORCH_CHECK(qo[0] == 0 && qo[b] == q.size(0), "q_off must run from 0 to the q rows (", q.size(0), ")");
+  const int64_t num_slots = slots.numel();
   for (int64_t r = 0; r < b; ++r) {
-    const int64_t ql = qo[r + 1] - qo[r], kl = ko[r + 1] - ko[r];
-    TORCH_CHECK(0 <= ql && ql <= kl, "request ", r, ": need 0 <= q_len <= kv_len, got ", ql, ", ", kl);
+    const int64_t ql = qo[r + 1] - qo[r];
+    TORCH_CHECK(0 <= ql && ql <= kl[r], "request ", r, ": need 0 <= q_len <= kv_len, got ", ql, ", ", kl[r]);
+    TORCH_CHECK(0 <= ks[r] && ks[r] + kl[r] <= num_slots, "request ", r, ": keys [", ks[r], ", ", ks[r] + kl[r],
+                ") outside the ", num_slots, " slots");
     if (ql == 0) continue;
-    add_units(P, {qo[r], ql, 0, k.size(1), slots.data_ptr<int64_t>() + ko[r], kl, kl - ql});
+    const int64_t* keys = slots.data_ptr<int64_t>() + ks[r];
+    check_slots(keys, kl[r], k.size(0));
+    add_units(P, {qo[r], ql, 0, k.size(1), keys, kl[r], kl[r] - ql});
   }
   run(P);
   return {P.out, P.lse};
@@ -1038,7 +1050,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slots"), py::arg("scale"), py::arg("prior_out") = py::none(), py::arg("prior_lse") = py::none(),
         py::arg("softcap") = 0.0);
   m.def("private_attention", &private_attention, NoGil(), py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("slots"), py::arg("q_off"), py::arg("kv_off"), py::arg("scale"), py::arg("prior_out") = py::none(),
+        py::arg("slots"), py::arg("q_off"), py::arg("kv_start"), py::arg("kv_len"), py::arg("scale"), py::arg("prior_out") = py::none(),
         py::arg("prior_lse") = py::none(), py::arg("softcap") = 0.0);
   m.def("merge_states", &merge_states, NoGil());
   m.attr("bf16_dot") = cpu_has_bf16_dot();  // the vdpbf16ps score path is live here

@@ -12,11 +12,12 @@ Pool ops: the same attention with K/V named by slot in one layer's KV pool tenso
 k_cache / v_cache (num_slots, Hkv, D) instead of gathered (slots: int64 indices, offsets:
 int64 (B + 1,) cumulative counts starting at 0):
 - pool_segment_attention(q (n,Hq,D), k_cache, v_cache, slots (L,), scale) -> out, lse
-- pool_private_attention(q (T,Hq,D), k_cache, v_cache, slots (S,), q_offsets, kv_offsets,
-  scale) -> out (T,Hq,D), lse (T,Hq); request b: queries q[q_offsets[b]:q_offsets[b+1]], keys
-  slots[kv_offsets[b]:kv_offsets[b+1]], bottom-right causal as private_attention
-- pool_decode_attention(q (B,Hq,D), k_cache, v_cache, slots (S,), kv_offsets, scale): one
-  query per request (pool_private_attention with q_offsets = arange(B + 1))
+- pool_private_attention(q (T,Hq,D), k_cache, v_cache, slots (S,), q_offsets, kv_starts,
+  kv_lens, scale) -> out (T,Hq,D), lse (T,Hq); request b: queries q[q_offsets[b]:q_offsets[b+1]],
+  keys slots[kv_starts[b]:kv_starts[b]+kv_lens[b]], bottom-right causal as private_attention.
+  The runs may leave gaps: `slots` may be a whole request-to-token table, read only there.
+- pool_decode_attention(q (B,Hq,D), k_cache, v_cache, slots (S,), kv_starts, kv_lens, scale):
+  one query per request (pool_private_attention with q_offsets = arange(B + 1))
 Every attention op takes `softcap` (default 0, none): with c > 0 each score s (after the
 scale) becomes c * tanh(s / c) before the softmax, as Gemma 2's layers do. The "native" and
 "reference" impls cap; under the others a capped call runs on the reference (logged once).
@@ -215,23 +216,26 @@ def pool_private_attention(
     q: torch.Tensor,  # (T, Hq, D), requests concatenated
     k_cache: torch.Tensor,  # (num_slots, Hkv, D) one layer's pool
     v_cache: torch.Tensor,
-    slots: torch.Tensor,  # (S,) int64, requests' keys concatenated, position order
+    slots: torch.Tensor,  # (S,) int64, holding each request's keys in position order
     q_offsets: torch.Tensor,  # (B + 1,) int64
-    kv_offsets: torch.Tensor,  # (B + 1,) int64
+    kv_starts: torch.Tensor,  # (B,) int64
+    kv_lens: torch.Tensor,  # (B,) int64
     scale: float,
     prior: State | None = None,  # (T, Hq, D), (T, Hq) float32
     softcap: float = 0.0,
 ) -> State:
-    """private_attention with request b's keys slots[kv_offsets[b]:kv_offsets[b + 1]] and
-    queries q[q_offsets[b]:q_offsets[b + 1]] -> (T, Hq, D), (T, Hq), merged with `prior`."""
+    """private_attention with request b's keys slots[kv_starts[b]:][:kv_lens[b]] and queries
+    q[q_offsets[b]:q_offsets[b + 1]] -> (T, Hq, D), (T, Hq), merged with `prior`."""
     mod = _module(q, softcap)
     if mod is not reference and reads_pool_in_place(q):
         return mod.pool_private_attention(
-            q, k_cache, v_cache, slots, q_offsets, kv_offsets, scale, prior, **_cap(softcap)
-        )
-    q_lens, kv_lens = q_offsets.diff().tolist(), kv_offsets.diff().tolist()
-    k, v = k_cache.index_select(0, slots), v_cache.index_select(0, slots)  # (S, Hkv, D)
-    state = mod.private_attention(q, k, v, q_lens, kv_lens, scale, **_cap(softcap))
+            q, k_cache, v_cache, slots, q_offsets, kv_starts, kv_lens, scale, prior,
+            **_cap(softcap),
+        )  # fmt: skip
+    keys = reference.key_runs(slots, kv_starts, kv_lens)
+    k, v = k_cache.index_select(0, keys), v_cache.index_select(0, keys)  # (S, Hkv, D)
+    q_lens = q_offsets.diff().tolist()
+    state = mod.private_attention(q, k, v, q_lens, kv_lens.tolist(), scale, **_cap(softcap))
     return _merged(mod, prior, state)
 
 
@@ -239,16 +243,17 @@ def pool_decode_attention(
     q: torch.Tensor,  # (B, Hq, D), one query per request
     k_cache: torch.Tensor,  # (num_slots, Hkv, D) one layer's pool
     v_cache: torch.Tensor,
-    slots: torch.Tensor,  # (S,) int64, requests' keys concatenated
-    kv_offsets: torch.Tensor,  # (B + 1,) int64; every request has >= 1 key
+    slots: torch.Tensor,  # (S,) int64
+    kv_starts: torch.Tensor,  # (B,) int64
+    kv_lens: torch.Tensor,  # (B,) int64; every request has >= 1 key
     scale: float,
     prior: State | None = None,  # (B, Hq, D), (B, Hq) float32
     softcap: float = 0.0,
 ) -> State:
-    """Decode: request b's query attends its keys slots[kv_offsets[b]:kv_offsets[b + 1]]."""
-    q_offsets = torch.arange(q.shape[0] + 1, dtype=torch.int64, device=kv_offsets.device)
+    """Decode: request b's query attends its keys slots[kv_starts[b]:][:kv_lens[b]]."""
+    q_offsets = torch.arange(q.shape[0] + 1, dtype=torch.int64, device=kv_lens.device)
     return pool_private_attention(
-        q, k_cache, v_cache, slots, q_offsets, kv_offsets, scale, prior, softcap
+        q, k_cache, v_cache, slots, q_offsets, kv_starts, kv_lens, scale, prior, softcap
     )
 
 

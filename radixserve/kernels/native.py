@@ -4,9 +4,10 @@ Ops (shapes as in kernels/__init__.py; the pool ops take one layer's pool tensor
 k_cache / v_cache (num_slots, Hkv, D) and int64 slot indices instead of gathered K/V):
 - pool_segment_attention(q (n,Hq,D), k_cache, v_cache, slots (L,), scale, prior) -> out, lse
 - pool_private_attention(q (T,Hq,D), k_cache, v_cache, slots (S,), q_offsets (B+1,),
-  kv_offsets (B+1,), scale, prior) -> out, lse; request b's queries are rows
-  q_offsets[b]:q_offsets[b+1], its keys slots[kv_offsets[b]:kv_offsets[b+1]]
-  (bottom-right causal). Decode is q_offsets == arange(B + 1).
+  kv_starts (B,), kv_lens (B,), scale, prior) -> out, lse; request b's queries are rows
+  q_offsets[b]:q_offsets[b+1], its keys slots[kv_starts[b]:kv_starts[b]+kv_lens[b]]
+  (bottom-right causal; `slots` may be a whole request-to-token table, of which only those
+  runs are read). Decode is q_offsets == arange(B + 1).
   prior: None, or (out, lse) of the same query rows over other keys; the result is then the
   exact LSE merge of both, fused: the kernel starts its online softmax from that state.
   softcap: c > 0 caps every score s at c * tanh(s / c) (Gemma 2); 0 = none.
@@ -140,9 +141,10 @@ def pool_private_attention(
     q: torch.Tensor,  # (T, Hq, D), requests concatenated
     k_cache: torch.Tensor,  # (num_slots, Hkv, D)
     v_cache: torch.Tensor,
-    slots: torch.Tensor,  # (S,) int64, requests concatenated in position order
+    slots: torch.Tensor,  # (S,) int64, holding each request's keys in position order
     q_offsets: torch.Tensor,  # (B + 1,) int64, q rows of request b: [q_offsets[b], ..[b+1])
-    kv_offsets: torch.Tensor,  # (B + 1,) int64, its keys: slots[kv_offsets[b]:..[b+1]]
+    kv_starts: torch.Tensor,  # (B,) int64, its keys: slots[kv_starts[b]:][:kv_lens[b]]
+    kv_lens: torch.Tensor,  # (B,) int64
     scale: float,
     prior: State | None = None,
     softcap: float = 0.0,
@@ -150,14 +152,16 @@ def pool_private_attention(
     """Bottom-right causal attention per request -> (T, Hq, D), (T, Hq) float32, merged with
     `prior` when given."""
     if not supports(q, k_cache):
-        q_lens, kv_lens = q_offsets.diff().tolist(), kv_offsets.diff().tolist()
-        k, v = _gather(k_cache, slots), _gather(v_cache, slots)
+        keys = reference.key_runs(slots, kv_starts, kv_lens)
+        k, v = _gather(k_cache, keys), _gather(v_cache, keys)
         dense = _torch_ops(softcap).private_attention
-        return merge_two(prior, dense(q, k, v, q_lens, kv_lens, scale, **_cap(softcap)))
+        q_lens = q_offsets.diff().tolist()
+        state = dense(q, k, v, q_lens, kv_lens.tolist(), scale, **_cap(softcap))
+        return merge_two(prior, state)
     mod = ops()
     assert mod is not None
     out, lse = mod.private_attention(
-        q, k_cache, v_cache, slots, q_offsets, kv_offsets, scale, **_prior(prior),
+        q, k_cache, v_cache, slots, q_offsets, kv_starts, kv_lens, scale, **_prior(prior),
         softcap=softcap,
     )  # fmt: skip
     return out, lse
@@ -196,8 +200,9 @@ def private_attention(
     cpu._check_qkv(q, k, v)
     cpu._check_lens(q, k, q_lens, kv_lens)
     slots = torch.arange(k.shape[0], dtype=torch.int64)
+    kv_off = _offsets(kv_lens)
     return pool_private_attention(
-        q, _rows(k), _rows(v), slots, _offsets(q_lens), _offsets(kv_lens), scale,
+        q, _rows(k), _rows(v), slots, _offsets(q_lens), kv_off[:-1], kv_off.diff(), scale,
         softcap=softcap,
     )  # fmt: skip
 
@@ -213,13 +218,13 @@ def decode_attention(
     assert b == q.shape[0] == len(kv_lens), f"{q.shape[0]} queries, k {tuple(k.shape)}, {kv_lens}"
     cpu._check_qkv(q, k[0], v[0])
     assert all(1 <= n <= length for n in kv_lens), f"need 1 <= kv_len <= {length}: {kv_lens}"
-    slots = torch.cat([torch.arange(n) + i * length for i, n in enumerate(kv_lens)])
     kc = k.reshape(b * length, *k.shape[2:])  # (B*L, Hkv, D): a view for a padded grid
     vc = v.reshape(b * length, *v.shape[2:])
+    slots = torch.arange(b * length, dtype=torch.int64)  # row b's keys start at b * L
     q_off = torch.arange(b + 1, dtype=torch.int64)
-    return pool_private_attention(
-        q, kc, vc, slots, q_off, _offsets(kv_lens), scale, softcap=softcap
-    )
+    starts = q_off[:-1] * length
+    lens = torch.tensor(kv_lens, dtype=torch.int64)
+    return pool_private_attention(q, kc, vc, slots, q_off, starts, lens, scale, softcap=softcap)
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

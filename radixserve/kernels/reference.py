@@ -86,3 +86,17 @@ def merge_states(
     w = torch.exp(lses - lse[None]).nan_to_num(0.0)  # (N, T, Hq)
     out = (w[..., None] * outs.float()).sum(0)
     return out.to(outs.dtype), lse
+
+
+def key_runs(
+    slots: torch.Tensor,  # (S,) int64
+    kv_starts: torch.Tensor,  # (B,) int64
+    kv_lens: torch.Tensor,  # (B,) int64
+) -> torch.Tensor:
+    """slots[kv_starts[b] : kv_starts[b] + kv_lens[b]] for every b, concatenated: the keys of
+    a pool op's requests as one slot list (the gathering fallbacks read it)."""
+    lens = kv_lens.to(slots.device)
+    ends = lens.cumsum(0)
+    shift = kv_starts.to(slots.device) - (ends - lens)  # run b's slot index minus its output's
+    total = int(ends[-1]) if lens.numel() else 0
+    return slots[torch.repeat_interleave(shift, lens) + torch.arange(total, device=slots.device)]

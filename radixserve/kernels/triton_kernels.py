@@ -75,7 +75,8 @@ def _attend_keys(
 @triton.jit
 def attend_fwd_kernel(
     Q, K, V, SLOTS,  # q (T, Hq, D); k/v (rows, Hkv, D): dense keys or a pool layer
-    Q_START, K_START,  # (B + 1,) prefix sums of q_lens / kv_lens (int64); unread if SINGLE
+    Q_START,  # (B + 1,) prefix sums of q_lens (int64); unread if SINGLE
+    K_START, K_LEN,  # (B,) each request's first key (a row of K, or of SLOTS) and key count
     PRIOR_O, PRIOR_LSE,  # (T, Hq, D), (T, Hq) fp32: the state to resume (HAS_PRIOR)
     OUT, LSE,  # (SPLITS, T, Hq, D), (SPLITS, T, Hq) fp32; the SPLITS axis only when > 1
     single_q_len,  # SINGLE: the one request's q_len and kv_len
@@ -118,7 +119,7 @@ def attend_fwd_kernel(
         q0 = tl.load(Q_START + b)
         q_len = tl.load(Q_START + b + 1) - q0
         k0 = tl.load(K_START + b)
-        kv_len = tl.load(K_START + b + 1) - k0
+        kv_len = tl.load(K_LEN + b)
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < q_len * GROUP
     t = r // GROUP  # query index within the request

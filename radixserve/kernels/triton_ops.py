@@ -86,8 +86,9 @@ def _attend(
     k: torch.Tensor,  # (rows, Hkv, D): dense keys, or a pool layer when `slots` is given
     v: torch.Tensor,
     slots: torch.Tensor | None,  # (S,) int64 pool slots, requests concatenated
-    starts: tuple[torch.Tensor, torch.Tensor] | None,  # (B + 1,) q / kv prefix sums on
-    # q's device; None: one request of q.shape[0] queries and `keys` keys
+    starts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,  # on q's device: q
+    # prefix sums (B + 1,), kv starts (B,), kv lens (B,); None: one request of q.shape[0]
+    # queries and `keys` keys
     max_q_len: int,  # an upper bound on any request's q_len (sizes the grid)
     keys: int,  # total keys over all requests (sizes the splits)
     scale: float,
@@ -117,9 +118,10 @@ def _attend(
         if prior is not None:
             out[splits], lse[splits] = prior
     p_o, p_l = (_row_major(fused[0]), fused[1]) if fused is not None else (q, lse)  # unread if not
-    q_start, k_start = starts if starts is not None else (lse, lse)  # unread if SINGLE
+    q_start, k_start, k_len = starts if starts is not None else (lse, lse, lse)  # SINGLE: unread
     tk.attend_fwd_kernel[(tiles, k.shape[1], n_req * splits)](
-        q, k, v, slots if slots is not None else q_start, q_start, k_start, p_o, p_l, out, lse,
+        q, k, v, slots if slots is not None else q_start, q_start, k_start, k_len, p_o, p_l,
+        out, lse,
         q.shape[0], keys, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         p_o.stride(0), p_o.stride(1), p_l.stride(-2), p_l.stride(-1), *o_strides, *l_strides,
@@ -167,7 +169,8 @@ def private_attention(
         (i, a, b) for i, (a, b) in enumerate(zip(q_lens, kv_lens, strict=False)) if not 0 <= a <= b
     ]
     assert not bad, f"need 0 <= q_len <= kv_len; (request, q_len, kv_len) violating: {bad[:4]}"
-    starts = _prefix_sums(q_lens, q.device), _prefix_sums(kv_lens, q.device)
+    kv_off = _prefix_sums(kv_lens, q.device)
+    starts = _prefix_sums(q_lens, q.device), kv_off[:-1], kv_off.diff()
     longest = max(q_lens, default=0)
     return _attend(q, k, v, None, starts, longest, k.shape[0], scale, True, None, splits)
 
@@ -210,22 +213,24 @@ def pool_private_attention(
     q: torch.Tensor,  # (T, Hq, D), requests concatenated
     k_cache: torch.Tensor,  # (num_slots, Hkv, D) one layer's pool
     v_cache: torch.Tensor,
-    slots: torch.Tensor,  # (S,) int64, requests' keys concatenated, position order
+    slots: torch.Tensor,  # (S,) int64, holding each request's keys in position order
     q_offsets: torch.Tensor,  # (B + 1,) int64, on q's device
-    kv_offsets: torch.Tensor,  # (B + 1,) int64
+    kv_starts: torch.Tensor,  # (B,) int64
+    kv_lens: torch.Tensor,  # (B,) int64
     scale: float,
     prior: State | None = None,
     splits: int | None = None,
 ) -> State:
-    """private_attention with request b's keys slots[kv_offsets[b]:kv_offsets[b + 1]] read in
-    place; the grid is sized by the bound T - B + 1 on any q_len (no host sync)."""
+    """private_attention with request b's keys slots[kv_starts[b]:][:kv_lens[b]] read in
+    place; the grid is sized by the bound T - B + 1 on any q_len and the splits by the
+    slots' count (no host sync)."""
     n_req = q_offsets.numel() - 1
     if n_req == 0:
         return prior if prior is not None else _no_keys(q)
     longest = max(q.shape[0] - n_req + 1, 1)
     return _attend(
-        q, k_cache, v_cache, slots, (q_offsets, kv_offsets), longest, slots.numel(), scale,
-        True, prior, splits,
+        q, k_cache, v_cache, slots, (q_offsets, kv_starts, kv_lens), longest, slots.numel(),
+        scale, True, prior, splits,
     )  # fmt: skip
 
 

@@ -427,11 +427,14 @@ class Scheduler:
             reqs = [w.req for w in work]
             table_rows = [r.row for r in reqs if r.row is not None]
             assert len(table_rows) == len(reqs), "a decode step of a sample not admitted"
+            rows_t = torch.tensor(table_rows, dtype=torch.int64)
+            table = self.kv.req_pool.table
+            batch.kv_indices = TableRows(table, table_rows, batch.seq_lens, rows_t)
             self._decode = DecodeRun(
                 reqs,
                 batch,
                 table_rows,
-                torch.tensor(table_rows, dtype=torch.int64),
+                rows_t,
                 logits_rows,
                 first_row,
                 self.cache.path_version,
@@ -473,7 +476,7 @@ class Scheduler:
             out_cache_loc=new_slots,
             seq_lens=seq_lens,
             extend_lens=before.extend_lens,
-            kv_indices=TableRows(table, run.table_rows, seq_lens),
+            kv_indices=TableRows(table, run.table_rows, seq_lens, run.table_rows_t),
             paths=before.paths,
             kv_pool=self.kv.pool,
             follows=before,
