@@ -125,6 +125,10 @@ class EngineConfig:
     hicache_encrypt: bool = HICACHE_ENCRYPT_DEFAULT
     attention_backend: str = "tree"
     attention_kernels: str = "auto"  # the ops under the backend; process-wide (see worker)
+    # Decode steps of up to max_running_requests rows (at most 256 in one bucket) run from
+    # fixed buffers, padded to the next bucket size: what CUDA-graph capture needs
+    # (worker/buckets.py). On a CPU the padding rows are only extra work, hence off.
+    decode_buckets: bool = False
     grammar_backend: str = "llguidance"  # constrained decoding (radixserve.constrained)
     # Speculative decoding (scheduler/speculative.py): "auto" (radix, else ngram), "ngram",
     # "radix", "draft-model" (radix, else the model at speculative_draft_model_path, which
@@ -212,6 +216,10 @@ class EngineConfig:
         check(
             self.native_ops or self.attention_kernels != "native",
             "attention_kernels native needs native_ops",
+        )
+        check(
+            not self.decode_buckets or self.tp_size == 1,
+            "decode_buckets runs at tp_size 1 (the padded rows would not reach the other ranks)",
         )
         check(
             self.packed_linear in PACKED_LINEAR,

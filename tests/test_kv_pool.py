@@ -92,10 +92,10 @@ def test_write_stores_rows_at_slots() -> None:
 
 def test_req_to_token_alloc_all_free_all() -> None:
     rtp = ReqToTokenPool(max_requests=3, max_context_len=16)
-    assert rtp.table.shape == (3, 16) and rtp.table.dtype == torch.int64
+    assert rtp.table.shape == (4, 16) and rtp.table.dtype == torch.int64  # and the pad row
     rows = [rtp.alloc() for _ in range(3)]
     assert rows == [0, 1, 2]
-    assert rtp.alloc() is None and rtp.num_free == 0
+    assert rtp.alloc() is None and rtp.num_free == 0  # the pad row is never handed out
     for r in rows:
         assert r is not None
         rtp.free(r)

@@ -315,13 +315,15 @@ class KVPool:
 
 
 class ReqToTokenPool:
-    """Rows of KV slot indices, one row per running request.
+    """Rows of KV slot indices, one row per running request, and one more: the table's last
+    row is never handed out and stays all slot 0, the pool's scratch slot (the padding rows
+    of a decode step read it: worker/buckets.py).
 
     Contract: `alloc()` returns a free row index or None; rows are reused after `free(row)`.
     """
 
     def __init__(self, max_requests: int, max_context_len: int) -> None:
-        self.table = torch.zeros((max_requests, max_context_len), dtype=torch.int64)
+        self.table = torch.zeros((max_requests + 1, max_context_len), dtype=torch.int64)
         self._free = list(range(max_requests - 1, -1, -1))
         self.max_requests = max_requests
 

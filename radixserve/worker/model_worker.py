@@ -35,6 +35,7 @@ from radixserve.models.sharding import check_tp_size
 from radixserve.native_build import build_in_background, use_native_ops
 from radixserve.sampling import sampler
 from radixserve.worker.batch_sync import recv_batch, send_batch
+from radixserve.worker.buckets import DecodeBuckets
 
 logger = logging.getLogger("radixserve.worker")
 # Of the tokens a KV budget holds at every layer's cost, the share that keeps sliding-window
@@ -180,6 +181,12 @@ class ModelWorker:
             activations=config.quant_activations,
         )  # fmt: skip
         self.backend = make_backend(config.attention_backend)
+        host = self.device.type == "cpu"  # the scheduler's request-to-token table is here
+        self.buckets = (
+            DecodeBuckets(config.max_running_requests, self.device, copy_table=not host)
+            if config.decode_buckets
+            else None
+        )
         self.kv_dtype, why = kv_cache_dtype(
             config.kv_cache_dtype, self.dtype, is_quantized(self.model), device
         )
@@ -238,6 +245,8 @@ class ModelWorker:
             )
             rows = rows.to(self.device, non_blocking=True)
         self.backend.plan(batch)
+        if self.buckets is not None and self.buckets.fits(batch):
+            batch = self.buckets.pad(batch)  # rows 0..B-1 are the step's, as `rows` reads
         hidden = self.model(batch, self.backend)  # (T, hidden)
         return self.model.compute_logits(hidden[rows])  # (len(rows), vocab) float32
 
