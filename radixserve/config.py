@@ -125,8 +125,8 @@ class EngineConfig:
     hicache_encrypt: bool = HICACHE_ENCRYPT_DEFAULT
     attention_backend: str = "tree"
     attention_kernels: str = "auto"  # the ops under the backend; process-wide (see worker)
-    # Decode steps of up to max_running_requests rows (at most 256 in one bucket) run from
-    # fixed buffers, padded to the next bucket size: what CUDA-graph capture needs
+    # Decode steps run from fixed buffers, padded to the next bucket size (1, 2, 4, 8, 16,
+    # 24, ... 256, with max_running_requests the largest): what CUDA-graph capture needs
     # (worker/buckets.py). On a CPU the padding rows are only extra work, hence off.
     decode_buckets: bool = False
     grammar_backend: str = "llguidance"  # constrained decoding (radixserve.constrained)

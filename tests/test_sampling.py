@@ -394,6 +394,40 @@ def test_a_kept_sampling_batch_draws_as_a_fresh_one() -> None:
             h.output_ids.append(t)
 
 
+def test_a_batch_made_from_the_last_draws_as_a_fresh_one() -> None:
+    """Rows leave and join between steps; each step's SamplingBatch is made from the last
+    one (the rows that stay keep their penalty pairs, renumbered) and draws the tokens of a
+    batch built from scratch, with the same penalty pairs per row."""
+    pool = _mixed_rows(18)
+    for i, f in enumerate(pool):  # prompts with repeats, of several lengths
+        f.prompt_ids = [i % 5, 7, i % 5, 11 + i][: 2 + i % 3]
+    live = list(range(10))
+    batch: SamplingBatch | None = None
+    g_carried, g_fresh = gen(60), gen(60)
+    joins = {1: [10, 11], 3: [12], 4: [13, 14, 15], 6: [16, 17]}
+    carried = 0
+    for k in range(8):
+        before = live
+        live = [i for i in live if (i + k) % 4 != 0] + joins.get(k, [])  # leave, then join
+        infos = [pool[i] for i in live]
+        moved = [before.index(i) if i in before else None for i in live]
+        batch = SamplingBatch(infos, batch, moved) if batch is not None else SamplingBatch(infos)
+        carried += batch.occ_pairs.r.numel()  # output pairs kept from the batch before
+        fresh = SamplingBatch(infos)
+        logits = torch.randn(len(live), 40, generator=gen(61 + k)) * 3
+        a = sample(logits, batch, g_carried).next_ids.tolist()
+        b = sample(logits, fresh, g_fresh).next_ids.tolist()
+        assert a == b, k
+        for name in ("rep_pairs", "occ_pairs"):
+            mine, theirs = getattr(batch, name).pairs(), getattr(fresh, name).pairs()
+            assert sorted(zip(*[x.tolist() for x in mine])) == sorted(
+                zip(*[x.tolist() for x in theirs])
+            ), (k, name)
+        for f, t in zip(infos, a):
+            f.output_ids.append(t)
+    assert carried > 0
+
+
 def _filtered_counts(probs: list[float], params: SamplingParams, draws: int = 20000) -> list[int]:
     logits = torch.tensor(probs).log().expand(draws, len(probs)).contiguous()
     res = sample(logits, infos_for(params, draws), generator=gen(5))

@@ -130,22 +130,52 @@ class PenaltyPairs:
     (`with_prompt`) each distinct token of a row's prompt and output once; frequency and
     presence, each output token as often as it occurs. Kept from call to call: `pairs`
     adds only the tokens a row's output gained since (outputs only grow while a
-    SamplingBatch lives)."""
+    SamplingBatch lives). `before`, `moved`: the pairs of an earlier batch whose row
+    moved[j] is row j here (None: a new row); its rows' pairs are carried over, renumbered,
+    and only new rows read their prompts."""
 
-    def __init__(self, infos: list[SamplingInfo], rows: list[int], with_prompt: bool) -> None:
+    r: torch.Tensor  # (N,) int64 rows
+    t: torch.Tensor  # (N,) int64 tokens
+
+    def __init__(
+        self,
+        infos: list[SamplingInfo],
+        rows: list[int],
+        with_prompt: bool,
+        before: PenaltyPairs | None = None,
+        moved: list[int | None] | None = None,
+    ) -> None:
         self.infos, self.rows, self.distinct = infos, rows, with_prompt
-        self.seen = dict.fromkeys(rows, 0)  # output tokens taken in, per row
+        self.seen: dict[int, int] = {}  # output tokens taken in, per row
         self.tokens: dict[int, set[int]] = {}  # the distinct tokens of each row
+        fresh = rows
+        carried_r = carried_t = torch.zeros(0, dtype=torch.int64)
+        if before is not None and moved is not None:
+            renumber = torch.full((len(before.infos),), -1, dtype=torch.int64)
+            fresh = []
+            for j in rows:
+                i = moved[j]
+                if i is None or i not in before.seen:
+                    fresh.append(j)
+                    continue
+                renumber[i] = j
+                self.seen[j] = before.seen[i]
+                if with_prompt:
+                    self.tokens[j] = before.tokens[i]
+            now = renumber[before.r]
+            kept = now >= 0  # the pairs of rows still here, in their order
+            carried_r, carried_t = now[kept], before.t[kept]
         r: list[int] = []
         t: list[int] = []
-        if with_prompt:
-            for i in rows:
+        for i in fresh:
+            self.seen[i] = 0
+            if with_prompt:
                 prompt = dict.fromkeys(infos[i].prompt_ids)  # distinct, in order
                 self.tokens[i] = set(prompt)
                 r += [i] * len(prompt)
                 t += prompt
-        self.r = torch.tensor(r, dtype=torch.int64)
-        self.t = torch.tensor(t, dtype=torch.int64)
+        self.r = torch.cat([carried_r, torch.tensor(r, dtype=torch.int64)])
+        self.t = torch.cat([carried_t, torch.tensor(t, dtype=torch.int64)])
 
     def pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(N,) rows and (N,) tokens, as of the infos' outputs now."""
@@ -172,11 +202,22 @@ class SamplingBatch:
     """What `sample` derives from its rows' SamplingInfo once, for as long as the rows stay
     the same: which rows are greedy or draw, and which use each of steps 1-3b. A caller
     that samples the same rows step after step (the scheduler's decode batch) keeps one
-    and builds a new one only when rows join or leave; what changes with every token
-    (output lengths: penalties, min_new_tokens, the seeded streams; grammar masks) is read
+    and, when rows join or leave, builds the next from it (`before`); what changes with
+    every token (output lengths: penalties, min_new_tokens, the seeded streams; grammar
+    masks) is read
     from the infos at each `sample`. Reads the infos, writes none of them."""
 
-    def __init__(self, infos: list[SamplingInfo]) -> None:
+    rep_pairs: PenaltyPairs
+    occ_pairs: PenaltyPairs
+
+    def __init__(
+        self,
+        infos: list[SamplingInfo],
+        before: SamplingBatch | None = None,
+        moved: list[int | None] | None = None,
+    ) -> None:
+        """`before`, `moved`: an earlier batch whose row moved[j] is row j here (None: a
+        new row), whose penalty pairs are carried over (PenaltyPairs)."""
         self.infos = infos
         params = [f.params for f in infos]
         self.greedy = [i for i, p in enumerate(params) if p.is_greedy]
@@ -200,8 +241,9 @@ class SamplingBatch:
         self.temps = torch.tensor(temps, dtype=torch.float32)
         self._rows: dict[str, torch.Tensor] = {}  # (n,) int64 row tensors, by device
         # The penalties' (row, token) pairs, grown by each row's new output tokens
-        self.rep_pairs = PenaltyPairs(infos, self.rep, with_prompt=True)
-        self.occ_pairs = PenaltyPairs(infos, self.occ, with_prompt=False)
+        rep, occ = (None, None) if before is None else (before.rep_pairs, before.occ_pairs)
+        self.rep_pairs = PenaltyPairs(infos, self.rep, True, rep, moved)
+        self.occ_pairs = PenaltyPairs(infos, self.occ, False, occ, moved)
         per_row = {
             "repetition": [p.repetition_penalty for p in params],
             "frequency": [p.frequency_penalty for p in params],

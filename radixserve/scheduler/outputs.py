@@ -27,15 +27,18 @@ class OutputProcessor:
         self.vocab_size = vocab_size
         self.generator = torch.Generator().manual_seed(seed)  # CPU: the sampler's uniforms
         # The last rows sampled and what the sampler derived from them: a decode batch's
-        # rows stay the same from step to step until samples join or leave.
+        # rows stay the same from step to step until samples join or leave, and the next
+        # batch is then made from this one (the rows that stay keep their penalty pairs).
         self._rows: list[Sample] = []
         self._batch = SamplingBatch([])
 
     def sample(self, reqs: list[Sample], logits: torch.Tensor) -> list[Drawn]:
         """Draw one token per sample from logits (len(reqs), vocab) float32."""
         if reqs != self._rows:  # Sample compares by identity: one C-level pass over the list
+            before = {r: i for i, r in enumerate(self._rows)}
+            moved = [before.get(r) for r in reqs]  # each row's row in the last batch
             self._rows = list(reqs)
-            self._batch = SamplingBatch([r.sampling_info for r in reqs])
+            self._batch = SamplingBatch([r.sampling_info for r in reqs], self._batch, moved)
         res = sample(logits[:, : self.vocab_size], self._batch, self.generator)
         tokens, logprobs = res.next_ids.tolist(), res.logprobs.tolist()
         return list(zip(reqs, tokens, logprobs, res.top_logprobs, strict=True))
