@@ -4,9 +4,10 @@ Both backends read each request's *private* keys (flat: all of them) through a p
 once per step by `private_plan`:
 - `SlotPlan` (kernels that read the pool in place, `kernels.reads_pool_in_place`: the
   native CPU and the Triton kernels): each layer passes the pool tensors and the step's
-  slot list to ONE `kernels.pool_private_attention` call; nothing is gathered, no scratch. A batch whose
-  slots are rows of the request-to-token table (decode steps) passes the table itself, with
-  each request's row and length (`table_plan`): nothing is copied per step.
+  slot list to ONE `kernels.pool_private_attention` call; nothing is gathered, no scratch.
+  A batch whose slots are rows of the request-to-token table (decode steps) passes the
+  table itself, with each request's row and length (`table_plan`): nothing is copied per
+  step.
 - `PaddedPlan` (decode steps, other kernels): each layer gathers every request's keys
   straight from the pool into one padded (B, L) grid and makes ONE
   `kernels.decode_attention` call.
