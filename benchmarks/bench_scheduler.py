@@ -26,7 +26,10 @@ Workload (the case the scheduler's per-step state is built for):
   - so the timed decode steps (--steps of them, right after the prefill) evict filler
     leaves to make room for their B new tokens each: a step finding too few free slots
     evicts what it needs and up to `kv.EVICT_AHEAD` more, which the next steps take. The
-    bookkeeping's mean is reported beside its median, as that eviction falls on some steps.
+    bookkeeping's mean is reported beside its median, as that eviction falls on some steps;
+  - with --leaving N, N samples are aborted before every timed step but the first (not
+    timed), so each of those steps decodes a set of samples the step before did not: the
+    case where a batch kept from step to step has rows removed.
 The tokens every sample generated until the last timed step are hashed into
 "outputs_sha256": the same hash before and after a change to the scheduler means the same
 outputs (greedy, seeded and penalised draws alike).
@@ -38,6 +41,7 @@ Models: "tiny" (a seeded random Llama, hidden 64, 2 layers, the SmolLM2 tokenize
     python benchmarks/bench_scheduler.py                       # tiny, B=16 and 256
     python benchmarks/bench_scheduler.py --models smollm2 --batch 16 --steps 16
     python benchmarks/bench_scheduler.py --models tiny smollm2 --batch 16 64 256
+    python benchmarks/bench_scheduler.py --batch 256 --leaving 4     # rows leave every step
 
 Results go to benchmarks/results/scheduler_step_<cpu>-<isa>_<date>.json unless --output-json.
 """
@@ -174,12 +178,13 @@ class StepTimer:
 
 
 def run(
-    parts: SchedulerParts, config: EngineConfig, batch: int, steps: int, tree: int
+    parts: SchedulerParts, config: EngineConfig, batch: int, steps: int, tree: int, leaving: int
 ) -> dict[str, Any]:
     sched = Scheduler(config, parts)
     leaves = filler_leaves(tree)
     fill_tree(sched, range(leaves))
     new = steps + 8
+    assert leaving * steps < batch, f"{leaving} leaving at each of {steps} steps: B > {batch}"
     for i, ids in enumerate(prompts(batch)):
         penalties = {"repetition_penalty": 1.1, "frequency_penalty": 0.5} if i % 4 == 3 else {}
         temperature = 0.8 if i % 2 else 0.0
@@ -201,15 +206,19 @@ def run(
     ms: dict[str, list[float]] = {part: [] for part in (*PARTS, "bookkeeping", "host")}
     cpu_ms: list[float] = []
     nodes = [sched.cache.num_nodes]
-    for _ in range(steps):
-        assert len(sched.running) == batch and sched.kv.pool.num_free < batch + EVICT_AHEAD
+    for step in range(steps):
+        for i in range(leaving * (step - 1), leaving * step) if step else ():
+            sched.abort_request(f"r{i}")
+        running = batch - leaving * step
+        assert len(sched.running) == running, (len(sched.running), running)
+        assert sched.kv.pool.num_free < batch + EVICT_AHEAD, sched.kv.pool.num_free
         timer.reset()
         t0, c0 = time.perf_counter(), time.thread_time()
         outputs = sched.step()
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
         collect(outputs, tokens)
         b = timer.batch
-        assert b is not None and b.is_decode and b.num_requests == batch, "not a decode step"
+        assert b is not None and b.is_decode and b.num_requests == running, "not a decode step"
         for part, spent in timer.spent.items():
             ms[part].append(1000 * spent)
         ms["host"].append(1000 * (wall - timer.spent["model"]))
@@ -220,6 +229,7 @@ def run(
     host = ms["host"]
     return {
         "batch": batch,
+        "leaving_per_step": leaving,
         "timed_steps": steps,
         "tree_nodes_first_last": [nodes[0], nodes[-1]],
         "kv_capacity": sched.kv.pool.capacity,
@@ -250,7 +260,7 @@ def pool_tokens(batch: int, tree_nodes: int) -> int:
     return filler + prompt + 2 * batch
 
 
-def bench(name: str, batch: int, steps: int, tree: int) -> dict[str, Any]:
+def bench(name: str, batch: int, steps: int, tree: int, leaving: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         model = None if name == "smollm2" else str(build_tiny_model(Path(tmp) / "tiny"))
         config = EngineConfig(
@@ -263,7 +273,7 @@ def bench(name: str, batch: int, steps: int, tree: int) -> dict[str, Any]:
         parts = load_parts(config)
         load_s = time.perf_counter() - t0
         try:
-            result = run(parts, config, batch, steps, tree)
+            result = run(parts, config, batch, steps, tree, leaving)
         finally:
             parts.worker.close()
     result.update(model=name, load_s=round(load_s, 1), dtype=str(parts.worker.dtype))
@@ -276,6 +286,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[16, 256], help="concurrent requests")
     ap.add_argument("--steps", type=int, default=24, help="decode steps timed")
     ap.add_argument("--tree-nodes", type=int, default=10_000, help="filler nodes in the cache")
+    ap.add_argument("--leaving", type=int, default=0, help="samples finishing at each timed step")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
@@ -286,7 +297,7 @@ def main() -> None:
     runs = []
     for name in args.models:
         for batch in args.batch:
-            r = bench(name, batch, args.steps, args.tree_nodes)
+            r = bench(name, batch, args.steps, args.tree_nodes, args.leaving)
             runs.append(r)
             split = ", ".join(f"{part} {r[f'{part}_ms_median']:.2f}" for part in SPLIT)
             print(

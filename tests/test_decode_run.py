@@ -1,8 +1,9 @@
 """A decode step of the same samples as the step before continues that step's batch
-(`ForwardBatch.follows`): its inputs and its attention plan are updated, not built. Each
-such batch here is checked against the batch and plan built from scratch for the same
-step, on the tree and the flat backend, with samples that share prefixes and finish at
-different steps (the run is broken and starts again)."""
+(`ForwardBatch.follows`): its inputs and its attention plan are updated, not built; when
+samples leave, the step's batch is made from its samples' kept state. Each decode batch
+here is checked against the batch and plan built entry by entry for the same step, on the
+tree and the flat backend, with samples that share prefixes and finish at different steps
+(the run is broken and starts again)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from radixserve import Engine
 from radixserve.attention.slots import SlotPlan
 from radixserve.attention.tree import TreeBackend
 from radixserve.attention.tree_plan import TreePlan
-from radixserve.core.batch import BatchBuilder, ForwardBatch
+from radixserve.core.batch import BatchBuilder, ForwardBatch, TableRows
 
 
 def built(batch: ForwardBatch) -> ForwardBatch:
@@ -66,13 +67,17 @@ def test_continued_decode_steps_equal_built_ones(tiny_model_dir: Path, backend: 
     worker_backend = sched.worker.backend
     plan = worker_backend.plan
     continued: list[int] = []
+    made: list[int] = []
     shared: list[tuple[int, int]] = []  # (samples, kept segments) of continued tree plans
 
     def checked_plan(batch: ForwardBatch) -> None:
         plan(batch)
-        if batch.follows is None:
+        if not isinstance(batch.kv_indices, TableRows):  # a prefill: built entry by entry
             return
-        continued.append(batch.num_requests)
+        if batch.follows is None:  # a decode step made from its samples
+            made.append(batch.num_requests)
+        else:
+            continued.append(batch.num_requests)
         fresh = built(batch)
         for name in ("input_ids", "positions", "out_cache_loc"):
             assert torch.equal(getattr(batch, name), getattr(fresh, name)), name
@@ -94,8 +99,10 @@ def test_continued_decode_steps_equal_built_ones(tiny_model_dir: Path, backend: 
         outs = engine.generate(input_ids=prompts, sampling_params=params)
     assert isinstance(outs, list)
     assert [len(o["output_ids"]) for o in outs] == [6 + 3 * i for i in range(6)]
-    # six samples for 5 steps, then one fewer every 3 steps: runs of each size
+    # six samples for 5 steps, then one fewer every 3 steps: runs of each size, each run's
+    # first step made from its samples
     assert max(continued) == 6 and min(continued) == 1, continued
+    assert made == [6, 5, 4, 3, 2, 1], made
     if backend == "tree":
         # the system prompt, read once for all the samples
         assert shared and all(kept >= 1 for n, kept in shared if n >= 2), shared

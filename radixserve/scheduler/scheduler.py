@@ -394,6 +394,10 @@ class Scheduler:
         if decode and run is not None and self._continues(run, work):
             return self._next_decode(run)
         self._decode = None
+        taken = self._new_slots  # the running samples' (an admission takes its own)
+        if decode and work and self.kv.pool.swa_of is None and taken is not None:
+            if taken.numel() == len(work):
+                return self._decode_batch([w.req for w in work], taken, run)
         entries = BatchBuilder()
         rows: list[int] = []
         first_row: list[int] = []
@@ -422,24 +426,47 @@ class Scheduler:
         if not rows:  # only encoding: the worker computes some logits, never used
             rows.append(entries.num_tokens - 1)
         batch = entries.build(self.kv.pool)
-        logits_rows = torch.tensor(rows, dtype=torch.int64)
-        if decode and work and batch.swa_kv_indices is None:
-            reqs = [w.req for w in work]
-            table_rows = [r.row for r in reqs if r.row is not None]
-            assert len(table_rows) == len(reqs), "a decode step of a sample not admitted"
-            rows_t = torch.tensor(table_rows, dtype=torch.int64)
-            table = self.kv.req_pool.table
-            batch.kv_indices = TableRows(table, table_rows, batch.seq_lens, rows_t)
-            self._decode = DecodeRun(
-                reqs,
-                batch,
-                table_rows,
-                rows_t,
-                logits_rows,
-                first_row,
-                self.cache.path_version,
-                {node for path in batch.paths for node, _ in path},
-            )
+        return batch, torch.tensor(rows, dtype=torch.int64), first_row
+
+    def _decode_batch(
+        self, reqs: list[Sample], new_slots: torch.Tensor, before: DecodeRun | None
+    ) -> tuple[ForwardBatch, torch.Tensor, list[int]]:
+        """A plain decode step's batch made from its samples, each one token on: their
+        kept radix paths, their table rows (`TableRows`: nothing copied), the slots
+        `KVManager.extend_each` took. Samples that joined or left since the step before
+        cost only their own entries; the step becomes the decode run the next continues.
+        `new_slots`: each sample's slot for its token; `before`: the last run, whose
+        logits rows are reused when the size is the same."""
+        kv_lens = [r.kv_len for r in reqs]
+        seq_lens = [n + 1 for n in kv_lens]
+        table_rows = [r.row for r in reqs if r.row is not None]
+        assert len(table_rows) == len(reqs), "a decode step of a sample not admitted"
+        rows_t = torch.tensor(table_rows, dtype=torch.int64)
+        positions = [p for r, n in zip(reqs, kv_lens) for p in r.positions(n, n + 1)]
+        batch = ForwardBatch(
+            input_ids=torch.tensor([r.all_ids[n] for r, n in zip(reqs, kv_lens)]),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            out_cache_loc=new_slots,
+            seq_lens=seq_lens,
+            extend_lens=[1] * len(reqs),
+            kv_indices=TableRows(self.kv.req_pool.table, table_rows, seq_lens, rows_t),
+            paths=[self.kv.path(r) for r in reqs],
+            kv_pool=self.kv.pool,
+        )
+        if before is not None and len(before.reqs) == len(reqs):
+            logits_rows, first_row = before.logits_rows, before.first_row
+        else:
+            logits_rows, first_row = torch.arange(len(reqs)), list(range(len(reqs)))
+        self._decode = DecodeRun(
+            reqs,
+            batch,
+            table_rows,
+            rows_t,
+            logits_rows,
+            first_row,
+            self.cache.path_version,
+            {node for path in batch.paths for node, _ in path},
+        )
         return batch, logits_rows, first_row
 
     @staticmethod
