@@ -11,14 +11,13 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port
+from conftest import free_port, poll_until
 
 HEAD_IP = "127.0.0.2"
 WORKER_IPS = ("127.0.0.3", "127.0.0.4")
@@ -138,7 +137,6 @@ def test_prompts_sharing_a_prefix_hit_the_cache(proxy_url: str) -> None:
         prefix = f"{group} log. {SYSTEM}"
         first = generate(proxy_url, prefix + " Question 0?")
         assert first["meta_info"]["cached_tokens"] < first["meta_info"]["prompt_tokens"]
-        time.sleep(1.0)  # a report or two: the hit is then the replica's tree, not a guess
         for i in range(1, 4):
             meta = generate(proxy_url, prefix + f" Question {i}?")["meta_info"]
             assert meta["cached_tokens"] >= meta["prompt_tokens"] - 16, (group, i, meta)
@@ -151,12 +149,20 @@ def test_a_replica_killed_under_load(proxy_url: str) -> None:
     import ray
     from ray.util.state import list_actors
 
+    started: list[int] = []  # the streams that have their first event
+
     def stream(i: int) -> list[str]:
         body = {"text": f"Voyage {i}: {SYSTEM}", "stream": True,
                 "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}  # fmt: skip
+        events = []
         with httpx.stream("POST", proxy_url + "/generate", json=body, timeout=120) as resp:
             assert resp.status_code == 200
-            return [line for line in resp.iter_lines() if line.startswith("data: ")]
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    if len(events) == 1:
+                        started.append(i)
+        return events
 
     def plain(i: int) -> int:
         body = {"text": f"Cargo {i}", "sampling_params": {"max_new_tokens": 40}}
@@ -168,7 +174,7 @@ def test_a_replica_killed_under_load(proxy_url: str) -> None:
     with ThreadPoolExecutor(8) as pool:
         streams = [pool.submit(stream, i) for i in range(4)]
         plains = [pool.submit(plain, i) for i in range(4)]
-        time.sleep(1.5)  # the streams are under way
+        poll_until(lambda: len(started) == 4, 120, lambda: f"streams started: {started}")
         ray.kill(ray.get_actor(victims[0].name, namespace="serve"), no_restart=True)
         ended = [f.result() for f in streams]
         statuses = [f.result() for f in plains]
@@ -178,10 +184,7 @@ def test_a_replica_killed_under_load(proxy_url: str) -> None:
         errors = [e for e in events if '"error"' in e]
         assert not errors or "send the request again" in errors[0]
     assert generate(proxy_url, "After the storm")["meta_info"]["completion_tokens"] == 4
-    deadline = time.monotonic() + 180
-    while running_replicas() < 2 and time.monotonic() < deadline:
-        time.sleep(1)  # Ray replaces the replica
-    assert running_replicas() == 2
+    poll_until(lambda: running_replicas() == 2, 180, "Ray replaced the killed replica")
 
 
 @pytest.mark.slow
