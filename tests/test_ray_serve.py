@@ -2,7 +2,8 @@
 .ci/run installs for the slow tests): a head node and two worker nodes on loopback addresses,
 one CPU each on the workers, two replicas of a tiny model, requests through Ray Serve's HTTP
 proxy with the openai client and plain HTTP; a replica killed under load; 1 -> 2 -> 1
-replicas. Nothing is mocked. `ray stop --force` ends every Ray process of the machine."""
+replicas; two nodes' replicas sharing K/V through a real redis-server. Nothing is mocked.
+`ray stop --force` ends every Ray process of the machine."""
 
 from __future__ import annotations
 
@@ -66,14 +67,16 @@ def proxy_url(cluster: str, tiny_model_dir: Path) -> Iterator[str]:
     serve.shutdown()
 
 
-def deploy(model_dir: Path, replicas: int) -> None:
+def deploy(model_dir: Path, replicas: int, *flags: str) -> None:
+    """The app with `replicas` replicas of `radixserve serve` given SERVE_ARGS and `flags`."""
     from ray import serve
 
     from radixserve.ray.app import RayServeOptions, application
 
     options = RayServeOptions(
-        model=str(model_dir), serve_args=SERVE_ARGS, num_replicas=replicas, stats_period_s=0.5
-    )
+        model=str(model_dir), serve_args=(*SERVE_ARGS, *flags), num_replicas=replicas,
+        stats_period_s=0.5,
+    )  # fmt: skip
     serve.run(application(options), name=options.name, route_prefix="/")
 
 
@@ -193,3 +196,48 @@ def test_scale_one_two_one(proxy_url: str, tiny_model_dir: Path) -> None:
         deploy(tiny_model_dir, replicas)  # serve.run waits for the replicas
         assert running_replicas() == replicas
         assert generate(proxy_url, f"{replicas} ships")["meta_info"]["completion_tokens"] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_a_conversation_resumes_from_the_redis_tier_on_another_node(
+    proxy_url: str, tiny_model_dir: Path
+) -> None:
+    """Two replicas, one on each worker node, write their K/V through to one Redis. The
+    replica that served a prompt is killed; the same prompt, sent at once, is served by the
+    replica on the other node (the killed one's replacement is not up yet), which reads the
+    prompt's K/V from Redis instead of computing it. The replica that served it is found by
+    killing one: if the survivor had the prompt itself, it is killed in turn once Ray has
+    replaced the first."""
+    import ray
+    from ray.util.state import list_actors
+    from test_hicache_redis import RedisServer, wait_records
+
+    from radixserve.kvcache.tier_store import CHUNK_TOKENS
+
+    redis_server = RedisServer(free_port())
+    try:
+        secret = ("--hicache-secret", "the replicas' shared tier secret")
+        deploy(tiny_model_dir, 2, "--hicache-remote", redis_server.url, *secret)
+        prompt = "Ships of the Baltic. " + SYSTEM
+        first = generate(proxy_url, prompt)["meta_info"]
+        wait_records(redis_server.client(), first["prompt_tokens"] // CHUNK_TOKENS)
+
+        def replicas() -> list[str]:
+            alive = list_actors(filters=[("state", "=", "ALIVE")])
+            return [a.name for a in alive if "EngineReplica" in a.class_name]
+
+        for victim in replicas():  # one of the two served the prompt
+            ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+            meta = generate(proxy_url, prompt)["meta_info"]
+            if meta["cached_tokens_details"].get("remote", 0) > 0:
+                break  # the other replica, on the other node, read it from Redis
+            assert meta["cached_tokens"] >= first["prompt_tokens"] - 16, meta  # its own
+            poll_until(lambda: running_replicas() == 2, 180, "Ray replaced the killed replica")
+        else:
+            pytest.fail(f"no replica read the prompt from Redis: {meta}")
+        prefilled = meta["prompt_tokens"] - meta["cached_tokens"]
+        assert prefilled < CHUNK_TOKENS, meta  # the prompt's whole chunks came from the tier
+    finally:
+        deploy(tiny_model_dir, 2)  # the module's other tests' replicas
+        redis_server.stop()
