@@ -9,13 +9,16 @@ answer is relayed as it comes. Failover, as the HTTP router's (docs/router.md):
   is sent again, up to `max_attempts` times, then 503 + Retry-After;
 - a non-streamed answer is relayed only once whole, so one broken mid-way is sent again;
 - a stream is relayed from its first event on, so one whose replica fails before that
-  (queued, or in prefill) is sent again too; a stream that breaks after its first event
-  ends with an `{"error": ...}` event and `data: [DONE]`; the replica's own answers,
-  errors included, are never sent again.
+  (queued, or in prefill) is sent again too; a `/generate` stream of one prompt and one
+  sample that breaks after its first event is continued on another replica from the tokens
+  it has sent (resume.py); any other stream that breaks ends with an `{"error": ...}`
+  event and `data: [DONE]`; the replica's own answers, errors included, are never sent
+  again.
 """
 
 # No `from __future__ import annotations`: Ray Serve rebuilds the routes' signatures, and
 # FastAPI must see `Request` as a class there, not as a string, or it reads it as a query field.
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -28,6 +31,7 @@ from ray.exceptions import RayError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from radixserve.ray.call import Call
+from radixserve.ray.resume import DONE, StreamResume
 from radixserve.server.protocol import ApiError
 from radixserve.tokenizer.chat import render_chat
 
@@ -38,16 +42,10 @@ PROMPT_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 OTHER_ROUTES = ("/v1/models", "/get_model_info", "/health", "/health_generate")
 
 
-async def _relay(first: bytes, stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
-    yield first
-    try:
-        async for chunk in stream:
-            yield chunk
-    except RayError as e:
-        logger.warning("a stream broke: %r", e)
-        error = {"error": {"message": "the replica serving this stream failed; send the "
-                           "request again", "type": "server_error", "code": 503}}  # fmt: skip
-        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+BROKEN = (
+    b'data: {"error": {"message": "the replica serving this stream failed; send the request '
+    b'again", "type": "server_error", "code": 503}}\n\ndata: [DONE]\n\n'
+)
 
 
 def prompt_ids(tok: Any, path: str, body: Any) -> list[int] | None:
@@ -119,7 +117,8 @@ class Ingress:
         ids = prompt_ids(self.tok, path, parsed)
         content_type = request.headers.get("content-type", "application/json")
         text = prompt_text(parsed) or path  # never empty: Ray's prefix router divides by it
-        return await self._send(Call("POST", path, body, content_type, ids, text))
+        call = Call("POST", path, body, content_type, ids, text)
+        return await self._send(call, StreamResume.of(path, parsed, ids))
 
     @api.get("/v1/models")
     @api.get("/get_model_info")
@@ -129,20 +128,69 @@ class Ingress:
         path = request.url.path
         return await self._send(Call("GET", path, b"", "", None, path))
 
-    async def _send(self, call: Call) -> Response:
-        """The first replica answer that starts (module docstring)."""
+    async def _send(self, call: Call, resume: StreamResume | None = None) -> Response:
+        """The first replica answer that starts (module docstring); a stream that `resume`
+        follows is continued on another replica if its own fails."""
+        opened = await self._open(call)
+        if opened is None:
+            message = f"no replica answered after {self.max_attempts} attempts"
+            return ApiError(503, message, headers={"Retry-After": "1"}).response()
+        head, first, stream = opened
+        if stream is None:
+            return Response(first, head["status"], media_type=head["content_type"])
+        relay = self._relay(first, stream, call, resume if head["status"] == 200 else None)
+        return StreamingResponse(relay, head["status"], media_type=head["content_type"])
+
+    async def _open(
+        self, call: Call
+    ) -> tuple[dict[str, Any], bytes, DeploymentResponseGenerator | None] | None:
+        """The first replica answer that starts, within max_attempts: its head and, for a
+        stream, its first chunk and the stream; else the whole answer and None."""
         for attempt in range(1, self.max_attempts + 1):
             stream = cast(DeploymentResponseGenerator, self.engine.forward.remote(call))
             try:
                 head = await stream.__anext__()
                 if not head["content_type"].startswith("text/event-stream"):
-                    body = b"".join([chunk async for chunk in stream])
-                    return Response(body, head["status"], media_type=head["content_type"])
-                first = await anext(stream, b"")
+                    return head, b"".join([chunk async for chunk in stream]), None
+                return head, await anext(stream, b""), stream
             except (RayError, StopAsyncIteration) as e:
                 logger.warning("%s: attempt %d failed: %r", call.path, attempt, e)
-                continue
-            relay = _relay(first, stream)
-            return StreamingResponse(relay, head["status"], media_type=head["content_type"])
-        message = f"no replica answered after {self.max_attempts} attempts"
-        return ApiError(503, message, headers={"Retry-After": "1"}).response()
+        return None
+
+    async def _relay(
+        self,
+        first: bytes,
+        stream: DeploymentResponseGenerator,
+        call: Call,
+        resume: StreamResume | None,
+    ) -> AsyncIterator[bytes]:
+        """The stream's chunks as they come (whole events under `resume`); when its replica
+        fails, its continuation on another one, else an error event."""
+        chunk = first
+        while True:
+            try:
+                while True:
+                    if resume is None:
+                        yield chunk
+                    else:
+                        for event in resume.events(chunk):
+                            yield event
+                    chunk = await anext(stream)
+            except StopAsyncIteration:
+                return
+            except RayError as e:
+                logger.warning("%s: a stream broke: %r", call.path, e)
+                if resume is None:
+                    yield BROKEN
+                    return
+                more = resume.continuation()
+                if more is None:  # all was sent but the end
+                    yield DONE
+                    return
+                body, ids = more
+                opened = await self._open(dataclasses.replace(call, body=body, ids=ids))
+                again = None if opened is None else opened[2]
+                if opened is None or again is None:  # no replica, or not a stream (a 4xx)
+                    yield BROKEN
+                    return
+                chunk, stream = opened[1], again
