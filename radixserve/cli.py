@@ -238,6 +238,10 @@ def _add_ray_parser(sub: Any) -> None:
     add("--revision", default=None, help=HELP["revision"])
     add("--num-replicas", type=int, default=1, help="replicas (the minimum with --max-replicas)")
     add("--max-replicas", type=int, default=None, help="autoscale up to this many replicas")
+    add("--upscale-delay-s", type=float, default=30.0, help="autoscaling: queues long this long")
+    add(
+        "--downscale-delay-s", type=float, default=600.0, help="autoscaling: queues short this long"
+    )
     add("--cpus-per-replica", type=float, default=1.0, help="CPUs Ray reserves per replica")
     add("--router", default="radix_tree", choices=("radix_tree", "power_of_two", "prefix_affinity"),
         help="radix_tree: by the replicas' own radix trees; the others are Ray's")  # fmt: skip
@@ -256,6 +260,7 @@ def _run_ray(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     options = _config_or_exit(parser, lambda: RayServeOptions(
         model=args.model, revision=args.revision, serve_args=tuple(args.serve_args),
         num_replicas=args.num_replicas, max_replicas=args.max_replicas,
+        upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s,
         cpus_per_replica=args.cpus_per_replica, router=args.router,
     ))  # fmt: skip
     return run_ray_serve(options, args.address, args.host, args.port)

@@ -2,7 +2,8 @@
 .ci/run installs for the slow tests): a head node and two worker nodes on loopback addresses,
 one CPU each on the workers, two replicas of a tiny model, requests through Ray Serve's HTTP
 proxy with the openai client and plain HTTP; a replica killed under load; 1 -> 2 -> 1
-replicas; two nodes' replicas sharing K/V through a real redis-server. Nothing is mocked.
+replicas, and 1 -> 2 -> 1 by Ray's autoscaling under load; two nodes' replicas sharing K/V
+through a real redis-server. Nothing is mocked.
 `ray stop --force` ends every Ray process of the machine."""
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -67,15 +70,16 @@ def proxy_url(cluster: str, tiny_model_dir: Path) -> Iterator[str]:
     serve.shutdown()
 
 
-def deploy(model_dir: Path, replicas: int, *flags: str) -> None:
-    """The app with `replicas` replicas of `radixserve serve` given SERVE_ARGS and `flags`."""
+def deploy(model_dir: Path, replicas: int, *flags: str, **more: Any) -> None:
+    """The app with `replicas` replicas of `radixserve serve` given SERVE_ARGS and `flags`;
+    `more`: other RayServeOptions."""
     from ray import serve
 
     from radixserve.ray.app import RayServeOptions, application
 
     options = RayServeOptions(
         model=str(model_dir), serve_args=(*SERVE_ARGS, *flags), num_replicas=replicas,
-        stats_period_s=0.5,
+        stats_period_s=0.5, **more,
     )  # fmt: skip
     serve.run(application(options), name=options.name, route_prefix="/")
 
@@ -200,6 +204,44 @@ def test_scale_one_two_one(proxy_url: str, tiny_model_dir: Path) -> None:
         deploy(tiny_model_dir, replicas)  # serve.run waits for the replicas
         assert running_replicas() == replicas
         assert generate(proxy_url, f"{replicas} ships")["meta_info"]["completion_tokens"] == 4
+
+
+@pytest.mark.slow
+def test_autoscaled_to_two_under_load_and_back(proxy_url: str, tiny_model_dir: Path) -> None:
+    """Ray scales the replicas on their queues (1 to 2, a target of one request in flight
+    each, short delays): requests kept in flight bring the second replica, which goes once
+    they stop. Every request is answered."""
+    scaling = {
+        "max_replicas": 2,
+        "target_ongoing_requests": 1.0,
+        "upscale_delay_s": 1.0,
+        "downscale_delay_s": 5.0,
+        "look_back_period_s": 2.0,
+        "metrics_interval_s": 0.5,
+    }
+    stop = threading.Event()
+
+    def load(i: int) -> list[int]:
+        codes = []
+        while not stop.is_set():
+            body = {"text": f"Tide table {i}", "sampling_params": {"max_new_tokens": 32}}
+            codes.append(httpx.post(proxy_url + "/generate", json=body, timeout=120).status_code)
+        return codes
+
+    try:
+        deploy(tiny_model_dir, 1, **scaling)
+        assert running_replicas() == 1
+        with ThreadPoolExecutor(6) as pool:
+            loads = [pool.submit(load, i) for i in range(6)]
+            try:
+                poll_until(lambda: running_replicas() == 2, 240, "a second replica under load")
+            finally:
+                stop.set()
+            codes = [c for f in loads for c in f.result()]
+        assert codes and set(codes) == {200}, codes
+        poll_until(lambda: running_replicas() == 1, 240, "back to one replica once idle")
+    finally:
+        deploy(tiny_model_dir, 2)  # the module's other tests' replicas
 
 
 @pytest.mark.slow

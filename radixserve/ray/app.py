@@ -40,6 +40,12 @@ class RayServeOptions:
     num_replicas: int = 1  # fixed, unless max_replicas is set
     max_replicas: int | None = None  # autoscale between num_replicas and this
     target_ongoing_requests: float = 4.0  # autoscaling: requests in flight per replica
+    # autoscaling: how long the queues must say so before a replica is added or removed, the
+    # window their lengths are averaged over, how often replicas report them (Ray's defaults)
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    look_back_period_s: float = 30.0
+    metrics_interval_s: float = 10.0
     cpus_per_replica: float = 1.0  # reserved by Ray; the replica's server computes on them
     max_ongoing_requests: int = 64  # per replica; beyond, Ray queues at the ingress
     router: str = "radix_tree"
@@ -70,6 +76,10 @@ def application(options: RayServeOptions) -> Application:
         scaling = {"num_replicas": "auto", "autoscaling_config": {
             "min_replicas": options.num_replicas, "max_replicas": options.max_replicas,
             "target_ongoing_requests": options.target_ongoing_requests,
+            "upscale_delay_s": options.upscale_delay_s,
+            "downscale_delay_s": options.downscale_delay_s,
+            "look_back_period_s": options.look_back_period_s,
+            "metrics_interval_s": options.metrics_interval_s,
         }}  # fmt: skip
     router: dict[str, Any] = {"request_routing_stats_period_s": options.stats_period_s}
     if ROUTERS[options.router] is not None:
@@ -107,7 +117,7 @@ def _parse(key: str, raw: str) -> Any:
     try:
         if key in ("num_replicas", "max_replicas", "max_ongoing_requests"):
             return int(raw)
-        if key in ("cpus_per_replica", "stats_period_s", "target_ongoing_requests"):
+        if key in ("cpus_per_replica", "target_ongoing_requests") or key.endswith("_s"):
             return float(raw)
     except ValueError:
         raise ValueError(f"{key}: {raw!r} is not a number") from None
