@@ -217,7 +217,6 @@ def test_autoscaled_to_two_under_load_and_back(proxy_url: str, tiny_model_dir: P
         "upscale_delay_s": 1.0,
         "downscale_delay_s": 5.0,
         "look_back_period_s": 2.0,
-        "metrics_interval_s": 0.5,
     }
     stop = threading.Event()
 

@@ -40,12 +40,11 @@ class RayServeOptions:
     num_replicas: int = 1  # fixed, unless max_replicas is set
     max_replicas: int | None = None  # autoscale between num_replicas and this
     target_ongoing_requests: float = 4.0  # autoscaling: requests in flight per replica
-    # autoscaling: how long the queues must say so before a replica is added or removed, the
-    # window their lengths are averaged over, how often replicas report them (Ray's defaults)
+    # autoscaling: how long the queues must say so before a replica is added or removed, and
+    # the window their lengths are averaged over (Ray's defaults)
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 600.0
     look_back_period_s: float = 30.0
-    metrics_interval_s: float = 10.0
     cpus_per_replica: float = 1.0  # reserved by Ray; the replica's server computes on them
     max_ongoing_requests: int = 64  # per replica; beyond, Ray queues at the ingress
     router: str = "radix_tree"
@@ -79,7 +78,6 @@ def application(options: RayServeOptions) -> Application:
             "upscale_delay_s": options.upscale_delay_s,
             "downscale_delay_s": options.downscale_delay_s,
             "look_back_period_s": options.look_back_period_s,
-            "metrics_interval_s": options.metrics_interval_s,
         }}  # fmt: skip
     router: dict[str, Any] = {"request_routing_stats_period_s": options.stats_period_s}
     if ROUTERS[options.router] is not None:
