@@ -262,11 +262,10 @@ def _private(batch: ForwardBatch, per_req: list[list[Range]], q_lens: list[int])
     """The plan of every position outside the kept segments: read in the request-to-token
     table where each request's kept ranges cover a prefix of its sequence (its private keys
     one run), else from the slots gathered per request."""
-    heads = [_covered_prefix(kept) for kept in per_req]
-    if all(h is not None for h in heads):
-        in_table = table_plan(batch, [h or 0 for h in heads])
-        if in_table is not None:
-            return in_table
+    heads = [h for h in map(_covered_prefix, per_req) if h is not None]
+    in_table = table_plan(batch, heads) if len(heads) == len(per_req) else None
+    if in_table is not None:
+        return in_table
     return private_plan(_private_slots(batch, per_req), q_lens, batch.kv_pool.k[0])
 
 

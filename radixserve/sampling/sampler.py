@@ -204,8 +204,7 @@ class SamplingBatch:
     that samples the same rows step after step (the scheduler's decode batch) keeps one
     and, when rows join or leave, builds the next from it (`before`); what changes with
     every token (output lengths: penalties, min_new_tokens, the seeded streams; grammar
-    masks) is read
-    from the infos at each `sample`. Reads the infos, writes none of them."""
+    masks) is read from the infos at each `sample`. Reads the infos, writes none of them."""
 
     rep_pairs: PenaltyPairs
     occ_pairs: PenaltyPairs
