@@ -99,3 +99,18 @@ def test_a_finished_stream_needs_only_its_end(server: ServerHandle) -> None:
 def test_streams_that_are_not_continued(path: str, body: dict[str, Any]) -> None:
     assert StreamResume.of(path, body, [1, 2]) is None
     assert StreamResume.of("/generate", {"text": "x", "stream": True}, [1, 2]) is not None
+
+
+def test_events_a_replica_garbled_are_relayed_but_not_continued() -> None:
+    """What a replica sends is not trusted: an event whose fields have the wrong types is
+    passed on and not recorded, and ids that are not ints refuse a continuation."""
+    resume = StreamResume.of("/generate", body_of(), PROMPT)
+    assert resume is not None
+    odd = [b'data: {"text": 5, "output_ids": [1]}', b'data: {"text": "a", "output_ids": "x"}',
+           b"data: [1, 2]", b"data: {not json"]  # fmt: skip
+    for raw in odd:
+        assert list(resume.events(raw + b"\n\n")) == [raw + b"\n\n"]
+    assert resume.ids == [] and resume.text == ""
+    list(resume.events(b'data: {"text": "a", "output_ids": [1, "2"], "meta_info": {}}\n\n'))
+    with pytest.raises(ValueError, match="not token ids"):
+        resume.continuation()

@@ -183,7 +183,12 @@ class Ingress:
                 if resume is None:
                     yield BROKEN
                     return
-                more = resume.continuation()
+                try:
+                    more = resume.continuation()
+                except ValueError as bad:
+                    logger.warning("%s: not continued: %s", call.path, bad)
+                    yield BROKEN
+                    return
                 if more is None:  # all was sent but the end
                     yield DONE
                     return

@@ -68,30 +68,35 @@ class StreamResume:
             event = json.loads(raw[len(b"data: ") :])
         except ValueError:
             return raw
-        if not isinstance(event, dict) or "output_ids" not in event:
-            return raw  # an error event, relayed as it is
-        meta = event.get("meta_info", {})
+        if not isinstance(event, dict):
+            return raw
+        text, ids, meta = event.get("text"), event.get("output_ids"), event.get("meta_info", {})
+        if not isinstance(text, str) or not isinstance(ids, list) or not isinstance(meta, dict):
+            return raw  # not a token event (an error event): relayed as it is, not recorded
         if self._first_meta is None:
             self._first_meta = dict(meta)
         if self.continued:
-            text, ids = self._before
-            event["text"] = text + event.get("text", "")
-            event["output_ids"] = ids + list(event["output_ids"])
+            sent_text, sent_ids = self._before
+            event["text"] = text = sent_text + text
+            event["output_ids"] = ids = sent_ids + ids
             first = self._first_meta
             for key in ("prompt_tokens", "cached_tokens", "cached_tokens_details"):
                 if key in first:
                     meta[key] = first[key]
             meta["completion_tokens"] = len(event["output_ids"])
             raw = b"data: " + json.dumps(event).encode()
-        self.text, self.ids = event.get("text", ""), list(event["output_ids"])
+        self.text, self.ids = text, ids
         self.finished = meta.get("finish_reason") is not None
         return raw
 
     def continuation(self) -> tuple[bytes, list[int]] | None:
         """The body and prompt ids of the call that continues the stream from what was
-        sent; None when nothing is left to generate."""
+        sent; None when nothing is left to generate. Raises ValueError when what the
+        replica sent is not token ids (the stream cannot be continued)."""
         if self.finished:
             return None
+        if not all(type(i) is int for i in self.ids):
+            raise ValueError("the replica's output_ids are not token ids")
         sampling = dict(self.body.get("sampling_params", {}))
         sent = len(self.ids)
         if "max_new_tokens" in sampling:
