@@ -136,6 +136,31 @@ def test_chat_stream_with_usage(oai):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_return_token_ids(oai, native, tokenizer):
+    """vLLM's `return_token_ids`: each choice's output ids, a stream chunk's its own since the
+    choice's last chunk (ids whose text is held back come with a later chunk)."""
+    kw = {"model": "m", "prompt": "ids please", "max_tokens": 6, "temperature": 0, "n": 2}
+    full = oai.completions.create(**kw, extra_body={"return_token_ids": True})
+    want = native_greedy(native, tokenizer.encode("ids please"), 6)["output_ids"]
+    assert [ch.token_ids for ch in full.choices] == [want, want]
+    chunks = list(oai.completions.create(**kw, stream=True, extra_body={"return_token_ids": True}))
+    for index in (0, 1):
+        own = [c.choices[0] for c in chunks if c.choices[0].index == index]
+        assert [i for ch in own for i in ch.token_ids] == want
+    messages = [{"role": "user", "content": "ids"}]
+    chat = {"model": "m", "messages": messages, "max_tokens": 5, "temperature": 0}
+    ids = native_greedy(native, chat_ids(tokenizer, messages), 5)["output_ids"]
+    r = oai.chat.completions.create(**chat, extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids == ids
+    stream = oai.chat.completions.create(**chat, stream=True, extra_body={"return_token_ids": True})
+    assert [i for c in stream for i in c.choices[0].token_ids] == ids
+    plain = oai.chat.completions.create(**chat)
+    assert getattr(plain.choices[0], "token_ids", None) is None  # not asked: not sent
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="m", prompt="x", extra_body={"return_token_ids": "yes"})
+    assert "return_token_ids" in str(e.value)
+
+
 def test_chat_logprobs_and_stop(oai):
     messages = [{"role": "user", "content": "hi"}]
     r = oai.chat.completions.create(

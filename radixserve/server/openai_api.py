@@ -3,7 +3,9 @@
 Choices are numbered prompt-major (`index = prompt * n + sample`). Usage counts each
 prompt once and every sample's completion tokens. Streams send one chunk per output delta
 that carries text (or finishes a choice), then, with `stream_options.include_usage`, a
-last chunk with `choices: []` and the usage, then `data: [DONE]`.
+last chunk with `choices: []` and the usage, then `data: [DONE]`. With `return_token_ids`,
+each choice carries its output token ids as `token_ids` (in a stream, those since the
+choice's last chunk).
 """
 
 from __future__ import annotations
@@ -138,6 +140,9 @@ async def _run(
         for k, (p, rs) in enumerate(zip(pendings, results))
         for r in rs
     ]
+    if batch.token_ids:
+        for c, r in zip(choices, (r for rs in results for r in rs)):
+            c["token_ids"] = r.output_ids
     return JSONResponse({**head, "choices": choices, "usage": _usage(results)})
 
 
@@ -160,11 +165,11 @@ def _stream_body(
     usage_null = {"usage": None} if batch.include_usage else {}
 
     async def body() -> AsyncIterator[str]:
-        started: set[tuple[int, int]] = set()
+        sent_ids: dict[tuple[int, int], int] = {}  # ids each started choice's chunks carried
         async for k, d in manager.merged(pendings):
             r = results[k][d.index]
-            first = (k, d.index) not in started
-            started.add((k, d.index))
+            first = (k, d.index) not in sent_ids
+            sent = sent_ids.setdefault((k, d.index), 0)
             r.apply(d)
             if not d.text and d.finish_reason is None and not first:
                 continue
@@ -177,6 +182,9 @@ def _stream_body(
                 d.output_top_logprobs,
                 first,
             )
+            if batch.token_ids:
+                c["token_ids"] = r.output_ids[sent:]
+                sent_ids[(k, d.index)] = len(r.output_ids)
             yield sse({**chunk_head, "choices": [c], **usage_null})
         if batch.include_usage:
             yield sse({**chunk_head, "choices": [], "usage": _usage(results)})

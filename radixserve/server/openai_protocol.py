@@ -53,6 +53,7 @@ COMMON_FIELDS = frozenset(SAMPLING_FIELDS) | {
     "user",
     "rid",
     "cache_salt",  # vLLM's: requests share cached K/V only with the same salt
+    "return_token_ids",  # vLLM's: each choice (each stream chunk's) carries its token ids
 }
 COMPLETION_FIELDS = COMMON_FIELDS | {
     "prompt",
@@ -92,6 +93,7 @@ class OpenAIBatch:
     echo: list[str | None] | None = None  # completions with echo: each prompt's text (None:
     # token ids, whose text comes from the prompt logprobs)
     tools: Tools | None = None  # chat with tools and a tool_choice other than none
+    token_ids: bool = False  # return_token_ids
 
     def rename(self, message: str) -> str:
         """`message` with our field names spelled the client's way."""
@@ -248,7 +250,10 @@ def parse_completion(body: dict[str, Any]) -> OpenAIBatch:
             )
         )
     echoed = [p if key == "text" else None for key, p in prompts] if echo else None
-    return OpenAIBatch(reqs, model, stream, include_usage, top is not None, renames, echoed)
+    token_ids = get(body, "return_token_ids", "bool", False)
+    return OpenAIBatch(
+        reqs, model, stream, include_usage, top is not None, renames, echoed, token_ids=token_ids
+    )
 
 
 def _salt(body: dict[str, Any]) -> CacheSalt:
@@ -313,7 +318,7 @@ def _past_call(call: Any, where: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad("messages must be a non-empty list (or give pml instead)", "messages")
@@ -370,7 +375,7 @@ def parse_chat(body: dict[str, Any]) -> OpenAIBatch:
     module_reuse = get(body, "module_reuse", "bool", True)
     if pml is not None and (body.get("messages") is not None or body.get("tools") is not None):
         raise bad("pml: give either messages (and tools) or pml, a PML <prompt>", "pml")
-    messages = None if pml is not None else _messages(body)
+    messages = None if pml is not None else parse_messages(body)
     template_kwargs = _template_kwargs(body)
     if pml is not None and template_kwargs is not None:
         raise bad("chat_template_kwargs: a pml prompt is not rendered by the chat template", "pml")
@@ -399,4 +404,7 @@ def parse_chat(body: dict[str, Any]) -> OpenAIBatch:
         template_kwargs=template_kwargs,
         salt=_salt(body),
     )
-    return OpenAIBatch([req], model, stream, include_usage, logprobs, renames, tools=tools)
+    token_ids = get(body, "return_token_ids", "bool", False)
+    return OpenAIBatch(
+        [req], model, stream, include_usage, logprobs, renames, tools=tools, token_ids=token_ids
+    )

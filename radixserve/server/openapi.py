@@ -190,6 +190,7 @@ OPENAI_COMMON: dict[str, Any] = {
     "user": _str("accepted, unused", MAX_RID_CHARS),
     "rid": RID,
     "cache_salt": CACHE_SALT,
+    "return_token_ids": _bool("each choice carries its token ids (a stream's chunk: its own)"),
     "response_format": _nullable(
         {
             "type": "object",
