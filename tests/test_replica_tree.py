@@ -1,14 +1,14 @@
 """What the Ray request router knows of a replica's cache (radixserve/ray/replica_tree.py):
-the whole blocks its last report named, the prompts routed to it within the horizon, and a
-newer report after an eviction lowering the match; router/'s cache_aware policy over those
-trees. Plain Python on a manual clock: no Ray, no server."""
+the whole blocks its reports named (full, or the changes since the last), the prompts routed
+to it within the horizon, and a newer report after an eviction lowering the match; router/'s
+cache_aware policy over those trees. Plain Python on a manual clock: no Ray, no server."""
 
 from __future__ import annotations
 
 import random
 
-from radixserve.core.digest import block_hashes, join
-from radixserve.ray.replica_tree import ReplicaTree, ReportedCacheAware
+from radixserve.core.digest import HASH_BYTES, block_hashes, join, split
+from radixserve.ray.replica_tree import DigestReports, ReplicaTree, ReportedCacheAware
 from radixserve.router.backend import Backend
 from radixserve.router.config import RouterConfig
 from radixserve.router.tree import ids_key
@@ -83,6 +83,61 @@ def test_a_newer_report_after_eviction_lowers_the_match() -> None:
     assert tree.match(ids_key(cached)) == 16
     tree.report(stats(4))
     assert tree.match(ids_key(cached)) == 0
+
+
+def digest(*cached: list[int]) -> bytes:
+    """A `/cache_digest` body naming the whole blocks of `cached`."""
+    return join(list({h: None for seq in cached for h in block_hashes(seq, B)}))
+
+
+def test_reports_name_the_changes_and_every_tenth_names_all() -> None:
+    system, a, b = ids(256, 10), ids(64, 11), ids(64, 12)
+    reports = DigestReports(B, full_every=10)
+    first = reports.next(digest(system), 256)
+    assert first["hashes"] == digest(system) and first["cached_tokens"] == 256
+    grown = reports.next(digest(system, system + a), 320)  # 4 blocks added, none removed
+    assert "hashes" not in grown and len(grown["removed"]) == 0
+    assert split(grown["added"]) == split(digest(system + a)) - split(digest(system))
+    moved = reports.next(digest(system, system + b), 320)  # a's 4 evicted, b's 4 added
+    assert len(moved["added"]) == len(moved["removed"]) == 4 * HASH_BYTES
+    assert len(moved["added"]) + len(moved["removed"]) < len(digest(system, system + b)) // 2
+    assert "hashes" in reports.next(digest(a), 64)  # more changed than it names: all of it
+    kinds = ["hashes" in reports.next(digest(a), 64) for _ in range(7)]
+    assert kinds == [False] * 6 + [True]  # versions 4..9, then 10
+
+
+def test_trees_follow_changes_and_one_that_missed_a_report_recovers_at_a_full_one() -> None:
+    system, a, b = ids(256, 13), ids(64, 14), ids(64, 15)
+    cached = [(system,), (system, system + a), (system, system + a, system + b),
+              (system + b,), (system + b,), (system, system + a)]  # fmt: skip
+    reports = DigestReports(B, full_every=4)
+    every, missed = ReplicaTree(clock=ManualClock()), ReplicaTree(clock=ManualClock())
+    a_blocks = split(digest(system + a)) - split(digest(system))
+    for version, seqs in enumerate(cached):
+        stats = reports.next(digest(*seqs), 0)
+        every.report(stats)
+        if version != 1:
+            missed.report(stats)
+        assert every.reported == split(digest(*seqs))
+        if version in (1, 2, 3):  # version 1's four blocks of `a` are not known
+            assert missed.reported == split(digest(*seqs)) - a_blocks
+    assert missed.reported == split(digest(system, system + a))  # version 4 named all
+    assert every.match(ids_key(system + a)) == 320 and every.match(ids_key(system + b)) == 256
+
+
+def test_reports_of_the_wrong_shape_change_nothing() -> None:
+    tree = ReplicaTree(clock=ManualClock())
+    system = ids(64, 16)
+    added = {"version": 1, "block": B, "added": digest(system), "removed": b""}
+    tree.report(added)  # changes before any full report: nothing to add them to
+    assert tree.match(ids_key(system)) == 0
+    tree.report({"version": 2, "block": B, "hashes": digest(system)})
+    for bad in ({"version": 3, "block": "16", "hashes": b""}, {"version": 3, "block": 0},
+                {"version": 3, "block": B, "hashes": "not bytes"},
+                {"version": 3, "block": 32, "added": b"", "removed": digest(system)},
+                {"version": 3, "block": B, "added": [1], "removed": b""}):  # fmt: skip
+        tree.report(bad)
+        assert tree.match(ids_key(system)) == 64, bad
 
 
 def test_policy_sends_a_prompt_where_its_blocks_are_reported() -> None:

@@ -10,7 +10,6 @@ content type) and then the body's bytes as they arrive, so streams stay streams.
 
 from __future__ import annotations
 
-import itertools
 import os
 import secrets
 import signal
@@ -25,6 +24,7 @@ import httpx
 from radixserve.keys import ADMIN_API_KEY_ENV, API_KEY_ENV
 from radixserve.procutil import free_port
 from radixserve.ray.call import Call
+from radixserve.ray.replica_tree import DigestReports
 
 START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
@@ -48,7 +48,7 @@ class EngineReplica:
         self.auth = {"Authorization": f"Bearer {self.key}"}
         self._wait_healthy()
         self.client = httpx.AsyncClient(base_url=self.url, headers=self.auth, timeout=None)
-        self.reports = itertools.count()
+        self.reports = DigestReports(DIGEST_BLOCK)
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -80,13 +80,13 @@ class EngineReplica:
             await resp.aclose()
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """The shared part of the server's cache as block hashes (routing.py reads them)."""
+        """What changed in the shared part of the server's cache, as block hashes
+        (`DigestReports`; routing.py reads them)."""
         params = {"block": DIGEST_BLOCK, "max_blocks": DIGEST_MAX_BLOCKS}
         resp = await self.client.get("/cache_digest", params=params, timeout=10)
         resp.raise_for_status()
         cached = int(resp.headers.get("x-radixserve-cached-tokens", 0))
-        return {"version": next(self.reports), "block": DIGEST_BLOCK,
-                "hashes": resp.content, "cached_tokens": cached}  # fmt: skip
+        return self.reports.next(resp.content, cached)
 
     async def check_health(self) -> None:
         """Raises (Ray then replaces the replica) when the server is gone or unhealthy."""

@@ -1,9 +1,12 @@
 """What the request router knows of one replica's cache, and router/'s policy over it.
 
-Every `request_routing_stats_period_s` each replica reports the shared part of its prefix
+Every `request_routing_stats_period_s` each replica reads the shared part of its prefix
 cache as block hashes (`EngineReplica.record_routing_stats`: the server's `/cache_digest`,
-kvcache/digest.py), so what a replica evicted drops out of its next report. A replica's
-tree answers from that report and from the prompts routed to it since:
+kvcache/digest.py) and reports what changed since its last report (`DigestReports`): the
+hashes added and those removed (evicted), and every `FULL_EVERY`-th time all of them. Ray
+hands a router the latest report only, so one that missed a report lacks its changes until
+the next full one. A replica's tree answers from the hashes so reported and from the prompts
+routed to it since:
 
     match(replica, prompt) = max(
         whole blocks of the prompt whose hashes the replica reported   (its real cache),
@@ -21,17 +24,43 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from radixserve.core.digest import block_hashes, split
+from radixserve.core.digest import block_hashes, join, split
 from radixserve.router.config import RouterConfig
 from radixserve.router.policy import CacheAware
 from radixserve.router.tree import PrefixTree
 
 HORIZON_S = 5.0  # prompts routed this recently count even when a report does not name them
+FULL_EVERY = 10  # a replica's reports between two that name all its hashes
 
 
 @functools.lru_cache(maxsize=256)
 def _key_hashes(key: str, block: int) -> tuple[bytes, ...]:
     return tuple(block_hashes([ord(c) for c in key], block))
+
+
+class DigestReports:
+    """One replica's routing stats, report after report: "version", "block",
+    "cached_tokens", and either "hashes" (all) or "added" and "removed" (since the report
+    before; `join`ed hashes)."""
+
+    def __init__(self, block: int, full_every: int = FULL_EVERY) -> None:
+        self.block, self.full_every = block, full_every
+        self.version = 0
+        self.last: set[bytes] = set()
+
+    def next(self, packed: bytes, cached_tokens: int) -> dict[str, Any]:
+        """The report of the digest `packed` (the server's `/cache_digest` body)."""
+        hashes = split(packed)
+        added, removed = hashes - self.last, self.last - hashes
+        stats: dict[str, Any] = {"version": self.version, "block": self.block,
+                                 "cached_tokens": cached_tokens}  # fmt: skip
+        if self.version % self.full_every == 0 or len(added) + len(removed) >= len(hashes):
+            stats["hashes"] = packed
+        else:
+            stats["added"], stats["removed"] = join(sorted(added)), join(sorted(removed))
+        self.version += 1
+        self.last = hashes
+        return stats
 
 
 class ReplicaTree(PrefixTree):
@@ -50,12 +79,21 @@ class ReplicaTree(PrefixTree):
         self.sent: deque[tuple[float, str]] = deque()  # (clock time, key) routed here
 
     def report(self, stats: Mapping[str, Any]) -> None:
-        """Take the replica's routing stats (`EngineReplica.record_routing_stats`: "version",
-        "block", "hashes"); one already taken (same version) changes nothing."""
-        if stats.get("version") == self.version or "hashes" not in stats:
+        """Take the replica's routing stats (`DigestReports`). One already taken (same
+        version), changes before any full report, or stats of the wrong shape (a replica's
+        word is not trusted) change nothing."""
+        version, block = stats.get("version"), stats.get("block")
+        if version == self.version or type(block) is not int or block < 1:
             return
-        self.version = stats["version"]
-        self.block, self.reported = int(stats["block"]), split(stats["hashes"])
+        full, added, removed = stats.get("hashes"), stats.get("added"), stats.get("removed")
+        if isinstance(full, bytes):
+            self.reported = split(full)
+        elif isinstance(added, bytes) and isinstance(removed, bytes) and self.block == block:
+            self.reported -= split(removed)
+            self.reported |= split(added)
+        else:
+            return
+        self.version, self.block = version, block
         cutoff = self.clock() - self.horizon_s
         while self.sent and self.sent[0][0] < cutoff:
             self.sent.popleft()
