@@ -9,11 +9,11 @@ answer is relayed as it comes. Failover, as the HTTP router's (docs/router.md):
   is sent again, up to `max_attempts` times, then 503 + Retry-After;
 - a non-streamed answer is relayed only once whole, so one broken mid-way is sent again;
 - a stream is relayed from its first event on, so one whose replica fails before that
-  (queued, or in prefill) is sent again too; a `/generate` stream of one prompt and one
-  sample that breaks after its first event is continued on another replica from the tokens
-  it has sent (resume.py); any other stream that breaks ends with an `{"error": ...}`
-  event and `data: [DONE]`; the replica's own answers, errors included, are never sent
-  again.
+  (queued, or in prefill) is sent again too; a stream of one prompt and one sample that
+  breaks after its first event is continued on another replica from the tokens it has sent
+  (resume.py says which streams); any other stream that breaks ends with an
+  `{"error": ...}` event and `data: [DONE]`; the replica's own answers, errors included,
+  are never sent again.
 """
 
 # No `from __future__ import annotations`: Ray Serve rebuilds the routes' signatures, and
@@ -32,6 +32,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from radixserve.ray.call import Call
 from radixserve.ray.resume import DONE, StreamResume
+from radixserve.server.openai_protocol import parse_messages
 from radixserve.server.protocol import ApiError
 from radixserve.tokenizer.chat import render_chat
 
@@ -55,14 +56,10 @@ def prompt_ids(tok: Any, path: str, body: Any) -> list[int] | None:
     if not isinstance(body, dict):
         return None
     if path == "/v1/chat/completions":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages
-        ):
-            return None
-        try:
+        try:  # the messages as the api server reads them
+            messages = parse_messages(body)
             return render_chat(tok, messages, body.get("tools"), body.get("chat_template_kwargs"))
-        except (ValueError, TypeError):
+        except (ApiError, ValueError, TypeError):
             return None
     prompt = body.get("text") if path == "/generate" else body.get("prompt")
     ids = body.get("input_ids") if path == "/generate" else prompt
@@ -103,6 +100,7 @@ class Ingress:
         self.engine = engine.options(stream=True)
         self.tok = load_tokenizer(resolve_model_path(model, revision))
         self.max_attempts = max_attempts
+        self.context_len: int | None = None
 
     @api.post("/generate")
     @api.post("/v1/completions")
@@ -117,8 +115,23 @@ class Ingress:
         ids = prompt_ids(self.tok, path, parsed)
         content_type = request.headers.get("content-type", "application/json")
         text = prompt_text(parsed) or path  # never empty: Ray's prefix router divides by it
-        call = Call("POST", path, body, content_type, ids, text)
-        return await self._send(call, StreamResume.of(path, parsed, ids))
+        resume = StreamResume.of(path, parsed, ids, self._decode)
+        body = body if resume is None else resume.request()
+        return await self._send(Call("POST", path, body, content_type, ids, text), resume)
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return str(self.tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    async def _context_len(self) -> int | None:
+        """The model's context length, as a replica's `/v1/models` says."""
+        if self.context_len is None:
+            opened = await self._open(Call("GET", "/v1/models", b"", "", None, "/v1/models"))
+            try:  # a replica's answer is not trusted
+                assert opened is not None and opened[0]["status"] == 200, opened
+                self.context_len = int(json.loads(opened[1])["data"][0]["max_model_len"])
+            except (AssertionError, ValueError, TypeError, KeyError, IndexError) as e:
+                logger.warning("no context length from a replica: %r", e)
+        return self.context_len
 
     @api.get("/v1/models")
     @api.get("/get_model_info")
@@ -183,8 +196,9 @@ class Ingress:
                 if resume is None:
                     yield BROKEN
                     return
+                context_len = await self._context_len() if resume.needs_context_len else None
                 try:
-                    more = resume.continuation()
+                    more = resume.continuation(context_len)
                 except ValueError as bad:
                     logger.warning("%s: not continued: %s", call.path, bad)
                     yield BROKEN
@@ -192,8 +206,9 @@ class Ingress:
                 if more is None:  # all was sent but the end
                     yield DONE
                     return
-                body, ids = more
-                opened = await self._open(dataclasses.replace(call, body=body, ids=ids))
+                path, body, ids = more
+                again_call = dataclasses.replace(call, path=path, body=body, ids=ids)
+                opened = await self._open(again_call)
                 again = None if opened is None else opened[2]
                 if opened is None or again is None:  # no replica, or not a stream (a 4xx)
                     yield BROKEN
