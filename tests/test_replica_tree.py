@@ -1,7 +1,8 @@
 """What the Ray request router knows of a replica's cache (radixserve/ray/replica_tree.py):
 the whole blocks its reports named (full, or the changes since the last), the prompts routed
-to it within the horizon, and a newer report after an eviction lowering the match; router/'s
-cache_aware policy over those trees. Plain Python on a manual clock: no Ray, no server."""
+to it that no report named yet, within the horizon, and a newer report after an eviction
+lowering the match; router/'s cache_aware policy over those trees. Plain Python on a manual
+clock: no Ray, no server."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def test_reported_blocks_match_whole_blocks_from_the_start() -> None:
     assert tree.match(ids_key(cached[B:])) == 0  # block 1's ids alone are not block 1
 
 
-def test_prompts_sent_count_within_the_horizon_only() -> None:
+def test_prompts_sent_count_until_named_or_past_the_horizon() -> None:
     clock = ManualClock()
     tree = ReplicaTree(horizon_s=5.0, clock=clock)
     sent = ids(40, 3)
@@ -62,10 +63,9 @@ def test_prompts_sent_count_within_the_horizon_only() -> None:
     assert tree.match(ids_key(sent)) == 0
     tree.insert(ids_key(sent))
     clock.t = 7.0
-    tree.report(stats(3, sent))  # named by the report: its whole blocks
-    assert tree.match(ids_key(sent)) == 40  # the recent prompt (within 5 s) still counts
-    clock.t = 20.0
-    tree.report(stats(4, sent))
+    tree.report(stats(3, sent[:B]))  # block 0 named, block 1 not yet: the prompt counts
+    assert tree.match(ids_key(sent)) == 40
+    tree.report(stats(4, sent))  # every whole block named: the report alone answers
     assert tree.match(ids_key(sent)) == 32
 
 

@@ -10,8 +10,11 @@ routed to it since:
 
     match(replica, prompt) = max(
         whole blocks of the prompt whose hashes the replica reported   (its real cache),
-        prefix of the prompt held by the prompts routed to it within   (not yet in a report)
-            the last `horizon_s`)
+        prefix of the prompt held by the prompts routed to it that     (queued, in prefill)
+            no report has named yet, within the last `horizon_s`)
+
+A prompt routed to a replica counts there until a report names all its whole blocks, so a
+prompt that waits long in a queue still draws the requests that share its prefix.
 
 Plain Python over core/digest.py and router/ (no Ray): routing.py puts it behind Ray Serve.
 """
@@ -29,11 +32,11 @@ from radixserve.router.config import RouterConfig
 from radixserve.router.policy import CacheAware
 from radixserve.router.tree import PrefixTree
 
-HORIZON_S = 5.0  # prompts routed this recently count even when a report does not name them
+HORIZON_S = 60.0  # prompts routed this recently count until a report names them
 FULL_EVERY = 10  # a replica's reports between two that name all its hashes
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=1024)
 def _key_hashes(key: str, block: int) -> tuple[bytes, ...]:
     return tuple(block_hashes([ord(c) for c in key], block))
 
@@ -95,14 +98,17 @@ class ReplicaTree(PrefixTree):
             return
         self.version, self.block = version, block
         cutoff = self.clock() - self.horizon_s
-        while self.sent and self.sent[0][0] < cutoff:
-            self.sent.popleft()
-        PrefixTree.__init__(self)  # rebuilt from the recent prompts alone
+        self.sent = deque((t, key) for t, key in self.sent if t >= cutoff and not self._named(key))
+        PrefixTree.__init__(self)  # rebuilt from the prompts not yet named
         for _, key in self.sent:
             PrefixTree.insert(self, key)
 
     def match(self, key: str) -> int:
         return max(super().match(key), self.reported_match(key))
+
+    def _named(self, key: str) -> bool:
+        """The last report names every whole block of `key`."""
+        return self.reported_match(key) == len(key) // self.block * self.block
 
     def reported_match(self, key: str) -> int:
         """Ids of `key` in the whole blocks the last report named, from the start."""
