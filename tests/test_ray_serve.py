@@ -151,19 +151,27 @@ def test_prompts_sharing_a_prefix_hit_the_cache(proxy_url: str) -> None:
 
 @pytest.mark.slow
 def test_a_replica_killed_under_load(proxy_url: str) -> None:
-    """Streams on the killed replica are continued on the other one from the tokens they
-    sent, non-streamed requests are answered (sent again where needed), and later requests
-    succeed: no request fails."""
+    """Streams on the killed replica (`/generate`, chat and completions) are continued on
+    the other one from the tokens they sent, non-streamed requests are answered (sent again
+    where needed), and later requests succeed: no request fails."""
     import ray
     from ray.util.state import list_actors
 
     started: list[int] = []  # the streams that have their first event
+    openai = {"max_tokens": 200, "ignore_eos": True, "stream": True,
+              "stream_options": {"include_usage": True}}  # fmt: skip
+    routes = [
+        ("/generate", lambda text: {"text": text, "stream": True, "sampling_params": {
+            "max_new_tokens": 200, "ignore_eos": True}}),
+        ("/v1/chat/completions", lambda text: {
+            "messages": [{"role": "user", "content": text}], **openai}),
+        ("/v1/completions", lambda text: {"prompt": text, **openai}),
+    ]  # fmt: skip
 
     def stream(i: int) -> list[str]:
-        body = {"text": f"Voyage {i}: {SYSTEM}", "stream": True,
-                "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}  # fmt: skip
+        path, body = routes[i % 3][0], routes[i % 3][1](f"Voyage {i}: {SYSTEM}")
         events = []
-        with httpx.stream("POST", proxy_url + "/generate", json=body, timeout=120) as resp:
+        with httpx.stream("POST", proxy_url + path, json=body, timeout=120) as resp:
             assert resp.status_code == 200
             for line in resp.iter_lines():
                 if line.startswith("data: "):
@@ -179,21 +187,28 @@ def test_a_replica_killed_under_load(proxy_url: str) -> None:
     victims = [a for a in list_actors(filters=[("state", "=", "ALIVE")])
                if "EngineReplica" in a.class_name]  # fmt: skip
     assert len(victims) == 2, victims
-    with ThreadPoolExecutor(8) as pool:
-        streams = [pool.submit(stream, i) for i in range(4)]
+    with ThreadPoolExecutor(10) as pool:
+        streams = [pool.submit(stream, i) for i in range(6)]
         plains = [pool.submit(plain, i) for i in range(4)]
-        poll_until(lambda: len(started) == 4, 120, lambda: f"streams started: {started}")
+        poll_until(lambda: len(started) == 6, 120, lambda: f"streams started: {started}")
         ray.kill(ray.get_actor(victims[0].name, namespace="serve"), no_restart=True)
         ended = [f.result() for f in streams]
         statuses = [f.result() for f in plains]
     assert statuses == [200] * 4
-    for events in ended:
+    for i, events in enumerate(ended):
         assert events[-1] == "data: [DONE]"
         assert not [e for e in events if '"error"' in e], events[-3:]
-        last = json.loads(events[-2][len("data: ") :])
-        assert len(last["output_ids"]) == last["meta_info"]["completion_tokens"] == 200, last
-        texts = [json.loads(e[len("data: ") :])["text"] for e in events[:-1]]
-        assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), "the text went back"
+        data = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+        if i % 3 == 0:  # /generate: cumulative events
+            last = data[-1]
+            assert len(last["output_ids"]) == last["meta_info"]["completion_tokens"] == 200
+            texts = [d["text"] for d in data]
+            assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), "the text went back"
+        else:  # OpenAI chunks: one id and object throughout, the whole usage at the end
+            assert len({(d["id"], d["object"]) for d in data}) == 1, data[0]
+            assert data[-1]["usage"]["completion_tokens"] == 200 and not data[-1]["choices"]
+            assert data[-2]["choices"][0]["finish_reason"] == "length"
+            assert all("token_ids" not in d["choices"][0] for d in data[:-1])
     assert generate(proxy_url, "After the storm")["meta_info"]["completion_tokens"] == 4
     poll_until(lambda: running_replicas() == 2, 180, "Ray replaced the killed replica")
 
