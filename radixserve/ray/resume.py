@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from radixserve.core.params import CONSTRAINT_FIELDS
-from radixserve.server.openai_protocol import COMPLETION_FIELDS
+from radixserve.server.openai_protocol import COMPLETION_FIELDS, COMPLETIONS_DEFAULT_MAX_TOKENS
 
 DONE = b"data: [DONE]\n\n"
 OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -145,6 +145,11 @@ def _left(limit: Any, sent: int) -> int:
     return int(limit) - sent
 
 
+def _asked(value: Any) -> bool:
+    """A field set to anything but null or false (completions' `logprobs: 0` asks)."""
+    return value is not None and value is not False
+
+
 class NativeResume(StreamResume):
     """A `/generate` stream (cumulative events)."""
 
@@ -218,9 +223,7 @@ class OpenAIResume(StreamResume):
 
     @staticmethod
     def fits(path: str, body: dict[str, Any]) -> bool:
-        if any(
-            body.get(name) is not None and body.get(name) is not False for name in OPENAI_REFUSED
-        ):  # fmt: skip  (completions' `logprobs: 0` asks)
+        if any(_asked(body.get(name)) for name in OPENAI_REFUSED):
             return False
         if body.get("n", 1) != 1 or body.get("best_of", 1) != 1 or not _plain(body):
             return False
@@ -311,7 +314,7 @@ class OpenAIResume(StreamResume):
                 raise ValueError("a chat without max_tokens needs the model's context length")
             limit = context_len - len(self.prompt_ids)
         elif limit is None:
-            limit = 16  # /v1/completions' default
+            limit = COMPLETIONS_DEFAULT_MAX_TOKENS
         left = _left(limit, sent)
         if left <= 0:
             return None
