@@ -98,7 +98,7 @@ def test_a_finished_stream_needs_only_its_end(server: ServerHandle) -> None:
     resume = StreamResume.of("/generate", body, PROMPT, no_decode)
     assert resume is not None
     list(resume.events(b"".join(whole[:-1])))  # every event but [DONE]
-    assert resume.finished and resume.continuation() is None
+    assert resume.continuation() is None and resume.finished
 
 
 CHAT = [{"role": "user", "content": "Say something"}]
@@ -255,7 +255,26 @@ def test_events_a_replica_garbled_are_relayed_but_not_continued() -> None:
            b"data: [1, 2]", b"data: {not json"]  # fmt: skip
     for raw in odd:
         assert list(resume.events(raw + b"\n\n")) == [raw + b"\n\n"]
+    resume.settle()
     assert resume.ids == [] and resume.text == ""
     list(resume.events(b'data: {"text": "a", "output_ids": [1, "2"], "meta_info": {}}\n\n'))
     with pytest.raises(ValueError, match="not token ids"):
         resume.continuation()
+
+
+def test_a_native_stream_is_read_only_when_it_breaks(
+    server: ServerHandle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cumulative events are relayed unread; a break reads the first and the newest few, so
+    a stream of n tokens is not parsed n times over."""
+    import radixserve.ray.resume as resume_module
+
+    reads = []
+    loads = json.loads
+    monkeypatch.setattr(resume_module.json, "loads", lambda raw: reads.append(raw) or loads(raw))
+    whole = events(stream_bytes(server, body_of()))
+    resume = StreamResume.of("/generate", body_of(), PROMPT, no_decode)
+    assert resume is not None
+    assert list(resume.events(b"".join(whole[:-2]))) == whole[:-2] and reads == []
+    resume.settle()
+    assert len(reads) <= 5 and resume.ids == last_event(whole[:-2])["output_ids"]

@@ -27,6 +27,7 @@ continuation takes as prompt); the ingress ends such a stream with an error even
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -110,6 +111,7 @@ class StreamResume:
         was sent; None when nothing is left to generate. `context_len`: the model's, for a
         chat without a token limit (`needs_context_len`). Raises ValueError when what the
         replica sent is not token ids, or a limit is needed and not given."""
+        self.settle()
         if self.finished:
             return None
         if not all(type(i) is int for i in self.ids):
@@ -126,6 +128,9 @@ class StreamResume:
 
     def make_call(self, ids: list[int], context_len: int | None) -> tuple[str, bytes] | None:
         raise NotImplementedError
+
+    def settle(self) -> None:
+        """Brings `text`, `ids` and `finished` up to the events relayed."""
 
     @property
     def needs_context_len(self) -> bool:
@@ -151,12 +156,33 @@ def _asked(value: Any) -> bool:
 
 
 class NativeResume(StreamResume):
-    """A `/generate` stream (cumulative events)."""
+    """A `/generate` stream. Its events are cumulative, so the first call's are relayed as
+    they come and only the newest are kept, to be read if the call breaks (`settle`): a
+    stream of n tokens is not parsed n times over."""
 
     def __init__(self, body: dict[str, Any], prompt_ids: list[int], decode: Decode) -> None:
         super().__init__(body, prompt_ids, decode)
         self._before: tuple[str, list[int]] = ("", [])  # what earlier calls sent
         self._first_meta: dict[str, Any] | None = None  # the first call's, for its counts
+        self._first: bytes | None = None  # the first call's first event, unread
+        self._newest: deque[bytes] = deque(maxlen=4)  # its newest events, unread
+
+    def _event(self, raw: bytes) -> bytes:
+        if self.continued:
+            return super()._event(raw)
+        if raw.startswith(b"data: {"):
+            self._first = self._first or raw
+            self._newest.append(raw)
+        return raw
+
+    def settle(self) -> None:
+        if self.continued:
+            return  # the continuation's events were read as they came
+        for raw in (self._first, *self._newest):
+            if raw is not None:
+                super()._event(raw)  # records what it can read, the newest last
+        self._first = None
+        self._newest.clear()
 
     @staticmethod
     def fits(body: dict[str, Any]) -> bool:
