@@ -12,7 +12,7 @@ import torch
 
 from radixserve.core.digest import HASH_BYTES, block_hashes, chain, join, split
 from radixserve.core.request import CacheSalt
-from radixserve.kvcache.digest import cache_digest
+from radixserve.kvcache.digest import DigestMemo, cache_digest
 from radixserve.kvcache.pool import KVPool
 from radixserve.kvcache.radix import RadixCache
 
@@ -146,3 +146,37 @@ def test_a_request_matches_the_digest_as_far_as_its_cached_blocks() -> None:
             break
         leading += 1
     assert leading * B == 32  # blocks 0 and 1; block 2 leaves the cached path at id 45
+
+
+def test_a_memo_gives_the_same_digest_and_hashes_only_what_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Across inserts, splits and evictions, a digest with a memo equals one without; an
+    unchanged cache is hashed not at all, and one new leaf alone is hashed again."""
+    import radixserve.kvcache.digest as digest_module
+
+    hashed: list[int] = []
+
+    def counting(ids: list[int], block: int, prev: bytes = b"") -> list[bytes]:
+        hashed.append(len(ids))
+        return block_hashes(ids, block, prev)
+
+    monkeypatch.setattr(digest_module, "block_hashes", counting)
+    rng = random.Random(7)
+    cache, memo = cache_of(4096), DigestMemo()
+    system = ids(70, 30)
+    for step in range(40):
+        if step % 7 == 6:
+            cache.evict(rng.randrange(1, 200))
+        else:  # a new branch off a random point of an earlier path: splits a node
+            insert(cache, system[: rng.randrange(1, 71)] + ids(rng.randrange(1, 60), 100 + step))
+        for block, cap in ((B, 4096), (B, 5), (7, 4096)):
+            assert cache_digest(cache, block, cap, memo) == cache_digest(cache, block, cap)
+    cache_digest(cache, B, 4096, memo)
+    hashed.clear()
+    unchanged = cache_digest(cache, B, 4096, memo)
+    assert hashed == [] and unchanged == cache_digest(cache, B, 4096)
+    insert(cache, ids(40, 999))  # a new leaf under the root: the one node hashed
+    hashed.clear()
+    grown = cache_digest(cache, B, 4096, memo)
+    assert hashed == [40] and grown == cache_digest(cache, B, 4096)

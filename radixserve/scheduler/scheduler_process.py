@@ -26,7 +26,7 @@ from radixserve.config import EngineConfig
 from radixserve.core.digest import join
 from radixserve.core.request import TokenDelta
 from radixserve.distributed.parallel import init_tp
-from radixserve.kvcache.digest import cache_digest
+from radixserve.kvcache.digest import DigestMemo, cache_digest
 from radixserve.message.ipc import Inbox, IpcPaths, Outbox
 from radixserve.message.messages import (
     AbortReq,
@@ -63,6 +63,7 @@ class SchedulerProcess:
         self.watch = watch
         self.loop = StepLoop(sched, self.send_outputs, self.refuse)  # no backlog: 503
         self.stopping = False
+        self.digest_memo = DigestMemo()  # each node's hashes from the last /cache_digest
         self.dispatch = {
             ScheduleReq: self.on_request,
             AbortReq: self.on_abort,
@@ -131,7 +132,7 @@ class SchedulerProcess:
         self.out.send(CacheTreeResp(msg.seq, view))
 
     def on_cache_digest(self, msg: CacheDigestReq) -> None:
-        hashes = cache_digest(self.sched.cache, msg.block, msg.max_blocks)
+        hashes = cache_digest(self.sched.cache, msg.block, msg.max_blocks, self.digest_memo)
         self.out.send(CacheDigestResp(msg.seq, join(hashes), self.sched.cache.total_size))
 
     def on_schema(self, msg: SchemaReq) -> None:
