@@ -119,6 +119,7 @@ CHAT = [{"role": "user", "content": "Say something"}]
         ("/v1/completions", {"prompt": "x", "stream": True, "echo": True}),
         ("/v1/completions", {"prompt": "x", "stream": True, "n": 2}),
         ("/v1/completions", {"prompt": "x", "stream": True, "repetition_penalty": 1.2}),
+        ("/v1/completions", {"prompt": "x", "stream": True, "regex": "a+"}),
         ("/v1/chat/completions", {"messages": CHAT, "stream": True, "tools": [{}]}),
         ("/v1/chat/completions", {"messages": CHAT, "stream": True, "logprobs": True}),
         ("/v1/chat/completions",

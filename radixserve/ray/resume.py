@@ -37,9 +37,9 @@ from radixserve.server.openai_protocol import COMPLETION_FIELDS, COMPLETIONS_DEF
 DONE = b"data: [DONE]\n\n"
 OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions")
 PENALTIES = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1}
-# OpenAI fields that change what a continuation would have to remember, or its shape
-OPENAI_REFUSED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "pml",
-                  "response_format", *CONSTRAINT_FIELDS)  # fmt: skip
+# OpenAI fields that change what a continuation would have to remember, or its shape (the
+# constraint fields and penalties: `_plain`)
+OPENAI_REFUSED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "pml", "response_format")
 # Fields a /v1/completions continuation keeps from the client's body
 OPENAI_KEPT = COMPLETION_FIELDS - {"prompt", "max_tokens", "min_tokens", "rid", *OPENAI_REFUSED}
 
