@@ -323,7 +323,8 @@ def test_kill_a_worker_under_load(workers: list, tiny_model_dir: Path, tmp_path:
             victim.proc.kill()
             answers = [f.result(timeout=120) for f in plain]
             events = [f.result(timeout=120) for f in streams]
-        assert [a.status_code for a in answers] == [200] * 24, [a.text for a in answers]
+        refused = [(i, a.status_code, a.text) for i, a in enumerate(answers) if a.is_error]
+        assert not refused, (refused, rt.log_text()[-3000:])
         assert [a.json()["meta_info"]["id"] for a in answers] == [f"kill-{i}" for i in range(24)]
         assert all(a.json()["meta_info"]["completion_tokens"] == 160 for a in answers)
         for evs in events:  # complete, or cut by an error event once tokens were sent

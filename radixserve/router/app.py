@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from radixserve.router import metrics
+from radixserve.router.backend import BackendTransport
 from radixserve.router.config import RouterConfig
 from radixserve.router.policy import make_policy
 from radixserve.router.pool import BackendPool
@@ -95,7 +96,8 @@ def build_app(config: RouterConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         timeout = httpx.Timeout(None, connect=config.health_timeout_s)  # generation is slow
-        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        transport = BackendTransport(limits=limits)
+        async with httpx.AsyncClient(transport=transport, timeout=timeout) as client:
             pool = BackendPool(config, make_policy(config), client)
             app.state.pool, app.state.proxy = pool, Proxy(pool, client)
             await pool.check_all()

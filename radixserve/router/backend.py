@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+import httpx
+
 
 @dataclass(eq=False)
 class Backend:
@@ -42,3 +44,16 @@ class Lease:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+class BackendTransport(httpx.AsyncHTTPTransport):
+    """httpx's transport to the workers. A worker that dies while a connection to it is
+    being opened can close the socket before httpcore reads its peer, and anyio then raises
+    AttributeError (the socket is None) where a closed connection's error belongs; that
+    error is raised as the `httpx.ConnectError` it is, so the request is retried."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await super().handle_async_request(request)
+        except AttributeError as e:
+            raise httpx.ConnectError(f"the connection closed as it opened: {e!r}") from e
