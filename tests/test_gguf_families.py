@@ -182,8 +182,8 @@ def write_tokenizer(w: gguf.GGUFWriter) -> None:
 
 def llama_cpp_tensors(model: PreTrainedModel, arch: str) -> list[tuple[str, np.ndarray]]:
     """(GGUF name, values) of the model's tensors: names by the gguf package's map (as the
-    converter names them), Gemma norms + 1, smollm3's q/k rows permuted (weights and biases),
-    no lm_head when tied."""
+    converter names them), Gemma norms + 1, llama's and smollm3's q/k rows permuted (weights
+    and biases), no lm_head when tied."""
     cfg = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
     out = []
@@ -195,7 +195,7 @@ def llama_cpp_tensors(model: PreTrainedModel, arch: str) -> list[tuple[str, np.n
             x += 1  # the converter's Gemma norm shift
         heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
         proj = hf.split(".")[-2]
-        if arch == "smollm3" and proj in heads:
+        if arch in ("llama", "smollm3") and proj in heads:
             x = llama_cpp_permute(x, heads[proj])
         out.append((names.get_name(hf, try_suffixes=(".weight", ".bias")), x))
     return out

@@ -34,8 +34,8 @@ from radixserve.models.quant import QuantLinear
 # biases; Qwen3: untied,
 # head_dim 128 (2 x hidden in q), FFN 384 (ffn_down's rows are 1.5 super-blocks: llama.cpp's
 # fallbacks); Gemma 3: 7 layers, the 6th global; SmolLM3: 4 layers, the last without RoPE;
-# Qwen3-MoE and OLMoE: 4 experts, 2 per token (with 8, llama.cpp's quantizer gives Mixtral's
-# attn_k / attn_v / attn_output types, which make_gguf does not model).
+# Qwen3-MoE, OLMoE and Mixtral: 4 experts, 2 per token (with 8, llama.cpp's quantizer gives
+# Mixtral's attn_k / attn_v / attn_output types, which make_gguf does not model).
 # No name holds "phi3" (make_gguf.SHAPES' comment).
 TINY = {
     "tiny-llama": make_gguf.shape("llama", (256, 2, 4, 2, 512), 1024, 1e4, 1e-5, tied=True),
@@ -55,6 +55,9 @@ TINY = {
                                      norm_topk_prob=True),
     "tiny-olmoe": make_gguf.shape("olmoe", (256, 2, 4, 4, 256), 1024, 1e4, 1e-5, tied=False,
                                   num_experts=4, num_experts_per_tok=2, norm_topk_prob=False),
+    "tiny-mixtral": make_gguf.shape("mixtral", (256, 2, 4, 2, 256), 1024, 1e6, 1e-5,
+                                    tied=False, num_local_experts=4, num_experts_per_tok=2,
+                                    sliding_window=None),
 }  # fmt: skip
 VOCAB = 49152  # the embedded tokenizer's
 # gpt-oss-20b's layout at hidden 256: 2 layers (sliding, full), 4 experts of 256 rows with
@@ -208,7 +211,7 @@ def test_direct_q4_k_m_file_runs_every_projection_native(name: str, cache: Path)
     linears = quant_linears(engine)
     experts = [m for m in engine.worker.model.modules() if isinstance(m, QuantExperts)]
     tied, layers = fields["tie_word_embeddings"], fields["num_hidden_layers"]
-    moe = "num_experts" in fields
+    moe = "num_experts" in fields or "num_local_experts" in fields
     assert len(experts) == (layers if moe else 0)
     assert len(linears) == (2 if moe else 4) * layers + (1 if tied else 2)
     formats = {f.name for m in linears for f in m.formats} | {f for m in experts for f in m.formats}

@@ -51,7 +51,7 @@ from radixserve.attention.tree import TreeBackend
 from radixserve.models import load_model, resolve_model_path
 from radixserve.models.config import ModelConfig
 from radixserve.models.gguf_config import config_from_metadata
-from radixserve.models.gguf_layout import tensor_dims
+from radixserve.models.gguf_layout import gguf_architecture, tensor_dims
 from radixserve.models.gguf_weights import read_gguf_weights
 from radixserve.models.llama import LlamaForCausalLM
 from radixserve.models.moe import (
@@ -291,7 +291,19 @@ def tiny_olmoe(vocab: int = VOCAB) -> Any:
     return randomized(transformers.OlmoeForCausalLM(config), 12)
 
 
-GGUF_FAMILIES = {"qwen3moe": tiny_qwen3moe, "olmoe": tiny_olmoe}
+def tiny_mixtral(vocab: int = VOCAB) -> Any:
+    """2 layers, 8 experts of 64 rows, top-2; no sliding window (llama.cpp's converter writes
+    Mixtral as a llama file, which has none)."""
+    config = transformers.MixtralConfig(
+        **{**sizes(vocab), "intermediate_size": 64}, num_hidden_layers=2,
+        max_position_embeddings=512, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=None, tie_word_embeddings=False,
+    )  # fmt: skip
+    return randomized(transformers.MixtralForCausalLM(config), 13)
+
+
+# keyed by family: Mixtral's file is llama.cpp's llama architecture with experts
+GGUF_FAMILIES = {"qwen3moe": tiny_qwen3moe, "olmoe": tiny_olmoe, "mixtral": tiny_mixtral}
 GGUF_MATH = {
     "qwen3_moe": ["head_dim", "attention_bias", "hidden_act", "num_experts",
                   "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
@@ -299,6 +311,7 @@ GGUF_MATH = {
                   "sliding_window"],
     "olmoe": ["attention_bias", "hidden_act", "num_experts", "num_experts_per_tok",
               "norm_topk_prob", "clip_qkv"],
+    "mixtral": ["hidden_act", "num_local_experts", "num_experts_per_tok", "sliding_window"],
 }  # fmt: skip
 
 
@@ -313,7 +326,7 @@ def test_tensor_layout_is_the_converters(arch: str) -> None:
     """gguf_layout's names and shapes (benchmarks' files) = the converter's: router, stacked
     experts, whole-projection q/k norms of OLMoE."""
     model = GGUF_FAMILIES[arch]()
-    want = {name: x.shape for name, x in llama_cpp_tensors(model, arch)}
+    want = {name: x.shape for name, x in llama_cpp_tensors(model, gguf_architecture(model.config))}
     assert tensor_dims(model.config) == want
     assert want["blk.0.ffn_down_exps.weight"] == (8, 64, model.config.moe_intermediate_size
                                                   if arch == "qwen3moe" else 64)  # fmt: skip
@@ -524,13 +537,16 @@ def _assign(hf: Any, name: str, w: torch.Tensor) -> None:
     ("arch", "key", "value"),
     [("qwen3moe", "expert_shared_count", 1), ("qwen3moe", "expert_gating_func", 2),
      ("qwen3moe", "expert_weights_norm", False), ("olmoe", "expert_weights_norm", True),
-     ("olmoe", "expert_weights_scale", 2.5), ("olmoe", "attention.clamp_kqv", 8.0)],
+     ("olmoe", "expert_weights_scale", 2.5), ("olmoe", "attention.clamp_kqv", 8.0),
+     ("llama", "expert_weights_norm", False), ("llama", "expert_shared_count", 1),
+     ("llama", "expert_feed_forward_length", 32)],
 )  # fmt: skip
 def test_gguf_metadata_the_config_cannot_express_raises_naming_it(
     arch: str, key: str, value: Any
 ) -> None:
+    """qwen3moe, olmoe, and llama with experts (Mixtral)."""
     keys = {"expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 32}
-    if arch == "olmoe":
+    if arch != "qwen3moe":
         del keys["expert_feed_forward_length"]
     meta = metadata(arch, **keys, **{key: value})
     shapes = {"token_embd.weight": (VOCAB, 64)}
@@ -538,6 +554,17 @@ def test_gguf_metadata_the_config_cannot_express_raises_naming_it(
         config_from_metadata(arch, meta, shapes, {})
     del meta[f"{arch}.{key}"]
     assert config_from_metadata(arch, meta, shapes, {})["num_experts"] == 8
+
+
+def test_a_mixtral_file_with_attention_biases_is_refused() -> None:
+    meta = metadata("llama", expert_count=8, expert_used_count=2)
+    shapes = {"token_embd.weight": (VOCAB, 64), "blk.0.attn_q.bias": (64,)}
+    with pytest.raises(ValueError, match=re.escape("blk.0.attn_q.bias in a Mixtral GGUF")):
+        config_from_metadata("llama", meta, shapes, {})
+    del shapes["blk.0.attn_q.bias"]
+    assert config_from_metadata("llama", meta, shapes, {})["architectures"] == [
+        "MixtralForCausalLM"
+    ]
 
 
 # ---------------------------------------------------------------- tensor parallel

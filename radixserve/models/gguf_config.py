@@ -1,8 +1,8 @@
 """GGUF metadata -> the HF config.json of the checkpoint a file was converted from, for the
 llama.cpp architectures whose files transformers cannot turn into an exact HF config
-(`READERS`: qwen3, gemma2, gemma3, phi3, smollm3, qwen3moe, olmoe, gpt-oss), and the RoPE
-parameters
-llama.cpp writes as tensors.
+(`READERS`: qwen3, gemma2, gemma3, phi3, smollm3, qwen3moe, olmoe, gpt-oss, and Mixtral,
+whose files are llama ones with experts), and the RoPE parameters llama.cpp writes as
+tensors.
 
 What a file says, and where it says it, follows llama.cpp's converter (convert_hf_to_gguf.py,
 now conversion/*.py: TextModel.set_gguf_parameters and each family's class) and its loader
@@ -31,6 +31,10 @@ now conversion/*.py: TextModel.set_gguf_parameters and each family's class) and 
                 without `ffn_gate_inp` is dense
     olmoe       .expert_count, .expert_used_count; experts of .feed_forward_length rows, not
                 renormalised; q/k norms over the whole projection (their tensors' sizes)
+    mixtral     a llama file with .expert_count and .expert_used_count (llama.cpp's converter
+                writes Mixtral as llama): experts of .feed_forward_length rows, top-k
+                weights renormalised (llama.cpp's llama graph fixes it); no sliding window
+                (llama.cpp has none for it)
     gpt-oss     .expert_count, .expert_used_count, .expert_feed_forward_length (=
                 .feed_forward_length); .attention.sliding_window, layer i sliding unless it
                 ends a period of .attention.sliding_window_pattern (default 2); YaRN from
@@ -66,7 +70,7 @@ ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "gemma3": "Gemma3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                  "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-                 "gpt-oss": "GptOssForCausalLM"}  # fmt: skip
+                 "gpt-oss": "GptOssForCausalLM", "mixtral": "MixtralForCausalLM"}  # fmt: skip
 TOKEN_IDS = {"tokenizer.ggml.bos_token_id": "bos_token_id",
              "tokenizer.ggml.eos_token_id": "eos_token_id",
              "tokenizer.ggml.padding_token_id": "pad_token_id"}  # fmt: skip
@@ -85,7 +89,7 @@ SOFTMAX_GATING = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
 GPT_OSS_PERIOD = 2  # llama.cpp's default swa period for gpt-oss: even layers slide
 # Whether llama.cpp renormalises the top-k routing weights (its graph fixes it per
 # architecture: build_moe_ffn's norm_w), which is HF's norm_topk_prob.
-RENORMALISED = {"qwen3moe": True, "olmoe": False}
+RENORMALISED = {"qwen3moe": True, "olmoe": False, "llama": True}
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -152,9 +156,20 @@ def f32_decimal(value: float) -> float:
     return float(str(np.float32(value)))
 
 
+def family(arch: str, metadata: dict[str, Any]) -> str:
+    """The READERS entry for a file of `arch` with this metadata: its architecture, or
+    "mixtral" for a llama file with experts."""
+    return "mixtral" if arch == "llama" and "llama.expert_count" in metadata else arch
+
+
+def reads_config(path: Path) -> bool:
+    """Whether radixserve reads the config of the GGUF at `path` (else transformers does)."""
+    return family(gguf_tensors(path).architecture, gguf_metadata(path)) in READERS
+
+
 def hf_config(path: Path) -> dict[str, Any]:
-    """config.json of the GGUF at `path`, whose architecture is one of READERS. Raises
-    ValueError naming metadata the HF config cannot express (module docstring)."""
+    """config.json of the GGUF at `path`, one `reads_config` accepts. Raises ValueError
+    naming metadata the HF config cannot express (module docstring)."""
     file = gguf_tensors(path)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in file.tensors}
     return config_from_metadata(file.architecture, gguf_metadata(path), shapes, rope_tensors(path))
@@ -175,14 +190,15 @@ def config_from_metadata(
 ) -> dict[str, Any]:  # fmt: skip
     """The HF config dict a file of `arch` with this metadata, tensor shapes (numpy order)
     and RoPE tensors was converted from."""
-    if arch not in READERS:
+    name = family(arch, metadata)
+    if name not in READERS:
         raise ValueError(f"GGUF architecture {arch!r}: configs are read for {', '.join(READERS)}")
     m = Metadata(arch, metadata, shapes, rope_tensors)
-    cfg = READERS[arch](m)
+    cfg = READERS[name](m)
     m.check_all_used()
     # Token ids the file lacks are None, not the HF class's defaults (another vocabulary's).
-    ids = {name: m.token_ids.get(name) for name in TOKEN_IDS.values()}
-    return {"architectures": [ARCHITECTURES[arch]], **cfg, **ids}
+    ids = {key: m.token_ids.get(key) for key in TOKEN_IDS.values()}
+    return {"architectures": [ARCHITECTURES[name]], **cfg, **ids}
 
 
 def _base(m: Metadata) -> dict[str, Any]:
@@ -283,6 +299,21 @@ def _olmoe(m: Metadata) -> dict[str, Any]:
         raise m.refuse("attention.key_length", "OLMoE's head_dim is hidden / heads")
     return {"model_type": "olmoe", **cfg, **_experts(m), "clip_qkv": None,
             "rope_parameters": _rope(m, head_dim)}  # fmt: skip
+
+
+def _mixtral(m: Metadata) -> dict[str, Any]:
+    """Mixtral (a llama file with experts): experts of .feed_forward_length rows, the whole
+    head rotated, no attention biases (HF's Mixtral has none)."""
+    cfg = _base(m)
+    if cfg.pop("attention_bias"):
+        raise ValueError("blk.0.attn_q.bias in a Mixtral GGUF: HF's Mixtral has no attention bias")
+    rows = cfg["intermediate_size"]
+    if m.get("expert_feed_forward_length", rows) != rows:
+        raise m.refuse("expert_feed_forward_length", f"Mixtral's experts have {rows} rows")
+    experts = _experts(m)
+    del experts["norm_topk_prob"]  # HF's Mixtral always renormalises; no field says it
+    return {"model_type": "mixtral", **cfg, **experts, "sliding_window": None,
+            "rope_parameters": _rope(m, cfg["head_dim"])}  # fmt: skip
 
 
 def _smollm3(m: Metadata) -> dict[str, Any]:
@@ -445,7 +476,7 @@ def _yarn(m: Metadata) -> dict[str, Any]:
 
 READERS: dict[str, Callable[[Metadata], dict[str, Any]]] = {
     "qwen3": _qwen3, "gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3, "smollm3": _smollm3,
-    "qwen3moe": _qwen3moe, "olmoe": _olmoe, "gpt-oss": _gpt_oss,
+    "qwen3moe": _qwen3moe, "olmoe": _olmoe, "gpt-oss": _gpt_oss, "mixtral": _mixtral,
 }  # fmt: skip
 
 

@@ -8,7 +8,8 @@ parameter tensors and the name and shape of every weight tensor. For files made 
                   RoPE base and linear scaling, RMS epsilon, head_dim as key/value length);
                   + LlamaModel's vocabulary size and rotary dimensions (llama, smollm3);
                   + Gemma3Model's sliding window, Gemma2Model's and its soft caps;
-                  + the expert counts (and Qwen2MoeModel's expert rows) of qwen3moe / olmoe;
+                  + the expert counts of every mixture of experts (Mixtral's file is a
+                  llama one with them), Qwen2MoeModel's expert rows (qwen3moe);
                   + YaRN's keys, and GptOssModel's window and expert rows (gpt-oss);
                   Phi3MiniModel writes its own (partial
                   rotary dimensions, original context, longrope attention factor, window)
@@ -33,7 +34,8 @@ from gguf import GGUFWriter, RopeScalingType
 # HF model_type -> llama.cpp's architecture name for it.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
                       "gemma3_text": "gemma3", "phi3": "phi3", "smollm3": "smollm3",
-                      "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "gpt_oss": "gpt-oss"}  # fmt: skip
+                      "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "gpt_oss": "gpt-oss",
+                      "mixtral": "llama"}  # fmt: skip
 LLAMA_KEYS = ("llama", "smollm3")  # LlamaModel's converter (SmolLM3Model is one) adds keys
 # Per-layer norms besides attn_norm: llama.cpp's name -> the size it normalizes ("hidden"
 # or "head": q/k norms act on each head). Gemma 3's ffn_norm is its pre-feedforward norm.
@@ -90,7 +92,7 @@ def _text_metadata(w: GGUFWriter, cfg: Any) -> None:
         w.add_sliding_window(cfg.sliding_window)
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    if w.arch in ("qwen3moe", "olmoe", "gpt-oss"):  # TextModel's expert keys
+    if getattr(cfg, "num_experts_per_tok", 0):  # TextModel's expert keys
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
     if w.arch == "qwen3moe":

