@@ -259,6 +259,36 @@ def test_llama_cpp_evaluates_the_direct_file(name: str, cache: Path) -> None:
     assert (np.abs(scores).max(axis=1) > 0).all()  # every row written
 
 
+@pytest.mark.slow  # a file written, loaded and run in radixserve and llama.cpp (~10 s each)
+@pytest.mark.parametrize("name", ["tiny-qwen3moe", "tiny-olmoe", "tiny-mixtral"])
+def test_moe_file_picks_llama_cpps_top_1(name: str, cache: Path) -> None:
+    """A mixture of experts' direct Q4_K_M file: over a 200-token teacher-forced sequence
+    llama.cpp and radixserve pick the same top-1 token at 99 in 100 positions or more."""
+    pytest.importorskip("llama_cpp")  # the bench extra
+    path = written(cache, name, "Q4_K_M")
+    model = Engine(str(path), dtype="float32", max_total_tokens=256).worker.model
+    agree = top_1_agreement(model, path, tokens=200)
+    assert agree >= 0.99, agree
+
+
+def top_1_agreement(model: Any, path: Path, tokens: int) -> float:
+    """The fraction of a random teacher-forced sequence's positions at which `model` (the
+    file at `path` as radixserve loaded it) and llama.cpp pick the same top-1 token."""
+    import llama_cpp
+    from helpers import alloc_slots, extend, make_pool
+
+    from radixserve.attention.flat import FlatBackend
+
+    ids = torch.randint(0, VOCAB, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    pool = make_pool(model, len(ids), sliding_rows=True)
+    ours = extend(model, FlatBackend(), pool, alloc_slots(pool, len(ids)), ids, 0)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=tokens, logits_all=True, verbose=False)
+    llm.eval(ids)
+    theirs = torch.from_numpy(np.asarray(llm.scores[: llm.n_tokens]))  # (tokens, vocab)
+    assert theirs.shape == ours.shape
+    return (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+
+
 @pytest.mark.slow  # both engines through the benchmark at its test sizes (~15 s each)
 @pytest.mark.parametrize("name", [n for n in TINY if n != "tiny-llama"])
 def test_bench_vs_llamacpp_takes_the_direct_file(name: str, cache: Path) -> None:
@@ -321,10 +351,6 @@ def test_gpt_oss_mxfp4_file_runs_its_experts_in_mxfp4(cache: Path) -> None:
     llama.cpp, where installed, picks the same top-1 token at 9 in 10 positions or more of a
     teacher-forced sequence past the window (both round x for the matmuls, differently: on
     random weights their logits differ by 1-12 %)."""
-    from helpers import alloc_slots, extend, make_pool
-
-    from radixserve.attention.flat import FlatBackend
-
     path = cache / "tiny-gpt-oss-MXFP4.gguf"
     make_gguf.write_random(TINY_GPT_OSS, "MXFP4", path, seed=0)
     kinds = types(path)
@@ -336,13 +362,6 @@ def test_gpt_oss_mxfp4_file_runs_its_experts_in_mxfp4(cache: Path) -> None:
     assert all(layer.native is not None for layer in model.model.layers)
     assert model.config.vocab_size == VOCAB + 64
     assert len(engine.generate("Hello there", GREEDY)["output_ids"]) == 8
-    llama_cpp = pytest.importorskip("llama_cpp")  # the bench extra
-    ids = torch.randint(0, VOCAB, (48,), generator=torch.Generator().manual_seed(1)).tolist()
-    pool = make_pool(model, len(ids), sliding_rows=True)
-    ours = extend(model, FlatBackend(), pool, alloc_slots(pool, len(ids)), ids, 0)
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False)
-    llm.eval(ids)
-    theirs = torch.from_numpy(np.asarray(llm.scores[: llm.n_tokens]))  # (48, vocab)
-    assert theirs.shape == ours.shape
-    agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    pytest.importorskip("llama_cpp")  # the bench extra
+    agree = top_1_agreement(model, path, tokens=48)
     assert agree >= 0.9, agree
