@@ -185,14 +185,14 @@ def _add_llama3_rope(gguf: Path, config_file: Path) -> None:
         config_file.write_text(json.dumps(cfg, indent=2))
 
 
-def _gguf_config(gguf: Path) -> PreTrainedConfig:
+def _gguf_config(gguf: Path, ours: bool) -> PreTrainedConfig:
     """The HF config of the checkpoint `gguf` was converted from: radixserve's reading of
-    the metadata (gguf_config.py) where it has one, else transformers'. Raises ValueError
-    naming metadata that cannot be expressed."""
+    the metadata (gguf_config.py) where `ours` (`reads_config`), else transformers'. Raises
+    ValueError naming metadata that cannot be expressed."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if reads_config(gguf):
+    if ours:
         return AutoConfig.for_model(**hf_config(gguf))
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if hasattr(config, "quantization_config"):  # the weights are read by radixserve
@@ -232,18 +232,18 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     from transformers import GenerationConfig  # slow, used once
 
     logger.info("reading %s's config and tokenizer into %s (once)", gguf.name, target)
-    architecture = gguf_tensors(gguf).architecture
+    architecture, ours = gguf_tensors(gguf).architecture, reads_config(gguf)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        config = _gguf_config(gguf)
+        config = _gguf_config(gguf, ours)
         config.save_pretrained(tmp)
         tokenizer = _gguf_tokenizer(gguf, architecture)
         generation = GenerationConfig.from_model_config(config)
         generation.eos_token_id = _end_ids(gguf, tokenizer) or generation.eos_token_id
         generation.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if not reads_config(gguf):  # radixserve's readers handle rope_freqs themselves
+        if not ours:  # radixserve's readers handle rope_freqs themselves
             _add_llama3_rope(gguf, tmp / "config.json")
         _write_marker(tmp, gguf)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is an ordinary folder
