@@ -56,4 +56,5 @@ class BackendTransport(httpx.AsyncHTTPTransport):
         try:
             return await super().handle_async_request(request)
         except AttributeError as e:
-            raise httpx.ConnectError(f"the connection closed as it opened: {e!r}") from e
+            why = f"the connection closed as it opened: {e!r}"
+            raise httpx.ConnectError(why, request=request) from e
