@@ -51,7 +51,8 @@ from radixserve.models.gguf_config import config_from_metadata
 from radixserve.models.gguf_layout import tensor_dims, write_metadata
 from radixserve.models.gguf_weights import gguf_tensors
 from radixserve.models.moe import MoE, QuantExperts, route
-from radixserve.models.quant import QuantLinear
+from radixserve.models.quant import B8_CODES, PACKED_CODES, QuantLinear
+from radixserve.models.quant import ops as quant_ops
 from radixserve.models.rope import inv_freq
 from radixserve.models.synthetic import build_tiny_model
 
@@ -414,12 +415,16 @@ def test_native_layers_compute_the_module_path(cache: Path) -> None:
     attention (pre_attention with the q/k/v biases; the backend's attention with the sinks
     and the sliding window; post_attention_moe with o's bias, the router's bias, top-k then
     softmax, and the MXFP4 experts with their biases and the clamped SwiGLU), with the module
-    path's logits bit for bit through a 300-token extend (experts of ~75 rows: the GEMM)
-    and a decode step."""
+    path's logits bit for bit through a 300-token extend (experts of ~75 rows) and a decode
+    step; the experts' rows are whole 16-row tiles, packed at load."""
     path = write_gpt_oss_gguf(tiny_for_gguf(), cache / "gpt-oss.gguf", MXFP4, Q8_0)
     model, _ = load_model(resolve_model_path(str(path)), torch.float32)
     experts = [layer.mlp.experts for layer in model.model.layers]
     assert all(isinstance(e, QuantExperts) and e.formats == ["mxfp4"] * 3 for e in experts)
+    native = quant_ops()
+    tiles = PACKED_CODES["mxfp4"] if native is not None and native.packs else B8_CODES["mxfp4"]
+    (_, gate_up, _), (_, down, _) = experts[0].native_arg()[:2]
+    assert gate_up + down == [tiles] * 3
     ids = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(3)).tolist()
     check_native_layers_are_the_module_path(model, ids)
 

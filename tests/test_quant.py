@@ -139,6 +139,14 @@ def test_mxfp4_scales_at_every_exponent_match_the_gguf_package() -> None:
     small = native.qmatmul_small(x, normal, code, k)
     _close(small, q16_rows(x), dequantize(normal, "mxfp4", k))
     assert torch.equal(native.qmatmul_gemm(x, normal, code, k), small)
+    if native.packs:  # tiles decode 16 rows' exponents at once, subnormal scales included
+        file_rows = blocks[:240]  # 12 * 2^(239 - 128) * x stays finite
+        tiles = pack(native, file_rows, "mxfp4", k)
+        x[1, 7] = float("inf")
+        got = native.qmatmul_small(x, tiles, PACKED_CODES["mxfp4"], k)
+        want = native.qmatmul_small(x, file_rows, B8_CODES["mxfp4"], k)
+        assert torch.equal(got[[0, 2]], want[[0, 2]]) and bool(got[[0, 2]].isfinite().all())
+        assert bool(got[1].isnan().all()) and bool(want[1].isnan().all())
 
 
 @pytest.mark.parametrize("fmt", LEGACY)
@@ -234,7 +242,7 @@ def test_vnni_kernels_equal_the_avx2_kernels(fmt: str, m: int) -> None:
             got, want = (getattr(mod, kernel)(x, blocks, code, k) for mod in (wide, narrow))
             assert torch.equal(got, want), (kernel, code)
     if fmt in PACKED_CODES:  # the same tiles from either build, the same bits from them
-        whole = blocks[: len(blocks) // PACK_ROWS * PACK_ROWS]
+        whole = blocks[: len(blocks) // PACK_ROWS[fmt] * PACK_ROWS[fmt]]
         tiles = pack(wide, whole, fmt, k)
         assert torch.equal(tiles, pack(narrow, whole, fmt, k))
         got, want = (mod.qmatmul_small(x, tiles, PACKED_CODES[fmt], k) for mod in (wide, narrow))
@@ -304,18 +312,22 @@ def test_int8_activation_kernels_match_reference(fmt: str, m: int, k: int) -> No
 @pytest.mark.parametrize("fmt", list(PACKED_CODES))
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 40])
 def test_packed_tiles_give_the_file_layouts_bits(fmt: str, m: int) -> None:
-    """Q4_K and Q6_K packed into tiles of 8 rows (PACKED_CODES): the same products as the
-    file layout with int8 x, bit for bit, from 16-row and 8-row tasks at any M."""
+    """Q4_K and Q6_K packed into tiles of 8 rows, MXFP4 into tiles of 16 (PACKED_CODES):
+    the same products as the file layout with int8 x, bit for bit, at any M (K-quants from
+    16-row and 8-row tasks), and the MXFP4 product is the reference's on the rounded x."""
     native = ops()
     assert native is not None and native.packs == native.int_gemm  # AVX2 builds pack
-    k = 768
-    blocks, _ = _weights(16 * 2 + 8, k, fmt, seed=20 + m)
+    k, n = 768, 16 * 2 + PACK_ROWS[fmt]
+    blocks, w = _weights(n, k, fmt, seed=20 + m)
     tiles = pack(native, blocks, fmt, k)
-    assert tiles.shape == (40, k // 256 * {"q4_k": 148, "q6_k": 210}[fmt])
+    row_bytes = {"q4_k": k // 256 * 148, "q6_k": k // 256 * 210, "mxfp4": k // 32 * 17}[fmt]
+    assert tiles.shape == (n, row_bytes)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    want = native.qmatmul_small(x, blocks, X8_CODES[fmt], k)
+    want = native.qmatmul_small(x, blocks, {**X8_CODES, **B8_CODES}[fmt], k)
     for kernel in (native.qmatmul_small, native.qmatmul_gemm):
         assert torch.equal(kernel(x, tiles, PACKED_CODES[fmt], k), want)
+    if fmt in B8_CODES:
+        _close(want, q8_block_rows(x), w)
 
 
 def test_packing_refuses_what_it_cannot_tile() -> None:
@@ -326,7 +338,10 @@ def test_packing_refuses_what_it_cannot_tile() -> None:
     x = torch.randn(2, 256)
     with pytest.raises(RuntimeError, match="multiples of 8"):
         pack(native, q4k, "q4_k", 256)
-    with pytest.raises(RuntimeError, match="only Q4_K and Q6_K"):
+    mxfp4, _ = _weights(24, 256, "mxfp4", seed=1)
+    with pytest.raises(RuntimeError, match="multiples of 16"):
+        pack(native, mxfp4, "mxfp4", 256)
+    with pytest.raises(RuntimeError, match="only Q4_K, Q6_K and MXFP4"):
         native.pack(q40, FORMATS["q4_0"].code, 256, torch.empty(16, 148, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="out must be"):
         native.pack(q4k[:8], FORMATS["q4_k"].code, 256, torch.empty(8, 144, dtype=torch.uint8))

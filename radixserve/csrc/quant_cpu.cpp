@@ -1,5 +1,6 @@
 // Matmuls on GGUF block-quantized weights, read in their file layout (Q4_K and Q6_K with
-// int8 x: packed once at load into tiles of 8 rows, section "packed K-quant tiles").
+// int8 x: packed once at load into tiles of 8 rows, section "packed K-quant tiles"; MXFP4
+// with int8 x into tiles of 16, section "legacy blocks with int8 x").
 //
 // A weight (N, K) is stored as N rows of K/32 blocks; each block holds 32 consecutive
 // weights of one row:
@@ -81,7 +82,8 @@
 
 namespace {
 
-// Codes 8-11 are Q4_K / Q6_K with int8 x and their packed tiles (weight_format below).
+// Codes 8-11 are Q4_K / Q6_K with int8 x and their packed tiles, 13-15 Q8_0 / MXFP4 with
+// int8 x and MXFP4 tiles (weight_format below).
 enum Format : int64_t {
   kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5, kQ5_0 = 6, kQ5_1 = 7, kMXFP4 = 12
 };
@@ -1233,17 +1235,20 @@ constexpr bool is_packed(int64_t code) { return code == kQ4_K_P8 || code == kQ6_
 constexpr bool is_x8(int64_t code) { return code == kQ4_K_X8 || code == kQ6_K_X8 || is_packed(code); }
 constexpr int64_t packed_bytes(int64_t fmt) { return fmt == kQ6_K ? 210 : 148; }
 
-// Q8_0 and MXFP4 weights with x rounded to int8 per 32-block (section "legacy blocks with
-// int8 x").
-constexpr int64_t kQ8_0_B8 = 13, kMXFP4_B8 = 14;
-constexpr bool is_b8(int64_t code) { return code == kQ8_0_B8 || code == kMXFP4_B8; }
+// Q8_0 and MXFP4 weights with x rounded to int8 per 32-block, and MXFP4 packed into tiles
+// of 16 rows (section "legacy blocks with int8 x").
+constexpr int64_t kQ8_0_B8 = 13, kMXFP4_B8 = 14, kMXFP4_P16 = 15;
+constexpr bool is_b8(int64_t code) { return code == kQ8_0_B8 || code == kMXFP4_B8 || code == kMXFP4_P16; }
+// Whether a code's weights are in tiles (K-quants' of 8 rows, MXFP4's of 16), and their rows.
+constexpr bool is_tiled(int64_t code) { return is_packed(code) || code == kMXFP4_P16; }
+constexpr int64_t tile_rows(int64_t code) { return code == kMXFP4_P16 ? 16 : kPackRows; }
 
 // The weight format of a format code.
 constexpr int64_t weight_format(int64_t code) {
   return code == kQ4_K_X8 || code == kQ4_K_P8   ? kQ4_K
          : code == kQ6_K_X8 || code == kQ6_K_P8 ? kQ6_K
          : code == kQ8_0_B8                     ? kQ8_0
-         : code == kMXFP4_B8                    ? kMXFP4
+         : code == kMXFP4_B8 || code == kMXFP4_P16 ? kMXFP4
                                                 : code;
 }
 
@@ -1773,23 +1778,36 @@ void dot_rows(const uint8_t* wrow, int64_t fmt, int64_t nb, const QRows& x, int6
 //
 // Format codes kQ8_0_B8 and kMXFP4_B8: Q8_0 and MXFP4 weights with x rounded to int8 per
 // 32-block, as llama.cpp rounds activations for them (d = amax / 127, q = round(x / d);
-// error <= amax / 254 of the block, 128x the int16 path's). A block's 32 weights are int8
-// (Q8_0's quants; MXFP4's values kv, looked up by one vpshufb) and meet x in byte
-// multiply-adds: |w| as unsigned bytes times x with w's sign (vpdpbusd; AVX2: maddubs, whose
-// int16 pairs <= 2 * 128 * 127 do not saturate, then madd), lane i of 8 summing products
-// 4i..4i+3 exactly in int32; each block's lanes are scaled by d_w * d_x into 8 float32
-// accumulators (one FMA), summed at the end of the row. The streaming loop runs them up to
-// their small_m rows (decode, draft verification: twice the int16 kernels' speed, which
-// are compute-bound there); above it, the int16 GEMM of the same weights (prefill).
+// error <= amax / 254 of the block, 128x the int16 path's). A row's product is, block by
+// block in order, acc = fma(d_w * d_x, s, acc) from 0, s the block's exact int32 sum of its
+// 32 byte products (|w| as unsigned bytes times x with w's sign: vpdpbusd; AVX2: maddubs,
+// whose int16 pairs <= 2 * 128 * 127 do not saturate, then madd). The streaming loop runs
+// them up to their small_m rows (decode, draft verification); above it, the int16 GEMM of
+// the same weights (prefill).
+//
+// Format code kMXFP4_P16: MXFP4 weights packed once into tiles of 16 rows (`pack`, AVX2
+// builds), run by the streaming loop at any M with the file layout's bits. A tile's block b
+// is 16 E8M0 scales (rows 0-15), then four 64-byte groups: byte 4i + t of group p holds
+// row i's codes 8p + t (low nibble) and 8p + 4 + t (high nibble), so one vector of codes
+// holds 4 consecutive weights of each of 16 rows, met by 4 bytes of x broadcast. The codes
+// are looked up as w + 12 (unsigned, kFp4Biased) and each block's sum starts from
+// -12 * sum(x's block), so a lane ends with the row's exact block sum and one FMA scales it:
+// no horizontal sums, no sign fix-ups, a block's scales of 16 rows in one load.
 struct B8Rows {
-  std::vector<int8_t> q;      // (M, K)
-  std::vector<float> d;       // (M, K / 32); NaN for a block holding inf or NaN (its q: 0)
-  std::vector<float> pairs;   // (M, K / 64, 16): blocks 2p, 2p + 1's d, 8 lanes each (VNNI)
+  std::vector<int8_t> q;       // (M, K)
+  std::vector<float> d;        // (M, K / 32); NaN for a block holding inf or NaN (its q: 0)
+  std::vector<int32_t> bias;   // (M, K / 32): -12 * the block's sum of q (kMXFP4_P16)
 };
+
+constexpr int32_t kFp4Bias = 12;
+constexpr uint8_t kFp4Biased[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};  // kFp4 + 12
+constexpr int64_t kTileRows = 16;                      // rows of a kMXFP4_P16 tile
+constexpr int64_t kTileUnit = kTileRows * 17;          // a tile's bytes per block
+constexpr int64_t kTileXRows = 4;                      // rows of x per pass over a tile
 
 void quantize_rows_b8(const float* x, int64_t M, int64_t K, B8Rows& out) {
   const int64_t blocks = M * K / kBlock;
-  out.q.resize(M * K), out.d.resize(blocks);
+  out.q.resize(M * K), out.d.resize(blocks), out.bias.resize(blocks);
   for (int64_t u = 0; u < blocks; ++u) {
     const float* xb = x + u * kBlock;
     int8_t* q = out.q.data() + u * kBlock;
@@ -1808,17 +1826,10 @@ void quantize_rows_b8(const float* x, int64_t M, int64_t K, B8Rows& out) {
 #else
     for (int j = 0; j < kBlock; ++j) q[j] = std::isnan(amax) ? 0 : static_cast<int8_t>(std::nearbyint(xb[j] * id));
 #endif
+    int32_t sum = 0;
+    for (int j = 0; j < kBlock; ++j) sum += q[j];
+    out.bias[u] = -kFp4Bias * sum;
   }
-#ifdef RS_VNNI
-  const int64_t nb = K / kBlock, per_row = nb / 2;
-  out.pairs.resize(M * per_row * 16);
-  for (int64_t r = 0; r < M; ++r) {
-    for (int64_t p = 0; p < per_row; ++p) {
-      float* lanes = out.pairs.data() + (r * per_row + p) * 16;
-      std::fill(lanes, lanes + 8, out.d[r * nb + 2 * p]), std::fill(lanes + 8, lanes + 16, out.d[r * nb + 2 * p + 1]);
-    }
-  }
-#endif
 }
 
 template <int64_t fmt>
@@ -1846,102 +1857,51 @@ inline __m256i b8_weights(const uint8_t* blk) {
   return _mm256_shuffle_epi8(lut, b8_codes<fmt>(blk));
 }
 
-// Lane i = sum of aw[4i + j] * sx[4i + j], j < 4 (aw unsigned, sx signed bytes), exact.
-inline __m256i dot_b8(__m256i aw, __m256i sx) {
+// Lane i = acc + the sum of aw[4i + j] * sx[4i + j], j < 4 (aw unsigned, sx signed bytes), exact.
+inline __m256i dot_b8(__m256i acc, __m256i aw, __m256i sx) {
 #ifdef RS_VNNI
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx);
+  return _mm256_dpbusd_epi32(acc, aw, sx);
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)));
 #endif
+}
+
+inline int32_t hsum_i32(__m256i v) {
+  __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32(x, 0xB1)));
 }
 #endif
 
-#ifdef RS_VNNI
-// Blocks b and b + 1 as 64 int8 weights (b8_weights of each, in one register).
-template <int64_t fmt>
-inline __m512i b8_weights2(const uint8_t* blk) {
-  constexpr int64_t at = fmt == kQ8_0 ? 2 : 1, next = unit_bytes(fmt);
-  const auto load = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
-  if constexpr (fmt == kQ8_0) return _mm512_inserti64x4(_mm512_castsi256_si512(load(blk + at)), load(blk + next + at), 1);
-  // 128-bit lanes: the two blocks' quant bytes, their low nibbles, then their high nibbles,
-  // reordered into each block's 32 codes (low then high) and looked up
-  const __m256i q = _mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + at))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + next + at)), 1);
-  const __m256i mask = _mm256_set1_epi8(15);
-  const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, mask)),
-                                           _mm256_and_si256(_mm256_srli_epi16(q, 4), mask), 1);
-  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp4)));
-  return _mm512_shuffle_epi8(lut, _mm512_shuffle_i64x2(codes, codes, 0xD8));  // lanes 0, 2, 1, 3
-}
-#endif
-
-// out[r * ldo] = x row xr + r . the weight row, r < R: the products of even blocks (and of
-// an odd count's last one) in 8 float32 lanes, of odd blocks in 8 more, the two added at the
-// end, then the lanes; the AVX512-VNNI build holds both in one register and takes two
-// blocks an instruction, with the AVX2 build's bits.
+// out[r * ldo] = x row xr + r . the weight row (file layout), r < R: block by block, each
+// block's exact sum scaled into the row's float32 (the module comment's order).
 template <int64_t fmt, int R>
 void dot_rows_b8(const uint8_t* wrow, int64_t nb, const B8Rows& x, int64_t xr, float* out, int64_t ldo) {
   constexpr int64_t bytes = unit_bytes(fmt);
-#ifdef RS_AVX2
-  __m256 even[R], odd[R];
-  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
-  int64_t b = 0;
-#ifdef RS_VNNI
-  __m512 acc[R];  // lanes 0-7: even blocks, 8-15: odd
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const int64_t per_row = nb / 2;
-  for (; b + 2 <= nb; b += 2) {
-    const uint8_t* blk = wrow + b * bytes;
-    const __m512 dw = join(_mm256_set1_ps(b8_scale<fmt>(blk)), _mm256_set1_ps(b8_scale<fmt>(blk + bytes)));
-    const __m512i w = b8_weights2<fmt>(blk), aw = _mm512_abs_epi8(w);
-    const __mmask64 negative = _mm512_movepi8_mask(w);
-    for (int r = 0; r < R; ++r) {
-      const int64_t xb = (xr + r) * nb + b;
-      const __m512i xq = _mm512_loadu_si512(x.q.data() + xb * kBlock);
-      const __m512i sx = _mm512_mask_sub_epi8(xq, negative, _mm512_setzero_si512(), xq);
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sx);
-      const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(x.pairs.data() + ((xr + r) * per_row + b / 2) * 16));
-      acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) even[r] = _mm512_castps512_ps256(acc[r]), odd[r] = _mm512_extractf32x8_ps(acc[r], 1);
-#endif
-  for (; b < nb; ++b) {
+  float acc[R] = {};
+  for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = wrow + b * bytes;
     const float dw = b8_scale<fmt>(blk);
+#ifdef RS_AVX2
     const __m256i w = b8_weights<fmt>(blk), aw = _mm256_abs_epi8(w);
-    for (int r = 0; r < R; ++r) {
-      const int64_t xb = (xr + r) * nb + b;
-      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + xb * kBlock));
-      const __m256i dot = dot_b8(aw, _mm256_sign_epi8(xq, w));
-      __m256& a = b % 2 ? odd[r] : even[r];
-      a = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d[xb]), _mm256_cvtepi32_ps(dot), a);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r * ldo] = hsum(_mm256_add_ps(even[r], odd[r]));
 #else
-  float acc[R][2][8] = {};  // even and odd blocks' lanes
-  for (int64_t b = 0; b < nb; ++b) {
-    const float dw = b8_scale<fmt>(wrow + b * bytes);
     int32_t w[kBlock];
     block_quants<fmt>(wrow, b, w);
+#endif
     for (int r = 0; r < R; ++r) {
       const int64_t xb = (xr + r) * nb + b;
       const int8_t* xq = x.q.data() + xb * kBlock;
-      for (int i = 0; i < 8; ++i) {
-        int32_t lane = 0;
-        for (int j = 4 * i; j < 4 * i + 4; ++j) lane += w[j] * xq[j];
-        acc[r][b % 2][i] = fma_like_vectors(dw * x.d[xb], static_cast<float>(lane), acc[r][b % 2][i]);
-      }
+#ifdef RS_AVX2
+      const __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)), w);
+      const int32_t sum = hsum_i32(dot_b8(_mm256_setzero_si256(), aw, sx));
+#else
+      int32_t sum = 0;
+      for (int j = 0; j < kBlock; ++j) sum += w[j] * xq[j];
+#endif
+      acc[r] = fma_like_vectors(dw * x.d[xb], static_cast<float>(sum), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {  // hsum's order: lanes i + 4, then 2, then 1
-    float a[8];
-    for (int i = 0; i < 8; ++i) a[i] = acc[r][0][i] + acc[r][1][i];
-    out[r * ldo] = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-  }
-#endif
+  for (int r = 0; r < R; ++r) out[r * ldo] = acc[r];
 }
 
 // Weight rows [0, rows) from wrow (row_bytes apart) times the M rows of x, kRows at a time.
@@ -1971,6 +1931,106 @@ void dot_rows_b8(const uint8_t* wrow, int64_t fmt, int64_t row_bytes, int64_t ro
   else run(std::integral_constant<int64_t, kMXFP4>{});
 }
 
+#ifdef RS_AVX2
+// MXFP4 rows r0..r0 + 15 (file layout, row_bytes apart) -> their tile (nb * kTileUnit bytes).
+void pack_tile16(const uint8_t* rows, int64_t row_bytes, int64_t nb, uint8_t* tile) {
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* t = tile + b * kTileUnit;
+    for (int64_t i = 0; i < kTileRows; ++i) {
+      const uint8_t* blk = rows + i * row_bytes + b * 17;
+      t[i] = blk[0];
+      uint8_t code[kBlock];  // element order: low nibbles are elements 0-15
+      for (int j = 0; j < 16; ++j) code[j] = blk[1 + j] & 15, code[16 + j] = blk[1 + j] >> 4;
+      for (int p = 0; p < 4; ++p) {
+        for (int s = 0; s < 4; ++s) t[16 + 64 * p + 4 * i + s] = code[8 * p + s] | code[8 * p + 4 + s] << 4;
+      }
+    }
+  }
+}
+
+// A tile's block scales (E8M0 bytes, halved as e8m0_half) of 8 rows from s.
+inline __m256 e8m0_half8(const uint8_t* s) {
+  const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)));
+  const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+  const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+}
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// out[r * ldo + i] = x row xr + r . tile row i, r < R, i < 16 (the module comment's order).
+template <int R>
+void dot_tile16(const uint8_t* tile, int64_t nb, const B8Rows& x, int64_t xr, float* out, int64_t ldo) {
+#ifdef RS_VNNI
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp4Biased)));
+  const __m512i mask = _mm512_set1_epi8(15);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* t = tile + b * kTileUnit;
+    const __m512 dw = join(e8m0_half8(t), e8m0_half8(t + 8));
+    __m512i w[8];
+    for (int p = 0; p < 4; ++p) {
+      const __m512i v = _mm512_loadu_si512(t + 16 + 64 * p);
+      w[2 * p] = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, mask));
+      w[2 * p + 1] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t xb = (xr + r) * nb + b;
+      const int8_t* q = x.q.data() + xb * kBlock;
+      __m512i sum = _mm512_set1_epi32(x.bias[xb]);
+      for (int g = 0; g < 8; ++g) sum = _mm512_dpbusd_epi32(sum, w[g], _mm512_set1_epi32(load_i32(q + 4 * g)));
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[xb]));
+      acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sum), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+#else
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp4Biased)));
+  const __m256i mask = _mm256_set1_epi8(15);
+  for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* t = tile + b * kTileUnit;
+      const __m256 dw = e8m0_half8(t + 8 * h);
+      __m256i w[8];
+      for (int p = 0; p < 4; ++p) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 16 + 64 * p + 32 * h));
+        w[2 * p] = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, mask));
+        w[2 * p + 1] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t xb = (xr + r) * nb + b;
+        const int8_t* q = x.q.data() + xb * kBlock;
+        __m256i sum = _mm256_set1_epi32(x.bias[xb]);
+        for (int g = 0; g < 8; ++g) sum = dot_b8(sum, w[g], _mm256_set1_epi32(load_i32(q + 4 * g)));
+        const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[xb]));
+        acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sum), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo + 8 * h, acc[r]);
+  }
+#endif
+}
+
+// Tile at `tile` times the M rows of x, kTileXRows at a time.
+void dot_tile16(const uint8_t* tile, int64_t nb, const B8Rows& x, int64_t M, float* out, int64_t ldo) {
+  for (int64_t r0 = 0; r0 < M; r0 += kTileXRows) {
+    switch (std::min(kTileXRows, M - r0)) {
+      case 1: dot_tile16<1>(tile, nb, x, r0, out + r0 * ldo, ldo); break;
+      case 2: dot_tile16<2>(tile, nb, x, r0, out + r0 * ldo, ldo); break;
+      case 3: dot_tile16<3>(tile, nb, x, r0, out + r0 * ldo, ldo); break;
+      default: dot_tile16<kTileXRows>(tile, nb, x, r0, out + r0 * ldo, ldo);
+    }
+  }
+}
+#endif
+
 void check_args(const at::Tensor& x, const at::Tensor& w, int64_t code, int64_t K, bool bf16_ok = false) {
   const int64_t fmt = weight_format(code);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
@@ -1986,9 +2046,10 @@ void check_args(const at::Tensor& x, const at::Tensor& w, int64_t code, int64_t 
   const int64_t row_bytes = is_packed(code) ? K / kSuper * packed_bytes(fmt) : row_bytes_of(fmt, K);
   TORCH_CHECK(w.size(1) == row_bytes, "w row bytes ", w.size(1), " do not match K=", K, " in format ", code);
 #ifdef RS_AVX2
-  TORCH_CHECK(!is_packed(code) || w.size(0) % kPackRows == 0, "packed tiles need rows in multiples of ", kPackRows);
+  TORCH_CHECK(!is_tiled(code) || w.size(0) % tile_rows(code) == 0, "packed tiles need rows in multiples of ",
+              tile_rows(code));
 #else
-  TORCH_CHECK(!is_packed(code), "packed tiles need the AVX2 build");
+  TORCH_CHECK(!is_tiled(code), "packed tiles need the AVX2 build");
 #endif
 }
 
@@ -2009,8 +2070,9 @@ struct SmallPart {
 
 // out (M, ldo) columns [0, rows) of every part = its x @ part.T, in ONE parallel loop over
 // all parts' rows (a fused projection of several parts, or several experts' projections,
-// cost one loop, as one part): 16 weight rows a task (dot_wrows, AVX512-VNNI), then 8
-// (AVX2), the rest (and every row in a build without AVX2) one row a task.
+// cost one loop, as one part): 16 weight rows a task (dot_wrows, AVX512-VNNI; MXFP4 tiles
+// in any AVX2 build), then 8 (AVX2), the rest (and every row in a build without AVX2) one
+// row a task.
 void run_small(const std::vector<SmallPart>& parts) {
   struct Task {
     int32_t part, rows;
@@ -2019,6 +2081,9 @@ void run_small(const std::vector<SmallPart>& parts) {
   std::vector<Task> tasks;
   for (size_t p = 0; p < parts.size(); ++p) {
     int64_t n = 0;
+    if (parts[p].xb && parts[p].packed) {
+      for (; n < parts[p].rows; n += kTileRows) tasks.push_back({static_cast<int32_t>(p), kTileRows, n});
+    }
 #ifdef RS_VNNI
     for (; n + 16 <= parts[p].rows; n += 16) tasks.push_back({static_cast<int32_t>(p), 16, n});
 #endif
@@ -2033,6 +2098,9 @@ void run_small(const std::vector<SmallPart>& parts) {
     const uint8_t* row = part.w + task.n * part.row_bytes;
     float* o = part.out + task.n;
     const int64_t M = part.M, nb = part.nb, ldo = part.ldo;
+#ifdef RS_AVX2
+    if (part.xb && part.packed) return dot_tile16(row, nb, *part.xb, M, o, ldo);
+#endif
     if (part.xb) return dot_rows_b8(row, part.fmt, part.row_bytes, task.rows, nb, *part.xb, M, o, ldo);
 #ifdef RS_VNNI
     if (task.rows == 16) {
@@ -2082,7 +2150,7 @@ at::Tensor qmatmul_small(const at::Tensor& x, const at::Tensor& w, int64_t code,
   if (is_x8(code)) quantize_rows8(x.data_ptr<float>(), M, K, fmt, x8);
   else if (is_b8(code)) quantize_rows_b8(x.data_ptr<float>(), M, K, xb);
   else quantize_rows(x.data_ptr<float>(), M, K, fmt, xq);
-  run_small({{w.data_ptr<uint8_t>(), fmt, N, w.size(1), is_packed(code), &xq, is_x8(code) ? &x8 : nullptr, M,
+  run_small({{w.data_ptr<uint8_t>(), fmt, N, w.size(1), is_tiled(code), &xq, is_x8(code) ? &x8 : nullptr, M,
               K / kBlock, out.data_ptr<float>(), N, is_b8(code) ? &xb : nullptr}});
   return out;
 }
@@ -2091,6 +2159,7 @@ at::Tensor qmatmul_small(const at::Tensor& x, const at::Tensor& w, int64_t code,
 // the int16 GEMM above for any M (AVX2 builds; `int_gemm` tells the caller whether it is
 // there: the portable build, and int8 x at any M, run qmatmul_small's loops instead).
 at::Tensor qmatmul_gemm(const at::Tensor& x, const at::Tensor& w, int64_t code, int64_t K) {
+  if (code == kMXFP4_P16) return qmatmul_small(x, w, code, K);
   const int64_t fmt = is_b8(code) ? weight_format(code) : code;  // int8 x up to small_m only
 #ifdef RS_AVX2
   if (is_x8(fmt)) return qmatmul_small(x, w, fmt, K);
@@ -2117,7 +2186,7 @@ at::Tensor qmatmul_gemm(const at::Tensor& x, const at::Tensor& w, int64_t code, 
 // and the bf16 GEMM (float32 accumulation) runs at the CPU's bf16 rate.
 at::Tensor qmatmul_tiled(const at::Tensor& x, const at::Tensor& w, int64_t code, int64_t K) {
   check_args(x, w, code, K, true);
-  TORCH_CHECK(!is_packed(code), "qmatmul_tiled reads the file layout, not packed tiles");
+  TORCH_CHECK(!is_tiled(code), "qmatmul_tiled reads the file layout, not packed tiles");
   const int64_t fmt = weight_format(code);
   const int64_t M = x.size(0), N = w.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
@@ -2139,18 +2208,30 @@ at::Tensor qmatmul_tiled(const at::Tensor& x, const at::Tensor& w, int64_t code,
   return out;
 }
 
-// A Q4_K or Q6_K weight (N, row bytes) in the file layout -> its packed tiles in `out` (N, K
-// / 256 * packed_bytes) (format codes kQ4_K_P8, kQ6_K_P8); N a multiple of kPackRows, AVX2
-// builds (`packs`).
+// A Q4_K, Q6_K or MXFP4 weight (N, row bytes) in the file layout -> its packed tiles in
+// `out` (format codes kQ4_K_P8, kQ6_K_P8: (N, K / 256 * packed_bytes), N a multiple of 8;
+// kMXFP4_P16: (N, row bytes), N a multiple of 16), AVX2 builds (`packs`).
 void pack(const at::Tensor& w, int64_t fmt, int64_t K, at::Tensor& out) {
-  TORCH_CHECK(fmt == kQ4_K || fmt == kQ6_K, "only Q4_K and Q6_K weights pack, got format ", fmt);
+  TORCH_CHECK(fmt == kQ4_K || fmt == kQ6_K || fmt == kMXFP4, "only Q4_K, Q6_K and MXFP4 weights pack, got format ",
+              fmt);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == row_bytes_of(fmt, K),
               "w must be a contiguous (N, row bytes) uint8 tensor for K=", K, ", got ", w.sizes());
-  TORCH_CHECK(w.size(0) % kPackRows == 0, "packed tiles need rows in multiples of ", kPackRows, ", got ", w.size(0));
+  const int64_t rows = fmt == kMXFP4 ? kTileRows : kPackRows;
+  const int64_t out_bytes = fmt == kMXFP4 ? row_bytes_of(fmt, K) : K / kSuper * packed_bytes(fmt);
+  TORCH_CHECK(w.size(0) % rows == 0, "packed tiles need rows in multiples of ", rows, ", got ", w.size(0));
   TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() && out.dim() == 2 && out.size(0) == w.size(0) &&
-                  out.size(1) == K / kSuper * packed_bytes(fmt),
-              "out must be a contiguous (N, K / 256 * ", packed_bytes(fmt), ") uint8 tensor, got ", out.sizes());
+                  out.size(1) == out_bytes,
+              "out must be a contiguous (N, ", out_bytes, ") uint8 tensor, got ", out.sizes());
 #ifdef RS_AVX2
+  if (fmt == kMXFP4) {
+    const int64_t row_bytes = w.size(1), nb = K / kBlock;
+    const uint8_t* src = w.data_ptr<uint8_t>();
+    uint8_t* dst = out.data_ptr<uint8_t>();
+    at::parallel_for(0, w.size(0) / kTileRows, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) pack_tile16(src + t * kTileRows * row_bytes, row_bytes, nb, dst + t * kTileRows * row_bytes);
+    });
+    return;
+  }
   pack_rows(w.data_ptr<uint8_t>(), fmt, w.size(0), K / kSuper, out.data_ptr<uint8_t>());
 #else
   TORCH_CHECK(false, "packed tiles need the AVX2 build");
@@ -2261,7 +2342,7 @@ void run_jobs(const std::vector<SmallJob>& jobs) {
       else if (!xs.done[q] && q >= 4) quantize_rows8(x.data_ptr<float>(), M, K, fmt, xs.x8[q - 4]);
       else if (!xs.done[q]) quantize_rows(x.data_ptr<float>(), M, K, fmt, xs.xq[q]);
       xs.done[q] = true;
-      parts.push_back({l.w[i].data_ptr<uint8_t>(), fmt, l.w[i].size(0), l.w[i].size(1), is_packed(code),
+      parts.push_back({l.w[i].data_ptr<uint8_t>(), fmt, l.w[i].size(0), l.w[i].size(1), is_tiled(code),
                        q < 4 ? &xs.xq[q] : nullptr, q == 4 || q == 5 ? &xs.x8[q - 4] : nullptr, M, K / kBlock,
                        jobs[j].y + col, jobs[j].ldy, q == 6 ? &xs.xb : nullptr});
       col += l.w[i].size(0);
@@ -2586,7 +2667,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("packs") = false;
 #endif
-  m.def("pack", &pack, "a Q4_K or Q6_K weight as packed tiles of 8 rows, into out");
+  m.def("pack", &pack, "a Q4_K, Q6_K or MXFP4 weight as packed tiles (8 or 16 rows), into out");
   m.def("dequant", &dequant, "rows of a block-quantized weight as float32");
   m.def("qlinear", &qlinear, "x @ W.T + bias for a quantized linear of one or more parts");
   m.def("pre_attention", &pre_attention, "RMSNorm, quantized qkv projection and RoPE of a decoder layer");

@@ -107,24 +107,26 @@ FORMATS = {
 X8_CODES = {"q4_k": 8, "q6_k": 9}
 X8_SMALL_M = 1 << 30  # the rows up to which it streams: all
 # The format codes of Q8_0 and MXFP4 weights with x rounded to int8 per 32-block (as
-# llama.cpp rounds activations for them): byte multiply-adds up to the format's small_m rows
-# (decode, draft verification), the int16 GEMM above (prefill), so that the bits of a row
-# depend on whether its step has more than small_m rows, as with the bf16 tiles
-# (BF16_TILED_M). At one row they run 2.5x (MXFP4) and 2-4x (Q8_0) the int16 streaming
-# kernel's speed, which is compute-bound there; at 8 rows about 0.7x (a 46080 x 2880
-# weight, Zen 4, 2 threads). MXFP4 weights (gpt-oss's experts, whose int16 kernels read
-# 8 GB/s at one row) take them under `activations="int8"`; Q8_0 weights keep int16 x by
-# default (its code is for callers that pick it).
+# llama.cpp rounds activations for them): each block's exact byte products summed, scaled
+# and added to the row in block order; in the file layout up to the format's small_m rows
+# (decode, draft verification), the int16 GEMM above (prefill). MXFP4 weights (gpt-oss's
+# experts) take them under `activations="int8"`, in tiles (PACKED_CODES) where the build
+# packs; Q8_0 weights keep int16 x by default (its code is for callers that pick it).
 B8_CODES = {"q8_0": 13, "mxfp4": 14}
 B8_BY_DEFAULT = {"mxfp4"}  # the formats whose x is int8 under activations="int8"
-# The same weights packed once into tiles of PACK_ROWS rows, each super-block's bytes in the
-# kernel's lane order with its scales decoded (AVX2 builds, `pack`): the kernel masks nibbles
-# instead of shuffling bytes and decoding 6-bit scales, with the file layout's results bit
-# for bit (radixserve/csrc/quant_cpu.cpp, "packed K-quant tiles"); a 1B Q4_K_M decodes 128
-# tokens in ~0.9x the file layout's time (docs/cpu.md).
-PACKED_CODES = {"q4_k": 10, "q6_k": 11}
-PACKED_BYTES = {"q4_k": 148, "q6_k": 210}  # a row's super-block in tiles (the file: 144, 210)
-PACK_ROWS = 8
+# The int8-x weights packed once into tiles of PACK_ROWS rows (AVX2 builds, `pack`), with
+# the file layout's results bit for bit (radixserve/csrc/quant_cpu.cpp), streamed at any M:
+# - Q4_K / Q6_K: each super-block's bytes in the kernel's lane order with its scales
+#   decoded, so the kernel masks nibbles instead of shuffling bytes and decoding 6-bit
+#   scales ("packed K-quant tiles"; a 1B Q4_K_M decodes 128 tokens in ~0.9x the file
+#   layout's time, docs/cpu.md);
+# - MXFP4: 16 rows' codes interleaved 4 weights a row, so one vector of bytes meets 4
+#   bytes of x in 16 rows' lanes and each block's sum ends in its row's lane (no horizontal
+#   sums), 16 rows' scales in one load ("legacy blocks with int8 x"; its bytes are the
+#   file's). A gpt-oss expert's rows at one row of x: docs/cpu.md.
+PACKED_CODES = {"q4_k": 10, "q6_k": 11, "mxfp4": 15}
+PACKED_BYTES = {"q4_k": 148, "q6_k": 210, "mxfp4": 17}  # a block in tiles (file: 144, 210, 17)
+PACK_ROWS = {"q4_k": 8, "q6_k": 8, "mxfp4": 16}
 PACK_SLICE_BYTES = 32 << 20  # file bytes packed (and released) at a time
 # Formats made by llama.cpp's quantizer (and, MXFP4, by model authors), not by `quantize`
 # below: the `gguf` package's dequantization is their reference (the others' reference is
@@ -163,13 +165,14 @@ def dequantize(blocks: Tensor, fmt: str, k: int) -> Tensor:
 
 
 def pack(native: ModuleType, blocks: Tensor, fmt: str, k: int, release: Release = None) -> Tensor:
-    """Q4_K or Q6_K blocks (N, row bytes) in the file layout, N a multiple of PACK_ROWS ->
-    their tiles (N, K / 256 * PACKED_BYTES), by `native` (a build that `packs`),
-    PACK_SLICE_BYTES of blocks at a time; `release` is told of each slice once packed."""
-    n = blocks.shape[0]
-    out = torch.empty(n, k // SUPER_BLOCK * PACKED_BYTES[fmt], dtype=torch.uint8)
-    step = max(1, PACK_SLICE_BYTES // (blocks.shape[1] * PACK_ROWS)) * PACK_ROWS
-    for r in range(0, n, step):  # tile t is rows 8t .. 8t + 7 of either layout
+    """Blocks of a PACKED_CODES format (N, row bytes) in the file layout, N a multiple of
+    its PACK_ROWS -> their tiles (N, K / block * PACKED_BYTES), by `native` (a build that
+    `packs`), PACK_SLICE_BYTES of blocks at a time; `release` is told of each slice once
+    packed."""
+    n, rows = blocks.shape[0], PACK_ROWS[fmt]
+    out = torch.empty(n, k // FORMATS[fmt].block * PACKED_BYTES[fmt], dtype=torch.uint8)
+    step = max(1, PACK_SLICE_BYTES // (blocks.shape[1] * rows)) * rows
+    for r in range(0, n, step):  # tile t is rows t * rows .. of either layout
         native.pack(blocks[r : r + step], FORMATS[fmt].code, k, out[r : r + step])
         if release is not None:
             release(blocks[r : r + step])
@@ -222,15 +225,16 @@ def native_parts(
     for p in parts:
         int8 = p.fmt in X8_CODES and activations == "int8"
         b8 = p.fmt in B8_BY_DEFAULT and activations == "int8"
-        rows = p.blocks.reshape(-1, p.blocks.shape[-1])  # (E * N, row bytes): a view
-        if int8 and native is not None and native.packs and p.blocks.shape[-2] % PACK_ROWS == 0:
+        tiles_fit = p.fmt in PACK_ROWS and p.blocks.shape[-2] % PACK_ROWS[p.fmt] == 0
+        if (int8 or b8) and tiles_fit and native is not None and native.packs:
+            rows = p.blocks.reshape(-1, p.blocks.shape[-1])  # (E * N, row bytes): a view
             tiles = pack(native, rows, p.fmt, p.in_features, release)
             blocks.append(tiles.view(*p.blocks.shape[:-1], tiles.shape[-1]))
             codes.append(PACKED_CODES[p.fmt])
-        else:
-            blocks.append(p.blocks)
-            code = X8_CODES[p.fmt] if int8 else B8_CODES[p.fmt] if b8 else FORMATS[p.fmt].code
-            codes.append(code)
+            small.append(X8_SMALL_M)
+            continue
+        blocks.append(p.blocks)
+        codes.append(X8_CODES[p.fmt] if int8 else B8_CODES[p.fmt] if b8 else FORMATS[p.fmt].code)
         small.append(X8_SMALL_M if int8 else FORMATS[p.fmt].small_m)
     return blocks, codes, small
 
