@@ -6,12 +6,15 @@ the native kernels of radixserve/models/quant.py on the same weight (the embedde
 Q4_1 / Q8_0, or each of `--formats`, K-quants included): `small`
 (int16 activations, weights streamed: the decode kernel), `gemm` (int16 activations, the
 int16 GEMM), `tiled` (dequantize tiles into sgemm), `bf16` (bf16 x, bf16 tiles into the
-bf16 GEMM) and, for Q4_K and Q6_K, `int8` (x rounded to int8, the streaming kernel at any
-M: the default). Prints ms per call and the weight-read bound (bytes / measured bandwidth): the
-measurements behind Format.small_m (small vs gemm) and BF16_TILED_M (gemm vs bf16).
+bf16 GEMM), for Q4_K, Q6_K, Q8_0 and MXFP4 `int8` (x rounded to int8, the streaming kernel
+in the file layout) and, for the formats a build packs (Q4_K, Q6_K, MXFP4), `tiles` (the
+same on the weight packed into tiles: the default). Prints ms per call and the weight-read
+bound (bytes / measured bandwidth): the measurements behind Format.small_m (small vs gemm)
+and BF16_TILED_M (gemm vs bf16).
 
     python benchmarks/bench_quant.py --json benchmarks/results/quant_<cpu>-<isa>_<date>.json
     python benchmarks/bench_quant.py --shapes 1b_gate_up --formats q4_0 q4_k q6_k --rows 1 16
+    python benchmarks/bench_quant.py --shapes oss_gate_up oss_down --formats mxfp4  # gpt-oss
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from radixserve.models.synthetic import random_blocks
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576), "1b_qkv": (3072, 2048), "1b_gate_up": (16384, 2048),
-          "1b_down": (2048, 8192)}  # fmt: skip
+          "1b_down": (2048, 8192), "oss_gate_up": (5760, 2880),
+          "oss_down": (2880, 2880)}  # fmt: skip
 
 
 def best_ms(fn: Callable[[int], Any], copies: int, repeats: int) -> float:
@@ -63,6 +67,9 @@ def bench_shape(name: str, n: int, k: int, fmt: str, rows: list[int], repeats: i
     fp32_copies = max(1, (192 << 20) // (n * k * 4))
     ws = [quant.dequantize(b, fmt, k) for b in blocks[:fp32_copies]]  # (N, K) float32
     code = quant.FORMATS[fmt].code
+    int8_code = {**quant.X8_CODES, **quant.B8_CODES}.get(fmt)
+    packs = native.packs and fmt in quant.PACKED_CODES and n % quant.PACK_ROWS[fmt] == 0
+    tiles = [quant.pack(native, b, fmt, k) for b in blocks] if packs else []
     out = []
     for m in rows:
         x = torch.randn(m, k)
@@ -74,8 +81,10 @@ def bench_shape(name: str, n: int, k: int, fmt: str, rows: list[int], repeats: i
                "gemm_ms": best_ms(lambda i: native.qmatmul_gemm(x, blocks[i], code, k), copies, reps),  # noqa: B023,E501
                "tiled_ms": best_ms(lambda i: native.qmatmul_tiled(x, blocks[i], code, k), copies, reps),  # noqa: B023,E501
                "bf16_ms": best_ms(lambda i: native.qmatmul_tiled(xb, blocks[i], code, k), copies, reps),  # noqa: B023,E501
-               "int8_ms": best_ms(lambda i: native.qmatmul_small(x, blocks[i], quant.X8_CODES[fmt], k), copies, reps)  # noqa: B023,E501
-               if fmt in quant.X8_CODES else None,
+               "int8_ms": best_ms(lambda i: native.qmatmul_small(x, blocks[i], int8_code, k), copies, reps)  # noqa: B023,E501
+               if int8_code is not None else None,
+               "tiles_ms": best_ms(lambda i: native.qmatmul_small(x, tiles[i], quant.PACKED_CODES[fmt], k), copies, reps)  # noqa: B023,E501
+               if tiles else None,
                "fp32_bound_ms": n * k * 4 / bw * 1e3,
                "quant_bound_ms": blocks[0].numel() / bw * 1e3}  # fmt: skip
         out.append(row)
@@ -83,6 +92,7 @@ def bench_shape(name: str, n: int, k: int, fmt: str, rows: list[int], repeats: i
               f"  gemm {row['gemm_ms']:8.3f}  tiled {row['tiled_ms']:8.3f}"
               f"  bf16 {row['bf16_ms']:8.3f}"
               + (f"  int8 {row['int8_ms']:8.3f}" if row["int8_ms"] is not None else "")
+              + (f"  tiles {row['tiles_ms']:8.3f}" if row["tiles_ms"] is not None else "")
               + f" ms   bounds: fp32 {row['fp32_bound_ms']:.3f},"
               f" {fmt} {row['quant_bound_ms']:.3f} ms")  # fmt: skip
     return out
@@ -91,7 +101,8 @@ def bench_shape(name: str, n: int, k: int, fmt: str, rows: list[int], repeats: i
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 256, 1024])
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=[s for s in SHAPES if not s.startswith("oss_")],
+                    choices=list(SHAPES))  # fmt: skip
     ap.add_argument("--formats", nargs="+", default=None, choices=list(quant.FORMATS),
                     help="each shape in each format (default: the embedded model's)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=10)
