@@ -1962,70 +1962,70 @@ inline int32_t load_i32(const int8_t* p) {
   return v;
 }
 
-// out[r * ldo + i] = x row xr + r . tile row i, r < R, i < 16 (the module comment's order).
-template <int R>
-void dot_tile16(const uint8_t* tile, int64_t nb, const B8Rows& x, int64_t xr, float* out, int64_t ldo) {
-#ifdef RS_VNNI
-  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp4Biased)));
-  const __m512i mask = _mm512_set1_epi8(15);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* t = tile + b * kTileUnit;
-    const __m512 dw = join(e8m0_half8(t), e8m0_half8(t + 8));
-    __m512i w[8];
-    for (int p = 0; p < 4; ++p) {
-      const __m512i v = _mm512_loadu_si512(t + 16 + 64 * p);
-      w[2 * p] = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, mask));
-      w[2 * p + 1] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
-    }
-    for (int r = 0; r < R; ++r) {
-      const int64_t xb = (xr + r) * nb + b;
-      const int8_t* q = x.q.data() + xb * kBlock;
-      __m512i sum = _mm512_set1_epi32(x.bias[xb]);
-      for (int g = 0; g < 8; ++g) sum = _mm512_dpbusd_epi32(sum, w[g], _mm512_set1_epi32(load_i32(q + 4 * g)));
-      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[xb]));
-      acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sum), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
-#else
+// A tile block's scales of rows L * h .. (V8: 8 rows, V16: all 16) and the codes of one of
+// its 64-byte groups, looked up as w + 12: low nibbles (weights 8p .. 8p + 3 of each row),
+// then high nibbles (8p + 4 ..); `dot_u8` adds the products of 4 such bytes of each row with
+// 4 bytes of x, exactly.
+inline __m256 tile_scales(V8, const uint8_t* s) { return e8m0_half8(s); }
+inline void tile_codes(V8, const uint8_t* group, __m256i& lo, __m256i& hi) {
   const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp4Biased)));
-  const __m256i mask = _mm256_set1_epi8(15);
-  for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group)), mask = _mm256_set1_epi8(15);
+  lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, mask));
+  hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+}
+inline __m256i dot_u8(V8, __m256i acc, __m256i w, int32_t x4) { return dot_b8(acc, w, _mm256_set1_epi32(x4)); }
+inline __m256i set1_i32(V8, int32_t v) { return _mm256_set1_epi32(v); }
+#ifdef RS_VNNI
+inline __m512 tile_scales(V16, const uint8_t* s) { return join(e8m0_half8(s), e8m0_half8(s + 8)); }
+inline void tile_codes(V16, const uint8_t* group, __m512i& lo, __m512i& hi) {
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp4Biased)));
+  const __m512i v = _mm512_loadu_si512(group), mask = _mm512_set1_epi8(15);
+  lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, mask));
+  hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+}
+inline __m512i dot_u8(V16, __m512i acc, __m512i w, int32_t x4) {
+  return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4));
+}
+inline __m512i set1_i32(V16, int32_t v) { return _mm512_set1_epi32(v); }
+#endif
+
+// out[r * ldo + i] = x row xr + r . tile row i, r < R, i < 16 (the module comment's order),
+// V::L rows at a time.
+template <class V, int R>
+void dot_tile16(const uint8_t* tile, int64_t nb, const B8Rows& x, int64_t xr, float* out, int64_t ldo) {
+  for (int64_t h = 0; h < kTileRows / V::L; ++h) {
+    typename V::F acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = V::zero();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* t = tile + b * kTileUnit;
-      const __m256 dw = e8m0_half8(t + 8 * h);
-      __m256i w[8];
-      for (int p = 0; p < 4; ++p) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 16 + 64 * p + 32 * h));
-        w[2 * p] = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, mask));
-        w[2 * p + 1] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
-      }
+      const typename V::F dw = tile_scales(V{}, t + V::L * h);
+      typename V::I w[8];
+      for (int p = 0; p < 4; ++p) tile_codes(V{}, t + 16 + 64 * p + 4 * V::L * h, w[2 * p], w[2 * p + 1]);
       for (int r = 0; r < R; ++r) {
         const int64_t xb = (xr + r) * nb + b;
         const int8_t* q = x.q.data() + xb * kBlock;
-        __m256i sum = _mm256_set1_epi32(x.bias[xb]);
-        for (int g = 0; g < 8; ++g) sum = dot_b8(sum, w[g], _mm256_set1_epi32(load_i32(q + 4 * g)));
-        const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[xb]));
-        acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sum), acc[r]);
+        typename V::I sum = set1_i32(V{}, x.bias[xb]);
+        for (int g = 0; g < 8; ++g) sum = dot_u8(V{}, sum, w[g], load_i32(q + 4 * g));
+        acc[r] = V::fmadd(V::mul(dw, V::set1(x.d[xb])), V::cvt(sum), acc[r]);
       }
     }
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo + 8 * h, acc[r]);
+    for (int r = 0; r < R; ++r) V::storef(out + r * ldo + V::L * h, acc[r]);
   }
-#endif
 }
 
 // Tile at `tile` times the M rows of x, kTileXRows at a time.
 void dot_tile16(const uint8_t* tile, int64_t nb, const B8Rows& x, int64_t M, float* out, int64_t ldo) {
+#ifdef RS_VNNI
+  using V = V16;
+#else
+  using V = V8;
+#endif
   for (int64_t r0 = 0; r0 < M; r0 += kTileXRows) {
     switch (std::min(kTileXRows, M - r0)) {
-      case 1: dot_tile16<1>(tile, nb, x, r0, out + r0 * ldo, ldo); break;
-      case 2: dot_tile16<2>(tile, nb, x, r0, out + r0 * ldo, ldo); break;
-      case 3: dot_tile16<3>(tile, nb, x, r0, out + r0 * ldo, ldo); break;
-      default: dot_tile16<kTileXRows>(tile, nb, x, r0, out + r0 * ldo, ldo);
+      case 1: dot_tile16<V, 1>(tile, nb, x, r0, out + r0 * ldo, ldo); break;
+      case 2: dot_tile16<V, 2>(tile, nb, x, r0, out + r0 * ldo, ldo); break;
+      case 3: dot_tile16<V, 3>(tile, nb, x, r0, out + r0 * ldo, ldo); break;
+      default: dot_tile16<V, kTileXRows>(tile, nb, x, r0, out + r0 * ldo, ldo);
     }
   }
 }
