@@ -148,14 +148,18 @@ def test_policy_sends_a_prompt_where_its_blocks_are_reported() -> None:
     policy.report("b", stats(1, system))
     decision = policy.choose(workers, ids_key(system + ids(8, 6)))
     assert (decision.worker.url, decision.reason, decision.matched) == ("b", "cache", 64)
-    other = ids(72, 7)  # cached nowhere: the least-loaded, then the smallest tree
+    assert policy.trees["b"].held() == 72  # the 64 reported ids and the prompt's 8 more
+    other = ids(100, 7)  # cached nowhere: the smaller cache
     decision = policy.choose(workers, ids_key(other))
-    assert (decision.worker.url, decision.reason) == ("a", "balance")
+    assert (decision.worker.url, decision.reason) == ("a", "room")
+    assert policy.trees["a"].held() == 100
+    third = ids(40, 9)  # "a" now holds more: "b"
+    assert policy.choose(workers, ids_key(third)).worker.url == "b"
     decision = policy.choose(workers, ids_key(other[:70]))  # just sent to "a"
     assert (decision.worker.url, decision.reason, decision.matched) == ("a", "cache", 70)
     policy.forget("b")
     decision = policy.choose(workers, ids_key(system + ids(8, 8)))
-    assert decision.reason == "balance"
+    assert (decision.worker.url, decision.reason) == ("b", "room")
 
 
 def test_policy_balances_when_loads_are_far_apart() -> None:

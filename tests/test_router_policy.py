@@ -90,9 +90,9 @@ def test_cache_aware_routes_by_prefix_when_balanced() -> None:
     p = CacheAware(RouterConfig(cache_threshold=0.5, balance_abs_threshold=4))
     ws = _workers(0, 0)
     first = p.choose(ws, "SYSTEM PROMPT ONE. question 1")
-    assert first.reason == "balance" and first.worker is ws[0]  # tie: the first, empty trees
+    assert first.reason == "room" and first.worker is ws[0]  # tie: the first, empty trees
     other = p.choose(ws, "another system prompt. question 1")
-    assert other.reason == "balance" and other.worker is ws[1]  # ties broken by tree size
+    assert other.reason == "room" and other.worker is ws[1]  # the smaller tree
     again = p.choose(ws, "SYSTEM PROMPT ONE. question 2")
     assert again.reason == "cache" and again.worker is ws[0]
     assert again.matched == len("SYSTEM PROMPT ONE. question ")
@@ -105,12 +105,17 @@ def test_cache_aware_routes_by_prefix_when_balanced() -> None:
         tree.check_integrity()
 
 
-def test_cache_aware_low_match_goes_to_least_loaded() -> None:
-    p = CacheAware(RouterConfig(cache_threshold=0.5))
+def test_cache_aware_low_match_goes_to_the_smallest_tree() -> None:
+    """A new prefix goes where the least is held (its later requests follow it there), the
+    least loaded of equal trees; far-apart loads go to the least loaded."""
+    p = CacheAware(RouterConfig(cache_threshold=0.5, balance_abs_threshold=4))
     ws = _workers(2, 1)
-    p.choose(ws, "abcdef")
-    assert p.trees[ws[1].url].size == 6
-    d = p.choose(ws, "abcXXXXXXXXXXXXXXX")  # 3 / 18 <= 0.5
+    d = p.choose(ws, "abcdef")  # empty trees: the less loaded
+    assert d.reason == "room" and d.worker is ws[1] and p.trees[ws[1].url].size == 6
+    d = p.choose(ws, "abcXXXXXXXXXXXXXXX")  # 3 / 18 <= 0.5: the empty tree, though busier
+    assert d.reason == "room" and d.worker is ws[0] and d.matched == 0
+    ws[0].in_flight = 9  # 9 - 1 > 4 and 9 > 1.5 * 1
+    d = p.choose(ws, "a new prefix, far longer than the others")
     assert d.reason == "balance" and d.worker is ws[1]
 
 

@@ -106,6 +106,18 @@ class ReplicaTree(PrefixTree):
     def match(self, key: str) -> int:
         return max(super().match(key), self.reported_match(key))
 
+    def held(self) -> int:
+        """The ids of the reported blocks, and those of the prompts routed here since that
+        lie beyond the reported blocks of their path."""
+        unreported, stack = 0, [(self.root, "")]
+        while stack:
+            node, key = stack.pop()
+            for child in node.children.values():
+                path = key + child.label
+                unreported += len(path) - max(len(key), self.reported_match(path))
+                stack.append((child, path))
+        return len(self.reported) * self.block + unreported
+
     def _named(self, key: str) -> bool:
         """The last report names every whole block of `key`."""
         return self.reported_match(key) == len(key) // self.block * self.block

@@ -7,7 +7,9 @@
          no  -> the least-loaded worker (a hot prefix must not pile onto one worker)
     2. match = the longest prefix of the prompt each worker's tree holds
          best match / prompt length > cache_threshold -> that worker (the KV is there)
-         else -> the least-loaded worker, ties to the smallest tree (most room in its cache)
+         else -> the worker with the smallest tree (most room in its cache), ties to the
+                 least loaded: a new prefix's later requests follow it there, so new
+                 prefixes are spread by what the workers hold, not by the moment's queues
     3. the prompt is inserted into the chosen worker's tree; trees past the budget are
        pruned least recently used first
 
@@ -30,7 +32,8 @@ from radixserve.router.tree import PrefixTree
 @dataclass(frozen=True)
 class Decision:
     worker: Backend
-    reason: str  # "cache" (prefix match), "balance" (least load), or the policy's name
+    reason: str  # "cache" (prefix match), "room" (smallest tree), "balance" (least load),
+    # or the policy's name
     matched: int = 0  # characters of the prompt the chosen worker's tree held
 
 
@@ -107,7 +110,9 @@ class CacheAware(Policy):
             matched, best = max(matches, key=lambda m: m[0])  # ties: the first listed
             if matched / len(key) > self.config.cache_threshold:
                 return Decision(best, "cache", matched)
-        least = min(workers, key=lambda w: (w.load, self._tree(w.url).size))
+            roomiest = min(workers, key=lambda w: (self._tree(w.url).held(), w.load))
+            return Decision(roomiest, "room", self._tree(roomiest.url).match(key))
+        least = min(workers, key=lambda w: (w.load, self._tree(w.url).held()))
         return Decision(least, "balance", self._tree(least.url).match(key))
 
     def forget(self, url: str) -> None:  # noqa: B027 (optional hook: no state, nothing to do)

@@ -42,6 +42,10 @@ class PrefixTree:
         self.size = 0
         self._tick = 0
 
+    def held(self) -> int:
+        """How much of the worker's cache these prompts take, in characters (ids)."""
+        return self.size
+
     def match(self, key: str) -> int:
         """Length of the longest prefix of `key` held in the tree. Changes nothing."""
         node, pos = self.root, 0
