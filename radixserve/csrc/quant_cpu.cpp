@@ -1240,8 +1240,9 @@ constexpr int64_t packed_bytes(int64_t fmt) { return fmt == kQ6_K ? 210 : 148; }
 constexpr int64_t kQ8_0_B8 = 13, kMXFP4_B8 = 14, kMXFP4_P16 = 15;
 constexpr bool is_b8(int64_t code) { return code == kQ8_0_B8 || code == kMXFP4_B8 || code == kMXFP4_P16; }
 // Whether a code's weights are in tiles (K-quants' of 8 rows, MXFP4's of 16), and their rows.
+constexpr int64_t kTileRows = 16;  // rows of a kMXFP4_P16 tile
 constexpr bool is_tiled(int64_t code) { return is_packed(code) || code == kMXFP4_P16; }
-constexpr int64_t tile_rows(int64_t code) { return code == kMXFP4_P16 ? 16 : kPackRows; }
+constexpr int64_t tile_rows(int64_t code) { return code == kMXFP4_P16 ? kTileRows : kPackRows; }
 
 // The weight format of a format code.
 constexpr int64_t weight_format(int64_t code) {
@@ -1801,9 +1802,8 @@ struct B8Rows {
 
 constexpr int32_t kFp4Bias = 12;
 constexpr uint8_t kFp4Biased[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};  // kFp4 + 12
-constexpr int64_t kTileRows = 16;                      // rows of a kMXFP4_P16 tile
-constexpr int64_t kTileUnit = kTileRows * 17;          // a tile's bytes per block
-constexpr int64_t kTileXRows = 4;                      // rows of x per pass over a tile
+constexpr int64_t kTileUnit = kTileRows * unit_bytes(kMXFP4);  // a tile's bytes per block
+constexpr int64_t kTileXRows = 4;                                // rows of x per pass over a tile
 
 void quantize_rows_b8(const float* x, int64_t M, int64_t K, B8Rows& out) {
   const int64_t blocks = M * K / kBlock;
@@ -1937,7 +1937,7 @@ void pack_tile16(const uint8_t* rows, int64_t row_bytes, int64_t nb, uint8_t* ti
   for (int64_t b = 0; b < nb; ++b) {
     uint8_t* t = tile + b * kTileUnit;
     for (int64_t i = 0; i < kTileRows; ++i) {
-      const uint8_t* blk = rows + i * row_bytes + b * 17;
+      const uint8_t* blk = rows + i * row_bytes + b * unit_bytes(kMXFP4);
       t[i] = blk[0];
       uint8_t code[kBlock];  // element order: low nibbles are elements 0-15
       for (int j = 0; j < 16; ++j) code[j] = blk[1 + j] & 15, code[16 + j] = blk[1 + j] >> 4;
